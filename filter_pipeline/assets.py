@@ -1,0 +1,196 @@
+"""The assets: load, call a rule, attach metadata, return. The rules themselves live in `rules.py`.
+
+Lineage: execution batch -> judge_verdicts -> failure_pool; judge_verdicts + prior index -> kept, surplus.
+(No `from __future__ import annotations` here: Dagster reads the `context` annotation at runtime.)
+"""
+
+from collections.abc import Iterable
+
+import dagster as dg
+import pandas as pd
+
+from filter_pipeline import rules
+from filter_pipeline.batch import read_batch
+from filter_pipeline.config import CapsConfig
+from filter_pipeline.history import build_prior_index, load_retired
+from filter_pipeline.judging import JudgeResource
+from filter_pipeline.schemas import DROPPED_REASONS, FAILURE_REASONS, SCHEMAS, STATUS_ERROR, STATUS_JUDGED
+from filter_pipeline.warehouse import DataRoot
+
+run_id_partitions = dg.DynamicPartitionsDefinition(name="run_id")
+
+LEDGER_POOL = "ledger"
+
+
+def column_schema(asset: str) -> dict:
+    """Definition metadata showing the asset's fixed Parquet schema in the UI."""
+    schema = SCHEMAS[asset]
+    return {
+        "dagster/column_schema": dg.TableSchema(
+            columns=[dg.TableColumn(name=f.name, type=str(f.type)) for f in schema]
+        )
+    }
+
+
+def count_by(values: pd.Series, names: Iterable[str], prefix: str) -> dict:
+    """One integer metadata entry per name (zeros included, so every materialization plots the same series)."""
+    counts = values.value_counts()
+    return {f"{prefix}{name}": int(counts.get(name, 0)) for name in names}
+
+
+# --- the execution batch ----------------------------------------------------------------------------
+
+
+@dg.multi_asset(
+    partitions_def=run_id_partitions,
+    group_name="batch",
+    outs={
+        "batch_tasks": dg.AssetOut(
+            description="Tasks of the execution batch `runs/<run_id>/tasks.jsonl` that passed validation, "
+            "in file order, with the dedup key as canonical JSON text.",
+            metadata=column_schema("batch_tasks"),
+        ),
+        "batch_attempts": dg.AssetOut(
+            description="Attempts of `runs/<run_id>/executions.jsonl` that passed validation, in file order: "
+            "ok flag, error, trajectory dir, number of actions, backend gate result.",
+            metadata=column_schema("batch_attempts"),
+        ),
+        "batch_rejects": dg.AssetOut(
+            description="One row per record of the batch that could not be used (not JSON, mistyped or missing "
+            "field, second task_id or (task_id, attempt), attempt of an unknown task): file, line, message.",
+            metadata=column_schema("batch_rejects"),
+        ),
+    },
+)
+def execution_batch(context: dg.AssetExecutionContext, data: DataRoot):
+    """Parse one execution batch; bad records are set aside as rejects, never dropped silently."""
+    run_id = context.partition_key
+    batch = read_batch(data.run_dir(run_id), run_id)
+    context.log.info(
+        f"parsed runs/{run_id}: {len(batch.tasks)} tasks, {len(batch.attempts)} attempts, "
+        f"{len(batch.rejects)} rejected lines"
+    )
+    for message in batch.rejects["message"].head(20):
+        context.log.warning(message)
+    ok = int((batch.attempts["ok"] == True).sum())  # noqa: E712
+    yield dg.Output(batch.tasks, output_name="batch_tasks")
+    yield dg.Output(
+        batch.attempts, output_name="batch_attempts", metadata={"ok": ok, "failed": len(batch.attempts) - ok}
+    )
+    yield dg.Output(batch.rejects, output_name="batch_rejects", metadata=count_by(batch.rejects["file"], ["tasks.jsonl", "executions.jsonl"], "file/"))
+
+
+# --- judging ----------------------------------------------------------------------------------------
+
+
+@dg.asset(
+    partitions_def=run_id_partitions,
+    group_name="judging",
+    description="The verdict on each task's ok attempt with the highest number (tasks.jsonl order), from the "
+    "judge resource. status 'error' marks a task that could not be judged: neither kept nor a failure.",
+    metadata=column_schema("judge_verdicts"),
+)
+def judge_verdicts(
+    context: dg.AssetExecutionContext,
+    batch_tasks: pd.DataFrame,
+    batch_attempts: pd.DataFrame,
+    judge: JudgeResource,
+    data: DataRoot,
+) -> dg.Output[pd.DataFrame]:
+    requests = rules.attempts_to_judge(batch_tasks, batch_attempts)
+    verdicts = judge.judge(requests, data.root, context.log)
+    verdicts = verdicts.assign(backend=verdicts["backend_detail"], run_id=context.partition_key)
+    judged = verdicts[verdicts["status"] == STATUS_JUDGED]
+    return dg.Output(
+        verdicts,
+        metadata={
+            "judged": len(judged),
+            "passed": int((judged["passed"] == True).sum()),  # noqa: E712
+            "unjudged": int((verdicts["status"] == STATUS_ERROR).sum()),
+            "superseded_ok_attempts": rules.superseded_ok_attempts(batch_attempts, requests),
+            "judge": judge.kind,
+        },
+    )
+
+
+@dg.asset(
+    partitions_def=run_id_partitions,
+    group_name="judging",
+    description="Every failed attempt (stage execute, reason from the error prefix) and every verdict that did not "
+    "pass (stage judge, reason judge_fail): candidate DPO negatives. backend_ok rows reached the goal although "
+    "the script failed, so they are not clean negatives.",
+    metadata=column_schema("failure_pool"),
+)
+def failure_pool(
+    batch_tasks: pd.DataFrame, batch_attempts: pd.DataFrame, judge_verdicts: pd.DataFrame
+) -> dg.Output[pd.DataFrame]:
+    requests = rules.attempts_to_judge(batch_tasks, batch_attempts)
+    pool = pd.concat(
+        [rules.execute_failures(batch_tasks, batch_attempts), rules.judge_failures(judge_verdicts, requests)],
+        ignore_index=True,
+    )
+    return dg.Output(
+        pool,
+        metadata={
+            **count_by(pool["reason"], FAILURE_REASONS, "reason/"),
+            "backend_ok": int((pool["backend_ok"] == True).sum()),  # noqa: E712
+        },
+    )
+
+
+# --- the ledger -------------------------------------------------------------------------------------
+
+_LEDGER_INPUTS = {dg.AssetKey("judge_verdicts"), dg.AssetKey("prior_dedup_index"), dg.AssetKey("prior_kept_counts")}
+
+
+@dg.multi_asset(
+    partitions_def=run_id_partitions,
+    group_name="ledger",
+    pool=LEDGER_POOL,
+    ins={"judge_verdicts": dg.AssetIn()},
+    outs={
+        "prior_dedup_index": dg.AssetOut(
+            description="Keys kept by every other run (warehouse `kept` files plus legacy runs/*/kept.jsonl, minus "
+            "retired.json) that this batch's verdicts carry, with the run and task that kept each. Read straight "
+            "from the warehouse, not as an asset input: an asset cannot depend on other partitions of its own "
+            "downstream `kept`.",
+            metadata=column_schema("prior_dedup_index"),
+        ),
+        "prior_kept_counts": dg.AssetOut(
+            description="Kept rows per (macro, site) over every other run, minus retired: where the caps start.",
+            metadata=column_schema("prior_kept_counts"),
+        ),
+        "kept": dg.AssetOut(
+            description="Passing verdicts kept as training data: not a duplicate of anything kept before (same "
+            "site, target element, argument) and under the site cap and macro target, history included.",
+            metadata=column_schema("kept"),
+        ),
+        "surplus": dg.AssetOut(
+            description="Passing verdicts dropped only by dedup or a cap: dropped = duplicate / site_cap / target; "
+            "duplicates name the run and task that kept the key first.",
+            metadata=column_schema("surplus"),
+        ),
+    },
+    internal_asset_deps={
+        "prior_dedup_index": {dg.AssetKey("judge_verdicts")},
+        "prior_kept_counts": set(),
+        "kept": _LEDGER_INPUTS,
+        "surplus": _LEDGER_INPUTS,
+    },
+)
+def ledger(context: dg.AssetExecutionContext, config: CapsConfig, data: DataRoot, judge_verdicts: pd.DataFrame):
+    """Read history and walk the verdicts in one step under the `ledger` pool (limit 1): two runs reading the
+    index before either writes `kept` could both keep the same key."""
+    run_id = context.partition_key
+    retired = load_retired(data.root)
+    index = build_prior_index(data.root, data.warehouse / "kept", run_id, judge_verdicts["dedup_key"], retired)
+    context.log.info(
+        f"prior index: {index.rows_read} kept rows of {index.runs_read} other runs; "
+        f"{len(index.keys)} of them share a key with this batch"
+    )
+    result = rules.walk_ledger(judge_verdicts, index.keys, index.counts, config.to_caps(), run_id)
+    context.log.info(f"walk: kept {len(result.kept)}, surplus {len(result.surplus)}")
+    yield dg.Output(index.keys, output_name="prior_dedup_index", metadata={"runs_read": index.runs_read, "rows_read": index.rows_read})
+    yield dg.Output(index.counts, output_name="prior_kept_counts", metadata={"kept_before": int(index.counts["n_kept"].sum())})
+    yield dg.Output(result.kept, output_name="kept")
+    yield dg.Output(result.surplus, output_name="surplus", metadata=count_by(result.surplus["dropped"], DROPPED_REASONS, "dropped/"))

@@ -1,0 +1,327 @@
+"""Parsing one execution batch (`runs/<run_id>/`) into tasks, attempts and rejected records.
+
+A bad record never stops the batch: it becomes one `batch_rejects` row naming the file, line, field and
+what was expected, and the rest is parsed. Only a batch that cannot be read at all (no or empty
+`tasks.jsonl`, no `executions.jsonl`) raises `BatchError`.
+"""
+
+import io
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.json as pa_json
+from upath import UPath
+
+from filter_pipeline.schemas import canonical_key, conform, empty_frame
+
+TASKS_FILE = "tasks.jsonl"
+EXECUTIONS_FILE = "executions.jsonl"
+SUCCESS_FILE = "_SUCCESS"
+LEGACY_KEPT_FILE = "kept.jsonl"
+
+MAX_LINE_BYTES = 1 << 20  # a record this long is a harness bug, not a trajectory
+RAW_MAX_CHARS = 4096  # how much of a rejected line is kept in batch_rejects
+
+# A run_id is a folder name under runs/: nothing that could climb out of it or hide.
+RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+class BatchError(ValueError):
+    """The batch cannot be processed at all; the message says which file and why."""
+
+
+def check_run_id(run_id: str) -> str:
+    """The run_id itself, if it is a plain folder name; otherwise a ValueError saying why."""
+    if not RUN_ID_PATTERN.match(run_id) or ".." in run_id:
+        raise ValueError(
+            f"run_id {run_id!r} is not a plain folder name "
+            "(letters, digits, '.', '_', '-'; starting with a letter or digit; at most 128 characters)"
+        )
+    return run_id
+
+
+@dataclass(frozen=True)
+class Batch:
+    tasks: pd.DataFrame  # columns of schemas.SCHEMAS["batch_tasks"], in tasks.jsonl order
+    attempts: pd.DataFrame  # columns of schemas.SCHEMAS["batch_attempts"], in executions.jsonl order
+    rejects: pd.DataFrame  # columns of schemas.SCHEMAS["batch_rejects"]
+
+
+# --- field checks -----------------------------------------------------------------------------------
+
+
+def _is_str(v: Any) -> bool:
+    return isinstance(v, str)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_bool(v: Any) -> bool:
+    return isinstance(v, bool)
+
+
+def _is_scalar(v: Any) -> bool:
+    return v is None or isinstance(v, (str, int, float, bool))
+
+
+class _Reject(Exception):
+    def __init__(self, field: str | None, message: str):
+        super().__init__(message)
+        self.field = field
+        self.message = message
+
+
+def _require(record: dict, field: str, check: Callable[[Any], bool], expected: str) -> Any:
+    if field not in record:
+        raise _Reject(field, f"missing field {field!r} (expected {expected})")
+    value = record[field]
+    if not check(value):
+        raise _Reject(field, f"field {field!r} is {_describe(value)}, expected {expected}")
+    return value
+
+
+def _describe(value: Any) -> str:
+    return "null" if value is None else f"a {type(value).__name__} ({json.dumps(value)[:60]})"
+
+
+def unsafe_dir_reason(path: str) -> str | None:
+    """Why a trajectory `dir` may not be read (absolute, a URL, or climbing with '..'), or None."""
+    if path.startswith(("/", "\\")) or re.match(r"^[A-Za-z]:", path) or "://" in path:
+        return "must be relative to the data root"
+    if ".." in re.split(r"[\\/]", path):
+        return "must not contain '..'"
+    if not path.strip():
+        return "must not be empty"
+    return None
+
+
+# --- per-record parsers -----------------------------------------------------------------------------
+
+
+def _task_row(record: dict) -> dict:
+    task_id = _require(record, "task_id", lambda v: _is_str(v) and v != "", "a non-empty string")
+    macro = _require(record, "macro", _is_str, "a string")
+    site = _require(record, "site", _is_str, "a string")
+    instruction = _require(record, "instruction", _is_str, "a string")
+    key = _require(record, "dedup_key", lambda v: isinstance(v, list), "a JSON array")
+    if not all(_is_scalar(part) for part in key):
+        raise _Reject("dedup_key", "field 'dedup_key' must be an array of scalars (no arrays or objects)")
+    start = _require(record, "start", lambda v: isinstance(v, dict), "an object with 'kind'")
+    if not _is_str(start.get("kind")):
+        raise _Reject("start.kind", f"field 'start.kind' is {_describe(start.get('kind'))}, expected a string")
+    return {
+        "task_id": task_id,
+        "macro": macro,
+        "site": site,
+        "dedup_key": canonical_key(key),
+        "start_kind": start["kind"],
+        "instruction": instruction,
+    }
+
+
+def _attempt_row(record: dict) -> dict:
+    task_id = _require(record, "task_id", lambda v: _is_str(v) and v != "", "a non-empty string")
+    attempt = _require(record, "attempt", _is_int, "an integer")
+    ok = _require(record, "ok", _is_bool, "true or false")
+    error = record.get("error")
+    if not (error is None or _is_str(error)):
+        raise _Reject("error", f"field 'error' is {_describe(error)}, expected a string or null")
+    path = _require(record, "dir", _is_str, "a path relative to the data root")
+    if reason := unsafe_dir_reason(path):
+        raise _Reject("dir", f"field 'dir' {path!r} {reason}")
+    steps = _require(record, "steps", lambda v: isinstance(v, list), "an array")
+    backend = record.get("backend")
+    if not (backend is None or isinstance(backend, dict)):
+        raise _Reject("backend", f"field 'backend' is {_describe(backend)}, expected an object or null")
+    backend = backend or {}
+    backend_ok = backend.get("ok")
+    if not (backend_ok is None or _is_bool(backend_ok)):
+        raise _Reject("backend.ok", f"field 'backend.ok' is {_describe(backend_ok)}, expected true or false")
+    detail = backend.get("detail")
+    if not (detail is None or _is_str(detail)):
+        raise _Reject("backend.detail", f"field 'backend.detail' is {_describe(detail)}, expected a string")
+    return {
+        "task_id": task_id,
+        "attempt": attempt,
+        "ok": ok,
+        "error": error,
+        "dir": path,
+        "n_actions": len(steps),
+        "backend_ok": bool(backend_ok),
+        "backend_detail": detail,
+    }
+
+
+def _parse_lines(data: bytes, file: str, to_row: Callable[[dict], dict]) -> tuple[list[dict], list[dict]]:
+    """Every non-blank line of `data` through `to_row`; a line that fails becomes a reject row."""
+    rows: list[dict] = []
+    rejects: list[dict] = []
+    for number, raw in enumerate(data.split(b"\n"), start=1):
+        if not raw.strip():
+            continue
+        try:
+            if len(raw) > MAX_LINE_BYTES:
+                raise _Reject(None, f"line is {len(raw):,} bytes, longer than the {MAX_LINE_BYTES:,}-byte limit")
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise _Reject(None, f"line is not UTF-8 ({exc.reason} at byte {exc.start})") from None
+            try:
+                record = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise _Reject(None, f"line is not JSON ({exc.msg} at column {exc.colno})") from None
+            if not isinstance(record, dict):
+                raise _Reject(None, f"line is a JSON {type(record).__name__}, expected an object")
+            row = to_row(record)
+        except _Reject as rej:
+            rejects.append(_reject_row(file, number, rej.field, rej.message, raw))
+            continue
+        row["line"] = number
+        rows.append(row)
+    return rows, rejects
+
+
+def _reject_row(file: str, line: int, field: str | None, message: str, raw: bytes) -> dict:
+    return {
+        "file": file,
+        "line": line,
+        "field": field,
+        "message": f"{file}:{line}: {message}",
+        "raw": raw[: RAW_MAX_CHARS * 4].decode("utf-8", errors="replace")[:RAW_MAX_CHARS],
+    }
+
+
+# --- vectorised fast path for executions.jsonl ------------------------------------------------------
+
+_ATTEMPT_ARROW = pa.schema(
+    [
+        ("task_id", pa.string()),
+        ("attempt", pa.int64()),
+        ("ok", pa.bool_()),
+        ("error", pa.string()),
+        ("dir", pa.string()),
+        # steps are objects of any shape; only their number matters here
+        ("steps", pa.list_(pa.struct([]))),
+        ("backend", pa.struct([("ok", pa.bool_()), ("detail", pa.string())])),
+    ]
+)
+
+
+def _line_count(data: bytes) -> tuple[int, int]:
+    """(number of lines, longest line in bytes), counting a last line without a newline."""
+    newlines = np.flatnonzero(np.frombuffer(data, dtype=np.uint8) == 10)
+    ends = np.append(newlines, len(data)) if not data.endswith(b"\n") else newlines
+    starts = np.concatenate(([0], ends[:-1] + 1))
+    return len(ends), int((ends - starts).max(initial=0))
+
+
+def _fast_attempts(data: bytes) -> pd.DataFrame | None:
+    """executions.jsonl read by pyarrow in one pass, or None when any line needs the careful path.
+
+    The careful path gives the same rows for clean input; this one only exists for speed on big batches,
+    so it refuses anything it would have to interpret: blank or over-long lines, type mismatches (pyarrow
+    raises), or a missing required field (a null in the table).
+    """
+    n_lines, longest = _line_count(data)
+    if n_lines == 0 or longest > MAX_LINE_BYTES:
+        return None
+    try:
+        table = pa_json.read_json(
+            io.BytesIO(data),
+            parse_options=pa_json.ParseOptions(explicit_schema=_ATTEMPT_ARROW, unexpected_field_behavior="ignore"),
+            read_options=pa_json.ReadOptions(block_size=max(1 << 20, longest + 2)),
+        )
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        return None
+    if table.num_rows != n_lines:  # blank lines: line numbers would shift
+        return None
+    for required in ("task_id", "attempt", "ok", "dir", "steps"):
+        if table[required].null_count:
+            return None
+    if pc.any(pc.equal(table["task_id"], "")).as_py():
+        return None
+    dirs = table["dir"].to_pylist()
+    if any(unsafe_dir_reason(d) for d in dirs):
+        return None
+    backend = table["backend"].combine_chunks()
+    return pd.DataFrame(
+        {
+            "task_id": table["task_id"].to_pandas(),
+            "attempt": table["attempt"].to_pandas(),
+            "ok": table["ok"].to_pandas(),
+            "error": table["error"].to_pandas(),
+            "dir": dirs,
+            "n_actions": pc.list_value_length(table["steps"]).to_pandas(),
+            "backend_ok": pc.fill_null(pc.struct_field(backend, "ok"), False).to_pandas(),
+            "backend_detail": pc.struct_field(backend, "detail").to_pandas(),
+            "line": np.arange(1, n_lines + 1),
+        }
+    )
+
+
+# --- the batch --------------------------------------------------------------------------------------
+
+
+def read_batch(run_dir: UPath, run_id: str) -> Batch:
+    """Parse `runs/<run_id>/`: tasks and attempts that passed validation, and one reject row per record that
+    did not (malformed, mistyped, a second `task_id` or (task_id, attempt), an attempt of an unknown task).
+
+    Raises BatchError when `tasks.jsonl` is missing or has no task, or `executions.jsonl` is missing.
+    """
+    tasks_path, executions_path = run_dir / TASKS_FILE, run_dir / EXECUTIONS_FILE
+    if not tasks_path.exists():
+        raise BatchError(f"runs/{run_id}/{TASKS_FILE} does not exist: not an execution batch")
+    if not executions_path.exists():
+        raise BatchError(f"runs/{run_id}/{EXECUTIONS_FILE} does not exist: the harness wrote no attempts file")
+    tasks_data = tasks_path.read_bytes()
+    executions_data = executions_path.read_bytes()
+
+    task_rows, rejects = _parse_lines(tasks_data, TASKS_FILE, _task_row)
+    tasks = pd.DataFrame(task_rows) if task_rows else empty_frame("batch_tasks")
+    duplicated = tasks["task_id"].duplicated(keep="first")
+    rejects += _rejects_for(tasks[duplicated], tasks_data, TASKS_FILE, "task_id", "task_id {} appears earlier in the file")
+    tasks = tasks[~duplicated]
+    if tasks.empty:
+        detail = f" ({len(rejects)} line(s) rejected, first: {rejects[0]['message']})" if rejects else ""
+        raise BatchError(f"runs/{run_id}/{TASKS_FILE} holds no valid task{detail}")
+
+    attempts = _fast_attempts(executions_data)
+    if attempts is None:
+        attempt_rows, attempt_rejects = _parse_lines(executions_data, EXECUTIONS_FILE, _attempt_row)
+        rejects += attempt_rejects
+        attempts = pd.DataFrame(attempt_rows) if attempt_rows else empty_frame("batch_attempts")
+    orphan = ~attempts["task_id"].isin(tasks["task_id"])
+    rejects += _rejects_for(
+        attempts[orphan], executions_data, EXECUTIONS_FILE, "task_id", "attempt of task_id {} which is not in tasks.jsonl"
+    )
+    attempts = attempts[~orphan]
+    twice = attempts.duplicated(["task_id", "attempt"], keep="first")
+    rejects += _rejects_for(
+        attempts[twice], executions_data, EXECUTIONS_FILE, "attempt", "attempt of task_id {} appears earlier with the same number"
+    )
+    attempts = attempts[~twice]
+
+    rejects_frame = pd.DataFrame(rejects) if rejects else empty_frame("batch_rejects")
+    return Batch(
+        tasks=conform(tasks.assign(run_id=run_id), "batch_tasks"),
+        attempts=conform(attempts.assign(run_id=run_id), "batch_attempts"),
+        rejects=conform(rejects_frame.assign(run_id=run_id).sort_values(["file", "line"], kind="stable"), "batch_rejects"),
+    )
+
+
+def _rejects_for(rows: pd.DataFrame, data: bytes, file: str, field: str, template: str) -> list[dict]:
+    if rows.empty:
+        return []
+    lines = data.split(b"\n")
+    return [
+        _reject_row(file, int(line), field, template.format(repr(task_id)), lines[int(line) - 1])
+        for task_id, line in zip(rows["task_id"], rows["line"])
+    ]

@@ -1,0 +1,141 @@
+"""`filter-pipeline materialize`: register and materialize batches on the instance at $DAGSTER_HOME.
+
+What it materializes is recorded in that instance, so `dagster dev` on the same DAGSTER_HOME shows it.
+"""
+
+import argparse
+import os
+import sys
+from collections import Counter
+
+import dagster as dg
+from dagster._core.events import DagsterEventType
+
+from filter_pipeline.assets import run_id_partitions
+from filter_pipeline.batch import SUCCESS_FILE, check_run_id
+from filter_pipeline.config import load_caps_file, parse_caps
+from filter_pipeline.definitions import build_defs
+from filter_pipeline.history import HistoryError, load_retired
+from filter_pipeline.jobs import filter_job
+from filter_pipeline.judging import JUDGE_KINDS, JudgeResource
+from filter_pipeline.schemas import DROPPED_REASONS, FAILURE_REASONS, STATUS_ERROR
+from filter_pipeline.sensors import complete_batches
+from filter_pipeline.warehouse import DATA_ENV, DEFAULT_DATA, DataRoot, read_parquet
+
+
+class CliError(Exception):
+    """A one-line reason to stop before materializing anything."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="filter-pipeline", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    m = commands.add_parser(
+        "materialize",
+        help="register and materialize execution batches",
+        description="Register and materialize the given runs in the given order (none given: every complete "
+        "batch not yet filtered, in run_id order). Exit status 0 only if all succeeded.",
+    )
+    m.add_argument("run_ids", nargs="*", metavar="RUN_ID", help="run_id folders under <data>/runs/")
+    m.add_argument("--data", default=None, help=f"data root (default: ${DATA_ENV} or '{DEFAULT_DATA}')")
+    m.add_argument("--judge", choices=JUDGE_KINDS, default="gate", help="which judge decides (default: gate)")
+    m.add_argument("--per-site-cap", type=int, default=None, help="most kept rows per (macro, site); overrides --caps")
+    m.add_argument("--caps", default=None, metavar="FILE", help='YAML/JSON {"per_site_cap": N, "caps": {macro: {site_cap, target}}}')
+    return parser
+
+
+def _caps(args: argparse.Namespace) -> dict:
+    caps = load_caps_file(args.caps) if args.caps else {}
+    if args.per_site_cap is not None:
+        caps = parse_caps({**caps, "per_site_cap": args.per_site_cap}, "--per-site-cap")
+    return caps
+
+
+def _runs_to_materialize(data: DataRoot, requested: list[str]) -> list[str]:
+    if not requested:
+        return [b.run_id for b in complete_batches(data) if not b.filtered]
+    for run_id in requested:
+        check_run_id(run_id)
+        if not (data.run_dir(run_id) / SUCCESS_FILE).exists():
+            where = "does not exist" if not data.run_dir(run_id).exists() else f"has no {SUCCESS_FILE} (still being written?)"
+            raise CliError(f"batch runs/{run_id} {where}")
+    return requested
+
+
+def _instance() -> dg.DagsterInstance:
+    if not os.environ.get("DAGSTER_HOME"):
+        raise CliError("DAGSTER_HOME is not set: point it at the instance folder (`make setup` creates .dagster_home/)")
+    return dg.DagsterInstance.get()
+
+
+def summarize(data: DataRoot, run_id: str) -> str:
+    """One line: judged, kept, surplus by reason, failures by reason (reasons with zero rows left out)."""
+
+    def counts(asset: str, column: str, names) -> tuple[int, str]:
+        values = Counter(read_parquet(data.asset_file(asset, run_id), columns=[column])[column])
+        detail = ", ".join(f"{n} {values[n]}" for n in names if values[n])
+        return sum(values.values()), f" ({detail})" if detail else ""
+
+    verdicts = read_parquet(data.asset_file("judge_verdicts", run_id), columns=["status"])
+    unjudged = int((verdicts["status"] == STATUS_ERROR).sum())
+    n_kept = len(read_parquet(data.asset_file("kept", run_id), columns=["task_id"]))
+    n_surplus, surplus_detail = counts("surplus", "dropped", DROPPED_REASONS)
+    n_fail, fail_detail = counts("failure_pool", "reason", FAILURE_REASONS)
+    return (
+        f"{run_id}: judged {len(verdicts) - unjudged}, unjudged {unjudged}, kept {n_kept}, "
+        f"surplus {n_surplus}{surplus_detail}, failures {n_fail}{fail_detail}"
+    )
+
+
+def _failure_reason(result: dg.ExecuteInProcessResult) -> str:
+    for event in result.all_events:
+        if event.event_type == DagsterEventType.STEP_FAILURE:
+            error = event.step_failure_data.error
+            while error.cause is not None and error.cls_name == "DagsterExecutionStepExecutionError":
+                error = error.cause
+            message = error.message.strip().splitlines()[-1] if error.message.strip() else error.cls_name
+            return f"step {event.step_key}: {message}"
+    return "run failed"
+
+
+def materialize(args: argparse.Namespace) -> int:
+    data = DataRoot(path=args.data or os.environ.get(DATA_ENV, DEFAULT_DATA))
+    caps = _caps(args)
+    load_retired(data.root)  # a broken retired.json fails here, before anything is written
+    run_ids = _runs_to_materialize(data, args.run_ids)
+    instance = _instance()
+    if not run_ids:
+        print("nothing to materialize: every complete batch is already filtered")
+        return 0
+    known = set(instance.get_dynamic_partitions(run_id_partitions.name))
+    instance.add_dynamic_partitions(run_id_partitions.name, [r for r in dict.fromkeys(run_ids) if r not in known])
+
+    job = build_defs(data.path, JudgeResource(kind=args.judge), caps).resolve_job_def(filter_job.name)
+    run_config = {
+        "loggers": {"console": {"config": {"log_level": "INFO"}}},
+        **({"ops": {"ledger": {"config": caps}}} if caps else {}),
+    }
+    failed = 0
+    for run_id in run_ids:
+        result = job.execute_in_process(
+            instance=instance, partition_key=run_id, run_config=run_config, raise_on_error=False
+        )
+        if result.success:
+            print(summarize(data, run_id), flush=True)
+        else:
+            failed += 1
+            print(f"{run_id}: FAILED ({_failure_reason(result)})", flush=True)
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return materialize(args)
+    except (CliError, ValueError, HistoryError) as exc:
+        print(f"filter-pipeline: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""The code location: wires assets, jobs, the sensor and resources. Settings come from the environment."""
+
+import os
+
+import dagster as dg
+
+from filter_pipeline.assets import execution_batch, failure_pool, judge_verdicts, ledger
+from filter_pipeline.config import CAPS_ENV, load_caps_file
+from filter_pipeline.jobs import filter_job, judge_job, ledger_job
+from filter_pipeline.judging import JudgeResource
+from filter_pipeline.sensors import build_batch_sensor
+from filter_pipeline.warehouse import DATA_ENV, DEFAULT_DATA, DataRoot, WarehouseIOManager
+
+JUDGE_KIND_ENV = "FILTER_JUDGE_KIND"
+
+
+def build_defs(data_path: str, judge: JudgeResource, caps: dict) -> dg.Definitions:
+    """All definitions for one data root, judge and caps (the CLI builds its own; `defs` reads the env).
+
+    The in-process executor is deliberate: each step is one vectorised pass, and a process per step costs
+    seconds on a small machine. Batches run in parallel as separate runs (one process or pod each).
+    """
+    data = DataRoot(path=data_path)
+    return dg.Definitions(
+        assets=[execution_batch, judge_verdicts, failure_pool, ledger],
+        jobs=[judge_job, ledger_job, filter_job],
+        sensors=[build_batch_sensor(caps)],
+        resources={"data": data, "judge": judge, "io_manager": WarehouseIOManager(data=data)},
+        executor=dg.in_process_executor,
+    )
+
+
+def defs_from_env() -> dg.Definitions:
+    caps_file = os.environ.get(CAPS_ENV)
+    return build_defs(
+        data_path=os.environ.get(DATA_ENV, DEFAULT_DATA),
+        judge=JudgeResource(kind=os.environ.get(JUDGE_KIND_ENV, "gate")),
+        caps=load_caps_file(caps_file) if caps_file else {},
+    )
+
+
+defs = defs_from_env()

@@ -1,0 +1,28 @@
+"""Jobs over the run_id-partitioned assets (partitioning is inferred from the selection).
+
+The sensor launches `judge_job` for every new batch at once and `ledger_job` one run at a time in
+run_id order; the CLI runs `filter_job` (both halves) run by run, in the order given.
+"""
+
+import dagster as dg
+
+JUDGE_GROUPS = ("batch", "judging")
+LEDGER_GROUP = "ledger"
+
+judge_job = dg.define_asset_job(
+    "judge_job",
+    selection=dg.AssetSelection.groups(*JUDGE_GROUPS),
+    description="Parse a batch, judge its last ok attempts and fill its failure pool. Safe to run for many "
+    "batches at once.",
+)
+ledger_job = dg.define_asset_job(
+    "ledger_job",
+    selection=dg.AssetSelection.groups(LEDGER_GROUP),
+    description="Build the prior dedup index and walk the verdicts into kept / surplus. Serialized by the "
+    "`ledger` pool; the sensor launches it in run_id order.",
+)
+filter_job = dg.define_asset_job(
+    "filter_job",
+    selection=dg.AssetSelection.all(),
+    description="The whole filter stage for one batch: parse, judge, failure pool, prior index, kept, surplus.",
+)

@@ -1,0 +1,177 @@
+"""The filter rules of CONTRACT §3 as plain pandas functions: no Dagster, no IO.
+
+Each function takes and returns frames with the columns named in `schemas.py` and keeps row order
+meaningful: tasks in `tasks.jsonl` order, attempts in `executions.jsonl` order.
+"""
+
+from dataclasses import dataclass, field
+
+import pandas as pd
+
+from filter_pipeline.schemas import (
+    DETAIL_MAX_CHARS,
+    DROPPED_DUPLICATE,
+    DROPPED_SITE_CAP,
+    DROPPED_TARGET,
+    ERROR_PREFIX_REASONS,
+    REASON_JUDGE_FAIL,
+    REASON_SCRIPT_ERROR,
+    REASON_UNKNOWN,
+    STAGE_EXECUTE,
+    STAGE_JUDGE,
+    STATUS_JUDGED,
+    conform,
+)
+
+# --- §3.1 execute failures --------------------------------------------------------------------------
+
+
+def failure_reason(error: str | None) -> str:
+    """The failure-pool reason for an attempt's error text (case-sensitive prefix match)."""
+    if error is None or error == "":
+        return REASON_UNKNOWN
+    for prefix, reason in ERROR_PREFIX_REASONS:
+        if error.startswith(prefix):
+            return reason
+    return REASON_SCRIPT_ERROR
+
+
+def execute_failures(tasks: pd.DataFrame, attempts: pd.DataFrame) -> pd.DataFrame:
+    """One failure-pool row per attempt with `ok` false, in executions.jsonl order."""
+    failed = attempts[attempts["ok"] == False]  # noqa: E712 - nullable bool column
+    rows = failed.merge(
+        tasks[["task_id", "macro", "site", "instruction", "dedup_key"]], on="task_id", how="left", validate="many_to_one"
+    )
+    errors = rows["error"].astype(object).where(rows["error"].notna(), None)
+    return conform(
+        rows.assign(
+            stage=STAGE_EXECUTE,
+            reason=[failure_reason(e) for e in errors],
+            detail=[None if e is None else e[:DETAIL_MAX_CHARS] for e in errors],
+            votes=None,
+        ),
+        "failure_pool",
+    )
+
+
+# --- §3.2 what gets judged --------------------------------------------------------------------------
+
+
+def attempts_to_judge(tasks: pd.DataFrame, attempts: pd.DataFrame) -> pd.DataFrame:
+    """For each task (tasks.jsonl order) with an ok attempt, the ok attempt with the highest number.
+
+    Columns: the task's (task_id, macro, site, dedup_key, start_kind, instruction) and the attempt's
+    (attempt, dir, n_actions, backend_ok, backend_detail).
+    """
+    ok = attempts[attempts["ok"] == True]  # noqa: E712 - nullable bool column
+    latest = ok.sort_values("attempt", kind="stable").drop_duplicates("task_id", keep="last")
+    picked = tasks.merge(
+        latest[["task_id", "attempt", "dir", "n_actions", "backend_ok", "backend_detail"]],
+        on="task_id",
+        how="inner",
+        validate="one_to_one",
+    )
+    return picked.reset_index(drop=True)
+
+
+def superseded_ok_attempts(attempts: pd.DataFrame, judged: pd.DataFrame) -> int:
+    """How many ok attempts were not judged because a later ok attempt of the same task was."""
+    return int((attempts["ok"] == True).sum()) - len(judged)  # noqa: E712
+
+
+# --- §3.3 judge failures ----------------------------------------------------------------------------
+
+
+def judge_failures(verdicts: pd.DataFrame, judged: pd.DataFrame) -> pd.DataFrame:
+    """One failure-pool row per judged verdict that did not pass, in task order.
+
+    Unjudged verdicts (status error) are not failures: they are judged again later.
+    """
+    failed = verdicts[(verdicts["status"] == STATUS_JUDGED) & (verdicts["passed"] == False)]  # noqa: E712
+    rows = failed.merge(judged[["task_id", "n_actions"]], on="task_id", how="left", validate="one_to_one")
+    return conform(
+        rows.assign(stage=STAGE_JUDGE, reason=REASON_JUDGE_FAIL, detail=rows["why"], backend_ok=None), "failure_pool"
+    )
+
+
+# --- §3.5 the ledger walk ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MacroLimits:
+    site_cap: int | None = None  # None: the run's per_site_cap
+    target: int | None = None  # None: no per-macro target
+
+
+@dataclass(frozen=True)
+class Caps:
+    per_site_cap: int
+    macros: dict[str, MacroLimits] = field(default_factory=dict)
+
+    def site_cap(self, macro: str) -> int:
+        limits = self.macros.get(macro)
+        return limits.site_cap if limits is not None and limits.site_cap is not None else self.per_site_cap
+
+    def target(self, macro: str) -> int | None:
+        limits = self.macros.get(macro)
+        return limits.target if limits is not None else None
+
+
+@dataclass(frozen=True)
+class LedgerResult:
+    kept: pd.DataFrame  # the verdict columns
+    surplus: pd.DataFrame  # the verdict columns + dropped, dup_of_run_id, dup_of_task_id
+
+
+def walk_ledger(
+    verdicts: pd.DataFrame,
+    prior_index: pd.DataFrame,
+    prior_counts: pd.DataFrame,
+    caps: Caps,
+    run_id: str,
+) -> LedgerResult:
+    """The greedy walk of CONTRACT §3.5 over the passing verdicts, in task order.
+
+    `prior_index` holds (dedup_key, run_id, task_id) of keys kept by other runs (at least every such key
+    that appears in `verdicts`); `prior_counts` holds (macro, site, n_kept) over all of history. A verdict
+    is a duplicate if its key was kept before (history or earlier in this walk), else dropped by its
+    (macro, site) cap, else by its macro's target, else kept. Touches each passing verdict once.
+    """
+    passing = verdicts[(verdicts["status"] == STATUS_JUDGED) & (verdicts["passed"] == True)]  # noqa: E712
+    first_kept = prior_index.drop_duplicates("dedup_key", keep="first")  # provenance: the earliest keeper
+    kept_by: dict[str, tuple[str, str]] = dict(
+        zip(first_kept["dedup_key"], zip(first_kept["run_id"], first_kept["task_id"]))
+    )
+    count: dict[tuple[str, str], int] = {
+        (m, s): int(n) for m, s, n in zip(prior_counts["macro"], prior_counts["site"], prior_counts["n_kept"])
+    }
+    macro_total: dict[str, int] = {}
+    for (macro, _), n in count.items():
+        macro_total[macro] = macro_total.get(macro, 0) + n
+
+    keep = []
+    dropped: list[str | None] = []
+    dup_of: list[tuple[str | None, str | None]] = []
+    for task_id, key, macro, site in zip(passing["task_id"], passing["dedup_key"], passing["macro"], passing["site"]):
+        reason = None
+        if key in kept_by:
+            reason = DROPPED_DUPLICATE
+        elif count.get((macro, site), 0) >= caps.site_cap(macro):
+            reason = DROPPED_SITE_CAP
+        elif (target := caps.target(macro)) is not None and macro_total.get(macro, 0) >= target:
+            reason = DROPPED_TARGET
+        keep.append(reason is None)
+        dropped.append(reason)
+        dup_of.append(kept_by[key] if reason == DROPPED_DUPLICATE else (None, None))
+        if reason is None:
+            kept_by[key] = (run_id, task_id)
+            count[(macro, site)] = count.get((macro, site), 0) + 1
+            macro_total[macro] = macro_total.get(macro, 0) + 1
+
+    keep_mask = pd.Series(keep, index=passing.index, dtype=bool)
+    surplus = passing.assign(
+        dropped=dropped,
+        dup_of_run_id=[r for r, _ in dup_of],
+        dup_of_task_id=[t for _, t in dup_of],
+    )[~keep_mask]
+    return LedgerResult(kept=conform(passing[keep_mask], "kept"), surplus=conform(surplus, "surplus"))

@@ -1,0 +1,191 @@
+"""The one place where output columns, their Arrow types, reason names and fixed texts are defined.
+
+Every asset's Parquet file is written with the schema below, so an empty partition has the same column
+types as a full one and `pd.read_parquet(<warehouse>/<asset>/)` over every run at once works.
+"""
+
+import json
+from typing import Any
+
+import pandas as pd
+import pyarrow as pa
+
+# --- reasons ----------------------------------------------------------------------------------------
+
+# CONTRACT §3.1: error prefix (case-sensitive) -> failure-pool reason, checked in this order.
+ERROR_PREFIX_REASONS: tuple[tuple[str, str], ...] = (
+    ("policy violation", "policy_violation"),
+    ("backend check failed", "backend_fail"),
+    ("assertion failed", "script_assert"),
+    ("action refused", "action_refused"),
+)
+REASON_SCRIPT_ERROR = "script_error"  # any other non-empty error
+REASON_UNKNOWN = "unknown"  # empty, null or absent error
+REASON_JUDGE_FAIL = "judge_fail"
+FAILURE_REASONS: tuple[str, ...] = (
+    *(reason for _, reason in ERROR_PREFIX_REASONS),
+    REASON_SCRIPT_ERROR,
+    REASON_UNKNOWN,
+    REASON_JUDGE_FAIL,
+)
+STAGE_EXECUTE = "execute"
+STAGE_JUDGE = "judge"
+DETAIL_MAX_CHARS = 500
+
+DROPPED_DUPLICATE = "duplicate"
+DROPPED_SITE_CAP = "site_cap"
+DROPPED_TARGET = "target"
+DROPPED_REASONS: tuple[str, ...] = (DROPPED_DUPLICATE, DROPPED_SITE_CAP, DROPPED_TARGET)
+
+# Judge verdict status: "judged" verdicts count; "error" ones (endpoint down, no parseable majority) are
+# neither kept nor failures and are judged again on the next materialization.
+STATUS_JUDGED = "judged"
+STATUS_ERROR = "error"
+
+GATE_WHY = "deterministic gate only (no LLM judge)"
+GATE_VOTES = "gate"
+
+DEFAULT_PER_SITE_CAP = 3
+
+# --- dedup keys -------------------------------------------------------------------------------------
+
+
+def canonical_key(key: list[Any]) -> str:
+    """The dedup key as the canonical JSON text every comparison uses (CONTRACT §4).
+
+    `1`, `"1"`, `1.0` and `true` give four different texts, so they are four different arguments.
+    """
+    return json.dumps(key, ensure_ascii=False, separators=(",", ":"))
+
+
+# --- Arrow schemas ----------------------------------------------------------------------------------
+
+STR = pa.string()
+INT = pa.int64()
+BOOL = pa.bool_()
+
+_VERDICT_FIELDS = [
+    ("task_id", STR),
+    ("macro", STR),
+    ("site", STR),
+    ("dedup_key", STR),
+    ("attempt", INT),
+    ("dir", STR),
+    ("passed", BOOL),
+    ("why", STR),
+    ("votes", STR),
+    ("backend", STR),
+    ("start_kind", STR),
+    ("instruction", STR),
+    # beyond the contract's columns:
+    ("status", STR),
+    ("run_id", STR),
+]
+
+SCHEMAS: dict[str, pa.Schema] = {
+    "batch_tasks": pa.schema(
+        [
+            ("task_id", STR),
+            ("macro", STR),
+            ("site", STR),
+            ("dedup_key", STR),
+            ("start_kind", STR),
+            ("instruction", STR),
+            ("line", INT),
+            ("run_id", STR),
+        ]
+    ),
+    "batch_attempts": pa.schema(
+        [
+            ("task_id", STR),
+            ("attempt", INT),
+            ("ok", BOOL),
+            ("error", STR),
+            ("dir", STR),
+            ("n_actions", INT),
+            ("backend_ok", BOOL),
+            ("backend_detail", STR),
+            ("line", INT),
+            ("run_id", STR),
+        ]
+    ),
+    "batch_rejects": pa.schema(
+        [
+            ("file", STR),
+            ("line", INT),
+            ("field", STR),
+            ("message", STR),
+            ("raw", STR),
+            ("run_id", STR),
+        ]
+    ),
+    "judge_verdicts": pa.schema(_VERDICT_FIELDS),
+    "failure_pool": pa.schema(
+        [
+            ("task_id", STR),
+            ("macro", STR),
+            ("site", STR),
+            ("stage", STR),
+            ("reason", STR),
+            ("detail", STR),
+            ("attempt", INT),
+            ("dir", STR),
+            ("n_actions", INT),
+            ("instruction", STR),
+            ("backend_ok", BOOL),
+            ("votes", STR),
+            ("dedup_key", STR),
+            ("run_id", STR),
+        ]
+    ),
+    "prior_dedup_index": pa.schema(
+        [
+            ("dedup_key", STR),
+            ("macro", STR),
+            ("site", STR),
+            ("run_id", STR),
+            ("task_id", STR),
+        ]
+    ),
+    "prior_kept_counts": pa.schema([("macro", STR), ("site", STR), ("n_kept", INT)]),
+    "kept": pa.schema(_VERDICT_FIELDS),
+    "surplus": pa.schema(
+        [
+            *_VERDICT_FIELDS,
+            ("dropped", STR),
+            ("dup_of_run_id", STR),
+            ("dup_of_task_id", STR),
+        ]
+    ),
+}
+
+
+def columns(asset: str) -> list[str]:
+    """Column names of an asset's output, in file order."""
+    return SCHEMAS[asset].names
+
+
+def empty_frame(asset: str) -> pd.DataFrame:
+    """A zero-row frame with the asset's columns and dtypes."""
+    return to_pandas(SCHEMAS[asset].empty_table())
+
+
+def conform(df: pd.DataFrame, asset: str) -> pd.DataFrame:
+    """The frame with exactly the asset's columns, in order, with its dtypes (missing columns are null)."""
+    return to_pandas(to_arrow(df, asset))
+
+
+def to_arrow(df: pd.DataFrame, asset: str) -> pa.Table:
+    """The frame as an Arrow table of the asset's fixed schema (extra columns are dropped)."""
+    schema = SCHEMAS[asset]
+    df = df.reindex(columns=schema.names)
+    return pa.Table.from_pandas(df, schema=schema, preserve_index=False)
+
+
+# Nullable pandas dtypes, so a null bool is <NA> (never NaN, which is truthy) and ints stay ints.
+_PANDAS_TYPES = {BOOL: pd.BooleanDtype(), INT: pd.Int64Dtype()}
+
+
+def to_pandas(table: pa.Table) -> pd.DataFrame:
+    """An Arrow table as pandas with nullable bool/int dtypes and pandas' default string dtype."""
+    return table.to_pandas(types_mapper=_PANDAS_TYPES.get)

@@ -1,0 +1,132 @@
+"""The batch sensor: picks up each complete new batch and keeps the ledger walks in run_id order.
+
+Judging (slow, costly) starts as soon as a batch is complete, for many batches at once. The ledger step,
+whose result depends on which runs were walked before, is requested for one run at a time, lowest
+run_id first, so the outcome does not depend on which judge run happened to finish first.
+"""
+
+from dataclasses import dataclass
+
+import dagster as dg
+from dagster._core.storage.dagster_run import NOT_FINISHED_STATUSES
+from dagster._core.storage.tags import PARTITION_NAME_TAG, RUN_KEY_TAG
+
+from filter_pipeline.assets import run_id_partitions
+from filter_pipeline.batch import LEGACY_KEPT_FILE, RUN_ID_PATTERN, SUCCESS_FILE
+from filter_pipeline.jobs import judge_job, ledger_job
+from filter_pipeline.warehouse import DataRoot
+
+JUDGE_JOB = judge_job.name
+LEDGER_JOB = ledger_job.name
+SENSOR_INTERVAL_SECONDS = 10
+
+
+@dataclass(frozen=True)
+class BatchState:
+    run_id: str
+    judged: bool  # warehouse/judge_verdicts/<run_id>.parquet exists
+    filtered: bool  # warehouse/kept/<run_id>.parquet or a legacy runs/<run_id>/kept.jsonl exists
+
+
+def complete_batches(data: DataRoot) -> list[BatchState]:
+    """Every batch under runs/ with `_SUCCESS` and a plain run_id, in run_id order.
+
+    A batch without `_SUCCESS` is still being written and is not listed.
+    """
+    if not data.runs.exists():
+        return []
+    judged = _stems(data.warehouse / "judge_verdicts")
+    kept = _stems(data.warehouse / "kept")
+    states = []
+    for run_dir in data.runs.iterdir():
+        run_id = run_dir.name
+        if not RUN_ID_PATTERN.match(run_id) or not (run_dir / SUCCESS_FILE).exists():
+            continue
+        filtered = run_id in kept or (run_dir / LEGACY_KEPT_FILE).exists()
+        states.append(BatchState(run_id=run_id, judged=run_id in judged, filtered=filtered))
+    return sorted(states, key=lambda s: s.run_id)
+
+
+def _stems(folder) -> set[str]:
+    if not folder.exists():
+        return set()
+    return {p.name.removesuffix(".parquet") for p in folder.iterdir() if p.name.endswith(".parquet") and not p.name.startswith(".")}
+
+
+def ledger_run_config(caps: dict) -> dict:
+    return {"ops": {"ledger": {"config": caps}}} if caps else {}
+
+
+def plan_tick(
+    batches: list[BatchState],
+    registered: set[str],
+    busy: set[str],
+    failed_ledger: set[str],
+) -> tuple[list[str], list[str], str | None, str]:
+    """Decide one tick: (run_ids to register, run_ids to judge, run_id whose ledger to walk or None, why).
+
+    `busy`: run_ids with a queued or running run; `failed_ledger`: run_ids whose ledger run ended without
+    writing `kept`. A batch already filtered (warehouse or legacy kept) is registered but never re-run.
+    """
+    to_register = [b.run_id for b in batches if b.run_id not in registered]
+    to_judge = [b.run_id for b in batches if b.run_id not in registered and not b.filtered and not b.judged]
+    for b in batches:
+        if b.filtered:
+            continue
+        if b.run_id in busy or b.run_id in to_judge:
+            return to_register, to_judge, None, f"ledger waits for {b.run_id} to finish judging"
+        if b.judged and b.run_id not in failed_ledger:
+            return to_register, to_judge, b.run_id, f"ledger walks {b.run_id}"
+    return to_register, to_judge, None, "no batch waiting for the ledger"
+
+
+def _has_run(instance: dg.DagsterInstance, tags: dict, statuses=None) -> bool:
+    return bool(instance.get_run_records(dg.RunsFilter(tags=tags, statuses=statuses), limit=1))
+
+
+def ledger_run_key(run_id: str) -> str:
+    return f"{run_id}:ledger"
+
+
+def build_batch_sensor(caps: dict) -> dg.SensorDefinition:
+    """The batch sensor; its ledger runs use `caps` (validated CapsConfig run config, possibly empty)."""
+
+    @dg.sensor(
+        name="batch_sensor",
+        jobs=[judge_job, ledger_job],
+        minimum_interval_seconds=SENSOR_INTERVAL_SECONDS,
+        default_status=dg.DefaultSensorStatus.RUNNING,
+        description="Registers each complete batch (runs/<run_id>/_SUCCESS) as a run_id partition and launches "
+        "its judge run (run_key = run_id); then launches ledger runs one at a time in run_id order. Batches "
+        "already filtered (a warehouse or legacy kept file) are registered, never re-run.",
+    )
+    def batch_sensor(context: dg.SensorEvaluationContext, data: DataRoot) -> dg.SensorResult:
+        instance = context.instance
+        batches = complete_batches(data)
+        registered = set(instance.get_dynamic_partitions(run_id_partitions.name))
+        waiting = [b.run_id for b in batches if not b.filtered]
+        busy = {r for r in waiting if _has_run(instance, {PARTITION_NAME_TAG: r}, NOT_FINISHED_STATUSES)}
+        failed_ledger = {
+            r for r in waiting if r not in busy and _has_run(instance, {RUN_KEY_TAG: ledger_run_key(r)})
+        }
+        to_register, to_judge, to_walk, why = plan_tick(batches, registered, busy, failed_ledger)
+        requests = [dg.RunRequest(job_name=JUDGE_JOB, partition_key=r, run_key=r) for r in to_judge]
+        if to_walk is not None:
+            requests.append(
+                dg.RunRequest(
+                    job_name=LEDGER_JOB,
+                    partition_key=to_walk,
+                    run_key=ledger_run_key(to_walk),
+                    run_config=ledger_run_config(caps),
+                )
+            )
+        for r in sorted(failed_ledger):
+            context.log.warning(f"ledger run for {r} ended without writing kept; materialize it by hand")
+        context.log.info(f"registered {len(to_register)}, judging {len(to_judge)}; {why}")
+        return dg.SensorResult(
+            run_requests=requests,
+            dynamic_partitions_requests=[run_id_partitions.build_add_request(to_register)] if to_register else [],
+            skip_reason=None if requests or to_register else why,
+        )
+
+    return batch_sensor

@@ -1,0 +1,109 @@
+"""Where data lives: the data root resource and the Parquet IO manager over `<data>/warehouse/`.
+
+Both take the data root from the same `DataRoot` resource, so the ledger step, which reads other runs'
+`kept` files directly, always looks where the IO manager writes.
+"""
+
+import os
+import uuid
+
+import dagster as dg
+import pandas as pd
+import pyarrow.parquet as pq
+from fsspec.implementations.local import LocalFileSystem
+from pydantic import Field
+from upath import UPath
+
+from filter_pipeline.schemas import SCHEMAS, to_arrow, to_pandas
+
+DATA_ENV = "FILTER_PIPELINE_DATA"
+DEFAULT_DATA = "data"
+
+
+class DataRoot(dg.ConfigurableResource):
+    """The data root: `runs/<run_id>/` batches, `retired.json`, and the `warehouse/` of outputs."""
+
+    path: str = Field(
+        default=DEFAULT_DATA,
+        description=f"Local folder or fsspec URL (s3://bucket/prefix) of the data root; env {DATA_ENV}.",
+    )
+
+    @property
+    def root(self) -> UPath:
+        return UPath(self.path)
+
+    @property
+    def runs(self) -> UPath:
+        return self.root / "runs"
+
+    def run_dir(self, run_id: str) -> UPath:
+        return self.runs / run_id
+
+    @property
+    def warehouse(self) -> UPath:
+        return self.root / "warehouse"
+
+    def asset_file(self, asset: str, run_id: str) -> UPath:
+        """`warehouse/<asset>/<run_id>.parquet`: the same path the IO manager writes."""
+        return self.warehouse / asset / f"{run_id}.parquet"
+
+
+def write_parquet(table, path: UPath) -> None:
+    """Write `table` to `path` so that readers see the old file or the new one, never a partial one.
+
+    On local disk: a hidden temp file beside the target, fsynced, then renamed over it; temp files left by a
+    killed earlier write are removed first. Object stores make a single PUT visible atomically.
+    """
+    if not isinstance(path.fs, LocalFileSystem):
+        with path.open("wb") as f:
+            pq.write_table(table, f)
+        return
+    target = path.path
+    folder = os.path.dirname(target)
+    os.makedirs(folder, exist_ok=True)
+    stale_prefix = f".{os.path.basename(target)}."
+    for name in os.listdir(folder):
+        if name.startswith(stale_prefix) and name.endswith(".tmp"):
+            os.unlink(os.path.join(folder, name))
+    tmp = os.path.join(folder, f"{stale_prefix}{uuid.uuid4().hex}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            pq.write_table(table, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def read_parquet(path: UPath, columns: list[str] | None = None) -> pd.DataFrame:
+    with path.open("rb") as f:
+        return to_pandas(pq.read_table(f, columns=columns))
+
+
+class ParquetWarehouseIOManager(dg.UPathIOManager):
+    """Stores each asset partition as `<base>/<asset>/<run_id>.parquet` with the asset's fixed schema."""
+
+    extension = ".parquet"
+
+    def dump_to_path(self, context: dg.OutputContext, obj: pd.DataFrame, path: UPath) -> None:
+        asset = context.asset_key.path[-1]
+        if asset not in SCHEMAS:
+            raise KeyError(f"asset {asset!r} has no Arrow schema in filter_pipeline.schemas.SCHEMAS")
+        write_parquet(to_arrow(obj, asset), path)
+
+    def load_from_path(self, context: dg.InputContext, path: UPath) -> pd.DataFrame:
+        return read_parquet(path)
+
+    def get_metadata(self, context: dg.OutputContext, obj: pd.DataFrame) -> dict:
+        return {"dagster/row_count": len(obj)}
+
+
+class WarehouseIOManager(dg.ConfigurableIOManagerFactory):
+    """Parquet files under `<data root>/warehouse/`, one per asset and run_id; works on any fsspec path."""
+
+    data: DataRoot
+
+    def create_io_manager(self, context: dg.InitResourceContext) -> ParquetWarehouseIOManager:
+        return ParquetWarehouseIOManager(base_path=self.data.warehouse)
