@@ -96,3 +96,29 @@ def kept_history(*rows: tuple) -> pd.DataFrame:
 def counts(*rows: tuple) -> pd.DataFrame:
     """prior_kept_counts rows from (macro, site, n_kept) tuples."""
     return conform(pd.DataFrame([dict(macro=m, site=s, n_kept=n) for m, s, n in rows]), "prior_kept_counts")
+
+
+def write_kept(data: Path, run_id: str, *rows: tuple) -> None:
+    """warehouse/kept/<run_id>.parquet from (task_id, key, macro, site) tuples, as the pipeline writes it."""
+    from filter_pipeline.schemas import to_arrow
+    from filter_pipeline.warehouse import write_parquet
+
+    frame = pd.DataFrame(
+        [dict(task_id=t, dedup_key=canonical_key(k), macro=m, site=s, run_id=run_id) for t, k, m, s in rows]
+    )
+    write_parquet(to_arrow(frame, "kept"), UPath(data) / "warehouse" / "kept" / f"{run_id}.parquet")
+
+
+def write_legacy_kept(data: Path, run_id: str, *rows: tuple) -> None:
+    """runs/<run_id>/kept.jsonl (the earlier script's output) from (task_id, key, macro, site) tuples."""
+    run = Path(data) / "runs" / run_id
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "kept.jsonl").write_text(
+        jsonl(dict(task_id=t, dedup_key=k, macro=m, site=s, instruction="i") for t, k, m, s in rows)
+    )
+
+
+def rows(frame: pd.DataFrame, *cols: str) -> list[list]:
+    """The frame's values as lists, with every missing value as None (pandas 3 reads null strings as NaN)."""
+    part = frame[list(cols)].astype(object)
+    return part.where(part.notna(), None).values.tolist()

@@ -13,11 +13,20 @@ import shutil
 import sys
 from pathlib import Path
 
-SITES = {
-    "shop.example": ("add_to_cart", "#add-to-cart", ["blue mug", "red kettle", "tea towel", "oak shelf", "desk lamp"]),
-    "mail.example": ("send_email", "#compose-send", ["alice@corp.test", "bob@corp.test", "carol@corp.test", "dan@corp.test"]),
-    "maps.example": ("search_place", "input[name=q]", ["Lisbon", "Porto", "Faro", "Braga"]),
+_MACROS = {
+    "add_to_cart": ("#add-to-cart", ["blue mug", "red kettle", "tea towel", "oak shelf", "desk lamp", "wool rug"]),
+    "send_email": ("#compose-send", ["alice@corp.test", "bob@corp.test", "carol@corp.test", "dan@corp.test"]),
+    "search_place": ("input[name=q]", ["Lisbon", "Porto", "Faro", "Braga", "Coimbra", "Évora"]),
 }
+_SITE_MACRO = {
+    "shop.example": "add_to_cart",
+    "market.example": "add_to_cart",
+    "mail.example": "send_email",
+    "webmail.example": "send_email",
+    "maps.example": "search_place",
+    "atlas.example": "search_place",
+}
+SITES = {site: (macro, *_MACROS[macro]) for site, macro in _SITE_MACRO.items()}
 ERRORS = [
     "policy violation: clicked an element outside the task scope",
     "backend check failed: cart has 0 items, expected 1",

@@ -1,0 +1,103 @@
+"""The assets under Dagster: lineage, metadata, and the ledger over several runs."""
+
+import dagster as dg
+import pandas as pd
+import pytest
+
+from filter_pipeline.definitions import build_defs
+from filter_pipeline.judging import JudgeResource
+from filter_pipeline_tests.builders import attempt, rows, task, write_batch
+
+ASSETS = ["batch_tasks", "batch_attempts", "batch_rejects", "judge_verdicts", "failure_pool",
+          "prior_dedup_index", "prior_kept_counts", "kept", "surplus"]
+
+
+@pytest.fixture
+def instance():
+    with dg.instance_for_test() as instance:
+        yield instance
+
+
+def materialize(instance, data_root, run_id, caps=None) -> dg.ExecuteInProcessResult:
+    defs = build_defs(str(data_root), JudgeResource(), caps={})
+    if run_id not in instance.get_dynamic_partitions("run_id"):
+        instance.add_dynamic_partitions("run_id", [run_id])
+    run_config = {"ops": {"ledger": {"config": caps}}} if caps else {}
+    return defs.resolve_job_def("filter_job").execute_in_process(
+        instance=instance, partition_key=run_id, run_config=run_config, raise_on_error=False
+    )
+
+
+def output(data_root, asset, run_id) -> pd.DataFrame:
+    return pd.read_parquet(data_root / "warehouse" / asset / f"{run_id}.parquet")
+
+
+def metadata(result, asset) -> dict:
+    [mat] = [m for m in result.get_asset_materialization_events() if m.asset_key.path[-1] == asset]
+    return {k: v.value for k, v in mat.materialization.metadata.items()}
+
+
+def test_lineage_descriptions_groups_and_schemas():
+    graph = build_defs("data", JudgeResource(), caps={}).resolve_asset_graph()
+    assert sorted(k.path[-1] for k in graph.get_all_asset_keys()) == sorted(ASSETS)
+    parents = {k.path[-1]: sorted(p.path[-1] for p in graph.get(k).parent_keys) for k in graph.get_all_asset_keys()}
+    assert parents["judge_verdicts"] == ["batch_attempts", "batch_tasks"]
+    assert parents["failure_pool"] == ["batch_attempts", "batch_tasks", "judge_verdicts"]
+    assert parents["kept"] == ["judge_verdicts", "prior_dedup_index", "prior_kept_counts"]
+    assert parents["surplus"] == ["judge_verdicts", "prior_dedup_index", "prior_kept_counts"]
+    for key in graph.get_all_asset_keys():
+        node = graph.get(key)
+        assert node.description and node.group_name != "default", key
+        assert "dagster/column_schema" in node.metadata, key
+        assert node.partitions_def.name == "run_id", key
+
+
+def test_whole_graph_for_one_partition_with_counts_in_metadata(instance, data_root):
+    write_batch(
+        data_root,
+        "r1",
+        [task("a", key=["k"]), task("b", key=["k"]), task("c")],
+        [attempt("a"), attempt("b"), attempt("c", ok=False, error="backend check failed: none"), "{broken"],
+    )
+    result = materialize(instance, data_root, "r1")
+    assert result.success
+    assert metadata(result, "kept")["dagster/row_count"] == 1
+    assert metadata(result, "surplus")["dropped/duplicate"] == 1
+    assert metadata(result, "failure_pool")["reason/backend_fail"] == 1
+    assert metadata(result, "failure_pool")["reason/judge_fail"] == 0
+    assert metadata(result, "batch_rejects")["file/executions.jsonl"] == 1
+    assert metadata(result, "judge_verdicts")["passed"] == 2
+    assert output(data_root, "kept", "r1")["run_id"].tolist() == ["r1"]
+
+
+def test_rematerializing_a_run_ignores_its_own_earlier_kept_rows(instance, data_root):
+    write_batch(data_root, "r1", [task("a"), task("b")], [attempt("a"), attempt("b")])
+    assert materialize(instance, data_root, "r1").success
+    first = output(data_root, "kept", "r1")
+    assert materialize(instance, data_root, "r1").success
+    pd.testing.assert_frame_equal(output(data_root, "kept", "r1"), first)
+    assert output(data_root, "surplus", "r1").empty
+
+
+def test_later_run_sees_earlier_runs_kept_rows_and_caps(instance, data_root):
+    write_batch(data_root, "r1", [task(f"a{i}") for i in range(3)], [attempt(f"a{i}") for i in range(3)])
+    write_batch(data_root, "r2", [task("b", key=["s", "#el", "a0"]), task("c")], [attempt("b"), attempt("c")])
+    assert materialize(instance, data_root, "r1").success
+    assert materialize(instance, data_root, "r2").success
+    surplus = output(data_root, "surplus", "r2")
+    assert rows(surplus, "task_id", "dropped", "dup_of_run_id", "dup_of_task_id") == [
+        ["b", "duplicate", "r1", "a0"],
+        ["c", "site_cap", None, None],
+    ]
+    index = output(data_root, "prior_dedup_index", "r2")
+    assert index[["dedup_key", "run_id", "task_id"]].values.tolist() == [['["s","#el","a0"]', "r1", "a0"]]
+    assert output(data_root, "prior_kept_counts", "r2")["n_kept"].tolist() == [3]
+
+
+def test_nonsense_caps_fail_the_ledger_with_a_clear_message(instance, data_root):
+    write_batch(data_root, "r1", [task("a")], [attempt("a")])
+    result = materialize(instance, data_root, "r1", caps={"per_site_cap": -2})
+    assert not result.success
+    [failure] = [e for e in result.all_events if e.event_type == dg.DagsterEventType.STEP_FAILURE]
+    assert "must be 0 or more, got -2" in str(failure.step_failure_data.error.cause or failure.step_failure_data.error)
+    assert not (data_root / "warehouse" / "kept").exists()

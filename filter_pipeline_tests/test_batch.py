@@ -1,0 +1,121 @@
+"""Parsing an execution batch: valid rows, one reject per bad record, and the fast path agreeing with the careful one."""
+
+import json
+
+import pandas as pd
+import pytest
+from upath import UPath
+
+from filter_pipeline import batch as batch_module
+from filter_pipeline.batch import BatchError, check_run_id, read_batch
+from filter_pipeline_tests.builders import attempt, jsonl, parse, task, write_batch
+
+
+def test_tasks_and_attempts_parse_with_canonical_keys(tmp_path):
+    b = parse(tmp_path, [task("a", key=["s", "#x", 1.0, True, None, "é"], extra_field={"x": 1})], [attempt("a", steps=3)])
+    assert b.tasks["dedup_key"].tolist() == ['["s","#x",1.0,true,null,"é"]']
+    assert b.tasks["start_kind"].tolist() == ["url"]
+    assert b.attempts[["task_id", "attempt", "ok", "n_actions", "backend_ok"]].values.tolist() == [["a", 1, True, 3, True]]
+    assert b.rejects.empty
+
+
+@pytest.mark.parametrize(
+    "line, field, message",
+    [
+        ("not json at all", None, "tasks.jsonl:2: line is not JSON"),
+        ("[1, 2]", None, "tasks.jsonl:2: line is a JSON list, expected an object"),
+        (json.dumps({k: v for k, v in task("b").items() if k != "macro"}), "macro", "missing field 'macro'"),
+        (json.dumps(task("b", site=7)), "site", "field 'site' is a int (7), expected a string"),
+        (json.dumps(task("b", key="s|#x|1")), "dedup_key", "field 'dedup_key' is a str"),
+        (json.dumps(task("b", key=["s", ["nested"]])), "dedup_key", "must be an array of scalars"),
+        (json.dumps(task("b", start={"url": "x"})), "start.kind", "field 'start.kind' is null"),
+        (json.dumps(task("a")), "task_id", "task_id 'a' appears earlier in the file"),
+    ],
+)
+def test_bad_task_line_is_one_reject_and_the_rest_is_kept(tmp_path, line, field, message):
+    b = parse(tmp_path, [task("a"), line, task("c")], [attempt("a"), attempt("c")])
+    assert b.tasks["task_id"].tolist() == ["a", "c"]
+    assert len(b.rejects) == 1
+    reject = b.rejects.iloc[0]
+    assert (reject["file"], reject["line"]) == ("tasks.jsonl", 2)
+    assert (None if pd.isna(reject["field"]) else reject["field"]) == field
+    assert message in reject["message"]
+    assert reject["raw"] == line[:4096]
+
+
+def test_non_utf8_and_overlong_lines_are_rejected(tmp_path, monkeypatch):
+    monkeypatch.setattr(batch_module, "MAX_LINE_BYTES", 1000)
+    run = write_batch(tmp_path, "r", [task("a")], [attempt("a")])
+    with open(run / "tasks.jsonl", "ab") as f:
+        f.write(b'{"task_id": "\xff\xfe"}\n')
+        f.write(json.dumps(task("long", instruction="x" * 5000)).encode() + b"\n")
+    b = read_batch(UPath(run), "r")
+    assert b.tasks["task_id"].tolist() == ["a"]
+    assert [m.split(": ", 1)[1][:22] for m in b.rejects["message"]] == ["line is not UTF-8 (inv", "line is 5,126 bytes, l"]
+    assert b.rejects["raw"].str.len().max() <= 4096
+
+
+@pytest.mark.parametrize(
+    "record, field",
+    [
+        ({**attempt("a"), "attempt": "1"}, "attempt"),
+        ({**attempt("a"), "attempt": True}, "attempt"),
+        ({**attempt("a"), "ok": "yes"}, "ok"),
+        ({**attempt("a"), "error": 5}, "error"),
+        ({**attempt("a"), "steps": None}, "steps"),
+        ({**attempt("a"), "backend": "fine"}, "backend"),
+        ({**attempt("a"), "backend": {"ok": 1}}, "backend.ok"),
+        ({**attempt("a"), "dir": "/etc/passwd"}, "dir"),
+        ({**attempt("a"), "dir": "runs/r/../../secret"}, "dir"),
+        (attempt("ghost"), "task_id"),
+        (attempt("a", 1, ok=False, error="same number again"), "attempt"),
+    ],
+)
+def test_bad_attempt_is_one_reject_and_the_rest_is_kept(tmp_path, record, field):
+    b = parse(tmp_path, [task("a")], [attempt("a", 1), record, attempt("a", 2, ok=False, error="e")])
+    assert b.attempts["attempt"].tolist() == [1, 2]
+    assert b.rejects[["file", "line", "field"]].values.tolist() == [["executions.jsonl", 2, field]]
+
+
+def test_batch_without_tasks_is_a_clear_error(tmp_path):
+    run = write_batch(tmp_path, "r", [], [])
+    with pytest.raises(BatchError, match=r"runs/r/tasks.jsonl holds no valid task"):
+        read_batch(UPath(run), "r")
+    (run / "tasks.jsonl").unlink()
+    with pytest.raises(BatchError, match=r"runs/r/tasks.jsonl does not exist"):
+        read_batch(UPath(run), "r")
+
+
+def test_blank_lines_are_skipped_and_line_numbers_stay_physical(tmp_path):
+    run = write_batch(tmp_path, "r", [task("a")], [])
+    (run / "executions.jsonl").write_text("\n" + jsonl([attempt("a"), {"task_id": "a"}]))
+    b = read_batch(UPath(run), "r")
+    assert b.attempts["line"].tolist() == [2]
+    assert b.rejects["line"].tolist() == [3]
+
+
+def test_fast_path_gives_the_same_frame_as_the_careful_path(tmp_path):
+    tasks = [task(f"t{i}") for i in range(5)]
+    attempts = [
+        attempt("t0", 1, ok=False, error="policy violation: x", backend=None),
+        attempt("t0", 2),
+        attempt("t1", 1, ok=False, backend={"ok": True}),
+        {k: v for k, v in attempt("t2").items() if k != "backend"},
+        attempt("t3", steps=0, extra="ignored"),
+        attempt("t4", backend={"ok": False, "detail": None}),
+    ]
+    fast = parse(tmp_path / "fast", tasks, attempts)
+    # a step that is not an object sends the whole file down the careful path
+    careful = parse(tmp_path / "careful", tasks, [*attempts, {**attempt("t4", 9), "steps": [1]}])
+    assert batch_module._fast_attempts((tmp_path / "fast" / "runs" / "r" / "executions.jsonl").read_bytes()) is not None
+    assert careful.attempts.iloc[:-1].equals(fast.attempts)
+
+
+@pytest.mark.parametrize("run_id", ["", ".", "..", "a/b", "../x", ".hidden", "a b", "x" * 129])
+def test_run_id_must_be_a_plain_folder_name(run_id):
+    with pytest.raises(ValueError, match="not a plain folder name"):
+        check_run_id(run_id)
+
+
+def test_plain_run_ids_are_accepted():
+    assert check_run_id("2026-11-30_batch.7") == "2026-11-30_batch.7"

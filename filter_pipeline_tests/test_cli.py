@@ -1,0 +1,120 @@
+"""The CLI as a user runs it: separate processes on a temp DAGSTER_HOME and data root."""
+
+import subprocess
+import time
+
+import dagster as dg
+import pandas as pd
+import pytest
+
+from filter_pipeline.assets import LEDGER_POOL
+from filter_pipeline_tests.builders import attempt, task, write_batch
+from filter_pipeline_tests.conftest import CLI, REPO
+
+pytestmark = pytest.mark.slow
+
+
+def overlapping_batches(data_root, run_ids, n=40):
+    """Batches whose tasks share keys across runs, so any double keep would show."""
+    for run_id in run_ids:
+        tasks = [task(f"{run_id}-{i}", site=f"s{i % 4}", key=["s", "#el", i]) for i in range(n)]
+        write_batch(data_root, run_id, tasks, [attempt(t["task_id"]) for t in tasks])
+
+
+def read_all(data_root, asset) -> pd.DataFrame:
+    return pd.read_parquet(data_root / "warehouse" / asset)
+
+
+def test_materializes_every_complete_batch_in_run_id_order_and_prints_a_summary(cli, data_root):
+    write_batch(data_root, "b2", [task("x", key=["k"])], [attempt("x")])
+    write_batch(data_root, "b1", [task("y", key=["k"])], [attempt("y"), attempt("y", 2, ok=False, error="policy violation: z")])
+    write_batch(data_root, "b3", [task("z")], [attempt("z")], complete=False)
+
+    done = cli()
+
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert lines == [
+        "b1: judged 1, unjudged 0, kept 1, surplus 0, failures 1 (policy_violation 1)",
+        "b2: judged 1, unjudged 0, kept 0, surplus 1 (duplicate 1), failures 0",
+    ]
+    surplus = read_all(data_root, "surplus")
+    assert surplus[["task_id", "dup_of_run_id", "dup_of_task_id"]].values.tolist() == [["x", "b1", "y"]]
+    assert not (data_root / "warehouse" / "kept" / "b3.parquet").exists()
+    assert "parsed runs/b1" in done.stderr  # progress goes to the run log on stderr
+
+    again = cli()
+    assert again.returncode == 0 and "nothing to materialize" in again.stdout
+
+
+def test_given_runs_are_materialized_in_the_given_order(cli, data_root):
+    write_batch(data_root, "b1", [task("y", key=["k"])], [attempt("y")])
+    write_batch(data_root, "b2", [task("x", key=["k"])], [attempt("x")])
+    done = cli("b2", "b1")
+    assert done.returncode == 0, done.stderr
+    assert read_all(data_root, "kept")["task_id"].tolist() == ["x"]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["nope"], "batch runs/nope does not exist"),
+        (["../etc"], "is not a plain folder name"),
+        (["--per-site-cap", "-1"], "per_site_cap: Value error, must be 0 or more"),
+        (["--caps", "/no/such/caps.yaml"], "caps file /no/such/caps.yaml"),
+    ],
+)
+def test_bad_arguments_fail_with_one_line(cli, data_root, args, message):
+    write_batch(data_root, "b1", [task("y")], [attempt("y")])
+    done = cli(*args)
+    assert done.returncode == 2
+    assert message in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    assert not (data_root / "warehouse").exists()
+
+
+def test_caps_file_and_per_site_cap_flag(cli, data_root, tmp_path):
+    tasks = [task(f"t{i}", macro="m" if i < 4 else "n") for i in range(8)]
+    write_batch(data_root, "b1", tasks, [attempt(t["task_id"]) for t in tasks])
+    caps = tmp_path / "caps.yaml"
+    caps.write_text("per_site_cap: 3\ncaps:\n  m: {site_cap: 1}\n")
+    done = cli("--caps", str(caps), "--per-site-cap", "2")
+    assert done.returncode == 0, done.stderr
+    assert read_all(data_root, "kept")["task_id"].tolist() == ["t0", "t4", "t5"]
+
+
+def test_a_failing_run_exits_non_zero_with_its_reason(cli, data_root):
+    write_batch(data_root, "b1", [task("y")], [attempt("y")])
+    (data_root / "retired.json").write_text("{not json")
+    done = cli("b1")
+    assert done.returncode == 2
+    assert done.stderr.strip() == "filter-pipeline: retired.json is not valid JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"
+
+
+def test_two_runs_launched_together_never_keep_a_key_twice(cli_env, data_root, dagster_home):
+    overlapping_batches(data_root, ["b1", "b2"])
+    dg.DagsterInstance.from_config(str(dagster_home)).dispose()  # an existing instance, as a user's would be
+    procs = [
+        subprocess.Popen([*CLI, "materialize", run_id], env=cli_env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for run_id in ("b1", "b2")
+    ]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err
+
+    kept = read_all(data_root, "kept")
+    assert kept["dedup_key"].is_unique
+    assert len(kept) == 12  # 40 keys, 4 sites x per_site_cap 3: whichever run walks first keeps them all
+
+    # and the pool really serialized the two ledger steps
+    with dg.DagsterInstance.from_config(str(dagster_home)) as instance:
+        spans = []
+        for record in instance.get_run_records():
+            events = instance.all_logs(record.dagster_run.run_id)
+            ledger = [e for e in events if e.is_dagster_event and e.dagster_event.step_key == "ledger"]
+            start = min(e.timestamp for e in ledger if e.dagster_event_type == dg.DagsterEventType.STEP_START)
+            end = max(e.timestamp for e in ledger if e.dagster_event_type == dg.DagsterEventType.STEP_SUCCESS)
+            spans.append((start, end))
+        (s1, e1), (s2, e2) = sorted(spans)
+        assert e1 <= s2, f"ledger steps overlapped: {spans}"
+        assert instance.event_log_storage.get_concurrency_info(LEDGER_POOL).slot_count == 1

@@ -1,0 +1,89 @@
+"""CONTRACT §2 retired.json and §3.4 the prior-run dedup index."""
+
+import json
+
+import pandas as pd
+import pytest
+from upath import UPath
+
+from filter_pipeline.history import HistoryError, Retired, build_prior_index, load_retired
+from filter_pipeline.schemas import canonical_key
+from filter_pipeline_tests.builders import write_kept, write_legacy_kept
+
+
+def index(data, run_id="now", batch_keys=(), retired=None):
+    keys = pd.Series([canonical_key(k) for k in batch_keys], dtype=object)
+    root = UPath(data)
+    return build_prior_index(root, root / "warehouse" / "kept", run_id, keys, retired or load_retired(root))
+
+
+def counts_of(idx) -> dict:
+    return {(m, s): n for m, s, n in idx.counts[["macro", "site", "n_kept"]].itertuples(index=False)}
+
+
+def test_keys_and_counts_of_other_runs(tmp_path):
+    write_kept(tmp_path, "r1", ("a", ["k", 1], "m", "s1"), ("b", ["k", 2], "m", "s2"))
+    write_kept(tmp_path, "r2", ("c", ["k", 3], "m", "s1"))
+    idx = index(tmp_path, batch_keys=[["k", 1], ["k", 3], ["k", 99]])
+    assert idx.keys[["dedup_key", "run_id", "task_id"]].values.tolist() == [['["k",1]', "r1", "a"], ['["k",3]', "r2", "c"]]
+    assert counts_of(idx) == {("m", "s1"): 2, ("m", "s2"): 1}  # counts cover every row, not just matching keys
+
+
+def test_the_run_itself_is_excluded_so_rematerializing_ignores_its_own_kept(tmp_path):
+    write_kept(tmp_path, "now", ("a", ["k", 1], "m", "s"))
+    idx = index(tmp_path, batch_keys=[["k", 1]])
+    assert idx.keys.empty and idx.counts.empty
+
+
+def test_retired_whole_run_and_retired_rows_do_not_count(tmp_path):
+    write_kept(tmp_path, "r1", ("a", ["k", 1], "m", "s"))
+    write_kept(tmp_path, "r2", ("b", ["k", 2], "m", "s"), ("c", ["k", 3], "m", "s"))
+    write_kept(tmp_path, "r3", ("d", ["k", 4], "m", "s"))
+    (tmp_path / "retired.json").write_text(
+        json.dumps(
+            [
+                {"run_id": "r1", "reason": "bad site build"},
+                {"run_id": "r2", "task_ids": ["b"], "reason": "mislabelled"},
+                {"run_id": "r3", "task_ids": [], "reason": "retires nothing"},
+            ]
+        )
+    )
+    idx = index(tmp_path, batch_keys=[["k", i] for i in range(1, 5)])
+    assert sorted(idx.keys["task_id"]) == ["c", "d"]
+    assert counts_of(idx) == {("m", "s"): 2}
+
+
+def test_legacy_kept_jsonl_counts_unless_the_run_has_a_warehouse_file(tmp_path):
+    write_legacy_kept(tmp_path, "old", ("a", ["k", 1], "m", "s"), ("b", ["k", 2], "m", "s"))
+    write_legacy_kept(tmp_path, "redone", ("x", ["k", 7], "m", "s"))
+    write_kept(tmp_path, "redone", ("y", ["k", 8], "m", "s"))
+    idx = index(tmp_path, batch_keys=[["k", 1], ["k", 7], ["k", 8]])
+    assert sorted(zip(idx.keys["run_id"], idx.keys["task_id"])) == [("old", "a"), ("redone", "y")]
+    assert counts_of(idx) == {("m", "s"): 3}
+
+
+def test_bad_legacy_row_names_file_and_line(tmp_path):
+    write_legacy_kept(tmp_path, "old", ("a", ["k", 1], "m", "s"))
+    with open(tmp_path / "runs" / "old" / "kept.jsonl", "a") as f:
+        f.write('{"task_id": "b"}\n')
+    with pytest.raises(HistoryError, match=r"runs/old/kept.jsonl:2: not a kept row"):
+        index(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("{", "retired.json is not valid JSON"),
+        ('{"run_id": "r1"}', "must be a JSON list"),
+        ('[{"reason": "x"}]', r"retired.json\[0\] must be an object with a string 'run_id'"),
+        ('[{"run_id": "r1", "task_ids": "a"}]', r"retired.json\[0\].task_ids must be a list of strings"),
+    ],
+)
+def test_malformed_retired_json_is_refused_with_the_reason(tmp_path, content, message):
+    (tmp_path / "retired.json").write_text(content)
+    with pytest.raises(HistoryError, match=message):
+        load_retired(UPath(tmp_path))
+
+
+def test_no_retired_json_retires_nothing(tmp_path):
+    assert load_retired(UPath(tmp_path)) == Retired()

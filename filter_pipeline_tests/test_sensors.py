@@ -1,0 +1,127 @@
+"""The batch sensor: registration, judge runs for new complete batches, ledger runs one at a time in run_id order."""
+
+import dagster as dg
+import pytest
+
+from filter_pipeline.sensors import BatchState, build_batch_sensor, plan_tick
+from filter_pipeline.warehouse import DataRoot
+from filter_pipeline_tests.builders import attempt, task, write_batch, write_kept, write_legacy_kept
+
+
+@pytest.fixture
+def instance():
+    with dg.instance_for_test() as instance:
+        yield instance
+
+
+def tick(instance, data_root, caps=None) -> dg.SensorResult:
+    sensor = build_batch_sensor(caps or {})
+    context = dg.build_sensor_context(instance=instance, resources={"data": DataRoot(path=str(data_root))})
+    return sensor(context)
+
+
+def judged(data_root, run_id):
+    """Mark a batch as judged the way the judge run does: its judge_verdicts file exists."""
+    folder = data_root / "warehouse" / "judge_verdicts"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{run_id}.parquet").write_bytes(b"")
+
+
+def requests(result) -> list[tuple[str, str, str]]:
+    return [(r.job_name, r.partition_key, r.run_key) for r in result.run_requests]
+
+
+def added(result) -> list[str]:
+    return [k for req in result.dynamic_partitions_requests for k in req.partition_keys]
+
+
+def test_new_complete_batches_are_registered_and_judged_in_one_result(instance, data_root):
+    write_batch(data_root, "b2", [task("a")], [attempt("a")])
+    write_batch(data_root, "b1", [task("a")], [attempt("a")])
+    write_batch(data_root, "b3", [task("a")], [attempt("a")], complete=False)
+    (data_root / "runs" / "not a run id").mkdir()
+
+    result = tick(instance, data_root)
+
+    assert added(result) == ["b1", "b2"]
+    assert requests(result) == [("judge_job", "b1", "b1"), ("judge_job", "b2", "b2")]
+
+
+def test_a_batch_whose_success_marker_appears_later_is_picked_up_on_the_next_tick(instance, data_root):
+    run = write_batch(data_root, "b1", [task("a")], [attempt("a")], complete=False)
+    first = tick(instance, data_root)
+    assert requests(first) == [] and added(first) == []
+    (run / "_SUCCESS").write_text("")
+    assert requests(tick(instance, data_root)) == [("judge_job", "b1", "b1")]
+
+
+def test_already_filtered_batches_are_registered_never_rerun(instance, data_root):
+    """A fresh instance over an existing warehouse must not re-filter old batches with a bigger history."""
+    write_batch(data_root, "old", [task("a")], [attempt("a")])
+    write_kept(data_root, "old", ("a", ["k"], "m", "s"))
+    write_batch(data_root, "legacy", [task("a")], [attempt("a")])
+    write_legacy_kept(data_root, "legacy", ("a", ["k"], "m", "s"))
+    result = tick(instance, data_root)
+    assert added(result) == ["legacy", "old"]
+    assert requests(result) == []
+
+
+def test_ledger_is_walked_lowest_run_id_first_with_the_configured_caps(instance, data_root):
+    for run_id in ("b1", "b2"):
+        write_batch(data_root, run_id, [task("a")], [attempt("a")])
+        judged(data_root, run_id)
+    instance.add_dynamic_partitions("run_id", ["b1", "b2"])
+    result = tick(instance, data_root, caps={"per_site_cap": 5})
+    assert requests(result) == [("ledger_job", "b1", "b1:ledger")]
+    assert result.run_requests[0].run_config == {"ops": {"ledger": {"config": {"per_site_cap": 5}}}}
+
+
+B = BatchState
+
+
+def test_plan_waits_for_an_earlier_batch_still_judging():
+    batches = [B("b1", judged=False, filtered=False), B("b2", judged=True, filtered=False)]
+    assert plan_tick(batches, {"b1", "b2"}, busy={"b1"}, failed_ledger=set())[2] is None
+
+
+def test_plan_waits_while_an_earlier_ledger_run_is_in_flight():
+    batches = [B("b1", judged=True, filtered=False), B("b2", judged=True, filtered=False)]
+    assert plan_tick(batches, {"b1", "b2"}, busy={"b1"}, failed_ledger=set())[2] is None
+
+
+def test_plan_does_not_let_one_broken_batch_block_the_rest():
+    batches = [
+        B("b0", judged=True, filtered=True),
+        B("b1", judged=False, filtered=False),  # its judge run failed: nothing in flight
+        B("b2", judged=True, filtered=False),  # its ledger run failed
+        B("b3", judged=True, filtered=False),
+    ]
+    assert plan_tick(batches, {"b0", "b1", "b2", "b3"}, busy=set(), failed_ledger={"b2"})[2] == "b3"
+
+
+def test_plan_waits_for_a_batch_judged_in_this_very_tick():
+    batches = [B("b1", judged=False, filtered=False), B("b2", judged=True, filtered=False)]
+    register, judge, walk, why = plan_tick(batches, {"b2"}, busy=set(), failed_ledger=set())
+    assert (register, judge, walk) == (["b1"], ["b1"], None)
+    assert "b1" in why
+
+
+def test_sensor_sees_runs_in_flight_and_failed_ledger_runs_in_the_instance(instance, data_root):
+    from dagster._core.test_utils import create_run_for_test
+
+    for run_id in ("b1", "b2", "b3"):
+        write_batch(data_root, run_id, [task("a")], [attempt("a")])
+    judged(data_root, "b2")
+    judged(data_root, "b3")
+    instance.add_dynamic_partitions("run_id", ["b1", "b2", "b3"])
+
+    judging_b1 = create_run_for_test(instance, tags={"dagster/partition": "b1"}, status=dg.DagsterRunStatus.STARTED)
+    assert requests(tick(instance, data_root)) == []  # b2 must wait for b1
+
+    instance.report_run_failed(judging_b1)
+    assert requests(tick(instance, data_root)) == [("ledger_job", "b2", "b2:ledger")]
+
+    create_run_for_test(
+        instance, tags={"dagster/partition": "b2", "dagster/run_key": "b2:ledger"}, status=dg.DagsterRunStatus.FAILURE
+    )
+    assert requests(tick(instance, data_root)) == [("ledger_job", "b3", "b3:ledger")]
