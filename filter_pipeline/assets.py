@@ -10,12 +10,12 @@ import dagster as dg
 import pandas as pd
 
 from filter_pipeline import rules
-from filter_pipeline.batch import read_batch
+from filter_pipeline.batch import attempt_steps, read_batch
 from filter_pipeline.config import CapsConfig
 from filter_pipeline.history import build_prior_index, load_retired
 from filter_pipeline.judging import JudgeResource
 from filter_pipeline.schemas import DROPPED_REASONS, FAILURE_REASONS, SCHEMAS, STATUS_ERROR, STATUS_JUDGED
-from filter_pipeline.warehouse import DataRoot
+from filter_pipeline.warehouse import DataRoot, read_parquet
 
 run_id_partitions = dg.DynamicPartitionsDefinition(name="run_id")
 
@@ -97,9 +97,17 @@ def judge_verdicts(
     judge: JudgeResource,
     data: DataRoot,
 ) -> dg.Output[pd.DataFrame]:
+    run_id = context.partition_key
     requests = rules.attempts_to_judge(batch_tasks, batch_attempts)
-    verdicts = judge.judge(requests, data.root, context.log)
-    verdicts = verdicts.assign(backend=verdicts["backend_detail"], run_id=context.partition_key)
+    previous_file = data.asset_file("judge_verdicts", run_id)
+    judgement = judge.judge(
+        requests,
+        data.root,
+        steps_for=lambda lines: attempt_steps(data.run_dir(run_id), lines),
+        previous=read_parquet(previous_file) if previous_file.exists() else None,
+        log=context.log,
+    )
+    verdicts = judgement.verdicts.assign(backend=judgement.verdicts["backend_detail"], run_id=run_id)
     judged = verdicts[verdicts["status"] == STATUS_JUDGED]
     return dg.Output(
         verdicts,
@@ -108,7 +116,7 @@ def judge_verdicts(
             "passed": int((judged["passed"] == True).sum()),  # noqa: E712
             "unjudged": int((verdicts["status"] == STATUS_ERROR).sum()),
             "superseded_ok_attempts": rules.superseded_ok_attempts(batch_attempts, requests),
-            "judge": judge.kind,
+            **judgement.metadata,
         },
     )
 

@@ -325,3 +325,16 @@ def _rejects_for(rows: pd.DataFrame, data: bytes, file: str, field: str, templat
         _reject_row(file, int(line), field, template.format(repr(task_id)), lines[int(line) - 1])
         for task_id, line in zip(rows["task_id"], rows["line"])
     ]
+
+
+def attempt_steps(run_dir: UPath, lines: set[int]) -> dict[int, list]:
+    """The `steps` of the executions.jsonl records on the given line numbers (for a judge whose trajectory
+    folder has no usable trajectory.json)."""
+    if not lines:
+        return {}
+    out = {}
+    for number, raw in enumerate((run_dir / EXECUTIONS_FILE).read_bytes().split(b"\n"), start=1):
+        if number in lines:
+            steps = json.loads(raw).get("steps")
+            out[number] = steps if isinstance(steps, list) else []
+    return out

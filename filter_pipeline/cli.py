@@ -17,7 +17,7 @@ from filter_pipeline.config import load_caps_file, parse_caps
 from filter_pipeline.definitions import build_defs
 from filter_pipeline.history import HistoryError, load_retired
 from filter_pipeline.jobs import filter_job
-from filter_pipeline.judging import JUDGE_KINDS, JudgeResource
+from filter_pipeline.judging import JUDGE_KINDS, judge_from_env
 from filter_pipeline.schemas import DROPPED_REASONS, FAILURE_REASONS, STATUS_ERROR
 from filter_pipeline.sensors import complete_batches
 from filter_pipeline.warehouse import DATA_ENV, DEFAULT_DATA, DataRoot, read_parquet
@@ -38,7 +38,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     m.add_argument("run_ids", nargs="*", metavar="RUN_ID", help="run_id folders under <data>/runs/")
     m.add_argument("--data", default=None, help=f"data root (default: ${DATA_ENV} or '{DEFAULT_DATA}')")
-    m.add_argument("--judge", choices=JUDGE_KINDS, default="gate", help="which judge decides (default: gate)")
+    m.add_argument(
+        "--judge", choices=JUDGE_KINDS, default=None, help="which judge decides (default: $FILTER_JUDGE_KIND or gate)"
+    )
     m.add_argument("--per-site-cap", type=int, default=None, help="most kept rows per (macro, site); overrides --caps")
     m.add_argument("--caps", default=None, metavar="FILE", help='YAML/JSON {"per_site_cap": N, "caps": {macro: {site_cap, target}}}')
     return parser
@@ -110,7 +112,10 @@ def materialize(args: argparse.Namespace) -> int:
     known = set(instance.get_dynamic_partitions(run_id_partitions.name))
     instance.add_dynamic_partitions(run_id_partitions.name, [r for r in dict.fromkeys(run_ids) if r not in known])
 
-    job = build_defs(data.path, JudgeResource(kind=args.judge), caps).resolve_job_def(filter_job.name)
+    judge = judge_from_env(args.judge)
+    if judge.kind == "llm":
+        judge.settings()  # missing FILTER_JUDGE_BASE_URL / MODEL: say so before any run starts
+    job = build_defs(data.path, judge, caps).resolve_job_def(filter_job.name)
     run_config = {
         "loggers": {"console": {"config": {"log_level": "INFO"}}},
         **({"ops": {"ledger": {"config": caps}}} if caps else {}),

@@ -7,12 +7,9 @@ import dagster as dg
 from filter_pipeline.assets import execution_batch, failure_pool, judge_verdicts, ledger
 from filter_pipeline.config import CAPS_ENV, load_caps_file
 from filter_pipeline.jobs import filter_job, judge_job, ledger_job
-from filter_pipeline.judging import JudgeResource
+from filter_pipeline.judging import JudgeResource, judge_from_env
 from filter_pipeline.sensors import build_batch_sensor
 from filter_pipeline.warehouse import DATA_ENV, DEFAULT_DATA, DataRoot, WarehouseIOManager
-
-JUDGE_KIND_ENV = "FILTER_JUDGE_KIND"
-
 
 def build_defs(data_path: str, judge: JudgeResource, caps: dict) -> dg.Definitions:
     """All definitions for one data root, judge and caps (the CLI builds its own; `defs` reads the env).
@@ -34,7 +31,7 @@ def defs_from_env() -> dg.Definitions:
     caps_file = os.environ.get(CAPS_ENV)
     return build_defs(
         data_path=os.environ.get(DATA_ENV, DEFAULT_DATA),
-        judge=JudgeResource(kind=os.environ.get(JUDGE_KIND_ENV, "gate")),
+        judge=judge_from_env(),
         caps=load_caps_file(caps_file) if caps_file else {},
     )
 

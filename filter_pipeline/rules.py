@@ -61,12 +61,13 @@ def attempts_to_judge(tasks: pd.DataFrame, attempts: pd.DataFrame) -> pd.DataFra
     """For each task (tasks.jsonl order) with an ok attempt, the ok attempt with the highest number.
 
     Columns: the task's (task_id, macro, site, dedup_key, start_kind, instruction) and the attempt's
-    (attempt, dir, n_actions, backend_ok, backend_detail).
+    (attempt, dir, n_actions, backend_ok, backend_detail, attempt_line: its line in executions.jsonl).
     """
     ok = attempts[attempts["ok"] == True]  # noqa: E712 - nullable bool column
     latest = ok.sort_values("attempt", kind="stable").drop_duplicates("task_id", keep="last")
-    picked = tasks.merge(
-        latest[["task_id", "attempt", "dir", "n_actions", "backend_ok", "backend_detail"]],
+    latest = latest.rename(columns={"line": "attempt_line"})
+    picked = tasks.drop(columns=["line"], errors="ignore").merge(
+        latest[["task_id", "attempt", "dir", "n_actions", "backend_ok", "backend_detail", "attempt_line"]],
         on="task_id",
         how="inner",
         validate="one_to_one",

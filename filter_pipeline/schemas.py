@@ -78,7 +78,18 @@ _VERDICT_FIELDS = [
     ("start_kind", STR),
     ("instruction", STR),
     # beyond the contract's columns:
-    ("status", STR),
+    ("status", STR),  # judged | error (unjudged: neither kept nor a failure, judged again next time)
+    ("judge", STR),  # gate | llm
+    ("model", STR),
+    ("prompt_version", STR),
+    ("cache_key", STR),  # hash of prompt version, model, votes, temperature and the exact inputs shown
+    ("cached", BOOL),  # verdict reused from this partition's previous materialization
+    ("calls", INT),  # HTTP calls made for this verdict (retries included)
+    ("prompt_tokens", INT),
+    ("completion_tokens", INT),
+    ("latency_ms", pa.float64()),
+    ("raw_replies", STR),  # JSON list of the model's replies, each cut to 500 characters
+    ("replies_sha256", STR),  # hash of the full replies
     ("run_id", STR),
 ]
 
