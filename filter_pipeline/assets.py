@@ -9,17 +9,16 @@ from collections.abc import Iterable
 import dagster as dg
 import pandas as pd
 
-from filter_pipeline import rules
-from filter_pipeline.batch import attempt_steps, read_batch
+from filter_pipeline import checks, rules
+from filter_pipeline.batch import attempt_steps, count_records, read_batch
 from filter_pipeline.config import CapsConfig
 from filter_pipeline.history import build_prior_index, load_retired
 from filter_pipeline.judging import JudgeResource
 from filter_pipeline.schemas import DROPPED_REASONS, FAILURE_REASONS, SCHEMAS, STATUS_ERROR, STATUS_JUDGED
+from filter_pipeline.pool import LEDGER_POOL, mark_ledger_holder
 from filter_pipeline.warehouse import DataRoot, read_parquet
 
 run_id_partitions = dg.DynamicPartitionsDefinition(name="run_id")
-
-LEDGER_POOL = "ledger"
 
 
 def column_schema(asset: str) -> dict:
@@ -65,6 +64,7 @@ def count_by(values: pd.Series, names: Iterable[str], prefix: str) -> dict:
 def execution_batch(context: dg.AssetExecutionContext, data: DataRoot):
     """Parse one execution batch; bad records are set aside as rejects, never dropped silently."""
     run_id = context.partition_key
+    load_retired(data.root)  # a broken retired.json fails the run here, before anything is written
     batch = read_batch(data.run_dir(run_id), run_id)
     context.log.info(
         f"parsed runs/{run_id}: {len(batch.tasks)} tasks, {len(batch.attempts)} attempts, "
@@ -121,6 +121,20 @@ def judge_verdicts(
     )
 
 
+def check_result(check: str, asset: str, outcome: checks.CheckOutcome) -> dg.AssetCheckResult:
+    return dg.AssetCheckResult(
+        check_name=check,
+        asset_key=asset,
+        passed=outcome.passed,
+        description=outcome.description,
+        metadata=outcome.metadata,
+    )
+
+
+def blocking_check(name: str, asset: str, description: str) -> dg.AssetCheckSpec:
+    return dg.AssetCheckSpec(name, asset=asset, blocking=True, description=description)
+
+
 @dg.asset(
     partitions_def=run_id_partitions,
     group_name="judging",
@@ -128,22 +142,34 @@ def judge_verdicts(
     "pass (stage judge, reason judge_fail): candidate DPO negatives. backend_ok rows reached the goal although "
     "the script failed, so they are not clean negatives.",
     metadata=column_schema("failure_pool"),
+    check_specs=[
+        blocking_check("attempts_conserved", "failure_pool", checks.attempts_conserved.__doc__),
+        blocking_check("execute_rows_match_failed_attempts", "failure_pool", checks.execute_rows_match_failed_attempts.__doc__),
+    ],
 )
 def failure_pool(
-    batch_tasks: pd.DataFrame, batch_attempts: pd.DataFrame, judge_verdicts: pd.DataFrame
-) -> dg.Output[pd.DataFrame]:
+    context: dg.AssetExecutionContext,
+    batch_tasks: pd.DataFrame,
+    batch_attempts: pd.DataFrame,
+    batch_rejects: pd.DataFrame,
+    judge_verdicts: pd.DataFrame,
+    data: DataRoot,
+):
     requests = rules.attempts_to_judge(batch_tasks, batch_attempts)
     pool = pd.concat(
         [rules.execute_failures(batch_tasks, batch_attempts), rules.judge_failures(judge_verdicts, requests)],
         ignore_index=True,
     )
-    return dg.Output(
+    yield dg.Output(
         pool,
         metadata={
             **count_by(pool["reason"], FAILURE_REASONS, "reason/"),
             "backend_ok": int((pool["backend_ok"] == True).sum()),  # noqa: E712
         },
     )
+    records = count_records(data.run_dir(context.partition_key))
+    yield check_result("attempts_conserved", "failure_pool", checks.attempts_conserved(records, batch_attempts, batch_rejects, requests))
+    yield check_result("execute_rows_match_failed_attempts", "failure_pool", checks.execute_rows_match_failed_attempts(pool, batch_attempts))
 
 
 # --- the ledger -------------------------------------------------------------------------------------
@@ -179,6 +205,11 @@ _LEDGER_INPUTS = {dg.AssetKey("judge_verdicts"), dg.AssetKey("prior_dedup_index"
             metadata=column_schema("surplus"),
         ),
     },
+    check_specs=[
+        blocking_check("verdicts_conserved", "kept", checks.verdicts_conserved.__doc__),
+        blocking_check("no_key_kept_twice", "kept", checks.no_key_kept_twice.__doc__),
+        blocking_check("caps_respected", "kept", checks.caps_respected.__doc__),
+    ],
     internal_asset_deps={
         "prior_dedup_index": {dg.AssetKey("judge_verdicts")},
         "prior_kept_counts": set(),
@@ -189,6 +220,7 @@ _LEDGER_INPUTS = {dg.AssetKey("judge_verdicts"), dg.AssetKey("prior_dedup_index"
 def ledger(context: dg.AssetExecutionContext, config: CapsConfig, data: DataRoot, judge_verdicts: pd.DataFrame):
     """Read history and walk the verdicts in one step under the `ledger` pool (limit 1): two runs reading the
     index before either writes `kept` could both keep the same key."""
+    mark_ledger_holder(context)
     run_id = context.partition_key
     retired = load_retired(data.root)
     index = build_prior_index(data.root, data.warehouse / "kept", run_id, judge_verdicts["dedup_key"], retired)
@@ -196,9 +228,15 @@ def ledger(context: dg.AssetExecutionContext, config: CapsConfig, data: DataRoot
         f"prior index: {index.rows_read} kept rows of {index.runs_read} other runs; "
         f"{len(index.keys)} of them share a key with this batch"
     )
-    result = rules.walk_ledger(judge_verdicts, index.keys, index.counts, config.to_caps(), run_id)
+    caps = config.to_caps()
+    result = rules.walk_ledger(judge_verdicts, index.keys, index.counts, caps, run_id)
     context.log.info(f"walk: kept {len(result.kept)}, surplus {len(result.surplus)}")
     yield dg.Output(index.keys, output_name="prior_dedup_index", metadata={"runs_read": index.runs_read, "rows_read": index.rows_read})
     yield dg.Output(index.counts, output_name="prior_kept_counts", metadata={"kept_before": int(index.counts["n_kept"].sum())})
     yield dg.Output(result.kept, output_name="kept")
     yield dg.Output(result.surplus, output_name="surplus", metadata=count_by(result.surplus["dropped"], DROPPED_REASONS, "dropped/"))
+    # read afresh rather than trusting the index the walk used
+    kept_elsewhere = build_prior_index(data.root, data.warehouse / "kept", run_id, result.kept["dedup_key"], retired)
+    yield check_result("verdicts_conserved", "kept", checks.verdicts_conserved(judge_verdicts, result.kept, result.surplus))
+    yield check_result("no_key_kept_twice", "kept", checks.no_key_kept_twice(result.kept, kept_elsewhere.keys))
+    yield check_result("caps_respected", "kept", checks.caps_respected(result.kept, index.counts, caps))

@@ -7,6 +7,7 @@ what was expected, and the rest is parsed. Only a batch that cannot be read at a
 
 import io
 import json
+import os
 import re
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -267,6 +268,53 @@ def _fast_attempts(data: bytes) -> pd.DataFrame | None:
     )
 
 
+# --- symlinks ---------------------------------------------------------------------------------------
+
+
+def _symlinks_below(folder: str) -> list[str]:
+    found, stack = [], [folder]
+    while stack:
+        try:
+            entries = list(os.scandir(stack.pop()))
+        except OSError:
+            continue
+        for entry in entries:
+            if entry.is_symlink():
+                found.append(entry.path)
+            elif entry.is_dir(follow_symlinks=False):
+                stack.append(entry.path)
+    return found
+
+
+def _top(path: str) -> str:
+    """The folder a trajectory dir sits in, at most three levels deep (runs/<run_id>/traj)."""
+    parts = path.split("/")
+    return "/".join(parts[: min(3, max(len(parts) - 1, 1))])
+
+
+def dirs_outside_root(run_dir: UPath, dirs: pd.Series) -> set[str]:
+    """The trajectory dirs that, with symlinks resolved, leave the data root (local disk only).
+
+    Dirs are grouped by their top folder (runs/<run_id>/traj); each top folder is resolved once and walked
+    once for symlinks, and only dirs behind a symlink are resolved one by one. A batch without symlinks
+    costs one walk of its trajectory folders.
+    """
+    if run_dir.protocol not in ("", "file", "local") or dirs.empty:
+        return set()
+    root = os.path.realpath(os.path.dirname(os.path.dirname(run_dir.path)))
+    inside = lambda rel: os.path.realpath(os.path.join(root, rel)).startswith(root + os.sep)  # noqa: E731
+    unique = pd.Series(pd.unique(dirs.astype(object)), dtype=object)
+    outside: set[str] = set()
+    for top, group in unique.groupby(unique.map(_top)):
+        if not inside(top):
+            outside.update(group)
+            continue
+        links = tuple(os.path.relpath(p, root) + "/" for p in _symlinks_below(os.path.join(root, top)))
+        if links:
+            outside.update(d for d in group if (d + "/").startswith(links) and not inside(d))
+    return outside
+
+
 # --- the batch --------------------------------------------------------------------------------------
 
 
@@ -308,6 +356,11 @@ def read_batch(run_dir: UPath, run_id: str) -> Batch:
         attempts[twice], executions_data, EXECUTIONS_FILE, "attempt", "attempt of task_id {} appears earlier with the same number"
     )
     attempts = attempts[~twice]
+    escaping = attempts["dir"].isin(dirs_outside_root(run_dir, attempts["dir"]))
+    rejects += _rejects_for(
+        attempts[escaping], executions_data, EXECUTIONS_FILE, "dir", "attempt of task_id {} has a dir that resolves outside the data root"
+    )
+    attempts = attempts[~escaping]
 
     rejects_frame = pd.DataFrame(rejects) if rejects else empty_frame("batch_rejects")
     return Batch(
@@ -338,3 +391,8 @@ def attempt_steps(run_dir: UPath, lines: set[int]) -> dict[int, list]:
             steps = json.loads(raw).get("steps")
             out[number] = steps if isinstance(steps, list) else []
     return out
+
+
+def count_records(run_dir: UPath) -> int:
+    """Non-blank lines of executions.jsonl, counted afresh (what every attempt must be accounted against)."""
+    return sum(1 for raw in (run_dir / EXECUTIONS_FILE).read_bytes().split(b"\n") if raw.strip())

@@ -18,6 +18,7 @@ from filter_pipeline.definitions import build_defs
 from filter_pipeline.history import HistoryError, load_retired
 from filter_pipeline.jobs import filter_job
 from filter_pipeline.judging import JUDGE_KINDS, judge_from_env
+from filter_pipeline.pool import release_stale_ledger_slots
 from filter_pipeline.schemas import DROPPED_REASONS, FAILURE_REASONS, STATUS_ERROR
 from filter_pipeline.sensors import complete_batches
 from filter_pipeline.warehouse import DATA_ENV, DEFAULT_DATA, DataRoot, read_parquet
@@ -96,6 +97,9 @@ def _failure_reason(result: dg.ExecuteInProcessResult) -> str:
             while error.cause is not None and error.cls_name == "DagsterExecutionStepExecutionError":
                 error = error.cause
             message = error.message.strip().splitlines()[-1] if error.message.strip() else error.cls_name
+            qualified, _, text = message.partition(": ")
+            if qualified.endswith(error.cls_name or "\0") and text:
+                message = text  # "pkg.module.BatchError: why" -> "why"
             return f"step {event.step_key}: {message}"
     return "run failed"
 
@@ -109,6 +113,8 @@ def materialize(args: argparse.Namespace) -> int:
     if not run_ids:
         print("nothing to materialize: every complete batch is already filtered")
         return 0
+    for run_id in release_stale_ledger_slots(instance):
+        print(f"released the ledger slot of run {run_id}, whose process died", file=sys.stderr)
     known = set(instance.get_dynamic_partitions(run_id_partitions.name))
     instance.add_dynamic_partitions(run_id_partitions.name, [r for r in dict.fromkeys(run_ids) if r not in known])
 

@@ -14,6 +14,7 @@ from dagster._core.storage.tags import PARTITION_NAME_TAG, RUN_KEY_TAG
 from filter_pipeline.assets import run_id_partitions
 from filter_pipeline.batch import LEGACY_KEPT_FILE, RUN_ID_PATTERN, SUCCESS_FILE
 from filter_pipeline.jobs import judge_job, ledger_job
+from filter_pipeline.pool import release_stale_ledger_slots
 from filter_pipeline.warehouse import DataRoot
 
 JUDGE_JOB = judge_job.name
@@ -102,6 +103,8 @@ def build_batch_sensor(caps: dict) -> dg.SensorDefinition:
     )
     def batch_sensor(context: dg.SensorEvaluationContext, data: DataRoot) -> dg.SensorResult:
         instance = context.instance
+        for run_id in release_stale_ledger_slots(instance):
+            context.log.warning(f"released the ledger slot of run {run_id}, whose process died")
         batches = complete_batches(data)
         registered = set(instance.get_dynamic_partitions(run_id_partitions.name))
         waiting = [b.run_id for b in batches if not b.filtered]

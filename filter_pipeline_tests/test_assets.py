@@ -42,7 +42,7 @@ def test_lineage_descriptions_groups_and_schemas():
     assert sorted(k.path[-1] for k in graph.get_all_asset_keys()) == sorted(ASSETS)
     parents = {k.path[-1]: sorted(p.path[-1] for p in graph.get(k).parent_keys) for k in graph.get_all_asset_keys()}
     assert parents["judge_verdicts"] == ["batch_attempts", "batch_tasks"]
-    assert parents["failure_pool"] == ["batch_attempts", "batch_tasks", "judge_verdicts"]
+    assert parents["failure_pool"] == ["batch_attempts", "batch_rejects", "batch_tasks", "judge_verdicts"]
     assert parents["kept"] == ["judge_verdicts", "prior_dedup_index", "prior_kept_counts"]
     assert parents["surplus"] == ["judge_verdicts", "prior_dedup_index", "prior_kept_counts"]
     for key in graph.get_all_asset_keys():

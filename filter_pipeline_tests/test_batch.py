@@ -119,3 +119,21 @@ def test_run_id_must_be_a_plain_folder_name(run_id):
 
 def test_plain_run_ids_are_accepted():
     assert check_run_id("2026-11-30_batch.7") == "2026-11-30_batch.7"
+
+
+def test_dir_resolving_outside_the_data_root_through_a_symlink_is_rejected(tmp_path):
+    data = tmp_path / "data"
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    run = write_batch(data, "r", [task("a"), task("b")], [])
+    (run / "traj").mkdir()
+    (run / "traj" / "evil").symlink_to(outside)
+    (run / "traj" / "fine").mkdir()
+    (run / "traj" / "alias").symlink_to(run / "traj" / "fine")  # a symlink that stays inside is fine
+    (run / "executions.jsonl").write_text(
+        jsonl([{**attempt("a"), "dir": "runs/r/traj/evil/1"}, {**attempt("b"), "dir": "runs/r/traj/alias"}])
+    )
+    b = read_batch(UPath(run), "r")
+    assert b.attempts["task_id"].tolist() == ["b"]
+    assert b.rejects[["line", "field"]].values.tolist() == [[1, "dir"]]
+    assert "resolves outside the data root" in b.rejects["message"].item()

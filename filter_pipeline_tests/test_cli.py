@@ -1,5 +1,6 @@
 """The CLI as a user runs it: separate processes on a temp DAGSTER_HOME and data root."""
 
+import shutil
 import subprocess
 import time
 
@@ -7,7 +8,7 @@ import dagster as dg
 import pandas as pd
 import pytest
 
-from filter_pipeline.assets import LEDGER_POOL
+from filter_pipeline.pool import LEDGER_POOL
 from filter_pipeline_tests.builders import attempt, task, write_batch
 from filter_pipeline_tests.conftest import CLI, REPO
 
@@ -91,6 +92,16 @@ def test_a_failing_run_exits_non_zero_with_its_reason(cli, data_root):
     assert done.stderr.strip() == "filter-pipeline: retired.json is not valid JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"
 
 
+def test_a_batch_without_tasks_fails_its_run_with_the_reason_and_writes_nothing(cli, data_root):
+    write_batch(data_root, "empty", [], [])
+    write_batch(data_root, "fine", [task("a")], [attempt("a")])
+    done = cli("empty", "fine")
+    assert done.returncode == 1
+    assert done.stdout.splitlines()[0] == "empty: FAILED (step execution_batch: runs/empty/tasks.jsonl holds no valid task)"
+    assert done.stdout.splitlines()[1].startswith("fine: judged 1")
+    assert sorted(p.name for p in (data_root / "warehouse").rglob("*.parquet") if p.stem == "empty") == []
+
+
 def test_two_runs_launched_together_never_keep_a_key_twice(cli_env, data_root, dagster_home):
     overlapping_batches(data_root, ["b1", "b2"])
     dg.DagsterInstance.from_config(str(dagster_home)).dispose()  # an existing instance, as a user's would be
@@ -118,3 +129,39 @@ def test_two_runs_launched_together_never_keep_a_key_twice(cli_env, data_root, d
         (s1, e1), (s2, e2) = sorted(spans)
         assert e1 <= s2, f"ledger steps overlapped: {spans}"
         assert instance.event_log_storage.get_concurrency_info(LEDGER_POOL).slot_count == 1
+
+
+def big_batch(data_root, run_id, n):
+    tasks = [task(f"t{i}", site=f"s{i % 50}", key=["s", "#el", i]) for i in range(n)]
+    write_batch(data_root, run_id, tasks, [attempt(t["task_id"]) for t in tasks])
+
+
+def test_a_run_killed_while_writing_kept_leaves_nothing_partial_and_reruns_identically(cli, cli_env, tmp_path, data_root):
+    big_batch(data_root, "big", 120_000)
+    reference = tmp_path / "reference"
+    shutil.copytree(data_root, reference)
+    temp_files = lambda: [p for d in ("kept", "surplus") for p in (data_root / "warehouse" / d).glob(".*.tmp")]
+
+    proc = subprocess.Popen([*CLI, "materialize", "big", "--per-site-cap", "100000"], env=cli_env, cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    caught = []
+    while proc.poll() is None and not caught:
+        caught = temp_files()
+        if not caught:
+            time.sleep(0.0005)
+    proc.kill()
+    proc.wait()
+    assert caught, "the run finished before a kept/surplus write could be interrupted"
+    assert not (data_root / "warehouse" / "kept" / "big.parquet").exists()  # the half-written file never got the name
+
+    assert cli("big", "--per-site-cap", "100000").returncode == 0
+    done = cli("big", "--per-site-cap", "100000", env={"FILTER_PIPELINE_DATA": str(reference)})
+    assert done.returncode == 0
+    leftovers = [p for p in (data_root / "warehouse").rglob("*") if p.name.startswith(".") or p.name.endswith(".tmp")]
+    assert leftovers == []
+    for asset in ("judge_verdicts", "failure_pool", "prior_dedup_index", "kept", "surplus"):
+        pd.testing.assert_frame_equal(
+            pd.read_parquet(data_root / "warehouse" / asset / "big.parquet"),
+            pd.read_parquet(reference / "warehouse" / asset / "big.parquet"),
+        )
+    assert len(pd.read_parquet(data_root / "warehouse" / "kept" / "big.parquet")) == 120_000

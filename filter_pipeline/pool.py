@@ -1,0 +1,50 @@
+"""The `ledger` concurrency pool, and recovery of slots held by runs whose process was killed.
+
+A run killed with SIGKILL never releases the slot it claimed, and with Dagster's default run launcher (and
+`execute_in_process`, which the CLI uses) nothing notices the dead process, so every later ledger step would
+wait forever. The ledger step therefore tags its run with its host and pid; the sensor and the CLI release
+a slot whose holder is a dead process on this host, and mark that run failed.
+"""
+
+import os
+import socket
+
+import dagster as dg
+
+LEDGER_POOL = "ledger"
+HOST_TAG = "filter_pipeline/host"
+PID_TAG = "filter_pipeline/pid"
+
+
+def mark_ledger_holder(context: dg.AssetExecutionContext) -> None:
+    """Record which process holds the ledger slot for this run."""
+    context.instance.add_run_tags(context.run_id, {HOST_TAG: socket.gethostname(), PID_TAG: str(os.getpid())})
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def release_stale_ledger_slots(instance: dg.DagsterInstance) -> list[str]:
+    """Free ledger slots held by dead processes on this host; returns the run_ids whose slots were freed."""
+    storage = instance.event_log_storage
+    if not storage.supports_global_concurrency_limits:
+        return []
+    host = socket.gethostname()
+    freed = []
+    for run_id in storage.get_concurrency_info(LEDGER_POOL).active_run_ids:
+        run = instance.get_run_by_id(run_id)
+        tags = run.tags if run else {}
+        holder_is_dead = tags.get(HOST_TAG) == host and PID_TAG in tags and not _alive(int(tags[PID_TAG]))
+        if run is None or (holder_is_dead and run.status != dg.DagsterRunStatus.SUCCESS):
+            if run is not None and not run.is_finished:
+                instance.report_run_failed(run, "its process died while holding the ledger slot")
+            storage.free_concurrency_slots_for_run(run_id)
+            freed.append(run_id)
+    return freed

@@ -1,0 +1,148 @@
+"""As a user would: `dagster dev -w workspace.yaml` on loopback, batches dropped into the data root, the
+sensor doing the rest; lineage and materializations read back through the webserver's GraphQL API."""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import dagster as dg
+import pandas as pd
+import pytest
+
+from filter_pipeline_tests.builders import attempt, task, write_batch
+from filter_pipeline_tests.conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+DEADLINE_SECONDS = 300
+
+
+class DagsterDev:
+    def __init__(self, home: Path, data: Path):
+        self.home, self.data = home, data
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.log = open(home / "dagster-dev.log", "w")
+        self.proc = subprocess.Popen(
+            [str(Path(sys.executable).parent / "dagster"), "dev", "-w", "workspace.yaml",
+             "-h", "127.0.0.1", "-p", str(self.port)],
+            cwd=REPO,
+            env={**os.environ, "DAGSTER_HOME": str(home), "FILTER_PIPELINE_DATA": str(data)},
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group: daemon, webserver and code server go down together
+        )  # fmt: skip
+
+    def graphql(self, query: str, variables: dict | None = None) -> dict:
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/graphql",
+            data=json.dumps({"query": query, "variables": variables or {}}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=30) as response:
+            payload = json.loads(response.read())
+        assert "errors" not in payload, payload
+        return payload["data"]
+
+    def wait_until_up(self) -> None:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            assert self.proc.poll() is None, (self.home / "dagster-dev.log").read_text()[-3000:]
+            try:
+                if self.graphql("{ version }")["version"]:
+                    return
+            except OSError:
+                pass
+            time.sleep(1)
+        raise TimeoutError("dagster dev did not come up")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def dagster_dev(tmp_path_factory):
+    root = tmp_path_factory.mktemp("e2e")
+    home, data = root / "home", root / "data"
+    home.mkdir()
+    (data / "runs").mkdir(parents=True)
+    shutil.copy(REPO / "instance" / "dagster.yaml", home / "dagster.yaml")
+    server = DagsterDev(home, data)
+    try:
+        server.wait_until_up()
+        yield server
+    finally:
+        server.stop()
+
+
+def wait_for_kept(server: DagsterDev, run_ids: list[str]) -> None:
+    deadline = time.time() + DEADLINE_SECONDS
+    while time.time() < deadline:
+        if all((server.data / "warehouse" / "kept" / f"{r}.parquet").exists() for r in run_ids):
+            with dg.DagsterInstance.from_config(str(server.home)) as instance:
+                if not instance.get_run_records(dg.RunsFilter(statuses=[dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.STARTING])):
+                    return
+        time.sleep(2)
+    raise TimeoutError(f"sensor did not filter {run_ids}; log tail:\n" + (server.home / "dagster-dev.log").read_text()[-3000:])
+
+
+def test_a_dropped_batch_is_filtered_with_no_clicks_and_lineage_is_visible(dagster_dev):
+    write_batch(dagster_dev.data, "b0", [task("a"), task("b")], [attempt("a"), attempt("b", ok=False, error="x")])
+    wait_for_kept(dagster_dev, ["b0"])
+
+    nodes = dagster_dev.graphql("{ assetNodes { assetKey { path } dependencyKeys { path } groupName } }")["assetNodes"]
+    deps = {n["assetKey"]["path"][-1]: sorted(d["path"][-1] for d in n["dependencyKeys"]) for n in nodes}
+    assert "batch_tasks" in deps["judge_verdicts"] and "batch_attempts" in deps["judge_verdicts"]
+    assert "judge_verdicts" in deps["failure_pool"]
+    for asset in ("kept", "surplus"):
+        assert {"judge_verdicts", "prior_dedup_index"} <= set(deps[asset])
+
+    query = """query($key: AssetKeyInput!) { assetOrError(assetKey: $key) {
+        ... on Asset { assetMaterializations(partitions: ["b0"]) { partition runId } } } }"""
+    for asset in deps:
+        materializations = dagster_dev.graphql(query, {"key": {"path": [asset]}})["assetOrError"]["assetMaterializations"]
+        assert [m["partition"] for m in materializations] == ["b0"], asset
+
+    repos = dagster_dev.graphql(
+        "{ repositoriesOrError { ... on RepositoryConnection { nodes { sensors { name sensorState { status } } } } } }"
+    )["repositoriesOrError"]["nodes"]
+    sensors = [(s["name"], s["sensorState"]["status"]) for repo in repos for s in repo["sensors"]]
+    assert sensors == [("batch_sensor", "RUNNING")]
+
+
+def test_eight_batches_at_once_are_walked_one_at_a_time_in_run_id_order(dagster_dev):
+    run_ids = [f"c{i}" for i in range(8)]
+    for run_id in reversed(run_ids):
+        tasks = [task(f"{run_id}-{i}", site=f"s{i % 3}", key=["shared", i]) for i in range(12)]
+        write_batch(dagster_dev.data, run_id, tasks, [attempt(t["task_id"]) for t in tasks])
+    wait_for_kept(dagster_dev, run_ids)
+
+    kept = pd.read_parquet(dagster_dev.data / "warehouse" / "kept")
+    assert kept["dedup_key"].is_unique
+    assert kept.groupby(["macro", "site"]).size().max() <= 3
+    # the first batch walked takes every key it can; run_id order means that is c0
+    assert set(kept.loc[kept["run_id"].str.startswith("c"), "run_id"]) == {"c0"}
+
+    with dg.DagsterInstance.from_config(str(dagster_dev.home)) as instance:
+        ledger_runs = instance.get_run_records(dg.RunsFilter(job_name="ledger_job"))
+        judge_runs = instance.get_run_records(dg.RunsFilter(job_name="judge_job"))
+    assert len(judge_runs) == 9 and len(ledger_runs) == 9
+    walked = sorted((r.start_time, r.dagster_run.tags["dagster/partition"]) for r in ledger_runs)
+    assert [p for _, p in walked if p.startswith("c")] == run_ids
+    spans = sorted((r.start_time, r.end_time) for r in ledger_runs)
+    assert all(end <= next_start for (_, end), (next_start, _) in zip(spans, spans[1:]))
