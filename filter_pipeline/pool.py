@@ -18,7 +18,7 @@ PID_TAG = "filter_pipeline/pid"
 
 def mark_ledger_holder(context: dg.AssetExecutionContext) -> None:
     """Record which process holds the ledger slot for this run."""
-    context.instance.add_run_tags(context.run_id, {HOST_TAG: socket.gethostname(), PID_TAG: str(os.getpid())})
+    context.instance.add_run_tags(context.run.run_id, {HOST_TAG: socket.gethostname(), PID_TAG: str(os.getpid())})
 
 
 def _alive(pid: int) -> bool:

@@ -1,0 +1,208 @@
+"""The filter stage at scale, against the earlier script's approach, as whole processes.
+
+    .venv/bin/python -m benchmarks.filter_scale                      # 2M history rows, 300k tasks
+    .venv/bin/python -m benchmarks.filter_scale --history-runs 400 --no-baseline   # history x 10
+
+Generates (fixed seed, cached under benchmarks/out/) a history of kept rows — as warehouse Parquet files
+for this project and as legacy runs/*/kept.jsonl for the baseline — and one new batch, then times
+`filter-pipeline materialize` (process start to exit, Dagster included) and the baseline script on it,
+printing wall time, peak RSS and this project's split by step.
+"""
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+REPO = Path(__file__).resolve().parent.parent
+ELEMENTS = ["#add", "#buy", "#send", "input[name=q]", "#save"]
+
+
+def key_text(site: str, element: str, argument: int) -> str:
+    return json.dumps([site, element, argument], ensure_ascii=False, separators=(",", ":"))
+
+
+def generate(out: Path, args: argparse.Namespace) -> None:
+    rng = np.random.default_rng(args.seed)
+    sites = np.array([f"site{i:04d}.example" for i in range(args.sites)], dtype=object)
+    macros = np.array([f"macro{i:02d}" for i in range(args.macros)], dtype=object)
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    kept_dir = out / "warehouse" / "kept"
+    kept_dir.mkdir(parents=True, exist_ok=True)
+
+    for r in range(args.history_runs):
+        run_id = f"h{r:04d}"
+        n = args.history_rows
+        s, m = rng.integers(0, args.sites, n), rng.integers(0, args.macros, n)
+        e, a = rng.integers(0, len(ELEMENTS), n), rng.integers(0, args.arguments, n)
+        keys = [key_text(sites[i], ELEMENTS[j], int(k)) for i, j, k in zip(s, e, a)]
+        task_ids = [f"{run_id}-{i}" for i in range(n)]
+        table = pa.table(
+            {"task_id": task_ids, "macro": macros[m], "site": sites[s], "dedup_key": keys, "run_id": [run_id] * n}
+        )
+        pq.write_table(table, kept_dir / f"{run_id}.parquet")
+        if not args.no_baseline:
+            run = out / "runs" / run_id
+            run.mkdir(exist_ok=True)
+            with open(run / "kept.jsonl", "w") as f:
+                for t, mm, ss, k in zip(task_ids, macros[m], sites[s], keys):
+                    f.write(f'{{"task_id":"{t}","macro":"{mm}","site":"{ss}","dedup_key":{k}}}\n')
+
+    run = out / "runs" / "new"
+    run.mkdir(exist_ok=True)
+    n = args.tasks
+    s, m = rng.integers(0, args.sites, n), rng.integers(0, args.macros, n)
+    e, a = rng.integers(0, len(ELEMENTS), n), rng.integers(0, args.arguments, n)
+    with open(run / "tasks.jsonl", "w") as f:
+        for i in range(n):
+            key = key_text(sites[s[i]], ELEMENTS[e[i]], int(a[i]))
+            f.write(
+                f'{{"task_id":"t{i}","macro":"{macros[m[i]]}","site":"{sites[s[i]]}","instruction":"do task {i}",'
+                f'"dedup_key":{key},"start":{{"kind":"url","url":"https://{sites[s[i]]}/"}}}}\n'
+            )
+    n_attempts = rng.integers(1, 4, n)
+    lines = []
+    for i in range(n):
+        for att in range(1, n_attempts[i] + 1):
+            ok = bool(rng.random() < 0.6)
+            steps = ",".join('{"action":"click","selector":"#x"}' for _ in range(int(rng.integers(1, 6))))
+            error = "" if ok else ',"error":"assertion failed: banner missing"'
+            backend = '{"ok":true,"detail":"row found"}' if ok else "null"
+            lines.append(
+                f'{{"task_id":"t{i}","attempt":{att},"ok":{"true" if ok else "false"}{error},'
+                f'"dir":"runs/new/traj/t{i}/{att}","steps":[{steps}],"backend":{backend}}}\n'
+            )
+    rng.shuffle(lines)
+    (run / "executions.jsonl").write_text("".join(lines))
+    (run / "_SUCCESS").write_text("")
+
+
+BASELINE = r'''
+# The earlier script, as the reference: json.loads line by line into a set and a dict, then a Python walk.
+import json, os, sys
+data, run_id, per_site_cap = sys.argv[1], sys.argv[2], int(sys.argv[3])
+seen, count = set(), {}
+for other in sorted(os.listdir(os.path.join(data, "runs"))):
+    path = os.path.join(data, "runs", other, "kept.jsonl")
+    if other == run_id or not os.path.exists(path):
+        continue
+    for line in open(path):
+        row = json.loads(line)
+        seen.add(tuple(json.dumps(x) for x in row["dedup_key"]))
+        count[(row["macro"], row["site"])] = count.get((row["macro"], row["site"]), 0) + 1
+tasks = [json.loads(line) for line in open(os.path.join(data, "runs", run_id, "tasks.jsonl"))]
+best = {}
+for line in open(os.path.join(data, "runs", run_id, "executions.jsonl")):
+    a = json.loads(line)
+    if a["ok"] and a["attempt"] > best.get(a["task_id"], (0,))[0]:
+        best[a["task_id"]] = (a["attempt"], a)
+kept = []
+for t in tasks:
+    if t["task_id"] not in best:
+        continue
+    key = tuple(json.dumps(x) for x in t["dedup_key"])
+    if key in seen or count.get((t["macro"], t["site"]), 0) >= per_site_cap:
+        continue
+    seen.add(key)
+    count[(t["macro"], t["site"])] = count.get((t["macro"], t["site"]), 0) + 1
+    kept.append(t["task_id"])
+with open(os.path.join(data, "baseline_kept.txt"), "w") as f:
+    f.write("\n".join(kept))
+'''
+
+
+def timed(cmd: list[str], env: dict) -> tuple[float, float, subprocess.CompletedProcess]:
+    """(wall seconds, peak RSS in MB of this child, result); each command runs in a fresh child process."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    start = time.perf_counter()
+    done = subprocess.run(["/usr/bin/time", "-f", "%M", *cmd], env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    rss_kb = int(done.stderr.strip().splitlines()[-1]) if done.stderr.strip() else max(before, 0)
+    return wall, rss_kb / 1024, done
+
+
+def step_split(home: Path) -> dict[str, float]:
+    """Seconds per step of the last filter_job run, from the instance's event log."""
+    import dagster as dg
+
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        [record] = instance.get_run_records(limit=1)
+        starts, split = {}, {}
+        for event in instance.all_logs(record.dagster_run.run_id):
+            if not event.is_dagster_event:
+                continue
+            kind = event.dagster_event_type
+            if kind == dg.DagsterEventType.STEP_START:
+                starts[event.step_key] = event.timestamp
+            elif kind == dg.DagsterEventType.STEP_SUCCESS:
+                split[event.step_key] = event.timestamp - starts[event.step_key]
+        return split
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--history-runs", type=int, default=40)
+    parser.add_argument("--history-rows", type=int, default=50_000)
+    parser.add_argument("--tasks", type=int, default=300_000)
+    parser.add_argument("--sites", type=int, default=2000)
+    parser.add_argument("--macros", type=int, default=50)
+    parser.add_argument("--arguments", type=int, default=10_000_000)
+    parser.add_argument("--per-site-cap", type=int, default=40)
+    parser.add_argument("--seed", type=int, default=20261130)
+    parser.add_argument("--no-baseline", action="store_true", help="skip the earlier script (it needs ~30 GB at 20M rows)")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "out")
+    args = parser.parse_args()
+
+    name = f"h{args.history_runs}x{args.history_rows}-t{args.tasks}-s{args.seed}{'-nb' if args.no_baseline else ''}"
+    data = args.out / name
+    if not (data / "runs" / "new" / "_SUCCESS").exists():
+        shutil.rmtree(data, ignore_errors=True)
+        start = time.perf_counter()
+        generate(data, args)
+        print(f"generated {name} in {time.perf_counter() - start:.0f} s")
+    home = args.out / f"{name}-home"
+    shutil.rmtree(home, ignore_errors=True)
+    home.mkdir(parents=True)
+    shutil.copy(REPO / "instance" / "dagster.yaml", home / "dagster.yaml")
+    for folder in ("judge_verdicts", "failure_pool", "prior_dedup_index", "prior_kept_counts", "surplus",
+                   "batch_tasks", "batch_attempts", "batch_rejects"):  # fmt: skip
+        shutil.rmtree(data / "warehouse" / folder, ignore_errors=True)
+    (data / "warehouse" / "kept" / "new.parquet").unlink(missing_ok=True)
+
+    env = {**os.environ, "DAGSTER_HOME": str(home)}
+    cli = [sys.executable, "-m", "filter_pipeline.cli", "materialize", "--data", str(data),
+           "--per-site-cap", str(args.per_site_cap), "new"]  # fmt: skip
+    wall, rss, done = timed(cli, env)
+    if done.returncode != 0:
+        sys.exit(f"filter-pipeline failed:\n{done.stdout}\n{done.stderr[-3000:]}")
+    summary = done.stdout.strip().splitlines()[-1]
+    history = args.history_runs * args.history_rows
+    print(f"history {history:,} kept rows in {args.history_runs} runs; batch {args.tasks:,} tasks")
+    print(f"filter-pipeline: {wall:6.1f} s  peak RSS {rss:7.0f} MB   {summary}")
+    print("  split: " + ", ".join(f"{step} {sec:.1f} s" for step, sec in step_split(home).items()))
+    kept = set(pd.read_parquet(data / "warehouse" / "kept" / "new.parquet", columns=["task_id"])["task_id"])
+
+    if not args.no_baseline:
+        b_wall, b_rss, b_done = timed([sys.executable, "-c", BASELINE, str(data), "new", str(args.per_site_cap)], env)
+        if b_done.returncode != 0:
+            sys.exit(f"baseline failed:\n{b_done.stderr[-3000:]}")
+        baseline_kept = set((data / "baseline_kept.txt").read_text().split())
+        print(f"baseline:        {b_wall:6.1f} s  peak RSS {b_rss:7.0f} MB   kept {len(baseline_kept)}")
+        print(f"ratio:           {wall / b_wall:6.2f} x time, {rss / b_rss:.2f} x memory")
+        print(f"same kept rows as the baseline: {kept == baseline_kept}")
+        if kept != baseline_kept:
+            sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
