@@ -24,6 +24,8 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from filter_pipeline.schemas import key_hash
+
 REPO = Path(__file__).resolve().parent.parent
 ELEMENTS = ["#add", "#buy", "#send", "input[name=q]", "#save"]
 
@@ -48,8 +50,9 @@ def generate(out: Path, args: argparse.Namespace) -> None:
         keys = [key_text(sites[i], ELEMENTS[j], int(k)) for i, j, k in zip(s, e, a)]
         task_ids = [f"{run_id}-{i}" for i in range(n)]
         table = pa.table(
-            {"task_id": task_ids, "macro": macros[m], "site": sites[s], "dedup_key": keys, "run_id": [run_id] * n}
-        )
+            {"task_id": task_ids, "macro": macros[m], "site": sites[s], "dedup_key": keys,
+             "key_hash": [key_hash(k) for k in keys], "run_id": [run_id] * n}
+        )  # fmt: skip
         pq.write_table(table, kept_dir / f"{run_id}.parquet")
         if not args.no_baseline:
             run = out / "runs" / run_id

@@ -223,7 +223,7 @@ def ledger(context: dg.AssetExecutionContext, config: CapsConfig, data: DataRoot
     mark_ledger_holder(context)
     run_id = context.partition_key
     retired = load_retired(data.root)
-    index = build_prior_index(data.root, data.warehouse / "kept", run_id, judge_verdicts["dedup_key"], retired)
+    index = build_prior_index(data.root, data.warehouse / "kept", run_id, judge_verdicts[["dedup_key", "key_hash"]], retired)
     context.log.info(
         f"prior index: {index.rows_read} kept rows of {index.runs_read} other runs; "
         f"{len(index.keys)} of them share a key with this batch"
@@ -236,7 +236,7 @@ def ledger(context: dg.AssetExecutionContext, config: CapsConfig, data: DataRoot
     yield dg.Output(result.kept, output_name="kept")
     yield dg.Output(result.surplus, output_name="surplus", metadata=count_by(result.surplus["dropped"], DROPPED_REASONS, "dropped/"))
     # read afresh rather than trusting the index the walk used
-    kept_elsewhere = build_prior_index(data.root, data.warehouse / "kept", run_id, result.kept["dedup_key"], retired)
+    kept_elsewhere = build_prior_index(data.root, data.warehouse / "kept", run_id, result.kept[["dedup_key", "key_hash"]], retired)
     yield check_result("verdicts_conserved", "kept", checks.verdicts_conserved(judge_verdicts, result.kept, result.surplus))
     yield check_result("no_key_kept_twice", "kept", checks.no_key_kept_twice(result.kept, kept_elsewhere.keys))
     yield check_result("caps_respected", "kept", checks.caps_respected(result.kept, index.counts, caps))

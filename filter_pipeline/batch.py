@@ -19,7 +19,7 @@ import pyarrow.compute as pc
 import pyarrow.json as pa_json
 from upath import UPath
 
-from filter_pipeline.schemas import canonical_key, conform, empty_frame
+from filter_pipeline.schemas import canonical_key, canonical_key_fast, conform, empty_frame, isin, key_hash
 
 TASKS_FILE = "tasks.jsonl"
 EXECUTIONS_FILE = "executions.jsonl"
@@ -93,21 +93,45 @@ def _describe(value: Any) -> str:
     return "null" if value is None else f"a {type(value).__name__} ({json.dumps(value)[:60]})"
 
 
+_UNSAFE_DIR = r"^(/|\\|[A-Za-z]:)|://|(^|[/\\])\.\.([/\\]|$)|^\s*$"
+
+
 def unsafe_dir_reason(path: str) -> str | None:
     """Why a trajectory `dir` may not be read (absolute, a URL, or climbing with '..'), or None."""
-    if path.startswith(("/", "\\")) or re.match(r"^[A-Za-z]:", path) or "://" in path:
-        return "must be relative to the data root"
-    if ".." in re.split(r"[\\/]", path):
-        return "must not contain '..'"
+    if not re.search(_UNSAFE_DIR, path):
+        return None
     if not path.strip():
         return "must not be empty"
-    return None
+    if ".." in re.split(r"[\\/]", path):
+        return "must not contain '..'"
+    return "must be relative to the data root"
 
 
 # --- per-record parsers -----------------------------------------------------------------------------
 
 
-def _task_row(record: dict) -> dict:
+TASK_FIELDS = ("task_id", "macro", "site", "dedup_key", "key_hash", "start_kind", "instruction")
+_SCALARS = (str, int, float, bool, type(None))
+
+
+def _fast_task_row(record: Any) -> tuple | None:
+    """The task row if the record is clean, else None (the careful parser then says what is wrong)."""
+    try:
+        task_id, macro, site = record["task_id"], record["macro"], record["site"]
+        instruction, key, kind = record["instruction"], record["dedup_key"], record["start"]["kind"]
+    except (KeyError, TypeError, IndexError):
+        return None
+    if not (
+        type(task_id) is str and task_id and type(macro) is str and type(site) is str
+        and type(instruction) is str and type(key) is list and type(kind) is str
+        and type(record["start"]) is dict and all(type(part) in _SCALARS for part in key)
+    ):  # fmt: skip
+        return None
+    text = canonical_key(key)
+    return (task_id, macro, site, text, key_hash(text), kind, instruction)
+
+
+def _task_row(record: dict) -> tuple:
     task_id = _require(record, "task_id", lambda v: _is_str(v) and v != "", "a non-empty string")
     macro = _require(record, "macro", _is_str, "a string")
     site = _require(record, "site", _is_str, "a string")
@@ -118,17 +142,14 @@ def _task_row(record: dict) -> dict:
     start = _require(record, "start", lambda v: isinstance(v, dict), "an object with 'kind'")
     if not _is_str(start.get("kind")):
         raise _Reject("start.kind", f"field 'start.kind' is {_describe(start.get('kind'))}, expected a string")
-    return {
-        "task_id": task_id,
-        "macro": macro,
-        "site": site,
-        "dedup_key": canonical_key(key),
-        "start_kind": start["kind"],
-        "instruction": instruction,
-    }
+    text = canonical_key(key)
+    return (task_id, macro, site, text, key_hash(text), start["kind"], instruction)
 
 
-def _attempt_row(record: dict) -> dict:
+ATTEMPT_FIELDS = ("task_id", "attempt", "ok", "error", "dir", "n_actions", "backend_ok", "backend_detail")
+
+
+def _attempt_row(record: dict) -> tuple:
     task_id = _require(record, "task_id", lambda v: _is_str(v) and v != "", "a non-empty string")
     attempt = _require(record, "attempt", _is_int, "an integer")
     ok = _require(record, "ok", _is_bool, "true or false")
@@ -149,25 +170,30 @@ def _attempt_row(record: dict) -> dict:
     detail = backend.get("detail")
     if not (detail is None or _is_str(detail)):
         raise _Reject("backend.detail", f"field 'backend.detail' is {_describe(detail)}, expected a string")
-    return {
-        "task_id": task_id,
-        "attempt": attempt,
-        "ok": ok,
-        "error": error,
-        "dir": path,
-        "n_actions": len(steps),
-        "backend_ok": bool(backend_ok),
-        "backend_detail": detail,
-    }
+    return (task_id, attempt, ok, error, path, len(steps), bool(backend_ok), detail)
 
 
-def _parse_lines(data: bytes, file: str, to_row: Callable[[dict], dict]) -> tuple[list[dict], list[dict]]:
-    """Every non-blank line of `data` through `to_row`; a line that fails becomes a reject row."""
-    rows: list[dict] = []
+def _parse_lines(
+    data: bytes, file: str, to_row: Callable[[dict], tuple], fast_row: Callable[[Any], tuple | None] | None = None
+) -> tuple[list[tuple], list[dict]]:
+    """Every non-blank line of `data` as a row tuple (line number last); a line that fails becomes a reject.
+
+    `fast_row` takes clean records cheaply; anything it declines goes through `to_row`, which names the
+    problem.
+    """
+    rows: list[tuple] = []
     rejects: list[dict] = []
     for number, raw in enumerate(data.split(b"\n"), start=1):
-        if not raw.strip():
+        if not raw or raw.isspace():
             continue
+        if fast_row is not None and len(raw) <= MAX_LINE_BYTES:
+            try:
+                row = fast_row(json.loads(raw))
+            except ValueError:  # not JSON or not UTF-8: the careful path says which
+                row = None
+            if row is not None:
+                rows.append((*row, number))
+                continue
         try:
             if len(raw) > MAX_LINE_BYTES:
                 raise _Reject(None, f"line is {len(raw):,} bytes, longer than the {MAX_LINE_BYTES:,}-byte limit")
@@ -185,9 +211,12 @@ def _parse_lines(data: bytes, file: str, to_row: Callable[[dict], dict]) -> tupl
         except _Reject as rej:
             rejects.append(_reject_row(file, number, rej.field, rej.message, raw))
             continue
-        row["line"] = number
-        rows.append(row)
+        rows.append((*row, number))
     return rows, rejects
+
+
+def _frame(rows: list[tuple], fields: tuple[str, ...], asset: str) -> pd.DataFrame:
+    return pd.DataFrame.from_records(rows, columns=[*fields, "line"]) if rows else empty_frame(asset)
 
 
 def _reject_row(file: str, line: int, field: str | None, message: str, raw: bytes) -> dict:
@@ -249,8 +278,8 @@ def _fast_attempts(data: bytes) -> pd.DataFrame | None:
             return None
     if pc.any(pc.equal(table["task_id"], "")).as_py():
         return None
-    dirs = table["dir"].to_pylist()
-    if any(unsafe_dir_reason(d) for d in dirs):
+    dirs = table["dir"]
+    if pc.any(pc.match_substring_regex(dirs, _UNSAFE_DIR)).as_py():
         return None
     backend = table["backend"].combine_chunks()
     return pd.DataFrame(
@@ -259,7 +288,7 @@ def _fast_attempts(data: bytes) -> pd.DataFrame | None:
             "attempt": table["attempt"].to_pandas(),
             "ok": table["ok"].to_pandas(),
             "error": table["error"].to_pandas(),
-            "dir": dirs,
+            "dir": dirs.to_pandas(),
             "n_actions": pc.list_value_length(table["steps"]).to_pandas(),
             "backend_ok": pc.fill_null(pc.struct_field(backend, "ok"), False).to_pandas(),
             "backend_detail": pc.struct_field(backend, "detail").to_pandas(),
@@ -286,10 +315,9 @@ def _symlinks_below(folder: str) -> list[str]:
     return found
 
 
-def _top(path: str) -> str:
-    """The folder a trajectory dir sits in, at most three levels deep (runs/<run_id>/traj)."""
-    parts = path.split("/")
-    return "/".join(parts[: min(3, max(len(parts) - 1, 1))])
+# The folder a trajectory dir sits in, at most three levels deep (runs/<run_id>/traj/<task>/<n> ->
+# runs/<run_id>/traj; a/b -> a; a -> a).
+_TOP = r"^((?:[^/]*/){0,2}[^/]*)/.*$"
 
 
 def dirs_outside_root(run_dir: UPath, dirs: pd.Series) -> set[str]:
@@ -303,16 +331,101 @@ def dirs_outside_root(run_dir: UPath, dirs: pd.Series) -> set[str]:
         return set()
     root = os.path.realpath(os.path.dirname(os.path.dirname(run_dir.path)))
     inside = lambda rel: os.path.realpath(os.path.join(root, rel)).startswith(root + os.sep)  # noqa: E731
-    unique = pd.Series(pd.unique(dirs.astype(object)), dtype=object)
+    paths = pc.unique(pa.array(dirs, type=pa.string()))
+    tops = pc.replace_substring_regex(paths, _TOP, r"\1")
     outside: set[str] = set()
-    for top, group in unique.groupby(unique.map(_top)):
+    for top in pc.unique(tops).to_pylist():
+        in_top = lambda: paths.filter(pc.equal(tops, top)).to_pylist()  # noqa: E731
         if not inside(top):
-            outside.update(group)
+            outside.update(in_top())
             continue
         links = tuple(os.path.relpath(p, root) + "/" for p in _symlinks_below(os.path.join(root, top)))
         if links:
-            outside.update(d for d in group if (d + "/").startswith(links) and not inside(d))
+            outside.update(d for d in in_top() if (d + "/").startswith(links) and not inside(d))
     return outside
+
+
+# --- vectorised fast path for tasks.jsonl ----------------------------------------------------------
+
+_TASK_ARROW = pa.schema(
+    [
+        ("task_id", pa.string()),
+        ("macro", pa.string()),
+        ("site", pa.string()),
+        ("instruction", pa.string()),
+        ("start", pa.struct([("kind", pa.string())])),
+    ]
+)
+# A dedup_key field at object level (after '{' or ','), its array of scalars; strings may hold brackets.
+_KEY_FIELD = r'(?:^|[{,])\s*"dedup_key"\s*:\s*(?P<key>\[(?:[^\[\]"]|"(?:[^"\\]|\\.)*")*\])'
+
+
+def _lines(data: bytes) -> pa.Array:
+    """Each line of `data` as a string, read by Arrow's CSV reader with no delimiter or quoting to honour."""
+    import pyarrow.csv as pa_csv
+
+    table = pa_csv.read_csv(
+        io.BytesIO(data),
+        read_options=pa_csv.ReadOptions(column_names=["line"], block_size=1 << 24),
+        parse_options=pa_csv.ParseOptions(
+            delimiter="\x1f", quote_char=False, escape_char=False, newlines_in_values=False, ignore_empty_lines=False
+        ),
+        convert_options=pa_csv.ConvertOptions(column_types={"line": pa.string()}),
+    )
+    return table["line"].combine_chunks()
+
+
+def _fast_tasks(data: bytes) -> pd.DataFrame | None:
+    """tasks.jsonl read by pyarrow, or None when any line needs the careful path.
+
+    Arrow cannot hold a dedup_key of mixed scalar types, so the keys' JSON text is cut out of each line by
+    one vectorised regex and parsed in a single json.loads call. Anything unusual (blank or over-long lines,
+    a missing or mistyped field, `"dedup_key"` named more than once in a line, a key that is not an array of
+    scalars) sends the whole file down the careful path, which says what is wrong.
+    """
+    n_lines, longest = _line_count(data)
+    if n_lines == 0 or longest > MAX_LINE_BYTES:
+        return None
+    try:
+        table = pa_json.read_json(
+            io.BytesIO(data),
+            parse_options=pa_json.ParseOptions(explicit_schema=_TASK_ARROW, unexpected_field_behavior="ignore"),
+            read_options=pa_json.ReadOptions(block_size=max(1 << 20, longest + 2)),
+        )
+        lines = _lines(data)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        return None
+    if table.num_rows != n_lines or len(lines) != n_lines:
+        return None
+    kind = pc.struct_field(table["start"].combine_chunks(), "kind")
+    if any(table[c].null_count for c in ("task_id", "macro", "site", "instruction")) or kind.null_count:
+        return None
+    if pc.any(pc.equal(table["task_id"], "")).as_py():
+        return None
+    if pc.any(pc.not_equal(pc.count_substring(lines, '"dedup_key"'), 1)).as_py():
+        return None
+    raw = pc.struct_field(pc.extract_regex(lines, _KEY_FIELD), "key")
+    if raw.null_count:
+        return None
+    try:
+        keys = json.loads("[" + ",".join(raw.to_pylist()) + "]")
+    except ValueError:
+        return None
+    if len(keys) != n_lines or not all(all(type(p) in _SCALARS for p in key) for key in keys):
+        return None
+    texts = [canonical_key_fast(key) for key in keys]
+    return pd.DataFrame(
+        {
+            "task_id": table["task_id"].to_pandas(),
+            "macro": table["macro"].to_pandas(),
+            "site": table["site"].to_pandas(),
+            "dedup_key": pd.array(texts, dtype="str"),
+            "key_hash": np.fromiter((key_hash(t) for t in texts), dtype=np.int64, count=n_lines),
+            "start_kind": kind.to_pandas(),
+            "instruction": table["instruction"].to_pandas(),
+            "line": np.arange(1, n_lines + 1),
+        }
+    )
 
 
 # --- the batch --------------------------------------------------------------------------------------
@@ -332,8 +445,10 @@ def read_batch(run_dir: UPath, run_id: str) -> Batch:
     tasks_data = tasks_path.read_bytes()
     executions_data = executions_path.read_bytes()
 
-    task_rows, rejects = _parse_lines(tasks_data, TASKS_FILE, _task_row)
-    tasks = pd.DataFrame(task_rows) if task_rows else empty_frame("batch_tasks")
+    tasks, rejects = _fast_tasks(tasks_data), []
+    if tasks is None:
+        task_rows, rejects = _parse_lines(tasks_data, TASKS_FILE, _task_row, _fast_task_row)
+        tasks = _frame(task_rows, TASK_FIELDS, "batch_tasks")
     duplicated = tasks["task_id"].duplicated(keep="first")
     rejects += _rejects_for(tasks[duplicated], tasks_data, TASKS_FILE, "task_id", "task_id {} appears earlier in the file")
     tasks = tasks[~duplicated]
@@ -345,8 +460,8 @@ def read_batch(run_dir: UPath, run_id: str) -> Batch:
     if attempts is None:
         attempt_rows, attempt_rejects = _parse_lines(executions_data, EXECUTIONS_FILE, _attempt_row)
         rejects += attempt_rejects
-        attempts = pd.DataFrame(attempt_rows) if attempt_rows else empty_frame("batch_attempts")
-    orphan = ~attempts["task_id"].isin(tasks["task_id"])
+        attempts = _frame(attempt_rows, ATTEMPT_FIELDS, "batch_attempts")
+    orphan = ~isin(attempts["task_id"], tasks["task_id"])
     rejects += _rejects_for(
         attempts[orphan], executions_data, EXECUTIONS_FILE, "task_id", "attempt of task_id {} which is not in tasks.jsonl"
     )
@@ -356,7 +471,7 @@ def read_batch(run_dir: UPath, run_id: str) -> Batch:
         attempts[twice], executions_data, EXECUTIONS_FILE, "attempt", "attempt of task_id {} appears earlier with the same number"
     )
     attempts = attempts[~twice]
-    escaping = attempts["dir"].isin(dirs_outside_root(run_dir, attempts["dir"]))
+    escaping = isin(attempts["dir"], list(dirs_outside_root(run_dir, attempts["dir"])))
     rejects += _rejects_for(
         attempts[escaping], executions_data, EXECUTIONS_FILE, "dir", "attempt of task_id {} has a dir that resolves outside the data root"
     )

@@ -10,7 +10,7 @@ import pandas as pd
 
 from filter_pipeline import rules
 from filter_pipeline.batch import EXECUTIONS_FILE
-from filter_pipeline.schemas import STAGE_EXECUTE, STATUS_ERROR, STATUS_JUDGED
+from filter_pipeline.schemas import STAGE_EXECUTE, STATUS_ERROR, STATUS_JUDGED, isin
 
 
 @dataclass(frozen=True)
@@ -41,18 +41,19 @@ def attempts_conserved(
 
 def execute_rows_match_failed_attempts(pool: pd.DataFrame, attempts: pd.DataFrame) -> CheckOutcome:
     """The failure pool's execute rows are exactly the batch's failed attempts, once each."""
-    execute = pool[pool["stage"] == STAGE_EXECUTE]
-    pool_ids = list(zip(execute["task_id"], execute["attempt"]))
-    failed = attempts[attempts["ok"] == False]  # noqa: E712
-    failed_ids = list(zip(failed["task_id"], failed["attempt"]))
-    missing, extra = set(failed_ids) - set(pool_ids), set(pool_ids) - set(failed_ids)
-    twice = len(pool_ids) - len(set(pool_ids))
+    ids = ["task_id", "attempt"]
+    execute = pool.loc[pool["stage"] == STAGE_EXECUTE, ids]
+    failed = attempts.loc[attempts["ok"] == False, ids]  # noqa: E712
+    twice = int(execute.duplicated().sum())
+    joined = execute.drop_duplicates().merge(failed.drop_duplicates(), on=ids, how="outer", indicator=True)
+    missing = int((joined["_merge"] == "right_only").sum())
+    extra = int((joined["_merge"] == "left_only").sum())
     return CheckOutcome(
         passed=not missing and not extra and twice == 0,
-        metadata={"execute_rows": len(pool_ids), "failed_attempts": len(failed_ids), "missing": len(missing),
-                  "unexpected": len(extra), "duplicated": twice},  # fmt: skip
+        metadata={"execute_rows": len(execute), "failed_attempts": len(failed), "missing": missing,
+                  "unexpected": extra, "duplicated": twice},  # fmt: skip
         description="execute rows match failed attempts" if not (missing or extra or twice) else
-        f"{len(missing)} failed attempts missing, {len(extra)} unexpected rows, {twice} duplicated",
+        f"{missing} failed attempts missing, {extra} unexpected rows, {twice} duplicated",
     )  # fmt: skip
 
 
@@ -61,12 +62,13 @@ def verdicts_conserved(verdicts: pd.DataFrame, kept: pd.DataFrame, surplus: pd.D
     judged = verdicts["status"] == STATUS_JUDGED
     failed = int((judged & (verdicts["passed"] == False)).sum())  # noqa: E712
     unjudged = int((verdicts["status"] == STATUS_ERROR).sum())
-    places = pd.concat([kept["task_id"], surplus["task_id"]])
-    walked = set(verdicts.loc[judged & (verdicts["passed"] == True), "task_id"])  # noqa: E712
+    places = pd.concat([kept["task_id"], surplus["task_id"]], ignore_index=True)
+    walked = verdicts.loc[judged & (verdicts["passed"] == True), "task_id"]  # noqa: E712
     passed = (
         len(kept) + len(surplus) + failed + unjudged == len(verdicts)
         and places.is_unique
-        and set(places) == walked
+        and len(places) == len(walked)
+        and bool(isin(places, walked).all())
     )
     return CheckOutcome(
         passed=bool(passed),
@@ -82,7 +84,7 @@ def no_key_kept_twice(kept: pd.DataFrame, kept_elsewhere: pd.DataFrame) -> Check
     `kept_elsewhere`: other runs' non-retired kept rows whose key is among this run's (read afresh).
     """
     within = int(kept["dedup_key"].duplicated().sum())
-    across = int(kept["dedup_key"].isin(kept_elsewhere["dedup_key"]).sum())
+    across = int(isin(kept["dedup_key"], kept_elsewhere["dedup_key"]).sum())
     return CheckOutcome(
         passed=within == 0 and across == 0,
         metadata={"kept": len(kept), "duplicated_within_run": within, "kept_by_another_run": across},

@@ -8,6 +8,7 @@ columns the walk needs, so memory follows the largest run rather than the whole 
 import json
 from dataclasses import dataclass, field
 
+import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -15,7 +16,7 @@ import pyarrow.parquet as pq
 from upath import UPath
 
 from filter_pipeline.batch import LEGACY_KEPT_FILE
-from filter_pipeline.schemas import canonical_key, conform, to_pandas
+from filter_pipeline.schemas import canonical_key, conform, empty_frame, key_hash, to_pandas
 
 RETIRED_FILE = "retired.json"
 
@@ -76,7 +77,8 @@ class PriorIndex:
     rows_read: int
 
 
-_INDEX_COLUMNS = ["dedup_key", "macro", "site", "task_id"]
+_INDEX_COLUMNS = ["dedup_key", "key_hash", "macro", "site", "task_id"]
+_STRINGS = pa.schema([(c, pa.string()) for c in ("dedup_key", "macro", "site", "task_id")])
 
 
 def kept_files(kept_dir: UPath) -> dict[str, UPath]:
@@ -119,60 +121,119 @@ def _read_legacy(path: UPath, run_id: str) -> pa.Table:
             )
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
             raise HistoryError(f"runs/{run_id}/{LEGACY_KEPT_FILE}:{number}: not a kept row ({exc})") from None
-    schema = pa.schema([(c, pa.string()) for c in _INDEX_COLUMNS])
-    return pa.Table.from_pylist(rows, schema=schema)
+    return _with_hashes(pa.Table.from_pylist(rows, schema=_STRINGS))
+
+
+def _with_hashes(table: pa.Table) -> pa.Table:
+    """The table with a key_hash column computed from dedup_key (legacy rows, files from before key_hash)."""
+    hashes = pa.array([key_hash(k) for k in table["dedup_key"].to_pylist()], type=pa.int64())
+    if "key_hash" in table.column_names:
+        return table.set_column(table.column_names.index("key_hash"), "key_hash", hashes)
+    return table.append_column("key_hash", hashes)
+
+
+class _KeyProbe:
+    """Which of a file's keys are among the batch's: matched on 64-bit hashes (sorted, binary search),
+    confirmed on the canonical text."""
+
+    def __init__(self, batch_keys: pd.DataFrame):
+        unique = batch_keys.drop_duplicates("dedup_key")
+        self.hashes = np.sort(unique["key_hash"].to_numpy(dtype=np.int64))
+        self.texts = pa.array(unique["dedup_key"].astype(object), type=pa.string())
+
+    def maybe(self, hashes: np.ndarray) -> np.ndarray:
+        if len(self.hashes) == 0:
+            return np.zeros(len(hashes), dtype=bool)
+        pos = np.minimum(np.searchsorted(self.hashes, hashes), len(self.hashes) - 1)
+        return self.hashes[pos] == hashes
+
+    def confirm(self, table: pa.Table) -> pa.Table:
+        return table.filter(pc.is_in(table["dedup_key"], value_set=self.texts))
+
+
+class _PairCounts:
+    """Kept rows per (macro, site), summed file by file in bounded memory."""
+
+    def __init__(self):
+        self.parts: list[pa.Table] = []
+
+    def add(self, table: pa.Table) -> None:
+        grouped = table.group_by(["macro", "site"]).aggregate([([], "count_all")])
+        self.parts.append(grouped.cast(pa.schema([("macro", pa.string()), ("site", pa.string()), ("count_all", pa.int64())])))
+        if len(self.parts) >= 16:
+            self.parts = [self.total()]
+
+    def total(self) -> pa.Table:
+        if not self.parts:
+            return pa.table({"macro": pa.array([], pa.string()), "site": pa.array([], pa.string()), "count_all": pa.array([], pa.int64())})
+        return (
+            pa.concat_tables(self.parts)
+            .group_by(["macro", "site"])
+            .aggregate([("count_all", "sum")])
+            .rename_columns(["macro", "site", "count_all"])
+        )
+
+
+def _read_warehouse(path: UPath, probe: _KeyProbe, retired_ids: frozenset[str] | None) -> tuple[pa.Table, pa.Table]:
+    """(rows for the counts: macro, site; rows whose key the batch carries: the index columns)."""
+    with path.open("rb") as f:
+        parquet = pq.ParquetFile(f)
+        has_hash = "key_hash" in parquet.schema_arrow.names
+        wanted = ["macro", "site"] + (["key_hash"] if has_hash else ["dedup_key"]) + (["task_id"] if retired_ids else [])
+        table = parquet.read(columns=wanted)  # macro/site stay dictionary-encoded for cheap counting
+        if retired_ids:
+            table = table.filter(pc.invert(pc.is_in(table["task_id"], value_set=pa.array(sorted(retired_ids), pa.string()))))
+        hashes = table["key_hash"].to_numpy() if has_hash else _with_hashes(table.select(["dedup_key"]))["key_hash"].to_numpy()
+        maybe = probe.maybe(hashes)
+        if not maybe.any():
+            return table, pa.Table.from_pylist([], schema=_STRINGS)
+        full = parquet.read(columns=["dedup_key", "macro", "site", "task_id"]).cast(_STRINGS)
+    if retired_ids:
+        full = full.filter(pc.invert(pc.is_in(full["task_id"], value_set=pa.array(sorted(retired_ids), pa.string()))))
+    return table, probe.confirm(full.filter(pa.array(maybe)))
 
 
 def build_prior_index(
-    data_root: UPath, kept_dir: UPath, run_id: str, batch_keys: pd.Series, retired: Retired
+    data_root: UPath, kept_dir: UPath, run_id: str, batch_keys: pd.DataFrame, retired: Retired
 ) -> PriorIndex:
     """The prior-run dedup index for `run_id` (CONTRACT §3.4): every other run's kept rows minus retired.
 
-    Only keys in `batch_keys` are returned with their provenance (what the walk can hit); counts cover
-    every row. Each file is streamed, so memory does not grow with the number of runs.
+    `batch_keys` (dedup_key, key_hash) are the keys the walk can meet: only those are returned with their
+    provenance; counts cover every row. Files are read one at a time and mostly as integers and
+    dictionary codes, so cost grows slowly with history and memory not at all.
     """
     sources: dict[str, tuple[str, UPath]] = {
         r: ("legacy", p) for r, p in legacy_kept_files(data_root / "runs").items()
     }
     sources.update({r: ("warehouse", p) for r, p in kept_files(kept_dir).items()})
-    wanted = pa.array(pd.unique(batch_keys.astype(object)), type=pa.string())
-
+    probe = _KeyProbe(batch_keys)
+    counts = _PairCounts()
     key_parts: list[pa.Table] = []
-    count_parts: list[pa.Table] = []
     runs_read = rows_read = 0
     for other in sorted(sources):
         if other == run_id or retired.run_is_retired(other):
             continue
         kind, path = sources[other]
+        retired_ids = retired.tasks.get(other)
         if kind == "warehouse":
-            with path.open("rb") as f:
-                table = pq.read_table(f, columns=_INDEX_COLUMNS)
+            rows, hits = _read_warehouse(path, probe, retired_ids)
         else:
-            table = _read_legacy(path, other)
-        if other in retired.tasks:
-            retired_ids = pa.array(sorted(retired.tasks[other]), type=pa.string())
-            table = table.filter(pc.invert(pc.is_in(table["task_id"], value_set=retired_ids)))
+            rows = _read_legacy(path, other)
+            if retired_ids:
+                rows = rows.filter(pc.invert(pc.is_in(rows["task_id"], value_set=pa.array(sorted(retired_ids), pa.string()))))
+            hits = probe.confirm(rows.filter(pa.array(probe.maybe(rows["key_hash"].to_numpy()))))
         runs_read += 1
-        rows_read += table.num_rows
-        count_parts.append(table.group_by(["macro", "site"]).aggregate([("task_id", "count")]))
-        hits = table.filter(pc.is_in(table["dedup_key"], value_set=wanted))
+        rows_read += rows.num_rows
+        counts.add(rows.select(["macro", "site"]))
+        hits = hits.select(["dedup_key", "macro", "site", "task_id"]).cast(_STRINGS)
         key_parts.append(hits.append_column("run_id", pa.array([other] * hits.num_rows, type=pa.string())))
 
-    if count_parts:
-        counts = (
-            pa.concat_tables(count_parts)
-            .group_by(["macro", "site"])
-            .aggregate([("task_id_count", "sum")])
-            .rename_columns(["macro", "site", "n_kept"])
-            .sort_by([("macro", "ascending"), ("site", "ascending")])
-        )
-        keys = pa.concat_tables(key_parts).sort_by([("run_id", "ascending"), ("task_id", "ascending")])
-        keys_frame, counts_frame = to_pandas(keys), to_pandas(counts)
-    else:
-        keys_frame = counts_frame = pd.DataFrame()
+    total = counts.total().rename_columns(["macro", "site", "n_kept"]).sort_by([("macro", "ascending"), ("site", "ascending")])
+    keys = to_pandas(pa.concat_tables(key_parts)) if key_parts else empty_frame("prior_dedup_index")
+    keys = keys.assign(key_hash=pd.array([key_hash(k) for k in keys["dedup_key"]], dtype="Int64"))
     return PriorIndex(
-        keys=conform(keys_frame, "prior_dedup_index"),
-        counts=conform(counts_frame, "prior_kept_counts"),
+        keys=conform(keys.sort_values(["run_id", "task_id"], kind="stable"), "prior_dedup_index"),
+        counts=conform(to_pandas(total), "prior_kept_counts"),
         runs_read=runs_read,
         rows_read=rows_read,
     )

@@ -6,6 +6,7 @@ meaningful: tasks in `tasks.jsonl` order, attempts in `executions.jsonl` order.
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import pandas as pd
 
 from filter_pipeline.schemas import (
@@ -39,19 +40,25 @@ def failure_reason(error: str | None) -> str:
 def execute_failures(tasks: pd.DataFrame, attempts: pd.DataFrame) -> pd.DataFrame:
     """One failure-pool row per attempt with `ok` false, in executions.jsonl order."""
     failed = attempts[attempts["ok"] == False]  # noqa: E712 - nullable bool column
-    rows = failed.merge(
-        tasks[["task_id", "macro", "site", "instruction", "dedup_key"]], on="task_id", how="left", validate="many_to_one"
-    )
-    errors = rows["error"].astype(object).where(rows["error"].notna(), None)
+    rows = failed.merge(tasks[["task_id", "macro", "site", "instruction", "dedup_key"]], on="task_id", how="left")
     return conform(
         rows.assign(
             stage=STAGE_EXECUTE,
-            reason=[failure_reason(e) for e in errors],
-            detail=[None if e is None else e[:DETAIL_MAX_CHARS] for e in errors],
+            reason=failure_reasons(rows["error"]),
+            detail=rows["error"].str.slice(0, DETAIL_MAX_CHARS),
             votes=None,
         ),
         "failure_pool",
     )
+
+
+def failure_reasons(errors: pd.Series) -> np.ndarray:
+    """`failure_reason` over a column at once."""
+    errors = errors.astype("str")  # nulls stay missing
+    empty = errors.isna() | (errors == "")
+    conditions = [empty] + [errors.str.startswith(prefix).fillna(False) for prefix, _ in ERROR_PREFIX_REASONS]
+    choices = [REASON_UNKNOWN] + [reason for _, reason in ERROR_PREFIX_REASONS]
+    return np.select([c.to_numpy(dtype=bool) for c in conditions], choices, default=REASON_SCRIPT_ERROR)
 
 
 # --- §3.2 what gets judged --------------------------------------------------------------------------
@@ -70,7 +77,6 @@ def attempts_to_judge(tasks: pd.DataFrame, attempts: pd.DataFrame) -> pd.DataFra
         latest[["task_id", "attempt", "dir", "n_actions", "backend_ok", "backend_detail", "attempt_line"]],
         on="task_id",
         how="inner",
-        validate="one_to_one",
     )
     return picked.reset_index(drop=True)
 
@@ -89,7 +95,7 @@ def judge_failures(verdicts: pd.DataFrame, judged: pd.DataFrame) -> pd.DataFrame
     Unjudged verdicts (status error) are not failures: they are judged again later.
     """
     failed = verdicts[(verdicts["status"] == STATUS_JUDGED) & (verdicts["passed"] == False)]  # noqa: E712
-    rows = failed.merge(judged[["task_id", "n_actions"]], on="task_id", how="left", validate="one_to_one")
+    rows = failed.merge(judged[["task_id", "n_actions"]], on="task_id", how="left")
     return conform(
         rows.assign(stage=STAGE_JUDGE, reason=REASON_JUDGE_FAIL, detail=rows["why"], backend_ok=None), "failure_pool"
     )
@@ -141,11 +147,11 @@ def walk_ledger(
     passing = verdicts[(verdicts["status"] == STATUS_JUDGED) & (verdicts["passed"] == True)]  # noqa: E712
     first_kept = prior_index.drop_duplicates("dedup_key", keep="first")  # provenance: the earliest keeper
     kept_by: dict[str, tuple[str, str]] = dict(
-        zip(first_kept["dedup_key"], zip(first_kept["run_id"], first_kept["task_id"]))
+        zip(first_kept["dedup_key"].tolist(), zip(first_kept["run_id"].tolist(), first_kept["task_id"].tolist()))
     )
-    count: dict[tuple[str, str], int] = {
-        (m, s): int(n) for m, s, n in zip(prior_counts["macro"], prior_counts["site"], prior_counts["n_kept"])
-    }
+    count: dict[tuple[str, str], int] = dict(
+        zip(zip(prior_counts["macro"].tolist(), prior_counts["site"].tolist()), prior_counts["n_kept"].tolist())
+    )
     macro_total: dict[str, int] = {}
     for (macro, _), n in count.items():
         macro_total[macro] = macro_total.get(macro, 0) + n
@@ -153,7 +159,8 @@ def walk_ledger(
     keep = []
     dropped: list[str | None] = []
     dup_of: list[tuple[str | None, str | None]] = []
-    for task_id, key, macro, site in zip(passing["task_id"], passing["dedup_key"], passing["macro"], passing["site"]):
+    columns = (passing[c].tolist() for c in ("task_id", "dedup_key", "macro", "site"))
+    for task_id, key, macro, site in zip(*columns):
         reason = None
         if key in kept_by:
             reason = DROPPED_DUPLICATE

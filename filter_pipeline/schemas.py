@@ -4,11 +4,14 @@ Every asset's Parquet file is written with the schema below, so an empty partiti
 types as a full one and `pd.read_parquet(<warehouse>/<asset>/)` over every run at once works.
 """
 
+import hashlib
 import json
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
 
 # --- reasons ----------------------------------------------------------------------------------------
 
@@ -50,12 +53,48 @@ DEFAULT_PER_SITE_CAP = 3
 # --- dedup keys -------------------------------------------------------------------------------------
 
 
+# json.dumps(key, ensure_ascii=False, separators=(",", ":")) builds this same encoder on every call
+_CANONICAL = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+
+
 def canonical_key(key: list[Any]) -> str:
     """The dedup key as the canonical JSON text every comparison uses (CONTRACT §4).
 
     `1`, `"1"`, `1.0` and `true` give four different texts, so they are four different arguments.
     """
-    return json.dumps(key, ensure_ascii=False, separators=(",", ":"))
+    return _CANONICAL.encode(key)
+
+
+def _bulk_encoder():
+    """The C encoder behind json.dumps, built once (json.dumps rebuilds it per call, which dominates for
+    small keys); used only if it gives json.dumps' exact text on a probe, else the plain encoder."""
+    from json import encoder as impl
+
+    make = getattr(impl, "c_make_encoder", None)
+    if make is None:
+        return canonical_key
+    try:
+        c_encode = make(None, _CANONICAL.default, impl.encode_basestring, None, ":", ",", False, False, True)
+    except TypeError:
+        return canonical_key
+
+    def encode(key: list[Any]) -> str:
+        return "".join(c_encode(key, 0))
+
+    probe = ["é\n\"x\u2028", 1, -0.0, 1.0, 1e16, 2**70, True, False, None, float("inf"), "\x7f"]
+    return encode if encode(probe) == json.dumps(probe, ensure_ascii=False, separators=(",", ":")) else canonical_key
+
+
+canonical_key_fast = _bulk_encoder()
+
+
+def key_hash(text: str) -> int:
+    """A 64-bit fingerprint of a canonical key (BLAKE2b, stable across processes and versions).
+
+    History is probed by these integers, which are far cheaper to read and match than the texts; a match
+    is always confirmed on the text itself.
+    """
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True)
 
 
 # --- Arrow schemas ----------------------------------------------------------------------------------
@@ -78,6 +117,7 @@ _VERDICT_FIELDS = [
     ("start_kind", STR),
     ("instruction", STR),
     # beyond the contract's columns:
+    ("key_hash", INT),  # schemas.key_hash(dedup_key)
     ("status", STR),  # judged | error (unjudged: neither kept nor a failure, judged again next time)
     ("judge", STR),  # gate | llm
     ("model", STR),
@@ -100,6 +140,7 @@ SCHEMAS: dict[str, pa.Schema] = {
             ("macro", STR),
             ("site", STR),
             ("dedup_key", STR),
+            ("key_hash", INT),
             ("start_kind", STR),
             ("instruction", STR),
             ("line", INT),
@@ -152,6 +193,7 @@ SCHEMAS: dict[str, pa.Schema] = {
     "prior_dedup_index": pa.schema(
         [
             ("dedup_key", STR),
+            ("key_hash", INT),
             ("macro", STR),
             ("site", STR),
             ("run_id", STR),
@@ -200,3 +242,10 @@ _PANDAS_TYPES = {BOOL: pd.BooleanDtype(), INT: pd.Int64Dtype()}
 def to_pandas(table: pa.Table) -> pd.DataFrame:
     """An Arrow table as pandas with nullable bool/int dtypes and pandas' default string dtype."""
     return table.to_pandas(types_mapper=_PANDAS_TYPES.get)
+
+
+def isin(values: pd.Series, allowed) -> np.ndarray:
+    """`values.isin(allowed)` as a boolean array, done by Arrow (pandas' version walks arrow strings in Python)."""
+    allowed_array = pa.array(pd.Series(allowed, dtype=object).astype("str"), type=pa.string())
+    found = pc.is_in(pa.array(values.astype("str"), type=pa.string()), value_set=allowed_array)
+    return found.to_numpy(zero_copy_only=False).astype(bool)

@@ -6,7 +6,7 @@ from pathlib import Path
 import pandas as pd
 
 from filter_pipeline.batch import read_batch
-from filter_pipeline.schemas import STATUS_JUDGED, canonical_key, conform
+from filter_pipeline.schemas import STATUS_JUDGED, canonical_key, conform, key_hash
 from upath import UPath
 
 
@@ -74,6 +74,7 @@ def verdicts(*rows: dict) -> pd.DataFrame:
                 "macro": row.pop("macro", "m"),
                 "site": row.pop("site", "s"),
                 "dedup_key": canonical_key(key),
+                "key_hash": key_hash(canonical_key(key)),
                 "attempt": 1,
                 "passed": row.pop("passed", True),
                 "status": row.pop("status", STATUS_JUDGED),
@@ -87,7 +88,8 @@ def kept_history(*rows: tuple) -> pd.DataFrame:
     """prior_dedup_index rows from (key, macro, site, run_id, task_id) tuples."""
     return conform(
         pd.DataFrame(
-            [dict(dedup_key=canonical_key(k), macro=m, site=s, run_id=r, task_id=t) for k, m, s, r, t in rows]
+            [dict(dedup_key=canonical_key(k), key_hash=key_hash(canonical_key(k)), macro=m, site=s, run_id=r, task_id=t)
+             for k, m, s, r, t in rows]  # fmt: skip
         ),
         "prior_dedup_index",
     )
@@ -104,8 +106,9 @@ def write_kept(data: Path, run_id: str, *rows: tuple) -> None:
     from filter_pipeline.warehouse import write_parquet
 
     frame = pd.DataFrame(
-        [dict(task_id=t, dedup_key=canonical_key(k), macro=m, site=s, run_id=run_id) for t, k, m, s in rows]
-    )
+        [dict(task_id=t, dedup_key=canonical_key(k), key_hash=key_hash(canonical_key(k)), macro=m, site=s, run_id=run_id)
+         for t, k, m, s in rows]
+    )  # fmt: skip
     write_parquet(to_arrow(frame, "kept"), UPath(data) / "warehouse" / "kept" / f"{run_id}.parquet")
 
 

@@ -137,3 +137,35 @@ def test_dir_resolving_outside_the_data_root_through_a_symlink_is_rejected(tmp_p
     assert b.attempts["task_id"].tolist() == ["b"]
     assert b.rejects[["line", "field"]].values.tolist() == [[1, "dir"]]
     assert "resolves outside the data root" in b.rejects["message"].item()
+
+
+TRICKY_KEYS = [
+    ["s", "#a", 1], ["s", "#a", "1"], ["s", "#a", 1.0], ["s", "#a", True], ["s", "#a", None],
+    ["s", "a[1]", "x]y,[z"], ["s", "#a", 'quote " and \\ back'], ["sité", "#a", "ü\u2028"], ["s", "#a", 1e16],
+    [], ["s", "#a", -0.0, 12345678901234567890],
+]  # fmt: skip
+
+
+def test_fast_task_path_gives_the_same_frame_as_the_careful_path(tmp_path):
+    tasks = [task(f"t{i}", key=k, note={"text": 'mentions "dedup_key" in prose'}) for i, k in enumerate(TRICKY_KEYS)]
+    run = write_batch(tmp_path / "fast", "r", tasks, [])
+    raw = (run / "tasks.jsonl").read_bytes()
+    # whitespace the canonical form drops, to prove the key text is re-encoded, not copied
+    (run / "tasks.jsonl").write_bytes(raw.replace(b'"dedup_key": [', b'"dedup_key" :  [ '))
+    assert batch_module._fast_tasks((run / "tasks.jsonl").read_bytes()) is not None
+    fast = read_batch(UPath(run), "r").tasks
+    careful = parse(tmp_path / "careful", [*tasks, "not json"], []).tasks  # one bad line: careful path
+    assert fast.equals(careful)
+    assert fast["dedup_key"].tolist() == [json.dumps(k, ensure_ascii=False, separators=(",", ":")) for k in TRICKY_KEYS]
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"meta": {"dedup_key": ["nested"]}},  # named twice: only the careful path can tell which is which
+        {"instruction": 7},
+    ],
+)
+def test_fast_task_path_declines_what_it_cannot_be_sure_of(tmp_path, extra):
+    run = write_batch(tmp_path, "r", [task("a"), task("b", **extra)], [])
+    assert batch_module._fast_tasks((run / "tasks.jsonl").read_bytes()) is None

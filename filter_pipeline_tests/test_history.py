@@ -7,12 +7,13 @@ import pytest
 from upath import UPath
 
 from filter_pipeline.history import HistoryError, Retired, build_prior_index, load_retired
-from filter_pipeline.schemas import canonical_key
+from filter_pipeline.schemas import canonical_key, key_hash
 from filter_pipeline_tests.builders import write_kept, write_legacy_kept
 
 
 def index(data, run_id="now", batch_keys=(), retired=None):
-    keys = pd.Series([canonical_key(k) for k in batch_keys], dtype=object)
+    texts = [canonical_key(k) for k in batch_keys]
+    keys = pd.DataFrame({"dedup_key": pd.Series(texts, dtype=object), "key_hash": pd.Series([key_hash(t) for t in texts], dtype="int64")})
     root = UPath(data)
     return build_prior_index(root, root / "warehouse" / "kept", run_id, keys, retired or load_retired(root))
 
