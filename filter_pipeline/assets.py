@@ -155,9 +155,8 @@ def failure_pool(
     judge_verdicts: pd.DataFrame,
     data: DataRoot,
 ):
-    requests = rules.attempts_to_judge(batch_tasks, batch_attempts)
     pool = pd.concat(
-        [rules.execute_failures(batch_tasks, batch_attempts), rules.judge_failures(judge_verdicts, requests)],
+        [rules.execute_failures(batch_tasks, batch_attempts), rules.judge_failures(judge_verdicts)],
         ignore_index=True,
     )
     yield dg.Output(
@@ -168,7 +167,7 @@ def failure_pool(
         },
     )
     records = count_records(data.run_dir(context.partition_key))
-    yield check_result("attempts_conserved", "failure_pool", checks.attempts_conserved(records, batch_attempts, batch_rejects, requests))
+    yield check_result("attempts_conserved", "failure_pool", checks.attempts_conserved(records, batch_attempts, batch_rejects, judge_verdicts))
     yield check_result("execute_rows_match_failed_attempts", "failure_pool", checks.execute_rows_match_failed_attempts(pool, batch_attempts))
 
 
@@ -236,7 +235,9 @@ def ledger(context: dg.AssetExecutionContext, config: CapsConfig, data: DataRoot
     yield dg.Output(result.kept, output_name="kept")
     yield dg.Output(result.surplus, output_name="surplus", metadata=count_by(result.surplus["dropped"], DROPPED_REASONS, "dropped/"))
     # read afresh rather than trusting the index the walk used
-    kept_elsewhere = build_prior_index(data.root, data.warehouse / "kept", run_id, result.kept[["dedup_key", "key_hash"]], retired)
+    kept_elsewhere = build_prior_index(
+        data.root, data.warehouse / "kept", run_id, result.kept[["dedup_key", "key_hash"]], retired, with_counts=False
+    )
     yield check_result("verdicts_conserved", "kept", checks.verdicts_conserved(judge_verdicts, result.kept, result.surplus))
     yield check_result("no_key_kept_twice", "kept", checks.no_key_kept_twice(result.kept, kept_elsewhere.keys))
     yield check_result("caps_respected", "kept", checks.caps_respected(result.kept, index.counts, caps))

@@ -19,7 +19,7 @@ import pyarrow.compute as pc
 import pyarrow.json as pa_json
 from upath import UPath
 
-from filter_pipeline.schemas import canonical_key, canonical_key_fast, conform, empty_frame, isin, key_hash
+from filter_pipeline.schemas import canonical_key, canonical_keys, conform, empty_frame, isin, key_hash
 
 TASKS_FILE = "tasks.jsonl"
 EXECUTIONS_FILE = "executions.jsonl"
@@ -245,12 +245,9 @@ _ATTEMPT_ARROW = pa.schema(
 )
 
 
-def _line_count(data: bytes) -> tuple[int, int]:
-    """(number of lines, longest line in bytes), counting a last line without a newline."""
-    newlines = np.flatnonzero(np.frombuffer(data, dtype=np.uint8) == 10)
-    ends = np.append(newlines, len(data)) if not data.endswith(b"\n") else newlines
-    starts = np.concatenate(([0], ends[:-1] + 1))
-    return len(ends), int((ends - starts).max(initial=0))
+def _line_count(data: bytes) -> int:
+    """Number of lines, counting a last line without a newline."""
+    return data.count(b"\n") + (0 if data.endswith(b"\n") or not data else 1)
 
 
 def _fast_attempts(data: bytes) -> pd.DataFrame | None:
@@ -260,14 +257,15 @@ def _fast_attempts(data: bytes) -> pd.DataFrame | None:
     so it refuses anything it would have to interpret: blank or over-long lines, type mismatches (pyarrow
     raises), or a missing required field (a null in the table).
     """
-    n_lines, longest = _line_count(data)
-    if n_lines == 0 or longest > MAX_LINE_BYTES:
+    n_lines = _line_count(data)
+    if n_lines == 0:
         return None
     try:
+        # a record longer than the block makes pyarrow raise: over-long lines go the careful way
         table = pa_json.read_json(
             io.BytesIO(data),
             parse_options=pa_json.ParseOptions(explicit_schema=_ATTEMPT_ARROW, unexpected_field_behavior="ignore"),
-            read_options=pa_json.ReadOptions(block_size=max(1 << 20, longest + 2)),
+            read_options=pa_json.ReadOptions(block_size=MAX_LINE_BYTES),
         )
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
         return None
@@ -356,8 +354,9 @@ _TASK_ARROW = pa.schema(
         ("start", pa.struct([("kind", pa.string())])),
     ]
 )
-# A dedup_key field at object level (after '{' or ','), its array of scalars; strings may hold brackets.
-_KEY_FIELD = r'(?:^|[{,])\s*"dedup_key"\s*:\s*(?P<key>\[(?:[^\[\]"]|"(?:[^"\\]|\\.)*")*\])'
+# A dedup_key field at object level (after '{' or ','): an array holding only strings (which may contain
+# any character), numbers, true, false and null — no nested array or object can match.
+_KEY_FIELD = r'(?:^|[{,])\s*"dedup_key"\s*:\s*(?P<key>\[(?:[^\[\]{}"]|"(?:[^"\\]|\\.)*")*\])'
 
 
 def _lines(data: bytes) -> pa.Array:
@@ -383,14 +382,14 @@ def _fast_tasks(data: bytes) -> pd.DataFrame | None:
     a missing or mistyped field, `"dedup_key"` named more than once in a line, a key that is not an array of
     scalars) sends the whole file down the careful path, which says what is wrong.
     """
-    n_lines, longest = _line_count(data)
-    if n_lines == 0 or longest > MAX_LINE_BYTES:
+    n_lines = _line_count(data)
+    if n_lines == 0:
         return None
     try:
         table = pa_json.read_json(
             io.BytesIO(data),
             parse_options=pa_json.ParseOptions(explicit_schema=_TASK_ARROW, unexpected_field_behavior="ignore"),
-            read_options=pa_json.ReadOptions(block_size=max(1 << 20, longest + 2)),
+            read_options=pa_json.ReadOptions(block_size=MAX_LINE_BYTES),
         )
         lines = _lines(data)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
@@ -411,9 +410,9 @@ def _fast_tasks(data: bytes) -> pd.DataFrame | None:
         keys = json.loads("[" + ",".join(raw.to_pylist()) + "]")
     except ValueError:
         return None
-    if len(keys) != n_lines or not all(all(type(p) in _SCALARS for p in key) for key in keys):
+    if len(keys) != n_lines:
         return None
-    texts = [canonical_key_fast(key) for key in keys]
+    texts = canonical_keys(keys)
     return pd.DataFrame(
         {
             "task_id": table["task_id"].to_pandas(),
@@ -510,4 +509,9 @@ def attempt_steps(run_dir: UPath, lines: set[int]) -> dict[int, list]:
 
 def count_records(run_dir: UPath) -> int:
     """Non-blank lines of executions.jsonl, counted afresh (what every attempt must be accounted against)."""
-    return sum(1 for raw in (run_dir / EXECUTIONS_FILE).read_bytes().split(b"\n") if raw.strip())
+    data = (run_dir / EXECUTIONS_FILE).read_bytes()
+    if not data:
+        return 0
+    if not re.search(rb"(?:^|\n)[ \t\r\f\v]*\n|\n[ \t\r\f\v]+$", data):
+        return _line_count(data)  # no blank lines: every line is a record
+    return sum(1 for raw in data.split(b"\n") if raw.strip())

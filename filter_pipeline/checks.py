@@ -97,11 +97,9 @@ def caps_respected(kept: pd.DataFrame, prior_counts: pd.DataFrame, caps: rules.C
     new = kept.groupby(["macro", "site"]).size().rename("new").reset_index()
     totals = new.merge(prior_counts, on=["macro", "site"], how="left").fillna({"n_kept": 0})
     totals["total"] = totals["new"] + totals["n_kept"].astype(int)
-    over_site = [
-        f"{m}/{s}: {t} > {caps.site_cap(m)}"
-        for m, s, t in zip(totals["macro"], totals["site"], totals["total"])
-        if t > caps.site_cap(m)
-    ]
+    totals["cap"] = totals["macro"].map({m: caps.site_cap(m) for m in totals["macro"].unique()}).astype(int)
+    over = totals[totals["total"] > totals["cap"]]
+    over_site = [f"{m}/{s}: {t} > {c}" for m, s, t, c in zip(over["macro"], over["site"], over["total"], over["cap"])]
     macro_prior = prior_counts.groupby("macro")["n_kept"].sum()
     over_target = []
     for macro, added in new.groupby("macro")["new"].sum().items():

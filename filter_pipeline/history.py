@@ -138,14 +138,12 @@ class _KeyProbe:
 
     def __init__(self, batch_keys: pd.DataFrame):
         unique = batch_keys.drop_duplicates("dedup_key")
-        self.hashes = np.sort(unique["key_hash"].to_numpy(dtype=np.int64))
+        # an int64 hash index, built once; probing it is O(1) per history row
+        self.hashes = pd.Index(pd.unique(unique["key_hash"].to_numpy(dtype=np.int64)))
         self.texts = pa.array(unique["dedup_key"].astype(object), type=pa.string())
 
     def maybe(self, hashes: np.ndarray) -> np.ndarray:
-        if len(self.hashes) == 0:
-            return np.zeros(len(hashes), dtype=bool)
-        pos = np.minimum(np.searchsorted(self.hashes, hashes), len(self.hashes) - 1)
-        return self.hashes[pos] == hashes
+        return self.hashes.get_indexer(hashes) >= 0
 
     def confirm(self, table: pa.Table) -> pa.Table:
         return table.filter(pc.is_in(table["dedup_key"], value_set=self.texts))
@@ -174,12 +172,15 @@ class _PairCounts:
         )
 
 
-def _read_warehouse(path: UPath, probe: _KeyProbe, retired_ids: frozenset[str] | None) -> tuple[pa.Table, pa.Table]:
+def _read_warehouse(
+    path: UPath, probe: _KeyProbe, retired_ids: frozenset[str] | None, with_counts: bool
+) -> tuple[pa.Table, pa.Table]:
     """(rows for the counts: macro, site; rows whose key the batch carries: the index columns)."""
     with path.open("rb") as f:
         parquet = pq.ParquetFile(f)
         has_hash = "key_hash" in parquet.schema_arrow.names
-        wanted = ["macro", "site"] + (["key_hash"] if has_hash else ["dedup_key"]) + (["task_id"] if retired_ids else [])
+        wanted = (["macro", "site"] if with_counts else []) + (["key_hash"] if has_hash else ["dedup_key"])
+        wanted += ["task_id"] if retired_ids else []
         table = parquet.read(columns=wanted)  # macro/site stay dictionary-encoded for cheap counting
         if retired_ids:
             table = table.filter(pc.invert(pc.is_in(table["task_id"], value_set=pa.array(sorted(retired_ids), pa.string()))))
@@ -194,13 +195,13 @@ def _read_warehouse(path: UPath, probe: _KeyProbe, retired_ids: frozenset[str] |
 
 
 def build_prior_index(
-    data_root: UPath, kept_dir: UPath, run_id: str, batch_keys: pd.DataFrame, retired: Retired
+    data_root: UPath, kept_dir: UPath, run_id: str, batch_keys: pd.DataFrame, retired: Retired, with_counts: bool = True
 ) -> PriorIndex:
     """The prior-run dedup index for `run_id` (CONTRACT §3.4): every other run's kept rows minus retired.
 
     `batch_keys` (dedup_key, key_hash) are the keys the walk can meet: only those are returned with their
-    provenance; counts cover every row. Files are read one at a time and mostly as integers and
-    dictionary codes, so cost grows slowly with history and memory not at all.
+    provenance; counts cover every row (skipped with `with_counts=False`). Files are read one at a time and
+    mostly as integers and dictionary codes, so cost grows slowly with history and memory not at all.
     """
     sources: dict[str, tuple[str, UPath]] = {
         r: ("legacy", p) for r, p in legacy_kept_files(data_root / "runs").items()
@@ -216,7 +217,7 @@ def build_prior_index(
         kind, path = sources[other]
         retired_ids = retired.tasks.get(other)
         if kind == "warehouse":
-            rows, hits = _read_warehouse(path, probe, retired_ids)
+            rows, hits = _read_warehouse(path, probe, retired_ids, with_counts)
         else:
             rows = _read_legacy(path, other)
             if retired_ids:
@@ -224,7 +225,8 @@ def build_prior_index(
             hits = probe.confirm(rows.filter(pa.array(probe.maybe(rows["key_hash"].to_numpy()))))
         runs_read += 1
         rows_read += rows.num_rows
-        counts.add(rows.select(["macro", "site"]))
+        if with_counts:
+            counts.add(rows.select(["macro", "site"]))
         hits = hits.select(["dedup_key", "macro", "site", "task_id"]).cast(_STRINGS)
         key_parts.append(hits.append_column("run_id", pa.array([other] * hits.num_rows, type=pa.string())))
 

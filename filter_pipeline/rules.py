@@ -22,6 +22,7 @@ from filter_pipeline.schemas import (
     STAGE_JUDGE,
     STATUS_JUDGED,
     conform,
+    pylist,
 )
 
 # --- §3.1 execute failures --------------------------------------------------------------------------
@@ -82,22 +83,23 @@ def attempts_to_judge(tasks: pd.DataFrame, attempts: pd.DataFrame) -> pd.DataFra
 
 
 def superseded_ok_attempts(attempts: pd.DataFrame, judged: pd.DataFrame) -> int:
-    """How many ok attempts were not judged because a later ok attempt of the same task was."""
+    """How many ok attempts were not judged because a later ok attempt of the same task was
+    (`judged`: one row per judged attempt, e.g. the verdicts)."""
     return int((attempts["ok"] == True).sum()) - len(judged)  # noqa: E712
 
 
 # --- §3.3 judge failures ----------------------------------------------------------------------------
 
 
-def judge_failures(verdicts: pd.DataFrame, judged: pd.DataFrame) -> pd.DataFrame:
+def judge_failures(verdicts: pd.DataFrame) -> pd.DataFrame:
     """One failure-pool row per judged verdict that did not pass, in task order.
 
     Unjudged verdicts (status error) are not failures: they are judged again later.
     """
     failed = verdicts[(verdicts["status"] == STATUS_JUDGED) & (verdicts["passed"] == False)]  # noqa: E712
-    rows = failed.merge(judged[["task_id", "n_actions"]], on="task_id", how="left")
     return conform(
-        rows.assign(stage=STAGE_JUDGE, reason=REASON_JUDGE_FAIL, detail=rows["why"], backend_ok=None), "failure_pool"
+        failed.assign(stage=STAGE_JUDGE, reason=REASON_JUDGE_FAIL, detail=failed["why"], backend_ok=None),
+        "failure_pool",
     )
 
 
@@ -147,10 +149,10 @@ def walk_ledger(
     passing = verdicts[(verdicts["status"] == STATUS_JUDGED) & (verdicts["passed"] == True)]  # noqa: E712
     first_kept = prior_index.drop_duplicates("dedup_key", keep="first")  # provenance: the earliest keeper
     kept_by: dict[str, tuple[str, str]] = dict(
-        zip(first_kept["dedup_key"].tolist(), zip(first_kept["run_id"].tolist(), first_kept["task_id"].tolist()))
+        zip(pylist(first_kept["dedup_key"]), zip(pylist(first_kept["run_id"]), pylist(first_kept["task_id"])))
     )
     count: dict[tuple[str, str], int] = dict(
-        zip(zip(prior_counts["macro"].tolist(), prior_counts["site"].tolist()), prior_counts["n_kept"].tolist())
+        zip(zip(pylist(prior_counts["macro"]), pylist(prior_counts["site"])), pylist(prior_counts["n_kept"]))
     )
     macro_total: dict[str, int] = {}
     for (macro, _), n in count.items():
@@ -159,7 +161,7 @@ def walk_ledger(
     keep = []
     dropped: list[str | None] = []
     dup_of: list[tuple[str | None, str | None]] = []
-    columns = (passing[c].tolist() for c in ("task_id", "dedup_key", "macro", "site"))
+    columns = (pylist(passing[c]) for c in ("task_id", "dedup_key", "macro", "site"))
     for task_id, key, macro, site in zip(*columns):
         reason = None
         if key in kept_by:

@@ -88,6 +88,15 @@ def _bulk_encoder():
 canonical_key_fast = _bulk_encoder()
 
 
+def canonical_keys(keys: list[list[Any]]) -> list[str]:
+    """`canonical_key` of each key, encoding the whole list in one call where that can be split safely."""
+    whole = _CANONICAL.encode(keys)
+    inner = whole[2:-2]  # "[[k1],[k2]]" -> "k1],[k2"
+    if len(keys) > 1 and inner.count("],[") == len(keys) - 1:  # no string holds "],[": the seams are exact
+        return [f"[{part}]" for part in inner.split("],[")]
+    return [canonical_key_fast(key) for key in keys]
+
+
 def key_hash(text: str) -> int:
     """A 64-bit fingerprint of a canonical key (BLAKE2b, stable across processes and versions).
 
@@ -118,6 +127,7 @@ _VERDICT_FIELDS = [
     ("instruction", STR),
     # beyond the contract's columns:
     ("key_hash", INT),  # schemas.key_hash(dedup_key)
+    ("n_actions", INT),  # steps of the judged attempt
     ("status", STR),  # judged | error (unjudged: neither kept nor a failure, judged again next time)
     ("judge", STR),  # gate | llm
     ("model", STR),
@@ -249,3 +259,8 @@ def isin(values: pd.Series, allowed) -> np.ndarray:
     allowed_array = pa.array(pd.Series(allowed, dtype=object).astype("str"), type=pa.string())
     found = pc.is_in(pa.array(values.astype("str"), type=pa.string()), value_set=allowed_array)
     return found.to_numpy(zero_copy_only=False).astype(bool)
+
+
+def pylist(values: pd.Series) -> list:
+    """The column as a Python list, converted by Arrow (iterating pandas' arrow strings is slow)."""
+    return pa.array(values).to_pylist()

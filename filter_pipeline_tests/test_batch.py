@@ -141,7 +141,7 @@ def test_dir_resolving_outside_the_data_root_through_a_symlink_is_rejected(tmp_p
 
 TRICKY_KEYS = [
     ["s", "#a", 1], ["s", "#a", "1"], ["s", "#a", 1.0], ["s", "#a", True], ["s", "#a", None],
-    ["s", "a[1]", "x]y,[z"], ["s", "#a", 'quote " and \\ back'], ["sité", "#a", "ü\u2028"], ["s", "#a", 1e16],
+    ["s", "a[1]", "x]y,[z"], ["s", "#a", 'quote " and \\ back'], ["sité", "#a", "ü\u2028"], ["s", "#a", 1e16], ["s", "#a", "seam ],[ inside"],
     [], ["s", "#a", -0.0, 12345678901234567890],
 ]  # fmt: skip
 

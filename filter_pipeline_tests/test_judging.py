@@ -22,14 +22,14 @@ CONTRACT = {
 
 
 def model_that_fails(*failing: str, faults: bool = False):
-    """A judge model failing the tasks named in `failing` (by instruction); with `faults`, every fourth call
-    is a 429 or 500 first."""
+    """A judge model failing the tasks named in `failing` (by instruction); with `faults`, its first six
+    calls are 429s and 500s, so every vote that lands on one must be retried."""
 
     def responder(call, n):
-        if faults and n % 4 == 1:
+        if faults and n < 6 and n % 2 == 0:
             return Reply(status=429, headers={"Retry-After": "0"}, body="{}")
-        if faults and n % 4 == 3:
-            return Reply(status=500, headers={"Retry-After": "0"}, body="{}")
+        if faults and n < 6:
+            return Reply(status=500, body="{}")
         return Reply(content=FAIL if any(f"do {t}" in call.prompt for t in failing) else PASS)
 
     return responder
@@ -81,6 +81,7 @@ def test_llm_verdicts_flow_through_the_same_rules_as_the_gate_even_under_faults(
         sample_batch(root)
         with dg.instance_for_test() as instance, FakeOpenAI(model_that_fails("c", faults=faults)) as server:
             Pipeline(root, instance).run(llm(server))
+            assert len(server.calls) == (18 if faults else 12)
             outputs[name] = {a: rows(Pipeline(root, instance).output(a), *cols) for a, cols in CONTRACT.items()}
     assert outputs["faulty"] == outputs["clean"]
     clean = outputs["clean"]

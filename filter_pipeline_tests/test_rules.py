@@ -122,15 +122,13 @@ def test_gate_judge_passes_with_fixed_why_and_votes(tmp_path):
 # --- §3.3 judge failures ----------------------------------------------------------------------------
 
 
-def test_failed_verdict_is_judge_fail_row_with_why_and_votes_unjudged_is_not(tmp_path):
-    batch = parse(tmp_path, [task("a"), task("b"), task("c")], [attempt("a", steps=4), attempt("b"), attempt("c")])
-    judged = rules.attempts_to_judge(batch.tasks, batch.attempts)
+def test_failed_verdict_is_judge_fail_row_with_why_and_votes_unjudged_is_not():
     v = verdicts(
-        {"task_id": "a", "passed": False, "why": "wrong item", "votes": "1/3"},
+        {"task_id": "a", "passed": False, "why": "wrong item", "votes": "1/3", "n_actions": 4},
         {"task_id": "b", "passed": True, "votes": "3/3"},
         {"task_id": "c", "passed": None, "status": "error", "why": "endpoint down"},
     )
-    pool = rules.judge_failures(v, judged)
+    pool = rules.judge_failures(v)
     assert pool[["task_id", "stage", "reason", "detail", "votes", "n_actions"]].values.tolist() == [
         ["a", "judge", "judge_fail", "wrong item", "1/3", 4]
     ]
