@@ -169,3 +169,9 @@ def test_fast_task_path_gives_the_same_frame_as_the_careful_path(tmp_path):
 def test_fast_task_path_declines_what_it_cannot_be_sure_of(tmp_path, extra):
     run = write_batch(tmp_path, "r", [task("a"), task("b", **extra)], [])
     assert batch_module._fast_tasks((run / "tasks.jsonl").read_bytes()) is None
+
+
+@pytest.mark.parametrize("text, records", [("a\nb\n", 2), ("a\nb", 2), ("a\n\nb\n", 2), ("\na\n", 1), ("a\n  \nb", 2), ("a\n \t", 1), ("", 0)])
+def test_count_records_counts_non_blank_lines(tmp_path, text, records):
+    (tmp_path / "executions.jsonl").write_text(text)
+    assert batch_module.count_records(UPath(tmp_path)) == records
