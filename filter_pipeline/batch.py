@@ -263,7 +263,7 @@ def _fast_attempts(data: bytes) -> pd.DataFrame | None:
     try:
         # a record longer than the block makes pyarrow raise: over-long lines go the careful way
         table = pa_json.read_json(
-            io.BytesIO(data),
+            pa.BufferReader(data),
             parse_options=pa_json.ParseOptions(explicit_schema=_ATTEMPT_ARROW, unexpected_field_behavior="ignore"),
             read_options=pa_json.ReadOptions(block_size=MAX_LINE_BYTES),
         )
@@ -364,7 +364,7 @@ def _lines(data: bytes) -> pa.Array:
     import pyarrow.csv as pa_csv
 
     table = pa_csv.read_csv(
-        io.BytesIO(data),
+        pa.BufferReader(data),
         read_options=pa_csv.ReadOptions(column_names=["line"], block_size=1 << 24),
         parse_options=pa_csv.ParseOptions(
             delimiter="\x1f", quote_char=False, escape_char=False, newlines_in_values=False, ignore_empty_lines=False
@@ -387,7 +387,7 @@ def _fast_tasks(data: bytes) -> pd.DataFrame | None:
         return None
     try:
         table = pa_json.read_json(
-            io.BytesIO(data),
+            pa.BufferReader(data),
             parse_options=pa_json.ParseOptions(explicit_schema=_TASK_ARROW, unexpected_field_behavior="ignore"),
             read_options=pa_json.ReadOptions(block_size=MAX_LINE_BYTES),
         )

@@ -1,0 +1,32 @@
+"""The benchmarks, run at a tiny size so they do not rot. Figures come from running them in full (README)."""
+
+import subprocess
+import sys
+
+import pytest
+
+from filter_pipeline_tests.conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+
+def run(*args: str) -> str:
+    done = subprocess.run([sys.executable, "-m", *args], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def test_filter_scale_agrees_with_the_baseline_at_a_small_size(tmp_path):
+    out = run(
+        "benchmarks.filter_scale", "--history-runs", "3", "--history-rows", "2000", "--tasks", "3000",
+        "--sites", "40", "--macros", "4", "--arguments", "2000", "--per-site-cap", "20", "--out", str(tmp_path),
+    )  # fmt: skip
+    assert "same kept rows as the baseline: True" in out
+    assert "split: execution_batch" in out and "ledger" in out
+
+
+def test_judge_throughput_runs_at_a_small_size():
+    out = run("benchmarks.judge_throughput", "--tasks", "40", "--latency", "0.05", "--concurrency", "1", "8")
+    rows = [line.split() for line in out.splitlines() if line.strip() and line.split()[0] in ("1", "8")]
+    assert [r[0] for r in rows] == ["1", "8"]
+    assert all(0 < float(r[4].rstrip("%")) <= 110 for r in rows)
