@@ -410,9 +410,11 @@ def _fast_tasks(data: bytes) -> pd.DataFrame | None:
         keys = json.loads("[" + ",".join(raw.to_pylist()) + "]")
     except ValueError:
         return None
+    del lines, raw
     if len(keys) != n_lines:
         return None
     texts = canonical_keys(keys)
+    del keys
     return pd.DataFrame(
         {
             "task_id": table["task_id"].to_pandas(),
@@ -442,7 +444,6 @@ def read_batch(run_dir: UPath, run_id: str) -> Batch:
     if not executions_path.exists():
         raise BatchError(f"runs/{run_id}/{EXECUTIONS_FILE} does not exist: the harness wrote no attempts file")
     tasks_data = tasks_path.read_bytes()
-    executions_data = executions_path.read_bytes()
 
     tasks, rejects = _fast_tasks(tasks_data), []
     if tasks is None:
@@ -454,7 +455,9 @@ def read_batch(run_dir: UPath, run_id: str) -> Batch:
     if tasks.empty:
         detail = f" ({len(rejects)} line(s) rejected, first: {rejects[0]['message']})" if rejects else ""
         raise BatchError(f"runs/{run_id}/{TASKS_FILE} holds no valid task{detail}")
+    del tasks_data  # big batches: hold one file's bytes at a time
 
+    executions_data = executions_path.read_bytes()
     attempts = _fast_attempts(executions_data)
     if attempts is None:
         attempt_rows, attempt_rejects = _parse_lines(executions_data, EXECUTIONS_FILE, _attempt_row)
@@ -512,8 +515,10 @@ def count_records(run_dir: UPath) -> int:
     data = (run_dir / EXECUTIONS_FILE).read_bytes()
     if not data:
         return 0
-    first, _, rest = data.partition(b"\n")
-    last = data.rsplit(b"\n", 1)[-1]
+    view = memoryview(data)  # slices of a view copy nothing
+    first_end, last_start = data.find(b"\n"), data.rfind(b"\n") + 1
+    first = bytes(view[: first_end if first_end >= 0 else len(data)])
+    last = bytes(view[last_start:])
     # (a leading literal newline lets the regex engine scan fast; an alternation would not)
     if first.strip() and (not last or last.strip()) and not re.search(rb"\n[ \t\r\f\v]*\n", data):
         return _line_count(data)  # no blank lines: every line is a record

@@ -10,14 +10,14 @@ from collections import Counter
 
 import dagster as dg
 from dagster._core.events import DagsterEventType
+from dagster._core.storage.tags import PARTITION_NAME_TAG
 
 from filter_pipeline.assets import run_id_partitions
 from filter_pipeline.batch import SUCCESS_FILE, check_run_id
 from filter_pipeline.config import load_caps_file, parse_caps
-from filter_pipeline.definitions import build_defs
+from filter_pipeline.definitions import filter_job_from_env
 from filter_pipeline.history import HistoryError, load_retired
-from filter_pipeline.jobs import filter_job
-from filter_pipeline.judging import JUDGE_KINDS, judge_from_env
+from filter_pipeline.judging import ENV, JUDGE_KINDS, judge_from_env
 from filter_pipeline.pool import release_stale_ledger_slots
 from filter_pipeline.schemas import DROPPED_REASONS, FAILURE_REASONS, STATUS_ERROR
 from filter_pipeline.sensors import complete_batches
@@ -90,7 +90,8 @@ def summarize(data: DataRoot, run_id: str) -> str:
     )
 
 
-def _failure_reason(result: dg.ExecuteInProcessResult) -> str:
+def _failure_reason(result) -> str:
+    """The first failed step and its error, in one line (result: an execute_job result)."""
     for event in result.all_events:
         if event.event_type == DagsterEventType.STEP_FAILURE:
             error = event.step_failure_data.error
@@ -121,21 +122,21 @@ def materialize(args: argparse.Namespace) -> int:
     judge = judge_from_env(args.judge)
     if judge.kind == "llm":
         judge.settings()  # missing FILTER_JUDGE_BASE_URL / MODEL: say so before any run starts
-    job = build_defs(data.path, judge, caps).resolve_job_def(filter_job.name)
+    # the job is rebuilt from the environment (see filter_job_from_env), so the settings travel through it
+    os.environ[DATA_ENV], os.environ[ENV["kind"]] = data.path, judge.kind
+    job = dg.reconstructable(filter_job_from_env)
     run_config = {
         "loggers": {"console": {"config": {"log_level": "INFO"}}},
         **({"ops": {"ledger": {"config": caps}}} if caps else {}),
     }
     failed = 0
     for run_id in run_ids:
-        result = job.execute_in_process(
-            instance=instance, partition_key=run_id, run_config=run_config, raise_on_error=False
-        )
-        if result.success:
-            print(summarize(data, run_id), flush=True)
-        else:
-            failed += 1
-            print(f"{run_id}: FAILED ({_failure_reason(result)})", flush=True)
+        with dg.execute_job(job, instance, run_config=run_config, tags={PARTITION_NAME_TAG: run_id}) as result:
+            if result.success:
+                print(summarize(data, run_id), flush=True)
+            else:
+                failed += 1
+                print(f"{run_id}: FAILED ({_failure_reason(result)})", flush=True)
     return 1 if failed else 0
 
 

@@ -150,25 +150,48 @@ class _KeyProbe:
 
 
 class _PairCounts:
-    """Kept rows per (macro, site), summed file by file in bounded memory."""
+    """Kept rows per (macro, site), summed file by file into a dense grid of integer ids.
+
+    Each file's macro and site columns arrive dictionary-encoded: only the (small) dictionaries are mapped
+    to global ids in Python; the rows are counted with numpy.
+    """
 
     def __init__(self):
-        self.parts: list[pa.Table] = []
+        self.macros: dict[str, int] = {}
+        self.sites: dict[str, int] = {}
+        self.grid = np.zeros((0, 0), dtype=np.int64)
+
+    @staticmethod
+    def _codes(column: pa.ChunkedArray | pa.Array, ids: dict[str, int]) -> np.ndarray:
+        column = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+        if not pa.types.is_dictionary(column.type):
+            column = column.dictionary_encode()
+        mapping = np.array([ids.setdefault(v, len(ids)) for v in column.dictionary.to_pylist()], dtype=np.int64)
+        return mapping[column.indices.to_numpy(zero_copy_only=False)] if len(mapping) else np.zeros(0, np.int64)
 
     def add(self, table: pa.Table) -> None:
-        grouped = table.group_by(["macro", "site"]).aggregate([([], "count_all")])
-        self.parts.append(grouped.cast(pa.schema([("macro", pa.string()), ("site", pa.string()), ("count_all", pa.int64())])))
-        if len(self.parts) >= 16:
-            self.parts = [self.total()]
+        if table.num_rows == 0:
+            return
+        m = self._codes(table["macro"], self.macros)
+        s = self._codes(table["site"], self.sites)
+        rows, cols = len(self.macros), len(self.sites)
+        if rows > self.grid.shape[0] or cols > self.grid.shape[1]:
+            grown = np.zeros((max(rows, 2 * self.grid.shape[0]), max(cols, 2 * self.grid.shape[1])), dtype=np.int64)
+            grown[: self.grid.shape[0], : self.grid.shape[1]] = self.grid
+            self.grid = grown
+        width = self.grid.shape[1]
+        self.grid += np.bincount(m * width + s, minlength=self.grid.size).reshape(self.grid.shape)
 
     def total(self) -> pa.Table:
-        if not self.parts:
-            return pa.table({"macro": pa.array([], pa.string()), "site": pa.array([], pa.string()), "count_all": pa.array([], pa.int64())})
-        return (
-            pa.concat_tables(self.parts)
-            .group_by(["macro", "site"])
-            .aggregate([("count_all", "sum")])
-            .rename_columns(["macro", "site", "count_all"])
+        m, s = np.nonzero(self.grid)
+        macros = np.array(list(self.macros), dtype=object)
+        sites = np.array(list(self.sites), dtype=object)
+        return pa.table(
+            {
+                "macro": pa.array(macros[m] if len(m) else [], pa.string()),
+                "site": pa.array(sites[s] if len(s) else [], pa.string()),
+                "count_all": pa.array(self.grid[m, s], pa.int64()),
+            }
         )
 
 
@@ -177,7 +200,7 @@ def _read_warehouse(
 ) -> tuple[pa.Table, pa.Table]:
     """(rows for the counts: macro, site; rows whose key the batch carries: the index columns)."""
     with path.open("rb") as f:
-        parquet = pq.ParquetFile(f)
+        parquet = pq.ParquetFile(f, read_dictionary=["macro", "site"])  # counted by code, not by text
         has_hash = "key_hash" in parquet.schema_arrow.names
         wanted = (["macro", "site"] if with_counts else []) + (["key_hash"] if has_hash else ["dedup_key"])
         wanted += ["task_id"] if retired_ids else []
