@@ -10,7 +10,7 @@ import dagster as dg
 import pandas as pd
 
 from filter_pipeline import checks, rules
-from filter_pipeline.batch import attempt_steps, count_records, read_batch
+from filter_pipeline.batch import EXECUTIONS_FILE, TASKS_FILE, attempt_steps, count_records, read_batch
 from filter_pipeline.config import CapsConfig
 from filter_pipeline.history import build_prior_index, load_retired
 from filter_pipeline.judging import JudgeResource
@@ -77,7 +77,7 @@ def execution_batch(context: dg.AssetExecutionContext, data: DataRoot):
     yield dg.Output(
         batch.attempts, output_name="batch_attempts", metadata={"ok": ok, "failed": len(batch.attempts) - ok}
     )
-    yield dg.Output(batch.rejects, output_name="batch_rejects", metadata=count_by(batch.rejects["file"], ["tasks.jsonl", "executions.jsonl"], "file/"))
+    yield dg.Output(batch.rejects, output_name="batch_rejects", metadata=count_by(batch.rejects["file"], [TASKS_FILE, EXECUTIONS_FILE], "file/"))
 
 
 # --- judging ----------------------------------------------------------------------------------------

@@ -5,7 +5,6 @@ what was expected, and the rest is parsed. Only a batch that cannot be read at a
 `tasks.jsonl`, no `executions.jsonl`) raises `BatchError`.
 """
 
-import io
 import json
 import os
 import re
@@ -250,6 +249,24 @@ def _line_count(data: bytes) -> int:
     return data.count(b"\n") + (0 if data.endswith(b"\n") or not data else 1)
 
 
+def _read_jsonl(data: bytes, schema: pa.Schema) -> pa.Table | None:
+    """The JSON lines as a table of `schema` (other fields ignored), or None if pyarrow cannot read them
+    as they are: a type mismatch, a record longer than MAX_LINE_BYTES (it straddles pyarrow's block), or a
+    blank line (pyarrow would skip it and shift every later line number)."""
+    n_lines = _line_count(data)
+    if n_lines == 0:
+        return None
+    try:
+        table = pa_json.read_json(
+            pa.BufferReader(data),
+            parse_options=pa_json.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore"),
+            read_options=pa_json.ReadOptions(block_size=MAX_LINE_BYTES),
+        )
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        return None
+    return table if table.num_rows == n_lines else None
+
+
 def _fast_attempts(data: bytes) -> pd.DataFrame | None:
     """executions.jsonl read by pyarrow in one pass, or None when any line needs the careful path.
 
@@ -257,20 +274,10 @@ def _fast_attempts(data: bytes) -> pd.DataFrame | None:
     so it refuses anything it would have to interpret: blank or over-long lines, type mismatches (pyarrow
     raises), or a missing required field (a null in the table).
     """
-    n_lines = _line_count(data)
-    if n_lines == 0:
+    table = _read_jsonl(data, _ATTEMPT_ARROW)
+    if table is None:
         return None
-    try:
-        # a record longer than the block makes pyarrow raise: over-long lines go the careful way
-        table = pa_json.read_json(
-            pa.BufferReader(data),
-            parse_options=pa_json.ParseOptions(explicit_schema=_ATTEMPT_ARROW, unexpected_field_behavior="ignore"),
-            read_options=pa_json.ReadOptions(block_size=MAX_LINE_BYTES),
-        )
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-        return None
-    if table.num_rows != n_lines:  # blank lines: line numbers would shift
-        return None
+    n_lines = table.num_rows
     for required in ("task_id", "attempt", "ok", "dir", "steps"):
         if table[required].null_count:
             return None
@@ -333,13 +340,13 @@ def dirs_outside_root(run_dir: UPath, dirs: pd.Series) -> set[str]:
     tops = pc.replace_substring_regex(paths, _TOP, r"\1")
     outside: set[str] = set()
     for top in pc.unique(tops).to_pylist():
-        in_top = lambda: paths.filter(pc.equal(tops, top)).to_pylist()  # noqa: E731
         if not inside(top):
-            outside.update(in_top())
+            outside.update(paths.filter(pc.equal(tops, top)).to_pylist())
             continue
         links = tuple(os.path.relpath(p, root) + "/" for p in _symlinks_below(os.path.join(root, top)))
         if links:
-            outside.update(d for d in in_top() if (d + "/").startswith(links) and not inside(d))
+            behind = paths.filter(pc.equal(tops, top)).to_pylist()
+            outside.update(d for d in behind if (d + "/").startswith(links) and not inside(d))
     return outside
 
 
@@ -382,19 +389,15 @@ def _fast_tasks(data: bytes) -> pd.DataFrame | None:
     a missing or mistyped field, `"dedup_key"` named more than once in a line, a key that is not an array of
     scalars) sends the whole file down the careful path, which says what is wrong.
     """
-    n_lines = _line_count(data)
-    if n_lines == 0:
+    table = _read_jsonl(data, _TASK_ARROW)
+    if table is None:
         return None
+    n_lines = table.num_rows
     try:
-        table = pa_json.read_json(
-            pa.BufferReader(data),
-            parse_options=pa_json.ParseOptions(explicit_schema=_TASK_ARROW, unexpected_field_behavior="ignore"),
-            read_options=pa_json.ReadOptions(block_size=MAX_LINE_BYTES),
-        )
         lines = _lines(data)
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+    except pa.ArrowInvalid:
         return None
-    if table.num_rows != n_lines or len(lines) != n_lines:
+    if len(lines) != n_lines:
         return None
     kind = pc.struct_field(table["start"].combine_chunks(), "kind")
     if any(table[c].null_count for c in ("task_id", "macro", "site", "instruction")) or kind.null_count:

@@ -11,6 +11,7 @@ from upath import UPath
 from filter_pipeline.definitions import build_defs
 from filter_pipeline.judging import JudgeResource
 from filter_pipeline.schemas import SCHEMAS, empty_frame, to_arrow
+from filter_pipeline import warehouse
 from filter_pipeline.warehouse import read_parquet, write_parquet
 from filter_pipeline_tests.builders import attempt, jsonl, task
 
@@ -63,25 +64,20 @@ def test_whole_asset_folder_reads_as_one_frame_with_real_nulls(tmp_path):
     assert read_parquet(folder / "r1.parquet")["backend_ok"].dtype == "boolean"
 
 
-def test_local_write_is_atomic_and_cleans_temp_files_of_a_killed_write(tmp_path):
+def test_local_write_is_atomic_and_cleans_temp_files_of_a_killed_write(tmp_path, monkeypatch):
     target = UPath(tmp_path) / "kept" / "r1.parquet"
     write_parquet(to_arrow(empty_frame("kept"), "kept"), target)
     stale = tmp_path / "kept" / ".r1.parquet.deadbeef.tmp"
     stale.write_bytes(b"half a parquet file")
 
-    class Boom(Exception):
-        pass
+    def dies_midway(table, where):
+        where.write(b"PAR1 half a file")
+        raise OSError("disk full")
 
-    class Exploding:
-        """Stands for a table whose serialization dies midway."""
-
-        schema = SCHEMAS["kept"]
-
-        def __getattr__(self, name):
-            raise Boom()
-
-    with pytest.raises(Exception):
-        write_parquet(Exploding(), target)
+    monkeypatch.setattr(warehouse.pq, "write_table", dies_midway)
+    with pytest.raises(OSError, match="disk full"):
+        write_parquet(to_arrow(empty_frame("kept"), "kept"), target)
+    monkeypatch.undo()
     assert sorted(p.name for p in (tmp_path / "kept").iterdir()) == ["r1.parquet"]
     assert pq.read_table(target).num_rows == 0  # the old file is intact
 

@@ -55,7 +55,7 @@ def write_batch(data: Path, run_id: str, tasks: list[dict], rng: random.Random, 
     run = data / "runs" / run_id
     executions = []
     for task in tasks:
-        site, (macro, element, _) = task["site"], SITES[task["site"]]
+        site, (_, element, _) = task["site"], SITES[task["site"]]
         n_attempts = task.pop("_attempts")
         for attempt in range(1, n_attempts + 1):
             ok = attempt == n_attempts and rng.random() > 0.15
