@@ -8,10 +8,12 @@ from collections.abc import Iterable
 
 import dagster as dg
 import pandas as pd
+from pydantic import Field
 
-from filter_pipeline import checks, rules
+from filter_pipeline import checks, dpo, rules
 from filter_pipeline.batch import EXECUTIONS_FILE, TASKS_FILE, attempt_steps, count_records, read_batch
 from filter_pipeline.config import CapsConfig
+from filter_pipeline.coverage import coverage_markdown, coverage_table
 from filter_pipeline.history import build_prior_index, load_retired
 from filter_pipeline.judging import JudgeResource
 from filter_pipeline.schemas import DROPPED_REASONS, FAILURE_REASONS, SCHEMAS, STATUS_ERROR, STATUS_JUDGED
@@ -239,3 +241,58 @@ def ledger(context: dg.AssetExecutionContext, config: CapsConfig, data: DataRoot
     # second scan of the warehouse would double the step's cost on a large history
     yield check_result("no_key_kept_twice", "kept", checks.no_key_kept_twice(result.kept, index.keys))
     yield check_result("caps_respected", "kept", checks.caps_respected(result.kept, index.counts, caps))
+
+
+# --- training data ----------------------------------------------------------------------------------
+
+
+class DpoConfig(dg.Config):
+    """Which failed attempts may be the rejected side of a DPO pair."""
+
+    include_judge_failures: bool = Field(
+        default=False,
+        description="Also pair judge failures, whose backend gate passed (the judge and the gate disagree there).",
+    )
+
+
+@dg.asset(
+    partitions_def=run_id_partitions,
+    group_name="training",
+    description="DPO pairs: chosen = a kept trajectory, rejected = a failed attempt of the same task that is a "
+    "clean negative (not backend_ok, not unjudged; judge failures only if configured).",
+    metadata=column_schema("dpo_pairs"),
+)
+def dpo_pairs(config: DpoConfig, kept: pd.DataFrame, failure_pool: pd.DataFrame) -> dg.Output[pd.DataFrame]:
+    result = dpo.dpo_pairs(kept, failure_pool, include_judge_failures=config.include_judge_failures)
+    return dg.Output(
+        result.pairs,
+        metadata={
+            "kept_without_clean_negative": result.kept_without_negative,
+            **{f"excluded/{reason}": n for reason, n in result.excluded.items()},
+        },
+    )
+
+
+@dg.asset(
+    group_name="training",
+    deps=[dg.AssetKey("kept")],
+    description="Kept rows per (macro, site) and per macro over every non-retired run, against the site caps "
+    "and macro targets: what is full, what is short, by how much. Refreshed by the batch sensor whenever the "
+    "set of kept files changes.",
+    metadata=column_schema("coverage"),
+)
+def coverage(config: CapsConfig, data: DataRoot) -> dg.Output[pd.DataFrame]:
+    no_keys = pd.DataFrame({"dedup_key": pd.Series([], dtype=object), "key_hash": pd.Series([], dtype="int64")})
+    index = build_prior_index(data.root, data.warehouse / "kept", "", no_keys, load_retired(data.root))
+    table = coverage_table(index.counts, config.to_caps())
+    sites = table[table["level"] == "site"]
+    return dg.Output(
+        table,
+        metadata={
+            "kept": int(sites["kept"].sum()),
+            "runs": index.runs_read,
+            "full_sites": int(sites["full"].sum()),
+            "short_sites": int((~sites["full"].astype(bool)).sum()),
+            "coverage": dg.MetadataValue.md(coverage_markdown(table)),
+        },
+    )

@@ -8,6 +8,7 @@ import dagster as dg
 
 JUDGE_GROUPS = ("batch", "judging")
 LEDGER_GROUP = "ledger"
+TRAINING_GROUP = "training"
 
 judge_job = dg.define_asset_job(
     "judge_job",
@@ -17,12 +18,18 @@ judge_job = dg.define_asset_job(
 )
 ledger_job = dg.define_asset_job(
     "ledger_job",
-    selection=dg.AssetSelection.groups(LEDGER_GROUP),
-    description="Build the prior dedup index and walk the verdicts into kept / surplus. Serialized by the "
-    "`ledger` pool; the sensor launches it in run_id order.",
+    selection=dg.AssetSelection.groups(LEDGER_GROUP, TRAINING_GROUP),
+    description="Build the prior dedup index, walk the verdicts into kept / surplus (serialized by the `ledger` "
+    "pool; the sensor launches it in run_id order), then pair kept trajectories with clean negatives.",
+)
+coverage_job = dg.define_asset_job(
+    "coverage_job",
+    selection=dg.AssetSelection.assets("coverage"),
+    description="Recount kept rows of every non-retired run against the caps and targets.",
 )
 filter_job = dg.define_asset_job(
     "filter_job",
-    selection=dg.AssetSelection.all(),
-    description="The whole filter stage for one batch: parse, judge, failure pool, prior index, kept, surplus.",
+    selection=dg.AssetSelection.all() - dg.AssetSelection.assets("coverage"),
+    description="The whole filter stage for one batch: parse, judge, failure pool, prior index, kept, surplus, "
+    "DPO pairs.",
 )

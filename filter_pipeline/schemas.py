@@ -212,6 +212,35 @@ SCHEMAS: dict[str, pa.Schema] = {
     ),
     "prior_kept_counts": pa.schema([("macro", STR), ("site", STR), ("n_kept", INT)]),
     "kept": pa.schema(_VERDICT_FIELDS),
+    "coverage": pa.schema(
+        [
+            ("level", STR),  # site | macro
+            ("macro", STR),
+            ("site", STR),  # null on macro rows
+            ("kept", INT),
+            ("limit", INT),  # site cap, or macro target (null: no target)
+            ("remaining", INT),
+            ("full", BOOL),
+        ]
+    ),
+    "dpo_pairs": pa.schema(
+        [
+            ("task_id", STR),
+            ("macro", STR),
+            ("site", STR),
+            ("instruction", STR),
+            ("chosen_dir", STR),
+            ("chosen_attempt", INT),
+            ("chosen_n_actions", INT),
+            ("rejected_dir", STR),
+            ("rejected_attempt", INT),
+            ("rejected_n_actions", INT),
+            ("rejected_stage", STR),
+            ("rejected_reason", STR),
+            ("rejected_detail", STR),
+            ("run_id", STR),
+        ]
+    ),
     "surplus": pa.schema(
         [
             *_VERDICT_FIELDS,

@@ -5,6 +5,7 @@ whose result depends on which runs were walked before, is requested for one run 
 run_id first, so the outcome does not depend on which judge run happened to finish first.
 """
 
+import hashlib
 from dataclasses import dataclass
 
 import dagster as dg
@@ -13,7 +14,7 @@ from dagster._core.storage.tags import PARTITION_NAME_TAG, RUN_KEY_TAG
 
 from filter_pipeline.assets import run_id_partitions
 from filter_pipeline.batch import LEGACY_KEPT_FILE, RUN_ID_PATTERN, SUCCESS_FILE
-from filter_pipeline.jobs import judge_job, ledger_job
+from filter_pipeline.jobs import coverage_job, judge_job, ledger_job
 from filter_pipeline.pool import release_stale_ledger_slots
 from filter_pipeline.warehouse import DataRoot
 
@@ -54,8 +55,18 @@ def _stems(folder) -> set[str]:
     return {p.name.removesuffix(".parquet") for p in folder.iterdir() if p.name.endswith(".parquet") and not p.name.startswith(".")}
 
 
-def ledger_run_config(caps: dict) -> dict:
-    return {"ops": {"ledger": {"config": caps}}} if caps else {}
+def caps_run_config(op: str, caps: dict) -> dict:
+    return {"ops": {op: {"config": caps}}} if caps else {}
+
+
+def kept_fingerprint(data: DataRoot) -> str | None:
+    """A short hash of which kept files exist and their sizes (None: no kept file yet): coverage is stale
+    exactly when this changes."""
+    folder = data.warehouse / "kept"
+    if not folder.exists():
+        return None
+    files = sorted((p.name, p.stat().st_size) for p in folder.iterdir() if p.name.endswith(".parquet") and not p.name.startswith("."))
+    return hashlib.sha1(repr(files).encode()).hexdigest()[:16] if files else None
 
 
 def plan_tick(
@@ -94,12 +105,13 @@ def build_batch_sensor(caps: dict) -> dg.SensorDefinition:
 
     @dg.sensor(
         name="batch_sensor",
-        jobs=[judge_job, ledger_job],
+        jobs=[judge_job, ledger_job, coverage_job],
         minimum_interval_seconds=SENSOR_INTERVAL_SECONDS,
         default_status=dg.DefaultSensorStatus.RUNNING,
         description="Registers each complete batch (runs/<run_id>/_SUCCESS) as a run_id partition and launches "
         "its judge run (run_key = run_id); then launches ledger runs one at a time in run_id order. Batches "
-        "already filtered (a warehouse or legacy kept file) are registered, never re-run.",
+        "already filtered (a warehouse or legacy kept file) are registered, never re-run. When the set of kept "
+        "files changes and nothing is in flight, it refreshes coverage.",
     )
     def batch_sensor(context: dg.SensorEvaluationContext, data: DataRoot) -> dg.SensorResult:
         instance = context.instance
@@ -120,7 +132,14 @@ def build_batch_sensor(caps: dict) -> dg.SensorDefinition:
                     job_name=LEDGER_JOB,
                     partition_key=to_walk,
                     run_key=ledger_run_key(to_walk),
-                    run_config=ledger_run_config(caps),
+                    run_config=caps_run_config("ledger", caps),
+                )
+            )
+        fingerprint = kept_fingerprint(data)
+        if fingerprint is not None and to_walk is None and not busy:
+            requests.append(
+                dg.RunRequest(
+                    job_name=coverage_job.name, run_key=f"coverage:{fingerprint}", run_config=caps_run_config("coverage", caps)
                 )
             )
         for r in sorted(failed_ledger):

@@ -9,7 +9,7 @@ from filter_pipeline.judging import JudgeResource
 from filter_pipeline_tests.builders import attempt, rows, task, write_batch
 
 ASSETS = ["batch_tasks", "batch_attempts", "batch_rejects", "judge_verdicts", "failure_pool",
-          "prior_dedup_index", "prior_kept_counts", "kept", "surplus"]
+          "prior_dedup_index", "prior_kept_counts", "kept", "surplus", "dpo_pairs", "coverage"]
 
 
 @pytest.fixture
@@ -45,11 +45,12 @@ def test_lineage_descriptions_groups_and_schemas():
     assert parents["failure_pool"] == ["batch_attempts", "batch_rejects", "batch_tasks", "judge_verdicts"]
     assert parents["kept"] == ["judge_verdicts", "prior_dedup_index", "prior_kept_counts"]
     assert parents["surplus"] == ["judge_verdicts", "prior_dedup_index", "prior_kept_counts"]
+    assert parents["dpo_pairs"] == ["failure_pool", "kept"]
     for key in graph.get_all_asset_keys():
         node = graph.get(key)
         assert node.description and node.group_name != "default", key
         assert "dagster/column_schema" in node.metadata, key
-        assert node.partitions_def.name == "run_id", key
+        assert key.path[-1] == "coverage" or node.partitions_def.name == "run_id", key
 
 
 def test_whole_graph_for_one_partition_with_counts_in_metadata(instance, data_root):
@@ -101,3 +102,20 @@ def test_nonsense_caps_fail_the_ledger_with_a_clear_message(instance, data_root)
     [failure] = [e for e in result.all_events if e.event_type == dg.DagsterEventType.STEP_FAILURE]
     assert "must be 0 or more, got -2" in str(failure.step_failure_data.error.cause or failure.step_failure_data.error)
     assert not (data_root / "warehouse" / "kept").exists()
+
+
+def test_coverage_counts_every_non_retired_run(instance, data_root):
+    write_batch(data_root, "r1", [task("a"), task("b", site="s2")], [attempt("a"), attempt("b")])
+    write_batch(data_root, "r2", [task("c")], [attempt("c")])
+    assert materialize(instance, data_root, "r1").success
+    assert materialize(instance, data_root, "r2").success
+    (data_root / "retired.json").write_text('[{"run_id": "r2", "reason": "bad build"}]')
+    job = build_defs(str(data_root), JudgeResource(), caps={}).resolve_job_def("coverage_job")
+    result = job.execute_in_process(instance=instance, run_config={"ops": {"coverage": {"config": {"per_site_cap": 1}}}})
+    table = pd.read_parquet(data_root / "warehouse" / "coverage.parquet")
+    assert rows(table, "level", "macro", "site", "kept", "limit", "full") == [
+        ["macro", "m", None, 2, None, None],
+        ["site", "m", "s", 1, 1, True],
+        ["site", "m", "s2", 1, 1, True],
+    ]
+    assert metadata(result, "coverage")["full_sites"] == 2

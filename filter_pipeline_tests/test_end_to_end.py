@@ -114,9 +114,17 @@ def test_a_dropped_batch_is_filtered_with_no_clicks_and_lineage_is_visible(dagst
 
     query = """query($key: AssetKeyInput!) { assetOrError(assetKey: $key) {
         ... on Asset { assetMaterializations(partitions: ["b0"]) { partition runId } } } }"""
-    for asset in deps:
+    for asset in set(deps) - {"coverage"}:
         materializations = dagster_dev.graphql(query, {"key": {"path": [asset]}})["assetOrError"]["assetMaterializations"]
         assert [m["partition"] for m in materializations] == ["b0"], asset
+
+    coverage = dagster_dev.data / "warehouse" / "coverage.parquet"
+    deadline = time.time() + 90
+    while not coverage.exists() and time.time() < deadline:
+        time.sleep(2)
+    kept = pd.read_parquet(dagster_dev.data / "warehouse" / "kept")
+    table = pd.read_parquet(coverage)
+    assert table.loc[table["level"] == "site", "kept"].sum() == len(kept)
 
     repos = dagster_dev.graphql(
         "{ repositoriesOrError { ... on RepositoryConnection { nodes { sensors { name sensorState { status } } } } } }"

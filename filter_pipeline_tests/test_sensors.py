@@ -28,7 +28,12 @@ def judged(data_root, run_id):
 
 
 def requests(result) -> list[tuple[str, str, str]]:
-    return [(r.job_name, r.partition_key, r.run_key) for r in result.run_requests]
+    """Judge and ledger run requests (coverage refreshes have their own test)."""
+    return [(r.job_name, r.partition_key, r.run_key) for r in result.run_requests if r.job_name != "coverage_job"]
+
+
+def coverage_keys(result) -> list[str]:
+    return [r.run_key for r in result.run_requests if r.job_name == "coverage_job"]
 
 
 def added(result) -> list[str]:
@@ -125,3 +130,16 @@ def test_sensor_sees_runs_in_flight_and_failed_ledger_runs_in_the_instance(insta
         instance, tags={"dagster/partition": "b2", "dagster/run_key": "b2:ledger"}, status=dg.DagsterRunStatus.FAILURE
     )
     assert requests(tick(instance, data_root)) == [("ledger_job", "b3", "b3:ledger")]
+
+
+def test_coverage_is_refreshed_when_the_set_of_kept_files_changes_and_nothing_is_in_flight(instance, data_root):
+    write_batch(data_root, "old", [task("a")], [attempt("a")])
+    assert coverage_keys(tick(instance, data_root)) == []  # no kept file yet; "old" is being judged
+    write_kept(data_root, "old", ("a", ["k"], "m", "s"))
+    first = coverage_keys(tick(instance, data_root, caps={"per_site_cap": 2}))
+    assert len(first) == 1 and first == coverage_keys(tick(instance, data_root))  # same files: same run_key
+    write_kept(data_root, "other", ("b", ["k2"], "m", "s"))
+    result = tick(instance, data_root, caps={"per_site_cap": 2})
+    [refresh] = [r for r in result.run_requests if r.job_name == "coverage_job"]
+    assert refresh.run_key != first[0]
+    assert refresh.run_config == {"ops": {"coverage": {"config": {"per_site_cap": 2}}}}

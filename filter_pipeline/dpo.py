@@ -1,0 +1,48 @@
+"""DPO pairs: a kept trajectory (chosen) against a failed attempt of the same task that is a clean negative
+(rejected). Pure pandas, like rules.py."""
+
+from dataclasses import dataclass
+
+import pandas as pd
+
+from filter_pipeline.schemas import STAGE_JUDGE, conform
+
+EXCLUDED_BACKEND_OK = "backend_ok"  # reached the goal state although the script failed
+EXCLUDED_JUDGE_GATE_PASSED = "judge_fail_gate_passed"  # the judge failed it but the backend gate passed it
+EXCLUSION_REASONS = (EXCLUDED_BACKEND_OK, EXCLUDED_JUDGE_GATE_PASSED)
+
+
+@dataclass(frozen=True)
+class Pairs:
+    pairs: pd.DataFrame  # columns of schemas.SCHEMAS["dpo_pairs"], kept (task) order, then pool order
+    kept_without_negative: int  # kept tasks with no clean negative
+    excluded: dict[str, int]  # negatives left out, per reason
+
+
+def dpo_pairs(kept: pd.DataFrame, failure_pool: pd.DataFrame, include_judge_failures: bool = False) -> Pairs:
+    """One pair per (kept task, clean failed attempt of that task).
+
+    A failure-pool row is not a clean negative when its backend gate passed (`backend_ok`), or when it is a
+    judge failure (its attempt was ok, so the gate passed it) unless `include_judge_failures`. Unjudged
+    tasks are never in the pool, so never a negative.
+    """
+    candidates = failure_pool[failure_pool["task_id"].isin(kept["task_id"])]
+    backend_ok = (candidates["backend_ok"] == True).fillna(False).to_numpy(dtype=bool)  # noqa: E712
+    judge_row = (candidates["stage"] == STAGE_JUDGE).to_numpy(dtype=bool)
+    gate_passed_judge = judge_row & (not include_judge_failures)
+    clean = candidates[~backend_ok & ~gate_passed_judge]
+    chosen = kept[["task_id", "macro", "site", "instruction", "dir", "attempt", "n_actions", "run_id"]].rename(
+        columns={"dir": "chosen_dir", "attempt": "chosen_attempt", "n_actions": "chosen_n_actions"}
+    )
+    rejected = clean[["task_id", "dir", "attempt", "n_actions", "stage", "reason", "detail"]].rename(
+        columns={
+            "dir": "rejected_dir", "attempt": "rejected_attempt", "n_actions": "rejected_n_actions",
+            "stage": "rejected_stage", "reason": "rejected_reason", "detail": "rejected_detail",
+        }
+    )  # fmt: skip
+    pairs = chosen.merge(rejected, on="task_id", how="inner")
+    return Pairs(
+        pairs=conform(pairs, "dpo_pairs"),
+        kept_without_negative=int((~kept["task_id"].isin(pairs["task_id"])).sum()),
+        excluded={EXCLUDED_BACKEND_OK: int(backend_ok.sum()), EXCLUDED_JUDGE_GATE_PASSED: int(gate_passed_judge.sum())},
+    )
