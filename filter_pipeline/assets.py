@@ -10,7 +10,7 @@ import dagster as dg
 import pandas as pd
 from pydantic import Field
 
-from filter_pipeline import checks, dpo, rules
+from filter_pipeline import checks, dpo, report, rules
 from filter_pipeline.batch import EXECUTIONS_FILE, TASKS_FILE, attempt_steps, count_records, read_batch
 from filter_pipeline.config import CapsConfig
 from filter_pipeline.coverage import coverage_markdown, coverage_table
@@ -18,7 +18,7 @@ from filter_pipeline.history import build_prior_index, load_retired
 from filter_pipeline.judging import JudgeResource
 from filter_pipeline.schemas import DROPPED_REASONS, FAILURE_REASONS, SCHEMAS, STATUS_ERROR, STATUS_JUDGED
 from filter_pipeline.pool import LEDGER_POOL, mark_ledger_holder
-from filter_pipeline.warehouse import DataRoot, read_parquet
+from filter_pipeline.warehouse import DataRoot, read_parquet, write_atomically
 
 run_id_partitions = dg.DynamicPartitionsDefinition(name="run_id")
 
@@ -294,5 +294,40 @@ def coverage(config: CapsConfig, data: DataRoot) -> dg.Output[pd.DataFrame]:
             "full_sites": int(sites["full"].sum()),
             "short_sites": int((~sites["full"].astype(bool)).sum()),
             "coverage": dg.MetadataValue.md(coverage_markdown(table)),
+        },
+    )
+
+
+# --- reports ----------------------------------------------------------------------------------------
+
+
+@dg.asset(
+    partitions_def=run_id_partitions,
+    group_name="reports",
+    description="The run at a glance: funnel (attempts -> ok attempts -> judged -> passed -> kept), keep rate and "
+    "failure reasons per site and macro, surplus by reason, judge pass rate and agreement with the gate, cost. "
+    "Charts show on the materialization; a standalone page is written to warehouse/filter_report_html/.",
+    metadata=column_schema("filter_report"),
+)
+def filter_report(
+    context: dg.AssetExecutionContext,
+    data: DataRoot,
+    batch_attempts: pd.DataFrame,
+    judge_verdicts: pd.DataFrame,
+    failure_pool: pd.DataFrame,
+    kept: pd.DataFrame,
+    surplus: pd.DataFrame,
+) -> dg.Output[pd.DataFrame]:
+    run_id = context.partition_key
+    figures = report.figures(batch_attempts, judge_verdicts, failure_pool, kept, surplus)
+    pngs = report.charts(figures)
+    page = data.warehouse / "filter_report_html" / f"{run_id}.html"
+    write_atomically(page, lambda f: f.write(report.html(figures, pngs, run_id).encode()))
+    return dg.Output(
+        report.long_form(figures).assign(run_id=run_id),
+        metadata={
+            "report": dg.MetadataValue.md(report.markdown(figures, pngs, run_id)),
+            "html": dg.MetadataValue.path(str(page)),
+            **{f"funnel/{s}": int(c) for s, c in zip(figures.funnel["step"], figures.funnel["count"])},
         },
     )

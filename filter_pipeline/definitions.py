@@ -4,7 +4,15 @@ import os
 
 import dagster as dg
 
-from filter_pipeline.assets import coverage, dpo_pairs, execution_batch, failure_pool, judge_verdicts, ledger
+from filter_pipeline.assets import (
+    coverage,
+    dpo_pairs,
+    execution_batch,
+    failure_pool,
+    filter_report,
+    judge_verdicts,
+    ledger,
+)
 from filter_pipeline.config import CAPS_ENV, load_caps_file
 from filter_pipeline.jobs import coverage_job, filter_job, judge_job, ledger_job
 from filter_pipeline.judging import JudgeResource, judge_from_env
@@ -19,7 +27,7 @@ def build_defs(data_path: str, judge: JudgeResource, caps: dict) -> dg.Definitio
     """
     data = DataRoot(path=data_path)
     return dg.Definitions(
-        assets=[execution_batch, judge_verdicts, failure_pool, ledger, dpo_pairs, coverage],
+        assets=[execution_batch, judge_verdicts, failure_pool, ledger, dpo_pairs, filter_report, coverage],
         jobs=[judge_job, ledger_job, filter_job, coverage_job],
         sensors=[build_batch_sensor(caps)],
         resources={"data": data, "judge": judge, "io_manager": WarehouseIOManager(data=data)},

@@ -8,7 +8,8 @@ import dagster as dg
 
 JUDGE_GROUPS = ("batch", "judging")
 LEDGER_GROUP = "ledger"
-TRAINING_GROUP = "training"
+# assets over every run at once (not partitioned): refreshed by their own job
+ACROSS_RUNS = dg.AssetSelection.assets("coverage")
 
 judge_job = dg.define_asset_job(
     "judge_job",
@@ -18,18 +19,18 @@ judge_job = dg.define_asset_job(
 )
 ledger_job = dg.define_asset_job(
     "ledger_job",
-    selection=dg.AssetSelection.groups(LEDGER_GROUP, TRAINING_GROUP),
+    selection=dg.AssetSelection.groups(LEDGER_GROUP, "training", "reports") - ACROSS_RUNS,
     description="Build the prior dedup index, walk the verdicts into kept / surplus (serialized by the `ledger` "
-    "pool; the sensor launches it in run_id order), then pair kept trajectories with clean negatives.",
+    "pool; the sensor launches it in run_id order), then the DPO pairs and the run's report.",
 )
 coverage_job = dg.define_asset_job(
     "coverage_job",
-    selection=dg.AssetSelection.assets("coverage"),
+    selection=ACROSS_RUNS,
     description="Recount kept rows of every non-retired run against the caps and targets.",
 )
 filter_job = dg.define_asset_job(
     "filter_job",
-    selection=dg.AssetSelection.all() - dg.AssetSelection.assets("coverage"),
+    selection=dg.AssetSelection.all() - ACROSS_RUNS,
     description="The whole filter stage for one batch: parse, judge, failure pool, prior index, kept, surplus, "
-    "DPO pairs.",
+    "DPO pairs, report.",
 )

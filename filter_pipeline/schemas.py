@@ -223,6 +223,9 @@ SCHEMAS: dict[str, pa.Schema] = {
             ("full", BOOL),
         ]
     ),
+    "filter_report": pa.schema(
+        [("section", STR), ("key", STR), ("metric", STR), ("value", pa.float64()), ("run_id", STR)]
+    ),
     "dpo_pairs": pa.schema(
         [
             ("task_id", STR),

@@ -49,14 +49,20 @@ class DataRoot(dg.ConfigurableResource):
 
 
 def write_parquet(table, path: UPath) -> None:
-    """Write `table` to `path` so that readers see the old file or the new one, never a partial one.
+    """Write `table` to `path` atomically (see `write_atomically`)."""
+    write_atomically(path, lambda f: pq.write_table(table, f))
+
+
+def write_atomically(path: UPath, write) -> None:
+    """Call `write(file)` so that readers of `path` see the old file or the new one, never a partial one.
 
     On local disk: a hidden temp file beside the target, fsynced, then renamed over it; temp files left by a
     killed earlier write are removed first. Object stores make a single PUT visible atomically.
     """
     if not isinstance(path.fs, LocalFileSystem):
+        path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("wb") as f:
-            pq.write_table(table, f)
+            write(f)
         return
     target = path.path
     folder = os.path.dirname(target)
@@ -68,7 +74,7 @@ def write_parquet(table, path: UPath) -> None:
     tmp = os.path.join(folder, f"{stale_prefix}{uuid.uuid4().hex}.tmp")
     try:
         with open(tmp, "wb") as f:
-            pq.write_table(table, f)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, target)

@@ -9,7 +9,7 @@ from filter_pipeline.judging import JudgeResource
 from filter_pipeline_tests.builders import attempt, rows, task, write_batch
 
 ASSETS = ["batch_tasks", "batch_attempts", "batch_rejects", "judge_verdicts", "failure_pool",
-          "prior_dedup_index", "prior_kept_counts", "kept", "surplus", "dpo_pairs", "coverage"]
+          "prior_dedup_index", "prior_kept_counts", "kept", "surplus", "dpo_pairs", "coverage", "filter_report"]
 
 
 @pytest.fixture

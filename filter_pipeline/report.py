@@ -1,0 +1,176 @@
+"""The per-run report: the funnel, keep rate and failure reasons per site and macro, surplus by reason, judge
+pass rate and agreement with the gate, cost; as tables, PNG charts and one standalone HTML page.
+
+Figures are plain pandas (`figures`); rendering (`charts`, `markdown`, `html`) only formats them.
+"""
+
+import base64
+import html as html_lib
+import io
+from dataclasses import dataclass
+
+import matplotlib
+
+matplotlib.use("Agg")  # no display: render to PNG bytes
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from filter_pipeline.judging import agreement  # noqa: E402
+from filter_pipeline.schemas import DROPPED_REASONS, FAILURE_REASONS, STATUS_ERROR, STATUS_JUDGED  # noqa: E402
+
+FUNNEL_STEPS = ("attempts", "ok attempts", "judged tasks", "passed", "kept")
+
+
+@dataclass(frozen=True)
+class Figures:
+    funnel: pd.DataFrame  # step, count
+    by_site: pd.DataFrame  # site, judged, kept, keep_rate, <failure reasons...>
+    by_macro: pd.DataFrame  # macro, same columns
+    surplus: pd.DataFrame  # dropped, count
+    agreement_by_site: pd.DataFrame
+    cost: dict
+
+
+def figures(
+    attempts: pd.DataFrame, verdicts: pd.DataFrame, pool: pd.DataFrame, kept: pd.DataFrame, surplus: pd.DataFrame
+) -> Figures:
+    """Every figure of the report from one run's outputs."""
+    judged = verdicts[verdicts["status"] == STATUS_JUDGED]
+    passed = judged[judged["passed"] == True]  # noqa: E712
+    funnel = pd.DataFrame(
+        {
+            "step": FUNNEL_STEPS,
+            "count": [len(attempts), int((attempts["ok"] == True).sum()), len(judged), len(passed), len(kept)],  # noqa: E712
+        }
+    )
+    return Figures(
+        funnel=funnel,
+        by_site=_by(judged, kept, pool, "site"),
+        by_macro=_by(judged, kept, pool, "macro"),
+        surplus=pd.DataFrame({"dropped": DROPPED_REASONS, "count": [int((surplus["dropped"] == r).sum()) for r in DROPPED_REASONS]}),
+        agreement_by_site=agreement(verdicts, "site"),
+        cost={
+            "judge": ", ".join(sorted(set(verdicts["judge"].dropna()))) or "none",
+            "calls": int(verdicts["calls"].fillna(0).sum()),
+            "cache_hits": int(verdicts["cached"].fillna(False).sum()),
+            "prompt_tokens": int(verdicts["prompt_tokens"].fillna(0).sum()),
+            "completion_tokens": int(verdicts["completion_tokens"].fillna(0).sum()),
+            "unjudged": int((verdicts["status"] == STATUS_ERROR).sum()),
+            "judge_pass_rate": round(len(passed) / len(judged), 4) if len(judged) else None,
+        },
+    )
+
+
+def _by(judged: pd.DataFrame, kept: pd.DataFrame, pool: pd.DataFrame, key: str) -> pd.DataFrame:
+    groups = sorted(set(judged[key]) | set(pool[key].dropna()))
+    table = pd.DataFrame({key: groups})
+    table["judged"] = table[key].map(judged[key].value_counts()).fillna(0).astype(int)
+    table["kept"] = table[key].map(kept[key].value_counts()).fillna(0).astype(int)
+    table["keep_rate"] = (table["kept"] / table["judged"].where(table["judged"] > 0)).round(3)
+    reasons = pool.groupby([key, "reason"]).size().unstack(fill_value=0) if len(pool) else pd.DataFrame()
+    for reason in FAILURE_REASONS:
+        table[reason] = table[key].map(reasons[reason] if reason in reasons else pd.Series(dtype=int)).fillna(0).astype(int)
+    return table
+
+
+# --- rendering --------------------------------------------------------------------------------------
+
+
+def _png(fig) -> bytes:
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=90, bbox_inches="tight")
+    plt.close(fig)
+    return buffer.getvalue()
+
+
+def charts(f: Figures, top_sites: int = 15) -> dict[str, bytes]:
+    """PNG charts: the funnel, and failure reasons for the sites with the most failures."""
+    fig, ax = plt.subplots(figsize=(6, 2.6))
+    ax.barh(list(reversed(f.funnel["step"])), list(reversed(f.funnel["count"])), color="#4c78a8")
+    for y, count in enumerate(reversed(f.funnel["count"].tolist())):
+        ax.text(count, y, f" {count}", va="center")
+    ax.set_title("funnel")
+    out = {"funnel": _png(fig)}
+
+    reasons = [r for r in FAILURE_REASONS if f.by_site[r].sum() > 0]
+    busiest = f.by_site.assign(total=f.by_site[list(FAILURE_REASONS)].sum(axis=1)).nlargest(top_sites, "total")
+    fig, ax = plt.subplots(figsize=(7, 0.35 * max(len(busiest), 3) + 1))
+    left = pd.Series(0, index=busiest.index)
+    for reason in reasons:
+        ax.barh(busiest["site"], busiest[reason], left=left, label=reason)
+        left = left + busiest[reason]
+    ax.invert_yaxis()
+    ax.set_title(f"failure reasons per site (top {len(busiest)})")
+    if reasons:
+        ax.legend(fontsize=7, loc="lower right")
+    out["reasons_per_site"] = _png(fig)
+    return out
+
+
+def _table_md(frame: pd.DataFrame) -> str:
+    header = "| " + " | ".join(frame.columns) + " |"
+    rule = "|" + "---|" * len(frame.columns)
+    body = ["| " + " | ".join("" if pd.isna(v) else str(v) for v in row) + " |" for row in frame.itertuples(index=False)]
+    return "\n".join([header, rule, *body])
+
+
+def _image_md(name: str, png: bytes) -> str:
+    return f"![{name}](data:image/png;base64,{base64.b64encode(png).decode()})"
+
+
+def markdown(f: Figures, pngs: dict[str, bytes], run_id: str) -> str:
+    """The report as markdown with the charts inline (what the Dagster UI shows)."""
+    cost = "\n".join(f"- {k}: {v}" for k, v in f.cost.items())
+    return "\n\n".join(
+        [
+            f"## Filter report: {run_id}",
+            _image_md("funnel", pngs["funnel"]),
+            _table_md(f.funnel),
+            "### Per site",
+            _image_md("reasons per site", pngs["reasons_per_site"]),
+            _table_md(f.by_site),
+            "### Per macro",
+            _table_md(f.by_macro),
+            "### Surplus",
+            _table_md(f.surplus),
+            "### Judge agreement with the gate, per site",
+            _table_md(f.agreement_by_site),
+            "### Judge and cost",
+            cost,
+        ]
+    )
+
+
+def html(f: Figures, pngs: dict[str, bytes], run_id: str) -> str:
+    """A standalone HTML page of the report (charts embedded)."""
+
+    def table(frame: pd.DataFrame) -> str:
+        return frame.to_html(index=False, na_rep="", border=0)
+
+    def image(name: str) -> str:
+        return f'<img alt="{name}" src="data:image/png;base64,{base64.b64encode(pngs[name]).decode()}">'
+
+    cost = "".join(f"<li>{html_lib.escape(str(k))}: {html_lib.escape(str(v))}</li>" for k, v in f.cost.items())
+    title = html_lib.escape(f"Filter report: {run_id}")
+    return (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{title}</title>"
+        "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
+        "td,th{padding:2px 8px;border-bottom:1px solid #ddd;text-align:right}</style></head><body>"
+        f"<h1>{title}</h1>{image('funnel')}{table(f.funnel)}"
+        f"<h2>Per site</h2>{image('reasons_per_site')}{table(f.by_site)}"
+        f"<h2>Per macro</h2>{table(f.by_macro)}<h2>Surplus</h2>{table(f.surplus)}"
+        f"<h2>Judge agreement with the gate, per site</h2>{table(f.agreement_by_site)}"
+        f"<h2>Judge and cost</h2><ul>{cost}</ul></body></html>"
+    )
+
+
+def long_form(f: Figures) -> pd.DataFrame:
+    """The figures as one (section, key, metric, value) frame: the report's Parquet partition."""
+    parts = [f.funnel.assign(section="funnel", key=f.funnel["step"], metric="count").rename(columns={"count": "value"})]
+    for section, frame, key in (("site", f.by_site, "site"), ("macro", f.by_macro, "macro")):
+        melted = frame.melt(id_vars=[key], var_name="metric", value_name="value").rename(columns={key: "key"})
+        parts.append(melted.assign(section=section))
+    parts.append(f.surplus.assign(section="surplus", key=f.surplus["dropped"], metric="count").rename(columns={"count": "value"}))
+    parts.append(pd.DataFrame({"section": "cost", "key": list(f.cost), "metric": "value", "value": list(f.cost.values())}))
+    frame = pd.concat(parts, ignore_index=True)[["section", "key", "metric", "value"]]
+    return frame.assign(key=frame["key"].astype(str), value=pd.to_numeric(frame["value"], errors="coerce"))
