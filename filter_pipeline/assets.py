@@ -10,7 +10,7 @@ import dagster as dg
 import pandas as pd
 from pydantic import Field
 
-from filter_pipeline import checks, dpo, report, rules
+from filter_pipeline import calibration, checks, dpo, report, rules
 from filter_pipeline.batch import EXECUTIONS_FILE, TASKS_FILE, attempt_steps, count_records, read_batch
 from filter_pipeline.config import CapsConfig
 from filter_pipeline.coverage import coverage_markdown, coverage_table
@@ -331,3 +331,29 @@ def filter_report(
             **{f"funnel/{s}": int(c) for s, c in zip(figures.funnel["step"], figures.funnel["count"])},
         },
     )
+
+
+@dg.asset(
+    group_name="reports",
+    deps=[dg.AssetKey("judge_verdicts"), dg.AssetKey("batch_attempts"), dg.AssetKey("batch_tasks")],
+    description="When <data>/labels.jsonl holds human labels ({dir | run_id + task_id, success}), precision, "
+    "recall and agreement of the judge and of the gate against them, per site and overall, with counts: "
+    "whether to trust the judge before a large run.",
+    metadata=column_schema("judge_calibration"),
+)
+def judge_calibration(data: DataRoot) -> dg.Output[pd.DataFrame]:
+    labels_path = data.root / calibration.LABELS_FILE
+    verdicts_dir = data.warehouse / "judge_verdicts"
+    if not labels_path.exists() or not verdicts_dir.exists():
+        return dg.Output(calibration.calibration(pd.DataFrame()), metadata={"labels": 0, "matched": 0})
+    labels = calibration.parse_labels(labels_path.read_text(encoding="utf-8"))
+    read = lambda asset, columns, **kw: pd.read_parquet(str(data.warehouse / asset), columns=columns, **kw)  # noqa: E731
+    dirs = labels["dir"].dropna().tolist() or [""]
+    resolved = calibration.resolve(
+        labels,
+        read("batch_attempts", ["run_id", "task_id", "dir", "ok"], filters=[("dir", "in", dirs)]),
+        read("judge_verdicts", ["run_id", "task_id", "dir", "passed", "status"]),
+        read("batch_tasks", ["run_id", "task_id", "site"]),
+    )
+    table = calibration.calibration(resolved)
+    return dg.Output(table, metadata={"labels": len(labels), "matched": len(resolved)})

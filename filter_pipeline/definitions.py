@@ -10,11 +10,12 @@ from filter_pipeline.assets import (
     execution_batch,
     failure_pool,
     filter_report,
+    judge_calibration,
     judge_verdicts,
     ledger,
 )
 from filter_pipeline.config import CAPS_ENV, load_caps_file
-from filter_pipeline.jobs import coverage_job, filter_job, judge_job, ledger_job
+from filter_pipeline.jobs import across_runs_job, filter_job, judge_job, ledger_job
 from filter_pipeline.judging import JudgeResource, judge_from_env
 from filter_pipeline.sensors import build_batch_sensor
 from filter_pipeline.warehouse import DATA_ENV, DEFAULT_DATA, DataRoot, WarehouseIOManager
@@ -27,8 +28,8 @@ def build_defs(data_path: str, judge: JudgeResource, caps: dict) -> dg.Definitio
     """
     data = DataRoot(path=data_path)
     return dg.Definitions(
-        assets=[execution_batch, judge_verdicts, failure_pool, ledger, dpo_pairs, filter_report, coverage],
-        jobs=[judge_job, ledger_job, filter_job, coverage_job],
+        assets=[execution_batch, judge_verdicts, failure_pool, ledger, dpo_pairs, filter_report, coverage, judge_calibration],
+        jobs=[judge_job, ledger_job, filter_job, across_runs_job],
         sensors=[build_batch_sensor(caps)],
         resources={"data": data, "judge": judge, "io_manager": WarehouseIOManager(data=data)},
         executor=dg.in_process_executor,

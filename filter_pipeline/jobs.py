@@ -9,7 +9,8 @@ import dagster as dg
 JUDGE_GROUPS = ("batch", "judging")
 LEDGER_GROUP = "ledger"
 # assets over every run at once (not partitioned): refreshed by their own job
-ACROSS_RUNS = dg.AssetSelection.assets("coverage")
+ACROSS_RUNS_ASSETS = ("coverage", "judge_calibration")
+ACROSS_RUNS = dg.AssetSelection.assets(*ACROSS_RUNS_ASSETS)
 
 judge_job = dg.define_asset_job(
     "judge_job",
@@ -23,10 +24,11 @@ ledger_job = dg.define_asset_job(
     description="Build the prior dedup index, walk the verdicts into kept / surplus (serialized by the `ledger` "
     "pool; the sensor launches it in run_id order), then the DPO pairs and the run's report.",
 )
-coverage_job = dg.define_asset_job(
-    "coverage_job",
+across_runs_job = dg.define_asset_job(
+    "across_runs_job",
     selection=ACROSS_RUNS,
-    description="Recount kept rows of every non-retired run against the caps and targets.",
+    description="Coverage (kept rows of every non-retired run against caps and targets) and judge calibration "
+    "(against labels.jsonl). The sensor runs it whenever the set of kept files changes.",
 )
 filter_job = dg.define_asset_job(
     "filter_job",

@@ -223,6 +223,20 @@ SCHEMAS: dict[str, pa.Schema] = {
             ("full", BOOL),
         ]
     ),
+    "judge_calibration": pa.schema(
+        [
+            ("predictor", STR),  # judge | gate
+            ("site", STR),  # "(all)" for the overall row
+            ("n", INT),
+            ("tp", INT),
+            ("fp", INT),
+            ("fn", INT),
+            ("tn", INT),
+            ("precision", pa.float64()),
+            ("recall", pa.float64()),
+            ("agreement", pa.float64()),
+        ]
+    ),
     "filter_report": pa.schema(
         [("section", STR), ("key", STR), ("metric", STR), ("value", pa.float64()), ("run_id", STR)]
     ),

@@ -14,7 +14,7 @@ from dagster._core.storage.tags import PARTITION_NAME_TAG, RUN_KEY_TAG
 
 from filter_pipeline.assets import run_id_partitions
 from filter_pipeline.batch import LEGACY_KEPT_FILE, RUN_ID_PATTERN, SUCCESS_FILE
-from filter_pipeline.jobs import coverage_job, judge_job, ledger_job
+from filter_pipeline.jobs import across_runs_job, judge_job, ledger_job
 from filter_pipeline.pool import release_stale_ledger_slots
 from filter_pipeline.warehouse import DataRoot
 
@@ -105,13 +105,13 @@ def build_batch_sensor(caps: dict) -> dg.SensorDefinition:
 
     @dg.sensor(
         name="batch_sensor",
-        jobs=[judge_job, ledger_job, coverage_job],
+        jobs=[judge_job, ledger_job, across_runs_job],
         minimum_interval_seconds=SENSOR_INTERVAL_SECONDS,
         default_status=dg.DefaultSensorStatus.RUNNING,
         description="Registers each complete batch (runs/<run_id>/_SUCCESS) as a run_id partition and launches "
         "its judge run (run_key = run_id); then launches ledger runs one at a time in run_id order. Batches "
         "already filtered (a warehouse or legacy kept file) are registered, never re-run. When the set of kept "
-        "files changes and nothing is in flight, it refreshes coverage.",
+        "files changes and nothing is in flight, it refreshes coverage and judge calibration.",
     )
     def batch_sensor(context: dg.SensorEvaluationContext, data: DataRoot) -> dg.SensorResult:
         instance = context.instance
@@ -139,7 +139,7 @@ def build_batch_sensor(caps: dict) -> dg.SensorDefinition:
         if fingerprint is not None and to_walk is None and not busy:
             requests.append(
                 dg.RunRequest(
-                    job_name=coverage_job.name, run_key=f"coverage:{fingerprint}", run_config=caps_run_config("coverage", caps)
+                    job_name=across_runs_job.name, run_key=f"across-runs:{fingerprint}", run_config=caps_run_config("coverage", caps)
                 )
             )
         for r in sorted(failed_ledger):

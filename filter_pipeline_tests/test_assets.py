@@ -5,11 +5,12 @@ import pandas as pd
 import pytest
 
 from filter_pipeline.definitions import build_defs
+from filter_pipeline.jobs import ACROSS_RUNS_ASSETS
 from filter_pipeline.judging import JudgeResource
 from filter_pipeline_tests.builders import attempt, rows, task, write_batch
 
 ASSETS = ["batch_tasks", "batch_attempts", "batch_rejects", "judge_verdicts", "failure_pool",
-          "prior_dedup_index", "prior_kept_counts", "kept", "surplus", "dpo_pairs", "coverage", "filter_report"]
+          "prior_dedup_index", "prior_kept_counts", "kept", "surplus", "dpo_pairs", "coverage", "filter_report", "judge_calibration"]
 
 
 @pytest.fixture
@@ -50,7 +51,7 @@ def test_lineage_descriptions_groups_and_schemas():
         node = graph.get(key)
         assert node.description and node.group_name != "default", key
         assert "dagster/column_schema" in node.metadata, key
-        assert key.path[-1] == "coverage" or node.partitions_def.name == "run_id", key
+        assert key.path[-1] in ACROSS_RUNS_ASSETS or node.partitions_def.name == "run_id", key
 
 
 def test_whole_graph_for_one_partition_with_counts_in_metadata(instance, data_root):
@@ -110,7 +111,7 @@ def test_coverage_counts_every_non_retired_run(instance, data_root):
     assert materialize(instance, data_root, "r1").success
     assert materialize(instance, data_root, "r2").success
     (data_root / "retired.json").write_text('[{"run_id": "r2", "reason": "bad build"}]')
-    job = build_defs(str(data_root), JudgeResource(), caps={}).resolve_job_def("coverage_job")
+    job = build_defs(str(data_root), JudgeResource(), caps={}).resolve_job_def("across_runs_job")
     result = job.execute_in_process(instance=instance, run_config={"ops": {"coverage": {"config": {"per_site_cap": 1}}}})
     table = pd.read_parquet(data_root / "warehouse" / "coverage.parquet")
     assert rows(table, "level", "macro", "site", "kept", "limit", "full") == [
@@ -119,3 +120,16 @@ def test_coverage_counts_every_non_retired_run(instance, data_root):
         ["site", "m", "s2", 1, 1, True],
     ]
     assert metadata(result, "coverage")["full_sites"] == 2
+
+
+def test_judge_calibration_reads_labels_across_runs(instance, data_root):
+    write_batch(data_root, "r1", [task("a"), task("b")], [attempt("a"), attempt("b", ok=False, error="x")])
+    assert materialize(instance, data_root, "r1").success
+    (data_root / "labels.jsonl").write_text(
+        '{"dir": "runs/r/traj/a/1", "success": true}\n{"run_id": "r1", "task_id": "b", "success": false}\n'
+    )
+    job = build_defs(str(data_root), JudgeResource(), caps={}).resolve_job_def("across_runs_job")
+    assert job.execute_in_process(instance=instance).success
+    table = pd.read_parquet(data_root / "warehouse" / "judge_calibration.parquet")
+    gate = table[(table["predictor"] == "gate") & (table["site"] == "(all)")]
+    assert gate[["n", "tp", "tn", "agreement"]].values.tolist() == [[2, 1, 1, 1.0]]

@@ -16,6 +16,7 @@ import dagster as dg
 import pandas as pd
 import pytest
 
+from filter_pipeline.jobs import ACROSS_RUNS_ASSETS
 from filter_pipeline_tests.builders import attempt, task, write_batch
 from filter_pipeline_tests.conftest import REPO
 
@@ -114,7 +115,7 @@ def test_a_dropped_batch_is_filtered_with_no_clicks_and_lineage_is_visible(dagst
 
     query = """query($key: AssetKeyInput!) { assetOrError(assetKey: $key) {
         ... on Asset { assetMaterializations(partitions: ["b0"]) { partition runId } } } }"""
-    for asset in set(deps) - {"coverage"}:
+    for asset in set(deps) - set(ACROSS_RUNS_ASSETS):
         materializations = dagster_dev.graphql(query, {"key": {"path": [asset]}})["assetOrError"]["assetMaterializations"]
         assert [m["partition"] for m in materializations] == ["b0"], asset
 

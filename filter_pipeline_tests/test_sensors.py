@@ -29,11 +29,11 @@ def judged(data_root, run_id):
 
 def requests(result) -> list[tuple[str, str, str]]:
     """Judge and ledger run requests (coverage refreshes have their own test)."""
-    return [(r.job_name, r.partition_key, r.run_key) for r in result.run_requests if r.job_name != "coverage_job"]
+    return [(r.job_name, r.partition_key, r.run_key) for r in result.run_requests if r.job_name != "across_runs_job"]
 
 
 def coverage_keys(result) -> list[str]:
-    return [r.run_key for r in result.run_requests if r.job_name == "coverage_job"]
+    return [r.run_key for r in result.run_requests if r.job_name == "across_runs_job"]
 
 
 def added(result) -> list[str]:
@@ -140,6 +140,6 @@ def test_coverage_is_refreshed_when_the_set_of_kept_files_changes_and_nothing_is
     assert len(first) == 1 and first == coverage_keys(tick(instance, data_root))  # same files: same run_key
     write_kept(data_root, "other", ("b", ["k2"], "m", "s"))
     result = tick(instance, data_root, caps={"per_site_cap": 2})
-    [refresh] = [r for r in result.run_requests if r.job_name == "coverage_job"]
+    [refresh] = [r for r in result.run_requests if r.job_name == "across_runs_job"]
     assert refresh.run_key != first[0]
     assert refresh.run_config == {"ops": {"coverage": {"config": {"per_site_cap": 2}}}}
