@@ -119,6 +119,13 @@ def test_a_dropped_batch_is_filtered_with_no_clicks_and_lineage_is_visible(dagst
         materializations = dagster_dev.graphql(query, {"key": {"path": [asset]}})["assetOrError"]["assetMaterializations"]
         assert [m["partition"] for m in materializations] == ["b0"], asset
 
+    report = dagster_dev.graphql(
+        """{ assetOrError(assetKey: {path: ["filter_report"]}) { ... on Asset { assetMaterializations(partitions: ["b0"]) {
+            metadataEntries { label ... on MarkdownMetadataEntry { mdStr } } } } } }"""
+    )["assetOrError"]["assetMaterializations"][0]["metadataEntries"]
+    [markdown] = [e["mdStr"] for e in report if e["label"] == "report"]
+    assert markdown.count("](data:image/png;base64,") == 2  # the funnel and reasons-per-site charts
+
     coverage = dagster_dev.data / "warehouse" / "coverage.parquet"
     deadline = time.time() + 90
     while not coverage.exists() and time.time() < deadline:
