@@ -4,6 +4,7 @@ What it materializes is recorded in that instance, so `dagster dev` on the same 
 """
 
 import argparse
+import gc
 import os
 import sys
 from collections import Counter
@@ -15,7 +16,7 @@ from dagster._core.storage.tags import PARTITION_NAME_TAG
 from filter_pipeline.assets import run_id_partitions
 from filter_pipeline.batch import SUCCESS_FILE, check_run_id
 from filter_pipeline.config import load_caps_file, parse_caps
-from filter_pipeline.definitions import filter_job_from_env
+from filter_pipeline.definitions import across_runs_job_from_env, filter_job_from_env
 from filter_pipeline.history import HistoryError, load_retired
 from filter_pipeline.judging import ENV, JUDGE_KINDS, judge_from_env
 from filter_pipeline.pool import release_stale_ledger_slots
@@ -137,7 +138,36 @@ def materialize(args: argparse.Namespace) -> int:
             else:
                 failed += 1
                 print(f"{run_id}: FAILED ({_failure_reason(result)})", flush=True)
+    if failed < len(run_ids):
+        failed += not _refresh_across_runs(data, instance, caps)
     return 1 if failed else 0
+
+
+def _refresh_across_runs(data: DataRoot, instance: dg.DagsterInstance, caps: dict) -> bool:
+    """Materialize coverage and judge calibration over every run, and print a line for each."""
+    run_config = {
+        "loggers": {"console": {"config": {"log_level": "INFO"}}},
+        **({"ops": {"coverage": {"config": caps}}} if caps else {}),
+    }
+    with dg.execute_job(dg.reconstructable(across_runs_job_from_env), instance, run_config=run_config) as result:
+        if not result.success:
+            print(f"coverage / judge_calibration: FAILED ({_failure_reason(result)})", flush=True)
+            return False
+    coverage = read_parquet(data.warehouse / "coverage.parquet")
+    sites = coverage[coverage["level"] == "site"]
+    print(
+        f"coverage: {int(sites['kept'].sum())} kept rows over {len(sites)} (macro, site) pairs, "
+        f"{int(sites['full'].sum())} full",
+        flush=True,
+    )
+    calibration = read_parquet(data.warehouse / "judge_calibration.parquet")
+    for row in calibration[calibration["site"] == "(all)"].to_dict("records"):
+        print(
+            f"judge_calibration: {row['predictor']} on {row['n']} labels: precision {row['precision']:.2f}, "
+            f"recall {row['recall']:.2f}, agreement {row['agreement']:.2f}",
+            flush=True,
+        )
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -149,5 +179,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def run() -> None:
+    """The console entry point: `main`, then exit without interpreter teardown.
+
+    Arrow's parquet threads can abort the process while Python tears down, after all work is done and
+    printed (SIGABRT, "terminate called without an active exception"; apache/arrow#34314, seen once in
+    this project's test runs). Flushing and leaving with os._exit skips that teardown; nothing is
+    pending by then (runs are finished and recorded, files written atomically)."""
+    code = main()
+    gc.collect()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -38,6 +38,7 @@ def test_materializes_every_complete_batch_in_run_id_order_and_prints_a_summary(
     assert lines == [
         "b1: judged 1, unjudged 0, kept 1, surplus 0, failures 1 (policy_violation 1)",
         "b2: judged 1, unjudged 0, kept 0, surplus 1 (duplicate 1), failures 0",
+        "coverage: 1 kept rows over 1 (macro, site) pairs, 0 full",
     ]
     surplus = read_all(data_root, "surplus")
     assert surplus[["task_id", "dup_of_run_id", "dup_of_task_id"]].values.tolist() == [["x", "b1", "y"]]
@@ -120,7 +121,7 @@ def test_two_runs_launched_together_never_keep_a_key_twice(cli_env, data_root, d
     # and the pool really serialized the two ledger steps
     with dg.DagsterInstance.from_config(str(dagster_home)) as instance:
         spans = []
-        for record in instance.get_run_records():
+        for record in instance.get_run_records(dg.RunsFilter(job_name="filter_job")):
             events = instance.all_logs(record.dagster_run.run_id)
             ledger = [e for e in events if e.is_dagster_event and e.dagster_event.step_key == "ledger"]
             start = min(e.timestamp for e in ledger if e.dagster_event_type == dg.DagsterEventType.STEP_START)

@@ -2,7 +2,8 @@
 
 Three small batches that exercise every rule: one already filtered by the earlier script (a legacy
 kept.jsonl, so it counts as history), and two new ones with retried tasks, every failure reason, a
-backend_ok failure, duplicates within and across runs, and a site that hits its cap.
+backend_ok failure, duplicates within and across runs, and a site that hits its cap; and a labels.jsonl of
+human labels for judge calibration.
 
     python scripts/make_sample_data.py [DATA_ROOT]
 """
@@ -101,6 +102,16 @@ def make_tasks(run_id: str, rng: random.Random, n: int) -> list[dict]:
     return tasks
 
 
+def write_labels(data: Path, run_id: str, rng: random.Random) -> None:
+    """labels.jsonl: a human's verdict on some attempts of one run (mostly agreeing with the harness)."""
+    labels = []
+    for line in (data / "runs" / run_id / "executions.jsonl").read_text().splitlines()[:16]:
+        record = json.loads(line)
+        success = record["ok"] if rng.random() > 0.2 else not record["ok"]
+        labels.append({"dir": record["dir"], "success": success})
+    (data / "labels.jsonl").write_text("".join(json.dumps(label) + "\n" for label in labels))
+
+
 def main(data: Path) -> None:
     rng = random.Random(20261130)
     if (data / "runs").exists():
@@ -108,6 +119,7 @@ def main(data: Path) -> None:
     write_batch(data, "2026-11-27", make_tasks("2026-11-27", rng, 8), rng, legacy_kept=True)
     for run_id in ("2026-11-28", "2026-11-29"):
         write_batch(data, run_id, make_tasks(run_id, rng, 14), rng)
+    write_labels(data, "2026-11-28", rng)
 
 
 if __name__ == "__main__":
