@@ -1,9 +1,11 @@
 """The batch sensor: registration, judge runs for new complete batches, ledger runs one at a time in run_id order."""
 
+import logging
+
 import dagster as dg
 import pytest
 
-from filter_pipeline.sensors import BatchState, build_batch_sensor, plan_tick
+from filter_pipeline.sensors import BatchState, build_batch_sensor, complete_batches, plan_tick
 from filter_pipeline.warehouse import DataRoot
 from filter_pipeline_tests.builders import attempt, task, write_batch, write_kept, write_legacy_kept
 
@@ -45,11 +47,21 @@ def test_new_complete_batches_are_registered_and_judged_in_one_result(instance, 
     write_batch(data_root, "b1", [task("a")], [attempt("a")])
     write_batch(data_root, "b3", [task("a")], [attempt("a")], complete=False)
     (data_root / "runs" / "not a run id").mkdir()
+    (data_root / "runs" / "not a run id" / "_SUCCESS").write_text("")
 
     result = tick(instance, data_root)
 
     assert added(result) == ["b1", "b2"]
     assert requests(result) == [("judge_job", "b1", "b1"), ("judge_job", "b2", "b2")]
+
+
+def test_a_complete_batch_whose_folder_is_not_a_plain_run_id_is_refused_with_a_reason(data_root, caplog):
+    write_batch(data_root, "fine", [task("a")], [attempt("a")])
+    write_batch(data_root, "has space", [task("a")], [attempt("a")])
+    with caplog.at_level(logging.WARNING):
+        batches = complete_batches(DataRoot(path=str(data_root)), logging.getLogger("test"))
+    assert [b.run_id for b in batches] == ["fine"]
+    assert "runs/has space is refused: run_id 'has space' is not a plain folder name" in caplog.text
 
 
 def test_a_batch_whose_success_marker_appears_later_is_picked_up_on_the_next_tick(instance, data_root):
