@@ -139,7 +139,7 @@ def step_split(home: Path) -> dict[str, float]:
     import dagster as dg
 
     with dg.DagsterInstance.from_config(str(home)) as instance:
-        [record] = instance.get_run_records(limit=1)
+        [record] = instance.get_run_records(dg.RunsFilter(job_name="filter_job"), limit=1)
         starts, split = {}, {}
         for event in instance.all_logs(record.dagster_run.run_id):
             if not event.is_dagster_event:
@@ -188,7 +188,7 @@ def main() -> None:
     wall, rss, done = timed(cli, env)
     if done.returncode != 0:
         sys.exit(f"filter-pipeline failed:\n{done.stdout}\n{done.stderr[-3000:]}")
-    summary = done.stdout.strip().splitlines()[-1]
+    summary = next(line for line in done.stdout.splitlines() if line.startswith("new:"))
     history = args.history_runs * args.history_rows
     print(f"history {history:,} kept rows in {args.history_runs} runs; batch {args.tasks:,} tasks")
     print(f"filter-pipeline: {wall:6.1f} s  peak RSS {rss:7.0f} MB   {summary}")

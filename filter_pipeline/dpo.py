@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from filter_pipeline.schemas import STAGE_JUDGE, conform
+from filter_pipeline.schemas import STAGE_JUDGE, conform, isin
 
 EXCLUDED_BACKEND_OK = "backend_ok"  # reached the goal state although the script failed
 EXCLUDED_JUDGE_GATE_PASSED = "judge_fail_gate_passed"  # the judge failed it but the backend gate passed it
@@ -26,7 +26,7 @@ def dpo_pairs(kept: pd.DataFrame, failure_pool: pd.DataFrame, include_judge_fail
     judge failure (its attempt was ok, so the gate passed it) unless `include_judge_failures`. Unjudged
     tasks are never in the pool, so never a negative.
     """
-    candidates = failure_pool[failure_pool["task_id"].isin(kept["task_id"])]
+    candidates = failure_pool[isin(failure_pool["task_id"], kept["task_id"])]
     backend_ok = (candidates["backend_ok"] == True).fillna(False).to_numpy(dtype=bool)  # noqa: E712
     judge_row = (candidates["stage"] == STAGE_JUDGE).to_numpy(dtype=bool)
     gate_passed_judge = judge_row & (not include_judge_failures)
@@ -43,6 +43,6 @@ def dpo_pairs(kept: pd.DataFrame, failure_pool: pd.DataFrame, include_judge_fail
     pairs = chosen.merge(rejected, on="task_id", how="inner")
     return Pairs(
         pairs=conform(pairs, "dpo_pairs"),
-        kept_without_negative=int((~kept["task_id"].isin(pairs["task_id"])).sum()),
+        kept_without_negative=int((~isin(kept["task_id"], pairs["task_id"])).sum()),
         excluded={EXCLUDED_BACKEND_OK: int(backend_ok.sum()), EXCLUDED_JUDGE_GATE_PASSED: int(gate_passed_judge.sum())},
     )

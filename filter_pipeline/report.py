@@ -62,7 +62,7 @@ def figures(
 
 
 def _by(judged: pd.DataFrame, kept: pd.DataFrame, pool: pd.DataFrame, key: str) -> pd.DataFrame:
-    groups = sorted(set(judged[key]) | set(pool[key].dropna()))
+    groups = sorted(pd.Index(judged[key].unique()).union(pd.Index(pool[key].dropna().unique())).tolist())
     table = pd.DataFrame({key: groups})
     table["judged"] = table[key].map(judged[key].value_counts()).fillna(0).astype(int)
     table["kept"] = table[key].map(kept[key].value_counts()).fillna(0).astype(int)
