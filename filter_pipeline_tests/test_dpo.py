@@ -4,7 +4,6 @@ import pandas as pd
 
 from filter_pipeline import rules
 from filter_pipeline.dpo import dpo_pairs
-from filter_pipeline.schemas import conform
 from filter_pipeline_tests.builders import attempt, parse, rows, task, verdicts
 
 
