@@ -195,35 +195,35 @@ class _PairCounts:
         )
 
 
-def _read_warehouse(
-    path: UPath, probe: _KeyProbe, retired_ids: frozenset[str] | None, with_counts: bool
-) -> tuple[pa.Table, pa.Table]:
+def _drop_retired(table: pa.Table, retired_ids: frozenset[str] | None) -> pa.Table:
+    if not retired_ids:
+        return table
+    return table.filter(pc.invert(pc.is_in(table["task_id"], value_set=pa.array(sorted(retired_ids), pa.string()))))
+
+
+def _read_warehouse(path: UPath, probe: _KeyProbe, retired_ids: frozenset[str] | None) -> tuple[pa.Table, pa.Table]:
     """(rows for the counts: macro, site; rows whose key the batch carries: the index columns)."""
     with path.open("rb") as f:
         parquet = pq.ParquetFile(f, read_dictionary=["macro", "site"])  # counted by code, not by text
         has_hash = "key_hash" in parquet.schema_arrow.names
-        wanted = (["macro", "site"] if with_counts else []) + (["key_hash"] if has_hash else ["dedup_key"])
+        wanted = ["macro", "site"] + (["key_hash"] if has_hash else ["dedup_key"])
         wanted += ["task_id"] if retired_ids else []
-        table = parquet.read(columns=wanted)  # macro/site stay dictionary-encoded for cheap counting
-        if retired_ids:
-            table = table.filter(pc.invert(pc.is_in(table["task_id"], value_set=pa.array(sorted(retired_ids), pa.string()))))
+        table = _drop_retired(parquet.read(columns=wanted), retired_ids)  # macro/site stay dictionary codes
         hashes = table["key_hash"].to_numpy() if has_hash else _with_hashes(table.select(["dedup_key"]))["key_hash"].to_numpy()
         maybe = probe.maybe(hashes)
         if not maybe.any():
             return table, pa.Table.from_pylist([], schema=_STRINGS)
         full = parquet.read(columns=["dedup_key", "macro", "site", "task_id"]).cast(_STRINGS)
-    if retired_ids:
-        full = full.filter(pc.invert(pc.is_in(full["task_id"], value_set=pa.array(sorted(retired_ids), pa.string()))))
-    return table, probe.confirm(full.filter(pa.array(maybe)))
+    return table, probe.confirm(_drop_retired(full, retired_ids).filter(pa.array(maybe)))
 
 
 def build_prior_index(
-    data_root: UPath, kept_dir: UPath, run_id: str, batch_keys: pd.DataFrame, retired: Retired, with_counts: bool = True
+    data_root: UPath, kept_dir: UPath, run_id: str, batch_keys: pd.DataFrame, retired: Retired
 ) -> PriorIndex:
     """The prior-run dedup index for `run_id` (CONTRACT §3.4): every other run's kept rows minus retired.
 
     `batch_keys` (dedup_key, key_hash) are the keys the walk can meet: only those are returned with their
-    provenance; counts cover every row (skipped with `with_counts=False`). Files are read one at a time and
+    provenance; counts cover every row. Files are read one at a time and
     mostly as integers and dictionary codes, so cost grows slowly with history and memory not at all.
     """
     sources: dict[str, tuple[str, UPath]] = {
@@ -240,16 +240,13 @@ def build_prior_index(
         kind, path = sources[other]
         retired_ids = retired.tasks.get(other)
         if kind == "warehouse":
-            rows, hits = _read_warehouse(path, probe, retired_ids, with_counts)
+            rows, hits = _read_warehouse(path, probe, retired_ids)
         else:
-            rows = _read_legacy(path, other)
-            if retired_ids:
-                rows = rows.filter(pc.invert(pc.is_in(rows["task_id"], value_set=pa.array(sorted(retired_ids), pa.string()))))
+            rows = _drop_retired(_read_legacy(path, other), retired_ids)
             hits = probe.confirm(rows.filter(pa.array(probe.maybe(rows["key_hash"].to_numpy()))))
         runs_read += 1
         rows_read += rows.num_rows
-        if with_counts:
-            counts.add(rows.select(["macro", "site"]))
+        counts.add(rows.select(["macro", "site"]))
         hits = hits.select(["dedup_key", "macro", "site", "task_id"]).cast(_STRINGS)
         key_parts.append(hits.append_column("run_id", pa.array([other] * hits.num_rows, type=pa.string())))
 

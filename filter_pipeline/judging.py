@@ -217,7 +217,7 @@ def _redact(text: str | None, settings: llm_judge.LLMSettings) -> str | None:
 
 def _llm_metadata(verdicts: pd.DataFrame, fresh: dict, latencies: list[float], settings) -> dict:
     judged = verdicts[verdicts["status"] == STATUS_JUDGED]
-    new = [v for v in fresh.values()]
+    new = list(fresh.values())
     return {
         "judge": "llm",
         "model": settings.model,

@@ -28,16 +28,6 @@ from filter_pipeline.schemas import (
 # --- §3.1 execute failures --------------------------------------------------------------------------
 
 
-def failure_reason(error: str | None) -> str:
-    """The failure-pool reason for an attempt's error text (case-sensitive prefix match)."""
-    if error is None or error == "":
-        return REASON_UNKNOWN
-    for prefix, reason in ERROR_PREFIX_REASONS:
-        if error.startswith(prefix):
-            return reason
-    return REASON_SCRIPT_ERROR
-
-
 def execute_failures(tasks: pd.DataFrame, attempts: pd.DataFrame) -> pd.DataFrame:
     """One failure-pool row per attempt with `ok` false, in executions.jsonl order."""
     failed = attempts[attempts["ok"] == False]  # noqa: E712 - nullable bool column
@@ -54,7 +44,8 @@ def execute_failures(tasks: pd.DataFrame, attempts: pd.DataFrame) -> pd.DataFram
 
 
 def failure_reasons(errors: pd.Series) -> np.ndarray:
-    """`failure_reason` over a column at once."""
+    """The failure-pool reason of each error text: its case-sensitive prefix (ERROR_PREFIX_REASONS),
+    script_error for any other non-empty text, unknown for empty or missing."""
     errors = errors.astype("str")  # nulls stay missing
     empty = errors.isna() | (errors == "")
     conditions = [empty] + [errors.str.startswith(prefix).fillna(False) for prefix, _ in ERROR_PREFIX_REASONS]
