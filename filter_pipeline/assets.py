@@ -13,7 +13,7 @@ from pydantic import Field
 from filter_pipeline import calibration, checks, dpo, report, rules
 from filter_pipeline.batch import EXECUTIONS_FILE, TASKS_FILE, attempt_steps, count_records, read_batch
 from filter_pipeline.config import CapsConfig
-from filter_pipeline.coverage import coverage_markdown, coverage_table
+from filter_pipeline.coverage import coverage_chart, coverage_markdown, coverage_table
 from filter_pipeline.history import build_prior_index, load_retired
 from filter_pipeline.judging import JudgeResource
 from filter_pipeline.schemas import DROPPED_REASONS, FAILURE_REASONS, SCHEMAS, STATUS_ERROR, STATUS_JUDGED
@@ -277,8 +277,8 @@ def dpo_pairs(config: DpoConfig, kept: pd.DataFrame, failure_pool: pd.DataFrame)
     group_name="training",
     deps=[dg.AssetKey("kept")],
     description="Kept rows per (macro, site) and per macro over every non-retired run, against the site caps "
-    "and macro targets: what is full, what is short, by how much. Refreshed by the batch sensor whenever the "
-    "set of kept files changes.",
+    "and macro targets: what is full, what is short, by how much (a chart and a table on the materialization). "
+    "Refreshed by the batch sensor whenever the set of kept files changes.",
     metadata=column_schema("coverage"),
 )
 def coverage(config: CapsConfig, data: DataRoot) -> dg.Output[pd.DataFrame]:
@@ -293,7 +293,9 @@ def coverage(config: CapsConfig, data: DataRoot) -> dg.Output[pd.DataFrame]:
             "runs": index.runs_read,
             "full_sites": int(sites["full"].sum()),
             "short_sites": int((~sites["full"].astype(bool)).sum()),
-            "coverage": dg.MetadataValue.md(coverage_markdown(table)),
+            "coverage": dg.MetadataValue.md(
+                report.image_md("kept per macro", coverage_chart(table)) + "\n\n" + coverage_markdown(table)
+            ),
         },
     )
 

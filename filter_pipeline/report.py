@@ -76,7 +76,8 @@ def _by(judged: pd.DataFrame, kept: pd.DataFrame, pool: pd.DataFrame, key: str) 
 # --- rendering --------------------------------------------------------------------------------------
 
 
-def _png(fig) -> bytes:
+def png(fig) -> bytes:
+    """A matplotlib figure as PNG bytes (the figure is closed)."""
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=90, bbox_inches="tight")
     plt.close(fig)
@@ -90,7 +91,7 @@ def charts(f: Figures, top_sites: int = 15) -> dict[str, bytes]:
     for y, count in enumerate(reversed(f.funnel["count"].tolist())):
         ax.text(count, y, f" {count}", va="center")
     ax.set_title("funnel")
-    out = {"funnel": _png(fig)}
+    out = {"funnel": png(fig)}
 
     reasons = [r for r in FAILURE_REASONS if f.by_site[r].sum() > 0]
     busiest = f.by_site.assign(total=f.by_site[list(FAILURE_REASONS)].sum(axis=1)).nlargest(top_sites, "total")
@@ -103,7 +104,7 @@ def charts(f: Figures, top_sites: int = 15) -> dict[str, bytes]:
     ax.set_title(f"failure reasons per site (top {len(busiest)})")
     if reasons:
         ax.legend(fontsize=7, loc="lower right")
-    out["reasons_per_site"] = _png(fig)
+    out["reasons_per_site"] = png(fig)
     return out
 
 
@@ -114,8 +115,9 @@ def _table_md(frame: pd.DataFrame) -> str:
     return "\n".join([header, rule, *body])
 
 
-def _image_md(name: str, png: bytes) -> str:
-    return f"![{name}](data:image/png;base64,{base64.b64encode(png).decode()})"
+def image_md(name: str, image: bytes) -> str:
+    """A PNG as an inline markdown image (how Dagster's UI shows charts in metadata)."""
+    return f"![{name}](data:image/png;base64,{base64.b64encode(image).decode()})"
 
 
 def markdown(f: Figures, pngs: dict[str, bytes], run_id: str) -> str:
@@ -124,10 +126,10 @@ def markdown(f: Figures, pngs: dict[str, bytes], run_id: str) -> str:
     return "\n\n".join(
         [
             f"## Filter report: {run_id}",
-            _image_md("funnel", pngs["funnel"]),
+            image_md("funnel", pngs["funnel"]),
             _table_md(f.funnel),
             "### Per site",
-            _image_md("reasons per site", pngs["reasons_per_site"]),
+            image_md("reasons per site", pngs["reasons_per_site"]),
             _table_md(f.by_site),
             "### Per macro",
             _table_md(f.by_macro),

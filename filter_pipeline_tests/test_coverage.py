@@ -1,6 +1,6 @@
 """Coverage against caps and targets."""
 
-from filter_pipeline.coverage import coverage_table
+from filter_pipeline.coverage import coverage_chart, coverage_table
 from filter_pipeline.rules import Caps, MacroLimits
 from filter_pipeline_tests.builders import counts, rows
 
@@ -25,3 +25,8 @@ def test_coverage_equals_the_sum_of_kept_rows():
     table = coverage_table(c, Caps(3))
     assert table.loc[table["level"] == "site", "kept"].sum() == c["n_kept"].sum() == 10
     assert table.loc[table["level"] == "macro", "kept"].sum() == 10
+
+
+def test_coverage_chart_is_a_png():
+    table = coverage_table(counts(("m", "a", 2), ("n", "b", 1)), Caps(3, {"m": MacroLimits(target=5)}))
+    assert coverage_chart(table).startswith(b"\x89PNG\r\n\x1a\n")

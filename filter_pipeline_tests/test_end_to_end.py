@@ -133,6 +133,11 @@ def test_a_dropped_batch_is_filtered_with_no_clicks_and_lineage_is_visible(dagst
     kept = pd.read_parquet(dagster_dev.data / "warehouse" / "kept")
     table = pd.read_parquet(coverage)
     assert table.loc[table["level"] == "site", "kept"].sum() == len(kept)
+    entries = dagster_dev.graphql(
+        """{ assetOrError(assetKey: {path: ["coverage"]}) { ... on Asset { assetMaterializations(limit: 1) {
+            metadataEntries { label ... on MarkdownMetadataEntry { mdStr } } } } } }"""
+    )["assetOrError"]["assetMaterializations"][0]["metadataEntries"]
+    assert [e["mdStr"].count("](data:image/png;base64,") for e in entries if e["label"] == "coverage"] == [1]
 
     repos = dagster_dev.graphql(
         "{ repositoriesOrError { ... on RepositoryConnection { nodes { sensors { name sensorState { status } } } } } }"
