@@ -20,6 +20,9 @@ from upath import UPath
 
 from filter_pipeline.schemas import canonical_key, canonical_keys, conform, empty_frame, isin, key_hash
 
+# fsspec protocols of a local data root; anything else is object storage (no symlinks, no rename)
+LOCAL_PROTOCOLS = ("", "file", "local")
+
 TASKS_FILE = "tasks.jsonl"
 EXECUTIONS_FILE = "executions.jsonl"
 SUCCESS_FILE = "_SUCCESS"
@@ -332,7 +335,7 @@ def dirs_outside_root(run_dir: UPath, dirs: pd.Series) -> set[str]:
     once for symlinks, and only dirs behind a symlink are resolved one by one. A batch without symlinks
     costs one walk of its trajectory folders.
     """
-    if run_dir.protocol not in ("", "file", "local") or dirs.empty:
+    if run_dir.protocol not in LOCAL_PROTOCOLS or dirs.empty:
         return set()
     root = os.path.realpath(os.path.dirname(os.path.dirname(run_dir.path)))
     inside = lambda rel: os.path.realpath(os.path.join(root, rel)).startswith(root + os.sep)  # noqa: E731

@@ -107,7 +107,7 @@ def _failure_reason(result) -> str:
 
 
 def materialize(args: argparse.Namespace) -> int:
-    data = DataRoot(path=args.data or os.environ.get(DATA_ENV, DEFAULT_DATA))
+    data = DataRoot.from_env(args.data)
     caps = _caps(args)
     load_retired(data.root)  # a broken retired.json fails here, before anything is written
     run_ids = _runs_to_materialize(data, args.run_ids)

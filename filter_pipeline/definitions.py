@@ -18,30 +18,37 @@ from filter_pipeline.config import CAPS_ENV, load_caps_file
 from filter_pipeline.jobs import across_runs_job, filter_job, judge_job, ledger_job
 from filter_pipeline.judging import JudgeResource, judge_from_env
 from filter_pipeline.sensors import build_batch_sensor
-from filter_pipeline.warehouse import DATA_ENV, DEFAULT_DATA, DataRoot, WarehouseIOManager
+from filter_pipeline.warehouse import DataRoot, WarehouseIOManager
 
-def build_defs(data_path: str, judge: JudgeResource, caps: dict) -> dg.Definitions:
-    """All definitions for one data root, judge and caps (the CLI builds its own; `defs` reads the env).
+EXECUTOR_ENV = "FILTER_PIPELINE_EXECUTOR"
+# in_process (default) is deliberate: each step is one vectorised pass, and a process per step costs
+# seconds on a small machine; batches run in parallel as separate runs (one process or pod each).
+# multiprocess puts each step in its own process, as a deployment that isolates steps wants.
+EXECUTORS = {"in_process": dg.in_process_executor, "multiprocess": dg.multiprocess_executor}
 
-    The in-process executor is deliberate: each step is one vectorised pass, and a process per step costs
-    seconds on a small machine. Batches run in parallel as separate runs (one process or pod each).
-    """
-    data = DataRoot(path=data_path)
+
+def build_defs(data: DataRoot | str, judge: JudgeResource, caps: dict, executor: str = "in_process") -> dg.Definitions:
+    """All definitions for one data root, judge, caps and executor (the CLI builds its own; `defs` reads the
+    env). Raises ValueError for an unknown executor name."""
+    if executor not in EXECUTORS:
+        raise ValueError(f"{EXECUTOR_ENV}={executor!r}: expected one of {', '.join(EXECUTORS)}")
+    data = data if isinstance(data, DataRoot) else DataRoot(path=data)
     return dg.Definitions(
         assets=[execution_batch, judge_verdicts, failure_pool, ledger, dpo_pairs, filter_report, coverage, judge_calibration],
         jobs=[judge_job, ledger_job, filter_job, across_runs_job],
         sensors=[build_batch_sensor(caps)],
         resources={"data": data, "judge": judge, "io_manager": WarehouseIOManager(data=data)},
-        executor=dg.in_process_executor,
+        executor=EXECUTORS[executor],
     )
 
 
 def defs_from_env() -> dg.Definitions:
     caps_file = os.environ.get(CAPS_ENV)
     return build_defs(
-        data_path=os.environ.get(DATA_ENV, DEFAULT_DATA),
+        data=DataRoot.from_env(),
         judge=judge_from_env(),
         caps=load_caps_file(caps_file) if caps_file else {},
+        executor=os.environ.get(EXECUTOR_ENV) or "in_process",
     )
 
 

@@ -20,6 +20,7 @@ import aiohttp
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential_jitter
 from upath import UPath
 
+from filter_pipeline.batch import LOCAL_PROTOCOLS
 from filter_pipeline.schemas import STATUS_ERROR, STATUS_JUDGED
 
 PROMPT_VERSION = "v1"
@@ -71,7 +72,7 @@ def cut(text: str, limit: int) -> str:
 
 def inside_root(data_root: UPath, path: UPath) -> bool:
     """Whether `path` stays inside the data root once symlinks are resolved (local disk; remote has none)."""
-    if data_root.protocol not in ("", "file", "local"):
+    if data_root.protocol not in LOCAL_PROTOCOLS:
         return True
     root = os.path.realpath(data_root.path)
     return os.path.realpath(path.path).startswith(root + os.sep)

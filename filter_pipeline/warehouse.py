@@ -8,29 +8,46 @@ import os
 import uuid
 
 import dagster as dg
+import fsspec.utils
 import pandas as pd
 import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 from pydantic import Field
 from upath import UPath
 
+from filter_pipeline.batch import LOCAL_PROTOCOLS
 from filter_pipeline.schemas import SCHEMAS, to_arrow, to_pandas
 
 DATA_ENV = "FILTER_PIPELINE_DATA"
+ENDPOINT_ENV = "FILTER_PIPELINE_ENDPOINT_URL"
 DEFAULT_DATA = "data"
 
 
 class DataRoot(dg.ConfigurableResource):
-    """The data root: `runs/<run_id>/` batches, `retired.json`, and the `warehouse/` of outputs."""
+    """The data root: `runs/<run_id>/` batches, `retired.json`, and the `warehouse/` of outputs.
+
+    On object storage, credentials come from the store's own environment (for S3: AWS_ACCESS_KEY_ID /
+    AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN, a profile, or the pod's IAM role), never from this config.
+    """
 
     path: str = Field(
         default=DEFAULT_DATA,
         description=f"Local folder or fsspec URL (s3://bucket/prefix) of the data root; env {DATA_ENV}.",
     )
+    endpoint_url: str | None = Field(
+        default=None,
+        description="S3-compatible endpoint (MinIO, Ceph, moto) for an s3:// data root; unset: AWS itself, or "
+        f"AWS_ENDPOINT_URL if set. Env {ENDPOINT_ENV}.",
+    )
+
+    @classmethod
+    def from_env(cls, path: str | None = None) -> "DataRoot":
+        """The data root the environment names (`path`, when given, wins over FILTER_PIPELINE_DATA)."""
+        return cls(path=path or os.environ.get(DATA_ENV, DEFAULT_DATA), endpoint_url=os.environ.get(ENDPOINT_ENV) or None)
 
     @property
     def root(self) -> UPath:
-        return UPath(self.path)
+        return UPath(self.path, **storage_options(self.path, self.endpoint_url))
 
     @property
     def runs(self) -> UPath:
@@ -48,6 +65,21 @@ class DataRoot(dg.ConfigurableResource):
         return self.warehouse / asset / f"{run_id}.parquet"
 
 
+def storage_options(path: str, endpoint_url: str | None) -> dict:
+    """fsspec options for the data root at `path`. Raises ValueError for an endpoint on a non-S3 root."""
+    protocol = fsspec.utils.get_protocol(path)
+    if endpoint_url and protocol not in ("s3", "s3a"):
+        raise ValueError(f"an endpoint URL applies to an s3:// data root, not {protocol}://")
+    if protocol in LOCAL_PROTOCOLS:
+        return {}
+    # fsspec caches directory listings per filesystem instance, for the life of the process: the sensor's
+    # long-lived code server would never see a batch that arrives after its first listing.
+    options: dict = {"use_listings_cache": False}
+    if endpoint_url:
+        options["endpoint_url"] = endpoint_url
+    return options
+
+
 def write_parquet(table, path: UPath) -> None:
     """Write `table` to `path` atomically (see `write_atomically`)."""
     write_atomically(path, lambda f: pq.write_table(table, f))
@@ -59,7 +91,7 @@ def write_atomically(path: UPath, write) -> None:
     On local disk: a hidden temp file beside the target, fsynced, then renamed over it; temp files left by a
     killed earlier write are removed first. Object stores make a single PUT visible atomically.
     """
-    if not isinstance(path.fs, LocalFileSystem):
+    if not isinstance(path.fs, LocalFileSystem):  # (also: object stores have no rename)
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("wb") as f:
             write(f)

@@ -46,7 +46,7 @@ def jsonl(records) -> str:
 
 def write_batch(data: Path, run_id: str, tasks, attempts, complete: bool = True) -> Path:
     """Write runs/<run_id>/ with tasks.jsonl, executions.jsonl and (if complete) _SUCCESS."""
-    run = Path(data) / "runs" / run_id
+    run = UPath(data) / "runs" / run_id
     run.mkdir(parents=True, exist_ok=True)
     (run / "tasks.jsonl").write_text(jsonl(tasks))
     (run / "executions.jsonl").write_text(jsonl(attempts))
@@ -114,7 +114,7 @@ def write_kept(data: Path, run_id: str, *rows: tuple) -> None:
 
 def write_legacy_kept(data: Path, run_id: str, *rows: tuple) -> None:
     """runs/<run_id>/kept.jsonl (the earlier script's output) from (task_id, key, macro, site) tuples."""
-    run = Path(data) / "runs" / run_id
+    run = UPath(data) / "runs" / run_id
     run.mkdir(parents=True, exist_ok=True)
     (run / "kept.jsonl").write_text(
         jsonl(dict(task_id=t, dedup_key=k, macro=m, site=s, instruction="i") for t, k, m, s in rows)

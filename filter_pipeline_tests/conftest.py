@@ -47,3 +47,41 @@ def cli(cli_env):
         )
 
     return run
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """moto's S3-compatible server on loopback for the whole session (skips, with the reason, if it cannot start)."""
+    from filter_pipeline_tests.servers import MotoS3, ServerUnavailable
+
+    try:
+        server = MotoS3(tmp_path_factory.mktemp("moto"))
+    except ServerUnavailable as exc:
+        pytest.skip(f"S3-compatible server unavailable: {exc}")
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3_server, monkeypatch, request) -> str:
+    """A fresh bucket on the S3 server, with the standard AWS variables pointing at it; returns its name."""
+    for name, value in s3_server.env.items():
+        monkeypatch.setenv(name, value)
+    bucket = "t-" + "".join(c if c.isalnum() else "-" for c in request.node.name.lower())[:50].strip("-")
+    s3_server.filesystem().mkdir(bucket)
+    return bucket
+
+
+@pytest.fixture(scope="session")
+def postgres_server():
+    """A throwaway PostgreSQL cluster on loopback with a `dagster` database (skips, with the reason, if it cannot
+    start)."""
+    from filter_pipeline_tests.servers import PostgresCluster, ServerUnavailable
+
+    try:
+        cluster = PostgresCluster()
+        cluster.create_database(PostgresCluster.DB)
+    except ServerUnavailable as exc:
+        pytest.skip(f"PostgreSQL server unavailable: {exc}")
+    yield cluster
+    cluster.stop()

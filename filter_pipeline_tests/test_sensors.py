@@ -155,3 +155,16 @@ def test_coverage_is_refreshed_when_the_set_of_kept_files_changes_and_nothing_is
     [refresh] = [r for r in result.run_requests if r.job_name == "across_runs_job"]
     assert refresh.run_key != first[0]
     assert refresh.run_config == {"ops": {"coverage": {"config": {"per_site_cap": 2}}}}
+
+
+def test_on_s3_a_batch_completed_after_the_first_listing_is_seen_by_the_same_process(s3_bucket):
+    # the sensor lives in a long-running code server: a cached listing would hide new batches for good
+    data = DataRoot(path=f"s3://{s3_bucket}/data")
+    write_batch(data.root, "b1", [task("a")], [attempt("a")])
+    write_batch(data.root, "b2", [task("a")], [attempt("a")], complete=False)
+    assert [b.run_id for b in complete_batches(data)] == ["b1"]
+
+    (data.run_dir("b2") / "_SUCCESS").write_text("")
+    write_batch(data.root, "b3", [task("a")], [attempt("a")])
+
+    assert [b.run_id for b in complete_batches(data)] == ["b1", "b2", "b3"]

@@ -1,5 +1,6 @@
 """The Parquet warehouse: fixed schemas, atomic local writes, any fsspec filesystem."""
 
+import json
 import os
 
 import dagster as dg
@@ -13,8 +14,8 @@ from filter_pipeline.jobs import ACROSS_RUNS_ASSETS
 from filter_pipeline.judging import JudgeResource
 from filter_pipeline.schemas import SCHEMAS, empty_frame, to_arrow
 from filter_pipeline import warehouse
-from filter_pipeline.warehouse import read_parquet, write_parquet
-from filter_pipeline_tests.builders import attempt, jsonl, task
+from filter_pipeline.warehouse import DataRoot, read_parquet, write_parquet
+from filter_pipeline_tests.builders import attempt, jsonl, task, write_batch, write_legacy_kept
 
 
 def materialize_all(data_path: str, run_id: str) -> dg.ExecuteInProcessResult:
@@ -87,3 +88,41 @@ def test_local_write_is_atomic_and_cleans_temp_files_of_a_killed_write(tmp_path,
     rows = pd.DataFrame([{"task_id": "a", "run_id": "r1"}])
     write_parquet(to_arrow(rows, "kept"), target)
     assert pq.read_table(target).column("task_id").to_pylist() == ["a"]
+
+
+def test_whole_graph_on_an_s3_compatible_server_with_history_and_retired_found_there(s3_bucket):
+    url = f"s3://{s3_bucket}/data"
+    root = DataRoot(path=url).root
+    write_legacy_kept(root, "r0", ("old", ["s", "#el", "legacy"], "m", "s"), ("gone", ["s", "#el", "retired"], "m", "s"))
+    (root / "retired.json").write_text(json.dumps([{"run_id": "r0", "task_ids": ["gone"], "reason": "bad"}]))
+    write_batch(
+        root, "r1",
+        [task("a", key=["s", "#el", "legacy"]), task("b", key=["s", "#el", "retired"]), task("c")],
+        [attempt("a"), attempt("b"), attempt("c", ok=False, error="policy violation: x")],
+    )  # fmt: skip
+
+    assert materialize_all(url, "r1").success
+
+    # read back as a user would, with pandas and the standard AWS variables (set by the fixture)
+    kept = pd.read_parquet(f"{url}/warehouse/kept/r1.parquet")
+    surplus = pd.read_parquet(f"{url}/warehouse/surplus")
+    pool = pd.read_parquet(f"{url}/warehouse/failure_pool/r1.parquet")
+    assert kept["task_id"].tolist() == ["b"]  # its key was kept only by a retired row
+    assert surplus[["task_id", "dropped", "dup_of_run_id"]].values.tolist() == [["a", "duplicate", "r0"]]
+    assert pool["reason"].tolist() == ["policy_violation"]
+
+
+def test_an_endpoint_url_names_the_s3_server_without_any_aws_endpoint_variable(s3_server, monkeypatch):
+    for name, value in s3_server.env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    s3_server.filesystem().mkdir("endpoint-setting")
+    monkeypatch.setenv(warehouse.ENDPOINT_ENV, s3_server.endpoint)
+    data = DataRoot.from_env("s3://endpoint-setting/data")
+    (data.root / "probe.txt").write_text("here")
+    assert s3_server.filesystem().cat("endpoint-setting/data/probe.txt") == b"here"
+
+
+def test_an_endpoint_url_on_a_local_data_root_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="applies to an s3:// data root"):
+        DataRoot(path=str(tmp_path), endpoint_url="http://127.0.0.1:9").root
