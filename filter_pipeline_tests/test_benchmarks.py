@@ -30,3 +30,13 @@ def test_judge_throughput_runs_at_a_small_size():
     rows = [line.split() for line in out.splitlines() if line.strip() and line.split()[0] in ("1", "8")]
     assert [r[0] for r in rows] == ["1", "8"]
     assert all(0 < float(r[4].rstrip("%")) <= 110 for r in rows)
+
+
+def test_parallel_batches_judge_together_and_walk_the_ledger_one_at_a_time_in_order():
+    out = run("benchmarks.parallel_batches", "--batches", "3", "--tasks", "60", "--latency", "0.3", "--concurrency", "2")
+    assert "runs failed: 0" in out
+    assert "ledger: 3 steps, in run_id order: True, overlapping pairs: 0" in out
+    judging = next(line for line in out.splitlines() if line.startswith("judging:"))
+    assert "3 steps in 3 processes" in judging
+    overlapping = int(judging.rsplit("overlapping pairs: ", 1)[1].rstrip(")"))
+    assert overlapping >= 2, out  # with one run at a time there would be none

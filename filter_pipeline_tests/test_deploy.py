@@ -1,0 +1,134 @@
+"""The deployment files and the README's S3 walkthrough. No Kubernetes cluster or Docker engine runs here,
+so the Dockerfile and the Helm values are checked as far as they can be: they parse, and every name in them
+(image, module, attribute, extras, env settings, pool limits) is one that exists."""
+
+import importlib
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import tomllib
+
+import dagster as dg
+import pytest
+import yaml
+
+from filter_pipeline import judging, warehouse
+from filter_pipeline.definitions import EXECUTOR_ENV, EXECUTORS
+from filter_pipeline.pool import LEDGER_POOL
+from filter_pipeline_tests.conftest import REPO
+from filter_pipeline_tests.servers import free_port
+
+DEPLOY = REPO / "deploy"
+
+
+def dockerfile() -> dict:
+    """The Dockerfile's instructions: {"COPY": [[src.., dest]], "RUN": [...], "CMD": [...], "LABEL": {...}}."""
+    text = re.sub(r"\\\n", " ", (DEPLOY / "Dockerfile").read_text())
+    out: dict = {"COPY": [], "RUN": [], "LABEL": {}}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        keyword, _, rest = line.partition(" ")
+        if keyword == "CMD":
+            out["CMD"] = yaml.safe_load(rest)  # the exec form is a JSON array
+        elif keyword == "LABEL":
+            out["LABEL"].update(dict(part.split("=", 1) for part in shlex.split(rest)))
+        elif keyword in ("COPY", "RUN"):
+            out[keyword].append(shlex.split(rest) if keyword == "COPY" else rest)
+    return out
+
+
+def helm_values() -> dict:
+    return yaml.safe_load((DEPLOY / "helm-values.yaml").read_text())
+
+
+def grpc_target(args: list[str]) -> tuple[str, str]:
+    """(module, attribute) from `dagster api grpc` arguments."""
+    flags = {flag: value for flag, value in zip(args, args[1:]) if flag.startswith("-")}
+    return flags.get("-m") or flags.get("--module-name"), flags.get("-a") or flags.get("--attribute")
+
+
+def test_the_dockerfile_serves_the_packages_definitions_and_copies_what_exists():
+    docker = dockerfile()
+    cmd = docker["CMD"]
+    assert cmd[:3] == ["dagster", "api", "grpc"]
+    module, attribute = grpc_target(cmd[3:])
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert module == project["tool"]["dagster"]["module_name"] == "filter_pipeline.definitions"
+    assert isinstance(getattr(importlib.import_module(module), attribute), dg.Definitions)
+    for *sources, _dest in docker["COPY"]:
+        for source in sources:
+            assert (REPO / source).exists(), source
+    [install] = [r for r in docker["RUN"] if "pip install" in r]
+    extras = re.search(r"\.\[([a-z0-9_,]+)\]", install).group(1).split(",")
+    assert set(extras) == {"s3", "postgres", "k8s"} and set(extras) <= set(project["project"]["optional-dependencies"])
+
+
+def test_the_helm_values_name_the_image_and_module_the_dockerfile_builds():
+    values = helm_values()
+    [deployment] = values["dagster-user-deployments"]["deployments"]
+    assert values["dagster-user-deployments"]["enabled"] is True
+    assert deployment["image"]["repository"].rsplit("/", 1)[-1] == dockerfile()["LABEL"]["org.opencontainers.image.title"]
+    assert grpc_target(deployment["dagsterApiGrpcArgs"]) == grpc_target(dockerfile()["CMD"][3:])
+    assert deployment["port"] == int(dockerfile()["CMD"][dockerfile()["CMD"].index("-p") + 1])
+    assert deployment["includeConfigInLaunchedRuns"]["enabled"] is True  # run pods get the same env
+    assert values["runLauncher"]["type"] == "K8sRunLauncher"
+    assert set(values["runLauncher"]["config"]) == {"k8sRunLauncher"}
+    assert values["dagsterDaemon"]["runCoordinator"]["type"] == "QueuedRunCoordinator"
+
+
+def test_every_env_the_helm_values_set_is_a_setting_the_code_reads():
+    [deployment] = helm_values()["dagster-user-deployments"]["deployments"]
+    names = {e["name"] for e in deployment["env"]}
+    settings = {warehouse.DATA_ENV, warehouse.ENDPOINT_ENV, EXECUTOR_ENV, *judging.ENV.values()}
+    assert names <= settings, names - settings
+    assert warehouse.DATA_ENV in names
+    values = {e["name"]: e["value"] for e in deployment["env"]}
+    assert values[warehouse.DATA_ENV].startswith("s3://")
+    assert values[EXECUTOR_ENV] in EXECUTORS
+    assert judging.ENV["api_key"] not in names  # the key comes from a Secret, never from the values file
+
+
+def test_the_pool_limits_match_the_local_instance_everywhere():
+    local = yaml.safe_load((REPO / "instance" / "dagster.yaml").read_text())["concurrency"]
+    postgres = yaml.safe_load((DEPLOY / "dagster-postgres.yaml").read_text())
+    helm = helm_values()["concurrency"]
+    assert postgres["concurrency"] == local
+    assert helm["enabled"] is True
+    assert helm["pools"] == {"granularity": local["pools"]["granularity"], "defaultLimit": local["pools"]["default_limit"]}
+    assert helm["runs"] == {"maxConcurrentRuns": local["runs"]["max_concurrent_runs"]}
+    assert local["pools"]["default_limit"] == 1 and LEDGER_POOL == "ledger"
+
+
+def test_the_postgres_instance_file_reads_every_connection_setting_from_the_environment():
+    db = yaml.safe_load((DEPLOY / "dagster-postgres.yaml").read_text())["storage"]["postgres"]["postgres_db"]
+    envs = {k: v["env"] for k, v in db.items() if isinstance(v, dict)}
+    assert set(envs) == {"hostname", "port", "username", "password", "db_name"}
+    assert all(name.startswith("DAGSTER_PG_") for name in envs.values())
+
+
+@pytest.mark.slow
+def test_readme_s3_walkthrough(tmp_path):
+    readme = (REPO / "README.md").read_text()
+    block = readme.split("<!-- walkthrough: s3 -->\n```sh\n", 1)[1].split("```", 1)[0]
+    port = str(free_port())
+    (tmp_path / "home").mkdir()
+    shutil.copy(REPO / "instance" / "dagster.yaml", tmp_path / "home" / "dagster.yaml")
+    script = block.replace("9000", port).replace("$PWD/.dagster_home", str(tmp_path / "home"))
+    script = script.replace("> moto.log", f"> {tmp_path / 'moto.log'}")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "FILTER_", "DAGSTER_"))}
+    proc = subprocess.Popen(
+        ["bash", "-euo", "pipefail", "-c", script], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, start_new_session=True,  # the backgrounded server goes down with the group
+    )  # fmt: skip
+    try:
+        out, _ = proc.communicate(timeout=400)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+    assert proc.returncode == 0, out[-4000:]
+    assert re.search(r"^2026-11-28: judged \d+, unjudged 0, kept \d+", out, re.M), out[-4000:]
+    assert re.search(r"^\d+ +2026-11-29 +\S+ +\S+$", out, re.M), out[-4000:]  # a kept row read back from S3
