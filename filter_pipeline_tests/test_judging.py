@@ -196,3 +196,20 @@ def test_cli_llm_judge_never_leaks_the_api_key(cli, data_root, dagster_home):
                 assert secret.encode() not in path.read_bytes(), path
     why = pd.read_parquet(data_root / "warehouse" / "judge_verdicts" / "r1.parquet")["why"].tolist()
     assert any("***" in w for w in why)
+
+
+def test_on_s3_the_llm_judge_reads_each_attempts_trajectory_from_the_bucket(s3_bucket):
+    from filter_pipeline.warehouse import DataRoot
+
+    root = DataRoot(path=f"s3://{s3_bucket}/data").root
+    write_batch(root, "r1", [task("a"), task("b")], [attempt("a", dir="runs/r1/traj/a/1"), attempt("b", dir="runs/r1/traj/b/1")])
+    trajectory = {"steps": [{"action": "type", "text": "blue shoes"}], "final": {"url": "https://shop/a", "observation": "Order 77 placed"}}
+    (root / "runs/r1/traj/a/1/trajectory.json").write_text(json.dumps(trajectory))  # b has none: its record's steps
+
+    with dg.instance_for_test() as instance, FakeOpenAI(model_that_fails("b")) as server:
+        Pipeline(str(root), instance).run(llm(server, votes=1))
+        prompts = {("a" if "do a" in c.prompt else "b"): c.prompt for c in server.calls}
+    assert "Order 77 placed" in prompts["a"] and "blue shoes" in prompts["a"]
+    assert '"action": "click"' in prompts["b"] and "(no page text)" in prompts["b"]
+    kept = pd.read_parquet(f"s3://{s3_bucket}/data/warehouse/kept/r1.parquet")
+    assert kept["task_id"].tolist() == ["a"]
