@@ -7,7 +7,6 @@ import argparse
 import gc
 import os
 import sys
-from collections import Counter
 
 import dagster as dg
 from dagster._core.events import DagsterEventType
@@ -76,9 +75,9 @@ def summarize(data: DataRoot, run_id: str) -> str:
     """One line: judged, kept, surplus by reason, failures by reason (reasons with zero rows left out)."""
 
     def counts(asset: str, column: str, names) -> tuple[int, str]:
-        values = Counter(read_parquet(data.asset_file(asset, run_id), columns=[column])[column])
-        detail = ", ".join(f"{n} {values[n]}" for n in names if values[n])
-        return sum(values.values()), f" ({detail})" if detail else ""
+        values = read_parquet(data.asset_file(asset, run_id), columns=[column])[column].value_counts()
+        detail = ", ".join(f"{n} {values[n]}" for n in names if values.get(n, 0))
+        return int(values.sum()), f" ({detail})" if detail else ""
 
     verdicts = read_parquet(data.asset_file("judge_verdicts", run_id), columns=["status"])
     unjudged = int((verdicts["status"] == STATUS_ERROR).sum())

@@ -50,7 +50,7 @@ def figures(
         surplus=pd.DataFrame({"dropped": DROPPED_REASONS, "count": [int((surplus["dropped"] == r).sum()) for r in DROPPED_REASONS]}),
         agreement_by_site=agreement(verdicts, "site"),
         cost={
-            "judge": ", ".join(sorted(set(verdicts["judge"].dropna()))) or "none",
+            "judge": ", ".join(sorted(verdicts["judge"].dropna().unique().tolist())) or "none",
             "calls": int(verdicts["calls"].fillna(0).sum()),
             "cache_hits": int(verdicts["cached"].fillna(False).sum()),
             "prompt_tokens": int(verdicts["prompt_tokens"].fillna(0).sum()),
@@ -147,7 +147,14 @@ def html(f: Figures, pngs: dict[str, bytes], run_id: str) -> str:
     """A standalone HTML page of the report (charts embedded)."""
 
     def table(frame: pd.DataFrame) -> str:
-        return frame.to_html(index=False, na_rep="", border=0)
+        # by hand: pandas' to_html takes about a second for the per-site table of a large batch
+        head = "".join(f"<th>{html_lib.escape(str(c))}</th>" for c in frame.columns)
+        cells = frame.astype(object).where(frame.notna(), "")
+        rows = "".join(
+            "<tr>" + "".join(f"<td>{html_lib.escape(str(v))}</td>" for v in row) + "</tr>"
+            for row in cells.itertuples(index=False)
+        )
+        return f"<table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>"
 
     def image(name: str) -> str:
         return f'<img alt="{name}" src="data:image/png;base64,{base64.b64encode(pngs[name]).decode()}">'

@@ -149,30 +149,33 @@ def walk_ledger(
     for (macro, _), n in count.items():
         macro_total[macro] = macro_total.get(macro, 0) + n
 
-    keep = []
-    dropped: list[str | None] = []
-    dup_of: list[tuple[str | None, str | None]] = []
+    macros = passing["macro"].unique().tolist()
+    site_cap = {m: caps.site_cap(m) for m in macros}
+    target = {m: caps.target(m) for m in macros}
+    # (position, reason, provenance) of each dropped verdict; most verdicts are kept, so only drops are recorded
+    drops: list[tuple[int, str, tuple[str | None, str | None]]] = []
     columns = (pylist(passing[c]) for c in ("task_id", "dedup_key", "macro", "site"))
-    for task_id, key, macro, site in zip(*columns):
-        reason = None
+    for i, (task_id, key, macro, site) in enumerate(zip(*columns)):
         if key in kept_by:
-            reason = DROPPED_DUPLICATE
-        elif count.get((macro, site), 0) >= caps.site_cap(macro):
-            reason = DROPPED_SITE_CAP
-        elif (target := caps.target(macro)) is not None and macro_total.get(macro, 0) >= target:
-            reason = DROPPED_TARGET
-        keep.append(reason is None)
-        dropped.append(reason)
-        dup_of.append(kept_by[key] if reason == DROPPED_DUPLICATE else (None, None))
-        if reason is None:
-            kept_by[key] = (run_id, task_id)
-            count[(macro, site)] = count.get((macro, site), 0) + 1
-            macro_total[macro] = macro_total.get(macro, 0) + 1
+            drops.append((i, DROPPED_DUPLICATE, kept_by[key]))
+            continue
+        pair = (macro, site)
+        if count.get(pair, 0) >= site_cap[macro]:
+            drops.append((i, DROPPED_SITE_CAP, (None, None)))
+            continue
+        limit = target[macro]
+        if limit is not None and macro_total.get(macro, 0) >= limit:
+            drops.append((i, DROPPED_TARGET, (None, None)))
+            continue
+        kept_by[key] = (run_id, task_id)
+        count[pair] = count.get(pair, 0) + 1
+        macro_total[macro] = macro_total.get(macro, 0) + 1
 
-    keep_mask = pd.Series(keep, index=passing.index, dtype=bool)
-    surplus = passing.assign(
-        dropped=dropped,
-        dup_of_run_id=[r for r, _ in dup_of],
-        dup_of_task_id=[t for _, t in dup_of],
-    )[~keep_mask]
+    keep_mask = np.ones(len(passing), dtype=bool)
+    keep_mask[[i for i, _, _ in drops]] = False
+    surplus = passing.iloc[[i for i, _, _ in drops]].assign(
+        dropped=[reason for _, reason, _ in drops],
+        dup_of_run_id=[r for _, _, (r, _) in drops],
+        dup_of_task_id=[t for _, _, (_, t) in drops],
+    )
     return LedgerResult(kept=conform(passing[keep_mask], "kept"), surplus=conform(surplus, "surplus"))

@@ -16,7 +16,7 @@ from pydantic import Field
 from upath import UPath
 
 from filter_pipeline.batch import LOCAL_PROTOCOLS
-from filter_pipeline.schemas import SCHEMAS, to_arrow, to_pandas
+from filter_pipeline.schemas import SCHEMAS, dictionary_columns, to_arrow, to_pandas
 
 DATA_ENV = "FILTER_PIPELINE_DATA"
 ENDPOINT_ENV = "FILTER_PIPELINE_ENDPOINT_URL"
@@ -80,9 +80,10 @@ def storage_options(path: str, endpoint_url: str | None) -> dict:
     return options
 
 
-def write_parquet(table, path: UPath) -> None:
-    """Write `table` to `path` atomically (see `write_atomically`)."""
-    write_atomically(path, lambda f: pq.write_table(table, f))
+def write_parquet(table, path: UPath, dictionary: list[str] | bool = True) -> None:
+    """Write `table` to `path` atomically (see `write_atomically`); `dictionary`: which columns to
+    dictionary-encode (all by default)."""
+    write_atomically(path, lambda f: pq.write_table(table, f, use_dictionary=dictionary))
 
 
 def write_atomically(path: UPath, write) -> None:
@@ -129,7 +130,7 @@ class ParquetWarehouseIOManager(dg.UPathIOManager):
         asset = context.asset_key.path[-1]
         if asset not in SCHEMAS:
             raise KeyError(f"asset {asset!r} has no Arrow schema in filter_pipeline.schemas.SCHEMAS")
-        write_parquet(to_arrow(obj, asset), path)
+        write_parquet(to_arrow(obj, asset), path, dictionary_columns(asset))
 
     def load_from_path(self, context: dg.InputContext, path: UPath) -> pd.DataFrame:
         return read_parquet(path)

@@ -60,3 +60,18 @@ def test_charts_are_png_images():
     pngs = report.charts(f)
     assert set(pngs) == {"funnel", "reasons_per_site"}
     assert all(png.startswith(b"\x89PNG\r\n\x1a\n") for png in pngs.values())
+
+
+def test_the_html_page_holds_every_table_cell_escaped_with_missing_values_blank():
+    f = report.Figures(
+        funnel=pd.DataFrame({"step": ["attempts"], "count": [3]}),
+        by_site=pd.DataFrame({"site": ["<b>x</b>", "y"], "keep_rate": [0.5, None]}),
+        by_macro=pd.DataFrame({"macro": ["m"]}),
+        surplus=pd.DataFrame({"dropped": ["duplicate"], "count": [1]}),
+        agreement_by_site=pd.DataFrame({"site": []}),
+        cost={"calls": 0},
+    )
+    page = report.html(f, {"funnel": b"", "reasons_per_site": b""}, "r1")
+    assert "<td>&lt;b&gt;x&lt;/b&gt;</td><td>0.5</td>" in page
+    assert "<tr><td>y</td><td></td></tr>" in page
+    assert "<th>site</th><th>keep_rate</th>" in page

@@ -74,7 +74,7 @@ def test_local_write_is_atomic_and_cleans_temp_files_of_a_killed_write(tmp_path,
     stale = tmp_path / "kept" / ".r1.parquet.deadbeef.tmp"
     stale.write_bytes(b"half a parquet file")
 
-    def dies_midway(table, where):
+    def dies_midway(table, where, **options):
         where.write(b"PAR1 half a file")
         raise OSError("disk full")
 
@@ -126,3 +126,16 @@ def test_an_endpoint_url_names_the_s3_server_without_any_aws_endpoint_variable(s
 def test_an_endpoint_url_on_a_local_data_root_is_refused(tmp_path):
     with pytest.raises(ValueError, match="applies to an s3:// data root"):
         DataRoot(path=str(tmp_path), endpoint_url="http://127.0.0.1:9").root
+
+
+def test_low_cardinality_columns_are_dictionary_encoded_and_unique_ones_are_not(tmp_path):
+    run = tmp_path / "runs" / "d1"
+    run.mkdir(parents=True)
+    (run / "tasks.jsonl").write_text(jsonl([task("a"), task("b")]))
+    (run / "executions.jsonl").write_text(jsonl([attempt("a"), attempt("b")]))
+    assert materialize_all(str(tmp_path), "d1").success
+    meta = pq.ParquetFile(tmp_path / "warehouse" / "kept" / "d1.parquet").metadata.row_group(0)
+    encodings = {meta.column(i).path_in_schema: meta.column(i).encodings for i in range(meta.num_columns)}
+    # the history scan counts (macro, site) by dictionary code
+    assert all("RLE_DICTIONARY" in encodings[c] for c in ("macro", "site", "run_id"))
+    assert not any("RLE_DICTIONARY" in encodings[c] for c in ("task_id", "dedup_key", "dir"))
