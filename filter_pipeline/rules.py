@@ -22,6 +22,7 @@ from filter_pipeline.schemas import (
     STAGE_JUDGE,
     STATUS_JUDGED,
     conform,
+    positions,
     pylist,
 )
 
@@ -30,8 +31,12 @@ from filter_pipeline.schemas import (
 
 def execute_failures(tasks: pd.DataFrame, attempts: pd.DataFrame) -> pd.DataFrame:
     """One failure-pool row per attempt with `ok` false, in executions.jsonl order."""
-    failed = attempts[attempts["ok"] == False]  # noqa: E712 - nullable bool column
-    rows = failed.merge(tasks[["task_id", "macro", "site", "instruction", "dedup_key"]], on="task_id", how="left")
+    failed = attempts[attempts["ok"] == False].reset_index(drop=True)  # noqa: E712 - nullable bool column
+    at = positions(failed["task_id"], tasks["task_id"])
+    task_columns = tasks[["macro", "site", "instruction", "dedup_key"]].iloc[np.maximum(at, 0)].reset_index(drop=True)
+    if (at < 0).any():  # an attempt of an unknown task (read_batch rejects those): no task columns
+        task_columns.loc[at < 0, :] = None
+    rows = pd.concat([failed, task_columns], axis=1)
     return conform(
         rows.assign(
             stage=STAGE_EXECUTE,
@@ -65,12 +70,11 @@ def attempts_to_judge(tasks: pd.DataFrame, attempts: pd.DataFrame) -> pd.DataFra
     ok = attempts[attempts["ok"] == True]  # noqa: E712 - nullable bool column
     latest = ok.sort_values("attempt", kind="stable").drop_duplicates("task_id", keep="last")
     latest = latest.rename(columns={"line": "attempt_line"})
-    picked = tasks.drop(columns=["line"], errors="ignore").merge(
-        latest[["task_id", "attempt", "dir", "n_actions", "backend_ok", "backend_detail", "attempt_line"]],
-        on="task_id",
-        how="inner",
-    )
-    return picked.reset_index(drop=True)
+    at = positions(tasks["task_id"], latest["task_id"])
+    judged = at >= 0
+    picked_tasks = tasks.drop(columns=["line"], errors="ignore")[judged].reset_index(drop=True)
+    picked_attempts = latest[["attempt", "dir", "n_actions", "backend_ok", "backend_detail", "attempt_line"]].iloc[at[judged]]
+    return pd.concat([picked_tasks, picked_attempts.reset_index(drop=True)], axis=1)
 
 
 def superseded_ok_attempts(attempts: pd.DataFrame, judged: pd.DataFrame) -> int:

@@ -322,6 +322,13 @@ def isin(values: pd.Series, allowed) -> np.ndarray:
     return found.to_numpy(zero_copy_only=False).astype(bool)
 
 
+def positions(values: pd.Series, keys: pd.Series) -> np.ndarray:
+    """For each value, the position of its first equal in `keys`, or -1: a lookup by Arrow's hash table
+    (a pandas merge on text columns factorizes both sides first, several times slower)."""
+    found = pc.index_in(pa.array(values.astype("str"), type=pa.string()), value_set=pa.array(keys.astype("str"), type=pa.string()))
+    return found.fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)
+
+
 def pylist(values: pd.Series) -> list:
     """The column as a Python list, converted by Arrow (iterating pandas' arrow strings is slow)."""
     return pa.array(values).to_pylist()

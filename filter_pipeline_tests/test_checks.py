@@ -37,6 +37,17 @@ def test_execute_rows_must_equal_failed_attempts(tmp_path):
     assert checks.execute_rows_match_failed_attempts(doubled, b.attempts).metadata["duplicated"] == 1
 
 
+def test_execute_rows_of_the_right_count_but_one_doubled_and_one_missing_are_caught():
+    failed = pd.DataFrame({"task_id": ["a", "b", "c"], "attempt": [1, 1, 2], "ok": [False, False, False]})
+    pool = lambda *ids: pd.DataFrame({"task_id": [t for t, _ in ids], "attempt": [n for _, n in ids], "stage": "execute"})  # noqa: E731
+    assert checks.execute_rows_match_failed_attempts(pool(("c", 2), ("a", 1), ("b", 1)), failed).passed  # any order
+    swapped = checks.execute_rows_match_failed_attempts(pool(("a", 1), ("a", 1), ("c", 2)), failed)
+    assert not swapped.passed
+    assert {k: swapped.metadata[k] for k in ("missing", "unexpected", "duplicated")} == {"missing": 1, "unexpected": 0, "duplicated": 1}
+    wrong_attempt = checks.execute_rows_match_failed_attempts(pool(("a", 1), ("b", 1), ("c", 1)), failed)
+    assert not wrong_attempt.passed and wrong_attempt.metadata["unexpected"] == 1
+
+
 def test_verdicts_conserved_holds_and_breaks():
     v = verdicts({"task_id": "a"}, {"task_id": "b", "key": ["s", "#el", "a"]}, {"task_id": "c", "passed": False},
                  {"task_id": "d", "passed": None, "status": "error"})  # fmt: skip

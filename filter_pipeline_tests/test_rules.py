@@ -7,7 +7,7 @@ from filter_pipeline import rules
 from filter_pipeline.rules import Caps, MacroLimits, walk_ledger
 from filter_pipeline.schemas import DETAIL_MAX_CHARS, GATE_VOTES, GATE_WHY
 from filter_pipeline.judging import gate_verdicts
-from filter_pipeline_tests.builders import attempt, counts, kept_history, parse, task, verdicts
+from filter_pipeline_tests.builders import attempt, counts, kept_history, parse, rows, task, verdicts
 
 NO_HISTORY = kept_history()
 NO_COUNTS = counts()
@@ -219,3 +219,16 @@ def test_dropped_verdicts_do_not_count_towards_caps():
     v = verdicts({"task_id": "a", "key": ["k"]}, {"task_id": "b", "key": ["k"]}, {"task_id": "c"})
     result = walk(v, caps=Caps(per_site_cap=2))
     assert result.kept["task_id"].tolist() == ["a", "c"]
+
+
+def test_execute_failures_carry_their_tasks_columns_and_nulls_for_an_unknown_task():
+    tasks = pd.DataFrame({"task_id": ["a", "b"], "macro": ["m1", "m2"], "site": ["s1", "s2"], "instruction": ["do a", "do b"],
+                          "dedup_key": ['["a"]', '["b"]']})  # fmt: skip
+    attempts = pd.DataFrame({"task_id": ["b", "zz", "a", "b"], "attempt": [1, 1, 1, 2], "ok": [False, False, True, False],
+                             "error": ["x", "y", None, "z"], "dir": ["d1", "d2", "d3", "d4"]})  # fmt: skip
+    pool = rules.execute_failures(tasks, attempts)
+    assert rows(pool, "task_id", "attempt", "macro", "site", "dedup_key") == [
+        ["b", 1, "m2", "s2", '["b"]'],
+        ["zz", 1, None, None, None],
+        ["b", 2, "m2", "s2", '["b"]'],
+    ]
