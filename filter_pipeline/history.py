@@ -6,6 +6,8 @@ columns the walk needs, so memory follows the largest run rather than the whole 
 """
 
 import json
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -140,6 +142,7 @@ class _KeyProbe:
         unique = batch_keys.drop_duplicates("dedup_key")
         # an int64 hash index, built once; probing it is O(1) per history row
         self.hashes = pd.Index(pd.unique(unique["key_hash"].to_numpy(dtype=np.int64)))
+        self.hashes.get_indexer(np.zeros(1, dtype=np.int64))  # build its hash table now, not racing in threads
         self.texts = pa.array(unique["dedup_key"].astype(object), type=pa.string())
 
     def maybe(self, hashes: np.ndarray) -> np.ndarray:
@@ -217,14 +220,30 @@ def _read_warehouse(path: UPath, probe: _KeyProbe, retired_ids: frozenset[str] |
     return table, probe.confirm(_drop_retired(full, retired_ids).filter(pa.array(maybe)))
 
 
+READ_AHEAD = 4  # files read at once: Arrow decodes without the GIL, and memory stays a few files' worth
+
+
+def _in_order(read, items: list):
+    """`read(item)` for each item, in order, with up to READ_AHEAD reads running in threads ahead of the
+    consumer (reading is I/O and Arrow decoding; the consumer's counting stays in one thread)."""
+    with ThreadPoolExecutor(max_workers=READ_AHEAD) as pool:
+        pending: deque = deque()
+        for item in items:
+            pending.append(pool.submit(read, item))
+            if len(pending) >= READ_AHEAD:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+
+
 def build_prior_index(
     data_root: UPath, kept_dir: UPath, run_id: str, batch_keys: pd.DataFrame, retired: Retired
 ) -> PriorIndex:
     """The prior-run dedup index for `run_id` (CONTRACT §3.4): every other run's kept rows minus retired.
 
     `batch_keys` (dedup_key, key_hash) are the keys the walk can meet: only those are returned with their
-    provenance; counts cover every row. Files are read one at a time and
-    mostly as integers and dictionary codes, so cost grows slowly with history and memory not at all.
+    provenance; counts cover every row. Files are read a few at a time (READ_AHEAD), mostly as integers
+    and dictionary codes, so cost grows slowly with history and memory not at all.
     """
     sources: dict[str, tuple[str, UPath]] = {
         r: ("legacy", p) for r, p in legacy_kept_files(data_root / "runs").items()
@@ -234,16 +253,17 @@ def build_prior_index(
     counts = _PairCounts()
     key_parts: list[pa.Table] = []
     runs_read = rows_read = 0
-    for other in sorted(sources):
-        if other == run_id or retired.run_is_retired(other):
-            continue
+
+    def read(other: str) -> tuple[pa.Table, pa.Table]:
         kind, path = sources[other]
         retired_ids = retired.tasks.get(other)
         if kind == "warehouse":
-            rows, hits = _read_warehouse(path, probe, retired_ids)
-        else:
-            rows = _drop_retired(_read_legacy(path, other), retired_ids)
-            hits = probe.confirm(rows.filter(pa.array(probe.maybe(rows["key_hash"].to_numpy()))))
+            return _read_warehouse(path, probe, retired_ids)
+        rows = _drop_retired(_read_legacy(path, other), retired_ids)
+        return rows, probe.confirm(rows.filter(pa.array(probe.maybe(rows["key_hash"].to_numpy()))))
+
+    others = [r for r in sorted(sources) if r != run_id and not retired.run_is_retired(r)]
+    for other, (rows, hits) in zip(others, _in_order(read, others)):
         runs_read += 1
         rows_read += rows.num_rows
         counts.add(rows.select(["macro", "site"]))
