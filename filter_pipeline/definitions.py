@@ -25,9 +25,10 @@ EXECUTOR_ENV = "FILTER_PIPELINE_EXECUTOR"
 # seconds on a small machine; batches run in parallel as separate runs (one process or pod each).
 # multiprocess puts each step in its own process, as a deployment that isolates steps wants.
 EXECUTORS = {"in_process": dg.in_process_executor, "multiprocess": dg.multiprocess_executor}
+DEFAULT_EXECUTOR = "in_process"
 
 
-def build_defs(data: DataRoot | str, judge: JudgeResource, caps: dict, executor: str = "in_process") -> dg.Definitions:
+def build_defs(data: DataRoot | str, judge: JudgeResource, caps: dict, executor: str = DEFAULT_EXECUTOR) -> dg.Definitions:
     """All definitions for one data root, judge, caps and executor (the CLI builds its own; `defs` reads the
     env). Raises ValueError for an unknown executor name."""
     if executor not in EXECUTORS:
@@ -48,7 +49,7 @@ def defs_from_env() -> dg.Definitions:
         data=DataRoot.from_env(),
         judge=judge_from_env(),
         caps=load_caps_file(caps_file) if caps_file else {},
-        executor=os.environ.get(EXECUTOR_ENV) or "in_process",
+        executor=os.environ.get(EXECUTOR_ENV) or DEFAULT_EXECUTOR,
     )
 
 

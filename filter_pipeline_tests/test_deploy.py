@@ -132,3 +132,4 @@ def test_readme_s3_walkthrough(tmp_path):
     assert proc.returncode == 0, out[-4000:]
     assert re.search(r"^2026-11-28: judged \d+, unjudged 0, kept \d+", out, re.M), out[-4000:]
     assert re.search(r"^\d+ +2026-11-29 +\S+ +\S+$", out, re.M), out[-4000:]  # a kept row read back from S3
+
