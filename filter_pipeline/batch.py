@@ -340,17 +340,29 @@ def dirs_outside_root(run_dir: UPath, dirs: pd.Series) -> set[str]:
     root = os.path.realpath(os.path.dirname(os.path.dirname(run_dir.path)))
     inside = lambda rel: os.path.realpath(os.path.join(root, rel)).startswith(root + os.sep)  # noqa: E731
     paths = pc.unique(pa.array(dirs, type=pa.string()))
-    tops = pc.replace_substring_regex(paths, _TOP, r"\1")
     outside: set[str] = set()
-    for top in pc.unique(tops).to_pylist():
+    for top, under in _by_top(paths):
         if not inside(top):
-            outside.update(paths.filter(pc.equal(tops, top)).to_pylist())
+            outside.update(under.to_pylist())
             continue
         links = tuple(os.path.relpath(p, root) + "/" for p in _symlinks_below(os.path.join(root, top)))
         if links:
-            behind = paths.filter(pc.equal(tops, top)).to_pylist()
-            outside.update(d for d in behind if (d + "/").startswith(links) and not inside(d))
+            outside.update(d for d in under.to_pylist() if (d + "/").startswith(links) and not inside(d))
     return outside
+
+
+def _by_top(paths: pa.Array) -> list[tuple[str, pa.Array]]:
+    """(top folder, the paths under it) groups. A batch's dirs nearly all share one top
+    (runs/<run_id>/traj): one prefix test settles those, and only the others go through the regex."""
+    first = pc.replace_substring_regex(paths.slice(0, 1), _TOP, r"\1")[0].as_py()
+    groups = []
+    if first.count("/") == 2:
+        common = pc.starts_with(paths, first + "/")
+        groups.append((first, paths.filter(common)))
+        paths = paths.filter(pc.invert(common))
+    tops = pc.replace_substring_regex(paths, _TOP, r"\1")
+    groups += [(top, paths.filter(pc.equal(tops, top))) for top in pc.unique(tops).to_pylist()]
+    return groups
 
 
 # --- vectorised fast path for tasks.jsonl ----------------------------------------------------------

@@ -139,6 +139,23 @@ def test_dir_resolving_outside_the_data_root_through_a_symlink_is_rejected(tmp_p
     assert "resolves outside the data root" in b.rejects["message"].item()
 
 
+
+def test_dirs_under_other_top_folders_are_checked_too(tmp_path):
+    data = tmp_path / "data"
+    outside = tmp_path / "elsewhere"
+    (outside / "x").mkdir(parents=True)
+    run = write_batch(data, "r", [task("a"), task("b"), task("c")], [])
+    (run / "traj" / "a").mkdir(parents=True)
+    (data / "runs" / "linked").symlink_to(outside)  # a second top folder, itself leaving the root
+    (run / "shots" / "c").mkdir(parents=True)  # a third, inside
+    (run / "executions.jsonl").write_text(jsonl([
+        {**attempt("a"), "dir": "runs/r/traj/a"}, {**attempt("b"), "dir": "runs/linked/x"}, {**attempt("c"), "dir": "runs/r/shots/c"},
+    ]))  # fmt: skip
+    b = read_batch(UPath(run), "r")
+    assert b.attempts["task_id"].tolist() == ["a", "c"]
+    assert b.rejects[["line", "field"]].values.tolist() == [[2, "dir"]]
+
+
 TRICKY_KEYS = [
     ["s", "#a", 1], ["s", "#a", "1"], ["s", "#a", 1.0], ["s", "#a", True], ["s", "#a", None],
     ["s", "a[1]", "x]y,[z"], ["s", "#a", 'quote " and \\ back'], ["sité", "#a", "ü\u2028"], ["s", "#a", 1e16], ["s", "#a", "seam ],[ inside"],
