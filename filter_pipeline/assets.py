@@ -18,7 +18,7 @@ from filter_pipeline.history import build_prior_index, load_retired
 from filter_pipeline.judging import JudgeResource
 from filter_pipeline.schemas import DROPPED_REASONS, FAILURE_REASONS, SCHEMAS, STATUS_ERROR, STATUS_JUDGED
 from filter_pipeline.pool import LEDGER_POOL, mark_ledger_holder
-from filter_pipeline.warehouse import DataRoot, read_parquet, write_atomically
+from filter_pipeline.warehouse import DataRoot, read_folder, read_parquet, write_atomically
 
 run_id_partitions = dg.DynamicPartitionsDefinition(name="run_id")
 
@@ -349,7 +349,7 @@ def judge_calibration(data: DataRoot) -> dg.Output[pd.DataFrame]:
     if not labels_path.exists() or not verdicts_dir.exists():
         return dg.Output(calibration.calibration(pd.DataFrame()), metadata={"labels": 0, "matched": 0})
     labels = calibration.parse_labels(labels_path.read_text(encoding="utf-8"))
-    read = lambda asset, columns, **kw: pd.read_parquet(str(data.warehouse / asset), columns=columns, **kw)  # noqa: E731
+    read = lambda asset, columns, **kw: read_folder(data.warehouse / asset, columns, **kw)  # noqa: E731
     dirs = labels["dir"].dropna().tolist() or [""]
     resolved = calibration.resolve(
         labels,

@@ -121,6 +121,12 @@ def read_parquet(path: UPath, columns: list[str] | None = None) -> pd.DataFrame:
         return to_pandas(pq.read_table(f, columns=columns))
 
 
+def read_folder(folder: UPath, columns: list[str], filters=None) -> pd.DataFrame:
+    """Every partition file of an asset folder as one frame, through the folder's own filesystem (so an
+    endpoint set on the data root applies, not only one in the environment)."""
+    return pd.read_parquet(folder.path, filesystem=folder.fs, columns=columns, filters=filters)
+
+
 class ParquetWarehouseIOManager(dg.UPathIOManager):
     """Stores each asset partition as `<base>/<asset>/<run_id>.parquet` with the asset's fixed schema."""
 

@@ -7,6 +7,7 @@ import pytest
 from filter_pipeline.definitions import build_defs
 from filter_pipeline.jobs import ACROSS_RUNS_ASSETS
 from filter_pipeline.judging import JudgeResource
+from filter_pipeline.warehouse import DataRoot, read_parquet
 from filter_pipeline_tests.builders import attempt, rows, task, write_batch
 
 ASSETS = ["batch_tasks", "batch_attempts", "batch_rejects", "judge_verdicts", "failure_pool",
@@ -134,3 +135,22 @@ def test_judge_calibration_reads_labels_across_runs(instance, data_root):
     table = pd.read_parquet(data_root / "warehouse" / "judge_calibration.parquet")
     gate = table[(table["predictor"] == "gate") & (table["site"] == "(all)")]
     assert gate[["n", "tp", "tn", "agreement"]].values.tolist() == [[2, 1, 1, 1.0]]
+
+
+def test_on_s3_with_only_the_endpoint_setting_every_asset_reaches_the_store(s3_server, monkeypatch, instance):
+    # no AWS_ENDPOINT_URL: the endpoint comes from the DataRoot setting alone, across-runs assets included
+    for name, value in s3_server.env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    s3_server.filesystem().mkdir("endpoint-only")
+    data = DataRoot(path="s3://endpoint-only/data", endpoint_url=s3_server.endpoint)
+    write_batch(data.root, "r1", [task("a"), task("b")], [attempt("a"), attempt("b", ok=False, error="x")])
+    (data.root / "labels.jsonl").write_text('{"run_id": "r1", "task_id": "a", "success": true}\n')
+    instance.add_dynamic_partitions("run_id", ["r1"])
+    defs = build_defs(data, JudgeResource(), caps={})
+    assert defs.resolve_job_def("filter_job").execute_in_process(instance=instance, partition_key="r1").success
+    assert defs.resolve_job_def("across_runs_job").execute_in_process(instance=instance).success
+    table = read_parquet(data.warehouse / "judge_calibration.parquet")
+    gate = table[(table["predictor"] == "gate") & (table["site"] == "(all)")]
+    assert gate[["n", "tp"]].values.tolist() == [[1, 1]]
+    assert read_parquet(data.warehouse / "coverage.parquet")["kept"].max() == 1
