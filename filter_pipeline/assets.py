@@ -17,7 +17,7 @@ from filter_pipeline.coverage import coverage_chart, coverage_markdown, coverage
 from filter_pipeline.history import build_prior_index, load_retired
 from filter_pipeline.judging import JudgeResource
 from filter_pipeline.schemas import DROPPED_REASONS, FAILURE_REASONS, SCHEMAS, STATUS_ERROR, STATUS_JUDGED
-from filter_pipeline.pool import LEDGER_POOL, mark_ledger_holder
+from filter_pipeline.pool import LEDGER_POOL, ledger_lock, mark_ledger_holder
 from filter_pipeline.warehouse import DataRoot, read_folder, read_parquet, write_atomically
 
 run_id_partitions = dg.DynamicPartitionsDefinition(name="run_id")
@@ -222,6 +222,12 @@ def ledger(context: dg.AssetExecutionContext, config: CapsConfig, data: DataRoot
     """Read history and walk the verdicts in one step under the `ledger` pool (limit 1): two runs reading the
     index before either writes `kept` could both keep the same key."""
     mark_ledger_holder(context)
+    with ledger_lock(context.instance):
+        yield from _walk_the_ledger(context, config, data, judge_verdicts)
+
+
+def _walk_the_ledger(context: dg.AssetExecutionContext, config: CapsConfig, data: DataRoot, judge_verdicts: pd.DataFrame):
+    """The ledger step's work: history, the walk, its outputs and checks (the caller holds the lock)."""
     run_id = context.partition_key
     retired = load_retired(data.root)
     index = build_prior_index(data.root, data.warehouse / "kept", run_id, judge_verdicts[["dedup_key", "key_hash"]], retired)

@@ -6,14 +6,43 @@ wait forever. The ledger step therefore tags its run with its host and pid; the 
 a slot whose holder is a dead process on this host, and mark that run failed.
 """
 
+import fcntl
 import os
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import dagster as dg
+from dagster._core.storage.event_log.sqlite import ConsolidatedSqliteEventLogStorage, SqliteEventLogStorage
 
 LEDGER_POOL = "ledger"
 HOST_TAG = "filter_pipeline/host"
 PID_TAG = "filter_pipeline/pid"
+LOCK_FILE = "filter_pipeline_ledger.lock"
+
+
+@contextmanager
+def ledger_lock(instance: dg.DagsterInstance) -> Iterator[None]:
+    """On a SQLite instance, an exclusive OS lock on a file in its DAGSTER_HOME for as long as the ledger
+    step runs; elsewhere, nothing.
+
+    Dagster's SQLite storage can give the pool's one slot to two processes that claim it at the same
+    moment: the claim reads a free slot, then updates it with no check that it is still free, and SQLite
+    ignores FOR UPDATE SKIP LOCKED. Two CLI runs started together then walked the same history and kept a
+    key twice (seen once in CI). A SQLite instance is one machine's, so a file lock in its folder
+    serializes every process that uses it, and the OS drops the lock of a killed process. On PostgreSQL
+    the claim is a real row lock, and the pool alone holds across machines.
+    """
+    storage = instance.event_log_storage
+    if not isinstance(storage, (SqliteEventLogStorage, ConsolidatedSqliteEventLogStorage)):
+        yield
+        return
+    with open(os.path.join(instance.root_directory, LOCK_FILE), "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def mark_ledger_holder(context: dg.AssetExecutionContext) -> None:
