@@ -175,9 +175,10 @@ def walk_ledger(
         count[pair] = count.get(pair, 0) + 1
         macro_total[macro] = macro_total.get(macro, 0) + 1
 
+    dropped_at = [i for i, _, _ in drops]
     keep_mask = np.ones(len(passing), dtype=bool)
-    keep_mask[[i for i, _, _ in drops]] = False
-    surplus = passing.iloc[[i for i, _, _ in drops]].assign(
+    keep_mask[dropped_at] = False
+    surplus = passing.iloc[dropped_at].assign(
         dropped=[reason for _, reason, _ in drops],
         dup_of_run_id=[r for _, _, (r, _) in drops],
         dup_of_task_id=[t for _, _, (_, t) in drops],

@@ -317,9 +317,7 @@ def to_pandas(table: pa.Table) -> pd.DataFrame:
 
 def isin(values: pd.Series, allowed) -> np.ndarray:
     """`values.isin(allowed)` as a boolean array, done by Arrow (pandas' version walks arrow strings in Python)."""
-    allowed_array = pa.array(pd.Series(allowed, dtype=object).astype("str"), type=pa.string())
-    found = pc.is_in(pa.array(values.astype("str"), type=pa.string()), value_set=allowed_array)
-    return found.to_numpy(zero_copy_only=False).astype(bool)
+    return positions(values, pd.Series(allowed, dtype=object)) >= 0
 
 
 def positions(values: pd.Series, keys: pd.Series) -> np.ndarray:

@@ -6,6 +6,7 @@ import glob
 import os
 import pwd
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -29,6 +30,18 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def stop_process_group(proc: subprocess.Popen, grace_seconds: float) -> None:
+    """SIGTERM a process started with start_new_session and everything it started; SIGKILL after the grace."""
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace_seconds)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
 
 
 def _wait(ready, what: str, proc: subprocess.Popen | None, log: Path, seconds: float = 60) -> None:

@@ -69,12 +69,12 @@ def test_the_dockerfile_serves_the_packages_definitions_and_copies_what_exists()
 
 
 def test_the_helm_values_name_the_image_and_module_the_dockerfile_builds():
-    values = helm_values()
+    values, docker = helm_values(), dockerfile()
     [deployment] = values["dagster-user-deployments"]["deployments"]
     assert values["dagster-user-deployments"]["enabled"] is True
-    assert deployment["image"]["repository"].rsplit("/", 1)[-1] == dockerfile()["LABEL"]["org.opencontainers.image.title"]
-    assert grpc_target(deployment["dagsterApiGrpcArgs"]) == grpc_target(dockerfile()["CMD"][3:])
-    assert deployment["port"] == int(dockerfile()["CMD"][dockerfile()["CMD"].index("-p") + 1])
+    assert deployment["image"]["repository"].rsplit("/", 1)[-1] == docker["LABEL"]["org.opencontainers.image.title"]
+    assert grpc_target(deployment["dagsterApiGrpcArgs"]) == grpc_target(docker["CMD"][3:])
+    assert deployment["port"] == int(docker["CMD"][docker["CMD"].index("-p") + 1])
     assert deployment["includeConfigInLaunchedRuns"]["enabled"] is True  # run pods get the same env
     assert values["runLauncher"]["type"] == "K8sRunLauncher"
     assert set(values["runLauncher"]["config"]) == {"k8sRunLauncher"}

@@ -5,7 +5,6 @@ must equal, row by row, those of the default local run (`filter-pipeline materia
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from filter_pipeline.schemas import SCHEMAS
 from filter_pipeline.sensors import kept_fingerprint
 from filter_pipeline.warehouse import DataRoot
 from filter_pipeline_tests.conftest import REPO
+from filter_pipeline_tests.servers import stop_process_group
 
 pytestmark = pytest.mark.slow
 
@@ -68,13 +68,7 @@ class Daemon:
         )  # fmt: skip
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
+        stop_process_group(self.proc, grace_seconds=60)
         self.log.close()
 
 

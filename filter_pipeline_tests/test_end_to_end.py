@@ -4,8 +4,6 @@ sensor doing the rest; lineage and materializations read back through the webser
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +17,7 @@ import pytest
 from filter_pipeline.jobs import ACROSS_RUNS_ASSETS
 from filter_pipeline_tests.builders import attempt, task, write_batch
 from filter_pipeline_tests.conftest import REPO
+from filter_pipeline_tests.servers import free_port, stop_process_group
 
 pytestmark = pytest.mark.slow
 
@@ -28,9 +27,7 @@ DEADLINE_SECONDS = 300
 class DagsterDev:
     def __init__(self, home: Path, data: Path):
         self.home, self.data = home, data
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.log = open(home / "dagster-dev.log", "w")
         self.proc = subprocess.Popen(
             [str(Path(sys.executable).parent / "dagster"), "dev", "-w", "workspace.yaml",
@@ -66,13 +63,7 @@ class DagsterDev:
         raise TimeoutError("dagster dev did not come up")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
+        stop_process_group(self.proc, grace_seconds=30)
         self.log.close()
 
 
