@@ -33,6 +33,11 @@ def column_schema(asset: str) -> dict:
     }
 
 
+def reading(columns_by_input: dict[str, list[str]]) -> dict[str, dg.AssetIn]:
+    """Asset inputs that load only the given columns (the warehouse IO manager honours `columns`)."""
+    return {name: dg.AssetIn(metadata={"columns": columns}) for name, columns in columns_by_input.items()}
+
+
 def count_by(values: pd.Series, names: Iterable[str], prefix: str) -> dict:
     """One integer metadata entry per name (zeros included, so every materialization plots the same series)."""
     counts = values.value_counts()
@@ -267,6 +272,7 @@ class DpoConfig(dg.Config):
     description="DPO pairs: chosen = a kept trajectory, rejected = a failed attempt of the same task that is a "
     "clean negative (not backend_ok, not unjudged; judge failures only if configured).",
     metadata=column_schema("dpo_pairs"),
+    ins=reading(dpo.INPUT_COLUMNS),
 )
 def dpo_pairs(config: DpoConfig, kept: pd.DataFrame, failure_pool: pd.DataFrame) -> dg.Output[pd.DataFrame]:
     result = dpo.dpo_pairs(kept, failure_pool, include_judge_failures=config.include_judge_failures)
@@ -316,6 +322,7 @@ def coverage(config: CapsConfig, data: DataRoot) -> dg.Output[pd.DataFrame]:
     "failure reasons per site and macro, surplus by reason, judge pass rate and agreement with the gate, cost. "
     "Charts show on the materialization; a standalone page is written to warehouse/filter_report_html/.",
     metadata=column_schema("filter_report"),
+    ins=reading(report.INPUT_COLUMNS),
 )
 def filter_report(
     context: dg.AssetExecutionContext,

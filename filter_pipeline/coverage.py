@@ -4,7 +4,7 @@ What is full and what is short decides the next batch to generate. Pure pandas."
 import numpy as np
 import pandas as pd
 
-from filter_pipeline.report import png
+from filter_pipeline.report import chart, png
 from filter_pipeline.rules import Caps
 from filter_pipeline.schemas import conform
 
@@ -46,10 +46,8 @@ def coverage_markdown(table: pd.DataFrame, limit: int = 30) -> str:
 
 def coverage_chart(table: pd.DataFrame, top: int = 25) -> bytes:
     """PNG: kept rows per macro, with its target marked where one is set."""
-    import matplotlib.pyplot as plt
-
     macros = table[table["level"] == "macro"].sort_values("kept", ascending=False).head(top)
-    fig, ax = plt.subplots(figsize=(7, 0.35 * max(len(macros), 3) + 1))
+    fig, ax = chart(7, 0.35 * max(len(macros), 3) + 1)
     names = macros["macro"].astype(str).tolist()
     ax.barh(names, macros["kept"].astype(int), color="#4c78a8", label="kept")
     limits = macros["limit"].astype("Float64")

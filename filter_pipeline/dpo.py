@@ -10,6 +10,10 @@ from filter_pipeline.schemas import STAGE_JUDGE, conform, isin
 EXCLUDED_BACKEND_OK = "backend_ok"  # reached the goal state although the script failed
 EXCLUDED_JUDGE_GATE_PASSED = "judge_fail_gate_passed"  # the judge failed it but the backend gate passed it
 EXCLUSION_REASONS = (EXCLUDED_BACKEND_OK, EXCLUDED_JUDGE_GATE_PASSED)
+_CHOSEN = ["task_id", "macro", "site", "instruction", "dir", "attempt", "n_actions", "run_id"]
+_REJECTED = ["task_id", "dir", "attempt", "n_actions", "stage", "reason", "detail"]
+# The columns `dpo_pairs` reads from each input (the asset loads only these).
+INPUT_COLUMNS = {"kept": _CHOSEN, "failure_pool": [*_REJECTED, "backend_ok"]}
 
 
 @dataclass(frozen=True)
@@ -31,10 +35,10 @@ def dpo_pairs(kept: pd.DataFrame, failure_pool: pd.DataFrame, include_judge_fail
     judge_row = (candidates["stage"] == STAGE_JUDGE).to_numpy(dtype=bool)
     gate_passed_judge = judge_row & (not include_judge_failures)
     clean = candidates[~backend_ok & ~gate_passed_judge]
-    chosen = kept[["task_id", "macro", "site", "instruction", "dir", "attempt", "n_actions", "run_id"]].rename(
+    chosen = kept[_CHOSEN].rename(
         columns={"dir": "chosen_dir", "attempt": "chosen_attempt", "n_actions": "chosen_n_actions"}
     )
-    rejected = clean[["task_id", "dir", "attempt", "n_actions", "stage", "reason", "detail"]].rename(
+    rejected = clean[_REJECTED].rename(
         columns={
             "dir": "rejected_dir", "attempt": "rejected_attempt", "n_actions": "rejected_n_actions",
             "stage": "rejected_stage", "reason": "rejected_reason", "detail": "rejected_detail",

@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 from upath import UPath
 
 from filter_pipeline.batch import LEGACY_KEPT_FILE
-from filter_pipeline.schemas import canonical_key, conform, empty_frame, key_hash, to_pandas
+from filter_pipeline.schemas import canonical_key, conform, empty_frame, key_hashes, pylist, to_pandas
 
 RETIRED_FILE = "retired.json"
 
@@ -128,7 +128,7 @@ def _read_legacy(path: UPath, run_id: str) -> pa.Table:
 
 def _with_hashes(table: pa.Table) -> pa.Table:
     """The table with a key_hash column computed from dedup_key (legacy rows, files from before key_hash)."""
-    hashes = pa.array([key_hash(k) for k in table["dedup_key"].to_pylist()], type=pa.int64())
+    hashes = pa.array(key_hashes(table["dedup_key"].to_pylist()), type=pa.int64())
     if "key_hash" in table.column_names:
         return table.set_column(table.column_names.index("key_hash"), "key_hash", hashes)
     return table.append_column("key_hash", hashes)
@@ -152,24 +152,39 @@ class _KeyProbe:
         return table.filter(pc.is_in(table["dedup_key"], value_set=self.texts))
 
 
+class _Names:
+    """Integer ids for names, looked up by Arrow in bulk: only names never seen before touch Python."""
+
+    def __init__(self):
+        self.names: list[str] = []
+        self.known = pa.array([], pa.string())
+
+    def ids(self, values: pa.Array) -> np.ndarray:
+        found = pc.index_in(values, value_set=self.known)
+        if found.null_count:
+            self.names += pc.unique(values.filter(pc.is_null(found))).to_pylist()
+            self.known = pa.array(self.names, pa.string())
+            found = pc.index_in(values, value_set=self.known)
+        return found.to_numpy(zero_copy_only=False).astype(np.int64)
+
+
 class _PairCounts:
     """Kept rows per (macro, site), summed file by file into a dense grid of integer ids.
 
     Each file's macro and site columns arrive dictionary-encoded: only the (small) dictionaries are mapped
-    to global ids in Python; the rows are counted with numpy.
+    to global ids; the rows are counted with numpy.
     """
 
     def __init__(self):
-        self.macros: dict[str, int] = {}
-        self.sites: dict[str, int] = {}
+        self.macros, self.sites = _Names(), _Names()
         self.grid = np.zeros((0, 0), dtype=np.int64)
 
     @staticmethod
-    def _codes(column: pa.ChunkedArray | pa.Array, ids: dict[str, int]) -> np.ndarray:
+    def _codes(column: pa.ChunkedArray | pa.Array, names: _Names) -> np.ndarray:
         column = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
         if not pa.types.is_dictionary(column.type):
             column = column.dictionary_encode()
-        mapping = np.array([ids.setdefault(v, len(ids)) for v in column.dictionary.to_pylist()], dtype=np.int64)
+        mapping = names.ids(column.dictionary.cast(pa.string()))
         return mapping[column.indices.to_numpy(zero_copy_only=False)] if len(mapping) else np.zeros(0, np.int64)
 
     def add(self, table: pa.Table) -> None:
@@ -177,7 +192,7 @@ class _PairCounts:
             return
         m = self._codes(table["macro"], self.macros)
         s = self._codes(table["site"], self.sites)
-        rows, cols = len(self.macros), len(self.sites)
+        rows, cols = len(self.macros.names), len(self.sites.names)
         if rows > self.grid.shape[0] or cols > self.grid.shape[1]:
             grown = np.zeros((max(rows, 2 * self.grid.shape[0]), max(cols, 2 * self.grid.shape[1])), dtype=np.int64)
             grown[: self.grid.shape[0], : self.grid.shape[1]] = self.grid
@@ -187,8 +202,8 @@ class _PairCounts:
 
     def total(self) -> pa.Table:
         m, s = np.nonzero(self.grid)
-        macros = np.array(list(self.macros), dtype=object)
-        sites = np.array(list(self.sites), dtype=object)
+        macros = np.array(self.macros.names, dtype=object)
+        sites = np.array(self.sites.names, dtype=object)
         return pa.table(
             {
                 "macro": pa.array(macros[m] if len(m) else [], pa.string()),
@@ -272,7 +287,7 @@ def build_prior_index(
 
     total = counts.total().rename_columns(["macro", "site", "n_kept"]).sort_by([("macro", "ascending"), ("site", "ascending")])
     keys = to_pandas(pa.concat_tables(key_parts)) if key_parts else empty_frame("prior_dedup_index")
-    keys = keys.assign(key_hash=pd.array([key_hash(k) for k in keys["dedup_key"]], dtype="Int64"))
+    keys = keys.assign(key_hash=pd.array(key_hashes(pylist(keys["dedup_key"])), dtype="Int64"))
     return PriorIndex(
         keys=conform(keys.sort_values(["run_id", "task_id"], kind="stable"), "prior_dedup_index"),
         counts=conform(to_pandas(total), "prior_kept_counts"),

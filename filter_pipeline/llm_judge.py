@@ -14,14 +14,16 @@ import os
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-import aiohttp
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential_jitter
 from upath import UPath
 
 from filter_pipeline.batch import LOCAL_PROTOCOLS
 from filter_pipeline.schemas import STATUS_ERROR, STATUS_JUDGED
+
+if TYPE_CHECKING:  # aiohttp itself is imported when a judge first asks: gate-judged runs never load it
+    import aiohttp
 
 PROMPT_VERSION = "v1"
 FENCE_OPEN, FENCE_CLOSE = "<<<UNTRUSTED", "UNTRUSTED>>>"
@@ -239,7 +241,10 @@ def majority(votes: list[Vote], n: int) -> LLMVerdict:
 class _Asker:
     """One HTTP client and one concurrency bound shared by every vote of a materialization."""
 
-    def __init__(self, settings: LLMSettings, session: aiohttp.ClientSession):
+    def __init__(self, settings: LLMSettings, session: "aiohttp.ClientSession"):
+        import aiohttp
+
+        self.transport_errors = (aiohttp.ClientError, asyncio.TimeoutError)
         self.settings = settings
         self.session = session
         self.url = settings.base_url.rstrip("/") + "/chat/completions"
@@ -264,7 +269,7 @@ class _Asker:
         retrying = AsyncRetrying(
             stop=stop_after_attempt(self.settings.max_attempts),
             wait=self.wait,
-            retry=retry_if_exception_type((_Retryable, _Unparseable, *_TRANSPORT_ERRORS)),
+            retry=retry_if_exception_type((_Retryable, _Unparseable, *self.transport_errors)),
             reraise=True,
         )
         try:
@@ -273,7 +278,7 @@ class _Asker:
                     await self._ask_once(messages, vote)
         except (_Retryable, _Unparseable, _Fatal) as exc:
             vote.error = f"{exc} (after {vote.calls} call(s))"
-        except _TRANSPORT_ERRORS as exc:
+        except self.transport_errors as exc:
             what = "timeout" if isinstance(exc, asyncio.TimeoutError) else type(exc).__name__
             vote.error = f"{what} talking to the judge endpoint (after {self.settings.max_attempts} tries)"
         return vote
@@ -306,10 +311,7 @@ class _Asker:
         vote.passed, vote.why = parsed
 
 
-_TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
-
-
-def _retry_after(response: aiohttp.ClientResponse) -> float | None:
+def _retry_after(response: "aiohttp.ClientResponse") -> float | None:
     value = response.headers.get("retry-after")
     try:
         return max(float(value), 0.0) if value is not None else None
@@ -320,6 +322,8 @@ def _retry_after(response: aiohttp.ClientResponse) -> float | None:
 async def _judge_all(
     prompts: list[list[dict]], settings: LLMSettings, on_done: Callable[[int], None]
 ) -> list[LLMVerdict]:
+    import aiohttp
+
     async with aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=settings.concurrency),
         timeout=aiohttp.ClientTimeout(total=settings.timeout_seconds),

@@ -9,16 +9,22 @@ import html as html_lib
 import io
 from dataclasses import dataclass
 
-import matplotlib
+import pandas as pd
+from matplotlib.figure import Figure  # figures without pyplot: no global state, no GUI backend, a faster import
 
-matplotlib.use("Agg")  # no display: render to PNG bytes
-import matplotlib.pyplot as plt  # noqa: E402
-import pandas as pd  # noqa: E402
-
-from filter_pipeline.judging import agreement  # noqa: E402
-from filter_pipeline.schemas import DROPPED_REASONS, FAILURE_REASONS, STATUS_ERROR, STATUS_JUDGED  # noqa: E402
+from filter_pipeline.judging import agreement
+from filter_pipeline.schemas import DROPPED_REASONS, FAILURE_REASONS, STATUS_ERROR, STATUS_JUDGED
 
 FUNNEL_STEPS = ("attempts", "ok attempts", "judged tasks", "passed", "kept")
+# The columns `figures` reads from each input: the report asset loads only these (a large batch's frames
+# are mostly text the report never looks at).
+INPUT_COLUMNS = {
+    "batch_attempts": ["ok"],
+    "judge_verdicts": ["site", "macro", "status", "passed", "judge", "calls", "cached", "prompt_tokens", "completion_tokens"],
+    "failure_pool": ["site", "macro", "reason"],
+    "kept": ["site", "macro"],
+    "surplus": ["dropped"],
+}
 
 
 @dataclass(frozen=True)
@@ -76,17 +82,22 @@ def _by(judged: pd.DataFrame, kept: pd.DataFrame, pool: pd.DataFrame, key: str) 
 # --- rendering --------------------------------------------------------------------------------------
 
 
-def png(fig) -> bytes:
-    """A matplotlib figure as PNG bytes (the figure is closed)."""
+def png(fig: Figure) -> bytes:
+    """A matplotlib figure as PNG bytes."""
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=90, bbox_inches="tight")
-    plt.close(fig)
     return buffer.getvalue()
+
+
+def chart(width: float, height: float):
+    """A new figure and its one axes (a plain Figure renders to PNG through Agg)."""
+    fig = Figure(figsize=(width, height))
+    return fig, fig.subplots()
 
 
 def charts(f: Figures, top_sites: int = 15) -> dict[str, bytes]:
     """PNG charts: the funnel, and failure reasons for the sites with the most failures."""
-    fig, ax = plt.subplots(figsize=(6, 2.6))
+    fig, ax = chart(6, 2.6)
     ax.barh(list(reversed(f.funnel["step"])), list(reversed(f.funnel["count"])), color="#4c78a8")
     for y, count in enumerate(reversed(f.funnel["count"].tolist())):
         ax.text(count, y, f" {count}", va="center")
@@ -95,7 +106,7 @@ def charts(f: Figures, top_sites: int = 15) -> dict[str, bytes]:
 
     reasons = [r for r in FAILURE_REASONS if f.by_site[r].sum() > 0]
     busiest = f.by_site.assign(total=f.by_site[list(FAILURE_REASONS)].sum(axis=1)).nlargest(top_sites, "total")
-    fig, ax = plt.subplots(figsize=(7, 0.35 * max(len(busiest), 3) + 1))
+    fig, ax = chart(7, 0.35 * max(len(busiest), 3) + 1)
     left = pd.Series(0, index=busiest.index)
     for reason in reasons:
         ax.barh(busiest["site"], busiest[reason], left=left, label=reason)

@@ -139,44 +139,63 @@ def walk_ledger(
     `prior_index` holds (dedup_key, run_id, task_id) of keys kept by other runs (at least every such key
     that appears in `verdicts`); `prior_counts` holds (macro, site, n_kept) over all of history. A verdict
     is a duplicate if its key was kept before (history or earlier in this walk), else dropped by its
-    (macro, site) cap, else by its macro's target, else kept. Touches each passing verdict once.
+    (macro, site) cap, else by its macro's target, else kept.
+
+    Most verdicts cannot be dropped whatever comes before them: the first use of a key no other run kept,
+    in a (macro, site) and a macro that stay within their limits even if every passing verdict in them were
+    kept. Those are kept in bulk; only the others are walked one by one, in order, and see the bulk keeps
+    as earlier keepers of their keys (a bulk keep is its key's first use, so it comes first). The result is
+    the one-by-one walk's over all verdicts; each verdict costs O(1).
     """
     passing = verdicts[(verdicts["status"] == STATUS_JUDGED) & (verdicts["passed"] == True)]  # noqa: E712
+    n = len(passing)
+    keys = passing["dedup_key"]
     first_kept = prior_index.drop_duplicates("dedup_key", keep="first")  # provenance: the earliest keeper
+    kept_before = positions(keys, first_kept["dedup_key"]) >= 0
+    repeated = keys.duplicated(keep=False).to_numpy()
+    later_use = keys.duplicated(keep="first").to_numpy()
+
+    macro_code, macros = pd.factorize(passing["macro"])
+    site_code, sites = pd.factorize(passing["site"])
+    pair_code, pairs = pd.factorize(macro_code * len(sites) + site_code)
+    prior_pair, prior_macro = _prior_totals(prior_counts, macros, sites, pairs)
+    site_cap = np.array([caps.site_cap(m) for m in macros], dtype=np.int64)
+    no_target = np.iinfo(np.int64).max
+    target = np.array([no_target if caps.target(m) is None else caps.target(m) for m in macros], dtype=np.int64)
+    # a limit nobody can reach: history plus every passing verdict under it still fits
+    pair_macro = pairs // max(len(sites), 1)
+    pair_safe = prior_pair + np.bincount(pair_code, minlength=len(pairs)) <= site_cap[pair_macro]
+    macro_safe = prior_macro + np.bincount(macro_code, minlength=len(macros)) <= target
+    bulk = pair_safe[pair_code] & macro_safe[macro_code] & ~later_use & ~kept_before
+
+    task_ids = passing["task_id"]
     kept_by: dict[str, tuple[str, str]] = dict(
         zip(pylist(first_kept["dedup_key"]), zip(pylist(first_kept["run_id"]), pylist(first_kept["task_id"])))
     )
-    count: dict[tuple[str, str], int] = dict(
-        zip(zip(pylist(prior_counts["macro"]), pylist(prior_counts["site"])), pylist(prior_counts["n_kept"]))
-    )
-    macro_total: dict[str, int] = {}
-    for (macro, _), n in count.items():
-        macro_total[macro] = macro_total.get(macro, 0) + n
+    seeds = bulk & repeated  # bulk keepers of a key that is used again
+    kept_by.update(zip(pylist(keys[seeds]), ((run_id, t) for t in pylist(task_ids[seeds]))))
+    count, macro_total = prior_pair.tolist(), prior_macro.tolist()  # by pair and macro position
+    site_caps, targets = site_cap.tolist(), target.tolist()
 
-    macros = passing["macro"].unique().tolist()
-    site_cap = {m: caps.site_cap(m) for m in macros}
-    target = {m: caps.target(m) for m in macros}
     # (position, reason, provenance) of each dropped verdict; most verdicts are kept, so only drops are recorded
     drops: list[tuple[int, str, tuple[str | None, str | None]]] = []
-    columns = (pylist(passing[c]) for c in ("task_id", "dedup_key", "macro", "site"))
-    for i, (task_id, key, macro, site) in enumerate(zip(*columns)):
+    walked = np.flatnonzero(~bulk)
+    columns = (walked.tolist(), pylist(task_ids.iloc[walked]), pylist(keys.iloc[walked]),
+               pair_code[walked].tolist(), macro_code[walked].tolist())  # fmt: skip
+    for i, task_id, key, pair, macro in zip(*columns):
         if key in kept_by:
             drops.append((i, DROPPED_DUPLICATE, kept_by[key]))
-            continue
-        pair = (macro, site)
-        if count.get(pair, 0) >= site_cap[macro]:
+        elif count[pair] >= site_caps[macro]:
             drops.append((i, DROPPED_SITE_CAP, (None, None)))
-            continue
-        limit = target[macro]
-        if limit is not None and macro_total.get(macro, 0) >= limit:
+        elif macro_total[macro] >= targets[macro]:
             drops.append((i, DROPPED_TARGET, (None, None)))
-            continue
-        kept_by[key] = (run_id, task_id)
-        count[pair] = count.get(pair, 0) + 1
-        macro_total[macro] = macro_total.get(macro, 0) + 1
+        else:
+            kept_by[key] = (run_id, task_id)
+            count[pair] += 1
+            macro_total[macro] += 1
 
     dropped_at = [i for i, _, _ in drops]
-    keep_mask = np.ones(len(passing), dtype=bool)
+    keep_mask = np.ones(n, dtype=bool)
     keep_mask[dropped_at] = False
     surplus = passing.iloc[dropped_at].assign(
         dropped=[reason for _, reason, _ in drops],
@@ -184,3 +203,18 @@ def walk_ledger(
         dup_of_task_id=[t for _, _, (_, t) in drops],
     )
     return LedgerResult(kept=conform(passing[keep_mask], "kept"), surplus=conform(surplus, "surplus"))
+
+
+def _prior_totals(prior_counts: pd.DataFrame, macros, sites, pairs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """History's kept rows per pair (`pairs`: macro position * len(sites) + site position) and per macro,
+    for the macros and sites this batch has."""
+    m = positions(prior_counts["macro"], pd.Series(macros, dtype="str"))
+    s = positions(prior_counts["site"], pd.Series(sites, dtype="str"))
+    n_kept = prior_counts["n_kept"].to_numpy(dtype=np.int64)
+    per_macro = np.zeros(len(macros), dtype=np.int64)
+    np.add.at(per_macro, m[m >= 0], n_kept[m >= 0])
+    both = (m >= 0) & (s >= 0)
+    at = pd.Index(pairs).get_indexer(m[both] * len(sites) + s[both])
+    per_pair = np.zeros(len(pairs), dtype=np.int64)
+    np.add.at(per_pair, at[at >= 0], n_kept[both][at >= 0])
+    return per_pair, per_macro

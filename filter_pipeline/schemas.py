@@ -97,6 +97,33 @@ def canonical_keys(keys: list[list[Any]]) -> list[str]:
     return [canonical_key_fast(key) for key in keys]
 
 
+# JSON array text that canonical_key would write unchanged: no whitespace, integers (no float, no -0),
+# true/false/null, strings with no escapes but the ones json.dumps writes itself.
+_CANONICAL_SCALAR = r'(?:"(?:[^"\\\x00-\x1f]|\\["\\bfnrt])*"|0|-?[1-9][0-9]*|true|false|null)'
+CANONICAL_ARRAY = rf"^\[(?:{_CANONICAL_SCALAR}(?:,{_CANONICAL_SCALAR})*)?\]$"
+
+
+def canonical_texts(arrays: pa.Array) -> list[str]:
+    """`canonical_key` of each JSON array text (each an array of scalars). Texts already in canonical form
+    (what a generator writing compact JSON produces) are taken as they are, found by one vectorised match;
+    only the others are parsed and encoded again. Raises ValueError on text that is not JSON."""
+    texts = arrays.to_pylist()
+    redo = np.flatnonzero(~pc.match_substring_regex(arrays, CANONICAL_ARRAY).to_numpy(zero_copy_only=False))
+    if len(redo):
+        keys = json.loads("[" + ",".join(texts[i] for i in redo) + "]")
+        if len(keys) != len(redo):
+            raise ValueError("a key text holds more than one JSON array")
+        for i, text in zip(redo.tolist(), canonical_keys(keys)):
+            texts[i] = text
+    return texts
+
+
+def key_hashes(texts: list[str]) -> np.ndarray:
+    """`key_hash` of each text, as int64 (the digests are joined and read as one little-endian array)."""
+    digests = b"".join(hashlib.blake2b(text.encode(), digest_size=8).digest() for text in texts)
+    return np.frombuffer(digests, dtype="<i8").astype(np.int64)
+
+
 def key_hash(text: str) -> int:
     """A 64-bit fingerprint of a canonical key (BLAKE2b, stable across processes and versions).
 

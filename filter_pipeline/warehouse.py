@@ -139,7 +139,8 @@ class ParquetWarehouseIOManager(dg.UPathIOManager):
         write_parquet(to_arrow(obj, asset), path, dictionary_columns(asset))
 
     def load_from_path(self, context: dg.InputContext, path: UPath) -> pd.DataFrame:
-        return read_parquet(path)
+        """The partition's frame; only the columns an input names in its `columns` metadata, if it does."""
+        return read_parquet(path, columns=(context.definition_metadata or {}).get("columns"))
 
     def get_metadata(self, context: dg.OutputContext, obj: pd.DataFrame) -> dict:
         return {"dagster/row_count": len(obj)}

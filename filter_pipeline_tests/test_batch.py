@@ -176,6 +176,19 @@ def test_fast_task_path_gives_the_same_frame_as_the_careful_path(tmp_path):
     assert fast["dedup_key"].tolist() == [json.dumps(k, ensure_ascii=False, separators=(",", ":")) for k in TRICKY_KEYS]
 
 
+def test_fast_task_path_takes_compact_keys_as_written_only_where_that_is_their_canonical_text(tmp_path):
+    from filter_pipeline_tests.test_schemas import RAW_KEYS
+
+    line = '{{"task_id":"t{i}","macro":"m","site":"s","instruction":"i","dedup_key":{key},"start":{{"kind":"url"}}}}'
+    run = write_batch(tmp_path / "fast", "r", [], [])
+    (run / "tasks.jsonl").write_text("\n".join(line.format(i=i, key=key) for i, key in enumerate(RAW_KEYS)) + "\n")
+    assert batch_module._fast_tasks((run / "tasks.jsonl").read_bytes()) is not None
+    fast = read_batch(UPath(run), "r").tasks
+    careful = parse(tmp_path / "careful", [*(json.loads(line.format(i=i, key=k)) for i, k in enumerate(RAW_KEYS)), "not json"], []).tasks
+    assert fast.equals(careful)
+    assert fast["dedup_key"].tolist() == [json.dumps(json.loads(k), ensure_ascii=False, separators=(",", ":")) for k in RAW_KEYS]
+
+
 @pytest.mark.parametrize(
     "extra",
     [

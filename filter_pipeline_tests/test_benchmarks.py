@@ -23,6 +23,8 @@ def test_filter_scale_agrees_with_the_baseline_at_a_small_size(tmp_path):
     )  # fmt: skip
     assert "same kept rows as the baseline: True" in out
     assert "split: execution_batch" in out and "ledger" in out
+    phases = next(line for line in out.splitlines() if line.strip().startswith("phases:"))
+    assert [part.split()[0] for part in phases.split(":", 1)[1].split(",")] == ["parse", "index", "walk", "write"]
 
 
 def test_judge_throughput_runs_at_a_small_size():

@@ -26,7 +26,7 @@ def read_all(data_root, asset) -> pd.DataFrame:
     return pd.read_parquet(data_root / "warehouse" / asset)
 
 
-def test_materializes_every_complete_batch_in_run_id_order_and_prints_a_summary(cli, data_root):
+def test_materializes_every_complete_batch_in_run_id_order_and_prints_a_summary(cli, data_root, dagster_home):
     write_batch(data_root, "b2", [task("x", key=["k"])], [attempt("x")])
     write_batch(data_root, "b1", [task("y", key=["k"])], [attempt("y"), attempt("y", 2, ok=False, error="policy violation: z")])
     write_batch(data_root, "b3", [task("z")], [attempt("z")], complete=False)
@@ -44,6 +44,11 @@ def test_materializes_every_complete_batch_in_run_id_order_and_prints_a_summary(
     assert surplus[["task_id", "dup_of_run_id", "dup_of_task_id"]].values.tolist() == [["x", "b1", "y"]]
     assert not (data_root / "warehouse" / "kept" / "b3.parquet").exists()
     assert "parsed runs/b1" in done.stderr  # progress goes to the run log on stderr
+    with dg.DagsterInstance.from_config(str(dagster_home)) as instance:
+        [run] = instance.get_run_records(dg.RunsFilter(tags={"dagster/partition": "b1"}))
+        stored = [e.user_message for e in instance.all_logs(run.dagster_run.run_id) if not e.is_dagster_event]
+    assert any(m.startswith("parsed runs/b1") for m in stored)  # INFO lines are stored ...
+    assert not any("Loading partition" in m or "Writing file at" in m for m in stored)  # ... DEBUG ones are not
 
     again = cli()
     assert again.returncode == 0 and "nothing to materialize" in again.stdout

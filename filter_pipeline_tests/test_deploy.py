@@ -104,6 +104,13 @@ def test_the_pool_limits_match_the_local_instance_everywhere():
     assert local["pools"]["default_limit"] == 1 and LEDGER_POOL == "ledger"
 
 
+def test_the_stored_log_level_matches_the_local_instance_everywhere():
+    local = yaml.safe_load((REPO / "instance" / "dagster.yaml").read_text())["python_logs"]
+    postgres = yaml.safe_load((DEPLOY / "dagster-postgres.yaml").read_text())["python_logs"]
+    assert local == postgres == {"python_log_level": "INFO"}
+    assert helm_values()["pythonLogs"] == {"pythonLogLevel": local["python_log_level"]}
+
+
 def test_the_postgres_instance_file_reads_every_connection_setting_from_the_environment():
     db = yaml.safe_load((DEPLOY / "dagster-postgres.yaml").read_text())["storage"]["postgres"]["postgres_db"]
     envs = {k: v["env"] for k, v in db.items() if isinstance(v, dict)}

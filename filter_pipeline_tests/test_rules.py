@@ -1,5 +1,6 @@
 """CONTRACT §3, one rule per test, on plain frames (no Dagster)."""
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -219,6 +220,54 @@ def test_dropped_verdicts_do_not_count_towards_caps():
     v = verdicts({"task_id": "a", "key": ["k"]}, {"task_id": "b", "key": ["k"]}, {"task_id": "c"})
     result = walk(v, caps=Caps(per_site_cap=2))
     assert result.kept["task_id"].tolist() == ["a", "c"]
+
+
+def one_by_one(v, index, prior, caps, run_id="now") -> tuple[list, list]:
+    """CONTRACT §3.5 read literally: every passing verdict in order, one at a time."""
+    kept_by = {}
+    for key, run, tid in zip(index["dedup_key"], index["run_id"], index["task_id"]):
+        kept_by.setdefault(key, (run, tid))
+    count = {(m, s): n for m, s, n in zip(prior["macro"], prior["site"], prior["n_kept"])}
+    total = {}
+    for (m, _), n in count.items():
+        total[m] = total.get(m, 0) + n
+    kept, surplus = [], []
+    for row in v[(v["status"] == "judged") & (v["passed"] == True)].to_dict("records"):  # noqa: E712
+        key, pair, macro, target = row["dedup_key"], (row["macro"], row["site"]), row["macro"], caps.target(row["macro"])
+        if key in kept_by:
+            surplus.append([row["task_id"], "duplicate", *kept_by[key]])
+        elif count.get(pair, 0) >= caps.site_cap(macro):
+            surplus.append([row["task_id"], "site_cap", None, None])
+        elif target is not None and total.get(macro, 0) >= target:
+            surplus.append([row["task_id"], "target", None, None])
+        else:
+            kept_by[key] = (run_id, row["task_id"])
+            count[pair], total[macro] = count.get(pair, 0) + 1, total.get(macro, 0) + 1
+            kept.append(row["task_id"])
+    return kept, surplus
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_walk_equals_the_one_by_one_walk_on_random_batches(seed):
+    rng = np.random.default_rng(seed)
+    n, macros, sites = int(rng.integers(0, 120)), ["m0", "m1", "m2"], ["s0", "s1", "s2", "s3"]
+    pick = lambda options: options[int(rng.integers(len(options)))]  # noqa: E731
+    v = verdicts(*(
+        {"task_id": f"t{i}", "macro": pick(macros), "site": pick(sites), "key": [pick(sites), "#el", int(rng.integers(12))],
+         "passed": bool(rng.random() < 0.8), "status": "judged" if rng.random() < 0.95 else "error"}
+        for i in range(n)
+    ))  # fmt: skip
+    index = kept_history(*(([pick(sites), "#el", int(rng.integers(12))], pick(macros), pick(sites), f"old{j % 3}", f"o{j}")
+                           for j in range(int(rng.integers(0, 6)))))  # fmt: skip
+    prior = counts(*((m, s, int(rng.integers(0, 4))) for m in macros for s in sites if rng.random() < 0.5))
+    limits = {m: MacroLimits(site_cap=pick([None, 0, 2, 5]), target=pick([None, 0, 6, 15, 40])) for m in macros[:2]}
+    caps = Caps(per_site_cap=int(rng.integers(1, 8)), macros=limits)
+
+    result = walk_ledger(v, index, prior, caps, run_id="now")
+
+    kept, surplus = one_by_one(v, index, prior, caps)
+    assert result.kept["task_id"].tolist() == kept
+    assert rows(result.surplus, "task_id", "dropped", "dup_of_run_id", "dup_of_task_id") == surplus
 
 
 def test_execute_failures_carry_their_tasks_columns_and_nulls_for_an_unknown_task():

@@ -139,3 +139,25 @@ def test_low_cardinality_columns_are_dictionary_encoded_and_unique_ones_are_not(
     # the history scan counts (macro, site) by dictionary code
     assert all("RLE_DICTIONARY" in encodings[c] for c in ("macro", "site", "run_id"))
     assert not any("RLE_DICTIONARY" in encodings[c] for c in ("task_id", "dedup_key", "dir"))
+
+
+def test_an_input_naming_columns_loads_only_those(tmp_path):
+    path = UPath(tmp_path) / "failure_pool" / "r1.parquet"
+    write_parquet(to_arrow(empty_frame("failure_pool"), "failure_pool"), path)
+    manager = warehouse.ParquetWarehouseIOManager(base_path=UPath(tmp_path))
+    narrow = dg.build_input_context(definition_metadata={"columns": ["site", "reason"]})
+    assert manager.load_from_path(narrow, path).columns.tolist() == ["site", "reason"]
+    assert manager.load_from_path(dg.build_input_context(), path).columns.tolist() == SCHEMAS["failure_pool"].names
+
+
+def test_every_column_an_asset_input_names_exists_in_its_upstream_schema(tmp_path):
+    graph = build_defs(str(tmp_path), JudgeResource(), caps={}).resolve_asset_graph()
+    named = 0
+    for key in graph.get_all_asset_keys():
+        for spec in graph.get(key).assets_def.node_def.input_defs:
+            columns = (spec.metadata or {}).get("columns")
+            if columns:
+                named += 1
+                upstream = graph.get(key).assets_def.keys_by_input_name[spec.name].path[-1]
+                assert set(columns) <= set(SCHEMAS[upstream].names), (key, spec.name)
+    assert named >= 7  # the report's five inputs and the DPO pairs' two
