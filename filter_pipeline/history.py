@@ -144,6 +144,7 @@ class _KeyProbe:
         self.hashes = pd.Index(pd.unique(unique["key_hash"].to_numpy(dtype=np.int64)))
         self.hashes.get_indexer(np.zeros(1, dtype=np.int64))  # build its hash table now, not racing in threads
         self.texts = pa.array(unique["dedup_key"].astype(object), type=pa.string())
+        self.wanted = len(unique) > 0  # no keys to look for: history is read for its counts alone
 
     def maybe(self, hashes: np.ndarray) -> np.ndarray:
         return self.hashes.get_indexer(hashes) >= 0
@@ -224,9 +225,11 @@ def _read_warehouse(path: UPath, probe: _KeyProbe, retired_ids: frozenset[str] |
     with path.open("rb") as f:
         parquet = pq.ParquetFile(f, read_dictionary=["macro", "site"])  # counted by code, not by text
         has_hash = "key_hash" in parquet.schema_arrow.names
-        wanted = ["macro", "site"] + (["key_hash"] if has_hash else ["dedup_key"])
-        wanted += ["task_id"] if retired_ids else []
+        keys = (["key_hash"] if has_hash else ["dedup_key"]) if probe.wanted else []  # (coverage wants no keys)
+        wanted = ["macro", "site", *keys] + (["task_id"] if retired_ids else [])
         table = _drop_retired(parquet.read(columns=wanted), retired_ids)  # macro/site stay dictionary codes
+        if not probe.wanted:
+            return table, pa.Table.from_pylist([], schema=_STRINGS)
         hashes = table["key_hash"].to_numpy() if has_hash else _with_hashes(table.select(["dedup_key"]))["key_hash"].to_numpy()
         maybe = probe.maybe(hashes)
         if not maybe.any():
