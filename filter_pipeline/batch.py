@@ -18,7 +18,7 @@ import pyarrow.compute as pc
 import pyarrow.json as pa_json
 from upath import UPath
 
-from filter_pipeline.schemas import canonical_key, canonical_texts, conform, empty_frame, isin, key_hash, key_hashes
+from filter_pipeline.schemas import canonical_key, canonical_texts, conform, empty_frame, isin, key_hash, key_hashes, positions
 
 # fsspec protocols of a local data root; anything else is object storage (no symlinks, no rename)
 LOCAL_PROTOCOLS = ("", "file", "local")
@@ -472,12 +472,15 @@ def read_batch(run_dir: UPath, run_id: str) -> Batch:
         attempt_rows, attempt_rejects = _parse_lines(executions_data, EXECUTIONS_FILE, _attempt_row)
         rejects += attempt_rejects
         attempts = _frame(attempt_rows, ATTEMPT_FIELDS, "batch_attempts")
-    orphan = ~isin(attempts["task_id"], tasks["task_id"])
+    task_at = positions(attempts["task_id"], tasks["task_id"])
+    orphan = task_at < 0
     rejects += _rejects_for(
         attempts[orphan], executions_data, EXECUTIONS_FILE, "task_id", "attempt of task_id {} which is not in tasks.jsonl"
     )
-    attempts = attempts[~orphan]
-    twice = attempts.duplicated(["task_id", "attempt"], keep="first")
+    attempts, task_at = attempts[~orphan], task_at[~orphan]
+    # (task, attempt) as two integers: far cheaper to compare than the task_id text
+    numbers = pd.DataFrame({"task": task_at, "attempt": attempts["attempt"].to_numpy(dtype=np.int64)})
+    twice = numbers.duplicated(keep="first").to_numpy()
     rejects += _rejects_for(
         attempts[twice], executions_data, EXECUTIONS_FILE, "attempt", "attempt of task_id {} appears earlier with the same number"
     )

@@ -3,9 +3,10 @@
 
 from dataclasses import dataclass
 
+import numpy as np
 import pandas as pd
 
-from filter_pipeline.schemas import STAGE_JUDGE, conform, isin
+from filter_pipeline.schemas import STAGE_JUDGE, conform, isin, positions
 
 EXCLUDED_BACKEND_OK = "backend_ok"  # reached the goal state although the script failed
 EXCLUDED_JUDGE_GATE_PASSED = "judge_fail_gate_passed"  # the judge failed it but the backend gate passed it
@@ -30,21 +31,25 @@ def dpo_pairs(kept: pd.DataFrame, failure_pool: pd.DataFrame, include_judge_fail
     judge failure (its attempt was ok, so the gate passed it) unless `include_judge_failures`. Unjudged
     tasks are never in the pool, so never a negative.
     """
-    candidates = failure_pool[isin(failure_pool["task_id"], kept["task_id"])]
+    kept_at = positions(failure_pool["task_id"], kept["task_id"])
+    candidates = failure_pool[kept_at >= 0]
     backend_ok = (candidates["backend_ok"] == True).fillna(False).to_numpy(dtype=bool)  # noqa: E712
     judge_row = (candidates["stage"] == STAGE_JUDGE).to_numpy(dtype=bool)
     gate_passed_judge = judge_row & (not include_judge_failures)
-    clean = candidates[~backend_ok & ~gate_passed_judge]
-    chosen = kept[_CHOSEN].rename(
+    is_clean = ~backend_ok & ~gate_passed_judge
+    clean, clean_at = candidates[is_clean], kept_at[kept_at >= 0][is_clean]
+    # pairs in kept (task) order, then pool order: each clean row beside the kept row of its task
+    order = np.argsort(clean_at, kind="stable")
+    chosen = kept[_CHOSEN].iloc[clean_at[order]].reset_index(drop=True).rename(
         columns={"dir": "chosen_dir", "attempt": "chosen_attempt", "n_actions": "chosen_n_actions"}
     )
-    rejected = clean[_REJECTED].rename(
+    rejected = clean[_REJECTED].iloc[order].reset_index(drop=True).rename(
         columns={
             "dir": "rejected_dir", "attempt": "rejected_attempt", "n_actions": "rejected_n_actions",
             "stage": "rejected_stage", "reason": "rejected_reason", "detail": "rejected_detail",
         }
     )  # fmt: skip
-    pairs = chosen.merge(rejected, on="task_id", how="inner")
+    pairs = pd.concat([chosen, rejected.drop(columns=["task_id"])], axis=1)
     return Pairs(
         pairs=conform(pairs, "dpo_pairs"),
         kept_without_negative=int((~isin(kept["task_id"], pairs["task_id"])).sum()),

@@ -67,13 +67,15 @@ def attempts_to_judge(tasks: pd.DataFrame, attempts: pd.DataFrame) -> pd.DataFra
     Columns: the task's (task_id, macro, site, dedup_key, start_kind, instruction) and the attempt's
     (attempt, dir, n_actions, backend_ok, backend_detail, attempt_line: its line in executions.jsonl).
     """
-    ok = attempts[attempts["ok"] == True]  # noqa: E712 - nullable bool column
-    latest = ok.sort_values("attempt", kind="stable").drop_duplicates("task_id", keep="last")
-    latest = latest.rename(columns={"line": "attempt_line"})
-    at = positions(tasks["task_id"], latest["task_id"])
-    judged = at >= 0
-    picked_tasks = tasks.drop(columns=["line"], errors="ignore")[judged].reset_index(drop=True)
-    picked_attempts = latest[["attempt", "dir", "n_actions", "backend_ok", "backend_detail", "attempt_line"]].iloc[at[judged]]
+    ok = attempts[attempts["ok"] == True].rename(columns={"line": "attempt_line"})  # noqa: E712 - nullable bool
+    task_at = positions(ok["task_id"], tasks["task_id"])
+    # by (task position, attempt number), stable: the last row of each task is its highest ok attempt (the
+    # later line if a number repeats), and tasks come out in tasks.jsonl order
+    order = np.lexsort((ok["attempt"].to_numpy(dtype=np.int64), task_at))
+    order = order[task_at[order] >= 0]  # an attempt of an unknown task is judged for nobody
+    last = order[np.append(task_at[order][1:] != task_at[order][:-1], True)] if len(order) else order
+    picked_tasks = tasks.drop(columns=["line"], errors="ignore").iloc[task_at[last]].reset_index(drop=True)
+    picked_attempts = ok[["attempt", "dir", "n_actions", "backend_ok", "backend_detail", "attempt_line"]].iloc[last]
     return pd.concat([picked_tasks, picked_attempts.reset_index(drop=True)], axis=1)
 
 

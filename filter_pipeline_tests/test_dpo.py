@@ -48,3 +48,14 @@ def test_judge_failures_are_paired_only_when_asked(tmp_path):
     assert dpo_pairs(kept, pool).excluded["judge_fail_gate_passed"] == 1
     paired = dpo_pairs(kept, pool, include_judge_failures=True).pairs
     assert rows(paired, "task_id", "rejected_stage", "rejected_detail") == [["a", "judge", "wrong"]]
+
+
+def test_pairs_follow_kept_order_then_pool_order(tmp_path):
+    kept, pool = pool_and_kept(
+        tmp_path,
+        [attempt("b", 1, ok=False, error="e1"), attempt("a", 1, ok=False, error="e2"),
+         attempt("b", 2, ok=False, error="e3"), attempt("a", 2, ok=False, error="e4")],
+    )  # fmt: skip
+    result = dpo_pairs(kept, pool)
+    assert rows(result.pairs, "task_id", "rejected_attempt", "chosen_n_actions") == [["a", 1, 3], ["a", 2, 3], ["b", 1, 2], ["b", 2, 2]]
+    assert result.kept_without_negative == 0
