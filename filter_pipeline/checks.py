@@ -104,7 +104,8 @@ def verdicts_conserved(verdicts: pd.DataFrame, kept: pd.DataFrame, surplus: pd.D
 def no_key_kept_twice(kept: pd.DataFrame, kept_elsewhere: pd.DataFrame) -> CheckOutcome:
     """No key of this run's kept rows is kept twice: not within the run, not by any other non-retired run.
 
-    `kept_elsewhere`: other runs' non-retired kept rows whose key is among this run's (read afresh).
+    `kept_elsewhere`: other runs' non-retired kept rows whose key is among this run's (the ledger step's prior
+    index: it holds every earlier keeper of any key the batch carries).
     """
     within = int(kept["dedup_key"].duplicated().sum())
     across = int(isin(kept["dedup_key"], kept_elsewhere["dedup_key"]).sum())
