@@ -125,3 +125,16 @@ def rows(frame: pd.DataFrame, *cols: str) -> list[list]:
     """The frame's values as lists, with every missing value as None (pandas 3 reads null strings as NaN)."""
     part = frame[list(cols)].astype(object)
     return part.where(part.notna(), None).values.tolist()
+
+
+# Key texts as a generator may write them: ones taken as written (already canonical), and ones parsed and
+# encoded again (not canonical, or, like \u0001, canonical but outside the conservative match).
+CANONICAL_KEY_TEXTS = [
+    '["s","#a",1]', '["s","#a",0]', '["s","#a",-12]', "[]", '["sité","#a",true,false,null]',
+    '["s","#a","\\n\\t\\"\\\\ \\b\\f\\r"]', '["s","#a",12345678901234567890]',
+]  # fmt: skip
+OTHER_KEY_TEXTS = [
+    '["s","#a",-0]', '["s","#a",1E5]', '["s","#a",1.50]', '["s","#a","\\/x"]', '["s","#a","\\u00e9"]',
+    '["s","#a","\\u0001"]', '["s","#a","\\u001F"]', '[ "s" ,"#a",1]', '["s","#a",1.0]',
+]  # fmt: skip
+RAW_KEYS = CANONICAL_KEY_TEXTS + OTHER_KEY_TEXTS

@@ -8,7 +8,7 @@ from upath import UPath
 
 from filter_pipeline import batch as batch_module
 from filter_pipeline.batch import BatchError, check_run_id, read_batch
-from filter_pipeline_tests.builders import attempt, jsonl, parse, task, write_batch
+from filter_pipeline_tests.builders import RAW_KEYS, attempt, jsonl, parse, task, write_batch
 
 
 def test_tasks_and_attempts_parse_with_canonical_keys(tmp_path):
@@ -177,8 +177,6 @@ def test_fast_task_path_gives_the_same_frame_as_the_careful_path(tmp_path):
 
 
 def test_fast_task_path_takes_compact_keys_as_written_only_where_that_is_their_canonical_text(tmp_path):
-    from filter_pipeline_tests.test_schemas import RAW_KEYS
-
     line = '{{"task_id":"t{i}","macro":"m","site":"s","instruction":"i","dedup_key":{key},"start":{{"kind":"url"}}}}'
     run = write_batch(tmp_path / "fast", "r", [], [])
     (run / "tasks.jsonl").write_text("\n".join(line.format(i=i, key=key) for i, key in enumerate(RAW_KEYS)) + "\n")
