@@ -6,10 +6,12 @@ Both take the data root from the same `DataRoot` resource, so the ledger step, w
 
 import os
 import uuid
+from collections import OrderedDict
 
 import dagster as dg
 import fsspec.utils
 import pandas as pd
+import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 from pydantic import Field
@@ -127,20 +129,67 @@ def read_folder(folder: UPath, columns: list[str], filters=None) -> pd.DataFrame
     return pd.read_parquet(folder.path, filesystem=folder.fs, columns=columns, filters=filters)
 
 
+RECENT_BYTES = 256 << 20  # Arrow bytes of recently written outputs an IO manager keeps for the steps after
+
+
 class ParquetWarehouseIOManager(dg.UPathIOManager):
-    """Stores each asset partition as `<base>/<asset>/<run_id>.parquet` with the asset's fixed schema."""
+    """Stores each asset partition as `<base>/<asset>/<run_id>.parquet` with the asset's fixed schema.
+
+    In one process (the in-process executor runs a whole run in one), the tables it last wrote to local disk,
+    up to RECENT_BYTES, are handed to the steps that load them next instead of being read back, as long as
+    the file on disk is still the one written (same size and modification time).
+    """
 
     extension = ".parquet"
+
+    def __init__(self, base_path: UPath, recent_bytes: int = RECENT_BYTES):
+        super().__init__(base_path=base_path)
+        self.recent_bytes = recent_bytes
+        self._recent: OrderedDict[str, tuple[tuple[int, int], pa.Table]] = OrderedDict()
 
     def dump_to_path(self, context: dg.OutputContext, obj: pd.DataFrame, path: UPath) -> None:
         asset = context.asset_key.path[-1]
         if asset not in SCHEMAS:
             raise KeyError(f"asset {asset!r} has no Arrow schema in filter_pipeline.schemas.SCHEMAS")
-        write_parquet(to_arrow(obj, asset), path, dictionary_columns(asset))
+        table = to_arrow(obj, asset)
+        write_parquet(table, path, dictionary_columns(asset))
+        self._remember(path, table)
 
     def load_from_path(self, context: dg.InputContext, path: UPath) -> pd.DataFrame:
         """The partition's frame; only the columns an input names in its `columns` metadata, if it does."""
-        return read_parquet(path, columns=(context.definition_metadata or {}).get("columns"))
+        columns = (context.definition_metadata or {}).get("columns")
+        table = self._recall(path)
+        if table is None:
+            return read_parquet(path, columns=columns)
+        return to_pandas(table.select(columns) if columns else table)
+
+    @staticmethod
+    def _signature(path: UPath) -> tuple[int, int] | None:
+        if not isinstance(path.fs, LocalFileSystem):
+            return None  # object stores: always read (another process may have written it)
+        stat = os.stat(path.path)
+        return stat.st_size, stat.st_mtime_ns
+
+    def _remember(self, path: UPath, table: pa.Table) -> None:
+        signature = self._signature(path)
+        self._recent.pop(str(path), None)
+        if signature is None or table.nbytes > self.recent_bytes:
+            return
+        self._recent[str(path)] = (signature, table)
+        while sum(t.nbytes for _, t in self._recent.values()) > self.recent_bytes:
+            self._recent.popitem(last=False)  # the oldest write goes first
+
+    def _recall(self, path: UPath) -> pa.Table | None:
+        entry = self._recent.get(str(path))
+        if entry is None:
+            return None
+        try:
+            if self._signature(path) == entry[0]:
+                return entry[1]
+        except OSError:
+            pass
+        del self._recent[str(path)]
+        return None
 
     def get_metadata(self, context: dg.OutputContext, obj: pd.DataFrame) -> dict:
         return {"dagster/row_count": len(obj)}

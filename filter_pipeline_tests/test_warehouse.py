@@ -161,3 +161,57 @@ def test_every_column_an_asset_input_names_exists_in_its_upstream_schema(tmp_pat
                 upstream = graph.get(key).assets_def.keys_by_input_name[spec.name].path[-1]
                 assert set(columns) <= set(SCHEMAS[upstream].names), (key, spec.name)
     assert named >= 7  # the report's five inputs and the DPO pairs' two
+
+
+def verdict_frame() -> pd.DataFrame:
+    """judge_verdicts rows with every kind of column: text, nullable bool and int, float with a null."""
+    from filter_pipeline_tests.builders import verdicts
+
+    return verdicts({"task_id": "a"}, {"task_id": "b", "passed": None, "status": "error"}).assign(latency_ms=[1.5, None])
+
+
+def test_a_step_loads_what_the_run_just_wrote_exactly_as_the_file_reads(tmp_path, monkeypatch):
+    manager = warehouse.ParquetWarehouseIOManager(base_path=UPath(tmp_path))
+    path = UPath(tmp_path) / "judge_verdicts" / "r1.parquet"
+    manager.dump_to_path(dg.build_output_context(asset_key="judge_verdicts"), verdict_frame(), path)
+    from_file = read_parquet(path)
+    monkeypatch.setattr(warehouse, "read_parquet", lambda *a, **k: pytest.fail("read the file back"))
+    loaded = manager.load_from_path(dg.build_input_context(), path)
+    pd.testing.assert_frame_equal(loaded, from_file)
+    narrow = manager.load_from_path(dg.build_input_context(definition_metadata={"columns": ["task_id", "passed"]}), path)
+    pd.testing.assert_frame_equal(narrow, from_file[["task_id", "passed"]])
+
+
+def test_a_file_replaced_since_the_write_is_read_from_disk(tmp_path):
+    manager = warehouse.ParquetWarehouseIOManager(base_path=UPath(tmp_path))
+    path = UPath(tmp_path) / "judge_verdicts" / "r1.parquet"
+    manager.dump_to_path(dg.build_output_context(asset_key="judge_verdicts"), verdict_frame(), path)
+    other = warehouse.ParquetWarehouseIOManager(base_path=UPath(tmp_path))  # another process rewrites it
+    other.dump_to_path(dg.build_output_context(asset_key="judge_verdicts"), verdict_frame().iloc[:1], path)
+    assert manager.load_from_path(dg.build_input_context(), path)["task_id"].tolist() == ["a"]
+
+
+def test_recent_tables_stay_within_their_byte_budget_oldest_out_first(tmp_path, monkeypatch):
+    frame = verdict_frame()
+    size = to_arrow(frame, "judge_verdicts").nbytes
+    manager = warehouse.ParquetWarehouseIOManager(base_path=UPath(tmp_path), recent_bytes=2 * size)
+    paths = [UPath(tmp_path) / "judge_verdicts" / f"r{i}.parquet" for i in range(3)]
+    for path in paths:
+        manager.dump_to_path(dg.build_output_context(asset_key="judge_verdicts"), frame, path)
+    reads = []
+    monkeypatch.setattr(warehouse, "read_parquet", lambda path, columns=None: reads.append(path.name) or frame)
+    for path in paths:
+        manager.load_from_path(dg.build_input_context(), path)
+    assert reads == ["r0.parquet"]  # the two newest were kept, the oldest was read back
+
+
+def test_outputs_on_object_storage_are_always_read_back(monkeypatch):
+    root = UPath("memory://recent-test/warehouse")
+    manager = warehouse.ParquetWarehouseIOManager(base_path=root)
+    path = root / "judge_verdicts" / "r1.parquet"
+    manager.dump_to_path(dg.build_output_context(asset_key="judge_verdicts"), verdict_frame(), path)
+    reads = []
+    real = warehouse.read_parquet
+    monkeypatch.setattr(warehouse, "read_parquet", lambda p, columns=None: reads.append(p.name) or real(p, columns))
+    assert manager.load_from_path(dg.build_input_context(), path)["task_id"].tolist() == ["a", "b"]
+    assert reads == ["r1.parquet"]
