@@ -154,8 +154,9 @@ def walk_ledger(
     keys = passing["dedup_key"]
     first_kept = prior_index.drop_duplicates("dedup_key", keep="first")  # provenance: the earliest keeper
     kept_before = positions(keys, first_kept["dedup_key"]) >= 0
-    repeated = keys.duplicated(keep=False).to_numpy()
-    later_use = keys.duplicated(keep="first").to_numpy()
+    key_code, unique_keys = pd.factorize(keys)  # the texts are hashed once; the rest works on their codes
+    repeated = np.bincount(key_code, minlength=len(unique_keys))[key_code] > 1
+    later_use = pd.Series(key_code).duplicated(keep="first").to_numpy()
 
     macro_code, macros = pd.factorize(passing["macro"])
     site_code, sites = pd.factorize(passing["site"])
@@ -163,7 +164,7 @@ def walk_ledger(
     prior_pair, prior_macro = _prior_totals(prior_counts, macros, sites, pairs)
     site_cap = np.array([caps.site_cap(m) for m in macros], dtype=np.int64)
     no_target = np.iinfo(np.int64).max
-    target = np.array([no_target if caps.target(m) is None else caps.target(m) for m in macros], dtype=np.int64)
+    target = np.array([no_target if (limit := caps.target(m)) is None else limit for m in macros], dtype=np.int64)
     # a limit nobody can reach: history plus every passing verdict under it still fits
     pair_macro = pairs // max(len(sites), 1)
     pair_safe = prior_pair + np.bincount(pair_code, minlength=len(pairs)) <= site_cap[pair_macro]
