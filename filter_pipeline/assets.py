@@ -335,13 +335,13 @@ def filter_report(
 ) -> dg.Output[pd.DataFrame]:
     run_id = context.partition_key
     figures = report.figures(batch_attempts, judge_verdicts, failure_pool, kept, surplus)
-    pngs = report.charts(figures)
+    images = report.charts(figures)
     page = data.warehouse / "filter_report_html" / f"{run_id}.html"
-    write_atomically(page, lambda f: f.write(report.html(figures, pngs, run_id).encode()))
+    write_atomically(page, lambda f: f.write(report.html(figures, images, run_id).encode()))
     return dg.Output(
         report.long_form(figures).assign(run_id=run_id),
         metadata={
-            "report": dg.MetadataValue.md(report.markdown(figures, pngs, run_id)),
+            "report": dg.MetadataValue.md(report.markdown(figures, images, run_id)),
             "html": dg.MetadataValue.path(str(page)),
             **{f"funnel/{s}": int(c) for s, c in zip(figures.funnel["step"], figures.funnel["count"])},
         },

@@ -4,7 +4,7 @@ What is full and what is short decides the next batch to generate. Pure pandas."
 import numpy as np
 import pandas as pd
 
-from filter_pipeline.report import chart, png
+from filter_pipeline.report import add_series, bar_chart, svg
 from filter_pipeline.rules import Caps
 from filter_pipeline.schemas import conform
 
@@ -45,17 +45,10 @@ def coverage_markdown(table: pd.DataFrame, limit: int = 30) -> str:
 
 
 def coverage_chart(table: pd.DataFrame, top: int = 25) -> bytes:
-    """PNG: kept rows per macro, with its target marked where one is set."""
+    """SVG: kept rows per macro (the `top` with most), beside its target where one is set."""
     macros = table[table["level"] == "macro"].sort_values("kept", ascending=False).head(top)
-    fig, ax = chart(7, 0.35 * max(len(macros), 3) + 1)
-    names = macros["macro"].astype(str).tolist()
-    ax.barh(names, macros["kept"].astype(int), color="#4c78a8", label="kept")
-    limits = macros["limit"].astype("Float64")
-    has_target = limits.notna().to_numpy(dtype=bool)
-    if has_target.any():
-        ys = [i for i, t in enumerate(has_target) if t]
-        ax.scatter(limits[has_target].astype(float), ys, marker="|", s=300, color="#e45756", label="target")
-    ax.invert_yaxis()
-    ax.set_title("kept rows per macro, all runs")
-    ax.legend(fontsize=7, loc="lower right")
-    return png(fig)
+    graph = bar_chart("kept rows per macro, all runs", macros["macro"].astype(str).tolist())
+    add_series(graph, "kept", macros["kept"])
+    if macros["limit"].notna().any():
+        add_series(graph, "target", macros["limit"])
+    return svg(graph)

@@ -138,3 +138,24 @@ OTHER_KEY_TEXTS = [
     '["s","#a","\\u0001"]', '["s","#a","\\u001F"]', '[ "s" ,"#a",1]', '["s","#a",1.0]',
 ]  # fmt: skip
 RAW_KEYS = CANONICAL_KEY_TEXTS + OTHER_KEY_TEXTS
+
+
+def chart_bars(svg: bytes) -> dict[str, dict[str, int]]:
+    """What a bar chart shows: series name -> {label: value}, labels in top-down order (no bar: left out)."""
+    import xml.etree.ElementTree as ET
+
+    root = ET.fromstring(svg)
+    classes = lambda el: (el.get("class") or "").split()  # noqa: E731
+    names = [next(t.text for t in g.iter() if t.text) for g in root.iter() if "legend" in classes(g)]
+    shown: dict[str, dict[str, int]] = {}
+    for group in (g for g in root.iter() if "series" in classes(g)):
+        index = int(next(c for c in classes(group) if c.startswith("serie-")).removeprefix("serie-"))
+        bars = []
+        for bar in (g for g in group.iter() if "bar" in classes(g)):
+            desc = {" ".join(classes(d)): d.text for d in bar if d.tag.endswith("desc")}
+            rect = next(r for r in bar if r.tag.endswith("rect"))
+            if rect.get("width") is not None:  # a missing value draws a rect without width
+                bars.append((float(desc["y centered"]), desc["x_label"], int(desc["value"])))
+        if bars:  # (a series' group is repeated for its text overlay, without bars)
+            shown[names[index] if index < len(names) else f"serie-{index}"] = {label: v for _, label, v in sorted(bars)}
+    return shown

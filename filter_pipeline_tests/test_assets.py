@@ -121,7 +121,7 @@ def test_coverage_counts_every_non_retired_run(instance, data_root):
         ["site", "m", "s2", 1, 1, True],
     ]
     assert metadata(result, "coverage")["full_sites"] == 2
-    assert metadata(result, "coverage")["coverage"].count("](data:image/png;base64,") == 1
+    assert metadata(result, "coverage")["coverage"].count("](data:image/svg+xml;base64,") == 1
 
 
 def test_judge_calibration_reads_labels_across_runs(instance, data_root):

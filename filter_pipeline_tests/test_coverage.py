@@ -2,7 +2,7 @@
 
 from filter_pipeline.coverage import coverage_chart, coverage_table
 from filter_pipeline.rules import Caps, MacroLimits
-from filter_pipeline_tests.builders import counts, rows
+from filter_pipeline_tests.builders import chart_bars, counts, rows
 
 
 def test_sites_and_macros_against_their_limits():
@@ -27,6 +27,8 @@ def test_coverage_equals_the_sum_of_kept_rows():
     assert table.loc[table["level"] == "macro", "kept"].sum() == 10
 
 
-def test_coverage_chart_is_a_png():
-    table = coverage_table(counts(("m", "a", 2), ("n", "b", 1)), Caps(3, {"m": MacroLimits(target=5)}))
-    assert coverage_chart(table).startswith(b"\x89PNG\r\n\x1a\n")
+def test_coverage_chart_shows_kept_per_macro_most_first_beside_its_target():
+    table = coverage_table(counts(("m", "a", 2), ("n", "b", 1), ("n", "c", 4)), Caps(3, {"m": MacroLimits(target=5)}))
+    shown = coverage_chart(table)
+    assert list(chart_bars(shown)["kept"].items()) == [("n", 5), ("m", 2)]
+    assert chart_bars(shown)["target"] == {"m": 5}

@@ -115,7 +115,7 @@ def test_a_dropped_batch_is_filtered_with_no_clicks_and_lineage_is_visible(dagst
             metadataEntries { label ... on MarkdownMetadataEntry { mdStr } } } } } }"""
     )["assetOrError"]["assetMaterializations"][0]["metadataEntries"]
     [markdown] = [e["mdStr"] for e in report if e["label"] == "report"]
-    assert markdown.count("](data:image/png;base64,") == 2  # the funnel and reasons-per-site charts
+    assert markdown.count("](data:image/svg+xml;base64,") == 2  # the funnel and reasons-per-site charts
 
     coverage = dagster_dev.data / "warehouse" / "coverage.parquet"
     deadline = time.time() + 90
@@ -128,7 +128,7 @@ def test_a_dropped_batch_is_filtered_with_no_clicks_and_lineage_is_visible(dagst
         """{ assetOrError(assetKey: {path: ["coverage"]}) { ... on Asset { assetMaterializations(limit: 1) {
             metadataEntries { label ... on MarkdownMetadataEntry { mdStr } } } } } }"""
     )["assetOrError"]["assetMaterializations"][0]["metadataEntries"]
-    assert [e["mdStr"].count("](data:image/png;base64,") for e in entries if e["label"] == "coverage"] == [1]
+    assert [e["mdStr"].count("](data:image/svg+xml;base64,") for e in entries if e["label"] == "coverage"] == [1]
 
     repos = dagster_dev.graphql(
         "{ repositoriesOrError { ... on RepositoryConnection { nodes { sensors { name sensorState { status } } } } } }"

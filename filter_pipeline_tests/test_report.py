@@ -6,7 +6,7 @@ import pandas as pd
 from filter_pipeline import report
 from filter_pipeline.definitions import build_defs
 from filter_pipeline.judging import JudgeResource
-from filter_pipeline_tests.builders import attempt, task, write_batch
+from filter_pipeline_tests.builders import attempt, chart_bars, task, write_batch
 
 
 def sample_run(data_root) -> dg.ExecuteInProcessResult:
@@ -35,7 +35,7 @@ def test_report_figures_match_a_hand_count(data_root):
 
     [mat] = [m for m in result.get_asset_materialization_events() if m.asset_key.path[-1] == "filter_report"]
     meta = mat.materialization.metadata
-    assert meta["report"].value.count("data:image/png;base64,") == 2
+    assert meta["report"].value.count("](data:image/svg+xml;base64,") == 2
     page = (data_root / "warehouse" / "filter_report_html" / "r1.html").read_text()
     assert page.startswith("<!doctype html>") and page.count("<img") == 2 and "Filter report: r1" in page
 
@@ -47,19 +47,21 @@ def test_funnel_only_narrows(data_root):
     assert counts == sorted(counts, reverse=True)
 
 
-def test_charts_are_png_images():
+def test_charts_show_the_funnel_top_down_and_failure_reasons_of_the_busiest_sites():
     f = report.figures(
-        attempts=pd.DataFrame({"ok": pd.array([True, False], dtype="boolean")}),
-        verdicts=pd.DataFrame({"task_id": ["a"], "site": ["s"], "macro": ["m"], "status": ["judged"],
-                               "passed": pd.array([True], dtype="boolean"), "judge": ["gate"], "calls": [0],
-                               "cached": [False], "prompt_tokens": [0], "completion_tokens": [0]}),
-        pool=pd.DataFrame({"site": ["s"], "macro": ["m"], "reason": ["unknown"]}),
+        attempts=pd.DataFrame({"ok": pd.array([True, True, False, False], dtype="boolean")}),
+        verdicts=pd.DataFrame({"task_id": ["a", "b"], "site": ["s", "t"], "macro": ["m", "m"], "status": ["judged"] * 2,
+                               "passed": pd.array([True, True], dtype="boolean"), "judge": ["gate"] * 2, "calls": [0, 0],
+                               "cached": [False] * 2, "prompt_tokens": [0, 0], "completion_tokens": [0, 0]}),
+        pool=pd.DataFrame({"site": ["s", "t", "t"], "macro": ["m"] * 3, "reason": ["unknown", "unknown", "script_error"]}),
         kept=pd.DataFrame({"site": ["s"], "macro": ["m"]}),
-        surplus=pd.DataFrame({"dropped": pd.Series([], dtype=object)}),
+        surplus=pd.DataFrame({"dropped": pd.Series(["duplicate"], dtype=object)}),
     )  # fmt: skip
-    pngs = report.charts(f)
-    assert set(pngs) == {"funnel", "reasons_per_site"}
-    assert all(png.startswith(b"\x89PNG\r\n\x1a\n") for png in pngs.values())
+    images = report.charts(f, top_sites=1)
+    assert set(images) == {"funnel", "reasons_per_site"}
+    [funnel] = chart_bars(images["funnel"]).values()
+    assert list(funnel.items()) == [("attempts", 4), ("ok attempts", 2), ("judged tasks", 2), ("passed", 2), ("kept", 1)]
+    assert chart_bars(images["reasons_per_site"]) == {"script_error": {"t": 1}, "unknown": {"t": 1}}  # t: 2 failures
 
 
 def test_the_html_page_holds_every_table_cell_escaped_with_missing_values_blank():
