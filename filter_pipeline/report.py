@@ -6,7 +6,6 @@ Figures are plain pandas (`figures`); rendering (`charts`, `markdown`, `html`) o
 
 import base64
 import html as html_lib
-import io
 from dataclasses import dataclass
 
 import pandas as pd
