@@ -376,9 +376,19 @@ _TASK_ARROW = pa.schema(
         ("start", pa.struct([("kind", pa.string())])),
     ]
 )
+_STRING = r'"(?:[^"\\]|\\.)*"'
 # A dedup_key field at object level (after '{' or ','): an array holding only strings (which may contain
 # any character), numbers, true, false and null — no nested array or object can match.
-_KEY_FIELD = r'(?:^|[{,])\s*"dedup_key"\s*:\s*(?P<key>\[(?:[^\[\]{}"]|"(?:[^"\\]|\\.)*")*\])'
+_KEY_FIELD = rf'(?:^|[{{,])\s*"dedup_key"\s*:\s*(?P<key>\[(?:[^\[\]{{}}"]|{_STRING})*\])'
+# ... of the line's own object, not of one nested in it: from the opening brace to the field, only scalars,
+# whole strings and whole nested objects (up to three deep; deeper ones go to the exact check below). A
+# plain match, without captures, which RE2 runs as a fast DFA.
+_NESTED = rf'\{{(?:[^"{{}}]|{_STRING})*\}}'
+for _ in range(2):
+    _NESTED = rf'\{{(?:[^"{{}}]|{_STRING}|{_NESTED})*\}}'
+_TOP_LEVEL_KEY = rf'^\s*\{{(?:[^"{{]|{_STRING}|{_NESTED})*?"dedup_key"\s*:'
+# Everything before the first dedup_key field outside strings (for the exact check).
+_BEFORE_KEY = rf'^(?P<before>(?:[^"]|{_STRING})*?[{{,])\s*"dedup_key"\s*:'
 
 
 def _lines(data: bytes) -> pa.Array:
@@ -390,6 +400,21 @@ def _lines(data: bytes) -> pa.Array:
     offsets = np.concatenate([[0], ends]).astype(np.int32 if len(data) < 2**31 else np.int64)
     kind = pa.string() if offsets.dtype == np.int32 else pa.large_string()
     return pa.Array.from_buffers(kind, len(ends), [None, pa.py_buffer(offsets), pa.py_buffer(data)])
+
+
+def _keys_are_top_level(lines: pa.Array) -> bool:
+    """Whether each line's first dedup_key field (outside strings) belongs to the line's own object rather
+    than to an object nested in it. Exact where the fast match cannot tell: with the strings taken out of
+    what comes before the field, exactly one brace is open there and no bracket."""
+    unsure = pc.invert(pc.match_substring_regex(lines, _TOP_LEVEL_KEY))
+    if not pc.any(unsure).as_py():
+        return True
+    found = pc.extract_regex(lines.filter(unsure), _BEFORE_KEY)
+    if found.null_count:
+        return False
+    before = pc.replace_substring_regex(pc.struct_field(found, "before"), _STRING, "")
+    count = lambda text: pc.count_substring(before, text).to_numpy(zero_copy_only=False)  # noqa: E731
+    return bool(((count("{") - count("}") == 1) & (count("[") == count("]"))).all())
 
 
 def _fast_tasks(data: bytes) -> pd.DataFrame | None:
@@ -417,7 +442,7 @@ def _fast_tasks(data: bytes) -> pd.DataFrame | None:
         return None
     raw = pc.struct_field(pc.extract_regex(lines, _KEY_FIELD), "key")
     # every line names "dedup_key" at least once (the regex matched) and the file n_lines times: so each once
-    if raw.null_count or data.count(b'"dedup_key"') != n_lines:
+    if raw.null_count or data.count(b'"dedup_key"') != n_lines or not _keys_are_top_level(lines):
         return None
     try:
         texts = canonical_texts(raw)

@@ -187,6 +187,29 @@ def test_fast_task_path_takes_compact_keys_as_written_only_where_that_is_their_c
     assert fast["dedup_key"].tolist() == [json.dumps(json.loads(k), ensure_ascii=False, separators=(",", ":")) for k in RAW_KEYS]
 
 
+def test_fast_task_path_finds_the_key_after_nested_objects_and_brackets_in_strings(tmp_path):
+    def nested_first(t: dict) -> dict:  # fields in another order: objects and an array of them before the key
+        noise = {"text": "} ] { [ \\\" \"dedup_key\": [1] {"}
+        deep = {"a": {"b": {"c": {"d": [{"e": "{"}]}}}}  # deeper than the fast match follows: the exact check
+        return {"start": t["start"], "meta": [noise, deep], "task_id": t["task_id"], "macro": "m",
+                "site": "s", "instruction": "}{", "dedup_key": t["dedup_key"]}  # fmt: skip
+
+    tasks = [nested_first(task(f"t{i}", key=k)) for i, k in enumerate(TRICKY_KEYS)]
+    tasks.insert(1, task("plain", key=["s", "#a", "plain"]))  # most lines in the usual order, some not
+    run = write_batch(tmp_path / "fast", "r", tasks, [])
+    assert batch_module._fast_tasks((run / "tasks.jsonl").read_bytes()) is not None
+    fast = read_batch(UPath(run), "r").tasks
+    careful = parse(tmp_path / "careful", [*tasks, "not json"], []).tasks
+    assert fast.equals(careful)
+    assert fast["dedup_key"].tolist()[:2] == ['["s","#a",1]', '["s","#a","plain"]']
+
+
+def without_key_but_one_nested(t: dict) -> dict:
+    """The task with no dedup_key of its own, only one inside another field's object."""
+    rest = {k: v for k, v in t.items() if k != "dedup_key"}
+    return {**rest, "start": {**t["start"], "dedup_key": ["nested"]}}
+
+
 @pytest.mark.parametrize(
     "extra",
     [
@@ -197,6 +220,14 @@ def test_fast_task_path_takes_compact_keys_as_written_only_where_that_is_their_c
 def test_fast_task_path_declines_what_it_cannot_be_sure_of(tmp_path, extra):
     run = write_batch(tmp_path, "r", [task("a"), task("b", **extra)], [])
     assert batch_module._fast_tasks((run / "tasks.jsonl").read_bytes()) is None
+
+
+def test_a_dedup_key_inside_another_field_is_not_the_tasks_key(tmp_path):
+    run = write_batch(tmp_path, "r", [task("a"), without_key_but_one_nested(task("b"))], [])
+    assert batch_module._fast_tasks((run / "tasks.jsonl").read_bytes()) is None
+    parsed = read_batch(UPath(run), "r")
+    assert parsed.tasks["task_id"].tolist() == ["a"]
+    assert parsed.rejects[["line", "field"]].values.tolist() == [[2, "dedup_key"]]
 
 
 @pytest.mark.parametrize("text, records", [("a\nb\n", 2), ("a\nb", 2), ("a\n\nb\n", 2), ("\na\n", 1), ("a\n  \nb", 2), ("a\n \t", 1), ("", 0)])
