@@ -6,6 +6,7 @@ turn them into blocking Dagster asset checks.
 
 from dataclasses import dataclass
 
+import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -41,22 +42,30 @@ def attempts_conserved(
     )
 
 
-def _sorted_ids(frame: pd.DataFrame) -> pa.Table:
-    table = pa.table({"task_id": pa.array(frame["task_id"].astype("str"), pa.string()), "attempt": pa.array(frame["attempt"], pa.int64())})
-    return table.sort_by([("task_id", "ascending"), ("attempt", "ascending")])
+def codes(*columns: pd.Series) -> list[np.ndarray]:
+    """Each text column as integers, one per row: equal across all the columns exactly where the texts are
+    equal (one Arrow dictionary over them all; comparing integers is far cheaper than comparing text)."""
+    arrays = [pa.array(c.astype("str"), type=pa.string()) for c in columns]
+    chunks = [chunk for a in arrays for chunk in (a.chunks if isinstance(a, pa.ChunkedArray) else [a])]
+    # one hash table across the chunks: a text gets the same index wherever it appears
+    encoded = pa.chunked_array(chunks, pa.string()).dictionary_encode()
+    indices = [c.indices.to_numpy(zero_copy_only=False).astype(np.int64) for c in encoded.chunks]
+    return np.split(np.concatenate([np.zeros(0, np.int64), *indices]), np.cumsum([len(a) for a in arrays])[:-1])
+
+
+def _sorted_pairs(task: np.ndarray, attempt: pd.Series) -> np.ndarray:
+    numbers = attempt.to_numpy(dtype=np.int64)
+    order = np.lexsort((numbers, task))
+    return np.column_stack([task[order], numbers[order]])
 
 
 def _same_rows_once(a: pd.DataFrame, b: pd.DataFrame) -> bool:
     """Whether two (task_id, attempt) frames hold the same rows, each exactly once (False: look closer)."""
     if len(a) != len(b):
         return False
-    sorted_a, sorted_b = _sorted_ids(a), _sorted_ids(b)
-    if not sorted_a.equals(sorted_b):
-        return False
-    if len(sorted_a) < 2:
-        return True
-    neighbour = [pc.equal(sorted_a[c].slice(1), sorted_a[c].slice(0, len(sorted_a) - 1)) for c in ("task_id", "attempt")]
-    return not pc.any(pc.and_(*neighbour)).as_py()
+    task_a, task_b = codes(a["task_id"], b["task_id"])
+    sorted_a, sorted_b = _sorted_pairs(task_a, a["attempt"]), _sorted_pairs(task_b, b["attempt"])
+    return np.array_equal(sorted_a, sorted_b) and not (sorted_a[1:] == sorted_a[:-1]).all(axis=1).any()
 
 
 def execute_rows_match_failed_attempts(pool: pd.DataFrame, attempts: pd.DataFrame) -> CheckOutcome:
@@ -85,13 +94,16 @@ def verdicts_conserved(verdicts: pd.DataFrame, kept: pd.DataFrame, surplus: pd.D
     judged = verdicts["status"] == STATUS_JUDGED
     failed = int((judged & (verdicts["passed"] == False)).sum())  # noqa: E712
     unjudged = int((verdicts["status"] == STATUS_ERROR).sum())
-    places = pd.concat([kept["task_id"], surplus["task_id"]], ignore_index=True)
-    walked = verdicts.loc[judged & (verdicts["passed"] == True), "task_id"]  # noqa: E712
+    places, walked = codes(
+        pd.concat([kept["task_id"], surplus["task_id"]], ignore_index=True),
+        verdicts.loc[judged & (verdicts["passed"] == True), "task_id"],  # noqa: E712
+    )
+    places.sort()
+    walked.sort()
     passed = (
         len(kept) + len(surplus) + failed + unjudged == len(verdicts)
-        and places.is_unique
-        and len(places) == len(walked)
-        and bool(isin(places, walked).all())
+        and not (places[1:] == places[:-1]).any()  # each place once
+        and np.array_equal(places, walked)  # and exactly the passing verdicts
     )
     return CheckOutcome(
         passed=bool(passed),
@@ -107,7 +119,9 @@ def no_key_kept_twice(kept: pd.DataFrame, kept_elsewhere: pd.DataFrame) -> Check
     `kept_elsewhere`: other runs' non-retired kept rows whose key is among this run's (the ledger step's prior
     index: it holds every earlier keeper of any key the batch carries).
     """
-    within = int(kept["dedup_key"].duplicated().sum())
+    # equal keys have equal hashes: only rows whose hash repeats need their text compared
+    repeats = kept["key_hash"].duplicated(keep=False).to_numpy(dtype=bool) if "key_hash" in kept else slice(None)
+    within = int(kept["dedup_key"][repeats].duplicated().sum())
     across = int(isin(kept["dedup_key"], kept_elsewhere["dedup_key"]).sum())
     return CheckOutcome(
         passed=within == 0 and across == 0,
@@ -118,15 +132,22 @@ def no_key_kept_twice(kept: pd.DataFrame, kept_elsewhere: pd.DataFrame) -> Check
 
 def caps_respected(kept: pd.DataFrame, prior_counts: pd.DataFrame, caps: rules.Caps) -> CheckOutcome:
     """Where this run kept rows, no (macro, site) count and no macro total exceeds its cap, history included."""
-    new = kept.groupby(["macro", "site"]).size().rename("new").reset_index()
-    totals = new.merge(prior_counts, on=["macro", "site"], how="left").fillna({"n_kept": 0})
+    # Arrow's hash group-by and join: pandas' groupby and merge on two text keys cost several times more
+    pairs = pa.table({c: pa.array(kept[c].astype("str"), type=pa.string()) for c in ("macro", "site")})
+    before = pa.table({c: pa.array(prior_counts[c].astype("str"), type=pa.string()) for c in ("macro", "site")})
+    before = before.append_column("n_kept", pa.array(prior_counts["n_kept"].to_numpy(dtype=np.int64)))
+    new = pairs.group_by(["macro", "site"]).aggregate([([], "count_all")]).rename_columns(["macro", "site", "new"])
+    joined = new.join(before, keys=["macro", "site"], join_type="left outer")
+    macros = pc.unique(joined["macro"])
+    cap_at = pc.index_in(joined["macro"], value_set=macros).to_numpy(zero_copy_only=False)
+    totals = joined.to_pandas().fillna({"n_kept": 0})
     totals["total"] = totals["new"] + totals["n_kept"].astype(int)
-    totals["cap"] = totals["macro"].map({m: caps.site_cap(m) for m in totals["macro"].unique()}).astype(int)
+    totals["cap"] = np.array([caps.site_cap(m) for m in macros.to_pylist()], dtype=np.int64)[cap_at]
     over = totals[totals["total"] > totals["cap"]]
     over_site = [f"{m}/{s}: {t} > {c}" for m, s, t, c in zip(over["macro"], over["site"], over["total"], over["cap"])]
     macro_prior = prior_counts.groupby("macro")["n_kept"].sum()
     over_target = []
-    for macro, added in new.groupby("macro")["new"].sum().items():
+    for macro, added in totals.groupby("macro")["new"].sum().items():
         target = caps.target(macro)
         total = int(added + macro_prior.get(macro, 0))
         if target is not None and total > target:
