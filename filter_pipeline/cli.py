@@ -17,6 +17,7 @@ from filter_pipeline.batch import SUCCESS_FILE, check_run_id
 from filter_pipeline.config import load_caps_file, parse_caps
 from filter_pipeline.definitions import across_runs_job_from_env, filter_job_from_env
 from filter_pipeline.history import HistoryError, load_retired
+from filter_pipeline.jobs import ACROSS_RUNS_ASSETS
 from filter_pipeline.judging import ENV, JUDGE_KINDS, judge_from_env
 from filter_pipeline.pool import release_stale_ledger_slots
 from filter_pipeline.schemas import DROPPED_REASONS, FAILURE_REASONS, STATUS_ERROR
@@ -125,33 +126,49 @@ def materialize(args: argparse.Namespace) -> int:
     # the job is rebuilt from the environment (see filter_job_from_env), so the settings travel through it
     os.environ[DATA_ENV], os.environ[ENV["kind"]] = data.path, judge.kind
     job = dg.reconstructable(filter_job_from_env)
-    run_config = {
-        "loggers": {"console": {"config": {"log_level": "INFO"}}},
-        **({"ops": {"ledger": {"config": caps}}} if caps else {}),
-    }
-    failed = 0
-    for run_id in run_ids:
-        with dg.execute_job(job, instance, run_config=run_config, tags={PARTITION_NAME_TAG: run_id}) as result:
+    batch_only = [k for k in job.get_definition().asset_layer.executable_asset_keys if k.path[-1] not in ACROSS_RUNS_ASSETS]
+    failed, refreshed = 0, False
+    for position, run_id in enumerate(run_ids, start=1):
+        last = position == len(run_ids)  # coverage and calibration once, in the last batch's run
+        with dg.execute_job(
+            job,
+            instance,
+            run_config=_run_config(caps, ops_with_caps=["ledger", "coverage"] if last else ["ledger"]),
+            tags={PARTITION_NAME_TAG: run_id},
+            asset_selection=None if last else batch_only,
+        ) as result:
             if result.success:
                 print(summarize(data, run_id), flush=True)
+                refreshed = last
             else:
                 failed += 1
                 print(f"{run_id}: FAILED ({_failure_reason(result)})", flush=True)
-    if failed < len(run_ids):
-        failed += not _refresh_across_runs(data, instance, caps)
+    if failed < len(run_ids) and not refreshed:  # the last batch's run failed, an earlier one did not
+        refreshed = _refresh_across_runs(instance, caps)
+        failed += not refreshed
+    if refreshed:
+        _print_across_runs(data)
     return 1 if failed else 0
 
 
-def _refresh_across_runs(data: DataRoot, instance: dg.DagsterInstance, caps: dict) -> bool:
-    """Materialize coverage and judge calibration over every run, and print a line for each."""
-    run_config = {
-        "loggers": {"console": {"config": {"log_level": "INFO"}}},
-        **({"ops": {"coverage": {"config": caps}}} if caps else {}),
-    }
-    with dg.execute_job(dg.reconstructable(across_runs_job_from_env), instance, run_config=run_config) as result:
+def _run_config(caps: dict, ops_with_caps: list[str]) -> dict:
+    """INFO on the console, and the caps for the given ops (a run may configure only ops it runs)."""
+    config: dict = {"loggers": {"console": {"config": {"log_level": "INFO"}}}}
+    if caps:
+        config["ops"] = {op: {"config": caps} for op in ops_with_caps}
+    return config
+
+
+def _refresh_across_runs(instance: dg.DagsterInstance, caps: dict) -> bool:
+    """Materialize coverage and judge calibration over every run in a run of their own."""
+    with dg.execute_job(dg.reconstructable(across_runs_job_from_env), instance, run_config=_run_config(caps, ops_with_caps=["coverage"])) as result:
         if not result.success:
             print(f"coverage / judge_calibration: FAILED ({_failure_reason(result)})", flush=True)
-            return False
+        return result.success
+
+
+def _print_across_runs(data: DataRoot) -> None:
+    """A line for coverage and one per judge calibration predictor, from what was just materialized."""
     coverage = read_parquet(data.warehouse / "coverage.parquet")
     sites = coverage[coverage["level"] == "site"]
     print(
@@ -166,7 +183,6 @@ def _refresh_across_runs(data: DataRoot, instance: dg.DagsterInstance, caps: dic
             f"recall {row['recall']:.2f}, agreement {row['agreement']:.2f}",
             flush=True,
         )
-    return True
 
 
 def main(argv: list[str] | None = None) -> int:

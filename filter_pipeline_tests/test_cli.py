@@ -8,6 +8,7 @@ import dagster as dg
 import pandas as pd
 import pytest
 
+from filter_pipeline.jobs import ACROSS_RUNS_ASSETS
 from filter_pipeline.pool import LEDGER_POOL
 from filter_pipeline_tests.builders import attempt, task, write_batch
 from filter_pipeline_tests.conftest import CLI, REPO
@@ -49,6 +50,7 @@ def test_materializes_every_complete_batch_in_run_id_order_and_prints_a_summary(
         stored = [e.user_message for e in instance.all_logs(run.dagster_run.run_id) if not e.is_dagster_event]
     assert any(m.startswith("parsed runs/b1") for m in stored)  # INFO lines are stored ...
     assert not any("Loading partition" in m or "Writing file at" in m for m in stored)  # ... DEBUG ones are not
+    assert across_runs_materialized_by_run(dagster_home) == {"b1": [], "b2": ["coverage", "judge_calibration"]}
 
     again = cli()
     assert again.returncode == 0 and "nothing to materialize" in again.stdout
@@ -96,6 +98,33 @@ def test_a_failing_run_exits_non_zero_with_its_reason(cli, data_root):
     done = cli("b1")
     assert done.returncode == 2
     assert done.stderr.strip() == "filter-pipeline: retired.json is not valid JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"
+
+
+def across_runs_materialized_by_run(dagster_home) -> dict[str, list[str]]:
+    """Run (its partition, or its job's name) -> the across-runs assets it materialized."""
+    with dg.DagsterInstance.from_config(str(dagster_home)) as instance:
+        found = {}
+        for record in instance.get_run_records():
+            run = record.dagster_run
+            events = instance.all_logs(run.run_id, of_type=dg.DagsterEventType.ASSET_MATERIALIZATION)
+            names = [e.get_dagster_event().asset_key.path[-1] for e in events]
+            assets = sorted(name for name in names if name in ACROSS_RUNS_ASSETS)
+            found[run.tags.get("dagster/partition", run.job_name)] = assets
+    return found
+
+
+def test_when_the_last_batch_fails_coverage_is_refreshed_in_a_run_of_its_own(cli, data_root, dagster_home):
+    write_batch(data_root, "fine", [task("a")], [attempt("a")])
+    write_batch(data_root, "empty", [], [])
+    done = cli("fine", "empty")
+    assert done.returncode == 1
+    assert done.stdout.splitlines()[1:] == [
+        "empty: FAILED (step execution_batch: runs/empty/tasks.jsonl holds no valid task)",
+        "coverage: 1 kept rows over 1 (macro, site) pairs, 0 full",
+    ]
+    assert across_runs_materialized_by_run(dagster_home) == {
+        "fine": [], "empty": [], "across_runs_job": ["coverage", "judge_calibration"]
+    }  # fmt: skip
 
 
 def test_a_batch_without_tasks_fails_its_run_with_the_reason_and_writes_nothing(cli, data_root):
