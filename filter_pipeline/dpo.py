@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from filter_pipeline.schemas import STAGE_JUDGE, conform, isin, positions
+from filter_pipeline.schemas import STAGE_JUDGE, conform, positions
 
 EXCLUDED_BACKEND_OK = "backend_ok"  # reached the goal state although the script failed
 EXCLUDED_JUDGE_GATE_PASSED = "judge_fail_gate_passed"  # the judge failed it but the backend gate passed it
@@ -52,6 +52,6 @@ def dpo_pairs(kept: pd.DataFrame, failure_pool: pd.DataFrame, include_judge_fail
     pairs = pd.concat([chosen, rejected.drop(columns=["task_id"])], axis=1)
     return Pairs(
         pairs=conform(pairs, "dpo_pairs"),
-        kept_without_negative=int((~isin(kept["task_id"], pairs["task_id"])).sum()),
+        kept_without_negative=len(kept) - len(np.unique(clean_at)),  # kept rows no clean row points at
         excluded={EXCLUDED_BACKEND_OK: int(backend_ok.sum()), EXCLUDED_JUDGE_GATE_PASSED: int(gate_passed_judge.sum())},
     )
