@@ -137,12 +137,9 @@ def caps_respected(kept: pd.DataFrame, prior_counts: pd.DataFrame, caps: rules.C
     before = pa.table({c: pa.array(prior_counts[c].astype("str"), type=pa.string()) for c in ("macro", "site")})
     before = before.append_column("n_kept", pa.array(prior_counts["n_kept"].to_numpy(dtype=np.int64)))
     new = pairs.group_by(["macro", "site"]).aggregate([([], "count_all")]).rename_columns(["macro", "site", "new"])
-    joined = new.join(before, keys=["macro", "site"], join_type="left outer")
-    macros = pc.unique(joined["macro"])
-    cap_at = pc.index_in(joined["macro"], value_set=macros).to_numpy(zero_copy_only=False)
-    totals = joined.to_pandas().fillna({"n_kept": 0})
+    totals = new.join(before, keys=["macro", "site"], join_type="left outer").to_pandas().fillna({"n_kept": 0})
     totals["total"] = totals["new"] + totals["n_kept"].astype(int)
-    totals["cap"] = np.array([caps.site_cap(m) for m in macros.to_pylist()], dtype=np.int64)[cap_at]
+    totals["cap"] = caps.site_caps(totals["macro"])
     over = totals[totals["total"] > totals["cap"]]
     over_site = [f"{m}/{s}: {t} > {c}" for m, s, t, c in zip(over["macro"], over["site"], over["total"], over["cap"])]
     macro_prior = prior_counts.groupby("macro")["n_kept"].sum()

@@ -15,7 +15,7 @@ def coverage_table(counts: pd.DataFrame, caps: Caps) -> pd.DataFrame:
     site = counts.assign(
         level="site",
         kept=counts["n_kept"],
-        limit=counts["macro"].map({m: caps.site_cap(m) for m in counts["macro"].unique()}).astype("int64"),
+        limit=caps.site_caps(counts["macro"]),
     )
     per_macro = counts.groupby("macro", as_index=False)["n_kept"].sum()
     macro = per_macro.assign(

@@ -122,6 +122,11 @@ class Caps:
         limits = self.macros.get(macro)
         return limits.target if limits is not None else None
 
+    def site_caps(self, macros: pd.Series) -> np.ndarray:
+        """The site cap of each row's macro, looked up once per distinct macro."""
+        codes, names = pd.factorize(macros)
+        return np.array([self.site_cap(m) for m in names], dtype=np.int64)[codes]
+
 
 @dataclass(frozen=True)
 class LedgerResult:
