@@ -4,7 +4,8 @@ Lineage: execution batch -> judge_verdicts -> failure_pool; judge_verdicts + pri
 (No `from __future__ import annotations` here: Dagster reads the `context` annotation at runtime.)
 """
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 
 import dagster as dg
 import pandas as pd
@@ -138,6 +139,17 @@ def check_result(check: str, asset: str, outcome: checks.CheckOutcome) -> dg.Ass
     )
 
 
+def outputs_then_checks(outputs: list[dg.Output], checks_of: dict[tuple[str, str], Callable[[], checks.CheckOutcome]]):
+    """Yield the outputs, then the result of each (check, asset) in `checks_of`. The checks are computed in a
+    second thread while the IO manager writes the outputs: Parquet encoding runs without the GIL, so on two
+    cores the checks add little wall time. (They read the in-memory frames, the same ones written.)"""
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="checks") as alongside:
+        pending = {key: alongside.submit(compute) for key, compute in checks_of.items()}
+        yield from outputs
+        for (check, asset), outcome in pending.items():
+            yield check_result(check, asset, outcome.result())
+
+
 def blocking_check(name: str, asset: str, description: str) -> dg.AssetCheckSpec:
     return dg.AssetCheckSpec(name, asset=asset, blocking=True, description=description)
 
@@ -166,16 +178,17 @@ def failure_pool(
         [rules.execute_failures(batch_tasks, batch_attempts), rules.judge_failures(judge_verdicts)],
         ignore_index=True,
     )
-    yield dg.Output(
-        pool,
-        metadata={
-            **count_by(pool["reason"], FAILURE_REASONS, "reason/"),
-            "backend_ok": int((pool["backend_ok"] == True).sum()),  # noqa: E712
+    run_dir = data.run_dir(context.partition_key)
+    metadata = {**count_by(pool["reason"], FAILURE_REASONS, "reason/"), "backend_ok": int((pool["backend_ok"] == True).sum())}  # noqa: E712
+    yield from outputs_then_checks(
+        [dg.Output(pool, metadata=metadata)],
+        {
+            ("attempts_conserved", "failure_pool"): lambda: checks.attempts_conserved(
+                count_records(run_dir), batch_attempts, batch_rejects, judge_verdicts
+            ),
+            ("execute_rows_match_failed_attempts", "failure_pool"): lambda: checks.execute_rows_match_failed_attempts(pool, batch_attempts),
         },
     )
-    records = count_records(data.run_dir(context.partition_key))
-    yield check_result("attempts_conserved", "failure_pool", checks.attempts_conserved(records, batch_attempts, batch_rejects, judge_verdicts))
-    yield check_result("execute_rows_match_failed_attempts", "failure_pool", checks.execute_rows_match_failed_attempts(pool, batch_attempts))
 
 
 # --- the ledger -------------------------------------------------------------------------------------
@@ -243,15 +256,21 @@ def _walk_the_ledger(context: dg.AssetExecutionContext, config: CapsConfig, data
     caps = config.to_caps()
     result = rules.walk_ledger(judge_verdicts, index.keys, index.counts, caps, run_id)
     context.log.info(f"walk: kept {len(result.kept)}, surplus {len(result.surplus)}")
-    yield dg.Output(index.keys, output_name="prior_dedup_index", metadata={"runs_read": index.runs_read, "rows_read": index.rows_read})
-    yield dg.Output(index.counts, output_name="prior_kept_counts", metadata={"kept_before": int(index.counts["n_kept"].sum())})
-    yield dg.Output(result.kept, output_name="kept")
-    yield dg.Output(result.surplus, output_name="surplus", metadata=count_by(result.surplus["dropped"], DROPPED_REASONS, "dropped/"))
-    yield check_result("verdicts_conserved", "kept", checks.verdicts_conserved(judge_verdicts, result.kept, result.surplus))
-    # against the index this step built (it holds every earlier keeper of any key this batch carries); a
-    # second scan of the warehouse would double the step's cost on a large history
-    yield check_result("no_key_kept_twice", "kept", checks.no_key_kept_twice(result.kept, index.keys))
-    yield check_result("caps_respected", "kept", checks.caps_respected(result.kept, index.counts, caps))
+    yield from outputs_then_checks(
+        [
+            dg.Output(index.keys, output_name="prior_dedup_index", metadata={"runs_read": index.runs_read, "rows_read": index.rows_read}),
+            dg.Output(index.counts, output_name="prior_kept_counts", metadata={"kept_before": int(index.counts["n_kept"].sum())}),
+            dg.Output(result.kept, output_name="kept"),
+            dg.Output(result.surplus, output_name="surplus", metadata=count_by(result.surplus["dropped"], DROPPED_REASONS, "dropped/")),
+        ],
+        {
+            ("verdicts_conserved", "kept"): lambda: checks.verdicts_conserved(judge_verdicts, result.kept, result.surplus),
+            # against the index this step built (it holds every earlier keeper of any key this batch carries);
+            # a second scan of the warehouse would double the step's cost on a large history
+            ("no_key_kept_twice", "kept"): lambda: checks.no_key_kept_twice(result.kept, index.keys),
+            ("caps_respected", "kept"): lambda: checks.caps_respected(result.kept, index.counts, caps),
+        },
+    )
 
 
 # --- training data ----------------------------------------------------------------------------------

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from filter_pipeline import rules
 from filter_pipeline.batch import EXECUTIONS_FILE

@@ -1,5 +1,7 @@
 """The assets under Dagster: lineage, metadata, and the ledger over several runs."""
 
+import threading
+
 import dagster as dg
 import pandas as pd
 import pytest
@@ -154,3 +156,35 @@ def test_on_s3_with_only_the_endpoint_setting_every_asset_reaches_the_store(s3_s
     gate = table[(table["predictor"] == "gate") & (table["site"] == "(all)")]
     assert gate[["n", "tp"]].values.tolist() == [[1, 1]]
     assert read_parquet(data.warehouse / "coverage.parquet")["kept"].max() == 1
+
+
+def test_checks_are_computed_while_the_outputs_are_handled_and_yielded_after_them():
+    from filter_pipeline.assets import outputs_then_checks
+    from filter_pipeline.checks import CheckOutcome
+
+    started, handled = threading.Event(), threading.Event()
+
+    def waits_for_the_output() -> CheckOutcome:
+        started.set()
+        assert handled.wait(timeout=10)
+        return CheckOutcome(True, {"n": 1}, "fine")
+
+    steps = outputs_then_checks([dg.Output(1, output_name="a")], {("c1", "x"): waits_for_the_output,
+                                                                   ("c2", "x"): lambda: CheckOutcome(False, {}, "no")})
+    assert next(steps).output_name == "a"
+    assert started.wait(timeout=10)  # the check is under way while the output is being handled
+    handled.set()
+    results = list(steps)
+    assert [(r.check_name, r.passed, r.description) for r in results] == [("c1", True, "fine"), ("c2", False, "no")]
+
+
+def test_a_check_that_raises_fails_the_step_after_the_outputs():
+    from filter_pipeline.assets import outputs_then_checks
+
+    def broken():
+        raise ValueError("check broke")
+
+    steps = outputs_then_checks([dg.Output(1, output_name="a")], {("c", "x"): broken})
+    assert next(steps).output_name == "a"
+    with pytest.raises(ValueError, match="check broke"):
+        next(steps)
