@@ -76,7 +76,8 @@ def execution_batch(context: dg.AssetExecutionContext, data: DataRoot):
     batch = read_batch(data.run_dir(run_id), run_id)
     context.log.info(
         f"parsed runs/{run_id}: {len(batch.tasks)} tasks, {len(batch.attempts)} attempts, "
-        f"{len(batch.rejects)} rejected lines"
+        f"{len(batch.rejects)} rejected lines in {batch.seconds:.1f} s"
+        + (" (read ahead by the CLI while the run started)" if batch.read_ahead else "")
     )
     for message in batch.rejects["message"].head(20):
         context.log.warning(message)

@@ -6,9 +6,13 @@ what was expected, and the rest is parsed. Only a batch that cannot be read at a
 """
 
 import json
+import logging
 import os
 import re
-from dataclasses import dataclass
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import numpy as np
@@ -54,6 +58,8 @@ class Batch:
     tasks: pd.DataFrame  # columns of schemas.SCHEMAS["batch_tasks"], in tasks.jsonl order
     attempts: pd.DataFrame  # columns of schemas.SCHEMAS["batch_attempts"], in executions.jsonl order
     rejects: pd.DataFrame  # columns of schemas.SCHEMAS["batch_rejects"]
+    seconds: float = 0.0  # how long the parse took
+    read_ahead: bool = False  # parsed in the background before its step asked (`read_ahead`)
 
 
 # --- field checks -----------------------------------------------------------------------------------
@@ -466,12 +472,101 @@ def _fast_tasks(data: bytes) -> pd.DataFrame | None:
 # --- the batch --------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class BatchState:
+    run_id: str
+    judged: bool  # warehouse/judge_verdicts/<run_id>.parquet exists
+    filtered: bool  # warehouse/kept/<run_id>.parquet or a legacy runs/<run_id>/kept.jsonl exists
+
+
+def complete_batches(runs: UPath, warehouse: UPath, log: logging.Logger | None = logging.getLogger(__name__)) -> list[BatchState]:
+    """Every batch under `runs` with `_SUCCESS` and a plain run_id, in run_id order (`warehouse`: where
+    their outputs are).
+
+    A batch without `_SUCCESS` is still being written and is not listed; a complete one whose folder name is
+    not a plain run_id is logged as refused (to `log`; None: not logged).
+    """
+    if not runs.exists():
+        return []
+    judged = _stems(warehouse / "judge_verdicts")
+    kept = _stems(warehouse / "kept")
+    states = []
+    for run_dir in runs.iterdir():
+        run_id = run_dir.name
+        if not (run_dir / SUCCESS_FILE).exists():
+            continue
+        try:
+            check_run_id(run_id)
+        except ValueError as exc:
+            if log is not None:
+                log.warning(f"runs/{run_id} is refused: {exc}")
+            continue
+        filtered = run_id in kept or (run_dir / LEGACY_KEPT_FILE).exists()
+        states.append(BatchState(run_id=run_id, judged=run_id in judged, filtered=filtered))
+    return sorted(states, key=lambda s: s.run_id)
+
+
+def _stems(folder) -> set[str]:
+    if not folder.exists():
+        return set()
+    return {p.name.removesuffix(".parquet") for p in folder.iterdir() if p.name.endswith(".parquet") and not p.name.startswith(".")}
+
+
+
+
 def read_batch(run_dir: UPath, run_id: str) -> Batch:
     """Parse `runs/<run_id>/`: tasks and attempts that passed validation, and one reject row per record that
     did not (malformed, mistyped, a second `task_id` or (task_id, attempt), an attempt of an unknown task).
 
+    A parse of the same batch started by `read_ahead` in this process is taken instead, once finished, if it
+    succeeded and both files still have the size and modification time they had when it started.
+
     Raises BatchError when `tasks.jsonl` is missing or has no task, or `executions.jsonl` is missing.
     """
+    ahead = _read_ahead.pop((str(run_dir), run_id), None)
+    if ahead is not None:
+        signature, parsed = ahead
+        if parsed.exception() is None and _file_signature(run_dir) == signature:
+            return replace(parsed.result(), read_ahead=True)
+    return _parse_batch(run_dir, run_id)
+
+
+_read_ahead: dict[tuple[str, str], tuple[tuple, Future]] = {}
+
+
+def read_ahead(run_dir: UPath, run_id: str) -> bool:
+    """Start parsing the batch in a background thread, for a later `read_batch` of it in this process to take
+    (the CLI reads its first batch while Dagster imports and starts the run: on two cores the parse is then
+    mostly done before its step begins). Local disk only; returns whether it started."""
+    signature = _file_signature(run_dir)
+    if signature is None:
+        return False
+    parsed: Future = Future()
+
+    def parse() -> None:
+        try:
+            parsed.set_result(_parse_batch(run_dir, run_id))
+        except BaseException as exc:  # read_batch parses again and raises it where the step can report it
+            parsed.set_exception(exc)
+
+    _read_ahead[(str(run_dir), run_id)] = (signature, parsed)
+    threading.Thread(target=parse, name=f"read-ahead {run_id}", daemon=True).start()
+    return True
+
+
+def _file_signature(run_dir: UPath) -> tuple | None:
+    """(size, mtime_ns) of the batch's two files on local disk; None elsewhere or if one is missing."""
+    if run_dir.protocol not in LOCAL_PROTOCOLS:
+        return None
+    try:
+        return tuple((s.st_size, s.st_mtime_ns) for s in (os.stat(os.path.join(run_dir.path, f)) for f in (TASKS_FILE, EXECUTIONS_FILE)))
+    except OSError:
+        return None
+
+
+def _parse_batch(run_dir: UPath, run_id: str) -> Batch:
+    """`read_batch`, always parsing."""
+    started = time.perf_counter()
     tasks_path, executions_path = run_dir / TASKS_FILE, run_dir / EXECUTIONS_FILE
     if not tasks_path.exists():
         raise BatchError(f"runs/{run_id}/{TASKS_FILE} does not exist: not an execution batch")
@@ -521,6 +616,7 @@ def read_batch(run_dir: UPath, run_id: str) -> Batch:
         tasks=conform(tasks.assign(run_id=run_id), "batch_tasks"),
         attempts=conform(attempts.assign(run_id=run_id), "batch_attempts"),
         rejects=conform(rejects_frame.assign(run_id=run_id).sort_values(["file", "line"], kind="stable"), "batch_rejects"),
+        seconds=time.perf_counter() - started,
     )
 
 

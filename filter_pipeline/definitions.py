@@ -18,14 +18,10 @@ from filter_pipeline.config import CAPS_ENV, load_caps_file
 from filter_pipeline.jobs import across_runs_job, filter_job, judge_job, ledger_job
 from filter_pipeline.judging import JudgeResource, judge_from_env
 from filter_pipeline.sensors import build_batch_sensor
+from filter_pipeline.settings import DEFAULT_EXECUTOR, EXECUTOR_ENV
 from filter_pipeline.warehouse import DataRoot, WarehouseIOManager
 
-EXECUTOR_ENV = "FILTER_PIPELINE_EXECUTOR"
-# in_process (default) is deliberate: each step is one vectorised pass, and a process per step costs
-# seconds on a small machine; batches run in parallel as separate runs (one process or pod each).
-# multiprocess puts each step in its own process, as a deployment that isolates steps wants.
-EXECUTORS = {"in_process": dg.in_process_executor, "multiprocess": dg.multiprocess_executor}
-DEFAULT_EXECUTOR = "in_process"
+EXECUTORS = {"in_process": dg.in_process_executor, "multiprocess": dg.multiprocess_executor}  # see settings
 
 
 def build_defs(data: DataRoot | str, judge: JudgeResource, caps: dict, executor: str = DEFAULT_EXECUTOR) -> dg.Definitions:

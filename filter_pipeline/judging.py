@@ -18,12 +18,11 @@ from upath import UPath
 
 from filter_pipeline import llm_judge
 from filter_pipeline.schemas import GATE_VOTES, GATE_WHY, STATUS_ERROR, STATUS_JUDGED
-
-JUDGE_KINDS = ("gate", "llm")
+from filter_pipeline.settings import JUDGE_KIND_ENV, JUDGE_KINDS
 
 # CONTRACT §5 environment settings of the LLM judge (plus the ones after VOTES, this project's own).
 ENV = {
-    "kind": "FILTER_JUDGE_KIND",
+    "kind": JUDGE_KIND_ENV,
     "base_url": "FILTER_JUDGE_BASE_URL",
     "model": "FILTER_JUDGE_MODEL",
     "api_key": "FILTER_JUDGE_API_KEY",

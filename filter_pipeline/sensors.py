@@ -6,15 +6,13 @@ run_id first, so the outcome does not depend on which judge run happened to fini
 """
 
 import hashlib
-import logging
-from dataclasses import dataclass
 
 import dagster as dg
 from dagster._core.storage.dagster_run import NOT_FINISHED_STATUSES
 from dagster._core.storage.tags import PARTITION_NAME_TAG, RUN_KEY_TAG
 
 from filter_pipeline.assets import run_id_partitions
-from filter_pipeline.batch import LEGACY_KEPT_FILE, SUCCESS_FILE, check_run_id
+from filter_pipeline.batch import BatchState, complete_batches
 from filter_pipeline.jobs import across_runs_job, judge_job, ledger_job
 from filter_pipeline.pool import release_stale_ledger_slots
 from filter_pipeline.warehouse import DataRoot
@@ -22,44 +20,6 @@ from filter_pipeline.warehouse import DataRoot
 JUDGE_JOB = judge_job.name
 LEDGER_JOB = ledger_job.name
 SENSOR_INTERVAL_SECONDS = 10
-
-
-@dataclass(frozen=True)
-class BatchState:
-    run_id: str
-    judged: bool  # warehouse/judge_verdicts/<run_id>.parquet exists
-    filtered: bool  # warehouse/kept/<run_id>.parquet or a legacy runs/<run_id>/kept.jsonl exists
-
-
-def complete_batches(data: DataRoot, log: logging.Logger = logging.getLogger(__name__)) -> list[BatchState]:
-    """Every batch under runs/ with `_SUCCESS` and a plain run_id, in run_id order.
-
-    A batch without `_SUCCESS` is still being written and is not listed; a complete one whose folder name is
-    not a plain run_id is logged as refused.
-    """
-    if not data.runs.exists():
-        return []
-    judged = _stems(data.warehouse / "judge_verdicts")
-    kept = _stems(data.warehouse / "kept")
-    states = []
-    for run_dir in data.runs.iterdir():
-        run_id = run_dir.name
-        if not (run_dir / SUCCESS_FILE).exists():
-            continue
-        try:
-            check_run_id(run_id)
-        except ValueError as exc:
-            log.warning(f"runs/{run_id} is refused: {exc}")
-            continue
-        filtered = run_id in kept or (run_dir / LEGACY_KEPT_FILE).exists()
-        states.append(BatchState(run_id=run_id, judged=run_id in judged, filtered=filtered))
-    return sorted(states, key=lambda s: s.run_id)
-
-
-def _stems(folder) -> set[str]:
-    if not folder.exists():
-        return set()
-    return {p.name.removesuffix(".parquet") for p in folder.iterdir() if p.name.endswith(".parquet") and not p.name.startswith(".")}
 
 
 def caps_run_config(op: str, caps: dict) -> dict:
@@ -124,7 +84,7 @@ def build_batch_sensor(caps: dict) -> dg.SensorDefinition:
         instance = context.instance
         for run_id in release_stale_ledger_slots(instance):
             context.log.warning(f"released the ledger slot of run {run_id}, whose process died")
-        batches = complete_batches(data, context.log)
+        batches = complete_batches(data.runs, data.warehouse, context.log)
         registered = set(instance.get_dynamic_partitions(run_id_partitions.name))
         waiting = [b.run_id for b in batches if not b.filtered]
         busy = {r for r in waiting if _has_run(instance, {PARTITION_NAME_TAG: r}, NOT_FINISHED_STATUSES)}

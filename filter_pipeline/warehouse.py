@@ -19,10 +19,8 @@ from upath import UPath
 
 from filter_pipeline.batch import LOCAL_PROTOCOLS
 from filter_pipeline.schemas import SCHEMAS, dictionary_columns, to_arrow, to_pandas
+from filter_pipeline.settings import DATA_ENV, DEFAULT_DATA, ENDPOINT_ENV, data_path
 
-DATA_ENV = "FILTER_PIPELINE_DATA"
-ENDPOINT_ENV = "FILTER_PIPELINE_ENDPOINT_URL"
-DEFAULT_DATA = "data"
 
 
 class DataRoot(dg.ConfigurableResource):
@@ -45,7 +43,7 @@ class DataRoot(dg.ConfigurableResource):
     @classmethod
     def from_env(cls, path: str | None = None) -> "DataRoot":
         """The data root the environment names (`path`, when given, wins over FILTER_PIPELINE_DATA)."""
-        return cls(path=path or os.environ.get(DATA_ENV, DEFAULT_DATA), endpoint_url=os.environ.get(ENDPOINT_ENV) or None)
+        return cls(path=data_path(path), endpoint_url=os.environ.get(ENDPOINT_ENV) or None)
 
     @property
     def root(self) -> UPath:

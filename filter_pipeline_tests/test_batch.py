@@ -234,3 +234,44 @@ def test_a_dedup_key_inside_another_field_is_not_the_tasks_key(tmp_path):
 def test_count_records_counts_non_blank_lines(tmp_path, text, records):
     (tmp_path / "executions.jsonl").write_text(text)
     assert batch_module.count_records(UPath(tmp_path)) == records
+
+
+def test_a_batch_read_ahead_is_taken_as_parsed_when_its_files_are_unchanged(tmp_path):
+    run = UPath(write_batch(tmp_path, "r", [task("a"), task("b")], [attempt("a"), attempt("b", ok=False)]))
+    assert batch_module.read_ahead(run, "r")
+    ahead = read_batch(run, "r")
+    again = read_batch(run, "r")  # taken once: this one parses
+    assert ahead.read_ahead and not again.read_ahead
+    for got, want in ((ahead.tasks, again.tasks), (ahead.attempts, again.attempts), (ahead.rejects, again.rejects)):
+        assert got.equals(want)
+
+
+def test_a_batch_read_ahead_is_parsed_again_when_a_file_changed_since(tmp_path):
+    run = UPath(write_batch(tmp_path, "r", [task("a")], [attempt("a")]))
+    assert batch_module.read_ahead(run, "r")
+    read_batch_module_wait(run)
+    (tmp_path / "runs" / "r" / "tasks.jsonl").write_text(jsonl([task("a"), task("late")]))
+    parsed = read_batch(run, "r")
+    assert not parsed.read_ahead and parsed.tasks["task_id"].tolist() == ["a", "late"]
+
+
+def read_batch_module_wait(run) -> None:
+    """Wait for the read-ahead of `run` to finish (so a change made next is surely after it)."""
+    [(_, parsed)] = [v for k, v in batch_module._read_ahead.items() if k[0] == str(run)]
+    parsed.exception()
+
+
+def test_a_broken_batch_read_ahead_fails_where_it_is_read_with_the_usual_error(tmp_path):
+    run = UPath(write_batch(tmp_path, "r", [], []))
+    assert batch_module.read_ahead(run, "r")
+    with pytest.raises(BatchError, match="holds no valid task"):
+        read_batch(run, "r")
+
+
+def test_a_read_ahead_serves_only_its_own_batch_and_only_on_local_disk(tmp_path):
+    one = UPath(write_batch(tmp_path, "one", [task("a")], [attempt("a")]))
+    two = UPath(write_batch(tmp_path, "two", [task("b")], [attempt("b")]))
+    assert batch_module.read_ahead(one, "one")
+    assert not read_batch(two, "two").read_ahead
+    assert read_batch(one, "one").read_ahead
+    assert not batch_module.read_ahead(UPath("memory://data/runs/one"), "one")

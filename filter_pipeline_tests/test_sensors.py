@@ -5,7 +5,8 @@ import logging
 import dagster as dg
 import pytest
 
-from filter_pipeline.sensors import BatchState, build_batch_sensor, complete_batches, plan_tick
+from filter_pipeline.batch import BatchState, complete_batches
+from filter_pipeline.sensors import build_batch_sensor, plan_tick
 from filter_pipeline.warehouse import DataRoot
 from filter_pipeline_tests.builders import attempt, task, write_batch, write_kept, write_legacy_kept
 
@@ -59,7 +60,8 @@ def test_a_complete_batch_whose_folder_is_not_a_plain_run_id_is_refused_with_a_r
     write_batch(data_root, "fine", [task("a")], [attempt("a")])
     write_batch(data_root, "has space", [task("a")], [attempt("a")])
     with caplog.at_level(logging.WARNING):
-        batches = complete_batches(DataRoot(path=str(data_root)), logging.getLogger("test"))
+        data = DataRoot(path=str(data_root))
+        batches = complete_batches(data.runs, data.warehouse, logging.getLogger("test"))
     assert [b.run_id for b in batches] == ["fine"]
     assert "runs/has space is refused: run_id 'has space' is not a plain folder name" in caplog.text
 
@@ -162,9 +164,9 @@ def test_on_s3_a_batch_completed_after_the_first_listing_is_seen_by_the_same_pro
     data = DataRoot(path=f"s3://{s3_bucket}/data")
     write_batch(data.root, "b1", [task("a")], [attempt("a")])
     write_batch(data.root, "b2", [task("a")], [attempt("a")], complete=False)
-    assert [b.run_id for b in complete_batches(data)] == ["b1"]
+    assert [b.run_id for b in complete_batches(data.runs, data.warehouse)] == ["b1"]
 
     (data.run_dir("b2") / "_SUCCESS").write_text("")
     write_batch(data.root, "b3", [task("a")], [attempt("a")])
 
-    assert [b.run_id for b in complete_batches(data)] == ["b1", "b2", "b3"]
+    assert [b.run_id for b in complete_batches(data.runs, data.warehouse)] == ["b1", "b2", "b3"]
