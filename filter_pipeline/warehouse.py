@@ -143,7 +143,7 @@ class ParquetWarehouseIOManager(dg.UPathIOManager):
     def __init__(self, base_path: UPath, recent_bytes: int = RECENT_BYTES):
         super().__init__(base_path=base_path)
         self.recent_bytes = recent_bytes
-        self._recent: OrderedDict[str, tuple[tuple[int, int], pa.Table]] = OrderedDict()
+        self._recent: OrderedDict[str, tuple[tuple[int, int], pa.Table, int]] = OrderedDict()  # signature, table, bytes
 
     def dump_to_path(self, context: dg.OutputContext, obj: pd.DataFrame, path: UPath) -> None:
         asset = context.asset_key.path[-1]
@@ -171,10 +171,11 @@ class ParquetWarehouseIOManager(dg.UPathIOManager):
     def _remember(self, path: UPath, table: pa.Table) -> None:
         signature = self._signature(path)
         self._recent.pop(str(path), None)
-        if signature is None or table.nbytes > self.recent_bytes:
+        size = table.nbytes  # measured once: it walks every column's buffers
+        if signature is None or size > self.recent_bytes:
             return
-        self._recent[str(path)] = (signature, table)
-        while sum(t.nbytes for _, t in self._recent.values()) > self.recent_bytes:
+        self._recent[str(path)] = (signature, table, size)
+        while sum(entry[2] for entry in self._recent.values()) > self.recent_bytes:
             self._recent.popitem(last=False)  # the oldest write goes first
 
     def _recall(self, path: UPath) -> pa.Table | None:
