@@ -139,12 +139,12 @@ class _KeyProbe:
     confirmed on the canonical text."""
 
     def __init__(self, batch_keys: pd.DataFrame):
-        unique = batch_keys.drop_duplicates("dedup_key")
         # an int64 hash index, built once; probing it is O(1) per history row
-        self.hashes = pd.Index(pd.unique(unique["key_hash"].to_numpy(dtype=np.int64)))
+        self.hashes = pd.Index(pd.unique(batch_keys["key_hash"].to_numpy(dtype=np.int64)))
         self.hashes.get_indexer(np.zeros(1, dtype=np.int64))  # build its hash table now, not racing in threads
-        self.texts = pa.array(unique["dedup_key"].astype(object), type=pa.string())
-        self.wanted = len(unique) > 0  # no keys to look for: history is read for its counts alone
+        texts = pa.array(batch_keys["dedup_key"], type=pa.string())  # (repeats are fine in a value set)
+        self.texts = texts.combine_chunks() if isinstance(texts, pa.ChunkedArray) else texts
+        self.wanted = len(batch_keys) > 0  # no keys to look for: history is read for its counts alone
 
     def maybe(self, hashes: np.ndarray) -> np.ndarray:
         return self.hashes.get_indexer(hashes) >= 0
