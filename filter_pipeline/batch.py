@@ -512,8 +512,6 @@ def _stems(folder) -> set[str]:
     return {p.name.removesuffix(".parquet") for p in folder.iterdir() if p.name.endswith(".parquet") and not p.name.startswith(".")}
 
 
-
-
 def read_batch(run_dir: UPath, run_id: str) -> Batch:
     """Parse `runs/<run_id>/`: tasks and attempts that passed validation, and one reject row per record that
     did not (malformed, mistyped, a second `task_id` or (task_id, attempt), an attempt of an unknown task).

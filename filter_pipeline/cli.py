@@ -13,7 +13,7 @@ import sys
 
 from upath import UPath
 
-from filter_pipeline.batch import LOCAL_PROTOCOLS, check_run_id, complete_batches, read_ahead
+from filter_pipeline.batch import LOCAL_PROTOCOLS, SUCCESS_FILE, check_run_id, complete_batches, read_ahead
 from filter_pipeline.history import HistoryError
 from filter_pipeline.settings import (
     DATA_ENV,
@@ -58,8 +58,10 @@ def read_first_batch_ahead(args: argparse.Namespace) -> bool:
         pending = args.run_ids or [b.run_id for b in complete_batches(root / "runs", root / "warehouse", log=None) if not b.filtered]
         if not pending:
             return False
-        check_run_id(pending[0])
-        return read_ahead(root / "runs" / pending[0], pending[0])
+        run_dir = root / "runs" / check_run_id(pending[0])
+        if not (run_dir / SUCCESS_FILE).exists():
+            return False  # still being written
+        return read_ahead(run_dir, pending[0])
     except (ValueError, OSError):
         return False
 

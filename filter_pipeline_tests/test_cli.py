@@ -211,11 +211,13 @@ def test_a_run_killed_while_writing_kept_leaves_nothing_partial_and_reruns_ident
 
 def test_the_first_batch_is_read_ahead_only_where_its_steps_run_in_this_process(data_root, monkeypatch):
     write_batch(data_root, "b1", [task("a")], [attempt("a")])
+    write_batch(data_root, "b0", [task("a")], [attempt("a")], complete=False)
     args = lambda *argv: cli_module._parser().parse_args(["materialize", "--data", str(data_root), *argv])  # noqa: E731
     monkeypatch.setenv(EXECUTOR_ENV, "multiprocess")
     assert not cli_module.read_first_batch_ahead(args())
     monkeypatch.delenv(EXECUTOR_ENV)
     assert not cli_module.read_first_batch_ahead(args("../b1"))  # not a run_id: left for materialize to refuse
     assert not cli_module.read_first_batch_ahead(args("nope"))  # no such batch
+    assert not cli_module.read_first_batch_ahead(args("b0"))  # still being written
     assert cli_module.read_first_batch_ahead(args())  # the first complete batch not yet filtered
     assert read_batch(UPath(str(data_root / "runs" / "b1")), "b1").read_ahead
