@@ -5,6 +5,7 @@ Both take the data root from the same `DataRoot` resource, so the ledger step, w
 """
 
 import os
+import time
 import uuid
 from collections import OrderedDict
 
@@ -80,40 +81,58 @@ def storage_options(path: str, endpoint_url: str | None) -> dict:
     return options
 
 
-def write_parquet(table, path: UPath, dictionary: list[str] | bool = True) -> None:
-    """Write `table` to `path` atomically (see `write_atomically`); `dictionary`: which columns to
-    dictionary-encode (all by default)."""
-    write_atomically(path, lambda f: pq.write_table(table, f, use_dictionary=dictionary))
+def write_parquet(table, path: UPath, dictionary: list[str] | bool = True) -> tuple[int, int] | None:
+    """Write `table` to `path` atomically (see `write_atomically`, which says what it returns);
+    `dictionary`: which columns to dictionary-encode (all by default)."""
+    return write_atomically(path, lambda f: pq.write_table(table, f, use_dictionary=dictionary))
 
 
-def write_atomically(path: UPath, write) -> None:
+def write_atomically(path: UPath, write) -> tuple[int, int] | None:
     """Call `write(file)` so that readers of `path` see the old file or the new one, never a partial one.
+    Returns the (size, mtime_ns) of the file as written on local disk (taken before it is renamed into
+    place, so another process's write right after cannot be mistaken for it); None on object stores.
 
-    On local disk: a hidden temp file beside the target, fsynced, then renamed over it; temp files left by a
-    killed earlier write are removed first. Object stores make a single PUT visible atomically.
+    On local disk: a hidden temp file beside the target, fsynced, then renamed over it; temp files a killed
+    earlier write left (untouched for STALE_TEMP_SECONDS) are removed first. Object stores make a single PUT
+    visible atomically.
     """
     if not isinstance(path.fs, LocalFileSystem):  # (also: object stores have no rename)
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("wb") as f:
             write(f)
-        return
+        return None
     target = path.path
     folder = os.path.dirname(target)
     os.makedirs(folder, exist_ok=True)
     stale_prefix = f".{os.path.basename(target)}."
     for name in os.listdir(folder):
         if name.startswith(stale_prefix) and name.endswith(".tmp"):
-            os.unlink(os.path.join(folder, name))
+            _remove_if_stale(os.path.join(folder, name))
     tmp = os.path.join(folder, f"{stale_prefix}{uuid.uuid4().hex}.tmp")
     try:
         with open(tmp, "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
+        written = os.stat(tmp)  # a rename keeps size and mtime
         os.replace(tmp, target)
+        return written.st_size, written.st_mtime_ns
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+# A younger temp file may be another process's write in progress (two runs refreshing coverage at once):
+# removing it would fail that write's rename.
+STALE_TEMP_SECONDS = 3600
+
+
+def _remove_if_stale(path: str) -> None:
+    try:
+        if time.time() - os.stat(path).st_mtime > STALE_TEMP_SECONDS:
+            os.unlink(path)
+    except FileNotFoundError:
+        pass  # its writer renamed or removed it meanwhile
 
 
 def read_parquet(path: UPath, columns: list[str] | None = None) -> pd.DataFrame:
@@ -150,8 +169,7 @@ class ParquetWarehouseIOManager(dg.UPathIOManager):
         if asset not in SCHEMAS:
             raise KeyError(f"asset {asset!r} has no Arrow schema in filter_pipeline.schemas.SCHEMAS")
         table = to_arrow(obj, asset)
-        write_parquet(table, path, dictionary_columns(asset))
-        self._remember(path, table)
+        self._remember(path, table, write_parquet(table, path, dictionary_columns(asset)))
 
     def load_from_path(self, context: dg.InputContext, path: UPath) -> pd.DataFrame:
         """The partition's frame; only the columns an input names in its `columns` metadata, if it does."""
@@ -168,8 +186,8 @@ class ParquetWarehouseIOManager(dg.UPathIOManager):
         stat = os.stat(path.path)
         return stat.st_size, stat.st_mtime_ns
 
-    def _remember(self, path: UPath, table: pa.Table) -> None:
-        signature = self._signature(path)
+    def _remember(self, path: UPath, table: pa.Table, signature: tuple[int, int] | None) -> None:
+        """Keep `table` as the content of the file with `signature` (None: an object store, not kept)."""
         self._recent.pop(str(path), None)
         size = table.nbytes  # measured once: it walks every column's buffers
         if signature is None or size > self.recent_bytes:

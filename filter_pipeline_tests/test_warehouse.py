@@ -2,6 +2,8 @@
 
 import json
 import os
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import dagster as dg
 import pandas as pd
@@ -73,6 +75,8 @@ def test_local_write_is_atomic_and_cleans_temp_files_of_a_killed_write(tmp_path,
     write_parquet(to_arrow(empty_frame("kept"), "kept"), target)
     stale = tmp_path / "kept" / ".r1.parquet.deadbeef.tmp"
     stale.write_bytes(b"half a parquet file")
+    old = time.time() - warehouse.STALE_TEMP_SECONDS - 60
+    os.utime(stale, (old, old))  # left by a write killed over an hour ago
 
     def dies_midway(table, where, **options):
         where.write(b"PAR1 half a file")
@@ -86,8 +90,10 @@ def test_local_write_is_atomic_and_cleans_temp_files_of_a_killed_write(tmp_path,
     assert pq.read_table(target).num_rows == 0  # the old file is intact
 
     rows = pd.DataFrame([{"task_id": "a", "run_id": "r1"}])
-    write_parquet(to_arrow(rows, "kept"), target)
+    written = write_parquet(to_arrow(rows, "kept"), target)
     assert pq.read_table(target).column("task_id").to_pylist() == ["a"]
+    stat = os.stat(target.path)
+    assert written == (stat.st_size, stat.st_mtime_ns)  # the file as written, named before its rename
 
 
 def test_whole_graph_on_an_s3_compatible_server_with_history_and_retired_found_there(s3_bucket):
@@ -121,6 +127,26 @@ def test_an_endpoint_url_names_the_s3_server_without_any_aws_endpoint_variable(s
     data = DataRoot.from_env("s3://endpoint-setting/data")
     (data.root / "probe.txt").write_text("here")
     assert s3_server.filesystem().cat("endpoint-setting/data/probe.txt") == b"here"
+
+
+def test_a_write_in_progress_elsewhere_is_left_alone(tmp_path):
+    target = UPath(tmp_path) / "coverage.parquet"
+    in_progress = tmp_path / ".coverage.parquet.0123abcd.tmp"  # another process is writing it right now
+    in_progress.write_bytes(b"PAR1 so far")
+    write_parquet(to_arrow(empty_frame("coverage"), "coverage"), target)
+    assert in_progress.exists()
+
+
+def test_two_writers_of_the_same_file_both_succeed(tmp_path):
+    # two runs refreshing an across-runs asset at the same moment (two CLI calls); one file, the last wins
+    target = UPath(tmp_path) / "coverage.parquet"
+    table = to_arrow(empty_frame("coverage"), "coverage")
+    with ThreadPoolExecutor(max_workers=2) as writers:
+        done = [writers.submit(write_parquet, table, target) for _ in range(40)]
+        for write in done:
+            write.result()  # raises if one writer removed the other's temp file
+    assert pq.read_table(target).num_rows == 0
+    assert [p.name for p in tmp_path.iterdir()] == ["coverage.parquet"]
 
 
 def test_an_endpoint_url_on_a_local_data_root_is_refused(tmp_path):
