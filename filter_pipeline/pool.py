@@ -15,6 +15,8 @@ from contextlib import contextmanager
 import dagster as dg
 from dagster._core.storage.event_log.sqlite import ConsolidatedSqliteEventLogStorage, SqliteEventLogStorage
 
+from filter_pipeline.warehouse import process_alive
+
 LEDGER_POOL = "ledger"
 HOST_TAG = "filter_pipeline/host"
 PID_TAG = "filter_pipeline/pid"
@@ -50,16 +52,6 @@ def mark_ledger_holder(context: dg.AssetExecutionContext) -> None:
     context.instance.add_run_tags(context.run.run_id, {HOST_TAG: socket.gethostname(), PID_TAG: str(os.getpid())})
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def release_stale_ledger_slots(instance: dg.DagsterInstance) -> list[str]:
     """Free ledger slots held by dead processes on this host; returns the run_ids whose slots were freed."""
     storage = instance.event_log_storage
@@ -70,7 +62,7 @@ def release_stale_ledger_slots(instance: dg.DagsterInstance) -> list[str]:
     for run_id in storage.get_concurrency_info(LEDGER_POOL).active_run_ids:
         run = instance.get_run_by_id(run_id)
         tags = run.tags if run else {}
-        holder_is_dead = tags.get(HOST_TAG) == host and PID_TAG in tags and not _alive(int(tags[PID_TAG]))
+        holder_is_dead = tags.get(HOST_TAG) == host and PID_TAG in tags and not process_alive(int(tags[PID_TAG]))
         if run is None or (holder_is_dead and run.status != dg.DagsterRunStatus.SUCCESS):
             if run is not None and not run.is_finished:
                 instance.report_run_failed(run, "its process died while holding the ledger slot")

@@ -5,6 +5,7 @@ Both take the data root from the same `DataRoot` resource, so the ledger step, w
 """
 
 import os
+import socket
 import time
 import uuid
 from collections import OrderedDict
@@ -93,8 +94,7 @@ def write_atomically(path: UPath, write) -> tuple[int, int] | None:
     place, so another process's write right after cannot be mistaken for it); None on object stores.
 
     On local disk: a hidden temp file beside the target, fsynced, then renamed over it; temp files a killed
-    earlier write left (untouched for STALE_TEMP_SECONDS) are removed first. Object stores make a single PUT
-    visible atomically.
+    earlier write left are removed first (see `_stale`). Object stores make a single PUT visible atomically.
     """
     if not isinstance(path.fs, LocalFileSystem):  # (also: object stores have no rename)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -106,9 +106,13 @@ def write_atomically(path: UPath, write) -> tuple[int, int] | None:
     os.makedirs(folder, exist_ok=True)
     stale_prefix = f".{os.path.basename(target)}."
     for name in os.listdir(folder):
-        if name.startswith(stale_prefix) and name.endswith(".tmp"):
-            _remove_if_stale(os.path.join(folder, name))
-    tmp = os.path.join(folder, f"{stale_prefix}{uuid.uuid4().hex}.tmp")
+        if name.startswith(stale_prefix) and name.endswith(".tmp") and _stale(os.path.join(folder, name), name[len(stale_prefix) : -4]):
+            try:
+                os.unlink(os.path.join(folder, name))
+            except FileNotFoundError:
+                pass  # its writer renamed or removed it meanwhile
+    # the writer's host and pid in the name: a later write can tell a dead writer's file from a live one's
+    tmp = os.path.join(folder, f"{stale_prefix}{HOST}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
     try:
         with open(tmp, "wb") as f:
             write(f)
@@ -122,17 +126,32 @@ def write_atomically(path: UPath, write) -> tuple[int, int] | None:
             os.unlink(tmp)
 
 
-# A younger temp file may be another process's write in progress (two runs refreshing coverage at once):
-# removing it would fail that write's rename.
+HOST = socket.gethostname()
 STALE_TEMP_SECONDS = 3600
 
 
-def _remove_if_stale(path: str) -> None:
+def process_alive(pid: int) -> bool:
+    """Whether a process with this pid runs on this host."""
     try:
-        if time.time() - os.stat(path).st_mtime > STALE_TEMP_SECONDS:
-            os.unlink(path)
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _stale(path: str, writer: str) -> bool:
+    """Whether a temp file (`writer`: the `<host>.<pid>.<hex>` part of its name) is left over: its writer ran
+    on this host and is gone, or nobody has touched it for STALE_TEMP_SECONDS. Another process's write in
+    progress (two runs refreshing coverage at once) is neither, and removing it would fail its rename."""
+    parts = writer.rsplit(".", 2)
+    if len(parts) == 3 and parts[0] == HOST and parts[1].isdigit() and not process_alive(int(parts[1])):
+        return True
+    try:
+        return time.time() - os.stat(path).st_mtime > STALE_TEMP_SECONDS
     except FileNotFoundError:
-        pass  # its writer renamed or removed it meanwhile
+        return False
 
 
 def read_parquet(path: UPath, columns: list[str] | None = None) -> pd.DataFrame:

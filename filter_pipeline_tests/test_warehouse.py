@@ -2,6 +2,7 @@
 
 import json
 import os
+import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -135,6 +136,19 @@ def test_a_write_in_progress_elsewhere_is_left_alone(tmp_path):
     in_progress.write_bytes(b"PAR1 so far")
     write_parquet(to_arrow(empty_frame("coverage"), "coverage"), target)
     assert in_progress.exists()
+
+
+def test_a_dead_writers_temp_file_goes_at_once_and_a_live_ones_stays(tmp_path):
+    target = UPath(tmp_path) / "kept" / "r1.parquet"
+    (tmp_path / "kept").mkdir()
+    finished = subprocess.Popen(["true"])
+    finished.wait()  # its pid no longer runs
+    dead = tmp_path / "kept" / f".r1.parquet.{warehouse.HOST}.{finished.pid}.00ff.tmp"
+    live = tmp_path / "kept" / f".r1.parquet.{warehouse.HOST}.{os.getpid()}.00ee.tmp"
+    dead.write_bytes(b"half a file")
+    live.write_bytes(b"half a file")
+    write_parquet(to_arrow(empty_frame("kept"), "kept"), target)
+    assert not dead.exists() and live.exists()
 
 
 def test_two_writers_of_the_same_file_both_succeed(tmp_path):
