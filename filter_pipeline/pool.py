@@ -8,14 +8,13 @@ a slot whose holder is a dead process on this host, and mark that run failed.
 
 import fcntl
 import os
-import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import dagster as dg
 from dagster._core.storage.event_log.sqlite import ConsolidatedSqliteEventLogStorage, SqliteEventLogStorage
 
-from filter_pipeline.warehouse import process_alive
+from filter_pipeline.warehouse import HOST, process_alive
 
 LEDGER_POOL = "ledger"
 HOST_TAG = "filter_pipeline/host"
@@ -49,7 +48,7 @@ def ledger_lock(instance: dg.DagsterInstance) -> Iterator[None]:
 
 def mark_ledger_holder(context: dg.AssetExecutionContext) -> None:
     """Record which process holds the ledger slot for this run."""
-    context.instance.add_run_tags(context.run.run_id, {HOST_TAG: socket.gethostname(), PID_TAG: str(os.getpid())})
+    context.instance.add_run_tags(context.run.run_id, {HOST_TAG: HOST, PID_TAG: str(os.getpid())})
 
 
 def release_stale_ledger_slots(instance: dg.DagsterInstance) -> list[str]:
@@ -57,12 +56,11 @@ def release_stale_ledger_slots(instance: dg.DagsterInstance) -> list[str]:
     storage = instance.event_log_storage
     if not storage.supports_global_concurrency_limits:
         return []
-    host = socket.gethostname()
     freed = []
     for run_id in storage.get_concurrency_info(LEDGER_POOL).active_run_ids:
         run = instance.get_run_by_id(run_id)
         tags = run.tags if run else {}
-        holder_is_dead = tags.get(HOST_TAG) == host and PID_TAG in tags and not process_alive(int(tags[PID_TAG]))
+        holder_is_dead = tags.get(HOST_TAG) == HOST and PID_TAG in tags and not process_alive(int(tags[PID_TAG]))
         if run is None or (holder_is_dead and run.status != dg.DagsterRunStatus.SUCCESS):
             if run is not None and not run.is_finished:
                 instance.report_run_failed(run, "its process died while holding the ledger slot")

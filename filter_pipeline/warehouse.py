@@ -106,7 +106,7 @@ def write_atomically(path: UPath, write) -> tuple[int, int] | None:
     os.makedirs(folder, exist_ok=True)
     stale_prefix = f".{os.path.basename(target)}."
     for name in os.listdir(folder):
-        if name.startswith(stale_prefix) and name.endswith(".tmp") and _stale(os.path.join(folder, name), name[len(stale_prefix) : -4]):
+        if name.startswith(stale_prefix) and name.endswith(".tmp") and _stale(os.path.join(folder, name), name[len(stale_prefix) :].removesuffix(".tmp")):
             try:
                 os.unlink(os.path.join(folder, name))
             except FileNotFoundError:
