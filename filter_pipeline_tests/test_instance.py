@@ -1,0 +1,129 @@
+"""The local instance (instance/dagster.yaml): Dagster's SQLite storage, files and all, with engines kept."""
+
+import shutil
+import time
+
+import dagster as dg
+from dagster._core.events.log import EventLogEntry
+from dagster._core.storage.event_log.sqlite import SqliteEventLogStorage as DagsterSqliteEventLogStorage
+
+from filter_pipeline import instance as local
+from filter_pipeline_tests.conftest import REPO
+
+
+def home_with(tmp_path, yaml_text: str | None = None):
+    home = tmp_path / "home"
+    home.mkdir()
+    shutil.copy(REPO / "instance" / "dagster.yaml", home / "dagster.yaml")
+    if yaml_text is not None:
+        (home / "dagster.yaml").write_text(yaml_text)
+    return home
+
+
+def stock_yaml() -> str:
+    """The project's dagster.yaml without its instance_class: Dagster's own instance on the same files."""
+    text = (REPO / "instance" / "dagster.yaml").read_text()
+    return text[: text.index("instance_class:")]
+
+
+@dg.asset
+def one() -> int:
+    return 1
+
+
+@dg.asset
+def two(one: int) -> int:
+    return one + 1
+
+
+def materialize(instance) -> str:
+    result = dg.materialize([one, two], instance=instance)
+    assert result.success
+    return result.run_id
+
+
+def log_line(run_id: str, n: int) -> EventLogEntry:
+    return EventLogEntry(
+        error_info=None, level=20, user_message=f"line {n}", run_id=run_id, timestamp=time.time(),
+        step_key="s", job_name="j", dagster_event=None,
+    )  # fmt: skip
+
+
+def test_the_project_instance_keeps_engines_on_dagsters_folders(tmp_path):
+    home = home_with(tmp_path)
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        assert type(instance) is local.LocalInstance
+        assert type(instance.event_log_storage) is local.SqliteEventLogStorage
+        run_id = materialize(instance)
+    # where Dagster's `storage: sqlite` keeps them
+    assert (home / "history" / "runs.db").exists()
+    assert (home / "history" / "runs" / "index.db").exists()
+    assert (home / "history" / "runs" / f"{run_id}.db").exists()
+
+
+def test_dagsters_own_instance_reads_what_it_stored_and_the_other_way_round(tmp_path):
+    home = home_with(tmp_path)
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        ours = materialize(instance)
+        ours_events = [e.dagster_event_type for e in instance.all_logs(ours)]
+    (home / "dagster.yaml").write_text(stock_yaml())
+    with dg.DagsterInstance.from_config(str(home)) as stock:
+        assert type(stock.event_log_storage) is DagsterSqliteEventLogStorage
+        assert [e.dagster_event_type for e in stock.all_logs(ours)] == ours_events
+        assert stock.get_latest_materialization_event(dg.AssetKey("two")).run_id == ours
+        theirs = materialize(stock)
+        theirs_events = [e.dagster_event_type for e in stock.all_logs(theirs)]
+    (home / "dagster.yaml").write_text((REPO / "instance" / "dagster.yaml").read_text())
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        assert [e.dagster_event_type for e in instance.all_logs(theirs)] == theirs_events
+        assert instance.get_latest_materialization_event(dg.AssetKey("two")).run_id == theirs
+        assert {r.run_id for r in instance.get_runs()} == {ours, theirs}
+
+
+def test_an_engine_is_built_once_per_shard_not_once_per_event(tmp_path, monkeypatch):
+    built = []
+    real = local.create_engine
+    monkeypatch.setattr(local, "create_engine", lambda url, **kw: built.append(str(url)) or real(url, **kw))
+    storage = local.SqliteEventLogStorage(str(tmp_path))
+    for n in range(20):
+        storage.store_event(log_line("r1", n))
+        storage.has_dynamic_partition("run_id", "b1")
+    assert len(storage.get_logs_for_run("r1")) == 20
+    assert sorted(url.rsplit("/", 1)[1] for url in built) == ["index.db", "r1.db"]
+    storage.dispose()
+
+
+def test_engines_of_the_least_recently_used_shards_are_let_go(tmp_path, monkeypatch):
+    monkeypatch.setattr(local, "MAX_ENGINES", 3)
+    storage = local.SqliteEventLogStorage(str(tmp_path))
+    for run_id in ["r1", "r2", "r3", "r1", "r4"]:
+        storage.store_event(log_line(run_id, 0))
+    assert list(storage._engines) == ["r3", "r1", "r4"]
+    # a shard let go is opened again, with nothing lost
+    storage.store_event(log_line("r2", 1))
+    assert [e.user_message for e in storage.get_logs_for_run("r2")] == ["line 0", "line 1"]
+    storage.dispose()
+
+
+def test_a_table_is_looked_up_again_until_it_exists(tmp_path):
+    storage = local.SqliteEventLogStorage(str(tmp_path))
+    assert storage.has_table("dynamic_partitions")
+    assert not storage.has_table("added_later")
+    assert not storage.has_table("added_later")  # (an absence is not remembered)
+    with storage.index_connection() as conn:
+        conn.exec_driver_sql("CREATE TABLE added_later (x INTEGER)")
+    assert storage.has_table("added_later")
+    storage.dispose()
+
+
+def test_a_configured_storage_is_used_as_configured(tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    home = home_with(tmp_path)
+    text = (home / "dagster.yaml").read_text() + f"\nstorage:\n  sqlite:\n    base_dir: {elsewhere}\n"
+    (home / "dagster.yaml").write_text(text)
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        assert type(instance) is local.LocalInstance
+        assert type(instance.event_log_storage) is DagsterSqliteEventLogStorage
+        run_id = materialize(instance)
+    assert (elsewhere / "history" / "runs" / f"{run_id}.db").exists()
+    assert not (home / "history").exists()
