@@ -1,5 +1,6 @@
 """The CLI as a user runs it: separate processes on a temp DAGSTER_HOME and data root."""
 
+import gc
 import shutil
 import subprocess
 import time
@@ -221,3 +222,9 @@ def test_the_first_batch_is_read_ahead_only_where_its_steps_run_in_this_process(
     assert not cli_module.read_first_batch_ahead(args("b0"))  # still being written
     assert cli_module.read_first_batch_ahead(args())  # the first complete batch not yet filtered
     assert read_batch(UPath(str(data_root / "runs" / "b1")), "b1").read_ahead
+
+
+def test_garbage_is_collected_again_once_dagster_is_imported(data_root, monkeypatch):
+    monkeypatch.delenv("DAGSTER_HOME", raising=False)  # materialize stops at once, after the import
+    assert cli_module.main(["materialize", "--data", str(data_root)]) == 2
+    assert gc.isenabled()
