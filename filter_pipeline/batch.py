@@ -27,6 +27,15 @@ from filter_pipeline.schemas import canonical_key, canonical_texts, conform, emp
 # fsspec protocols of a local data root; anything else is object storage (no symlinks, no rename)
 LOCAL_PROTOCOLS = ("", "file", "local")
 
+
+def local_signature(path: UPath) -> tuple[int, int] | None:
+    """(size, mtime_ns) of a file on local disk, by which a process tells a file it read or wrote from a later
+    rewrite; None off local disk (another machine may rewrite an object). Raises OSError if it is missing."""
+    if path.protocol not in LOCAL_PROTOCOLS:
+        return None
+    stat = os.stat(path.path)
+    return stat.st_size, stat.st_mtime_ns
+
 TASKS_FILE = "tasks.jsonl"
 EXECUTIONS_FILE = "executions.jsonl"
 SUCCESS_FILE = "_SUCCESS"
@@ -554,12 +563,11 @@ def read_ahead(run_dir: UPath, run_id: str) -> bool:
 
 def _file_signature(run_dir: UPath) -> tuple | None:
     """(size, mtime_ns) of the batch's two files on local disk; None elsewhere or if one is missing."""
-    if run_dir.protocol not in LOCAL_PROTOCOLS:
-        return None
     try:
-        return tuple((s.st_size, s.st_mtime_ns) for s in (os.stat(os.path.join(run_dir.path, f)) for f in (TASKS_FILE, EXECUTIONS_FILE)))
+        signatures = tuple(local_signature(run_dir / name) for name in (TASKS_FILE, EXECUTIONS_FILE))
     except OSError:
         return None
+    return None if None in signatures else signatures
 
 
 def _parse_batch(run_dir: UPath, run_id: str) -> Batch:

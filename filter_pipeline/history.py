@@ -6,7 +6,6 @@ columns the walk needs, so memory follows the largest run rather than the whole 
 """
 
 import json
-import os
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -18,7 +17,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from upath import UPath
 
-from filter_pipeline.batch import LEGACY_KEPT_FILE, LOCAL_PROTOCOLS
+from filter_pipeline.batch import LEGACY_KEPT_FILE, local_signature
 from filter_pipeline.schemas import canonical_key, conform, empty_frame, key_hashes, pylist, to_pandas
 
 RETIRED_FILE = "retired.json"
@@ -265,8 +264,8 @@ def _in_order(read, items: list):
 
 @dataclass(frozen=True)
 class _Counted:
-    """The counts of one history read, and the exact files they came from: run_id -> (path, size, mtime_ns,
-    that run's retired task_ids)."""
+    """The counts of one history read, and the exact files they came from: run_id -> (path, (size,
+    mtime_ns), that run's retired task_ids)."""
 
     files: dict[str, tuple]
     counts: _PairCounts
@@ -280,11 +279,9 @@ _last_counted: _Counted | None = None
 
 
 def _fingerprint(path: UPath, retired_ids: frozenset[str] | None) -> tuple | None:
-    """What a file's counts depend on; None off local disk (another machine may rewrite an object)."""
-    if path.protocol not in LOCAL_PROTOCOLS:
-        return None
-    stat = os.stat(path.path)
-    return path.path, stat.st_size, stat.st_mtime_ns, retired_ids
+    """What a file's counts depend on; None off local disk."""
+    signature = local_signature(path)
+    return None if signature is None else (path.path, signature, retired_ids)
 
 
 def build_prior_index(

@@ -19,7 +19,7 @@ from fsspec.implementations.local import LocalFileSystem
 from pydantic import Field
 from upath import UPath
 
-from filter_pipeline.batch import LOCAL_PROTOCOLS
+from filter_pipeline.batch import LOCAL_PROTOCOLS, local_signature
 from filter_pipeline.schemas import SCHEMAS, dictionary_columns, to_arrow, to_pandas
 from filter_pipeline.settings import DATA_ENV, DEFAULT_DATA, ENDPOINT_ENV, data_path
 
@@ -198,13 +198,6 @@ class ParquetWarehouseIOManager(dg.UPathIOManager):
             return read_parquet(path, columns=columns)
         return to_pandas(table.select(columns) if columns else table)
 
-    @staticmethod
-    def _signature(path: UPath) -> tuple[int, int] | None:
-        if not isinstance(path.fs, LocalFileSystem):
-            return None  # object stores: always read (another process may have written it)
-        stat = os.stat(path.path)
-        return stat.st_size, stat.st_mtime_ns
-
     def _remember(self, path: UPath, table: pa.Table, signature: tuple[int, int] | None) -> None:
         """Keep `table` as the content of the file with `signature` (None: an object store, not kept)."""
         self._recent.pop(str(path), None)
@@ -220,7 +213,7 @@ class ParquetWarehouseIOManager(dg.UPathIOManager):
         if entry is None:
             return None
         try:
-            if self._signature(path) == entry[0]:
+            if local_signature(path) == entry[0]:
                 return entry[1]
         except OSError:
             pass
