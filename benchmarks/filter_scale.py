@@ -1,12 +1,13 @@
 """The filter stage at scale, against the earlier script's approach, as whole processes.
 
     .venv/bin/python -m benchmarks.filter_scale                      # 2M history rows, 300k tasks
+    .venv/bin/python -m benchmarks.filter_scale --repeat 5           # the same, five times each, with medians
     .venv/bin/python -m benchmarks.filter_scale --history-runs 400 --no-baseline   # history x 10
 
 Generates (fixed seed, cached under benchmarks/out/) a history of kept rows — as warehouse Parquet files
 for this project and as legacy runs/*/kept.jsonl for the baseline — and one new batch, then times
 `filter-pipeline materialize` (process start to exit, Dagster included) and the baseline script on it,
-printing wall time, peak RSS and this project's split by step.
+printing wall time, peak RSS and this project's split by step (and, with --repeat, the median ratio).
 """
 
 import argparse
@@ -15,6 +16,7 @@ import os
 import re
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -181,6 +183,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=20261130)
     parser.add_argument("--no-baseline", action="store_true", help="skip the earlier script (it needs ~30 GB at 20M rows)")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "out")
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="time both N times, alternating, and print the medians (the machine's noise is ~10%%)"
+    )
     args = parser.parse_args()
 
     name = f"h{args.history_runs}x{args.history_rows}-t{args.tasks}-s{args.seed}{'-nb' if args.no_baseline else ''}"
@@ -190,7 +195,27 @@ def main() -> None:
         start = time.perf_counter()
         generate(data, args)
         print(f"generated {name} in {time.perf_counter() - start:.0f} s")
-    home = args.out / f"{name}-home"
+    history = args.history_runs * args.history_rows
+    print(f"history {history:,} kept rows in {args.history_runs} runs; batch {args.tasks:,} tasks")
+    ours, theirs = [], []
+    for n in range(1, args.repeat + 1):
+        label = f"[{n}/{args.repeat}] " if args.repeat > 1 else ""
+        ours.append(run_filter(data, args.out / f"{name}-home", args, label))
+        if not args.no_baseline:
+            theirs.append(run_baseline(data, args, label))
+            print(f"{label}ratio:           {ours[-1][0] / theirs[-1][0]:6.3f} x time, {ours[-1][1] / theirs[-1][1]:.2f} x memory")
+    if args.repeat > 1:
+        wall, rss = statistics.median(w for w, _ in ours), max(r for _, r in ours)
+        line = f"median of {args.repeat}: filter-pipeline {wall:.1f} s (peak RSS up to {rss:.0f} MB)"
+        if theirs:
+            ratios = sorted(w / b for (w, _), (b, _) in zip(ours, theirs))
+            line += f", baseline {statistics.median(b for b, _ in theirs):.1f} s; ratio {statistics.median(ratios):.3f} x time"
+            line += f" (all runs, sorted: {', '.join(f'{r:.3f}' for r in ratios)})"
+        print(line)
+
+
+def run_filter(data: Path, home: Path, args: argparse.Namespace, label: str) -> tuple[float, float]:
+    """One timed `filter-pipeline materialize` of the batch on a fresh instance; (wall s, peak RSS MB)."""
     shutil.rmtree(home, ignore_errors=True)
     home.mkdir(parents=True)
     shutil.copy(REPO / "instance" / "dagster.yaml", home / "dagster.yaml")
@@ -209,24 +234,25 @@ def main() -> None:
     if done.returncode != 0:
         sys.exit(f"filter-pipeline failed:\n{done.stdout}\n{done.stderr[-3000:]}")
     summary = next(line for line in done.stdout.splitlines() if line.startswith("new:"))
-    history = args.history_runs * args.history_rows
-    print(f"history {history:,} kept rows in {args.history_runs} runs; batch {args.tasks:,} tasks")
-    print(f"filter-pipeline: {wall:6.1f} s  peak RSS {rss:7.0f} MB   {summary}")
+    print(f"{label}filter-pipeline: {wall:6.1f} s  peak RSS {rss:7.0f} MB   {summary}")
     split, phases = step_split(home)
     print("  split: " + ", ".join(f"{step} {sec:.1f} s" for step, sec in split.items()))
     print("  phases: " + ", ".join(f"{phase} {sec:.1f} s" for phase, sec in phases.items()))
-    kept = set(pd.read_parquet(data / "warehouse" / "kept" / "new.parquet", columns=["task_id"])["task_id"])
+    return wall, rss
 
-    if not args.no_baseline:
-        b_wall, b_rss, b_done = timed([sys.executable, "-c", BASELINE, str(data), "new", str(args.per_site_cap)], env)
-        if b_done.returncode != 0:
-            sys.exit(f"baseline failed:\n{b_done.stderr[-3000:]}")
-        baseline_kept = set((data / "baseline_kept.txt").read_text().split())
-        print(f"baseline:        {b_wall:6.1f} s  peak RSS {b_rss:7.0f} MB   kept {len(baseline_kept)}")
-        print(f"ratio:           {wall / b_wall:6.2f} x time, {rss / b_rss:.2f} x memory")
-        print(f"same kept rows as the baseline: {kept == baseline_kept}")
-        if kept != baseline_kept:
-            sys.exit(1)
+
+def run_baseline(data: Path, args: argparse.Namespace, label: str) -> tuple[float, float]:
+    """The earlier script on the same batch, checked to keep the same rows; (wall s, peak RSS MB)."""
+    wall, rss, done = timed([sys.executable, "-c", BASELINE, str(data), "new", str(args.per_site_cap)], dict(os.environ))
+    if done.returncode != 0:
+        sys.exit(f"baseline failed:\n{done.stderr[-3000:]}")
+    kept = set(pd.read_parquet(data / "warehouse" / "kept" / "new.parquet", columns=["task_id"])["task_id"])
+    baseline_kept = set((data / "baseline_kept.txt").read_text().split())
+    print(f"{label}baseline:        {wall:6.1f} s  peak RSS {rss:7.0f} MB   kept {len(baseline_kept)}")
+    print(f"{label}same kept rows as the baseline: {kept == baseline_kept}")
+    if kept != baseline_kept:
+        sys.exit(1)
+    return wall, rss
 
 
 if __name__ == "__main__":

@@ -32,26 +32,29 @@ def dpo_pairs(kept: pd.DataFrame, failure_pool: pd.DataFrame, include_judge_fail
     tasks are never in the pool, so never a negative.
     """
     kept_at = positions(failure_pool["task_id"], kept["task_id"])
-    candidates = failure_pool[kept_at >= 0]
-    backend_ok = (candidates["backend_ok"] == True).fillna(False).to_numpy(dtype=bool)  # noqa: E712
-    judge_row = (candidates["stage"] == STAGE_JUDGE).to_numpy(dtype=bool)
+    of_kept = kept_at >= 0
+    backend_ok = (failure_pool["backend_ok"] == True).fillna(False).to_numpy(dtype=bool) & of_kept  # noqa: E712
+    judge_row = (failure_pool["stage"] == STAGE_JUDGE).to_numpy(dtype=bool) & of_kept
     gate_passed_judge = judge_row & (not include_judge_failures)
-    is_clean = ~backend_ok & ~gate_passed_judge
-    clean, clean_at = candidates[is_clean], kept_at[kept_at >= 0][is_clean]
-    # pairs in kept (task) order, then pool order: each clean row beside the kept row of its task
+    clean = np.flatnonzero(of_kept & ~backend_ok & ~gate_passed_judge)  # pool rows, in pool order
+    clean_at = kept_at[clean]  # the kept row of each
+    # pairs in kept (task) order, then pool order: each clean row beside the kept row of its task (rows are
+    # picked by position, one take per column: filtering the frames first would copy every column again)
     order = np.argsort(clean_at, kind="stable")
     chosen = kept[_CHOSEN].iloc[clean_at[order]].reset_index(drop=True).rename(
         columns={"dir": "chosen_dir", "attempt": "chosen_attempt", "n_actions": "chosen_n_actions"}
     )
-    rejected = clean[_REJECTED].iloc[order].reset_index(drop=True).rename(
+    rejected = failure_pool[_REJECTED].iloc[clean[order]].reset_index(drop=True).rename(
         columns={
             "dir": "rejected_dir", "attempt": "rejected_attempt", "n_actions": "rejected_n_actions",
             "stage": "rejected_stage", "reason": "rejected_reason", "detail": "rejected_detail",
         }
     )  # fmt: skip
     pairs = pd.concat([chosen, rejected.drop(columns=["task_id"])], axis=1)
+    has_negative = np.zeros(len(kept), dtype=bool)
+    has_negative[clean_at] = True
     return Pairs(
         pairs=conform(pairs, "dpo_pairs"),
-        kept_without_negative=len(kept) - len(np.unique(clean_at)),  # kept rows no clean row points at
+        kept_without_negative=int((~has_negative).sum()),
         excluded={EXCLUDED_BACKEND_OK: int(backend_ok.sum()), EXCLUDED_JUDGE_GATE_PASSED: int(gate_passed_judge.sum())},
     )

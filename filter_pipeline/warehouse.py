@@ -20,7 +20,7 @@ from pydantic import Field
 from upath import UPath
 
 from filter_pipeline.batch import LOCAL_PROTOCOLS, local_signature
-from filter_pipeline.schemas import SCHEMAS, dictionary_columns, to_arrow, to_pandas
+from filter_pipeline.schemas import SCHEMAS, dictionary_columns, statistics_columns, to_arrow, to_pandas
 from filter_pipeline.settings import DATA_ENV, DEFAULT_DATA, ENDPOINT_ENV, data_path
 
 
@@ -82,10 +82,12 @@ def storage_options(path: str, endpoint_url: str | None) -> dict:
     return options
 
 
-def write_parquet(table, path: UPath, dictionary: list[str] | bool = True) -> tuple[int, int] | None:
+def write_parquet(
+    table, path: UPath, dictionary: list[str] | bool = True, statistics: list[str] | bool = True
+) -> tuple[int, int] | None:
     """Write `table` to `path` atomically (see `write_atomically`, which says what it returns);
-    `dictionary`: which columns to dictionary-encode (all by default)."""
-    return write_atomically(path, lambda f: pq.write_table(table, f, use_dictionary=dictionary))
+    `dictionary`, `statistics`: which columns to dictionary-encode and to write statistics for (all by default)."""
+    return write_atomically(path, lambda f: pq.write_table(table, f, use_dictionary=dictionary, write_statistics=statistics))
 
 
 def write_atomically(path: UPath, write) -> tuple[int, int] | None:
@@ -188,7 +190,7 @@ class ParquetWarehouseIOManager(dg.UPathIOManager):
         if asset not in SCHEMAS:
             raise KeyError(f"asset {asset!r} has no Arrow schema in filter_pipeline.schemas.SCHEMAS")
         table = to_arrow(obj, asset)
-        self._remember(path, table, write_parquet(table, path, dictionary_columns(asset)))
+        self._remember(path, table, write_parquet(table, path, dictionary_columns(asset), statistics_columns(asset)))
 
     def load_from_path(self, context: dg.InputContext, path: UPath) -> pd.DataFrame:
         """The partition's frame; only the columns an input names in its `columns` metadata, if it does."""

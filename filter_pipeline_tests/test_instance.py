@@ -1,9 +1,13 @@
 """The local instance (instance/dagster.yaml): Dagster's SQLite storage, files and all, with engines kept."""
 
+import contextlib
 import shutil
+import sqlite3
+import threading
 import time
 
 import dagster as dg
+from alembic.script import ScriptDirectory
 from dagster._core.events.log import EventLogEntry
 from dagster._core.storage.event_log.sqlite import SqliteEventLogStorage as DagsterSqliteEventLogStorage
 
@@ -127,3 +131,57 @@ def test_a_configured_storage_is_used_as_configured(tmp_path):
         run_id = materialize(instance)
     assert (elsewhere / "history" / "runs" / f"{run_id}.db").exists()
     assert not (home / "history").exists()
+
+
+def shard_layout(path) -> tuple[list, list, str]:
+    """A shard's schema (every table and index as created), its alembic revision and its journal mode."""
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        schema = conn.execute("SELECT type, name, sql FROM sqlite_master ORDER BY type, name").fetchall()
+        revision = conn.execute("SELECT version_num FROM alembic_version").fetchall()
+        return schema, revision, conn.execute("PRAGMA journal_mode").fetchone()[0]
+
+
+def test_a_new_run_shard_is_created_as_dagster_creates_it(tmp_path):
+    ours = local.SqliteEventLogStorage(str(tmp_path / "ours"))
+    ours.store_event(log_line("r1", 0))
+    theirs = DagsterSqliteEventLogStorage(str(tmp_path / "theirs"))
+    theirs.store_event(log_line("r1", 0))
+    made_by_us = shard_layout(tmp_path / "ours" / "r1.db")
+    assert made_by_us == shard_layout(tmp_path / "theirs" / "r1.db")
+    assert made_by_us[1] and made_by_us[2] == "wal"
+    # and Dagster opens our shard as one of its own: nothing to create or stamp again
+    assert [e.user_message for e in DagsterSqliteEventLogStorage(str(tmp_path / "ours")).get_logs_for_run("r1")] == ["line 0"]
+    ours.dispose()
+    theirs.dispose()
+
+
+def test_the_migration_scripts_are_loaded_once_for_all_new_shards(tmp_path, monkeypatch):
+    loads = []
+    real = ScriptDirectory.from_config.__func__
+    monkeypatch.setattr(ScriptDirectory, "from_config", classmethod(lambda cls, config: loads.append(1) or real(cls, config)))
+    local.migration_scripts.cache_clear()
+    storage = local.SqliteEventLogStorage(str(tmp_path))
+    for run_id in ["r1", "r2", "r3"]:
+        storage.store_event(log_line(run_id, 0))
+    assert len(loads) == 1
+    storage.dispose()
+
+
+def test_processes_creating_the_same_shard_at_once_all_store_their_events(tmp_path):
+    # separate storages, as separate processes have (the webserver, the daemon and a run worker)
+    storages = [local.SqliteEventLogStorage(str(tmp_path)) for _ in range(4)]
+    start = threading.Barrier(len(storages))
+
+    def store(n: int) -> None:
+        start.wait()
+        storages[n].store_event(log_line("r1", n))
+
+    threads = [threading.Thread(target=store, args=(n,)) for n in range(len(storages))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(e.user_message for e in storages[0].get_logs_for_run("r1")) == [f"line {n}" for n in range(4)]
+    assert len(shard_layout(tmp_path / "r1.db")[1]) == 1  # stamped once
+    for storage in storages:
+        storage.dispose()

@@ -181,6 +181,20 @@ def test_low_cardinality_columns_are_dictionary_encoded_and_unique_ones_are_not(
     assert not any("RLE_DICTIONARY" in encodings[c] for c in ("task_id", "dedup_key", "dir"))
 
 
+def test_statistics_are_written_where_they_can_skip_a_file(tmp_path):
+    run = tmp_path / "runs" / "d1"
+    run.mkdir(parents=True)
+    (run / "tasks.jsonl").write_text(jsonl([task("a"), task("b")]))
+    (run / "executions.jsonl").write_text(jsonl([attempt("a"), attempt("b")]))
+    assert materialize_all(str(tmp_path), "d1").success
+    meta = pq.ParquetFile(tmp_path / "warehouse" / "kept" / "d1.parquet").metadata.row_group(0)
+    stats = {meta.column(i).path_in_schema: meta.column(i).statistics for i in range(meta.num_columns)}
+    assert stats["run_id"].min == stats["run_id"].max == "d1"  # a query for another run skips this file
+    assert (stats["task_id"].min, stats["task_id"].max) == ("a", "b")
+    assert all(stats[c] is not None and stats[c].has_min_max for c in ("dir", "attempt", "key_hash", "passed"))
+    assert all(stats[c] is None for c in ("dedup_key", "instruction", "macro", "site", "why"))
+
+
 def test_an_input_naming_columns_loads_only_those(tmp_path):
     path = UPath(tmp_path) / "failure_pool" / "r1.parquet"
     write_parquet(to_arrow(empty_frame("failure_pool"), "failure_pool"), path)
