@@ -168,27 +168,26 @@ def test_an_endpoint_url_on_a_local_data_root_is_refused(tmp_path):
         DataRoot(path=str(tmp_path), endpoint_url="http://127.0.0.1:9").root
 
 
-def test_low_cardinality_columns_are_dictionary_encoded_and_unique_ones_are_not(tmp_path):
+def kept_file_columns(tmp_path) -> dict:
+    """Column name -> the Parquet column-chunk metadata of `kept` after a two-task batch d1 is filtered."""
     run = tmp_path / "runs" / "d1"
     run.mkdir(parents=True)
     (run / "tasks.jsonl").write_text(jsonl([task("a"), task("b")]))
     (run / "executions.jsonl").write_text(jsonl([attempt("a"), attempt("b")]))
     assert materialize_all(str(tmp_path), "d1").success
     meta = pq.ParquetFile(tmp_path / "warehouse" / "kept" / "d1.parquet").metadata.row_group(0)
-    encodings = {meta.column(i).path_in_schema: meta.column(i).encodings for i in range(meta.num_columns)}
+    return {meta.column(i).path_in_schema: meta.column(i) for i in range(meta.num_columns)}
+
+
+def test_low_cardinality_columns_are_dictionary_encoded_and_unique_ones_are_not(tmp_path):
+    encodings = {name: column.encodings for name, column in kept_file_columns(tmp_path).items()}
     # the history scan counts (macro, site) by dictionary code
     assert all("RLE_DICTIONARY" in encodings[c] for c in ("macro", "site", "run_id"))
     assert not any("RLE_DICTIONARY" in encodings[c] for c in ("task_id", "dedup_key", "dir"))
 
 
 def test_statistics_are_written_where_they_can_skip_a_file(tmp_path):
-    run = tmp_path / "runs" / "d1"
-    run.mkdir(parents=True)
-    (run / "tasks.jsonl").write_text(jsonl([task("a"), task("b")]))
-    (run / "executions.jsonl").write_text(jsonl([attempt("a"), attempt("b")]))
-    assert materialize_all(str(tmp_path), "d1").success
-    meta = pq.ParquetFile(tmp_path / "warehouse" / "kept" / "d1.parquet").metadata.row_group(0)
-    stats = {meta.column(i).path_in_schema: meta.column(i).statistics for i in range(meta.num_columns)}
+    stats = {name: column.statistics for name, column in kept_file_columns(tmp_path).items()}
     assert stats["run_id"].min == stats["run_id"].max == "d1"  # a query for another run skips this file
     assert (stats["task_id"].min, stats["task_id"].max) == ("a", "b")
     assert all(stats[c] is not None and stats[c].has_min_max for c in ("dir", "attempt", "key_hash", "passed"))
