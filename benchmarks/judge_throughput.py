@@ -7,6 +7,8 @@ task so a task is one call. Only loopback traffic.
 """
 
 import argparse
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -26,8 +28,20 @@ def server_process(latency: float):
     try:
         yield proc.stdout.readline().strip()
     finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+        stop(proc, seconds=10)
+
+
+def stop(proc: subprocess.Popen, seconds: float, group: bool = False) -> None:
+    """SIGTERM to the process (or its process group), then SIGKILL if it has not exited after `seconds`: a
+    process can inherit SIGTERM ignored (a shell that ran the benchmark in the background, nohup'd, ignores
+    SIGINT, and Dagster maps SIGTERM to SIGINT's handler), and would otherwise outlive the benchmark."""
+    signal_to = (lambda sig: os.killpg(proc.pid, sig)) if group else proc.send_signal
+    signal_to(signal.SIGTERM)
+    try:
+        proc.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        signal_to(signal.SIGKILL)
+        proc.wait()
 
 
 def main() -> None:

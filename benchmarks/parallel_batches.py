@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -27,7 +26,7 @@ from pathlib import Path
 import dagster as dg
 from dagster._core.events import DagsterEventType
 
-from benchmarks.judge_throughput import server_process
+from benchmarks.judge_throughput import server_process, stop
 
 REPO = Path(__file__).resolve().parent.parent
 IN_FLIGHT = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.STARTING,
@@ -132,8 +131,7 @@ def main() -> None:
                 ledger = step_spans(instance, "ledger_job", "ledger")
                 failed = instance.get_run_records(dg.RunsFilter(statuses=[dg.DagsterRunStatus.FAILURE]))
         finally:
-            os.killpg(daemon.pid, signal.SIGTERM)
-            daemon.wait(timeout=60)
+            stop(daemon, seconds=60, group=True)
 
     origin = min(s.start for s in judge + ledger)
     print(f"{'batch':<12} {'step':<15} {'start':>6} {'end':>6} {'seconds':>8} {'pid':>7}")

@@ -44,3 +44,14 @@ def test_parallel_batches_judge_together_and_walk_the_ledger_one_at_a_time_in_or
     assert "3 steps in 3 processes" in judging
     overlapping = int(judging.rsplit("overlapping pairs: ", 1)[1].rstrip(")"))
     assert overlapping >= 2, out  # with one run at a time there would be none
+
+
+def test_a_helper_process_that_ignores_sigterm_is_killed_after_the_grace_period():
+    # what a benchmark's server inherits when the suite runs from a nohup'd background shell
+    from benchmarks.judge_throughput import stop
+
+    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(60)"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    stop(proc, seconds=0.5)
+    assert proc.returncode == -9  # SIGKILL, not a minute's sleep
