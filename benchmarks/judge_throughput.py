@@ -32,9 +32,9 @@ def server_process(latency: float):
 
 
 def stop(proc: subprocess.Popen, seconds: float, group: bool = False) -> None:
-    """SIGTERM to the process (or its process group), then SIGKILL if it has not exited after `seconds`: a
-    process can inherit SIGTERM ignored (a shell that ran the benchmark in the background, nohup'd, ignores
-    SIGINT, and Dagster maps SIGTERM to SIGINT's handler), and would otherwise outlive the benchmark."""
+    """SIGTERM to the process (or its process group), then SIGKILL if it has not exited after `seconds`. A
+    process can inherit SIGTERM ignored: a non-interactive shell starts background jobs with SIGINT ignored,
+    and Dagster, once loaded in the process that started this one, maps SIGTERM to SIGINT's handler."""
     signal_to = (lambda sig: os.killpg(proc.pid, sig)) if group else proc.send_signal
     signal_to(signal.SIGTERM)
     try:

@@ -47,7 +47,7 @@ def test_parallel_batches_judge_together_and_walk_the_ledger_one_at_a_time_in_or
 
 
 def test_a_helper_process_that_ignores_sigterm_is_killed_after_the_grace_period():
-    # what a benchmark's server inherits when the suite runs from a nohup'd background shell
+    # what a benchmark's server inherits when the suite runs as a background job of a non-interactive shell
     from benchmarks.judge_throughput import stop
 
     code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(60)"
