@@ -6,9 +6,9 @@ it runs, so SQLAlchemy's statement cache, which lives on the engine, never gets 
 about 6.8 ms here, 2.7 ms of it building the engine and compiling the INSERT again, and each dynamic-partition
 lookup 4.8 ms instead of 1.4 ms. A run of a big batch stores about 125 events and makes about 85 such lookups:
 about 0.9 s of a 12 s run (README, Performance). It also creates each run's new database without loading
-alembic's migration scripts twice (a CLI run loaded them five times, now three: about 0.1 s). Files, schema and locking are Dagster's: connections
-still open and close per statement (NullPool, as Dagster has it), so this storage and Dagster's read and write
-the same instance side by side.
+alembic's migration scripts twice (a CLI run loaded them five times, now three: about 0.1 s). Files, schema
+and locking are Dagster's: connections still open and close per statement (NullPool, as Dagster has it), so
+this storage and Dagster's read and write the same instance side by side.
 
 Only the default storage changes: an instance that configures `storage:` (PostgreSQL in
 deploy/dagster-postgres.yaml) gets what it configures.
@@ -55,7 +55,7 @@ INIT_RETRY_SECONDS = 0.2
 
 @cache
 def migration_scripts() -> ScriptDirectory:
-    """Dagster's alembic migrations, loaded once per process (about 90 revision files: 0.08 s a load)."""
+    """Dagster's alembic migrations, loaded once per process (about 90 revision files: about 0.05 s a load)."""
     scripts = ScriptDirectory.from_config(get_alembic_config(sqlite_event_log.__file__))
     scripts.get_heads()  # (the revision map loads lazily, once)
     return scripts
@@ -101,7 +101,7 @@ class SqliteEventLogStorage(DagsterSqliteEventLogStorage):
     def _initdb(self, engine: Engine, for_index_shard: bool = False) -> None:
         # Dagster's _initdb (a new shard gets its tables, WAL and an alembic stamp; a clash with another process
         # creating it too is retried) with the migration scripts loaded once per process: Dagster loads them to
-        # check every shard and again to stamp a new one (about 0.05 s a load, at the start of every run).
+        # check every shard and again to stamp a new one, at the start of every run.
         for retries_left in range(INIT_RETRIES, -1, -1):
             try:
                 with engine.connect() as connection:
