@@ -1,14 +1,18 @@
 """The local Dagster instance (instance/dagster.yaml names `LocalInstance` as its `instance_class`): Dagster's
-own, whose default SQLite storage has an event log that builds each database's SQLAlchemy engine once.
+own, whose default SQLite storage has an event log that keeps each database's engine and one open connection.
 
 Dagster's `SqliteEventLogStorage` creates and disposes of an engine for every event it stores and every query
-it runs, so SQLAlchemy's statement cache, which lives on the engine, never gets a hit: storing an event costs
-about 6.8 ms here, 2.7 ms of it building the engine and compiling the INSERT again, and each dynamic-partition
-lookup 4.8 ms instead of 1.4 ms. A run of a big batch stores about 125 events and makes about 85 such lookups:
-about 0.9 s of a 12 s run (README, Performance). It also creates each run's new database without loading
-alembic's migration scripts twice (a CLI run loaded them five times, now three: about 0.1 s). Files, schema
-and locking are Dagster's: connections still open and close per statement (NullPool, as Dagster has it), so
-this storage and Dagster's read and write the same instance side by side.
+it runs (NullPool): each event opens the database, and closing it, the last connection, checkpoints the WAL
+into the database file. SQLAlchemy's statement cache, which lives on the engine, never gets a hit either.
+Storing an event costs 4.6–6.7 ms that way, 1.4–2.2 ms with the engine and a connection kept, and a
+dynamic-partition lookup 3.5 ms instead of 0.4 ms. A run of a big batch stores about 125 events and makes
+about 85 such lookups: about 0.9 s of a 10 s run (README, Performance). A kept connection is checked before
+each use against the database file's identity (device, inode): one deleted or replaced by another process
+(a run deleted, the instance wiped) is reconnected to, as Dagster's fresh connection would be. It also
+creates each run's new database without loading alembic's migration scripts twice (a CLI run loaded them
+five times, now three: about 0.1 s). Files, schema and locking are Dagster's, so this storage and Dagster's
+read and write the same instance side by side: a connection back in the pool holds no transaction, so it
+holds no lock.
 
 Only the default storage changes: an instance that configures `storage:` (PostgreSQL in
 deploy/dagster-postgres.yaml) gets what it configures.
@@ -27,6 +31,7 @@ from functools import cache
 import dagster as dg
 import sqlalchemy as db
 import sqlalchemy.exc as db_exc
+from sqlalchemy import event
 import yaml
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
@@ -40,10 +45,11 @@ from dagster._core.storage.sqlite import LAST_KNOWN_STAMPED_SQLITE_ALEMBIC_REVIS
 from dagster._core.storage.sqlite_storage import DagsterSqliteStorage
 from dagster._serdes import ConfigurableClassData
 from sqlalchemy.engine import Connection, Engine
-from sqlalchemy.pool import NullPool
+from sqlalchemy.pool import QueuePool
 
-# Engines kept, least recently used first out: the index and the runs being written or read. A long-lived
-# webserver reads every run's shard in time; an engine evicted is built again when next needed.
+# Engines (each with its open connection) kept, least recently used first out: the index and the runs being
+# written or read. A long-lived webserver reads every run's shard in time; an engine evicted is closed, and
+# built again when next needed.
 MAX_ENGINES = 16
 
 # What another process creating the same shard at the same moment makes a shard's creation fail with (Dagster's
@@ -51,6 +57,19 @@ MAX_ENGINES = 16
 CONCURRENT_INIT = re.compile(r"table [A-Za-z_]* already exists|database is locked|UNIQUE constraint failed: alembic_version\.version_num")
 INIT_RETRIES = 10
 INIT_RETRY_SECONDS = 0.2
+
+
+FILE_IDENTITY = "filter_pipeline.file_identity"  # key of a pooled connection's record.info
+
+
+def file_identity(path: str) -> tuple[int, int] | None:
+    """(device, inode) of the file at `path`, None if there is none: what tells a database file replaced by
+    another process (deleted, then created again) from the one a connection opened."""
+    try:
+        stat = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return stat.st_dev, stat.st_ino
 
 
 @cache
@@ -62,8 +81,8 @@ def migration_scripts() -> ScriptDirectory:
 
 
 class SqliteEventLogStorage(DagsterSqliteEventLogStorage):
-    """Dagster's SQLite event log storage, keeping one engine per shard (the index, each run's database)
-    while the shard is among the MAX_ENGINES most recently used."""
+    """Dagster's SQLite event log storage, keeping one engine and one open connection per shard (the index,
+    each run's database) while the shard is among the MAX_ENGINES most recently used."""
 
     def __init__(self, base_dir: str, inst_data: ConfigurableClassData | None = None):
         self._engines: OrderedDict[str, Engine] = OrderedDict()
@@ -75,16 +94,35 @@ class SqliteEventLogStorage(DagsterSqliteEventLogStorage):
         with self._engines_lock:
             engine = self._engines.get(shard)
             if engine is None:
-                engine = create_engine(
-                    self.conn_string_for_shard(shard),
-                    poolclass=NullPool,
-                    connect_args={"timeout": SQLITE_BUSY_TIMEOUT_SECONDS},
-                )
+                engine = self._new_engine(shard)
                 self._engines[shard] = engine
                 if len(self._engines) > MAX_ENGINES:
                     self._engines.popitem(last=False)[1].dispose()
             self._engines.move_to_end(shard)
             return engine
+
+    def _new_engine(self, shard: str) -> Engine:
+        # SQLAlchemy's own pool for a SQLite file (Dagster passes NullPool), keeping one connection: _connect
+        # serializes this storage's use of a shard; a second concurrent user (has_table) gets a passing one.
+        engine = create_engine(
+            self.conn_string_for_shard(shard),
+            poolclass=QueuePool,
+            pool_size=1,
+            connect_args={"timeout": SQLITE_BUSY_TIMEOUT_SECONDS},
+        )
+        path = self.path_for_shard(shard)
+
+        @event.listens_for(engine, "connect")
+        def remember_file(dbapi_connection, record) -> None:
+            record.info[FILE_IDENTITY] = file_identity(path)
+
+        @event.listens_for(engine, "checkout")
+        def check_file(dbapi_connection, record, proxy) -> None:
+            if record.info.get(FILE_IDENTITY) != file_identity(path):
+                # the pool drops this connection and connects again, to the file now at `path`
+                raise db_exc.DisconnectionError(f"{path} was deleted or replaced since this connection opened it")
+
+        return engine
 
     @contextmanager
     def _connect(self, shard: str) -> Iterator[Connection]:
@@ -131,8 +169,15 @@ class SqliteEventLogStorage(DagsterSqliteEventLogStorage):
             self._tables.add(table_name)
         return found
 
+    def wipe(self) -> None:
+        self._dispose_engines()  # their connections hold the run files Dagster's wipe deletes
+        super().wipe()
+
     def dispose(self) -> None:
         super().dispose()
+        self._dispose_engines()
+
+    def _dispose_engines(self) -> None:
         with self._engines_lock:
             for engine in self._engines.values():
                 engine.dispose()

@@ -7,6 +7,7 @@ import threading
 import time
 
 import dagster as dg
+import sqlalchemy
 from alembic.script import ScriptDirectory
 from dagster._core.events.log import EventLogEntry
 from dagster._core.storage.event_log.sqlite import SqliteEventLogStorage as DagsterSqliteEventLogStorage
@@ -95,6 +96,73 @@ def test_an_engine_is_built_once_per_shard_not_once_per_event(tmp_path, monkeypa
     assert len(storage.get_logs_for_run("r1")) == 20
     assert sorted(url.rsplit("/", 1)[1] for url in built) == ["index.db", "r1.db"]
     storage.dispose()
+
+
+def connections_opened(monkeypatch) -> list[str]:
+    """The database file of every connection the storage's engines open from now on."""
+    opened: list[str] = []
+    real = local.create_engine
+
+    def create_engine(url, **kwargs):
+        engine = real(url, **kwargs)
+        sqlalchemy.event.listen(engine, "connect", lambda dbapi_connection, record: opened.append(engine.url.database))
+        return engine
+
+    monkeypatch.setattr(local, "create_engine", create_engine)
+    return opened
+
+
+def test_a_shard_is_connected_to_once_not_once_per_event(tmp_path, monkeypatch):
+    opened = connections_opened(monkeypatch)
+    storage = local.SqliteEventLogStorage(str(tmp_path))
+    for n in range(20):
+        storage.store_event(log_line("r1", n))
+        storage.has_dynamic_partition("run_id", "b1")
+    assert len(storage.get_logs_for_run("r1")) == 20
+    assert sorted(path.rsplit("/", 1)[1] for path in set(opened)) == ["index.db", "r1.db"]
+    assert len(opened) <= 4  # (the shard's creation opens one more, once)
+    storage.dispose()
+
+
+def remove_shard(folder, run_id: str) -> None:
+    for suffix in (".db", ".db-wal", ".db-shm"):
+        (folder / f"{run_id}{suffix}").unlink(missing_ok=True)
+
+
+def test_a_shard_another_process_deleted_and_created_again_is_written_where_it_now_is(tmp_path):
+    ours = local.SqliteEventLogStorage(str(tmp_path))
+    ours.store_event(log_line("r1", 0))
+    remove_shard(tmp_path, "r1")  # another process deletes the run, and a new one with its id starts
+    theirs = DagsterSqliteEventLogStorage(str(tmp_path))
+    theirs.store_event(log_line("r1", 1))
+    ours.store_event(log_line("r1", 2))  # not into the deleted file our connection had open
+    assert [e.user_message for e in theirs.get_logs_for_run("r1")] == ["line 1", "line 2"]
+    assert [e.user_message for e in ours.get_logs_for_run("r1")] == ["line 1", "line 2"]
+    ours.dispose()
+    theirs.dispose()
+
+
+def test_a_wiped_instance_starts_its_runs_afresh(tmp_path):
+    storage = local.SqliteEventLogStorage(str(tmp_path))
+    storage.store_event(log_line("r1", 0))
+    storage.wipe()
+    assert not (tmp_path / "r1.db").exists()
+    storage.store_event(log_line("r1", 1))
+    assert [e.user_message for e in storage.get_logs_for_run("r1")] == ["line 1"]
+    storage.dispose()
+
+
+def test_a_kept_connection_holds_no_lock_between_uses(tmp_path):
+    ours = local.SqliteEventLogStorage(str(tmp_path))
+    ours.store_event(log_line("r1", 0))
+    # another process writing the same shard straight away, without waiting for a busy timeout
+    with contextlib.closing(sqlite3.connect(tmp_path / "r1.db", timeout=0)) as other:
+        other.execute("BEGIN IMMEDIATE")
+        other.execute("DELETE FROM event_logs")
+        other.commit()
+    ours.store_event(log_line("r1", 1))
+    assert [e.user_message for e in ours.get_logs_for_run("r1")] == ["line 1"]
+    ours.dispose()
 
 
 def test_engines_of_the_least_recently_used_shards_are_let_go(tmp_path, monkeypatch):
