@@ -4,15 +4,17 @@ own, whose default SQLite storage has an event log that keeps each database's en
 Dagster's `SqliteEventLogStorage` creates and disposes of an engine for every event it stores and every query
 it runs (NullPool): each event opens the database, and closing it, the last connection, checkpoints the WAL
 into the database file. SQLAlchemy's statement cache, which lives on the engine, never gets a hit either.
-Storing an event costs 4.6–6.7 ms that way, 1.4–2.2 ms with the engine and a connection kept, and a
-dynamic-partition lookup 3.5 ms instead of 0.4 ms. A run of a big batch stores about 125 events and makes
-about 85 such lookups: about 0.9 s of a 10 s run (README, Performance). A kept connection is checked before
-each use against the database file's identity (device, inode): one deleted or replaced by another process
-(a run deleted, the instance wiped) is reconnected to, as Dagster's fresh connection would be. It also
-creates each run's new database without loading alembic's migration scripts twice (a CLI run loaded them
-five times, now three: about 0.1 s). Files, schema and locking are Dagster's, so this storage and Dagster's
-read and write the same instance side by side: a connection back in the pool holds no transaction, so it
-holds no lock.
+Storing an event costs 5.4–7.7 ms that way (4.7–5.2 ms with only the engine kept), 1.3–1.5 ms with the
+engine and a connection kept; a dynamic-partition lookup 3.7–4.9 ms instead of 0.45 ms. A run of a big
+batch stores about 125 events and makes about 85 such lookups: about 1 s of a 10 s run, now 0.2 s (README,
+Performance).
+
+A kept connection is checked before each use against the database file's identity (device, inode): a file
+deleted or replaced by another process (a run deleted, the instance wiped) is connected to afresh, as
+Dagster's new connection would be. A connection back in the pool holds no transaction, so it holds no lock:
+files, schema and locking are Dagster's, and this storage and Dagster's read and write the same instance side
+by side. Each run's new database is also created without loading alembic's migration scripts twice (a CLI
+run loaded them five times, now three: about 0.1 s).
 
 Only the default storage changes: an instance that configures `storage:` (PostgreSQL in
 deploy/dagster-postgres.yaml) gets what it configures.

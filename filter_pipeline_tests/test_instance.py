@@ -1,4 +1,4 @@
-"""The local instance (instance/dagster.yaml): Dagster's SQLite storage, files and all, with engines kept."""
+"""The local instance (instance/dagster.yaml): Dagster's SQLite storage, files and all, with engines and connections kept."""
 
 import contextlib
 import shutil
