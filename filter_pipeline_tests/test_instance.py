@@ -124,6 +124,25 @@ def test_a_shard_is_connected_to_once_not_once_per_event(tmp_path, monkeypatch):
     storage.dispose()
 
 
+def test_threads_sharing_one_storage_all_store_their_events(tmp_path):
+    # the daemon and the webserver use one instance from many threads: a kept connection changes hands
+    storage = local.SqliteEventLogStorage(str(tmp_path))
+    storage.store_event(log_line("r1", -1))
+
+    def store(n: int) -> None:
+        for k in range(10):
+            storage.store_event(log_line("r1", n * 10 + k))
+            storage.has_table("dynamic_partitions")
+
+    threads = [threading.Thread(target=store, args=(n,)) for n in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(int(e.user_message.split()[1]) for e in storage.get_logs_for_run("r1")) == list(range(-1, 40))
+    storage.dispose()
+
+
 def remove_shard(folder, run_id: str) -> None:
     for suffix in (".db", ".db-wal", ".db-shm"):
         (folder / f"{run_id}{suffix}").unlink(missing_ok=True)
