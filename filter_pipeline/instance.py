@@ -33,7 +33,6 @@ from functools import cache
 import dagster as dg
 import sqlalchemy as db
 import sqlalchemy.exc as db_exc
-from sqlalchemy import event
 import yaml
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
@@ -46,6 +45,7 @@ from dagster._core.storage.sql import create_engine, get_alembic_config, safe_co
 from dagster._core.storage.sqlite import LAST_KNOWN_STAMPED_SQLITE_ALEMBIC_REVISION
 from dagster._core.storage.sqlite_storage import DagsterSqliteStorage
 from dagster._serdes import ConfigurableClassData
+from sqlalchemy import event
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.pool import QueuePool
 
