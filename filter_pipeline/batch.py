@@ -649,15 +649,30 @@ def attempt_steps(run_dir: UPath, lines: set[int]) -> dict[int, list]:
     return out
 
 
+COUNT_CHUNK_BYTES = 8 << 20  # count_records holds this much of the file at once, not the whole file
+
+
 def count_records(run_dir: UPath) -> int:
-    """Non-blank lines of executions.jsonl, counted afresh (what every attempt must be accounted against)."""
-    data = (run_dir / EXECUTIONS_FILE).read_bytes()
+    """Non-blank lines of executions.jsonl, counted afresh (what every attempt must be accounted against).
+
+    The file is read a chunk at a time: the count runs beside other steps' work, and holding the whole file
+    (hundreds of MB for a large batch) would add that much to the run's peak memory."""
+    records, carry = 0, b""
+    with (run_dir / EXECUTIONS_FILE).open("rb") as f:
+        while chunk := f.read(COUNT_CHUNK_BYTES):
+            block = carry + chunk
+            whole_lines = block.rfind(b"\n") + 1
+            records += _non_blank_lines(block[:whole_lines])
+            carry = block[whole_lines:]
+    return records + _non_blank_lines(carry)
+
+
+def _non_blank_lines(data: bytes) -> int:
+    """Non-blank lines of `data`, which holds whole lines (the last one may lack its newline)."""
     if not data:
         return 0
-    view = memoryview(data)  # slices of a view copy nothing
     first_end, last_start = data.find(b"\n"), data.rfind(b"\n") + 1
-    first = bytes(view[: first_end if first_end >= 0 else len(data)])
-    last = bytes(view[last_start:])
+    first, last = data[: first_end if first_end >= 0 else len(data)], data[last_start:]
     # (a leading literal newline lets the regex engine scan fast; an alternation would not)
     if first.strip() and (not last or last.strip()) and not re.search(rb"\n[ \t\r\f\v]*\n", data):
         return _line_count(data)  # no blank lines: every line is a record

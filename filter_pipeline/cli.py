@@ -7,21 +7,44 @@ What it materializes is recorded in that instance, so `dagster dev` on the same 
 # the background (`batch.read_ahead`) before Dagster and the assets are imported (`materialize.py`): on two
 # cores the parse then overlaps Dagster's import and the run's start, about 3 s of one core.
 import argparse
+import ctypes
 import gc
 import os
 import sys
 
-from upath import UPath
+M_ARENA_MAX = -8  # glibc's mallopt parameter (malloc.h)
 
-from filter_pipeline.batch import LOCAL_PROTOCOLS, SUCCESS_FILE, check_run_id, complete_batches, read_ahead
-from filter_pipeline.history import HistoryError
-from filter_pipeline.settings import (
+
+def one_malloc_arena() -> bool:
+    """Have every thread of this process allocate from glibc's main malloc arena; returns whether it could.
+
+    By default each thread that allocates gets an arena of its own (up to 8 per core). The batch is read in
+    one thread, history in eight, steps in two, and memory freed in one arena is not reused by the others:
+    at 300k tasks, one arena lowers the peak by about 90 MB (to about 950 MB) at no cost in time, since
+    Python allocates under the GIL anyway and Arrow uses its own allocator. Not glibc: nothing changes."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(M_ARENA_MAX, 1))
+
+
+# Before numpy loads: its threads start with it, and glibc fixes the arena limit when a second thread first
+# allocates. Only the CLI's process is ours to tune this way (a Dagster run worker keeps glibc's default).
+one_malloc_arena()
+
+from upath import UPath  # noqa: E402 - the imports from here on load numpy
+
+from filter_pipeline.batch import LOCAL_PROTOCOLS, SUCCESS_FILE, check_run_id, complete_batches, read_ahead  # noqa: E402
+from filter_pipeline.history import HistoryError  # noqa: E402
+from filter_pipeline.settings import (  # noqa: E402
     DATA_ENV,
     DEFAULT_DATA,
     DEFAULT_EXECUTOR,
     EXECUTOR_ENV,
     JUDGE_KIND_ENV,
     JUDGE_KINDS,
+    STEPS_IN_RUN_PROCESS,
     data_path,
 )
 
@@ -47,9 +70,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def read_first_batch_ahead(args: argparse.Namespace) -> bool:
     """Start reading the first batch this call will materialize, when its steps will run in this process
-    (the in-process executor) on a local data root. Anything amiss (a bad run_id, a missing batch) is left
-    for `materialize` to report; returns whether a read started."""
-    if (os.environ.get(EXECUTOR_ENV) or DEFAULT_EXECUTOR) != DEFAULT_EXECUTOR:
+    (the threaded or in-process executor) on a local data root. Anything amiss (a bad run_id, a missing
+    batch) is left for `materialize` to report; returns whether a read started."""
+    if (os.environ.get(EXECUTOR_ENV) or DEFAULT_EXECUTOR) not in STEPS_IN_RUN_PROCESS:
         return False  # the steps run in other processes, which parse for themselves
     root = UPath(data_path(args.data))
     if root.protocol not in LOCAL_PROTOCOLS:

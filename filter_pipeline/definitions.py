@@ -15,13 +15,18 @@ from filter_pipeline.assets import (
     ledger,
 )
 from filter_pipeline.config import CAPS_ENV, load_caps_file
+from filter_pipeline.executor import threaded_executor
 from filter_pipeline.jobs import across_runs_job, filter_job, judge_job, ledger_job
 from filter_pipeline.judging import JudgeResource, judge_from_env
 from filter_pipeline.sensors import build_batch_sensor
 from filter_pipeline.settings import DEFAULT_EXECUTOR, EXECUTOR_ENV
 from filter_pipeline.warehouse import DataRoot, WarehouseIOManager
 
-EXECUTORS = {"in_process": dg.in_process_executor, "multiprocess": dg.multiprocess_executor}  # see settings
+EXECUTORS = {  # see settings.py
+    "threaded": threaded_executor,
+    "in_process": dg.in_process_executor,
+    "multiprocess": dg.multiprocess_executor,
+}
 
 
 def build_defs(data: DataRoot | str, judge: JudgeResource, caps: dict, executor: str = DEFAULT_EXECUTOR) -> dg.Definitions:

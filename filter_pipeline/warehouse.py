@@ -6,6 +6,7 @@ Both take the data root from the same `DataRoot` resource, so the ledger step, w
 
 import os
 import socket
+import threading
 import time
 import uuid
 from collections import OrderedDict
@@ -173,9 +174,9 @@ RECENT_BYTES = 256 << 20  # Arrow bytes of recently written outputs an IO manage
 class ParquetWarehouseIOManager(dg.UPathIOManager):
     """Stores each asset partition as `<base>/<asset>/<run_id>.parquet` with the asset's fixed schema.
 
-    In one process (the in-process executor runs a whole run in one), the tables it last wrote to local disk,
-    up to RECENT_BYTES, are handed to the steps that load them next instead of being read back, as long as
-    the file on disk is still the one written (same size and modification time).
+    In one process (the threaded and in-process executors run a whole run in one), the tables it last wrote
+    to local disk, up to RECENT_BYTES, are handed to the steps that load them next instead of being read
+    back, as long as the file on disk is still the one written (same size and modification time).
     """
 
     extension = ".parquet"
@@ -184,6 +185,7 @@ class ParquetWarehouseIOManager(dg.UPathIOManager):
         super().__init__(base_path=base_path)
         self.recent_bytes = recent_bytes
         self._recent: OrderedDict[str, tuple[tuple[int, int], pa.Table, int]] = OrderedDict()  # signature, table, bytes
+        self._recent_lock = threading.Lock()  # the threaded executor's steps write and load at the same time
 
     def dump_to_path(self, context: dg.OutputContext, obj: pd.DataFrame, path: UPath) -> None:
         asset = context.asset_key.path[-1]
@@ -202,16 +204,18 @@ class ParquetWarehouseIOManager(dg.UPathIOManager):
 
     def _remember(self, path: UPath, table: pa.Table, signature: tuple[int, int] | None) -> None:
         """Keep `table` as the content of the file with `signature` (None: an object store, not kept)."""
-        self._recent.pop(str(path), None)
         size = table.nbytes  # measured once: it walks every column's buffers
-        if signature is None or size > self.recent_bytes:
-            return
-        self._recent[str(path)] = (signature, table, size)
-        while sum(entry[2] for entry in self._recent.values()) > self.recent_bytes:
-            self._recent.popitem(last=False)  # the oldest write goes first
+        with self._recent_lock:
+            self._recent.pop(str(path), None)
+            if signature is None or size > self.recent_bytes:
+                return
+            self._recent[str(path)] = (signature, table, size)
+            while sum(entry[2] for entry in self._recent.values()) > self.recent_bytes:
+                self._recent.popitem(last=False)  # the oldest write goes first
 
     def _recall(self, path: UPath) -> pa.Table | None:
-        entry = self._recent.get(str(path))
+        with self._recent_lock:
+            entry = self._recent.get(str(path))
         if entry is None:
             return None
         try:
@@ -219,7 +223,9 @@ class ParquetWarehouseIOManager(dg.UPathIOManager):
                 return entry[1]
         except OSError:
             pass
-        del self._recent[str(path)]
+        with self._recent_lock:
+            if self._recent.get(str(path)) is entry:
+                del self._recent[str(path)]
         return None
 
     def get_metadata(self, context: dg.OutputContext, obj: pd.DataFrame) -> dict:

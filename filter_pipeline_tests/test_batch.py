@@ -236,6 +236,13 @@ def test_count_records_counts_non_blank_lines(tmp_path, text, records):
     assert batch_module.count_records(UPath(tmp_path)) == records
 
 
+@pytest.mark.parametrize("chunk", [1, 2, 3, 5])
+def test_count_records_reads_in_chunks_that_split_lines_anywhere(tmp_path, monkeypatch, chunk):
+    monkeypatch.setattr(batch_module, "COUNT_CHUNK_BYTES", chunk)
+    (tmp_path / "executions.jsonl").write_text("ab\n\n c\n \t\nlong line\r\nd")
+    assert batch_module.count_records(UPath(tmp_path)) == 4
+
+
 def test_a_batch_read_ahead_is_taken_as_parsed_when_its_files_are_unchanged(tmp_path):
     run = UPath(write_batch(tmp_path, "r", [task("a"), task("b")], [attempt("a"), attempt("b", ok=False)]))
     assert batch_module.read_ahead(run, "r")

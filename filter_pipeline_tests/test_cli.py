@@ -1,8 +1,10 @@
 """The CLI as a user runs it: separate processes on a temp DAGSTER_HOME and data root."""
 
 import gc
+import platform
 import shutil
 import subprocess
+import sys
 import time
 
 import dagster as dg
@@ -228,3 +230,49 @@ def test_garbage_is_collected_again_once_dagster_is_imported(data_root, monkeypa
     monkeypatch.delenv("DAGSTER_HOME", raising=False)  # materialize stops at once, after the import
     assert cli_module.main(["materialize", "--data", str(data_root)]) == 2
     assert gc.isenabled()
+
+
+def test_the_threaded_and_in_process_executors_write_the_same_outputs(cli, data_root, tmp_path, dagster_home):
+    shutil.copytree(REPO / "data" / "runs", data_root / "runs", dirs_exist_ok=True)  # the sample batches
+    shutil.copy(REPO / "data" / "labels.jsonl", data_root)
+    in_process = tmp_path / "in_process"
+    shutil.copytree(data_root, in_process)
+    assert "coverage:" in cli().stdout  # the default: threaded
+    assert cli(env={"FILTER_PIPELINE_DATA": str(in_process), EXECUTOR_ENV: "in_process"}).returncode == 0
+    written = sorted(p.relative_to(data_root) for p in (data_root / "warehouse").rglob("*.parquet"))
+    assert written == sorted(p.relative_to(in_process) for p in (in_process / "warehouse").rglob("*.parquet"))
+    assert len(written) > 20
+    for path in written:
+        pd.testing.assert_frame_equal(pd.read_parquet(data_root / path), pd.read_parquet(in_process / path), obj=str(path))
+
+
+HEAPS_AFTER_FOUR_THREADS_ALLOCATE = """
+import ctypes, sys, tempfile, threading
+if sys.argv[1] == "cli":
+    import filter_pipeline.cli  # what the console entry point imports first
+import numpy
+kept, together = [], threading.Barrier(4)
+def allocate():
+    together.wait()  # all at once: each thread would get an arena of its own
+    kept.append([bytearray(100_000) for _ in range(50)])
+threads = [threading.Thread(target=allocate) for _ in range(4)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+libc, report = ctypes.CDLL(None), tempfile.NamedTemporaryFile(suffix=".xml")
+libc.fopen.restype = ctypes.c_void_p
+f = ctypes.c_void_p(libc.fopen(report.name.encode(), b"w"))
+libc.malloc_info(0, f)
+libc.fclose(f)
+print(open(report.name).read().count("<heap nr="))
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc arenas are glibc's")
+def test_the_cli_process_allocates_from_one_malloc_arena():
+    heaps = {
+        imported: int(subprocess.run([sys.executable, "-c", HEAPS_AFTER_FOUR_THREADS_ALLOCATE, imported], cwd=REPO,
+                                     capture_output=True, text=True, check=True).stdout)  # fmt: skip
+        for imported in ("cli", "numpy only")
+    }
+    assert heaps["cli"] == 1
+    assert heaps["numpy only"] > 1  # glibc's default, which the CLI changes

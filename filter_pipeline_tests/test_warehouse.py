@@ -3,6 +3,7 @@
 import json
 import os
 import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -268,3 +269,23 @@ def test_outputs_on_object_storage_are_always_read_back(monkeypatch):
     monkeypatch.setattr(warehouse, "read_parquet", lambda p, columns=None: reads.append(p.name) or real(p, columns))
     assert manager.load_from_path(dg.build_input_context(), path)["task_id"].tolist() == ["a", "b"]
     assert reads == ["r1.parquet"]
+
+
+def test_steps_in_threads_can_share_an_io_managers_recent_tables(tmp_path):
+    table = to_arrow(verdict_frame(), "judge_verdicts")
+    manager = warehouse.ParquetWarehouseIOManager(base_path=UPath(tmp_path), recent_bytes=3 * table.nbytes)
+    paths = [UPath(tmp_path) / f"r{i}.parquet" for i in range(6)]  # no such files: each recall drops its entry
+
+    def write_and_load(step: int) -> None:
+        for i in range(2000):
+            manager._remember(paths[(i * step) % 6], table, (1, 1))
+            assert manager._recall(paths[(i + step) % 6]) is None
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads take turns as often as they can
+    try:
+        with ThreadPoolExecutor(max_workers=4) as steps:
+            list(steps.map(write_and_load, [1, 5, 7, 11]))  # re-raises what a thread raised
+    finally:
+        sys.setswitchinterval(interval)
+    assert sum(size for _, _, size in manager._recent.values()) <= 3 * table.nbytes
