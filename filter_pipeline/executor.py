@@ -150,6 +150,7 @@ def threaded_plan_iterator(
                 except Exception:
                     yield from _handle_compute_log_teardown_error(job_context, sys.exc_info())
 
+
 def _steps(job_context: PlanExecutionContext, active: ActiveExecution, max_concurrent: int) -> Iterator[DagsterEvent]:
     workers = _Workers()
     try:
@@ -158,8 +159,8 @@ def _steps(job_context: PlanExecutionContext, active: ActiveExecution, max_concu
             steps = active.get_steps_to_execute(limit=max_concurrent - len(workers.steps))
             yield from active.concurrency_event_iterator(job_context)
             if steps and ((len(steps) == 1 and not workers.steps) or check_captured_interrupt()):
-                # alone, or the run is being stopped: here, where an interrupt reaches the step's code
-                yield from _run_here(job_context, active, _Step(job_context.for_step(steps[0], active.get_known_state())))
+                for step in steps:  # alone, or the run is being stopped: here, where an interrupt reaches the step
+                    yield from _run_here(job_context, active, _Step(job_context.for_step(step, active.get_known_state())))
                 continue
             for step in steps:
                 workers.start(job_context.for_step(step, active.get_known_state()))
