@@ -22,11 +22,8 @@ from filter_pipeline.sensors import build_batch_sensor
 from filter_pipeline.settings import DEFAULT_EXECUTOR, EXECUTOR_ENV
 from filter_pipeline.warehouse import DataRoot, WarehouseIOManager
 
-EXECUTORS = {  # see settings.py
-    "threaded": threaded_executor,
-    "in_process": dg.in_process_executor,
-    "multiprocess": dg.multiprocess_executor,
-}
+# by each executor's own name (settings.py says when to choose which)
+EXECUTORS = {e.name: e for e in (threaded_executor, dg.in_process_executor, dg.multiprocess_executor)}
 
 
 def build_defs(data: DataRoot | str, judge: JudgeResource, caps: dict, executor: str = DEFAULT_EXECUTOR) -> dg.Definitions:

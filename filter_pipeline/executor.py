@@ -45,7 +45,6 @@ from dagster._utils.interrupts import check_captured_interrupt
 from dagster._utils.timing import time_execution_scope
 from dagster_shared.utils.timing import format_duration
 
-EXECUTOR_NAME = "threaded"
 WAIT_SECONDS = 0.5  # how long the main thread waits for a worker's event before looking at the plan again
 
 
@@ -207,14 +206,14 @@ class ThreadedExecutor(InProcessExecutor):
             event_specific_data=EngineEventData.in_process(os.getpid(), step_keys),
         )
         with time_execution_scope() as timer:
-            yield from self._steps(plan_context)
+            yield from self._run_plan(plan_context)
         yield DagsterEvent.engine_event(
             plan_context,
             f"Finished steps in process (pid: {os.getpid()}) in {format_duration(timer.millis)}",
             event_specific_data=EngineEventData.in_process(os.getpid(), step_keys),
         )
 
-    def _steps(self, plan_context: PlanOrchestrationContext) -> Iterator[DagsterEvent]:
+    def _run_plan(self, plan_context: PlanOrchestrationContext) -> Iterator[DagsterEvent]:
         yield from ExecuteRunWithPlanIterable(
             execution_plan=plan_context.execution_plan,
             iterator=partial(threaded_plan_iterator, max_concurrent=self.max_concurrent),
@@ -233,7 +232,7 @@ class ThreadedExecutor(InProcessExecutor):
 
 
 @dg.executor(
-    name=EXECUTOR_NAME,
+    name="threaded",
     config_schema={
         "max_concurrent": dg.Field(
             int,
