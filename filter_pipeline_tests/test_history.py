@@ -3,6 +3,8 @@
 import json
 
 import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from upath import UPath
 
@@ -29,6 +31,23 @@ def test_keys_and_counts_of_other_runs(tmp_path):
     idx = index(tmp_path, batch_keys=[["k", 1], ["k", 3], ["k", 99]])
     assert idx.keys[["dedup_key", "run_id", "task_id"]].values.tolist() == [['["k",1]', "r1", "a"], ['["k",3]', "r2", "c"]]
     assert counts_of(idx) == {("m", "s1"): 2, ("m", "s2"): 1}  # counts cover every row, not just matching keys
+
+
+def write_kept_with_hash(data, run_id: str, stored_hash: int, *rows: tuple) -> None:
+    """A kept file whose key_hash column holds `stored_hash` on every row, whatever its text (a collision)."""
+    write_kept(data, run_id, *rows)
+    path = UPath(data) / "warehouse" / "kept" / f"{run_id}.parquet"
+    table = pq.read_table(path.path)
+    forced = pa.array([stored_hash] * table.num_rows, pa.int64())
+    pq.write_table(table.set_column(table.column_names.index("key_hash"), "key_hash", forced), path.path)
+
+
+def test_a_history_row_with_a_batch_keys_hash_but_other_text_is_no_match(tmp_path):
+    shared = key_hash(canonical_key(["k", 1]))
+    write_kept_with_hash(tmp_path, "r1", shared, ("a", ["k", 1], "m", "s"), ("b", ["k", 2], "m", "s"))
+    write_kept_with_hash(tmp_path, "r2", shared, ("c", ["k", 2], "m", "s"), ("d", ["k", 1], "m", "s"))
+    idx = index(tmp_path, batch_keys=[["k", 1], ["k", 3]])
+    assert idx.keys[["dedup_key", "run_id", "task_id"]].values.tolist() == [['["k",1]', "r1", "a"], ['["k",1]', "r2", "d"]]
 
 
 def test_the_run_itself_is_excluded_so_rematerializing_ignores_its_own_kept(tmp_path):
