@@ -262,9 +262,25 @@ _ATTEMPT_ARROW = pa.schema(
 )
 
 
+NEWLINE_SCAN_BYTES = 1 << 20  # _newlines compares this much of the data at a time, into one reused buffer
+
+
+def _newlines(data: bytes) -> int:
+    """How many newline bytes `data` holds. Counted by numpy a slice at a time, which holds no GIL: the batch
+    is parsed while the main thread imports Dagster, and bytes.count would hold the GIL over the whole file
+    (about 0.05 s for 140 MB, three times numpy's time)."""
+    view = np.frombuffer(data, dtype=np.uint8)
+    found = np.empty(min(len(view), NEWLINE_SCAN_BYTES), dtype=bool)
+    count = 0
+    for start in range(0, len(view), NEWLINE_SCAN_BYTES):
+        part = view[start : start + NEWLINE_SCAN_BYTES]
+        count += int(np.count_nonzero(np.equal(part, ord("\n"), out=found[: len(part)])))
+    return count
+
+
 def _line_count(data: bytes) -> int:
     """Number of lines, counting a last line without a newline."""
-    return data.count(b"\n") + (0 if data.endswith(b"\n") or not data else 1)
+    return _newlines(data) + (0 if data.endswith(b"\n") or not data else 1)
 
 
 def _read_jsonl(data: bytes, schema: pa.Schema) -> pa.Table | None:

@@ -236,6 +236,13 @@ def test_count_records_counts_non_blank_lines(tmp_path, text, records):
     assert batch_module.count_records(UPath(tmp_path)) == records
 
 
+@pytest.mark.parametrize("scan", [1, 2, 3, 7, 1 << 20])
+@pytest.mark.parametrize("text", [b"", b"a", b"\n", b"a\nb", b"a\nb\n", b"\n\nab\n\n\nc\n", "é\n€\n".encode() * 5])
+def test_lines_are_counted_whatever_slice_of_the_data_each_scan_takes(monkeypatch, scan, text):
+    monkeypatch.setattr(batch_module, "NEWLINE_SCAN_BYTES", scan)
+    assert batch_module._line_count(text) == len(text.splitlines())
+
+
 @pytest.mark.parametrize("chunk", [1, 2, 3, 5])
 def test_count_records_reads_in_chunks_that_split_lines_anywhere(tmp_path, monkeypatch, chunk):
     monkeypatch.setattr(batch_module, "COUNT_CHUNK_BYTES", chunk)
