@@ -665,31 +665,35 @@ def attempt_steps(run_dir: UPath, lines: set[int]) -> dict[int, list]:
     return out
 
 
-COUNT_CHUNK_BYTES = 8 << 20  # count_records holds this much of the file at once, not the whole file
+COUNT_CHUNK_BYTES = 8 << 20  # count_records reads the file this much at a time, into one reused buffer
 
 
 def count_records(run_dir: UPath) -> int:
     """Non-blank lines of executions.jsonl, counted afresh (what every attempt must be accounted against).
 
-    The file is read a chunk at a time: the count runs beside other steps' work, and holding the whole file
-    (hundreds of MB for a large batch) would add that much to the run's peak memory."""
-    records, carry = 0, b""
+    The file is read a chunk at a time into one buffer, reused: the count runs beside other steps' work,
+    and holding the whole file (hundreds of MB for a large batch) would add that much to the run's peak
+    memory, while a fresh buffer per chunk would fault its pages in anew each time (about 30k page faults
+    and a third of the count's time at 140 MB)."""
+    records, head = 0, b""  # head: the start of a line that the previous chunk cut off
+    buffer = bytearray(COUNT_CHUNK_BYTES)
     with (run_dir / EXECUTIONS_FILE).open("rb") as f:
-        while chunk := f.read(COUNT_CHUNK_BYTES):
-            block = carry + chunk
-            whole_lines = block.rfind(b"\n") + 1
-            records += _non_blank_lines(block[:whole_lines])
-            carry = block[whole_lines:]
-    return records + _non_blank_lines(carry)
+        while size := f.readinto(buffer):
+            chunk = memoryview(buffer)[:size]
+            first_end = buffer.find(b"\n", 0, size)
+            if first_end < 0:
+                head += chunk
+                continue
+            records += bool((head + chunk[:first_end]).strip())
+            last_end = buffer.rfind(b"\n", 0, size)
+            records += _non_blank_lines(chunk[first_end + 1 : last_end + 1])
+            head = bytes(chunk[last_end + 1 :])
+    return records + bool(head.strip())
 
 
-def _non_blank_lines(data: bytes) -> int:
-    """Non-blank lines of `data`, which holds whole lines (the last one may lack its newline)."""
-    if not data:
-        return 0
-    first_end, last_start = data.find(b"\n"), data.rfind(b"\n") + 1
-    first, last = data[: first_end if first_end >= 0 else len(data)], data[last_start:]
+def _non_blank_lines(lines: memoryview) -> int:
+    """Non-blank lines of `lines`, whole lines that each end with a newline."""
     # (a leading literal newline lets the regex engine scan fast; an alternation would not)
-    if first.strip() and (not last or last.strip()) and not re.search(rb"\n[ \t\r\f\v]*\n", data):
-        return _line_count(data)  # no blank lines: every line is a record
-    return sum(1 for raw in data.split(b"\n") if raw.strip())
+    if not re.match(rb"[ \t\r\f\v]*\n", lines) and not re.search(rb"\n[ \t\r\f\v]*\n", lines):
+        return _newlines(lines)  # no blank line: every line is a record
+    return sum(1 for raw in bytes(lines).split(b"\n")[:-1] if raw.strip())
