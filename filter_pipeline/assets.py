@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import dagster as dg
 import pandas as pd
+from dagster._core.storage.tags import PRIORITY_TAG
 from pydantic import Field
 
 from filter_pipeline import calibration, checks, dpo, report, rules
@@ -201,6 +202,9 @@ _LEDGER_INPUTS = {dg.AssetKey("judge_verdicts"), dg.AssetKey("prior_dedup_index"
     partitions_def=run_id_partitions,
     group_name="ledger",
     pool=LEDGER_POOL,
+    # first among the steps ready beside it (failure_pool, judge_calibration): the longest of them, and every
+    # step after it waits for its kept and surplus
+    op_tags={PRIORITY_TAG: "1"},
     ins={"judge_verdicts": dg.AssetIn()},
     outs={
         "prior_dedup_index": dg.AssetOut(
