@@ -241,6 +241,7 @@ def test_count_records_counts_non_blank_lines(tmp_path, text, records):
 def test_lines_are_counted_whatever_slice_of_the_data_each_scan_takes(monkeypatch, scan, text):
     monkeypatch.setattr(batch_module, "NEWLINE_SCAN_BYTES", scan)
     assert batch_module._line_count(text) == len(text.splitlines())
+    assert batch_module._newline_positions(text).tolist() == [i for i, byte in enumerate(text) if byte == ord("\n")]
 
 
 @pytest.mark.parametrize("chunk", [1, 2, 3, 5])
