@@ -11,6 +11,7 @@ import os
 import re
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any, Callable
@@ -265,7 +266,7 @@ _ATTEMPT_ARROW = pa.schema(
 NEWLINE_SCAN_BYTES = 1 << 20  # _newline_slices compares this much of the data at a time, into one reused buffer
 
 
-def _newline_slices(data: bytes):
+def _newline_slices(data: bytes) -> Iterator[tuple[int, np.ndarray]]:
     """(offset, mask) for each NEWLINE_SCAN_BYTES slice of `data`, the mask marking its newline bytes (one
     reused buffer: valid until the next slice). numpy compares without holding the GIL, and the batch is
     parsed while the main thread imports Dagster (bytes.count holds the GIL over the whole file: 0.05 s at
