@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import re
-import resource
 import shutil
 import statistics
 import subprocess
@@ -127,14 +126,15 @@ with open(os.path.join(data, "baseline_kept.txt"), "w") as f:
 '''
 
 
-def timed(cmd: list[str], env: dict) -> tuple[float, float, subprocess.CompletedProcess]:
-    """(wall seconds, peak RSS in MB of this child, result); each command runs in a fresh child process."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+def timed(cmd: list[str], env: dict) -> tuple[float, float, str, subprocess.CompletedProcess]:
+    """(wall seconds, peak RSS in MB of this child, its system time and page faults as text, result); each
+    command runs in a fresh child process. (On a VM that hands freed memory back to its host, every page a
+    process touches first costs a fault: see README, Performance.)"""
     start = time.perf_counter()
-    done = subprocess.run(["/usr/bin/time", "-f", "%M", *cmd], env=env, capture_output=True, text=True)
+    done = subprocess.run(["/usr/bin/time", "-f", "%M %S %R", *cmd], env=env, capture_output=True, text=True)
     wall = time.perf_counter() - start
-    rss_kb = int(done.stderr.strip().splitlines()[-1]) if done.stderr.strip() else max(before, 0)
-    return wall, rss_kb / 1024, done
+    rss_kb, system, faults = done.stderr.strip().splitlines()[-1].split() if done.stderr.strip() else (0, 0, 0)
+    return wall, int(rss_kb) / 1024, f"sys {float(system):4.1f} s, {int(faults) // 1000:4d}k page faults", done
 
 
 def step_split(home: Path) -> tuple[dict[str, float], dict[str, float]]:
@@ -230,11 +230,11 @@ def run_filter(data: Path, home: Path, args: argparse.Namespace, label: str) -> 
     env = {**os.environ, "DAGSTER_HOME": str(home)}
     cli = [sys.executable, "-m", "filter_pipeline.cli", "materialize", "--data", str(data),
            "--per-site-cap", str(args.per_site_cap), "new"]  # fmt: skip
-    wall, rss, done = timed(cli, env)
+    wall, rss, kernel, done = timed(cli, env)
     if done.returncode != 0:
         sys.exit(f"filter-pipeline failed:\n{done.stdout}\n{done.stderr[-3000:]}")
     summary = next(line for line in done.stdout.splitlines() if line.startswith("new:"))
-    print(f"{label}filter-pipeline: {wall:6.1f} s  peak RSS {rss:7.0f} MB   {summary}")
+    print(f"{label}filter-pipeline: {wall:6.1f} s  peak RSS {rss:7.0f} MB  ({kernel})   {summary}")
     split, phases = step_split(home)
     print("  split: " + ", ".join(f"{step} {sec:.1f} s" for step, sec in split.items()))
     print("  phases: " + ", ".join(f"{phase} {sec:.1f} s" for phase, sec in phases.items()))
@@ -243,12 +243,12 @@ def run_filter(data: Path, home: Path, args: argparse.Namespace, label: str) -> 
 
 def run_baseline(data: Path, args: argparse.Namespace, label: str) -> tuple[float, float]:
     """The earlier script on the same batch, checked to keep the same rows; (wall s, peak RSS MB)."""
-    wall, rss, done = timed([sys.executable, "-c", BASELINE, str(data), "new", str(args.per_site_cap)], dict(os.environ))
+    wall, rss, kernel, done = timed([sys.executable, "-c", BASELINE, str(data), "new", str(args.per_site_cap)], dict(os.environ))
     if done.returncode != 0:
         sys.exit(f"baseline failed:\n{done.stderr[-3000:]}")
     kept = set(pd.read_parquet(data / "warehouse" / "kept" / "new.parquet", columns=["task_id"])["task_id"])
     baseline_kept = set((data / "baseline_kept.txt").read_text().split())
-    print(f"{label}baseline:        {wall:6.1f} s  peak RSS {rss:7.0f} MB   kept {len(baseline_kept)}")
+    print(f"{label}baseline:        {wall:6.1f} s  peak RSS {rss:7.0f} MB  ({kernel})   kept {len(baseline_kept)}")
     print(f"{label}same kept rows as the baseline: {kept == baseline_kept}")
     if kept != baseline_kept:
         sys.exit(1)
