@@ -153,8 +153,6 @@ class _KeyProbe:
         """The rows of `matched` (rows whose key_hash is among the batch's) whose text is one of the batch's.
         A key's hash is a function of its text, so only the batch texts with those hashes can match: the value
         set is those few, not all the batch's texts (a set of 300k texts costs 0.1 s to build)."""
-        if matched.num_rows == 0:
-            return matched
         same_hash = pd.Index(pd.unique(matched["key_hash"].to_numpy())).get_indexer(self.batch_hashes) >= 0
         return matched.filter(pc.is_in(matched["dedup_key"], value_set=self.texts.filter(pa.array(same_hash))))
 
