@@ -26,7 +26,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from filter_pipeline.schemas import key_hash
+from filter_pipeline.rules.schemas import key_hash
 
 REPO = Path(__file__).resolve().parent.parent
 ELEMENTS = ["#add", "#buy", "#send", "input[name=q]", "#save"]
@@ -228,7 +228,7 @@ def run_filter(data: Path, home: Path, args: argparse.Namespace, label: str) -> 
     (data / "warehouse" / "kept" / "new.parquet").unlink(missing_ok=True)
 
     env = {**os.environ, "DAGSTER_HOME": str(home)}
-    cli = [sys.executable, "-m", "filter_pipeline.cli", "materialize", "--data", str(data),
+    cli = [sys.executable, "-m", "filter_pipeline.cli.main", "materialize", "--data", str(data),
            "--per-site-cap", str(args.per_site_cap), "new"]  # fmt: skip
     wall, rss, kernel, done = timed(cli, env)
     if done.returncode != 0:

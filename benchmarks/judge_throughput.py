@@ -14,7 +14,7 @@ import sys
 import time
 from contextlib import contextmanager
 
-from filter_pipeline.llm_judge import LLMSettings, build_messages, judge_prompts
+from filter_pipeline.judge.llm import LLMSettings, build_messages, judge_prompts
 
 
 @contextmanager

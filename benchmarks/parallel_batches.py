@@ -1,7 +1,7 @@
 """N batches launched together: their judging runs in parallel, their ledger steps one at a time in run_id order.
 
     .venv/bin/python -m benchmarks.parallel_batches [--batches 6] [--tasks 400] [--latency 0.5] [--concurrency 4]
-                                                    [--executor in_process|threaded|multiprocess]
+                                                    [--executor in_process|multiprocess]
 
 Drops N complete batches into a fresh data root at once and lets `dagster-daemon` (the batch sensor, the run
 queue, the `ledger` pool of instance/dagster.yaml) do the rest, with the LLM judge talking to the local
@@ -94,7 +94,7 @@ def main() -> None:
     parser.add_argument("--latency", type=float, default=0.5, help="seconds the judge server takes per call")
     parser.add_argument("--concurrency", type=int, default=4, help="judge requests in flight per batch")
     parser.add_argument(
-        "--executor", choices=["in_process", "threaded", "multiprocess"], default="in_process", help="(the README's figures: in_process)"
+        "--executor", choices=["in_process", "multiprocess"], default="in_process", help="(the README's figures: in_process)"
     )
     parser.add_argument("--timeout", type=float, default=900, help="give up after this many seconds")
     args = parser.parse_args()

@@ -1,10 +1,9 @@
-"""filter_pipeline: the filter stage as a Dagster code location (`definitions.py` wires it).
+"""filter_pipeline: the filter stage of a synthetic web-agent training-data generator, as a Dagster code location.
 
-Importing the package first tunes Arrow's allocator for the process (`settings.tune_allocators`): every process
-that loads the code location (the CLI, `dagster dev`'s code server, a run worker, a run pod) imports this before
-pandas or pyarrow.
+- `rules/`: the pure rules (parsing a batch, the ledger walk, history, checks, reports): plain Python and pandas,
+  no Dagster.
+- `judge/`: the judges (the deterministic gate, an LLM behind an OpenAI-compatible endpoint).
+- `shell/`: the Dagster shell: assets, jobs, the sensor, the warehouse IO manager, run config.
+- `cli/`: `filter-pipeline materialize` and `filter-pipeline verify`.
+- `definitions.py` wires the shell into the code location Dagster loads.
 """
-
-from filter_pipeline.settings import tune_allocators
-
-tune_allocators()

@@ -4,7 +4,7 @@ import os
 
 import dagster as dg
 
-from filter_pipeline.assets import (
+from filter_pipeline.shell.assets import (
     coverage,
     dpo_pairs,
     execution_batch,
@@ -14,16 +14,15 @@ from filter_pipeline.assets import (
     judge_verdicts,
     ledger,
 )
-from filter_pipeline.config import CAPS_ENV, load_caps_file
-from filter_pipeline.executor import threaded_executor
-from filter_pipeline.jobs import across_runs_job, filter_job, judge_job, ledger_job
-from filter_pipeline.judging import JudgeResource, judge_from_env
-from filter_pipeline.sensors import build_batch_sensor
+from filter_pipeline.shell.config import CAPS_ENV, load_caps_file
+from filter_pipeline.shell.jobs import across_runs_job, filter_job, judge_job, ledger_job
+from filter_pipeline.judge.resource import JudgeResource, judge_from_env
+from filter_pipeline.shell.sensors import build_batch_sensor
 from filter_pipeline.settings import DEFAULT_EXECUTOR, EXECUTOR_ENV
-from filter_pipeline.warehouse import DataRoot, WarehouseIOManager
+from filter_pipeline.shell.warehouse import DataRoot, WarehouseIOManager
 
 # by each executor's own name (settings.py says when to choose which)
-EXECUTORS = {e.name: e for e in (threaded_executor, dg.in_process_executor, dg.multiprocess_executor)}
+EXECUTORS = {e.name: e for e in (dg.in_process_executor, dg.multiprocess_executor)}
 
 
 def build_defs(data: DataRoot | str, judge: JudgeResource, caps: dict, executor: str = DEFAULT_EXECUTOR) -> dg.Definitions:

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from filter_pipeline.batch import read_batch
-from filter_pipeline.schemas import STATUS_JUDGED, canonical_key, conform, key_hash
+from filter_pipeline.rules.batch import read_batch
+from filter_pipeline.rules.schemas import STATUS_JUDGED, canonical_key, conform, key_hash
 from upath import UPath
 
 
@@ -102,8 +102,8 @@ def counts(*rows: tuple) -> pd.DataFrame:
 
 def write_kept(data: Path, run_id: str, *rows: tuple) -> None:
     """warehouse/kept/<run_id>.parquet from (task_id, key, macro, site) tuples, as the pipeline writes it."""
-    from filter_pipeline.schemas import to_arrow
-    from filter_pipeline.warehouse import write_parquet
+    from filter_pipeline.rules.schemas import to_arrow
+    from filter_pipeline.shell.warehouse import write_parquet
 
     frame = pd.DataFrame(
         [dict(task_id=t, dedup_key=canonical_key(k), key_hash=key_hash(canonical_key(k)), macro=m, site=s, run_id=run_id)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-CLI = [sys.executable, "-m", "filter_pipeline.cli"]
+CLI = [sys.executable, "-m", "filter_pipeline.cli.main"]
 
 
 @pytest.fixture

@@ -15,9 +15,10 @@ import dagster as dg
 import pytest
 import yaml
 
-from filter_pipeline import judging, warehouse
+from filter_pipeline.judge import resource as judging
+from filter_pipeline.shell import warehouse
 from filter_pipeline.definitions import EXECUTOR_ENV, EXECUTORS
-from filter_pipeline.pool import LEDGER_POOL
+from filter_pipeline.shell.pool import LEDGER_POOL
 from filter_pipeline_tests.conftest import REPO
 from filter_pipeline_tests.servers import free_port
 

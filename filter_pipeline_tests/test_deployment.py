@@ -15,10 +15,10 @@ import pandas as pd
 import pytest
 from dagster._core.events import DagsterEventType
 
-from filter_pipeline.jobs import ACROSS_RUNS_ASSETS
-from filter_pipeline.schemas import SCHEMAS
-from filter_pipeline.sensors import kept_fingerprint
-from filter_pipeline.warehouse import DataRoot
+from filter_pipeline.shell.jobs import ACROSS_RUNS_ASSETS
+from filter_pipeline.rules.schemas import SCHEMAS
+from filter_pipeline.shell.sensors import kept_fingerprint
+from filter_pipeline.shell.warehouse import DataRoot
 from filter_pipeline_tests.conftest import REPO
 from filter_pipeline_tests.servers import stop_process_group
 

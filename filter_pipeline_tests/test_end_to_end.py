@@ -14,7 +14,7 @@ import dagster as dg
 import pandas as pd
 import pytest
 
-from filter_pipeline.jobs import ACROSS_RUNS_ASSETS
+from filter_pipeline.shell.jobs import ACROSS_RUNS_ASSETS
 from filter_pipeline_tests.builders import attempt, task, write_batch
 from filter_pipeline_tests.conftest import REPO
 from filter_pipeline_tests.servers import free_port, stop_process_group

@@ -1,0 +1,1 @@
+"""The `filter-pipeline` command line."""

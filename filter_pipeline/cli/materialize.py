@@ -1,0 +1,163 @@
+"""The Dagster side of `filter-pipeline materialize`: register the batches, run `filter_job` for each on the
+instance at $DAGSTER_HOME, print a summary line per batch (cli.py parses the arguments).
+
+What it materializes is recorded in that instance, so `dagster dev` on the same DAGSTER_HOME shows it.
+"""
+
+import argparse
+import os
+import sys
+
+import dagster as dg
+
+from filter_pipeline.shell.assets import run_id_partitions
+from filter_pipeline.rules.batch import SUCCESS_FILE, check_run_id, complete_batches
+from filter_pipeline.shell.config import load_caps_file, parse_caps
+from filter_pipeline.definitions import across_runs_job_from_env, filter_job_from_env
+from filter_pipeline.rules.history import load_retired
+from filter_pipeline.shell.jobs import ACROSS_RUNS_ASSETS, PARTITION_TAG
+from filter_pipeline.judge.resource import ENV, judge_from_env
+from filter_pipeline.shell.pool import release_stale_ledger_slots
+from filter_pipeline.rules.schemas import DROPPED_REASONS, FAILURE_REASONS, STATUS_ERROR
+from filter_pipeline.shell.warehouse import DATA_ENV, DataRoot, read_parquet
+
+
+class CliError(Exception):
+    """A one-line reason to stop before materializing anything."""
+
+
+def _caps(args: argparse.Namespace) -> dict:
+    caps = load_caps_file(args.caps) if args.caps else {}
+    if args.per_site_cap is not None:
+        caps = parse_caps({**caps, "per_site_cap": args.per_site_cap}, "--per-site-cap")
+    return caps
+
+
+def _runs_to_materialize(data: DataRoot, requested: list[str]) -> list[str]:
+    if not requested:
+        return [b.run_id for b in complete_batches(data.runs, data.warehouse) if not b.filtered]
+    for run_id in requested:
+        check_run_id(run_id)
+        if not (data.run_dir(run_id) / SUCCESS_FILE).exists():
+            where = "does not exist" if not data.run_dir(run_id).exists() else f"has no {SUCCESS_FILE} (still being written?)"
+            raise CliError(f"batch runs/{run_id} {where}")
+    return requested
+
+
+def _instance() -> dg.DagsterInstance:
+    if not os.environ.get("DAGSTER_HOME"):
+        raise CliError("DAGSTER_HOME is not set: point it at the instance folder (`make setup` creates .dagster_home/)")
+    return dg.DagsterInstance.get()
+
+
+def summarize(data: DataRoot, run_id: str) -> str:
+    """One line: judged, kept, surplus by reason, failures by reason (reasons with zero rows left out)."""
+
+    def counts(asset: str, column: str, names) -> tuple[int, str]:
+        values = read_parquet(data.asset_file(asset, run_id), columns=[column])[column].value_counts()
+        detail = ", ".join(f"{n} {values[n]}" for n in names if values.get(n, 0))
+        return int(values.sum()), f" ({detail})" if detail else ""
+
+    verdicts = read_parquet(data.asset_file("judge_verdicts", run_id), columns=["status"])
+    unjudged = int((verdicts["status"] == STATUS_ERROR).sum())
+    n_kept = len(read_parquet(data.asset_file("kept", run_id), columns=["task_id"]))
+    n_surplus, surplus_detail = counts("surplus", "dropped", DROPPED_REASONS)
+    n_fail, fail_detail = counts("failure_pool", "reason", FAILURE_REASONS)
+    return (
+        f"{run_id}: judged {len(verdicts) - unjudged}, unjudged {unjudged}, kept {n_kept}, "
+        f"surplus {n_surplus}{surplus_detail}, failures {n_fail}{fail_detail}"
+    )
+
+
+def _failure_reason(result) -> str:
+    """The first failed step and its error, in one line (result: an execute_job result)."""
+    for event in result.all_events:
+        if event.event_type == dg.DagsterEventType.STEP_FAILURE:
+            error = event.step_failure_data.error
+            while error.cause is not None and error.cls_name == "DagsterExecutionStepExecutionError":
+                error = error.cause
+            message = error.message.strip().splitlines()[-1] if error.message.strip() else error.cls_name
+            qualified, _, text = message.partition(": ")
+            if qualified.endswith(error.cls_name or "\0") and text:
+                message = text  # "pkg.module.BatchError: why" -> "why"
+            return f"step {event.step_key}: {message}"
+    return "run failed"
+
+
+def materialize(args: argparse.Namespace) -> int:
+    data = DataRoot.from_env(args.data)
+    caps = _caps(args)
+    load_retired(data.root)  # a broken retired.json fails here, before anything is written
+    run_ids = _runs_to_materialize(data, args.run_ids)
+    instance = _instance()
+    if not run_ids:
+        print("nothing to materialize: every complete batch is already filtered")
+        return 0
+    for run_id in release_stale_ledger_slots(instance):
+        print(f"released the ledger slot of run {run_id}, whose process died", file=sys.stderr)
+    known = set(instance.get_dynamic_partitions(run_id_partitions.name))
+    instance.add_dynamic_partitions(run_id_partitions.name, [r for r in dict.fromkeys(run_ids) if r not in known])
+
+    judge = judge_from_env(args.judge)
+    if judge.kind == "llm":
+        judge.settings()  # missing FILTER_JUDGE_BASE_URL / MODEL: say so before any run starts
+    # the job is rebuilt from the environment (see filter_job_from_env), so the settings travel through it
+    os.environ[DATA_ENV], os.environ[ENV["kind"]] = data.path, judge.kind
+    job = dg.reconstructable(filter_job_from_env)
+    batch_only = [k for k in job.get_definition().asset_layer.executable_asset_keys if k.path[-1] not in ACROSS_RUNS_ASSETS]
+    failed, refreshed = 0, False
+    for position, run_id in enumerate(run_ids, start=1):
+        last = position == len(run_ids)  # coverage and calibration once, in the last batch's run
+        with dg.execute_job(
+            job,
+            instance,
+            run_config=_run_config(caps, ops_with_caps=["ledger", "coverage"] if last else ["ledger"]),
+            tags={PARTITION_TAG: run_id},
+            asset_selection=None if last else batch_only,
+        ) as result:
+            if result.success:
+                print(summarize(data, run_id), flush=True)
+                refreshed = last
+            else:
+                failed += 1
+                print(f"{run_id}: FAILED ({_failure_reason(result)})", flush=True)
+    if failed < len(run_ids) and not refreshed:  # the last batch's run failed, an earlier one did not
+        refreshed = _refresh_across_runs(instance, caps)
+        failed += not refreshed
+    if refreshed:
+        _print_across_runs(data)
+    return 1 if failed else 0
+
+
+def _run_config(caps: dict, ops_with_caps: list[str]) -> dict:
+    """INFO on the console, and the caps for the given ops (a run may configure only ops it runs)."""
+    config: dict = {"loggers": {"console": {"config": {"log_level": "INFO"}}}}
+    if caps:
+        config["ops"] = {op: {"config": caps} for op in ops_with_caps}
+    return config
+
+
+def _refresh_across_runs(instance: dg.DagsterInstance, caps: dict) -> bool:
+    """Materialize coverage and judge calibration over every run in a run of their own."""
+    with dg.execute_job(dg.reconstructable(across_runs_job_from_env), instance, run_config=_run_config(caps, ops_with_caps=["coverage"])) as result:
+        if not result.success:
+            print(f"coverage / judge_calibration: FAILED ({_failure_reason(result)})", flush=True)
+        return result.success
+
+
+def _print_across_runs(data: DataRoot) -> None:
+    """A line for coverage and one per judge calibration predictor, from what was just materialized."""
+    coverage = read_parquet(data.warehouse / "coverage.parquet")
+    sites = coverage[coverage["level"] == "site"]
+    print(
+        f"coverage: {int(sites['kept'].sum())} kept rows over {len(sites)} (macro, site) pairs, "
+        f"{int(sites['full'].sum())} full",
+        flush=True,
+    )
+    calibration = read_parquet(data.warehouse / "judge_calibration.parquet")
+    for row in calibration[calibration["site"] == "(all)"].to_dict("records"):
+        print(
+            f"judge_calibration: {row['predictor']} on {row['n']} labels: precision {row['precision']:.2f}, "
+            f"recall {row['recall']:.2f}, agreement {row['agreement']:.2f}",
+            flush=True,
+        )

@@ -1,0 +1,54 @@
+"""Coverage: kept rows per (macro, site) and per macro across all non-retired runs, against caps and targets.
+What is full and what is short decides the next batch to generate. Pure pandas."""
+
+import numpy as np
+import pandas as pd
+
+from filter_pipeline.rules.report import add_series, bar_chart, svg
+from filter_pipeline.rules.filtering import Caps
+from filter_pipeline.rules.schemas import conform
+
+
+def coverage_table(counts: pd.DataFrame, caps: Caps) -> pd.DataFrame:
+    """Rows of level `site` (one per macro and site with kept rows: its site cap) and level `macro` (one per
+    macro: its target, or none). `remaining` is how many more the limit allows; `full` whether it allows none."""
+    site = counts.assign(
+        level="site",
+        kept=counts["n_kept"],
+        limit=caps.site_caps(counts["macro"]),
+    )
+    per_macro = counts.groupby("macro", as_index=False)["n_kept"].sum()
+    macro = per_macro.assign(
+        level="macro",
+        site=None,
+        kept=per_macro["n_kept"],
+        limit=pd.array([caps.target(m) for m in per_macro["macro"]], dtype="Int64"),
+    )
+    for macro_name in sorted(set(m for m, lim in caps.macros.items() if lim.target is not None) - set(per_macro["macro"])):
+        macro = pd.concat([macro, pd.DataFrame([{"level": "macro", "macro": macro_name, "kept": 0,
+                                                 "limit": caps.target(macro_name)}])], ignore_index=True)  # fmt: skip
+    table = pd.concat([macro, site], ignore_index=True)
+    limit = table["limit"].astype("Int64")
+    table["remaining"] = (limit - table["kept"].astype("Int64")).clip(lower=0)
+    table["full"] = (table["kept"].astype("Int64") >= limit).astype("boolean")
+    return conform(table.sort_values(["level", "macro", "site"], kind="stable", na_position="first"), "coverage")
+
+
+def coverage_markdown(table: pd.DataFrame, limit: int = 30) -> str:
+    """The per-macro rows, then the sites closest to full, as markdown for the UI."""
+    lines = ["| level | macro | site | kept | limit | remaining |", "|---|---|---|---|---|---|"]
+    shown = pd.concat([table[table["level"] == "macro"], table[table["level"] == "site"].sort_values("remaining").head(limit)])
+    for r in shown.to_dict("records"):
+        cells = [r["level"], r["macro"], r["site"], r["kept"], r["limit"], r["remaining"]]
+        lines.append("| " + " | ".join("" if v is None or v is pd.NA or (isinstance(v, float) and np.isnan(v)) else str(v) for v in cells) + " |")
+    return "\n".join(lines)
+
+
+def coverage_chart(table: pd.DataFrame, top: int = 25) -> bytes:
+    """SVG: kept rows per macro (the `top` with most), beside its target where one is set."""
+    macros = table[table["level"] == "macro"].sort_values("kept", ascending=False).head(top)
+    graph = bar_chart("kept rows per macro, all runs", macros["macro"].astype(str).tolist())
+    add_series(graph, "kept", macros["kept"])
+    if macros["limit"].notna().any():
+        add_series(graph, "target", macros["limit"])
+    return svg(graph)

@@ -1,0 +1,60 @@
+"""DPO pairs: a kept trajectory (chosen) against a failed attempt of the same task that is a clean negative
+(rejected). Pure pandas, like rules.py."""
+
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from filter_pipeline.rules.schemas import STAGE_JUDGE, conform, positions
+
+EXCLUDED_BACKEND_OK = "backend_ok"  # reached the goal state although the script failed
+EXCLUDED_JUDGE_GATE_PASSED = "judge_fail_gate_passed"  # the judge failed it but the backend gate passed it
+EXCLUSION_REASONS = (EXCLUDED_BACKEND_OK, EXCLUDED_JUDGE_GATE_PASSED)
+_CHOSEN = ["task_id", "macro", "site", "instruction", "dir", "attempt", "n_actions", "run_id"]
+_REJECTED = ["task_id", "dir", "attempt", "n_actions", "stage", "reason", "detail"]
+# The columns `dpo_pairs` reads from each input (the asset loads only these).
+INPUT_COLUMNS = {"kept": _CHOSEN, "failure_pool": [*_REJECTED, "backend_ok"]}
+
+
+@dataclass(frozen=True)
+class Pairs:
+    pairs: pd.DataFrame  # columns of schemas.SCHEMAS["dpo_pairs"], kept (task) order, then pool order
+    kept_without_negative: int  # kept tasks with no clean negative
+    excluded: dict[str, int]  # negatives left out, per reason
+
+
+def dpo_pairs(kept: pd.DataFrame, failure_pool: pd.DataFrame, include_judge_failures: bool = False) -> Pairs:
+    """One pair per (kept task, clean failed attempt of that task).
+
+    A failure-pool row is not a clean negative when its backend gate passed (`backend_ok`), or when it is a
+    judge failure (its attempt was ok, so the gate passed it) unless `include_judge_failures`. Unjudged
+    tasks are never in the pool, so never a negative.
+    """
+    kept_at = positions(failure_pool["task_id"], kept["task_id"])
+    of_kept = kept_at >= 0
+    backend_ok = (failure_pool["backend_ok"] == True).fillna(False).to_numpy(dtype=bool) & of_kept  # noqa: E712
+    judge_row = (failure_pool["stage"] == STAGE_JUDGE).to_numpy(dtype=bool) & of_kept
+    gate_passed_judge = judge_row & (not include_judge_failures)
+    clean = np.flatnonzero(of_kept & ~backend_ok & ~gate_passed_judge)  # pool rows, in pool order
+    clean_at = kept_at[clean]  # the kept row of each
+    # pairs in kept (task) order, then pool order: each clean row beside the kept row of its task (rows are
+    # picked by position, one take per column: filtering the frames first would copy every column again)
+    order = np.argsort(clean_at, kind="stable")
+    chosen = kept[_CHOSEN].iloc[clean_at[order]].reset_index(drop=True).rename(
+        columns={"dir": "chosen_dir", "attempt": "chosen_attempt", "n_actions": "chosen_n_actions"}
+    )
+    rejected = failure_pool[_REJECTED].iloc[clean[order]].reset_index(drop=True).rename(
+        columns={
+            "dir": "rejected_dir", "attempt": "rejected_attempt", "n_actions": "rejected_n_actions",
+            "stage": "rejected_stage", "reason": "rejected_reason", "detail": "rejected_detail",
+        }
+    )  # fmt: skip
+    pairs = pd.concat([chosen, rejected.drop(columns=["task_id"])], axis=1)
+    has_negative = np.zeros(len(kept), dtype=bool)
+    has_negative[clean_at] = True
+    return Pairs(
+        pairs=conform(pairs, "dpo_pairs"),
+        kept_without_negative=int((~has_negative).sum()),
+        excluded={EXCLUDED_BACKEND_OK: int(backend_ok.sum()), EXCLUDED_JUDGE_GATE_PASSED: int(gate_passed_judge.sum())},
+    )

@@ -1,0 +1,228 @@
+"""The filter rules of CONTRACT §3 as plain pandas functions: no Dagster, no IO.
+
+Each function takes and returns frames with the columns named in `schemas.py` and keeps row order
+meaningful: tasks in `tasks.jsonl` order, attempts in `executions.jsonl` order.
+"""
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from filter_pipeline.rules.schemas import (
+    DETAIL_MAX_CHARS,
+    DROPPED_DUPLICATE,
+    DROPPED_SITE_CAP,
+    DROPPED_TARGET,
+    ERROR_PREFIX_REASONS,
+    REASON_JUDGE_FAIL,
+    REASON_SCRIPT_ERROR,
+    REASON_UNKNOWN,
+    STAGE_EXECUTE,
+    STAGE_JUDGE,
+    STATUS_JUDGED,
+    conform,
+    positions,
+    pylist,
+)
+
+# --- §3.1 execute failures --------------------------------------------------------------------------
+
+
+def execute_failures(tasks: pd.DataFrame, attempts: pd.DataFrame) -> pd.DataFrame:
+    """One failure-pool row per attempt with `ok` false, in executions.jsonl order."""
+    failed = attempts[attempts["ok"] == False].reset_index(drop=True)  # noqa: E712 - nullable bool column
+    at = positions(failed["task_id"], tasks["task_id"])
+    task_columns = tasks[["macro", "site", "instruction", "dedup_key"]].iloc[np.maximum(at, 0)].reset_index(drop=True)
+    if (at < 0).any():  # an attempt of an unknown task (read_batch rejects those): no task columns
+        task_columns.loc[at < 0, :] = None
+    rows = pd.concat([failed, task_columns], axis=1)
+    return conform(
+        rows.assign(
+            stage=STAGE_EXECUTE,
+            reason=failure_reasons(rows["error"]),
+            detail=rows["error"].str.slice(0, DETAIL_MAX_CHARS),
+            votes=None,
+        ),
+        "failure_pool",
+    )
+
+
+def failure_reasons(errors: pd.Series) -> np.ndarray:
+    """The failure-pool reason of each error text: its case-sensitive prefix (ERROR_PREFIX_REASONS),
+    script_error for any other non-empty text, unknown for empty or missing."""
+    errors = errors.astype("str")  # nulls stay missing
+    empty = errors.isna() | (errors == "")
+    conditions = [empty] + [errors.str.startswith(prefix).fillna(False) for prefix, _ in ERROR_PREFIX_REASONS]
+    choices = [REASON_UNKNOWN] + [reason for _, reason in ERROR_PREFIX_REASONS]
+    return np.select([c.to_numpy(dtype=bool) for c in conditions], choices, default=REASON_SCRIPT_ERROR)
+
+
+# --- §3.2 what gets judged --------------------------------------------------------------------------
+
+
+def attempts_to_judge(tasks: pd.DataFrame, attempts: pd.DataFrame) -> pd.DataFrame:
+    """For each task (tasks.jsonl order) with an ok attempt, the ok attempt with the highest number.
+
+    Columns: the task's (task_id, macro, site, dedup_key, start_kind, instruction) and the attempt's
+    (attempt, dir, n_actions, backend_ok, backend_detail, attempt_line: its line in executions.jsonl).
+    """
+    ok = attempts[attempts["ok"] == True].rename(columns={"line": "attempt_line"})  # noqa: E712 - nullable bool
+    task_at = positions(ok["task_id"], tasks["task_id"])
+    # by (task position, attempt number), stable: the last row of each task is its highest ok attempt (the
+    # later line if a number repeats), and tasks come out in tasks.jsonl order
+    order = np.lexsort((ok["attempt"].to_numpy(dtype=np.int64), task_at))
+    order = order[task_at[order] >= 0]  # an attempt of an unknown task is judged for nobody
+    last = order[np.append(task_at[order][1:] != task_at[order][:-1], True)] if len(order) else order
+    picked_tasks = tasks.drop(columns=["line"], errors="ignore").iloc[task_at[last]].reset_index(drop=True)
+    picked_attempts = ok[["attempt", "dir", "n_actions", "backend_ok", "backend_detail", "attempt_line"]].iloc[last]
+    return pd.concat([picked_tasks, picked_attempts.reset_index(drop=True)], axis=1)
+
+
+def superseded_ok_attempts(attempts: pd.DataFrame, judged: pd.DataFrame) -> int:
+    """How many ok attempts were not judged because a later ok attempt of the same task was
+    (`judged`: one row per judged attempt, e.g. the verdicts)."""
+    return int((attempts["ok"] == True).sum()) - len(judged)  # noqa: E712
+
+
+# --- §3.3 judge failures ----------------------------------------------------------------------------
+
+
+def judge_failures(verdicts: pd.DataFrame) -> pd.DataFrame:
+    """One failure-pool row per judged verdict that did not pass, in task order.
+
+    Unjudged verdicts (status error) are not failures: they are judged again later.
+    """
+    failed = verdicts[(verdicts["status"] == STATUS_JUDGED) & (verdicts["passed"] == False)]  # noqa: E712
+    return conform(
+        failed.assign(stage=STAGE_JUDGE, reason=REASON_JUDGE_FAIL, detail=failed["why"], backend_ok=None),
+        "failure_pool",
+    )
+
+
+# --- §3.5 the ledger walk ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MacroLimits:
+    site_cap: int | None = None  # None: the run's per_site_cap
+    target: int | None = None  # None: no per-macro target
+
+
+@dataclass(frozen=True)
+class Caps:
+    per_site_cap: int
+    macros: dict[str, MacroLimits] = field(default_factory=dict)
+
+    def site_cap(self, macro: str) -> int:
+        limits = self.macros.get(macro)
+        return limits.site_cap if limits is not None and limits.site_cap is not None else self.per_site_cap
+
+    def target(self, macro: str) -> int | None:
+        limits = self.macros.get(macro)
+        return limits.target if limits is not None else None
+
+    def site_caps(self, macros: pd.Series) -> np.ndarray:
+        """The site cap of each row's macro, looked up once per distinct macro."""
+        codes, names = pd.factorize(macros)
+        return np.array([self.site_cap(m) for m in names], dtype=np.int64)[codes]
+
+
+@dataclass(frozen=True)
+class LedgerResult:
+    kept: pd.DataFrame  # the verdict columns
+    surplus: pd.DataFrame  # the verdict columns + dropped, dup_of_run_id, dup_of_task_id
+
+
+def walk_ledger(
+    verdicts: pd.DataFrame,
+    prior_index: pd.DataFrame,
+    prior_counts: pd.DataFrame,
+    caps: Caps,
+    run_id: str,
+) -> LedgerResult:
+    """The greedy walk of CONTRACT §3.5 over the passing verdicts, in task order.
+
+    `prior_index` holds (dedup_key, run_id, task_id) of keys kept by other runs (at least every such key
+    that appears in `verdicts`); `prior_counts` holds (macro, site, n_kept) over all of history. A verdict
+    is a duplicate if its key was kept before (history or earlier in this walk), else dropped by its
+    (macro, site) cap, else by its macro's target, else kept.
+
+    Most verdicts cannot be dropped whatever comes before them: the first use of a key no other run kept,
+    in a (macro, site) and a macro that stay within their limits even if every passing verdict in them were
+    kept. Those are kept in bulk; only the others are walked one by one, in order, and see the bulk keeps
+    as earlier keepers of their keys (a bulk keep is its key's first use, so it comes first). The result is
+    the one-by-one walk's over all verdicts; each verdict costs O(1).
+    """
+    passing = verdicts[(verdicts["status"] == STATUS_JUDGED) & (verdicts["passed"] == True)]  # noqa: E712
+    n = len(passing)
+    keys = passing["dedup_key"]
+    first_kept = prior_index.drop_duplicates("dedup_key", keep="first")  # provenance: the earliest keeper
+    kept_before = positions(keys, first_kept["dedup_key"]) >= 0
+    key_code, unique_keys = pd.factorize(keys)  # the texts are hashed once; the rest works on their codes
+    repeated = np.bincount(key_code, minlength=len(unique_keys))[key_code] > 1
+    later_use = pd.Series(key_code).duplicated(keep="first").to_numpy()
+
+    macro_code, macros = pd.factorize(passing["macro"])
+    site_code, sites = pd.factorize(passing["site"])
+    pair_code, pairs = pd.factorize(macro_code * len(sites) + site_code)
+    prior_pair, prior_macro = _prior_totals(prior_counts, macros, sites, pairs)
+    site_cap = np.array([caps.site_cap(m) for m in macros], dtype=np.int64)
+    no_target = np.iinfo(np.int64).max
+    target = np.array([no_target if (limit := caps.target(m)) is None else limit for m in macros], dtype=np.int64)
+    # a limit nobody can reach: history plus every passing verdict under it still fits
+    pair_macro = pairs // max(len(sites), 1)
+    pair_safe = prior_pair + np.bincount(pair_code, minlength=len(pairs)) <= site_cap[pair_macro]
+    macro_safe = prior_macro + np.bincount(macro_code, minlength=len(macros)) <= target
+    bulk = pair_safe[pair_code] & macro_safe[macro_code] & ~later_use & ~kept_before
+
+    task_ids = passing["task_id"]
+    kept_by: dict[str, tuple[str, str]] = dict(
+        zip(pylist(first_kept["dedup_key"]), zip(pylist(first_kept["run_id"]), pylist(first_kept["task_id"])))
+    )
+    seeds = bulk & repeated  # bulk keepers of a key that is used again
+    kept_by.update(zip(pylist(keys[seeds]), ((run_id, t) for t in pylist(task_ids[seeds]))))
+    count, macro_total = prior_pair.tolist(), prior_macro.tolist()  # by pair and macro position
+    site_caps, targets = site_cap.tolist(), target.tolist()
+
+    # (position, reason, provenance) of each dropped verdict; most verdicts are kept, so only drops are recorded
+    drops: list[tuple[int, str, tuple[str | None, str | None]]] = []
+    walked = np.flatnonzero(~bulk)
+    columns = (walked.tolist(), pylist(task_ids.iloc[walked]), pylist(keys.iloc[walked]),
+               pair_code[walked].tolist(), macro_code[walked].tolist())  # fmt: skip
+    for i, task_id, key, pair, macro in zip(*columns):
+        if key in kept_by:
+            drops.append((i, DROPPED_DUPLICATE, kept_by[key]))
+        elif count[pair] >= site_caps[macro]:
+            drops.append((i, DROPPED_SITE_CAP, (None, None)))
+        elif macro_total[macro] >= targets[macro]:
+            drops.append((i, DROPPED_TARGET, (None, None)))
+        else:
+            kept_by[key] = (run_id, task_id)
+            count[pair] += 1
+            macro_total[macro] += 1
+
+    dropped_at = [i for i, _, _ in drops]
+    keep_mask = np.ones(n, dtype=bool)
+    keep_mask[dropped_at] = False
+    surplus = passing.iloc[dropped_at].assign(
+        dropped=[reason for _, reason, _ in drops],
+        dup_of_run_id=[r for _, _, (r, _) in drops],
+        dup_of_task_id=[t for _, _, (_, t) in drops],
+    )
+    return LedgerResult(kept=conform(passing[keep_mask], "kept"), surplus=conform(surplus, "surplus"))
+
+
+def _prior_totals(prior_counts: pd.DataFrame, macros, sites, pairs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """History's kept rows per pair (`pairs`: macro position * len(sites) + site position) and per macro,
+    for the macros and sites this batch has."""
+    m = positions(prior_counts["macro"], pd.Series(macros, dtype="str"))
+    s = positions(prior_counts["site"], pd.Series(sites, dtype="str"))
+    n_kept = prior_counts["n_kept"].to_numpy(dtype=np.int64)
+    per_macro = np.zeros(len(macros), dtype=np.int64)
+    np.add.at(per_macro, m[m >= 0], n_kept[m >= 0])
+    both = (m >= 0) & (s >= 0)
+    at = pd.Index(pairs).get_indexer(m[both] * len(sites) + s[both])
+    per_pair = np.zeros(len(pairs), dtype=np.int64)
+    np.add.at(per_pair, at[at >= 0], n_kept[both][at >= 0])
+    return per_pair, per_macro

@@ -1,0 +1,47 @@
+"""Jobs over the run_id-partitioned assets (partitioning is inferred from the selection).
+
+The sensor launches `judge_job` for every new batch at once and `ledger_job` one run at a time in
+run_id order; the CLI runs `filter_job` (both halves) run by run, in the order given, the across-runs assets
+only in the last.
+"""
+
+import dagster as dg
+
+# Dagster's documented run tags
+PARTITION_TAG = "dagster/partition"
+RUN_KEY_TAG = "dagster/run_key"
+PRIORITY_TAG = "dagster/priority"
+
+JUDGE_GROUPS = ("batch", "judging")
+LEDGER_GROUP = "ledger"
+# assets over every run at once (not partitioned): refreshed by their own job
+ACROSS_RUNS_ASSETS = ("coverage", "judge_calibration")
+ACROSS_RUNS = dg.AssetSelection.assets(*ACROSS_RUNS_ASSETS)
+
+judge_job = dg.define_asset_job(
+    "judge_job",
+    selection=dg.AssetSelection.groups(*JUDGE_GROUPS),
+    description="Parse a batch, judge its last ok attempts and fill its failure pool. Safe to run for many "
+    "batches at once.",
+)
+ledger_job = dg.define_asset_job(
+    "ledger_job",
+    selection=dg.AssetSelection.groups(LEDGER_GROUP, "training", "reports") - ACROSS_RUNS,
+    description="Build the prior dedup index, walk the verdicts into kept / surplus (serialized by the `ledger` "
+    "pool; the sensor launches it in run_id order), then the DPO pairs and the run's report.",
+)
+across_runs_job = dg.define_asset_job(
+    "across_runs_job",
+    selection=ACROSS_RUNS,
+    description="Coverage (kept rows of every non-retired run against caps and targets) and judge calibration "
+    "(against labels.jsonl). The sensor runs it whenever the set of kept files changes.",
+)
+# the across-runs assets ride along in the batch's run: a run of its own costs about half a second of
+# bookkeeping (planned events, start, resources, end), which the CLI would pay after every call
+filter_job = dg.define_asset_job(
+    "filter_job",
+    selection=dg.AssetSelection.all(),
+    description="The whole filter stage for one batch: parse, judge, failure pool, prior index, kept, surplus, "
+    "DPO pairs, report; then coverage and judge calibration over every run (the CLI refreshes those in the "
+    "last batch's run only).",
+)

@@ -1,0 +1,241 @@
+"""Where data lives: the data root resource and the Parquet IO manager over `<data>/warehouse/`.
+
+Both take the data root from the same `DataRoot` resource, so the ledger step, which reads other runs'
+`kept` files directly, always looks where the IO manager writes.
+"""
+
+import os
+import socket
+import threading
+import time
+import uuid
+from collections import OrderedDict
+
+import dagster as dg
+import fsspec.utils
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+from fsspec.implementations.local import LocalFileSystem
+from pydantic import Field
+from upath import UPath
+
+from filter_pipeline.rules.batch import LOCAL_PROTOCOLS, local_signature
+from filter_pipeline.rules.schemas import SCHEMAS, dictionary_columns, statistics_columns, to_arrow, to_pandas
+from filter_pipeline.settings import DATA_ENV, DEFAULT_DATA, ENDPOINT_ENV, data_path
+
+
+
+class DataRoot(dg.ConfigurableResource):
+    """The data root: `runs/<run_id>/` batches, `retired.json`, and the `warehouse/` of outputs.
+
+    On object storage, credentials come from the store's own environment (for S3: AWS_ACCESS_KEY_ID /
+    AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN, a profile, or the pod's IAM role), never from this config.
+    """
+
+    path: str = Field(
+        default=DEFAULT_DATA,
+        description=f"Local folder or fsspec URL (s3://bucket/prefix) of the data root; env {DATA_ENV}.",
+    )
+    endpoint_url: str | None = Field(
+        default=None,
+        description="S3-compatible endpoint (MinIO, Ceph, moto) for an s3:// data root; unset: AWS itself, or "
+        f"AWS_ENDPOINT_URL if set. Env {ENDPOINT_ENV}.",
+    )
+
+    @classmethod
+    def from_env(cls, path: str | None = None) -> "DataRoot":
+        """The data root the environment names (`path`, when given, wins over FILTER_PIPELINE_DATA)."""
+        return cls(path=data_path(path), endpoint_url=os.environ.get(ENDPOINT_ENV) or None)
+
+    @property
+    def root(self) -> UPath:
+        return UPath(self.path, **storage_options(self.path, self.endpoint_url))
+
+    @property
+    def runs(self) -> UPath:
+        return self.root / "runs"
+
+    def run_dir(self, run_id: str) -> UPath:
+        return self.runs / run_id
+
+    @property
+    def warehouse(self) -> UPath:
+        return self.root / "warehouse"
+
+    def asset_file(self, asset: str, run_id: str) -> UPath:
+        """`warehouse/<asset>/<run_id>.parquet`: the same path the IO manager writes."""
+        return self.warehouse / asset / f"{run_id}.parquet"
+
+
+def storage_options(path: str, endpoint_url: str | None) -> dict:
+    """fsspec options for the data root at `path`. Raises ValueError for an endpoint on a non-S3 root."""
+    protocol = fsspec.utils.get_protocol(path)
+    if endpoint_url and protocol not in ("s3", "s3a"):
+        raise ValueError(f"an endpoint URL applies to an s3:// data root, not {protocol}://")
+    if protocol in LOCAL_PROTOCOLS:
+        return {}
+    # fsspec caches directory listings per filesystem instance, for the life of the process: the sensor's
+    # long-lived code server would never see a batch that arrives after its first listing.
+    options: dict = {"use_listings_cache": False}
+    if endpoint_url:
+        options["endpoint_url"] = endpoint_url
+    return options
+
+
+def write_parquet(
+    table, path: UPath, dictionary: list[str] | bool = True, statistics: list[str] | bool = True
+) -> tuple[int, int] | None:
+    """Write `table` to `path` atomically (see `write_atomically`, which says what it returns);
+    `dictionary`, `statistics`: which columns to dictionary-encode and to write statistics for (all by default)."""
+    return write_atomically(path, lambda f: pq.write_table(table, f, use_dictionary=dictionary, write_statistics=statistics))
+
+
+def write_atomically(path: UPath, write) -> tuple[int, int] | None:
+    """Call `write(file)` so that readers of `path` see the old file or the new one, never a partial one.
+    Returns the (size, mtime_ns) of the file as written on local disk (taken before it is renamed into
+    place, so another process's write right after cannot be mistaken for it); None on object stores.
+
+    On local disk: a hidden temp file beside the target, fsynced, then renamed over it; temp files a killed
+    earlier write left are removed first (see `_stale`). Object stores make a single PUT visible atomically.
+    """
+    if not isinstance(path.fs, LocalFileSystem):  # (also: object stores have no rename)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("wb") as f:
+            write(f)
+        return None
+    target = path.path
+    folder = os.path.dirname(target)
+    os.makedirs(folder, exist_ok=True)
+    stale_prefix = f".{os.path.basename(target)}."
+    for name in os.listdir(folder):
+        if name.startswith(stale_prefix) and name.endswith(".tmp") and _stale(os.path.join(folder, name), name[len(stale_prefix) :].removesuffix(".tmp")):
+            try:
+                os.unlink(os.path.join(folder, name))
+            except FileNotFoundError:
+                pass  # its writer renamed or removed it meanwhile
+    # the writer's host and pid in the name: a later write can tell a dead writer's file from a live one's
+    tmp = os.path.join(folder, f"{stale_prefix}{HOST}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        written = os.stat(tmp)  # a rename keeps size and mtime
+        os.replace(tmp, target)
+        return written.st_size, written.st_mtime_ns
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+HOST = socket.gethostname()
+STALE_TEMP_SECONDS = 3600
+
+
+def process_alive(pid: int) -> bool:
+    """Whether a process with this pid runs on this host."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _stale(path: str, writer: str) -> bool:
+    """Whether a temp file (`writer`: the `<host>.<pid>.<hex>` part of its name) is left over: its writer ran
+    on this host and is gone, or nobody has touched it for STALE_TEMP_SECONDS. Another process's write in
+    progress (two runs refreshing coverage at once) is neither, and removing it would fail its rename."""
+    parts = writer.rsplit(".", 2)
+    if len(parts) == 3 and parts[0] == HOST and parts[1].isdigit() and not process_alive(int(parts[1])):
+        return True
+    try:
+        return time.time() - os.stat(path).st_mtime > STALE_TEMP_SECONDS
+    except FileNotFoundError:
+        return False
+
+
+def read_parquet(path: UPath, columns: list[str] | None = None) -> pd.DataFrame:
+    with path.open("rb") as f:
+        return to_pandas(pq.read_table(f, columns=columns))
+
+
+def read_folder(folder: UPath, columns: list[str], filters=None) -> pd.DataFrame:
+    """Every partition file of an asset folder as one frame, through the folder's own filesystem (so an
+    endpoint set on the data root applies, not only one in the environment)."""
+    return pd.read_parquet(folder.path, filesystem=folder.fs, columns=columns, filters=filters)
+
+
+RECENT_BYTES = 256 << 20  # Arrow bytes of recently written outputs an IO manager keeps for the steps after
+
+
+class ParquetWarehouseIOManager(dg.UPathIOManager):
+    """Stores each asset partition as `<base>/<asset>/<run_id>.parquet` with the asset's fixed schema.
+
+    In one process (the in-process executor runs a whole run in one), the tables it last wrote
+    to local disk, up to RECENT_BYTES, are handed to the steps that load them next instead of being read
+    back, as long as the file on disk is still the one written (same size and modification time).
+    """
+
+    extension = ".parquet"
+
+    def __init__(self, base_path: UPath, recent_bytes: int = RECENT_BYTES):
+        super().__init__(base_path=base_path)
+        self.recent_bytes = recent_bytes
+        self._recent: OrderedDict[str, tuple[tuple[int, int], pa.Table, int]] = OrderedDict()  # signature, table, bytes
+        self._recent_lock = threading.Lock()  # a step's checks run in a thread beside its writes
+
+    def dump_to_path(self, context: dg.OutputContext, obj: pd.DataFrame, path: UPath) -> None:
+        asset = context.asset_key.path[-1]
+        if asset not in SCHEMAS:
+            raise KeyError(f"asset {asset!r} has no Arrow schema in filter_pipeline.rules.schemas.SCHEMAS")
+        table = to_arrow(obj, asset)
+        self._remember(path, table, write_parquet(table, path, dictionary_columns(asset), statistics_columns(asset)))
+
+    def load_from_path(self, context: dg.InputContext, path: UPath) -> pd.DataFrame:
+        """The partition's frame; only the columns an input names in its `columns` metadata, if it does."""
+        columns = (context.definition_metadata or {}).get("columns")
+        table = self._recall(path)
+        if table is None:
+            return read_parquet(path, columns=columns)
+        return to_pandas(table.select(columns) if columns else table)
+
+    def _remember(self, path: UPath, table: pa.Table, signature: tuple[int, int] | None) -> None:
+        """Keep `table` as the content of the file with `signature` (None: an object store, not kept)."""
+        size = table.nbytes  # measured once: it walks every column's buffers
+        with self._recent_lock:
+            self._recent.pop(str(path), None)
+            if signature is None or size > self.recent_bytes:
+                return
+            self._recent[str(path)] = (signature, table, size)
+            while sum(entry[2] for entry in self._recent.values()) > self.recent_bytes:
+                self._recent.popitem(last=False)  # the oldest write goes first
+
+    def _recall(self, path: UPath) -> pa.Table | None:
+        with self._recent_lock:
+            entry = self._recent.get(str(path))
+        if entry is None:
+            return None
+        try:
+            if local_signature(path) == entry[0]:
+                return entry[1]
+        except OSError:
+            pass
+        with self._recent_lock:
+            if self._recent.get(str(path)) is entry:
+                del self._recent[str(path)]
+        return None
+
+    def get_metadata(self, context: dg.OutputContext, obj: pd.DataFrame) -> dict:
+        return {"dagster/row_count": len(obj)}
+
+
+class WarehouseIOManager(dg.ConfigurableIOManagerFactory):
+    """Parquet files under `<data root>/warehouse/`, one per asset and run_id; works on any fsspec path."""
+
+    data: DataRoot
+
+    def create_io_manager(self, context: dg.InitResourceContext) -> ParquetWarehouseIOManager:
+        return ParquetWarehouseIOManager(base_path=self.data.warehouse)

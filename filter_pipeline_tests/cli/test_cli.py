@@ -1,0 +1,238 @@
+"""The CLI as a user runs it: separate processes on a temp DAGSTER_HOME and data root."""
+
+import shutil
+import subprocess
+import sys
+import time
+
+import dagster as dg
+import pandas as pd
+import pytest
+from upath import UPath
+
+from filter_pipeline.cli import main as cli_module
+from filter_pipeline.rules.batch import read_batch
+from filter_pipeline.shell.jobs import ACROSS_RUNS_ASSETS
+from filter_pipeline.settings import EXECUTOR_ENV
+from filter_pipeline.shell.pool import LEDGER_POOL
+from filter_pipeline_tests.builders import attempt, task, write_batch
+from filter_pipeline_tests.conftest import CLI, REPO
+
+pytestmark = pytest.mark.slow
+
+
+def overlapping_batches(data_root, run_ids, n=40):
+    """Batches whose tasks share keys across runs, so any double keep would show."""
+    for run_id in run_ids:
+        tasks = [task(f"{run_id}-{i}", site=f"s{i % 4}", key=["s", "#el", i]) for i in range(n)]
+        write_batch(data_root, run_id, tasks, [attempt(t["task_id"]) for t in tasks])
+
+
+def read_all(data_root, asset) -> pd.DataFrame:
+    return pd.read_parquet(data_root / "warehouse" / asset)
+
+
+def test_materializes_every_complete_batch_in_run_id_order_and_prints_a_summary(cli, data_root, dagster_home):
+    write_batch(data_root, "b2", [task("x", key=["k"])], [attempt("x")])
+    write_batch(data_root, "b1", [task("y", key=["k"])], [attempt("y"), attempt("y", 2, ok=False, error="policy violation: z")])
+    write_batch(data_root, "b3", [task("z")], [attempt("z")], complete=False)
+
+    done = cli()
+
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert lines == [
+        "b1: judged 1, unjudged 0, kept 1, surplus 0, failures 1 (policy_violation 1)",
+        "b2: judged 1, unjudged 0, kept 0, surplus 1 (duplicate 1), failures 0",
+        "coverage: 1 kept rows over 1 (macro, site) pairs, 0 full",
+    ]
+    surplus = read_all(data_root, "surplus")
+    assert surplus[["task_id", "dup_of_run_id", "dup_of_task_id"]].values.tolist() == [["x", "b1", "y"]]
+    assert not (data_root / "warehouse" / "kept" / "b3.parquet").exists()
+    assert "parsed runs/b1" in done.stderr  # progress goes to the run log on stderr
+    # the first batch was read while Dagster started; the next one in its own step
+    assert [("(read ahead" in line) for line in done.stderr.splitlines() if "parsed runs/" in line] == [True, False]
+    with dg.DagsterInstance.from_config(str(dagster_home)) as instance:
+        [run] = instance.get_run_records(dg.RunsFilter(tags={"dagster/partition": "b1"}))
+        stored = [e.user_message for e in instance.all_logs(run.dagster_run.run_id) if not e.is_dagster_event]
+    assert any(m.startswith("parsed runs/b1") for m in stored)  # INFO lines are stored ...
+    assert not any("Loading partition" in m or "Writing file at" in m for m in stored)  # ... DEBUG ones are not
+    assert across_runs_materialized_by_run(dagster_home) == {"b1": [], "b2": ["coverage", "judge_calibration"]}
+
+    again = cli()
+    assert again.returncode == 0 and "nothing to materialize" in again.stdout
+
+
+def test_given_runs_are_materialized_in_the_given_order(cli, data_root):
+    write_batch(data_root, "b1", [task("y", key=["k"])], [attempt("y")])
+    write_batch(data_root, "b2", [task("x", key=["k"])], [attempt("x")])
+    done = cli("b2", "b1")
+    assert done.returncode == 0, done.stderr
+    assert read_all(data_root, "kept")["task_id"].tolist() == ["x"]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["nope"], "batch runs/nope does not exist"),
+        (["../etc"], "is not a plain folder name"),
+        (["--per-site-cap", "-1"], "per_site_cap: Value error, must be 0 or more"),
+        (["--caps", "/no/such/caps.yaml"], "caps file /no/such/caps.yaml"),
+    ],
+)
+def test_bad_arguments_fail_with_one_line(cli, data_root, args, message):
+    write_batch(data_root, "b1", [task("y")], [attempt("y")])
+    done = cli(*args)
+    assert done.returncode == 2
+    assert message in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    assert not (data_root / "warehouse").exists()
+
+
+def test_caps_file_and_per_site_cap_flag(cli, data_root, tmp_path):
+    tasks = [task(f"t{i}", macro="m" if i < 4 else "n") for i in range(8)]
+    write_batch(data_root, "b1", tasks, [attempt(t["task_id"]) for t in tasks])
+    caps = tmp_path / "caps.yaml"
+    caps.write_text("per_site_cap: 3\ncaps:\n  m: {site_cap: 1}\n")
+    done = cli("--caps", str(caps), "--per-site-cap", "2")
+    assert done.returncode == 0, done.stderr
+    assert read_all(data_root, "kept")["task_id"].tolist() == ["t0", "t4", "t5"]
+
+
+def test_a_failing_run_exits_non_zero_with_its_reason(cli, data_root):
+    write_batch(data_root, "b1", [task("y")], [attempt("y")])
+    (data_root / "retired.json").write_text("{not json")
+    done = cli("b1")
+    assert done.returncode == 2
+    assert done.stderr.strip() == "filter-pipeline: retired.json is not valid JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"
+
+
+def across_runs_materialized_by_run(dagster_home) -> dict[str, list[str]]:
+    """Run (its partition, or its job's name) -> the across-runs assets it materialized."""
+    with dg.DagsterInstance.from_config(str(dagster_home)) as instance:
+        found = {}
+        for record in instance.get_run_records():
+            run = record.dagster_run
+            events = instance.all_logs(run.run_id, of_type=dg.DagsterEventType.ASSET_MATERIALIZATION)
+            names = [e.get_dagster_event().asset_key.path[-1] for e in events]
+            assets = sorted(name for name in names if name in ACROSS_RUNS_ASSETS)
+            found[run.tags.get("dagster/partition", run.job_name)] = assets
+    return found
+
+
+def test_when_the_last_batch_fails_coverage_is_refreshed_in_a_run_of_its_own(cli, data_root, dagster_home):
+    write_batch(data_root, "fine", [task("a")], [attempt("a")])
+    write_batch(data_root, "empty", [], [])
+    done = cli("fine", "empty")
+    assert done.returncode == 1
+    assert done.stdout.splitlines()[1:] == [
+        "empty: FAILED (step execution_batch: runs/empty/tasks.jsonl holds no valid task)",
+        "coverage: 1 kept rows over 1 (macro, site) pairs, 0 full",
+    ]
+    assert across_runs_materialized_by_run(dagster_home) == {
+        "fine": [], "empty": [], "across_runs_job": ["coverage", "judge_calibration"]
+    }  # fmt: skip
+
+
+def test_a_batch_without_tasks_fails_its_run_with_the_reason_and_writes_nothing(cli, data_root):
+    write_batch(data_root, "empty", [], [])
+    write_batch(data_root, "fine", [task("a")], [attempt("a")])
+    done = cli("empty", "fine")
+    assert done.returncode == 1
+    assert done.stdout.splitlines()[0] == "empty: FAILED (step execution_batch: runs/empty/tasks.jsonl holds no valid task)"
+    assert done.stdout.splitlines()[1].startswith("fine: judged 1")
+    assert sorted(p.name for p in (data_root / "warehouse").rglob("*.parquet") if p.stem == "empty") == []
+
+
+def test_two_runs_launched_together_never_keep_a_key_twice(cli_env, data_root, dagster_home):
+    overlapping_batches(data_root, ["b1", "b2"])
+    dg.DagsterInstance.from_config(str(dagster_home)).dispose()  # an existing instance, as a user's would be
+    procs = [
+        subprocess.Popen([*CLI, "materialize", run_id], env=cli_env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for run_id in ("b1", "b2")
+    ]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err
+
+    kept = read_all(data_root, "kept")
+    assert kept["dedup_key"].is_unique
+    assert len(kept) == 12  # 40 keys, 4 sites x per_site_cap 3: whichever run walks first keeps them all
+
+    # and the two walks really were one after the other: from reading history (the "prior index" log line)
+    # to the last check on what was written. Not the step spans: Dagster's SQLite slot claim can let both
+    # steps start at once, which is why the step also takes pool.ledger_lock.
+    with dg.DagsterInstance.from_config(str(dagster_home)) as instance:
+        spans = []
+        for record in instance.get_run_records(dg.RunsFilter(job_name="filter_job")):
+            events = [e for e in instance.all_logs(record.dagster_run.run_id) if e.step_key == "ledger"]
+            start = min(e.timestamp for e in events if e.user_message.startswith("prior index:"))
+            end = max(e.timestamp for e in events if e.dagster_event_type == dg.DagsterEventType.ASSET_CHECK_EVALUATION)
+            spans.append((start, end))
+        (s1, e1), (s2, e2) = sorted(spans)
+        assert e1 <= s2, f"ledger walks overlapped: {spans}"
+        assert instance.event_log_storage.get_concurrency_info(LEDGER_POOL).slot_count == 1
+
+
+def big_batch(data_root, run_id, n):
+    tasks = [task(f"t{i}", site=f"s{i % 50}", key=["s", "#el", i]) for i in range(n)]
+    write_batch(data_root, run_id, tasks, [attempt(t["task_id"]) for t in tasks])
+
+
+def test_a_run_killed_while_writing_kept_leaves_nothing_partial_and_reruns_identically(cli, cli_env, tmp_path, data_root):
+    big_batch(data_root, "big", 120_000)
+    reference = tmp_path / "reference"
+    shutil.copytree(data_root, reference)
+    temp_files = lambda: [p for d in ("kept", "surplus") for p in (data_root / "warehouse" / d).glob(".*.tmp")]
+
+    proc = subprocess.Popen([*CLI, "materialize", "big", "--per-site-cap", "100000"], env=cli_env, cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    caught = []
+    while proc.poll() is None and not caught:
+        caught = temp_files()
+        if not caught:
+            time.sleep(0.0005)
+    proc.kill()
+    proc.wait()
+    assert caught, "the run finished before a kept/surplus write could be interrupted"
+    assert not (data_root / "warehouse" / "kept" / "big.parquet").exists()  # the half-written file never got the name
+
+    assert cli("big", "--per-site-cap", "100000").returncode == 0
+    done = cli("big", "--per-site-cap", "100000", env={"FILTER_PIPELINE_DATA": str(reference)})
+    assert done.returncode == 0
+    leftovers = [p for p in (data_root / "warehouse").rglob("*") if p.name.startswith(".") or p.name.endswith(".tmp")]
+    assert leftovers == []
+    for asset in ("judge_verdicts", "failure_pool", "prior_dedup_index", "kept", "surplus"):
+        pd.testing.assert_frame_equal(
+            pd.read_parquet(data_root / "warehouse" / asset / "big.parquet"),
+            pd.read_parquet(reference / "warehouse" / asset / "big.parquet"),
+        )
+    assert len(pd.read_parquet(data_root / "warehouse" / "kept" / "big.parquet")) == 120_000
+
+
+def test_the_first_batch_is_read_ahead_only_where_its_steps_run_in_this_process(data_root, monkeypatch):
+    write_batch(data_root, "b1", [task("a")], [attempt("a")])
+    write_batch(data_root, "b0", [task("a")], [attempt("a")], complete=False)
+    args = lambda *argv: cli_module._parser().parse_args(["materialize", "--data", str(data_root), *argv])  # noqa: E731
+    monkeypatch.setenv(EXECUTOR_ENV, "multiprocess")
+    assert not cli_module.read_first_batch_ahead(args())
+    monkeypatch.delenv(EXECUTOR_ENV)
+    assert not cli_module.read_first_batch_ahead(args("../b1"))  # not a run_id: left for materialize to refuse
+    assert not cli_module.read_first_batch_ahead(args("nope"))  # no such batch
+    assert not cli_module.read_first_batch_ahead(args("b0"))  # still being written
+    assert cli_module.read_first_batch_ahead(args())  # the first complete batch not yet filtered
+    assert read_batch(UPath(str(data_root / "runs" / "b1")), "b1").read_ahead
+
+
+def test_the_in_process_and_multiprocess_executors_write_the_same_outputs(cli, data_root, tmp_path, dagster_home):
+    shutil.copytree(REPO / "data" / "runs", data_root / "runs", dirs_exist_ok=True)  # the sample batches
+    shutil.copy(REPO / "data" / "labels.jsonl", data_root)
+    other = tmp_path / "multiprocess"
+    shutil.copytree(data_root, other)
+    assert "coverage:" in cli().stdout  # the default: in_process
+    assert cli(env={"FILTER_PIPELINE_DATA": str(other), EXECUTOR_ENV: "multiprocess"}).returncode == 0
+    written = sorted(p.relative_to(data_root) for p in (data_root / "warehouse").rglob("*.parquet"))
+    assert written == sorted(p.relative_to(other) for p in (other / "warehouse").rglob("*.parquet"))
+    assert len(written) > 20
+    for path in written:
+        pd.testing.assert_frame_equal(pd.read_parquet(data_root / path), pd.read_parquet(other / path), obj=str(path))

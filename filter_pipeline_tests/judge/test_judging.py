@@ -1,0 +1,216 @@
+"""The judge resource inside the pipeline: LLM verdicts, faults, the verdict cache, agreement, secrets."""
+
+import json
+from pathlib import Path
+
+import dagster as dg
+import pandas as pd
+import pytest
+
+from filter_pipeline.definitions import build_defs
+from filter_pipeline.judge.resource import JudgeResource, judge_from_env
+from filter_pipeline.rules.report import agreement
+from filter_pipeline_tests.builders import attempt, rows, task, verdicts, write_batch
+from filter_pipeline_tests.openai_server import FakeOpenAI, Reply
+
+PASS = '{"passed": true, "why": "done"}'
+FAIL = '{"passed": false, "why": "wrong page"}'
+CONTRACT = {
+    "kept": ["task_id", "macro", "site", "dedup_key", "attempt", "dir", "passed", "why", "votes"],
+    "surplus": ["task_id", "dropped", "dup_of_run_id", "dup_of_task_id", "votes"],
+    "failure_pool": ["task_id", "stage", "reason", "detail", "attempt", "votes", "backend_ok"],
+}
+
+
+def model_that_fails(*failing: str, faults: bool = False):
+    """A judge model failing the tasks named in `failing` (by instruction); with `faults`, its first six
+    calls are 429s and 500s, so every vote that lands on one must be retried."""
+
+    def responder(call, n):
+        if faults and n < 6 and n % 2 == 0:
+            return Reply(status=429, headers={"Retry-After": "0"}, body="{}")
+        if faults and n < 6:
+            return Reply(status=500, body="{}")
+        return Reply(content=FAIL if any(f"do {t}" in call.prompt for t in failing) else PASS)
+
+    return responder
+
+
+def sample_batch(data_root: Path, run_id: str = "r1") -> None:
+    tasks = [task("a", key=["k1"]), task("b", key=["k1"]), task("c", key=["k2"]), task("d", site="s2"), task("e")]
+    attempts = [attempt("a"), attempt("b"), attempt("c"), attempt("d"), attempt("e", ok=False, error="action refused: x")]
+    write_batch(data_root, run_id, tasks, attempts)
+
+
+class Pipeline:
+    """Materializes partitions of the real definitions on one test instance."""
+
+    def __init__(self, data_root: Path, instance: dg.DagsterInstance):
+        self.data_root, self.instance = data_root, instance
+
+    def run(self, judge: JudgeResource, run_id: str = "r1") -> dg.ExecuteInProcessResult:
+        if run_id not in self.instance.get_dynamic_partitions("run_id"):
+            self.instance.add_dynamic_partitions("run_id", [run_id])
+        job = build_defs(str(self.data_root), judge, caps={}).resolve_job_def("filter_job")
+        result = job.execute_in_process(instance=self.instance, partition_key=run_id)
+        assert result.success
+        return result
+
+    def output(self, asset: str, run_id: str = "r1") -> pd.DataFrame:
+        return pd.read_parquet(self.data_root / "warehouse" / asset / f"{run_id}.parquet")
+
+
+@pytest.fixture
+def pipeline(data_root):
+    with dg.instance_for_test() as instance:
+        yield Pipeline(data_root, instance)
+
+
+def llm(server: FakeOpenAI, **kw) -> JudgeResource:
+    return JudgeResource(**{"kind": "llm", "base_url": server.base_url, "model": "judge-test", **kw})
+
+
+def verdict_metadata(result) -> dict:
+    [mat] = [m for m in result.get_asset_materialization_events() if m.asset_key.path[-1] == "judge_verdicts"]
+    return {k: v.value for k, v in mat.materialization.metadata.items()}
+
+
+def test_llm_verdicts_flow_through_the_same_rules_as_the_gate_even_under_faults(tmp_path):
+    outputs = {}
+    for name, faults in (("clean", False), ("faulty", True)):
+        root = tmp_path / name
+        sample_batch(root)
+        with dg.instance_for_test() as instance, FakeOpenAI(model_that_fails("c", faults=faults)) as server:
+            Pipeline(root, instance).run(llm(server))
+            assert len(server.calls) == (18 if faults else 12)
+            outputs[name] = {a: rows(Pipeline(root, instance).output(a), *cols) for a, cols in CONTRACT.items()}
+    assert outputs["faulty"] == outputs["clean"]
+    clean = outputs["clean"]
+    assert [r[0] for r in clean["kept"]] == ["a", "d"]
+    assert clean["surplus"] == [["b", "duplicate", "r1", "a", "3/3"]]
+    assert clean["failure_pool"] == [
+        ["e", "execute", "action_refused", "action refused: x", 1, None, False],
+        ["c", "judge", "judge_fail", "wrong page", 1, "0/3", None],
+    ]
+
+
+def test_outage_leaves_tasks_unjudged_and_the_next_materialization_judges_only_those(pipeline):
+    sample_batch(pipeline.data_root)
+    with FakeOpenAI(lambda call, n: Reply(status=503, body="down") if "do a" in call.prompt else Reply(content=PASS)) as server:
+        first = pipeline.run(llm(server, max_attempts=2))
+    v = pipeline.output("judge_verdicts")
+    assert rows(v, "task_id", "status") == [["a", "error"], ["b", "judged"], ["c", "judged"], ["d", "judged"]]
+    assert "HTTP 503" in v.loc[v["task_id"] == "a", "why"].item()
+    assert "a" not in set(pipeline.output("failure_pool")["task_id"])
+    assert "a" not in set(pipeline.output("kept")["task_id"])
+    assert verdict_metadata(first)["unjudged"] == 1
+
+    with FakeOpenAI() as healthy:
+        second = pipeline.run(llm(healthy, max_attempts=2))
+        assert len(healthy.calls) == 3  # only task a, three votes
+    assert verdict_metadata(second)["cache_hits"] == 3
+    assert pipeline.output("kept")["task_id"].tolist() == ["a", "c", "d"]
+
+
+def test_rematerializing_costs_zero_calls_and_a_new_prompt_version_pays_again(pipeline):
+    sample_batch(pipeline.data_root)
+    with FakeOpenAI() as server:
+        pipeline.run(llm(server))
+        assert len(server.calls) == 12
+        again = pipeline.run(llm(server))
+        assert len(server.calls) == 12
+        meta = verdict_metadata(again)
+        assert (meta["calls"], meta["cache_hits"]) == (0, 4)
+        assert pipeline.output("judge_verdicts")["cached"].tolist() == [True] * 4
+        pipeline.run(llm(server, prompt_version="v2"))
+        assert len(server.calls) == 24
+        pipeline.run(llm(server, model="other-model"))
+        assert len(server.calls) == 36
+
+
+def test_verdict_records_and_metadata(pipeline):
+    sample_batch(pipeline.data_root)
+    with FakeOpenAI(model_that_fails("c")) as server:
+        result = pipeline.run(llm(server))
+    v = pipeline.output("judge_verdicts").set_index("task_id")
+    assert v.loc["a", ["judge", "model", "prompt_version", "status", "votes"]].tolist() == ["llm", "judge-test", "v1", "judged", "3/3"]
+    assert v.loc["a", "prompt_tokens"] == 300 and v.loc["a", "completion_tokens"] == 30
+    assert json.loads(v.loc["c", "raw_replies"]) == [FAIL] * 3
+    assert len(v.loc["a", "cache_key"]) == 64
+    meta = verdict_metadata(result)
+    assert (meta["calls"], meta["prompt_tokens"], meta["unjudged"]) == (12, 1200, 0)
+    assert meta["pass_rate"] == 0.75
+    assert meta["latency_p95_ms"] >= meta["latency_p50_ms"] > 0
+    assert "| s2 | 1 | 1 | 100% |" in meta["agreement_with_gate"]
+
+
+def test_agreement_is_the_judge_pass_rate_per_site_and_macro():
+    v = verdicts(
+        {"task_id": "a", "site": "s1", "passed": True},
+        {"task_id": "b", "site": "s1", "passed": False},
+        {"task_id": "c", "site": "s2", "passed": True},
+        {"task_id": "d", "site": "s2", "passed": None, "status": "error"},
+    )
+    assert agreement(v, "site").values.tolist() == [["s1", 2, 1, 0.5], ["s2", 1, 1, 1.0]]
+
+
+def test_settings_come_from_the_environment_and_bad_values_say_which(monkeypatch):
+    monkeypatch.setenv("FILTER_JUDGE_BASE_URL", "http://127.0.0.1:9/v1")
+    monkeypatch.setenv("FILTER_JUDGE_MODEL", "m")
+    monkeypatch.setenv("FILTER_JUDGE_VOTES", "5")
+    monkeypatch.setenv("FILTER_JUDGE_API_KEY", "sk-env")
+    judge = judge_from_env("llm")
+    assert (judge.votes, judge.model) == (5, "m")
+    assert isinstance(judge.api_key, dg.EnvVar)  # Dagster shows the variable's name, not its value
+    monkeypatch.setenv("FILTER_JUDGE_VOTES", "three")
+    with pytest.raises(ValueError, match="FILTER_JUDGE_VOTES='three' is not a valid int"):
+        judge_from_env("llm")
+
+
+def test_llm_judge_without_endpoint_settings_is_refused():
+    with pytest.raises(ValueError, match="FILTER_JUDGE_BASE_URL and FILTER_JUDGE_MODEL"):
+        JudgeResource(kind="llm").settings()
+
+
+@pytest.mark.slow
+def test_cli_llm_judge_never_leaks_the_api_key(cli, data_root, dagster_home):
+    secret = "sk-live-SECRET-4242"
+    sample_batch(data_root)
+
+    def responder(call, n):
+        if n == 0:  # an endpoint that echoes the credential back in an error
+            return Reply(status=400, body=f'{{"error": "bad request for key {secret}"}}')
+        return Reply(content=PASS)
+
+    with FakeOpenAI(responder) as server:
+        done = cli(
+            "--judge", "llm",
+            env={"FILTER_JUDGE_BASE_URL": server.base_url, "FILTER_JUDGE_MODEL": "judge-test",
+                 "FILTER_JUDGE_API_KEY": secret, "FILTER_JUDGE_VOTES": "1"},
+        )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert server.calls[0].headers["Authorization"] == f"Bearer {secret}"
+    assert secret not in done.stdout + done.stderr
+    for folder in (data_root / "warehouse", dagster_home):
+        for path in folder.rglob("*"):
+            if path.is_file():
+                assert secret.encode() not in path.read_bytes(), path
+    why = pd.read_parquet(data_root / "warehouse" / "judge_verdicts" / "r1.parquet")["why"].tolist()
+    assert any("***" in w for w in why)
+
+
+def test_on_s3_the_llm_judge_reads_each_attempts_trajectory_from_the_bucket(s3_bucket):
+    from filter_pipeline.shell.warehouse import DataRoot
+
+    root = DataRoot(path=f"s3://{s3_bucket}/data").root
+    write_batch(root, "r1", [task("a"), task("b")], [attempt("a", dir="runs/r1/traj/a/1"), attempt("b", dir="runs/r1/traj/b/1")])
+    trajectory = {"steps": [{"action": "type", "text": "blue shoes"}], "final": {"url": "https://shop/a", "observation": "Order 77 placed"}}
+    (root / "runs/r1/traj/a/1/trajectory.json").write_text(json.dumps(trajectory))  # b has none: its record's steps
+
+    with dg.instance_for_test() as instance, FakeOpenAI(model_that_fails("b")) as server:
+        Pipeline(str(root), instance).run(llm(server, votes=1))
+        prompts = {("a" if "do a" in c.prompt else "b"): c.prompt for c in server.calls}
+    assert "Order 77 placed" in prompts["a"] and "blue shoes" in prompts["a"]
+    assert '"action": "click"' in prompts["b"] and "(no page text)" in prompts["b"]
+    kept = pd.read_parquet(f"s3://{s3_bucket}/data/warehouse/kept/r1.parquet")
+    assert kept["task_id"].tolist() == ["a"]

@@ -1,0 +1,174 @@
+"""CONTRACT §2 retired.json and §3.4 the prior-run dedup index."""
+
+import json
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from upath import UPath
+
+from filter_pipeline.rules import history
+from filter_pipeline.rules.history import HistoryError, Retired, build_prior_index, load_retired
+from filter_pipeline.rules.schemas import canonical_key, key_hash
+from filter_pipeline_tests.builders import write_kept, write_legacy_kept
+
+
+def index(data, run_id="now", batch_keys=(), retired=None):
+    texts = [canonical_key(k) for k in batch_keys]
+    keys = pd.DataFrame({"dedup_key": pd.Series(texts, dtype=object), "key_hash": pd.Series([key_hash(t) for t in texts], dtype="int64")})
+    root = UPath(data)
+    return build_prior_index(root, root / "warehouse" / "kept", run_id, keys, retired or load_retired(root))
+
+
+def counts_of(idx) -> dict:
+    return {(m, s): n for m, s, n in idx.counts[["macro", "site", "n_kept"]].itertuples(index=False)}
+
+
+def test_keys_and_counts_of_other_runs(tmp_path):
+    write_kept(tmp_path, "r1", ("a", ["k", 1], "m", "s1"), ("b", ["k", 2], "m", "s2"))
+    write_kept(tmp_path, "r2", ("c", ["k", 3], "m", "s1"))
+    idx = index(tmp_path, batch_keys=[["k", 1], ["k", 3], ["k", 99]])
+    assert idx.keys[["dedup_key", "run_id", "task_id"]].values.tolist() == [['["k",1]', "r1", "a"], ['["k",3]', "r2", "c"]]
+    assert counts_of(idx) == {("m", "s1"): 2, ("m", "s2"): 1}  # counts cover every row, not just matching keys
+
+
+def write_kept_with_hash(data, run_id: str, stored_hash: int, *rows: tuple) -> None:
+    """A kept file whose key_hash column holds `stored_hash` on every row, whatever its text (a collision)."""
+    write_kept(data, run_id, *rows)
+    path = UPath(data) / "warehouse" / "kept" / f"{run_id}.parquet"
+    table = pq.read_table(path.path)
+    forced = pa.array([stored_hash] * table.num_rows, pa.int64())
+    pq.write_table(table.set_column(table.column_names.index("key_hash"), "key_hash", forced), path.path)
+
+
+def test_a_history_row_with_a_batch_keys_hash_but_other_text_is_no_match(tmp_path):
+    shared = key_hash(canonical_key(["k", 1]))
+    write_kept_with_hash(tmp_path, "r1", shared, ("a", ["k", 1], "m", "s"), ("b", ["k", 2], "m", "s"))
+    write_kept_with_hash(tmp_path, "r2", shared, ("c", ["k", 2], "m", "s"), ("d", ["k", 1], "m", "s"))
+    idx = index(tmp_path, batch_keys=[["k", 1], ["k", 3]])
+    assert idx.keys[["dedup_key", "run_id", "task_id"]].values.tolist() == [['["k",1]', "r1", "a"], ['["k",1]', "r2", "d"]]
+
+
+def test_the_run_itself_is_excluded_so_rematerializing_ignores_its_own_kept(tmp_path):
+    write_kept(tmp_path, "now", ("a", ["k", 1], "m", "s"))
+    idx = index(tmp_path, batch_keys=[["k", 1]])
+    assert idx.keys.empty and idx.counts.empty
+
+
+def test_retired_whole_run_and_retired_rows_do_not_count(tmp_path):
+    write_kept(tmp_path, "r1", ("a", ["k", 1], "m", "s"))
+    write_kept(tmp_path, "r2", ("b", ["k", 2], "m", "s"), ("c", ["k", 3], "m", "s"))
+    write_kept(tmp_path, "r3", ("d", ["k", 4], "m", "s"))
+    (tmp_path / "retired.json").write_text(
+        json.dumps(
+            [
+                {"run_id": "r1", "reason": "bad site build"},
+                {"run_id": "r2", "task_ids": ["b"], "reason": "mislabelled"},
+                {"run_id": "r3", "task_ids": [], "reason": "retires nothing"},
+            ]
+        )
+    )
+    idx = index(tmp_path, batch_keys=[["k", i] for i in range(1, 5)])
+    assert sorted(idx.keys["task_id"]) == ["c", "d"]
+    assert counts_of(idx) == {("m", "s"): 2}
+
+
+def test_legacy_kept_jsonl_counts_unless_the_run_has_a_warehouse_file(tmp_path):
+    write_legacy_kept(tmp_path, "old", ("a", ["k", 1], "m", "s"), ("b", ["k", 2], "m", "s"))
+    write_legacy_kept(tmp_path, "redone", ("x", ["k", 7], "m", "s"))
+    write_kept(tmp_path, "redone", ("y", ["k", 8], "m", "s"))
+    idx = index(tmp_path, batch_keys=[["k", 1], ["k", 7], ["k", 8]])
+    assert sorted(zip(idx.keys["run_id"], idx.keys["task_id"])) == [("old", "a"), ("redone", "y")]
+    assert counts_of(idx) == {("m", "s"): 3}
+
+
+def test_bad_legacy_row_names_file_and_line(tmp_path):
+    write_legacy_kept(tmp_path, "old", ("a", ["k", 1], "m", "s"))
+    with open(tmp_path / "runs" / "old" / "kept.jsonl", "a") as f:
+        f.write('{"task_id": "b"}\n')
+    with pytest.raises(HistoryError, match=r"runs/old/kept.jsonl:2: not a kept row"):
+        index(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("{", "retired.json is not valid JSON"),
+        ('{"run_id": "r1"}', "must be a JSON list"),
+        ('[{"reason": "x"}]', r"retired.json\[0\] must be an object with a string 'run_id'"),
+        ('[{"run_id": "r1", "task_ids": "a"}]', r"retired.json\[0\].task_ids must be a list of strings"),
+    ],
+)
+def test_malformed_retired_json_is_refused_with_the_reason(tmp_path, content, message):
+    (tmp_path / "retired.json").write_text(content)
+    with pytest.raises(HistoryError, match=message):
+        load_retired(UPath(tmp_path))
+
+
+def test_no_retired_json_retires_nothing(tmp_path):
+    assert load_retired(UPath(tmp_path)) == Retired()
+
+
+def files_opened(monkeypatch) -> list[str]:
+    """Names of the warehouse kept files each history read from now on opens."""
+    opened: list[str] = []
+    real = history._read_warehouse
+    monkeypatch.setattr(history, "_read_warehouse", lambda path, *args: opened.append(path.name) or real(path, *args))
+    return opened
+
+
+def ledger_then_coverage(data, monkeypatch, retired=None) -> tuple:
+    """The ledger's read for run `now`, then its kept rows written, then coverage's read for counts alone:
+    (coverage's index, the files coverage opened)."""
+    index(data, run_id="now", batch_keys=[["k", 1]], retired=retired)
+    write_kept(data, "now", ("n", ["k", 9], "m", "s2"))
+    opened = files_opened(monkeypatch)
+    return index(data, run_id="", retired=retired), opened
+
+
+def test_counts_alone_read_only_the_runs_the_last_read_did_not_count(tmp_path, monkeypatch):
+    write_kept(tmp_path, "r1", ("a", ["k", 1], "m", "s1"), ("b", ["k", 2], "m", "s2"))
+    write_kept(tmp_path, "r2", ("c", ["k", 3], "m", "s1"))
+    coverage, opened = ledger_then_coverage(tmp_path, monkeypatch)
+    assert opened == ["now.parquet"]
+    assert counts_of(coverage) == {("m", "s1"): 2, ("m", "s2"): 2}
+    assert (coverage.runs_read, coverage.rows_read) == (3, 4)
+
+
+def test_a_run_rewritten_since_is_counted_again_from_its_file(tmp_path, monkeypatch):
+    write_kept(tmp_path, "r1", ("a", ["k", 1], "m", "s1"))
+    index(tmp_path, run_id="now", batch_keys=[["k", 1]])
+    write_kept(tmp_path, "r1", ("a", ["k", 1], "m", "s1"), ("b", ["k", 2], "m", "s1"))  # re-materialized
+    opened = files_opened(monkeypatch)
+    assert counts_of(index(tmp_path, run_id="")) == {("m", "s1"): 2}
+    assert opened == ["r1.parquet"]
+
+
+def test_rows_retired_since_are_not_taken_from_the_last_read(tmp_path, monkeypatch):
+    write_kept(tmp_path, "r1", ("a", ["k", 1], "m", "s1"), ("b", ["k", 2], "m", "s1"))
+    index(tmp_path, run_id="now", batch_keys=[["k", 1]])
+    opened = files_opened(monkeypatch)
+    now_retired = Retired(tasks={"r1": frozenset({"b"})})
+    assert counts_of(index(tmp_path, run_id="", retired=now_retired)) == {("m", "s1"): 1}
+    assert opened == ["r1.parquet"]
+    assert counts_of(index(tmp_path, run_id="", retired=Retired(runs=frozenset({"r1"})))) == {}
+
+
+def test_a_read_with_batch_keys_reads_every_run(tmp_path, monkeypatch):
+    write_kept(tmp_path, "r1", ("a", ["k", 1], "m", "s1"))
+    write_kept(tmp_path, "r2", ("c", ["k", 3], "m", "s1"))
+    index(tmp_path, run_id="now", batch_keys=[["k", 1]])
+    opened = files_opened(monkeypatch)
+    idx = index(tmp_path, run_id="later", batch_keys=[["k", 3]])  # the walk needs every run's keys
+    assert opened == ["r1.parquet", "r2.parquet"]
+    assert idx.keys["task_id"].tolist() == ["c"]
+
+
+def test_history_off_local_disk_is_always_read(monkeypatch):
+    root = UPath("memory://history-memo")
+    write_kept(root, "r1", ("a", ["k", 1], "m", "s1"))
+    index(root, run_id="now", batch_keys=[["k", 1]])
+    opened = files_opened(monkeypatch)
+    assert counts_of(index(root, run_id="")) == {("m", "s1"): 1}
+    assert opened == ["r1.parquet"]

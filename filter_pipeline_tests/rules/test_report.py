@@ -1,0 +1,79 @@
+"""The per-run report: figures that add up, charts that are images, a page that stands alone."""
+
+import dagster as dg
+import pandas as pd
+
+from filter_pipeline.rules import report
+from filter_pipeline.definitions import build_defs
+from filter_pipeline.judge.resource import JudgeResource
+from filter_pipeline_tests.builders import attempt, chart_bars, task, write_batch
+
+
+def sample_run(data_root) -> dg.ExecuteInProcessResult:
+    tasks = [task("a", key=["k"]), task("b", key=["k"]), task("c", site="s2"), task("d", site="s2")]
+    attempts = [
+        attempt("a", 1, ok=False, error="policy violation: x"), attempt("a", 2), attempt("b"), attempt("c"),
+        attempt("d", 1, ok=False, error="backend check failed: y"), attempt("d", 2, ok=False, error="z"),
+    ]  # fmt: skip
+    write_batch(data_root, "r1", tasks, attempts)
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions("run_id", ["r1"])
+        job = build_defs(str(data_root), JudgeResource(), caps={}).resolve_job_def("filter_job")
+        return job.execute_in_process(instance=instance, partition_key="r1")
+
+
+def test_report_figures_match_a_hand_count(data_root):
+    result = sample_run(data_root)
+    frame = pd.read_parquet(data_root / "warehouse" / "filter_report" / "r1.parquet")
+    funnel = frame[frame["section"] == "funnel"].set_index("key")["value"].to_dict()
+    assert funnel == {"attempts": 6, "ok attempts": 3, "judged tasks": 3, "passed": 3, "kept": 2}
+    site = frame[frame["section"] == "site"].pivot(index="key", columns="metric", values="value")
+    assert site.loc["s", ["judged", "kept", "policy_violation"]].tolist() == [2, 1, 1]
+    assert site.loc["s2", ["judged", "kept", "backend_fail", "script_error"]].tolist() == [1, 1, 1, 1]
+    surplus = frame[frame["section"] == "surplus"].set_index("key")["value"].to_dict()
+    assert surplus == {"duplicate": 1, "site_cap": 0, "target": 0}
+
+    [mat] = [m for m in result.get_asset_materialization_events() if m.asset_key.path[-1] == "filter_report"]
+    meta = mat.materialization.metadata
+    assert meta["report"].value.count("](data:image/svg+xml;base64,") == 2
+    page = (data_root / "warehouse" / "filter_report_html" / "r1.html").read_text()
+    assert page.startswith("<!doctype html>") and page.count("<img") == 2 and "Filter report: r1" in page
+
+
+def test_funnel_only_narrows(data_root):
+    sample_run(data_root)
+    frame = pd.read_parquet(data_root / "warehouse" / "filter_report" / "r1.parquet")
+    counts = frame[frame["section"] == "funnel"]["value"].tolist()
+    assert counts == sorted(counts, reverse=True)
+
+
+def test_charts_show_the_funnel_top_down_and_failure_reasons_of_the_busiest_sites():
+    f = report.figures(
+        attempts=pd.DataFrame({"ok": pd.array([True, True, False, False], dtype="boolean")}),
+        verdicts=pd.DataFrame({"task_id": ["a", "b"], "site": ["s", "t"], "macro": ["m", "m"], "status": ["judged"] * 2,
+                               "passed": pd.array([True, True], dtype="boolean"), "judge": ["gate"] * 2, "calls": [0, 0],
+                               "cached": [False] * 2, "prompt_tokens": [0, 0], "completion_tokens": [0, 0]}),
+        pool=pd.DataFrame({"site": ["s", "t", "t"], "macro": ["m"] * 3, "reason": ["unknown", "unknown", "script_error"]}),
+        kept=pd.DataFrame({"site": ["s"], "macro": ["m"]}),
+        surplus=pd.DataFrame({"dropped": pd.Series(["duplicate"], dtype=object)}),
+    )  # fmt: skip
+    images = report.charts(f, top_sites=1)
+    assert set(images) == {"funnel", "reasons_per_site"}
+    [funnel] = chart_bars(images["funnel"]).values()
+    assert list(funnel.items()) == [("attempts", 4), ("ok attempts", 2), ("judged tasks", 2), ("passed", 2), ("kept", 1)]
+    assert chart_bars(images["reasons_per_site"]) == {"script_error": {"t": 1}, "unknown": {"t": 1}}  # t: 2 failures
+
+
+def test_the_html_page_holds_every_table_cell_escaped_with_missing_values_blank():
+    f = report.Figures(
+        funnel=pd.DataFrame({"step": ["attempts"], "count": [3]}),
+        by_site=pd.DataFrame({"site": ["<b>x</b>", "y"], "keep_rate": [0.5, None]}),
+        by_macro=pd.DataFrame({"macro": ["m"]}),
+        surplus=pd.DataFrame({"dropped": ["duplicate"], "count": [1]}),
+        agreement_by_site=pd.DataFrame({"site": []}),
+        cost={"calls": 0},
+    )
+    page = report.html(f, {"funnel": b"", "reasons_per_site": b""}, "r1")
+    assert "<td>&lt;b&gt;x&lt;/b&gt;</td><td>0.5</td>" in page
+    assert "<tr><td>y</td><td></td></tr>" in page
+    assert "<th>site</th><th>keep_rate</th>" in page

@@ -1,0 +1,26 @@
+"""Canonical key texts and their hashes, in bulk and one by one."""
+
+import json
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from filter_pipeline.rules.schemas import CANONICAL_ARRAY, canonical_key, canonical_texts, key_hash, key_hashes
+from filter_pipeline_tests.builders import CANONICAL_KEY_TEXTS, OTHER_KEY_TEXTS, RAW_KEYS
+
+
+def test_canonical_texts_equal_canonical_key_of_each_parsed_key():
+    assert canonical_texts(pa.array(RAW_KEYS)) == [canonical_key(json.loads(raw)) for raw in RAW_KEYS]
+
+
+def test_only_texts_json_dumps_writes_unchanged_are_taken_as_written():
+    taken = pc.match_substring_regex(pa.array(RAW_KEYS), CANONICAL_ARRAY).to_pylist()
+    assert taken == [True] * len(CANONICAL_KEY_TEXTS) + [False] * len(OTHER_KEY_TEXTS)
+    for raw in CANONICAL_KEY_TEXTS:  # never wrongly: each one taken is its own canonical text
+        assert raw == json.dumps(json.loads(raw), ensure_ascii=False, separators=(",", ":"))
+
+
+def test_key_hashes_equal_key_hash_one_by_one():
+    texts = [canonical_key(json.loads(raw)) for raw in RAW_KEYS]
+    assert key_hashes(texts).tolist() == [key_hash(t) for t in texts]
+    assert key_hashes([]).tolist() == []

@@ -1,0 +1,199 @@
+"""The assets under Dagster: lineage, metadata, and the ledger over several runs."""
+
+import threading
+
+import dagster as dg
+import pandas as pd
+import pytest
+
+from filter_pipeline.definitions import build_defs
+from filter_pipeline.shell.jobs import ACROSS_RUNS_ASSETS
+from filter_pipeline.judge.resource import JudgeResource
+from filter_pipeline.shell.warehouse import DataRoot, read_parquet
+from filter_pipeline_tests.builders import attempt, rows, task, write_batch
+
+ASSETS = ["batch_tasks", "batch_attempts", "batch_rejects", "judge_verdicts", "failure_pool",
+          "prior_dedup_index", "prior_kept_counts", "kept", "surplus", "dpo_pairs", "coverage", "filter_report", "judge_calibration"]
+
+
+@pytest.fixture
+def instance():
+    with dg.instance_for_test() as instance:
+        yield instance
+
+
+def materialize(instance, data_root, run_id, caps=None) -> dg.ExecuteInProcessResult:
+    defs = build_defs(str(data_root), JudgeResource(), caps={})
+    if run_id not in instance.get_dynamic_partitions("run_id"):
+        instance.add_dynamic_partitions("run_id", [run_id])
+    run_config = {"ops": {"ledger": {"config": caps}}} if caps else {}
+    return defs.resolve_job_def("filter_job").execute_in_process(
+        instance=instance, partition_key=run_id, run_config=run_config, raise_on_error=False
+    )
+
+
+def output(data_root, asset, run_id) -> pd.DataFrame:
+    return pd.read_parquet(data_root / "warehouse" / asset / f"{run_id}.parquet")
+
+
+def metadata(result, asset) -> dict:
+    [mat] = [m for m in result.get_asset_materialization_events() if m.asset_key.path[-1] == asset]
+    return {k: v.value for k, v in mat.materialization.metadata.items()}
+
+
+def test_lineage_descriptions_groups_and_schemas():
+    graph = build_defs("data", JudgeResource(), caps={}).resolve_asset_graph()
+    assert sorted(k.path[-1] for k in graph.get_all_asset_keys()) == sorted(ASSETS)
+    parents = {k.path[-1]: sorted(p.path[-1] for p in graph.get(k).parent_keys) for k in graph.get_all_asset_keys()}
+    assert parents["judge_verdicts"] == ["batch_attempts", "batch_tasks"]
+    assert parents["failure_pool"] == ["batch_attempts", "batch_rejects", "batch_tasks", "judge_verdicts"]
+    assert parents["kept"] == ["judge_verdicts", "prior_dedup_index", "prior_kept_counts"]
+    assert parents["surplus"] == ["judge_verdicts", "prior_dedup_index", "prior_kept_counts"]
+    assert parents["dpo_pairs"] == ["failure_pool", "kept"]
+    for key in graph.get_all_asset_keys():
+        node = graph.get(key)
+        assert node.description and node.group_name != "default", key
+        assert "dagster/column_schema" in node.metadata, key
+        assert key.path[-1] in ACROSS_RUNS_ASSETS or node.partitions_def.name == "run_id", key
+
+
+def test_whole_graph_for_one_partition_with_counts_in_metadata(instance, data_root):
+    write_batch(
+        data_root,
+        "r1",
+        [task("a", key=["k"]), task("b", key=["k"]), task("c")],
+        [attempt("a"), attempt("b"), attempt("c", ok=False, error="backend check failed: none"), "{broken"],
+    )
+    result = materialize(instance, data_root, "r1")
+    assert result.success
+    assert metadata(result, "kept")["dagster/row_count"] == 1
+    assert metadata(result, "surplus")["dropped/duplicate"] == 1
+    assert metadata(result, "failure_pool")["reason/backend_fail"] == 1
+    assert metadata(result, "failure_pool")["reason/judge_fail"] == 0
+    assert metadata(result, "batch_rejects")["file/executions.jsonl"] == 1
+    assert metadata(result, "judge_verdicts")["passed"] == 2
+    assert output(data_root, "kept", "r1")["run_id"].tolist() == ["r1"]
+
+
+def test_the_ledger_starts_first_of_the_steps_ready_after_the_verdicts(instance, data_root):
+    write_batch(data_root, "r1", [task("a")], [attempt("a")])
+    result = materialize(instance, data_root, "r1")
+    started = [e.step_key for e in result.all_events if e.event_type == dg.DagsterEventType.STEP_START]
+    after_verdicts = started[started.index("judge_verdicts") + 1 :]
+    assert after_verdicts[0] == "ledger"
+    assert {"failure_pool", "judge_calibration"} <= set(after_verdicts)
+
+
+def test_rematerializing_a_run_ignores_its_own_earlier_kept_rows(instance, data_root):
+    write_batch(data_root, "r1", [task("a"), task("b")], [attempt("a"), attempt("b")])
+    assert materialize(instance, data_root, "r1").success
+    first = output(data_root, "kept", "r1")
+    assert materialize(instance, data_root, "r1").success
+    pd.testing.assert_frame_equal(output(data_root, "kept", "r1"), first)
+    assert output(data_root, "surplus", "r1").empty
+
+
+def test_later_run_sees_earlier_runs_kept_rows_and_caps(instance, data_root):
+    write_batch(data_root, "r1", [task(f"a{i}") for i in range(3)], [attempt(f"a{i}") for i in range(3)])
+    write_batch(data_root, "r2", [task("b", key=["s", "#el", "a0"]), task("c")], [attempt("b"), attempt("c")])
+    assert materialize(instance, data_root, "r1").success
+    assert materialize(instance, data_root, "r2").success
+    surplus = output(data_root, "surplus", "r2")
+    assert rows(surplus, "task_id", "dropped", "dup_of_run_id", "dup_of_task_id") == [
+        ["b", "duplicate", "r1", "a0"],
+        ["c", "site_cap", None, None],
+    ]
+    index = output(data_root, "prior_dedup_index", "r2")
+    assert index[["dedup_key", "run_id", "task_id"]].values.tolist() == [['["s","#el","a0"]', "r1", "a0"]]
+    assert output(data_root, "prior_kept_counts", "r2")["n_kept"].tolist() == [3]
+
+
+def test_nonsense_caps_fail_the_ledger_with_a_clear_message(instance, data_root):
+    write_batch(data_root, "r1", [task("a")], [attempt("a")])
+    result = materialize(instance, data_root, "r1", caps={"per_site_cap": -2})
+    assert not result.success
+    [failure] = [e for e in result.all_events if e.event_type == dg.DagsterEventType.STEP_FAILURE]
+    assert "must be 0 or more, got -2" in str(failure.step_failure_data.error.cause or failure.step_failure_data.error)
+    assert not (data_root / "warehouse" / "kept").exists()
+
+
+def test_coverage_counts_every_non_retired_run(instance, data_root):
+    write_batch(data_root, "r1", [task("a"), task("b", site="s2")], [attempt("a"), attempt("b")])
+    write_batch(data_root, "r2", [task("c")], [attempt("c")])
+    assert materialize(instance, data_root, "r1").success
+    assert materialize(instance, data_root, "r2").success
+    (data_root / "retired.json").write_text('[{"run_id": "r2", "reason": "bad build"}]')
+    job = build_defs(str(data_root), JudgeResource(), caps={}).resolve_job_def("across_runs_job")
+    result = job.execute_in_process(instance=instance, run_config={"ops": {"coverage": {"config": {"per_site_cap": 1}}}})
+    table = pd.read_parquet(data_root / "warehouse" / "coverage.parquet")
+    assert rows(table, "level", "macro", "site", "kept", "limit", "full") == [
+        ["macro", "m", None, 2, None, None],
+        ["site", "m", "s", 1, 1, True],
+        ["site", "m", "s2", 1, 1, True],
+    ]
+    assert metadata(result, "coverage")["full_sites"] == 2
+    assert metadata(result, "coverage")["coverage"].count("](data:image/svg+xml;base64,") == 1
+
+
+def test_judge_calibration_reads_labels_across_runs(instance, data_root):
+    write_batch(data_root, "r1", [task("a"), task("b")], [attempt("a"), attempt("b", ok=False, error="x")])
+    assert materialize(instance, data_root, "r1").success
+    (data_root / "labels.jsonl").write_text(
+        '{"dir": "runs/r/traj/a/1", "success": true}\n{"run_id": "r1", "task_id": "b", "success": false}\n'
+    )
+    job = build_defs(str(data_root), JudgeResource(), caps={}).resolve_job_def("across_runs_job")
+    assert job.execute_in_process(instance=instance).success
+    table = pd.read_parquet(data_root / "warehouse" / "judge_calibration.parquet")
+    gate = table[(table["predictor"] == "gate") & (table["site"] == "(all)")]
+    assert gate[["n", "tp", "tn", "agreement"]].values.tolist() == [[2, 1, 1, 1.0]]
+
+
+def test_on_s3_with_only_the_endpoint_setting_every_asset_reaches_the_store(s3_server, monkeypatch, instance):
+    # no AWS_ENDPOINT_URL: the endpoint comes from the DataRoot setting alone, across-runs assets included
+    for name, value in s3_server.env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    s3_server.filesystem().mkdir("endpoint-only")
+    data = DataRoot(path="s3://endpoint-only/data", endpoint_url=s3_server.endpoint)
+    write_batch(data.root, "r1", [task("a"), task("b")], [attempt("a"), attempt("b", ok=False, error="x")])
+    (data.root / "labels.jsonl").write_text('{"run_id": "r1", "task_id": "a", "success": true}\n')
+    instance.add_dynamic_partitions("run_id", ["r1"])
+    defs = build_defs(data, JudgeResource(), caps={})
+    assert defs.resolve_job_def("filter_job").execute_in_process(instance=instance, partition_key="r1").success
+    assert defs.resolve_job_def("across_runs_job").execute_in_process(instance=instance).success
+    table = read_parquet(data.warehouse / "judge_calibration.parquet")
+    gate = table[(table["predictor"] == "gate") & (table["site"] == "(all)")]
+    assert gate[["n", "tp"]].values.tolist() == [[1, 1]]
+    assert read_parquet(data.warehouse / "coverage.parquet")["kept"].max() == 1
+
+
+def test_checks_are_computed_while_the_outputs_are_handled_and_yielded_after_them():
+    from filter_pipeline.shell.assets import outputs_then_checks
+    from filter_pipeline.rules.checks import CheckOutcome
+
+    started, handled = threading.Event(), threading.Event()
+
+    def waits_for_the_output() -> CheckOutcome:
+        started.set()
+        assert handled.wait(timeout=10)
+        return CheckOutcome(True, {"n": 1}, "fine")
+
+    steps = outputs_then_checks([dg.Output(1, output_name="a")], {("c1", "x"): waits_for_the_output,
+                                                                   ("c2", "x"): lambda: CheckOutcome(False, {}, "no")})
+    assert next(steps).output_name == "a"
+    assert started.wait(timeout=10)  # the check is under way while the output is being handled
+    handled.set()
+    results = list(steps)
+    assert [(r.check_name, r.passed, r.description) for r in results] == [("c1", True, "fine"), ("c2", False, "no")]
+
+
+def test_a_check_that_raises_fails_the_step_after_the_outputs():
+    from filter_pipeline.shell.assets import outputs_then_checks
+
+    def broken():
+        raise ValueError("check broke")
+
+    steps = outputs_then_checks([dg.Output(1, output_name="a")], {("c", "x"): broken})
+    assert next(steps).output_name == "a"
+    with pytest.raises(ValueError, match="check broke"):
+        next(steps)

@@ -1,0 +1,172 @@
+"""The batch sensor: registration, judge runs for new complete batches, ledger runs one at a time in run_id order."""
+
+import logging
+
+import dagster as dg
+import pytest
+
+from filter_pipeline.rules.batch import BatchState, complete_batches
+from filter_pipeline.shell.sensors import build_batch_sensor, plan_tick
+from filter_pipeline.shell.warehouse import DataRoot
+from filter_pipeline_tests.builders import attempt, task, write_batch, write_kept, write_legacy_kept
+
+
+@pytest.fixture
+def instance():
+    with dg.instance_for_test() as instance:
+        yield instance
+
+
+def tick(instance, data_root, caps=None) -> dg.SensorResult:
+    sensor = build_batch_sensor(caps or {})
+    context = dg.build_sensor_context(instance=instance, resources={"data": DataRoot(path=str(data_root))})
+    return sensor(context)
+
+
+def judged(data_root, run_id):
+    """Mark a batch as judged the way the judge run does: its judge_verdicts file exists."""
+    folder = data_root / "warehouse" / "judge_verdicts"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{run_id}.parquet").write_bytes(b"")
+
+
+def requests(result) -> list[tuple[str, str, str]]:
+    """Judge and ledger run requests (coverage refreshes have their own test)."""
+    return [(r.job_name, r.partition_key, r.run_key) for r in result.run_requests if r.job_name != "across_runs_job"]
+
+
+def coverage_keys(result) -> list[str]:
+    return [r.run_key for r in result.run_requests if r.job_name == "across_runs_job"]
+
+
+def added(result) -> list[str]:
+    return [k for req in result.dynamic_partitions_requests for k in req.partition_keys]
+
+
+def test_new_complete_batches_are_registered_and_judged_in_one_result(instance, data_root):
+    write_batch(data_root, "b2", [task("a")], [attempt("a")])
+    write_batch(data_root, "b1", [task("a")], [attempt("a")])
+    write_batch(data_root, "b3", [task("a")], [attempt("a")], complete=False)
+    (data_root / "runs" / "not a run id").mkdir()
+    (data_root / "runs" / "not a run id" / "_SUCCESS").write_text("")
+
+    result = tick(instance, data_root)
+
+    assert added(result) == ["b1", "b2"]
+    assert requests(result) == [("judge_job", "b1", "b1"), ("judge_job", "b2", "b2")]
+
+
+def test_a_complete_batch_whose_folder_is_not_a_plain_run_id_is_refused_with_a_reason(data_root, caplog):
+    write_batch(data_root, "fine", [task("a")], [attempt("a")])
+    write_batch(data_root, "has space", [task("a")], [attempt("a")])
+    with caplog.at_level(logging.WARNING):
+        data = DataRoot(path=str(data_root))
+        batches = complete_batches(data.runs, data.warehouse, logging.getLogger("test"))
+    assert [b.run_id for b in batches] == ["fine"]
+    assert "runs/has space is refused: run_id 'has space' is not a plain folder name" in caplog.text
+
+
+def test_a_batch_whose_success_marker_appears_later_is_picked_up_on_the_next_tick(instance, data_root):
+    run = write_batch(data_root, "b1", [task("a")], [attempt("a")], complete=False)
+    first = tick(instance, data_root)
+    assert requests(first) == [] and added(first) == []
+    (run / "_SUCCESS").write_text("")
+    assert requests(tick(instance, data_root)) == [("judge_job", "b1", "b1")]
+
+
+def test_already_filtered_batches_are_registered_never_rerun(instance, data_root):
+    """A fresh instance over an existing warehouse must not re-filter old batches with a bigger history."""
+    write_batch(data_root, "old", [task("a")], [attempt("a")])
+    write_kept(data_root, "old", ("a", ["k"], "m", "s"))
+    write_batch(data_root, "legacy", [task("a")], [attempt("a")])
+    write_legacy_kept(data_root, "legacy", ("a", ["k"], "m", "s"))
+    result = tick(instance, data_root)
+    assert added(result) == ["legacy", "old"]
+    assert requests(result) == []
+
+
+def test_ledger_is_walked_lowest_run_id_first_with_the_configured_caps(instance, data_root):
+    for run_id in ("b1", "b2"):
+        write_batch(data_root, run_id, [task("a")], [attempt("a")])
+        judged(data_root, run_id)
+    instance.add_dynamic_partitions("run_id", ["b1", "b2"])
+    result = tick(instance, data_root, caps={"per_site_cap": 5})
+    assert requests(result) == [("ledger_job", "b1", "b1:ledger")]
+    assert result.run_requests[0].run_config == {"ops": {"ledger": {"config": {"per_site_cap": 5}}}}
+
+
+B = BatchState
+
+
+def test_plan_waits_for_an_earlier_batch_still_judging():
+    batches = [B("b1", judged=False, filtered=False), B("b2", judged=True, filtered=False)]
+    assert plan_tick(batches, {"b1", "b2"}, busy={"b1"}, failed_ledger=set())[2] is None
+
+
+def test_plan_waits_while_an_earlier_ledger_run_is_in_flight():
+    batches = [B("b1", judged=True, filtered=False), B("b2", judged=True, filtered=False)]
+    assert plan_tick(batches, {"b1", "b2"}, busy={"b1"}, failed_ledger=set())[2] is None
+
+
+def test_plan_does_not_let_one_broken_batch_block_the_rest():
+    batches = [
+        B("b0", judged=True, filtered=True),
+        B("b1", judged=False, filtered=False),  # its judge run failed: nothing in flight
+        B("b2", judged=True, filtered=False),  # its ledger run failed
+        B("b3", judged=True, filtered=False),
+    ]
+    assert plan_tick(batches, {"b0", "b1", "b2", "b3"}, busy=set(), failed_ledger={"b2"})[2] == "b3"
+
+
+def test_plan_waits_for_a_batch_judged_in_this_very_tick():
+    batches = [B("b1", judged=False, filtered=False), B("b2", judged=True, filtered=False)]
+    register, judge, walk, why = plan_tick(batches, {"b2"}, busy=set(), failed_ledger=set())
+    assert (register, judge, walk) == (["b1"], ["b1"], None)
+    assert "b1" in why
+
+
+def test_sensor_sees_runs_in_flight_and_failed_ledger_runs_in_the_instance(instance, data_root):
+    from dagster._core.test_utils import create_run_for_test
+
+    for run_id in ("b1", "b2", "b3"):
+        write_batch(data_root, run_id, [task("a")], [attempt("a")])
+    judged(data_root, "b2")
+    judged(data_root, "b3")
+    instance.add_dynamic_partitions("run_id", ["b1", "b2", "b3"])
+
+    judging_b1 = create_run_for_test(instance, tags={"dagster/partition": "b1"}, status=dg.DagsterRunStatus.STARTED)
+    assert requests(tick(instance, data_root)) == []  # b2 must wait for b1
+
+    instance.report_run_failed(judging_b1)
+    assert requests(tick(instance, data_root)) == [("ledger_job", "b2", "b2:ledger")]
+
+    create_run_for_test(
+        instance, tags={"dagster/partition": "b2", "dagster/run_key": "b2:ledger"}, status=dg.DagsterRunStatus.FAILURE
+    )
+    assert requests(tick(instance, data_root)) == [("ledger_job", "b3", "b3:ledger")]
+
+
+def test_coverage_is_refreshed_when_the_set_of_kept_files_changes_and_nothing_is_in_flight(instance, data_root):
+    write_batch(data_root, "old", [task("a")], [attempt("a")])
+    assert coverage_keys(tick(instance, data_root)) == []  # no kept file yet; "old" is being judged
+    write_kept(data_root, "old", ("a", ["k"], "m", "s"))
+    first = coverage_keys(tick(instance, data_root, caps={"per_site_cap": 2}))
+    assert len(first) == 1 and first == coverage_keys(tick(instance, data_root))  # same files: same run_key
+    write_kept(data_root, "other", ("b", ["k2"], "m", "s"))
+    result = tick(instance, data_root, caps={"per_site_cap": 2})
+    [refresh] = [r for r in result.run_requests if r.job_name == "across_runs_job"]
+    assert refresh.run_key != first[0]
+    assert refresh.run_config == {"ops": {"coverage": {"config": {"per_site_cap": 2}}}}
+
+
+def test_on_s3_a_batch_completed_after_the_first_listing_is_seen_by_the_same_process(s3_bucket):
+    # the sensor lives in a long-running code server: a cached listing would hide new batches for good
+    data = DataRoot(path=f"s3://{s3_bucket}/data")
+    write_batch(data.root, "b1", [task("a")], [attempt("a")])
+    write_batch(data.root, "b2", [task("a")], [attempt("a")], complete=False)
+    assert [b.run_id for b in complete_batches(data.runs, data.warehouse)] == ["b1"]
+
+    (data.run_dir("b2") / "_SUCCESS").write_text("")
+    write_batch(data.root, "b3", [task("a")], [attempt("a")])
+
+    assert [b.run_id for b in complete_batches(data.runs, data.warehouse)] == ["b1", "b2", "b3"]
