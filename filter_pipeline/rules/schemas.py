@@ -369,3 +369,102 @@ def positions(values: pd.Series, keys: pd.Series) -> np.ndarray:
 def pylist(values: pd.Series) -> list:
     """The column as a Python list, converted by Arrow (iterating pandas' arrow strings is slow)."""
     return pa.array(values).to_pylist()
+
+
+# --- column descriptions ----------------------------------------------------------------------------
+
+# What each column means, shown beside it in the UI (every asset's `dagster/column_schema`). One entry per
+# column name: a name means the same thing in every asset that has it. A new column needs its line here.
+COLUMN_DESCRIPTIONS: dict[str, str] = {
+    # the task and its attempt
+    "run_id": "The execution batch (folder runs/<run_id>/) this row belongs to.",
+    "task_id": "The task's id, unique within its run (tasks.jsonl).",
+    "macro": "The task template the generator made the task from; per-macro caps and targets apply to it.",
+    "site": "The website the task runs on (judge_calibration: '(all)' on the overall rows).",
+    "instruction": "The natural-language instruction the agent was given.",
+    "start_kind": "How the task starts: the `kind` of the task's `start` object.",
+    "dedup_key": "The dedup key as canonical JSON text of [site, target element, argument] (compact, no "
+    "ASCII escaping): keys compare as this text, so 1, \"1\", 1.0 and true are different arguments.",
+    "key_hash": "64-bit BLAKE2b fingerprint of the dedup_key text (signed int64): a cheap probe into history, "
+    "always confirmed on the text itself.",
+    "attempt": "The attempt number (executions.jsonl `attempt`); the judged attempt is a task's highest ok one.",
+    "dir": "The attempt's trajectory folder, relative to the data root (holds trajectory.json, screenshots).",
+    "n_actions": "Number of actions (steps) in the attempt.",
+    "ok": "Whether the attempt passed the deterministic backend gate (the script's own assertion, re-checked).",
+    "error": "The attempt's error text as recorded (null when the attempt has none).",
+    "backend_ok": "The backend check's own `ok` on the attempt (false when absent; null on judge rows). A failed "
+    "attempt with backend_ok true reached the goal anyway: not a clean DPO negative.",
+    "backend_detail": "The backend check's detail text on the attempt (null when absent).",
+    "line": "1-based line number of the record in its file (tasks.jsonl or executions.jsonl).",
+    # rejects
+    "file": "The batch file the rejected record is in: tasks.jsonl or executions.jsonl.",
+    "field": "The field that was wrong (e.g. dedup_key, backend.ok); null when the whole line was (not JSON, "
+    "not UTF-8, too long).",
+    "message": "What was wrong, as one line 'file:line: reason'.",
+    "raw": "The rejected line as read, cut to 4,096 characters.",
+    # verdicts
+    "passed": "The judge's verdict: true passes, false fails; null when the task could not be judged.",
+    "why": "The judge's reason for its verdict (for an unjudged task: why no verdict was reached).",
+    "votes": "How the verdict was reached: 'P/N' (P passing votes of N asked) for the LLM judge, 'gate' for the "
+    "deterministic gate alone; null on execute rows of failure_pool and on unjudged tasks.",
+    "backend": "The backend check's detail text on the judged attempt.",
+    "status": "judged (the verdict counts) or error (could not be judged: neither kept nor a failure, judged "
+    "again later).",
+    "judge": "Which judge decided: gate or llm.",
+    "model": "The LLM that judged (null for the gate).",
+    "prompt_version": "Version of the judge prompt; part of the verdict cache key (null for the gate).",
+    "cache_key": "Hash of prompt version, model, votes, temperature and the exact messages shown: a verdict "
+    "with the same key is reused, not asked again.",
+    "cached": "Whether the verdict was reused from this partition's previous materialization (no call made).",
+    "calls": "HTTP calls made to the judge endpoint for this verdict, retries included (0 for the gate).",
+    "prompt_tokens": "Prompt tokens the endpoint reported for this verdict's calls.",
+    "completion_tokens": "Completion tokens the endpoint reported for this verdict's calls.",
+    "latency_ms": "Wall time spent on this verdict's calls, in milliseconds.",
+    "raw_replies": "JSON list of the model's replies, each cut to 500 characters (the API key redacted).",
+    "replies_sha256": "SHA-256 of the full replies, to tell replies apart beyond the stored cut.",
+    # failure pool
+    "stage": "Where the attempt failed: execute (the attempt's ok was false) or judge (the judge did not pass it).",
+    "reason": "Why it failed: policy_violation, backend_fail, script_assert, action_refused, script_error or "
+    "unknown (by the error's prefix, execute rows), judge_fail (judge rows).",
+    "detail": "Execute rows: the error text cut to 500 characters, '' when there is none; judge rows: the "
+    "judge's why.",
+    # ledger
+    "dropped": "Why a passing verdict was not kept: duplicate (key kept before), site_cap ((macro, site) full) "
+    "or target (macro total reached), checked in that order.",
+    "dup_of_run_id": "For a duplicate: the run that kept the key first (null otherwise).",
+    "dup_of_task_id": "For a duplicate: the task that kept the key first (null otherwise).",
+    "n_kept": "Kept rows of this (macro, site) in every other non-retired run.",
+    # coverage
+    "level": "site (one row per macro and site, against its site cap) or macro (one row per macro, against "
+    "its target).",
+    "kept": "Kept rows over every non-retired run at this level.",
+    "limit": "The site cap (site rows) or the macro target (macro rows; null: no target).",
+    "remaining": "How many more kept rows the limit allows (null: no limit).",
+    "full": "Whether the limit allows no more kept rows (null: no limit).",
+    # judge calibration
+    "predictor": "Who is scored against the human labels: judge or gate.",
+    "n": "Labelled attempts scored.",
+    "tp": "True positives: predicted pass, labelled success.",
+    "fp": "False positives: predicted pass, labelled failure.",
+    "fn": "False negatives: predicted fail, labelled success.",
+    "tn": "True negatives: predicted fail, labelled failure.",
+    "precision": "tp / (tp + fp): of the predicted passes, the share labelled success.",
+    "recall": "tp / (tp + fn): of the labelled successes, the share predicted to pass.",
+    "agreement": "(tp + tn) / n: the share of labels the predictor agrees with.",
+    # report
+    "section": "Part of the report: funnel, site, macro, surplus or cost.",
+    "key": "What the row is about within its section: a funnel step, a site, a macro, a dropped reason or a "
+    "cost figure's name.",
+    "metric": "The figure's name (e.g. count, keep_rate, a failure reason).",
+    "value": "The figure's value.",
+    # DPO pairs
+    "chosen_dir": "Trajectory folder of the kept attempt (the chosen side).",
+    "chosen_attempt": "Attempt number of the kept attempt.",
+    "chosen_n_actions": "Actions in the kept attempt.",
+    "rejected_dir": "Trajectory folder of the failed attempt (the rejected side).",
+    "rejected_attempt": "Attempt number of the failed attempt.",
+    "rejected_n_actions": "Actions in the failed attempt.",
+    "rejected_stage": "Where the rejected attempt failed: execute or judge.",
+    "rejected_reason": "The rejected attempt's failure-pool reason.",
+    "rejected_detail": "The rejected attempt's failure-pool detail.",
+}

@@ -23,6 +23,7 @@ from filter_pipeline.rules.coverage import coverage_chart, coverage_markdown, co
 from filter_pipeline.rules.history import build_prior_index, load_retired
 from filter_pipeline.judge.resource import JudgeResource
 from filter_pipeline.rules.schemas import DROPPED_REASONS, FAILURE_REASONS, SCHEMAS, STATUS_ERROR, STATUS_JUDGED
+from filter_pipeline.rules.schemas import COLUMN_DESCRIPTIONS
 from filter_pipeline.shell.pool import LEDGER_POOL, ledger_lock, mark_ledger_holder
 from filter_pipeline.shell.warehouse import DataRoot, read_folder, read_parquet, write_atomically
 
@@ -30,11 +31,14 @@ run_id_partitions = dg.DynamicPartitionsDefinition(name="run_id")
 
 
 def column_schema(asset: str) -> dict:
-    """Definition metadata showing the asset's fixed Parquet schema in the UI."""
+    """Definition metadata showing the asset's fixed Parquet schema, with each column's meaning, in the UI."""
     schema = SCHEMAS[asset]
     return {
         "dagster/column_schema": dg.TableSchema(
-            columns=[dg.TableColumn(name=f.name, type=str(f.type)) for f in schema]
+            columns=[
+                dg.TableColumn(name=f.name, type=str(f.type), description=COLUMN_DESCRIPTIONS.get(f.name))
+                for f in schema
+            ]
         )
     }
 

@@ -1,11 +1,19 @@
-"""Canonical key texts and their hashes, in bulk and one by one."""
+"""Canonical key texts and their hashes, in bulk and one by one; every column described."""
 
 import json
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from filter_pipeline.rules.schemas import CANONICAL_ARRAY, canonical_key, canonical_texts, key_hash, key_hashes
+from filter_pipeline.rules.schemas import (
+    CANONICAL_ARRAY,
+    COLUMN_DESCRIPTIONS,
+    SCHEMAS,
+    canonical_key,
+    canonical_texts,
+    key_hash,
+    key_hashes,
+)
 from filter_pipeline_tests.builders import CANONICAL_KEY_TEXTS, OTHER_KEY_TEXTS, RAW_KEYS
 
 
@@ -24,3 +32,14 @@ def test_key_hashes_equal_key_hash_one_by_one():
     texts = [canonical_key(json.loads(raw)) for raw in RAW_KEYS]
     assert key_hashes(texts).tolist() == [key_hash(t) for t in texts]
     assert key_hashes([]).tolist() == []
+
+
+def test_every_column_of_every_schema_has_a_description():
+    missing = sorted({f"{asset}.{name}" for asset, schema in SCHEMAS.items() for name in schema.names
+                      if not COLUMN_DESCRIPTIONS.get(name, "").strip()})  # fmt: skip
+    assert not missing, f"add these columns to COLUMN_DESCRIPTIONS in rules/schemas.py: {missing}"
+
+
+def test_no_description_is_left_for_a_column_no_schema_has():
+    stale = set(COLUMN_DESCRIPTIONS) - {name for schema in SCHEMAS.values() for name in schema.names}
+    assert not stale, f"COLUMN_DESCRIPTIONS describes columns no schema has: {sorted(stale)}"
