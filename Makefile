@@ -1,17 +1,25 @@
 # Two commands do everything on a fresh machine with Python 3.11 and make:
 #   make run    set up .venv and the local Dagster instance, then filter the sample batches in data/
 #   make test   the whole test suite (what CI runs)
+# and for development:
+#   make test-fast   the tests that start no server or process (`-m "not slow"`): the quick loop
+#   make lint        ruff check + ruff format --check (CI runs it before the tests)
+#   make test-oldest the fast tests in .venv-oldest, on the oldest Dagster supported (constraints/dagster-1.12.txt)
+#   make constraints rewrite constraints/py311.txt from a fresh install (after changing a dependency)
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
+# every install resolves to these exact versions (constraints/py311.txt, made by `make constraints`)
+CONSTRAINTS := constraints/py311.txt
+OLDEST := constraints/dagster-1.12.txt
 DAGSTER_HOME ?= $(CURDIR)/.dagster_home
 export DAGSTER_HOME
 
-.PHONY: setup run dev test sample-data
+.PHONY: setup run dev test test-fast test-oldest lint constraints sample-data
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(VENV)/bin/python -m pip install --quiet -e '.[test]'
+	$(VENV)/bin/python -m pip install --quiet -c $(CONSTRAINTS) -e '.[test]'
 	touch $@
 
 $(DAGSTER_HOME)/dagster.yaml: instance/dagster.yaml
@@ -33,6 +41,39 @@ dev: setup
 test: setup
 	@$(VENV)/bin/python -m pytest $(PYTEST_ARGS); status=$$?; \
 	if [ $$status -eq 5 ]; then echo "pytest collected no tests"; exit 0; fi; exit $$status
+
+test-fast: setup
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider -m "not slow" $(PYTEST_ARGS)
+
+# py311.txt with the oldest release's lines in place of its own entries of those names (names compared as pip
+# does: case and -_. ignored)
+.venv-oldest/.installed: pyproject.toml $(CONSTRAINTS) $(OLDEST)
+	$(PYTHON) -m venv .venv-oldest
+	.venv-oldest/bin/python -m pip install --quiet --upgrade pip
+	awk 'function name(s) { s = tolower(s); sub(/[=<>!~ ;\[].*/, "", s); gsub(/[-_.]+/, "-", s); return s } \
+	     NR == FNR { if ($$0 !~ /^#/ && NF) { oldest[name($$0)] = 1; print }; next } \
+	     !(name($$0) in oldest)' $(OLDEST) $(CONSTRAINTS) > .venv-oldest/constraints.txt
+	.venv-oldest/bin/python -m pip install --quiet -c .venv-oldest/constraints.txt -e '.[test]'
+	touch $@
+
+test-oldest: .venv-oldest/.installed $(DAGSTER_HOME)/dagster.yaml
+	.venv-oldest/bin/python -c 'import dagster; print("dagster", dagster.__version__)'
+	.venv-oldest/bin/python -m pytest -q -p no:cacheprovider -m "not slow" $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+# A throwaway venv with the newest releases pyproject.toml allows, every extra the image installs included;
+# its freeze (minus this package) is the file.
+constraints:
+	rm -rf .venv-freeze
+	$(PYTHON) -m venv .venv-freeze
+	.venv-freeze/bin/python -m pip install --quiet --upgrade pip
+	.venv-freeze/bin/python -m pip install --quiet -e '.[test,k8s]'
+	{ echo "# pip freeze of a fresh install of '.[test,k8s]' (make constraints); make setup and deploy/Dockerfile install with -c this file"; \
+	  .venv-freeze/bin/python -m pip freeze --exclude-editable | grep -v '^filter.pipeline'; } > $(CONSTRAINTS)
+	rm -rf .venv-freeze
 
 sample-data: setup
 	$(VENV)/bin/python scripts/make_sample_data.py
