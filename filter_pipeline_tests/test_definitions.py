@@ -1,12 +1,23 @@
 """The wiring: settings from the environment reach the definitions, and bad ones are refused by name; the UI
 explains every asset, column, check, job, sensor, resource field and config field."""
 
+import importlib
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
 import dagster as dg
 import pytest
+import yaml
 
 from filter_pipeline.definitions import EXECUTOR_ENV, build_defs, defs_from_env
 from filter_pipeline.judge.resource import JudgeResource
 from filter_pipeline.shell.warehouse import DATA_ENV, ENDPOINT_ENV
+from filter_pipeline_tests.conftest import REPO
+
+LOCATION = "filter_pipeline"
 
 
 def test_an_unknown_executor_name_is_refused_with_the_choices():
@@ -99,3 +110,27 @@ def test_every_run_config_field_has_a_description():
     ]
     assert not undescribed, undescribed
     assert not [cls.__name__ for cls in configs if not (cls.__doc__ or "").strip()]
+
+
+# --- the code location's name ---------------------------------------------------------------------------
+
+
+def test_the_workspace_names_the_code_location_filter_pipeline_and_loads_the_packages_defs():
+    [entry] = yaml.safe_load((REPO / "workspace.yaml").read_text())["load_from"]
+    module = entry["python_module"]
+    assert module["location_name"] == LOCATION
+    assert tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["dagster"]["code_location_name"] == LOCATION
+    assert isinstance(getattr(importlib.import_module(module["module_name"]), module["attribute"]), dg.Definitions)
+
+
+@pytest.mark.slow
+def test_dagster_loads_the_workspace_as_the_filter_pipeline_location(tmp_path):
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FILTER_", "DAGSTER_"))} | {"DAGSTER_HOME": str(home)}
+    done = subprocess.run(
+        [str(Path(sys.executable).parent / "dagster"), "definitions", "validate", "-w", "workspace.yaml"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"Validation successful for code location {LOCATION}." in done.stderr + done.stdout
