@@ -13,12 +13,12 @@ import tomllib
 
 import dagster as dg
 import pytest
+import setuptools
 import yaml
 
 from filter_pipeline.judge import resource as judging
 from filter_pipeline.shell import warehouse
-from filter_pipeline.definitions import EXECUTOR_ENV, EXECUTORS
-from filter_pipeline.shell.pool import LEDGER_POOL
+from filter_pipeline.definitions import EXECUTOR_ENV, EXECUTORS, defs_from_env
 from filter_pipeline_tests.conftest import REPO
 from filter_pipeline_tests.servers import free_port
 
@@ -69,6 +69,45 @@ def test_the_dockerfile_serves_the_packages_definitions_and_copies_what_exists()
     assert set(extras) == {"s3", "postgres", "k8s"} and set(extras) <= set(project["project"]["optional-dependencies"])
 
 
+def test_the_image_installs_every_package_folder_at_the_pinned_versions():
+    docker = dockerfile()
+    copied = {source for *sources, _dest in docker["COPY"] for source in sources}
+    assert {"pyproject.toml", "filter_pipeline", "constraints/py311.txt"} <= copied
+    [install] = [r for r in docker["RUN"] if "pip install" in r]
+    assert "-c constraints/py311.txt" in install
+    # what `pip install .` puts in the image: the packages setuptools finds under pyproject's include
+    find = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    installed = set(setuptools.find_packages(where=str(REPO), include=find["include"], exclude=find["exclude"]))
+    folders = {
+        ".".join(path.parent.relative_to(REPO).parts) for path in (REPO / "filter_pipeline").rglob("*.py")
+    }
+    assert folders and folders <= installed, f"folders without __init__.py are left out of the image: {folders - installed}"
+
+
+def test_the_helm_deployment_is_the_workspaces_code_location():
+    [deployment] = helm_values()["dagster-user-deployments"]["deployments"]
+    [entry] = yaml.safe_load((REPO / "workspace.yaml").read_text())["load_from"]
+    location = entry["python_module"]["location_name"]
+    # the chart names the location and its Service after `name`, and a Service name allows no underscore
+    assert deployment["name"] == location.replace("_", "-")
+    assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", deployment["name"])
+    module = entry["python_module"]
+    assert grpc_target(deployment["dagsterApiGrpcArgs"]) == (module["module_name"], module["attribute"])
+
+
+def test_the_deploy_files_point_only_at_files_and_sections_that_exist():
+    def sections(doc: str) -> set[str]:
+        return set(re.findall(r"^#+ (?:\d+\. )?(.+?)\s*$", (REPO / doc).read_text(), re.M))
+
+    for path in DEPLOY.iterdir():
+        text = path.read_text()
+        for file in re.findall(r"\b((?:docs|deploy|constraints|instance)/[\w.-]+\.\w+)", text):
+            assert (REPO / file).exists(), (path.name, file)
+        for section, doc in re.findall(r'"([^"]+)" section of (README\.md|docs/[\w.-]+\.md)', text):
+            assert section in sections(doc), (path.name, doc, section)
+        assert not re.search(r"README's \"|\(README, ", text), f"{path.name}: cite a README section as '\"X\" section of README.md'"
+
+
 def test_the_helm_values_name_the_image_and_module_the_dockerfile_builds():
     values, docker = helm_values(), dockerfile()
     [deployment] = values["dagster-user-deployments"]["deployments"]
@@ -100,9 +139,11 @@ def test_the_pool_limits_match_the_local_instance_everywhere():
     helm = helm_values()["concurrency"]
     assert postgres["concurrency"] == local
     assert helm["enabled"] is True
-    assert helm["pools"] == {"granularity": local["pools"]["granularity"], "defaultLimit": local["pools"]["default_limit"]}
     assert helm["runs"] == {"maxConcurrentRuns": local["runs"]["max_concurrent_runs"]}
-    assert local["pools"]["default_limit"] == 1 and LEDGER_POOL == "ledger"
+    defs = defs_from_env()
+    pools = {defs.resolve_assets_def(s.key).op.pool for s in defs.resolve_all_asset_specs()} - {None}
+    if pools:  # the pools the assets name get the same limit on every instance
+        assert helm["pools"] == {"granularity": local["pools"]["granularity"], "defaultLimit": local["pools"]["default_limit"]}
 
 
 def test_the_stored_log_level_matches_the_local_instance_everywhere():

@@ -15,6 +15,7 @@ from filter_pipeline.rules.schemas import (
     key_hashes,
 )
 from filter_pipeline_tests.builders import CANONICAL_KEY_TEXTS, OTHER_KEY_TEXTS, RAW_KEYS
+from filter_pipeline_tests.conftest import REPO
 
 
 def test_canonical_texts_equal_canonical_key_of_each_parsed_key():
@@ -43,3 +44,10 @@ def test_every_column_of_every_schema_has_a_description():
 def test_no_description_is_left_for_a_column_no_schema_has():
     stale = set(COLUMN_DESCRIPTIONS) - {name for schema in SCHEMAS.values() for name in schema.names}
     assert not stale, f"COLUMN_DESCRIPTIONS describes columns no schema has: {sorted(stale)}"
+
+
+def test_the_contract_page_names_every_asset_and_column():
+    page = (REPO / "docs" / "contract.md").read_text()
+    missing = [f"{asset}.{name}" for asset, schema in SCHEMAS.items() for name in [asset, *schema.names]
+               if f"`{name}`" not in page]  # fmt: skip
+    assert not missing, f"docs/contract.md (section 5, Outputs) does not name: {missing}"
