@@ -21,7 +21,9 @@ LOCATION = "filter_pipeline"
 
 
 def test_an_unknown_executor_name_is_refused_with_the_choices():
-    with pytest.raises(ValueError, match="FILTER_PIPELINE_EXECUTOR='threads': expected one of in_process, multiprocess"):
+    with pytest.raises(
+        ValueError, match="FILTER_PIPELINE_EXECUTOR='threads': expected one of in_process, multiprocess"
+    ):
         build_defs("data", JudgeResource(), caps={}, executor="threads")
 
 
@@ -127,7 +129,9 @@ def test_the_workspace_names_the_code_location_filter_pipeline_and_loads_the_pac
 def test_dagster_loads_the_workspace_as_the_filter_pipeline_location(tmp_path):
     home = tmp_path / "home"
     home.mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("FILTER_", "DAGSTER_"))} | {"DAGSTER_HOME": str(home)}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FILTER_", "DAGSTER_"))} | {
+        "DAGSTER_HOME": str(home)
+    }
     done = subprocess.run(
         [str(Path(sys.executable).parent / "dagster"), "definitions", "validate", "-w", "workspace.yaml"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300,

@@ -16,9 +16,9 @@ import pytest
 import setuptools
 import yaml
 
+from filter_pipeline.definitions import EXECUTOR_ENV, EXECUTORS, defs_from_env
 from filter_pipeline.judge import resource as judging
 from filter_pipeline.shell import warehouse
-from filter_pipeline.definitions import EXECUTOR_ENV, EXECUTORS, defs_from_env
 from filter_pipeline_tests.conftest import REPO
 from filter_pipeline_tests.servers import free_port
 
@@ -78,10 +78,10 @@ def test_the_image_installs_every_package_folder_at_the_pinned_versions():
     # what `pip install .` puts in the image: the packages setuptools finds under pyproject's include
     find = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
     installed = set(setuptools.find_packages(where=str(REPO), include=find["include"], exclude=find["exclude"]))
-    folders = {
-        ".".join(path.parent.relative_to(REPO).parts) for path in (REPO / "filter_pipeline").rglob("*.py")
-    }
-    assert folders and folders <= installed, f"folders without __init__.py are left out of the image: {folders - installed}"
+    folders = {".".join(path.parent.relative_to(REPO).parts) for path in (REPO / "filter_pipeline").rglob("*.py")}
+    assert folders and folders <= installed, (
+        f"folders without __init__.py are left out of the image: {folders - installed}"
+    )
 
 
 def test_the_helm_deployment_is_the_workspaces_code_location():
@@ -105,7 +105,9 @@ def test_the_deploy_files_point_only_at_files_and_sections_that_exist():
             assert (REPO / file).exists(), (path.name, file)
         for section, doc in re.findall(r'"([^"]+)" section of (README\.md|docs/[\w.-]+\.md)', text):
             assert section in sections(doc), (path.name, doc, section)
-        assert not re.search(r"README's \"|\(README, ", text), f"{path.name}: cite a README section as '\"X\" section of README.md'"
+        assert not re.search(r"README's \"|\(README, ", text), (
+            f"{path.name}: cite a README section as '\"X\" section of README.md'"
+        )
 
 
 def test_the_helm_values_name_the_image_and_module_the_dockerfile_builds():
@@ -143,7 +145,10 @@ def test_the_pool_limits_match_the_local_instance_everywhere():
     defs = defs_from_env()
     pools = {defs.resolve_assets_def(s.key).op.pool for s in defs.resolve_all_asset_specs()} - {None}
     if pools:  # the pools the assets name get the same limit on every instance
-        assert helm["pools"] == {"granularity": local["pools"]["granularity"], "defaultLimit": local["pools"]["default_limit"]}
+        assert helm["pools"] == {
+            "granularity": local["pools"]["granularity"],
+            "defaultLimit": local["pools"]["default_limit"],
+        }
 
 
 def test_the_stored_log_level_matches_the_local_instance_everywhere():
@@ -181,4 +186,3 @@ def test_readme_s3_walkthrough(tmp_path):
     assert proc.returncode == 0, out[-4000:]
     assert re.search(r"^2026-11-28: judged \d+, unjudged 0, kept \d+", out, re.M), out[-4000:]
     assert re.search(r"^\d+ +2026-11-29 +\S+ +\S+$", out, re.M), out[-4000:]  # a kept row read back from S3
-

@@ -384,7 +384,7 @@ COLUMN_DESCRIPTIONS: dict[str, str] = {
     "instruction": "The natural-language instruction the agent was given.",
     "start_kind": "How the task starts: the `kind` of the task's `start` object.",
     "dedup_key": "The dedup key as canonical JSON text of [site, target element, argument] (compact, no "
-    "ASCII escaping): keys compare as this text, so 1, \"1\", 1.0 and true are different arguments.",
+    'ASCII escaping): keys compare as this text, so 1, "1", 1.0 and true are different arguments.',
     "key_hash": "64-bit BLAKE2b fingerprint of the dedup_key text (signed int64): a cheap probe into history, "
     "always confirmed on the text itself.",
     "attempt": "The attempt number (executions.jsonl `attempt`); the judged attempt is a task's highest ok one.",
