@@ -426,8 +426,7 @@ COLUMN_DESCRIPTIONS: dict[str, str] = {
     "stage": "Where the attempt failed: execute (the attempt's ok was false) or judge (the judge did not pass it).",
     "reason": "Why it failed: policy_violation, backend_fail, script_assert, action_refused, script_error or "
     "unknown (by the error's prefix, execute rows), judge_fail (judge rows).",
-    "detail": "Execute rows: the error text cut to 500 characters, '' when there is none; judge rows: the "
-    "judge's why.",
+    "detail": "Execute rows: the error text cut to 500 characters, '' when there is none; judge rows: the why.",
     # ledger
     "dropped": "Why a passing verdict was not kept: duplicate (key kept before), site_cap ((macro, site) full) "
     "or target (macro total reached), checked in that order.",
