@@ -42,8 +42,12 @@ test: setup
 	@$(VENV)/bin/python -m pytest $(PYTEST_ARGS); status=$$?; \
 	if [ $$status -eq 5 ]; then echo "pytest collected no tests"; exit 0; fi; exit $$status
 
+# The quick loop: the tests that start no server or process, over FAST_WORKERS processes (pytest-xdist).
+FAST_WORKERS ?= 2
+FAST_TESTS = -q -p no:cacheprovider -m "not slow" -n $(FAST_WORKERS)
+
 test-fast: setup
-	$(VENV)/bin/python -m pytest -q -p no:cacheprovider -m "not slow" $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest $(FAST_TESTS) $(PYTEST_ARGS)
 
 # py311.txt with the oldest release's lines in place of its own entries of those names (names compared as pip
 # does: case and -_. ignored)
@@ -58,7 +62,7 @@ test-fast: setup
 
 test-oldest: .venv-oldest/.installed $(DAGSTER_HOME)/dagster.yaml
 	.venv-oldest/bin/python -c 'import dagster; print("dagster", dagster.__version__)'
-	.venv-oldest/bin/python -m pytest -q -p no:cacheprovider -m "not slow" $(PYTEST_ARGS)
+	.venv-oldest/bin/python -m pytest $(FAST_TESTS) $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .
