@@ -668,12 +668,18 @@ class BatchState:
     filtered: bool  # warehouse/kept/<run_id>.parquet or a legacy runs/<run_id>/kept.jsonl exists
 
 
-def complete_batches(runs: UPath, warehouse: UPath, log: logging.Logger | None = logging.getLogger(__name__)) -> list[BatchState]:
+def complete_batches(
+    runs: UPath,
+    warehouse: UPath,
+    log: logging.Logger | None = logging.getLogger(__name__),
+    refused: list[str] | None = None,
+) -> list[BatchState]:
     """Every batch under `runs` with `_SUCCESS` and a plain run_id, in run_id order (`warehouse`: where
     their outputs are).
 
     A batch without `_SUCCESS` is still being written and is not listed; a complete one whose folder name is
-    not a plain run_id is logged as refused (to `log`; None: not logged).
+    not a plain run_id is refused: one line, "runs/<name>: refused: why; rename it", logged as a warning to
+    `log` (None: not logged) and appended to `refused` (when given).
     """
     if not runs.exists():
         return []
@@ -687,8 +693,13 @@ def complete_batches(runs: UPath, warehouse: UPath, log: logging.Logger | None =
         try:
             check_run_id(run_id)
         except ValueError as exc:
+            # (a name that is not UTF-8 reaches Python as lone surrogates: escaped, to print as text)
+            name = run_id.encode("utf-8", "backslashreplace").decode("utf-8")
+            message = f"runs/{name}: refused: {exc}; rename it".encode("utf-8", "backslashreplace").decode("utf-8")
             if log is not None:
-                log.warning(f"runs/{run_id} is refused: {exc}")
+                log.warning(message)
+            if refused is not None:
+                refused.append(message)
             continue
         filtered = run_id in kept or (run_dir / LEGACY_KEPT_FILE).exists()
         states.append(BatchState(run_id=run_id, judged=run_id in judged, filtered=filtered))
