@@ -83,7 +83,7 @@ def _runs_to_materialize(data: DataRoot, requested: list[str], refused: list[str
 def _instance(home: str) -> dg.DagsterInstance:
     try:
         return dg.DagsterInstance.get()
-    except dg.DagsterError as exc:  # e.g. a dagster.yaml that is not valid
+    except Exception as exc:  # noqa: BLE001 - a dagster.yaml Dagster cannot load fails in several ways, none ours
         first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
         raise CliError(f"DAGSTER_HOME={home}: the instance cannot be loaded: {first}") from None
 
@@ -140,6 +140,7 @@ def materialize(args: argparse.Namespace) -> int:
     data = _data_root(args.data)
     caps = _caps(args)
     home = _dagster_home()
+    defs_from_env()  # FILTER_PIPELINE_EXECUTOR, FILTER_JUDGE_*: what the runs will read (ValueError: one line)
     judge = judge_from_env(args.judge)
     if judge.kind == "llm":
         judge.settings()  # missing FILTER_JUDGE_BASE_URL / MODEL: say so before any run starts
