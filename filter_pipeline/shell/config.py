@@ -73,12 +73,14 @@ class CapsConfig(dg.Config):
 
 
 def parse_caps(raw: Any, where: str) -> dict:
-    """Validate a caps document ({"per_site_cap": 3, "caps": {...}}); returns it as run config.
+    """Validate a caps document ({"per_site_cap": 3, "caps": {...}}); returns it as run config (a key left
+    empty, null, is left out: the default applies, as Dagster's run config treats it).
 
     Raises ValueError with one line naming `where` and the offending field.
     """
     if not isinstance(raw, dict):
         raise ValueError(f"{where}: expected a mapping with 'per_site_cap' and/or 'caps'")
+    raw = {key: value for key, value in raw.items() if value is not None}  # `per_site_cap:` left empty: not set
     unknown = set(raw) - set(CapsConfig.model_fields)
     if unknown:
         raise ValueError(f"{where}: unknown key(s) {', '.join(sorted(map(str, unknown)))}; allowed: per_site_cap, caps")
