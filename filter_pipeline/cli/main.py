@@ -26,8 +26,15 @@ from filter_pipeline.settings import (
 )
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage error in one line (exit status 2, as argparse's own)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="filter-pipeline", description=__doc__)
+    parser = _Parser(prog="filter-pipeline", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     m = commands.add_parser(
         "materialize",
@@ -67,15 +74,42 @@ def read_first_batch_ahead(args: argparse.Namespace) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Exit status: 0 all materialized; 1 something was not filtered (a run failed, a folder was refused);
+    2 an argument or setting is wrong (one line on stderr, nothing registered, written or judged)."""
     args = _parser().parse_args(argv)
     read_first_batch_ahead(args)
-    from filter_pipeline.cli.materialize import CliError, materialize  # Dagster loads while the batch is read
+    try:
+        # Dagster loads while the batch is read; so does the code location, which reads its settings
+        # (FILTER_PIPELINE_EXECUTOR, FILTER_JUDGE_*, FILTER_PIPELINE_CAPS) from the environment
+        from filter_pipeline.cli.materialize import CliError, materialize
+    except ValueError as exc:
+        from filter_pipeline.shell.config import CAPS_ENV
 
+        caps_file = os.environ.get(CAPS_ENV)
+        named = f"{CAPS_ENV}: " if caps_file and str(exc).startswith(f"caps file {caps_file}") else ""
+        print(f"filter-pipeline: {named}{one_line(exc)}", file=sys.stderr)
+        return 2
     try:
         return materialize(args)
     except (CliError, ValueError, HistoryError) as exc:
-        print(f"filter-pipeline: {exc}", file=sys.stderr)
+        print(f"filter-pipeline: {one_line(exc)}", file=sys.stderr)
         return 2
+
+
+def one_line(exc: Exception) -> str:
+    """The error in one line. A pydantic error names the setting (its environment variable where there is
+    one) and its first problem; anything else gives its message's lines joined."""
+    from pydantic import ValidationError
+
+    if isinstance(exc, ValidationError) and exc.errors():
+        from filter_pipeline.judge.resource import ENV
+
+        first = exc.errors()[0]
+        field = ".".join(str(p) for p in first["loc"])
+        env = ENV.get(field)
+        named = f"{env}={os.environ[env]!r}" if env and env in os.environ else env or f"{exc.title}.{field}"
+        return f"{named}: {first['msg'].removeprefix('Value error, ')}"
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def run() -> None:

@@ -5,6 +5,7 @@ What it materializes is recorded in that instance, so `dagster dev` on the same 
 """
 
 import argparse
+import logging
 import os
 import sys
 
@@ -12,10 +13,10 @@ import dagster as dg
 
 from filter_pipeline.shell.assets import run_id_partitions
 from filter_pipeline.rules.batch import SUCCESS_FILE, check_run_id, complete_batches
-from filter_pipeline.shell.config import load_caps_file, parse_caps
-from filter_pipeline.definitions import across_runs_job_from_env, filter_job_from_env
+from filter_pipeline.shell.config import CAPS_ENV, load_caps_file, parse_caps
+from filter_pipeline.definitions import defs_from_env
 from filter_pipeline.rules.history import load_retired
-from filter_pipeline.shell.jobs import ACROSS_RUNS_ASSETS, PARTITION_TAG
+from filter_pipeline.shell.jobs import ACROSS_RUNS_ASSETS, PARTITION_TAG, across_runs_job, filter_job
 from filter_pipeline.judge.resource import ENV, judge_from_env
 from filter_pipeline.shell.pool import release_stale_ledger_slots
 from filter_pipeline.rules.schemas import DROPPED_REASONS, FAILURE_REASONS, STATUS_ERROR
@@ -27,15 +28,50 @@ class CliError(Exception):
 
 
 def _caps(args: argparse.Namespace) -> dict:
-    caps = load_caps_file(args.caps) if args.caps else {}
-    if args.per_site_cap is not None:
-        caps = parse_caps({**caps, "per_site_cap": args.per_site_cap}, "--per-site-cap")
+    """The run config caps of --caps and --per-site-cap, validated; FILTER_PIPELINE_CAPS (which the code
+    location reads for the sensor) is validated too. Raises CliError (one line) before anything is written."""
+    if os.environ.get(CAPS_ENV):
+        try:
+            load_caps_file(os.environ[CAPS_ENV])
+        except ValueError as exc:
+            raise CliError(f"{CAPS_ENV}: {exc}") from None
+    try:
+        caps = load_caps_file(args.caps) if args.caps else {}
+        if args.per_site_cap is not None:
+            caps = parse_caps({**caps, "per_site_cap": args.per_site_cap}, "--per-site-cap")
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
     return caps
 
 
-def _runs_to_materialize(data: DataRoot, requested: list[str]) -> list[str]:
+def _data_root(path: str | None) -> DataRoot:
+    """The data root --data or FILTER_PIPELINE_DATA names, if it exists and holds runs/; else CliError."""
+    data = DataRoot.from_env(path)
+    named = f"--data {path}" if path else f"{DATA_ENV}={data.path}" if os.environ.get(DATA_ENV) else f"data root {data.path} (the default)"
+    if not data.root.exists():
+        raise CliError(f"{named}: no such folder (point --data or {DATA_ENV} at the folder that holds runs/)")
+    if not data.runs.exists():
+        raise CliError(f"{named}: has no runs/ folder, so it holds no execution batch (runs/<run_id>/); is it the data root?")
+    return data
+
+
+def _dagster_home() -> str:
+    """$DAGSTER_HOME, if it names an existing folder by an absolute path (what Dagster requires); else CliError."""
+    home = os.environ.get("DAGSTER_HOME")
+    if not home:
+        raise CliError("DAGSTER_HOME is not set: point it at the instance folder (`make setup` creates .dagster_home/)")
+    if not os.path.isabs(home):
+        raise CliError(f"DAGSTER_HOME={home}: not an absolute path (Dagster requires one): use {os.path.abspath(home)}")
+    if not os.path.isdir(home):
+        raise CliError(f"DAGSTER_HOME={home}: no such folder: create it (mkdir -p {home}) or point DAGSTER_HOME at the instance folder")
+    return home
+
+
+def _runs_to_materialize(data: DataRoot, requested: list[str], refused: list[str]) -> list[str]:
+    """The run_ids to materialize; with none requested, every complete batch not yet filtered, and each
+    complete folder refused for its name appended to `refused` (one line each)."""
     if not requested:
-        return [b.run_id for b in complete_batches(data.runs, data.warehouse) if not b.filtered]
+        return [b.run_id for b in complete_batches(data.runs, data.warehouse, log=None, refused=refused) if not b.filtered]
     for run_id in requested:
         check_run_id(run_id)
         if not (data.run_dir(run_id) / SUCCESS_FILE).exists():
@@ -44,10 +80,12 @@ def _runs_to_materialize(data: DataRoot, requested: list[str]) -> list[str]:
     return requested
 
 
-def _instance() -> dg.DagsterInstance:
-    if not os.environ.get("DAGSTER_HOME"):
-        raise CliError("DAGSTER_HOME is not set: point it at the instance folder (`make setup` creates .dagster_home/)")
-    return dg.DagsterInstance.get()
+def _instance(home: str) -> dg.DagsterInstance:
+    try:
+        return dg.DagsterInstance.get()
+    except Exception as exc:  # noqa: BLE001 - a dagster.yaml Dagster cannot load fails in several ways, none ours
+        first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+        raise CliError(f"DAGSTER_HOME={home}: the instance cannot be loaded: {first}") from None
 
 
 def summarize(data: DataRoot, run_id: str) -> str:
@@ -70,7 +108,20 @@ def summarize(data: DataRoot, run_id: str) -> str:
 
 
 def _failure_reason(result) -> str:
-    """The first failed step and its error, in one line (result: an execute_job result)."""
+    """The first failed step and its error, and where the run's full log is, in one line (result: an
+    execute_job result)."""
+    return f"{_failed_step(result)}; full log: {where_the_log_is(result.run_id)}"
+
+
+def where_the_log_is(run_id: str) -> str:
+    """Where a run's event log, stack traces included, can be read."""
+    return (
+        f"run {run_id} on the instance at $DAGSTER_HOME ({os.environ.get('DAGSTER_HOME')}): "
+        f"`dagster dev` shows it at /runs/{run_id}, `dagster debug export {run_id} run.gz` saves it"
+    )
+
+
+def _failed_step(result) -> str:
     for event in result.all_events:
         if event.event_type == dg.DagsterEventType.STEP_FAILURE:
             error = event.step_failure_data.error
@@ -85,25 +136,32 @@ def _failure_reason(result) -> str:
 
 
 def materialize(args: argparse.Namespace) -> int:
-    data = DataRoot.from_env(args.data)
+    # every argument and setting is checked before anything is registered, written or judged
+    data = _data_root(args.data)
     caps = _caps(args)
+    home = _dagster_home()
+    defs_from_env()  # FILTER_PIPELINE_EXECUTOR, FILTER_JUDGE_*: what the runs will read (ValueError: one line)
+    judge = judge_from_env(args.judge)
+    if judge.kind == "llm":
+        judge.settings()  # missing FILTER_JUDGE_BASE_URL / MODEL: say so before any run starts
     load_retired(data.root)  # a broken retired.json fails here, before anything is written
-    run_ids = _runs_to_materialize(data, args.run_ids)
-    instance = _instance()
+    refused: list[str] = []
+    run_ids = _runs_to_materialize(data, args.run_ids, refused)
+    instance = _instance(home)
+    for line in refused:
+        print(line, file=sys.stderr, flush=True)
     if not run_ids:
+        if refused:
+            return 1  # something complete was not filtered
         print("nothing to materialize: every complete batch is already filtered")
         return 0
     for run_id in release_stale_ledger_slots(instance):
         print(f"released the ledger slot of run {run_id}, whose process died", file=sys.stderr)
     known = set(instance.get_dynamic_partitions(run_id_partitions.name))
     instance.add_dynamic_partitions(run_id_partitions.name, [r for r in dict.fromkeys(run_ids) if r not in known])
-
-    judge = judge_from_env(args.judge)
-    if judge.kind == "llm":
-        judge.settings()  # missing FILTER_JUDGE_BASE_URL / MODEL: say so before any run starts
-    # the job is rebuilt from the environment (see filter_job_from_env), so the settings travel through it
+    # the job is rebuilt from the environment (see cli_filter_job), so the settings travel through it
     os.environ[DATA_ENV], os.environ[ENV["kind"]] = data.path, judge.kind
-    job = dg.reconstructable(filter_job_from_env)
+    job = dg.reconstructable(cli_filter_job)
     batch_only = [k for k in job.get_definition().asset_layer.executable_asset_keys if k.path[-1] not in ACROSS_RUNS_ASSETS]
     failed, refreshed = 0, False
     for position, run_id in enumerate(run_ids, start=1):
@@ -126,7 +184,7 @@ def materialize(args: argparse.Namespace) -> int:
         failed += not refreshed
     if refreshed:
         _print_across_runs(data)
-    return 1 if failed else 0
+    return 1 if failed or refused else 0
 
 
 def _run_config(caps: dict, ops_with_caps: list[str]) -> dict:
@@ -139,7 +197,7 @@ def _run_config(caps: dict, ops_with_caps: list[str]) -> dict:
 
 def _refresh_across_runs(instance: dg.DagsterInstance, caps: dict) -> bool:
     """Materialize coverage and judge calibration over every run in a run of their own."""
-    with dg.execute_job(dg.reconstructable(across_runs_job_from_env), instance, run_config=_run_config(caps, ops_with_caps=["coverage"])) as result:
+    with dg.execute_job(dg.reconstructable(cli_across_runs_job), instance, run_config=_run_config(caps, ops_with_caps=["coverage"])) as result:
         if not result.success:
             print(f"coverage / judge_calibration: FAILED ({_failure_reason(result)})", flush=True)
         return result.success
@@ -161,3 +219,45 @@ def _print_across_runs(data: DataRoot) -> None:
             f"recall {row['recall']:.2f}, agreement {row['agreement']:.2f}",
             flush=True,
         )
+
+
+# --- the console of the CLI's runs ------------------------------------------------------------------
+
+
+class _WithoutTraces(logging.Formatter):
+    """Dagster's console line, without the error and stack trace Dagster appends to a failure event after
+    a blank line (the CLI prints the failure in one line; the run's event log keeps the whole trace)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return super().format(record).split("\n\n", 1)[0]
+
+
+@dg.logger(
+    config_schema={
+        "log_level": dg.Field(str, is_required=False, default_value="INFO", description="The logger's threshold."),
+        "name": dg.Field(str, is_required=False, default_value="dagster", description="The logger's name."),
+    },
+    description="The CLI's console: Dagster's lines on stderr, one line per event (no stack traces).",
+)
+def one_line_console(init_context) -> logging.Logger:
+    log = logging.Logger(init_context.logger_config["name"], level=init_context.logger_config["log_level"].upper())
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_WithoutTraces("%(asctime)s - %(name)s - %(levelname)s - %(message)s"))
+    log.addHandler(handler)
+    return log
+
+
+def _cli_job(name: str) -> dg.JobDefinition:
+    """The named job as the environment configures it (see `definitions.defs_from_env`), with the CLI's
+    one-line console as its console logger."""
+    return dg.Definitions.merge(defs_from_env(), dg.Definitions(loggers={"console": one_line_console})).resolve_job_def(name)
+
+
+def cli_filter_job() -> dg.JobDefinition:
+    """`filter_job` for the CLI's runs (`dg.reconstructable` needs a module-level function)."""
+    return _cli_job(filter_job.name)
+
+
+def cli_across_runs_job() -> dg.JobDefinition:
+    """`across_runs_job` (coverage, judge calibration) for the CLI's runs."""
+    return _cli_job(across_runs_job.name)

@@ -1,14 +1,19 @@
 """Parsing one execution batch (`runs/<run_id>/`) into tasks, attempts and rejected records.
 
 A bad record never stops the batch: it becomes one `batch_rejects` row naming the file, line, field and
-what was expected, and the rest is parsed. Only a batch that cannot be read at all (no or empty
-`tasks.jsonl`, no `executions.jsonl`) raises `BatchError`.
+what was expected, and the rest is parsed. That includes records that are valid JSON but no use as data: a
+lone surrogate escape (`"\ud800"`, not text: Parquet cannot store it), an integer with more digits than
+Python converts (`sys.get_int_max_str_digits()`, 4,300 by default), anywhere in the record; a dedup_key
+holding NaN or Infinity (or 1e400, which reads as Infinity); an attempt number beyond 64 bits. Only a batch
+that cannot be read at all (no or empty `tasks.jsonl`, no `executions.jsonl`) raises `BatchError`.
 """
 
 import json
 import logging
+import math
 import os
 import re
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -98,6 +103,10 @@ class _Reject(Exception):
         self.message = message
 
 
+class _TooDeep(_Reject):
+    """A line nested deeper than json.loads follows (which pyarrow reads; see `_parse_lines`)."""
+
+
 def _require(record: dict, field: str, check: Callable[[Any], bool], expected: str) -> Any:
     if field not in record:
         raise _Reject(field, f"missing field {field!r} (expected {expected})")
@@ -109,6 +118,15 @@ def _require(record: dict, field: str, check: Callable[[Any], bool], expected: s
 
 def _describe(value: Any) -> str:
     return "null" if value is None else f"a {type(value).__name__} ({json.dumps(value)[:60]})"
+
+
+def _finite(key: list) -> bool:
+    """Whether no part of the key is NaN or Infinity (JSON has neither; 1e400 reads as Infinity)."""
+    return all(math.isfinite(part) for part in key if type(part) is float)
+
+
+_NOT_FINITE = "field 'dedup_key' holds NaN or Infinity (or a number too large for a float, such as 1e400), which JSON has no text for"
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 _UNSAFE_DIR = r"^(/|\\|[A-Za-z]:)|://|(^|[/\\])\.\.([/\\]|$)|^\s*$"
@@ -142,7 +160,7 @@ def _fast_task_row(record: Any) -> tuple | None:
     if not (
         type(task_id) is str and task_id and type(macro) is str and type(site) is str
         and type(instruction) is str and type(key) is list and type(kind) is str
-        and type(record["start"]) is dict and all(type(part) in _SCALARS for part in key)
+        and type(record["start"]) is dict and all(type(part) in _SCALARS for part in key) and _finite(key)
     ):  # fmt: skip
         return None
     text = canonical_key(key)
@@ -157,6 +175,8 @@ def _task_row(record: dict) -> tuple:
     key = _require(record, "dedup_key", lambda v: isinstance(v, list), "a JSON array")
     if not all(_is_scalar(part) for part in key):
         raise _Reject("dedup_key", "field 'dedup_key' must be an array of scalars (no arrays or objects)")
+    if not _finite(key):
+        raise _Reject("dedup_key", _NOT_FINITE)
     start = _require(record, "start", lambda v: isinstance(v, dict), "an object with 'kind'")
     if not _is_str(start.get("kind")):
         raise _Reject("start.kind", f"field 'start.kind' is {_describe(start.get('kind'))}, expected a string")
@@ -170,6 +190,8 @@ ATTEMPT_FIELDS = ("task_id", "attempt", "ok", "error", "dir", "n_actions", "back
 def _attempt_row(record: dict) -> tuple:
     task_id = _require(record, "task_id", lambda v: _is_str(v) and v != "", "a non-empty string")
     attempt = _require(record, "attempt", _is_int, "an integer")
+    if not INT64_MIN <= attempt <= INT64_MAX:
+        raise _Reject("attempt", f"field 'attempt' is {_describe(attempt)}, expected an integer within 64 bits")
     ok = _require(record, "ok", _is_bool, "true or false")
     error = record.get("error")
     if not (error is None or _is_str(error)):
@@ -192,45 +214,144 @@ def _attempt_row(record: dict) -> tuple:
 
 
 def _parse_lines(
-    data: bytes, file: str, to_row: Callable[[dict], tuple], fast_row: Callable[[Any], tuple | None] | None = None
+    data: bytes,
+    file: str,
+    to_row: Callable[[dict], tuple],
+    fast_row: Callable[[Any], tuple | None] | None = None,
+    deep_row: Callable[[bytes], tuple | None] | None = None,
 ) -> tuple[list[tuple], list[dict]]:
     """Every non-blank line of `data` as a row tuple (line number last); a line that fails becomes a reject.
 
     `fast_row` takes clean records cheaply; anything it declines goes through `to_row`, which names the
-    problem.
+    problem. A line nested deeper than json.loads follows goes to `deep_row`, the vectorised path on that
+    line alone: it takes what it would take in a whole file, so both paths keep the same records.
     """
     rows: list[tuple] = []
     rejects: list[dict] = []
     for number, raw in enumerate(data.split(b"\n"), start=1):
         if not raw or raw.isspace():
             continue
-        if fast_row is not None and len(raw) <= MAX_LINE_BYTES:
-            try:
-                row = fast_row(json.loads(raw))
-            except ValueError:  # not JSON or not UTF-8: the careful path says which
-                row = None
-            if row is not None:
-                rows.append((*row, number))
-                continue
         try:
-            if len(raw) > MAX_LINE_BYTES:
-                raise _Reject(None, f"line is {len(raw):,} bytes, longer than the {MAX_LINE_BYTES:,}-byte limit")
             try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise _Reject(None, f"line is not UTF-8 ({exc.reason} at byte {exc.start})") from None
-            try:
-                record = json.loads(text)
-            except json.JSONDecodeError as exc:
-                raise _Reject(None, f"line is not JSON ({exc.msg} at column {exc.colno})") from None
-            if not isinstance(record, dict):
-                raise _Reject(None, f"line is a JSON {type(record).__name__}, expected an object")
-            row = to_row(record)
+                record = _load_record(raw)
+            except _TooDeep:
+                if deep_row is None or (row := deep_row(raw)) is None:
+                    raise
+            else:
+                row = fast_row(record) if fast_row is not None else None
+                if row is None:
+                    row = to_row(record)
         except _Reject as rej:
             rejects.append(_reject_row(file, number, rej.field, rej.message, raw))
             continue
         rows.append((*row, number))
     return rows, rejects
+
+
+# a JSON escape of a UTF-16 surrogate: half of a pair (an emoji, as json.dumps writes it) or a lone one
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _load_record(raw: bytes) -> dict:
+    """The line as a JSON object whose every string is text and every integer one Python converts; raises
+    _Reject saying why not (too long, not UTF-8, not JSON, nested too deep, an integer too long, a lone
+    surrogate, not an object)."""
+    if len(raw) > MAX_LINE_BYTES:
+        raise _Reject(None, f"line is {len(raw):,} bytes, longer than the {MAX_LINE_BYTES:,}-byte limit")
+    try:
+        text = raw.decode("utf-8")  # strict: json.loads(bytes) would let UTF-8-encoded surrogates through
+    except UnicodeDecodeError as exc:
+        raise _Reject(None, f"line is not UTF-8 ({exc.reason} at byte {exc.start})") from None
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise _Reject(None, f"line is not JSON ({exc.msg} at column {exc.colno})") from None
+    except ValueError:  # the only other one json raises: an integer beyond Python's int-string limit
+        raise _long_integer_reject(text) from None
+    except RecursionError:
+        raise _TooDeep(None, "line nests arrays or objects deeper than a JSON reader follows") from None
+    if not isinstance(record, dict):
+        raise _Reject(None, f"line is a JSON {type(record).__name__}, expected an object")
+    if _SURROGATE_ESCAPE.search(raw) and not _is_text(record) and (found := _first(record, _lone_surrogate)):
+        field, char = found
+        raise _Reject(field, f"field {field!r} holds a lone surrogate (\\u{ord(char):04x}), which is not text")
+    return record
+
+
+def _is_text(record: dict) -> bool:
+    """Whether every string of the record encodes as UTF-8 (one pass in C; `_first` then says where not)."""
+    try:
+        json.dumps(record, ensure_ascii=False).encode("utf-8")
+    except (UnicodeEncodeError, RecursionError):
+        return False
+    return True
+
+
+def _lone_surrogate(value: Any) -> str | None:
+    """The first lone surrogate of a string value (which UTF-8, hence Parquet, cannot hold), or None."""
+    if type(value) is not str or value.isascii():
+        return None
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return value[exc.start]
+    return None
+
+
+class _LongInteger:
+    """An integer literal with more digits than Python converts (read as this marker, to name its field)."""
+
+    def __init__(self, literal: str):
+        self.digits = len(literal) - literal.startswith("-")
+
+
+def _long_integer_reject(text: str) -> _Reject:
+    limit = sys.get_int_max_str_digits()
+    read = lambda literal: _LongInteger(literal) if len(literal) - literal.startswith("-") > limit else int(literal)  # noqa: E731
+    try:
+        record = json.loads(text, parse_int=read)
+    except (ValueError, RecursionError):
+        record = None
+    found = _first(record, lambda v: v if isinstance(v, _LongInteger) else None) if isinstance(record, dict) else None
+    if found is None:
+        return _Reject(None, f"line holds an integer of more than {limit:,} digits, more than Python converts to a number")
+    field, number = found
+    return _Reject(field, f"field {field!r} holds an integer of {number.digits:,} digits, more than the {limit:,} Python converts to a number")
+
+
+def _first(record: dict, problem: Callable[[Any], Any]) -> tuple[str, Any] | None:
+    """(where, what `problem` found) for the first key or value anywhere in the record, however deep, for
+    which `problem` returns something other than None (where: the field's path, as `backend.detail` or
+    `steps[2].text`); None if there is none. Iterative: a record as deep as json.loads reads would exhaust
+    the recursion limit."""
+    stack: list[tuple[str, Any]] = [(key, value) for key, value in reversed(record.items())]
+    stack += [(key, key) for key in reversed(record)]  # the field names first
+    while stack:
+        path, item = stack.pop()
+        if (found := problem(item)) is not None:
+            return path, found
+        if isinstance(item, dict):
+            stack += [(f"{path}.{key}", value) for key, value in reversed(item.items())]
+            stack += [(f"{path}.{key}", key) for key in reversed(item)]
+        elif isinstance(item, list):
+            stack += [(f"{path}[{i}]", value) for i, value in reversed(list(enumerate(item)))]
+    return None
+
+
+def _one_row(frame: pd.DataFrame | None, fields: tuple[str, ...]) -> tuple | None:
+    """The first row of a fast-path frame as a row tuple of `fields` (None stays None)."""
+    if frame is None:
+        return None
+    values = frame[list(fields)].astype(object).iloc[0]
+    return tuple(None if pd.isna(v) else v for v in values)
+
+
+def _deep_task_row(raw: bytes) -> tuple | None:
+    return _one_row(_fast_tasks(raw + b"\n"), TASK_FIELDS)
+
+
+def _deep_attempt_row(raw: bytes) -> tuple | None:
+    return _one_row(_fast_attempts(raw + b"\n"), ATTEMPT_FIELDS)
 
 
 def _frame(rows: list[tuple], fields: tuple[str, ...], asset: str) -> pd.DataFrame:
@@ -241,7 +362,8 @@ def _reject_row(file: str, line: int, field: str | None, message: str, raw: byte
     return {
         "file": file,
         "line": line,
-        "field": field,
+        # a field is named by the record, so its name may itself hold a lone surrogate: escaped, to stay text
+        "field": None if field is None else field.encode("utf-8", "backslashreplace").decode("utf-8"),
         "message": f"{file}:{line}: {message}",
         "raw": raw[: RAW_MAX_CHARS * 4].decode("utf-8", errors="replace")[:RAW_MAX_CHARS],
     }
@@ -290,6 +412,33 @@ def _newline_positions(data: bytes) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
+def _is_utf8(data: bytes) -> bool:
+    """Whether `data` is valid UTF-8 (Arrow's validation, without copying or decoding it)."""
+    offsets = np.array([0, len(data)], dtype=np.int64)
+    try:
+        pa.Array.from_buffers(pa.large_string(), 1, [None, pa.py_buffer(offsets), pa.py_buffer(data)]).validate(full=True)
+    except pa.ArrowInvalid:
+        return False
+    return True
+
+
+def _may_hold_long_integer(data: bytes) -> bool:
+    """Whether `data` holds a run of more digits than Python converts to an integer
+    (`sys.get_int_max_str_digits()`), in a string or not. Looks at one byte in every `limit // 10`: such a
+    run covers at least ten consecutive samples, all digits; only around those is the data searched."""
+    limit = sys.get_int_max_str_digits()
+    if not limit or len(data) <= limit:
+        return False
+    step = max(1, limit // 10)
+    samples = np.frombuffer(data, dtype=np.uint8)[::step]
+    digit = np.subtract(samples, np.uint8(ord("0"))) < 10  # (uint8 wraps around below "0")
+    runs = np.concatenate([[0], np.cumsum(digit)])
+    candidates = np.flatnonzero(runs[10:] - runs[:-10] == 10) * step
+    # a run of more than `limit` digits through `at` has more than `limit` of them within `limit` bytes of it
+    long_run = re.compile(rb"[0-9]{%d}" % (limit + 1))
+    return any(long_run.search(data, max(0, at - limit), at + limit + 1) for at in candidates.tolist())
+
+
 def _line_count(data: bytes) -> int:
     """Number of lines, counting a last line without a newline."""
     return _newlines(data) + (0 if data.endswith(b"\n") or not data else 1)
@@ -297,10 +446,13 @@ def _line_count(data: bytes) -> int:
 
 def _read_jsonl(data: bytes, schema: pa.Schema) -> pa.Table | None:
     """The JSON lines as a table of `schema` (other fields ignored), or None if pyarrow cannot read them
-    as they are: a type mismatch, a record longer than MAX_LINE_BYTES (it straddles pyarrow's block), or a
-    blank line (pyarrow would skip it and shift every later line number)."""
+    as they are: a type mismatch, a record longer than MAX_LINE_BYTES (it straddles pyarrow's block), a
+    blank line (pyarrow would skip it and shift every later line number), a lone surrogate escape or a
+    number too large for a float anywhere (pyarrow refuses both), bytes that are not UTF-8 or what may be an
+    integer longer than Python converts (pyarrow takes both unchecked; the careful path rejects their
+    records)."""
     n_lines = _line_count(data)
-    if n_lines == 0:
+    if n_lines == 0 or not _is_utf8(data) or _may_hold_long_integer(data):
         return None
     try:
         table = pa_json.read_json(
@@ -436,7 +588,7 @@ _BEFORE_KEY = rf'^(?P<before>(?:[^"]|{_STRING})*?[{{,])\s*"dedup_key"\s*:'
 
 def _lines(data: bytes) -> pa.Array:
     """Each line of `data` (with its newline) as a string, without copying: the string offsets are the
-    newline positions, over the bytes themselves. (`data` must be valid UTF-8: the JSON reader checked.)"""
+    newline positions, over the bytes themselves. (`data` must be valid UTF-8: `_read_jsonl` checked.)"""
     ends = _newline_positions(data) + 1
     if len(ends) == 0 or ends[-1] != len(data):
         ends = np.append(ends, len(data))
@@ -516,12 +668,18 @@ class BatchState:
     filtered: bool  # warehouse/kept/<run_id>.parquet or a legacy runs/<run_id>/kept.jsonl exists
 
 
-def complete_batches(runs: UPath, warehouse: UPath, log: logging.Logger | None = logging.getLogger(__name__)) -> list[BatchState]:
+def complete_batches(
+    runs: UPath,
+    warehouse: UPath,
+    log: logging.Logger | None = logging.getLogger(__name__),
+    refused: list[str] | None = None,
+) -> list[BatchState]:
     """Every batch under `runs` with `_SUCCESS` and a plain run_id, in run_id order (`warehouse`: where
     their outputs are).
 
     A batch without `_SUCCESS` is still being written and is not listed; a complete one whose folder name is
-    not a plain run_id is logged as refused (to `log`; None: not logged).
+    not a plain run_id is refused: one line, "runs/<name>: refused: why; rename it", logged as a warning to
+    `log` (None: not logged) and appended to `refused` (when given).
     """
     if not runs.exists():
         return []
@@ -535,8 +693,13 @@ def complete_batches(runs: UPath, warehouse: UPath, log: logging.Logger | None =
         try:
             check_run_id(run_id)
         except ValueError as exc:
+            # (a name that is not UTF-8 reaches Python as lone surrogates: escaped, to print as text)
+            name = run_id.encode("utf-8", "backslashreplace").decode("utf-8")
+            message = f"runs/{name}: refused: {exc}; rename it".encode("utf-8", "backslashreplace").decode("utf-8")
             if log is not None:
-                log.warning(f"runs/{run_id} is refused: {exc}")
+                log.warning(message)
+            if refused is not None:
+                refused.append(message)
             continue
         filtered = run_id in kept or (run_dir / LEGACY_KEPT_FILE).exists()
         states.append(BatchState(run_id=run_id, judged=run_id in judged, filtered=filtered))
@@ -610,7 +773,7 @@ def _parse_batch(run_dir: UPath, run_id: str) -> Batch:
 
     tasks, rejects = _fast_tasks(tasks_data), []
     if tasks is None:
-        task_rows, rejects = _parse_lines(tasks_data, TASKS_FILE, _task_row, _fast_task_row)
+        task_rows, rejects = _parse_lines(tasks_data, TASKS_FILE, _task_row, _fast_task_row, _deep_task_row)
         tasks = _frame(task_rows, TASK_FIELDS, "batch_tasks")
     duplicated = tasks["task_id"].duplicated(keep="first")
     rejects += _rejects_for(tasks[duplicated], tasks_data, TASKS_FILE, "task_id", "task_id {} appears earlier in the file")
@@ -623,7 +786,7 @@ def _parse_batch(run_dir: UPath, run_id: str) -> Batch:
     executions_data = executions_path.read_bytes()
     attempts = _fast_attempts(executions_data)
     if attempts is None:
-        attempt_rows, attempt_rejects = _parse_lines(executions_data, EXECUTIONS_FILE, _attempt_row)
+        attempt_rows, attempt_rejects = _parse_lines(executions_data, EXECUTIONS_FILE, _attempt_row, deep_row=_deep_attempt_row)
         rejects += attempt_rejects
         attempts = _frame(attempt_rows, ATTEMPT_FIELDS, "batch_attempts")
     task_at = positions(attempts["task_id"], tasks["task_id"])
@@ -672,7 +835,10 @@ def attempt_steps(run_dir: UPath, lines: set[int]) -> dict[int, list]:
     out = {}
     for number, raw in enumerate((run_dir / EXECUTIONS_FILE).read_bytes().split(b"\n"), start=1):
         if number in lines:
-            steps = json.loads(raw).get("steps")
+            try:
+                steps = json.loads(raw).get("steps")
+            except RecursionError:  # nested deeper than json.loads follows, in a step field nobody reads
+                steps = None
             out[number] = steps if isinstance(steps, list) else []
     return out
 

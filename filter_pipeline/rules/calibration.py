@@ -14,23 +14,46 @@ LABELS_FILE = "labels.jsonl"
 ALL_SITES = "(all)"
 
 
-def parse_labels(text: str) -> pd.DataFrame:
-    """Rows (dir, run_id, task_id, success); raises ValueError naming the line of a malformed label."""
-    rows = []
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
+MAX_REJECTS_SHOWN = 20  # bad label lines listed in judge_calibration's metadata and log
+
+
+def parse_labels(data: bytes | str) -> tuple[pd.DataFrame, list[str]]:
+    """(labels, rejects): rows (dir, run_id, task_id, success) of every valid line, and one message per
+    line that is not a label ("labels.jsonl:N: why"), in file order. Never raises on content."""
+    if isinstance(data, str):
+        data = data.encode("utf-8", "surrogatepass")
+    rows, rejects = [], []
+    for number, raw in enumerate(data.split(b"\n"), start=1):
+        if not raw.strip():
             continue
         try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{LABELS_FILE}:{number}: not JSON ({exc.msg})") from None
-        by_dir = isinstance(record, dict) and isinstance(record.get("dir"), str)
-        by_task = isinstance(record, dict) and isinstance(record.get("run_id"), str) and isinstance(record.get("task_id"), str)
-        if not (by_dir or by_task) or not isinstance(record.get("success"), bool):
-            raise ValueError(f"{LABELS_FILE}:{number}: expected {{dir | run_id + task_id, success: bool}}")
-        rows.append({"dir": record.get("dir") if by_dir else None, "run_id": None if by_dir else record["run_id"],
-                     "task_id": None if by_dir else record["task_id"], "success": record["success"]})  # fmt: skip
-    return pd.DataFrame(rows, columns=["dir", "run_id", "task_id", "success"])
+            rows.append(_label(raw))
+        except ValueError as exc:
+            rejects.append(f"{LABELS_FILE}:{number}: {exc}")
+    return pd.DataFrame(rows, columns=["dir", "run_id", "task_id", "success"]), rejects
+
+
+def _label(raw: bytes) -> dict:
+    """One label line as a row; ValueError saying why it is not one."""
+    try:
+        record = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"not UTF-8 ({exc.reason} at byte {exc.start})") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not JSON ({exc.msg} at column {exc.colno})") from None
+    except (ValueError, RecursionError):  # an integer longer than Python converts; nesting too deep
+        raise ValueError("not a JSON value Python reads (an integer too long or nesting too deep)") from None
+    by_dir = isinstance(record, dict) and isinstance(record.get("dir"), str)
+    by_task = isinstance(record, dict) and isinstance(record.get("run_id"), str) and isinstance(record.get("task_id"), str)
+    if not (by_dir or by_task) or not isinstance(record.get("success"), bool):
+        raise ValueError("expected {dir | run_id + task_id, success: bool}")
+    row = {"dir": record["dir"] if by_dir else None, "run_id": None if by_dir else record["run_id"],
+           "task_id": None if by_dir else record["task_id"], "success": record["success"]}  # fmt: skip
+    try:
+        json.dumps(row, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("a lone surrogate (\\ud800-\\udfff) in dir, run_id or task_id, which is not text") from None
+    return row
 
 
 def resolve(labels: pd.DataFrame, attempts: pd.DataFrame, verdicts: pd.DataFrame, tasks: pd.DataFrame) -> pd.DataFrame:

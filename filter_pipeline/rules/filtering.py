@@ -30,7 +30,8 @@ from filter_pipeline.rules.schemas import (
 
 
 def execute_failures(tasks: pd.DataFrame, attempts: pd.DataFrame) -> pd.DataFrame:
-    """One failure-pool row per attempt with `ok` false, in executions.jsonl order."""
+    """One failure-pool row per attempt with `ok` false, in executions.jsonl order; `detail` is the error cut
+    to DETAIL_MAX_CHARS, "" when the error is empty, null or absent (never null: CONTRACT §3.1)."""
     failed = attempts[attempts["ok"] == False].reset_index(drop=True)  # noqa: E712 - nullable bool column
     at = positions(failed["task_id"], tasks["task_id"])
     task_columns = tasks[["macro", "site", "instruction", "dedup_key"]].iloc[np.maximum(at, 0)].reset_index(drop=True)
@@ -41,7 +42,7 @@ def execute_failures(tasks: pd.DataFrame, attempts: pd.DataFrame) -> pd.DataFram
         rows.assign(
             stage=STAGE_EXECUTE,
             reason=failure_reasons(rows["error"]),
-            detail=rows["error"].str.slice(0, DETAIL_MAX_CHARS),
+            detail=rows["error"].fillna("").str.slice(0, DETAIL_MAX_CHARS),
             votes=None,
         ),
         "failure_pool",

@@ -6,6 +6,7 @@ types as a full one and `pd.read_parquet(<warehouse>/<asset>/)` over every run a
 
 import hashlib
 import json
+import math
 from typing import Any
 
 import numpy as np
@@ -106,16 +107,23 @@ CANONICAL_ARRAY = rf"^\[(?:{_CANONICAL_SCALAR}(?:,{_CANONICAL_SCALAR})*)?\]$"
 def canonical_texts(arrays: pa.Array) -> list[str]:
     """`canonical_key` of each JSON array text (each an array of scalars). Texts already in canonical form
     (what a generator writing compact JSON produces) are taken as they are, found by one vectorised match;
-    only the others are parsed and encoded again. Raises ValueError on text that is not JSON."""
+    only the others are parsed and encoded again. Raises ValueError on text that is not JSON, NaN and
+    Infinity included (and a number too large for a float, such as 1e400, which would read as Infinity)."""
     texts = arrays.to_pylist()
     redo = np.flatnonzero(~pc.match_substring_regex(arrays, CANONICAL_ARRAY).to_numpy(zero_copy_only=False))
     if len(redo):
-        keys = json.loads("[" + ",".join(texts[i] for i in redo) + "]")
+        keys = json.loads("[" + ",".join(texts[i] for i in redo) + "]", parse_constant=_not_json)
         if len(keys) != len(redo):
             raise ValueError("a key text holds more than one JSON array")
-        for i, text in zip(redo.tolist(), canonical_keys(keys)):
+        for i, key, text in zip(redo.tolist(), keys, canonical_keys(keys)):
+            if "Infinity" in text and not all(math.isfinite(part) for part in key if type(part) is float):
+                raise ValueError(f"key {texts[i][:60]} holds a number too large for a float")
             texts[i] = text
     return texts
+
+
+def _not_json(constant: str):
+    raise ValueError(f"{constant} is not JSON")
 
 
 def key_hashes(texts: list[str]) -> np.ndarray:

@@ -388,12 +388,19 @@ def filter_report(
     "whether to trust the judge before a large run.",
     metadata=column_schema("judge_calibration"),
 )
-def judge_calibration(data: DataRoot) -> dg.Output[pd.DataFrame]:
+def judge_calibration(context: dg.AssetExecutionContext, data: DataRoot) -> dg.Output[pd.DataFrame]:
+    """Lines of labels.jsonl that are not labels are reported (a count, the first lines, a warning each),
+    never a failure: the batch's run stays a success."""
     labels_path = data.root / calibration.LABELS_FILE
     verdicts_dir = data.warehouse / "judge_verdicts"
     if not labels_path.exists() or not verdicts_dir.exists():
-        return dg.Output(calibration.calibration(pd.DataFrame()), metadata={"labels": 0, "matched": 0})
-    labels = calibration.parse_labels(labels_path.read_text(encoding="utf-8"))
+        return dg.Output(calibration.calibration(pd.DataFrame()), metadata={"labels": 0, "matched": 0, "rejected_lines": 0})
+    labels, rejects = calibration.parse_labels(labels_path.read_bytes())
+    shown = rejects[: calibration.MAX_REJECTS_SHOWN]
+    for message in shown:
+        context.log.warning(message)
+    if len(rejects) > len(shown):
+        context.log.warning(f"{calibration.LABELS_FILE}: {len(rejects) - len(shown)} more line(s) rejected")
     read = lambda asset, columns, **kw: read_folder(data.warehouse / asset, columns, **kw)  # noqa: E731
     dirs = labels["dir"].dropna().tolist() or [""]
     resolved = calibration.resolve(
@@ -403,4 +410,7 @@ def judge_calibration(data: DataRoot) -> dg.Output[pd.DataFrame]:
         read("batch_tasks", ["run_id", "task_id", "site"]),
     )
     table = calibration.calibration(resolved)
-    return dg.Output(table, metadata={"labels": len(labels), "matched": len(resolved)})
+    metadata = {"labels": len(labels), "matched": len(resolved), "rejected_lines": len(rejects)}
+    if rejects:
+        metadata["rejects"] = dg.MetadataValue.md("\n".join(f"- `{m}`" for m in shown))
+    return dg.Output(table, metadata=metadata)

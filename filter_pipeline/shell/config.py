@@ -1,5 +1,11 @@
-"""Run config of the ledger step: per-site caps and per-macro targets (CONTRACT §3.5, §5 `--caps`)."""
+"""Run config of the ledger step: per-site caps and per-macro targets (CONTRACT §3.5, §5 `--caps`).
 
+`parse_caps` / `load_caps_file` are the one validation of a caps document, for the CLI, the sensor and
+FILTER_PIPELINE_CAPS alike: strict (2, not "2", 2.0 or true), so that what passes them also passes Dagster's
+run config check, and every error is one line naming the file and the field.
+"""
+
+import json
 from pathlib import Path
 from typing import Any, Optional
 
@@ -13,9 +19,12 @@ from filter_pipeline.rules.schemas import DEFAULT_PER_SITE_CAP
 CAPS_ENV = "FILTER_PIPELINE_CAPS"
 
 
+CAP_MAX = 2**63 - 1  # the walk counts in 64-bit integers
+
+
 def _non_negative(value: Optional[int]) -> Optional[int]:
-    if value is not None and value < 0:
-        raise ValueError(f"must be 0 or more, got {value}")
+    if value is not None and not 0 <= value <= CAP_MAX:
+        raise ValueError(f"must be 0 or more, got {value}" if value < 0 else f"must be at most {CAP_MAX}, got {value}")
     return value
 
 
@@ -23,10 +32,14 @@ class MacroCapsConfig(dg.Config):
     """Limits for one macro (task template)."""
 
     site_cap: Optional[int] = Field(
-        default=None, description="Most kept rows per site for this macro, history included (default: per_site_cap)."
+        default=None,
+        strict=True,
+        description="Most kept rows per site for this macro, history included (default: per_site_cap).",
     )
     target: Optional[int] = Field(
-        default=None, description="Most kept rows for this macro over all sites, history included (default: none)."
+        default=None,
+        strict=True,
+        description="Most kept rows for this macro over all sites, history included (default: none).",
     )
 
     @field_validator("site_cap", "target")
@@ -40,6 +53,7 @@ class CapsConfig(dg.Config):
 
     per_site_cap: int = Field(
         default=DEFAULT_PER_SITE_CAP,
+        strict=True,
         description="Most kept rows per (macro, site), history included, for macros without their own site_cap.",
     )
     caps: dict[str, MacroCapsConfig] = Field(
@@ -59,38 +73,105 @@ class CapsConfig(dg.Config):
 
 
 def parse_caps(raw: Any, where: str) -> dict:
-    """Validate a caps document ({"per_site_cap": 3, "caps": {...}}); returns it as run config.
+    """Validate a caps document ({"per_site_cap": 3, "caps": {...}}); returns it as run config (a key left
+    empty, null, is left out: the default applies, as Dagster's run config treats it).
 
     Raises ValueError with one line naming `where` and the offending field.
     """
     if not isinstance(raw, dict):
         raise ValueError(f"{where}: expected a mapping with 'per_site_cap' and/or 'caps'")
+    raw = {key: value for key, value in raw.items() if value is not None}  # `per_site_cap:` left empty: not set
     unknown = set(raw) - set(CapsConfig.model_fields)
     if unknown:
-        raise ValueError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}; allowed: per_site_cap, caps")
-    for macro, limits in (raw.get("caps") or {}).items():
+        raise ValueError(f"{where}: unknown key(s) {', '.join(sorted(map(str, unknown)))}; allowed: per_site_cap, caps")
+    macros = raw.get("caps")
+    if macros is not None and not isinstance(macros, dict):
+        raise ValueError(f"{where}: caps must be a mapping {{macro: {{site_cap, target}}}}, got {_shown(macros)}")
+    for macro, limits in (macros or {}).items():
+        if not isinstance(macro, str):
+            raise ValueError(f"{where}: caps: macro name {_shown(macro)} must be a string (quote it)")
         if not isinstance(limits, dict):
             raise ValueError(f"{where}: caps.{macro} must be a mapping with site_cap and/or target")
         extra = set(limits) - set(MacroCapsConfig.model_fields)
         if extra:
-            raise ValueError(f"{where}: caps.{macro} has unknown key(s) {', '.join(sorted(extra))}")
+            raise ValueError(f"{where}: caps.{macro} has unknown key(s) {', '.join(sorted(map(str, extra)))}")
     try:
         CapsConfig(**raw)
     except ValidationError as exc:
         first = exc.errors()[0]
         field = ".".join(str(p) for p in first["loc"])
-        raise ValueError(f"{where}: {field}: {first['msg']}") from None
+        got = f" (got {_shown(first['input'])})" if first["type"] != "value_error" else ""
+        raise ValueError(f"{where}: {field}: {first['msg']}{got}") from None
     return raw
+
+
+def _shown(value: Any) -> str:
+    """A value as the caps file wrote it (JSON), cut to one short line."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a mapping that names a key twice (by default the last one silently wins)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                try:
+                    twice = key in seen
+                except TypeError:  # not hashable: the safe loader says so itself
+                    break
+                if twice:
+                    raise yaml.constructor.ConstructorError(None, None, f"key {_shown(key)} appears twice", key_node.start_mark)
+                seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict:
+    seen: dict = {}
+    for key, value in pairs:
+        if key in seen:
+            raise ValueError(f"key {_shown(key)} appears twice")
+        seen[key] = value
+    return seen
+
+
+def _read_caps(text: str, path: Path) -> Any:
+    """The document of a caps file: JSON for a `.json` file (tabs and all), else YAML (which JSON also is).
+    Raises ValueError with one line: file, line, column and the problem."""
+    if path.suffix.lower() == ".json":
+        try:
+            return json.loads(text, object_pairs_hook=_unique_pairs)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"caps file {path}:{exc.lineno}:{exc.colno}: not JSON: {exc.msg}") from None
+        except ValueError as exc:
+            raise ValueError(f"caps file {path}: {exc}") from None
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        problem = " ".join(part for part in (exc.context, exc.problem) if part)
+        kind = "" if isinstance(exc, yaml.constructor.ConstructorError) else "not YAML or JSON: "
+        raise ValueError(f"caps file {where}: {kind}{problem}") from None
+    except yaml.YAMLError as exc:
+        raise ValueError(f"caps file {path}: not YAML or JSON: {' '.join(str(exc).split())}") from None
 
 
 def load_caps_file(path: str | Path) -> dict:
     """Read and validate a YAML or JSON caps file (JSON is YAML, so one parser reads both)."""
     path = Path(path)
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ValueError(f"caps file {path}: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        raise ValueError(f"caps file {path}: not YAML or JSON ({exc})") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"caps file {path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    raw = _read_caps(text, path)
     return parse_caps({} if raw is None else raw, f"caps file {path}")
 

@@ -125,10 +125,8 @@ def test_when_the_last_batch_fails_coverage_is_refreshed_in_a_run_of_its_own(cli
     write_batch(data_root, "empty", [], [])
     done = cli("fine", "empty")
     assert done.returncode == 1
-    assert done.stdout.splitlines()[1:] == [
-        "empty: FAILED (step execution_batch: runs/empty/tasks.jsonl holds no valid task)",
-        "coverage: 1 kept rows over 1 (macro, site) pairs, 0 full",
-    ]
+    assert done.stdout.splitlines()[1].startswith("empty: FAILED (step execution_batch: runs/empty/tasks.jsonl holds no valid task; full log: run ")
+    assert done.stdout.splitlines()[2:] == ["coverage: 1 kept rows over 1 (macro, site) pairs, 0 full"]
     assert across_runs_materialized_by_run(dagster_home) == {
         "fine": [], "empty": [], "across_runs_job": ["coverage", "judge_calibration"]
     }  # fmt: skip
@@ -139,7 +137,7 @@ def test_a_batch_without_tasks_fails_its_run_with_the_reason_and_writes_nothing(
     write_batch(data_root, "fine", [task("a")], [attempt("a")])
     done = cli("empty", "fine")
     assert done.returncode == 1
-    assert done.stdout.splitlines()[0] == "empty: FAILED (step execution_batch: runs/empty/tasks.jsonl holds no valid task)"
+    assert done.stdout.splitlines()[0].startswith("empty: FAILED (step execution_batch: runs/empty/tasks.jsonl holds no valid task; full log: run ")
     assert done.stdout.splitlines()[1].startswith("fine: judged 1")
     assert sorted(p.name for p in (data_root / "warehouse").rglob("*.parquet") if p.stem == "empty") == []
 

@@ -8,7 +8,7 @@ from upath import UPath
 
 from filter_pipeline.rules import batch as batch_module
 from filter_pipeline.rules.batch import BatchError, check_run_id, read_batch
-from filter_pipeline_tests.builders import RAW_KEYS, attempt, jsonl, parse, task, write_batch
+from filter_pipeline_tests.builders import RAW_KEYS, attempt, jsonl, parse, rows, task, write_batch
 
 
 def test_tasks_and_attempts_parse_with_canonical_keys(tmp_path):
@@ -290,3 +290,196 @@ def test_a_read_ahead_serves_only_its_own_batch_and_only_on_local_disk(tmp_path)
     assert not read_batch(two, "two").read_ahead
     assert read_batch(one, "one").read_ahead
     assert not batch_module.read_ahead(UPath("memory://data/runs/one"), "one")
+
+
+# --- records that are valid JSON but no use as data -----------------------------------------------------
+
+LONG = "1" + "0" * 5000  # more digits than Python converts to an int (sys.get_int_max_str_digits: 4,300)
+SURROGATE = "\\ud800"  # a lone surrogate, as a JSON escape: valid JSON, but not text
+
+
+def with_raw(record: dict, fields: dict) -> str:
+    """The record's JSON line with each of `fields` (added if absent) set to the given raw JSON text."""
+    text = json.dumps({**record, **{k: f"@{k}@" for k in fields}})
+    for name, raw in fields.items():
+        text = text.replace(f'"@{name}@"', raw)
+    return text
+
+
+def task_line(**fields) -> str:
+    """A tasks.jsonl line of task "b" with the given fields as raw JSON text."""
+    return with_raw(task("b"), fields)
+
+
+def attempt_line(**fields) -> str:
+    """An executions.jsonl line of attempt 1 of "b" with the given fields as raw JSON text."""
+    return with_raw(attempt("b", ok=False, error="e"), fields)
+
+
+def outputs_are_writable(b) -> None:
+    """Each frame written as its Parquet output, where a lone surrogate used to fail the whole batch."""
+    import io
+
+    import pyarrow.parquet as pq
+
+    from filter_pipeline.rules.schemas import to_arrow
+
+    for asset, frame in (("batch_tasks", b.tasks), ("batch_attempts", b.attempts), ("batch_rejects", b.rejects)):
+        pq.write_table(to_arrow(frame, asset), io.BytesIO())
+
+
+@pytest.mark.parametrize(
+    "line, field, message",
+    [
+        (task_line(task_id=f'"b{SURROGATE}"'), "task_id", r"field 'task_id' holds a lone surrogate (\ud800), which is not text"),
+        (task_line(macro=f'"{SURROGATE}"'), "macro", r"field 'macro' holds a lone surrogate (\ud800)"),
+        (task_line(site='"s\\udfff"'), "site", r"field 'site' holds a lone surrogate (\udfff)"),
+        (task_line(instruction=f'"do {SURROGATE} b"'), "instruction", r"field 'instruction' holds a lone surrogate (\ud800), which is not text"),
+        (task_line(instruction='"pair reversed \\ude00\\ud83d"'), "instruction", r"lone surrogate (\ude00)"),
+        (task_line(dedup_key=f'["s", "#{SURROGATE}el", 1]'), "dedup_key[1]", r"field 'dedup_key[1]' holds a lone surrogate"),
+        (task_line(start=f'{{"kind": "url{SURROGATE}"}}'), "start.kind", "field 'start.kind' holds a lone surrogate"),
+        (task_line(extra=f'{{"note": ["{SURROGATE}"]}}'), "extra.note[0]", "field 'extra.note[0]' holds a lone surrogate"),
+        (task_line(dedup_key=f'["s", {LONG}]'), "dedup_key[1]", "field 'dedup_key[1]' holds an integer of 5,001 digits, more than the 4,300 Python converts"),
+        (task_line(dedup_key=f'["s",-{LONG}]'), "dedup_key[1]", "holds an integer of 5,001 digits"),
+        (task_line(extra=LONG), "extra", "field 'extra' holds an integer of 5,001 digits"),
+        (task_line(dedup_key='["s", 1e400]'), "dedup_key", "field 'dedup_key' holds NaN or Infinity (or a number too large for a float, such as 1e400)"),
+        (task_line(dedup_key='["s",1e400]'), "dedup_key", "holds NaN or Infinity"),
+        (task_line(dedup_key='["s", NaN]'), "dedup_key", "holds NaN or Infinity"),
+        (task_line(dedup_key='["s",-Infinity]'), "dedup_key", "holds NaN or Infinity"),
+        (task_line(dedup_key="[" * 100_000 + "]" * 100_000), None, "line nests arrays or objects deeper than a JSON reader follows"),
+        (task_line(task_id='"b\xed\xa0\x80"'), None, "line is not UTF-8"),  # a surrogate as UTF-8-style bytes (CESU-8)
+    ],
+)
+def test_a_task_that_is_json_but_not_data_is_one_reject_and_the_rest_is_kept(tmp_path, line, field, message):
+    run = write_batch(tmp_path, "r", [task("a"), task("c")], [attempt("a"), attempt("c")])
+    (run / "tasks.jsonl").write_bytes(jsonl([task("a")]).encode() + line.encode("latin-1" if "\xed" in line else "utf-8") + b"\n" + jsonl([task("c")]).encode())
+    b = read_batch(UPath(run), "r")
+    assert b.tasks["task_id"].tolist() == ["a", "c"]
+    assert b.tasks["dedup_key"].tolist() == ['["s","#el","a"]', '["s","#el","c"]']
+    assert b.attempts["task_id"].tolist() == ["a", "c"]
+    assert b.rejects[["file", "line"]].values.tolist() == [["tasks.jsonl", 2]]
+    reject = b.rejects.iloc[0]
+    assert (None if pd.isna(reject["field"]) else reject["field"]) == field
+    assert reject["message"].startswith("tasks.jsonl:2: ") and message in reject["message"]
+    outputs_are_writable(b)
+
+
+@pytest.mark.parametrize(
+    "line, field, message",
+    [
+        (attempt_line(task_id=f'"b{SURROGATE}"'), "task_id", r"field 'task_id' holds a lone surrogate (\ud800), which is not text"),
+        (attempt_line(error=f'"assertion failed: {SURROGATE}"'), "error", r"field 'error' holds a lone surrogate (\ud800), which is not text"),
+        (attempt_line(dir=f'"runs/r/traj/{SURROGATE}"'), "dir", "field 'dir' holds a lone surrogate"),
+        (attempt_line(backend=f'{{"ok": false, "detail": "{SURROGATE}"}}'), "backend.detail", "field 'backend.detail' holds a lone surrogate"),
+        (attempt_line(steps=f'[{{"action": "type", "text": "{SURROGATE}"}}]'), "steps[0].text", "field 'steps[0].text' holds a lone surrogate"),
+        (attempt_line(extra=f'{{"{SURROGATE}": 1}}'), r"extra.\ud800", "holds a lone surrogate"),  # in a name
+        (attempt_line(attempt=LONG), "attempt", "field 'attempt' holds an integer of 5,001 digits, more than the 4,300 Python converts"),
+        (attempt_line(steps=f'[{{"x": {LONG}}}]'), "steps[0].x", "field 'steps[0].x' holds an integer of 5,001 digits"),
+        (attempt_line(extra=LONG), "extra", "holds an integer of 5,001 digits"),
+        (attempt_line(attempt="1" + "0" * 25), "attempt", "field 'attempt' is a int (10000000000000000000000000), expected an integer within 64 bits"),
+        (attempt_line(attempt="1e400"), "attempt", "field 'attempt' is a float (Infinity), expected an integer"),
+        (attempt_line(steps="[" * 100_000 + "]" * 100_000), None, "line nests arrays or objects deeper than a JSON reader follows"),
+        (attempt_line(dir='"runs/r/traj/b\xff"'), None, "line is not UTF-8"),
+    ],
+)
+def test_an_attempt_that_is_json_but_not_data_is_one_reject_and_the_rest_is_kept(tmp_path, line, field, message):
+    run = write_batch(tmp_path, "r", [task("a"), task("b")], [attempt("a"), line, attempt("b", 2, ok=False, error="e2")])
+    raw = (run / "executions.jsonl").read_bytes()
+    (run / "executions.jsonl").write_bytes(raw.replace("\xff".encode(), b"\xff"))  # the byte itself, not UTF-8
+    b = read_batch(UPath(run), "r")
+    assert b.tasks["task_id"].tolist() == ["a", "b"]
+    assert rows(b.attempts, "task_id", "attempt", "error") == [["a", 1, None], ["b", 2, "e2"]]
+    assert b.rejects[["file", "line"]].values.tolist() == [["executions.jsonl", 2]]
+    reject = b.rejects.iloc[0]
+    assert (None if pd.isna(reject["field"]) else reject["field"]) == field
+    assert reject["message"].startswith("executions.jsonl:2: ") and message in reject["message"]
+    outputs_are_writable(b)
+
+
+def test_what_json_reads_but_pyarrow_refuses_elsewhere_in_a_record_is_kept(tmp_path):
+    """1e400 (Infinity) or NaN in a field the pipeline does not use, valid surrogate pairs, digits in a
+    string: the record is fine, whichever path reads it."""
+    long_text = "7" * 5000  # digits, but in a string: the fast path declines, the careful one keeps it
+    tasks = [task("a", instruction=long_text), task("b", note=float("inf"), instruction="smile \U0001f600")]
+    attempts = [attempt("a", steps=1) | {"score": float("nan")}, attempt("b") | {"big": 1e308}]
+    b = parse(tmp_path, tasks, attempts)
+    assert b.rejects.empty
+    assert b.tasks["instruction"].tolist() == [long_text, "smile \U0001f600"]
+    assert b.attempts["task_id"].tolist() == ["a", "b"]
+    outputs_are_writable(b)
+
+
+def test_integers_at_pythons_limit_are_kept(tmp_path):
+    at_limit = "9" * 4300
+    run = write_batch(tmp_path, "r", [task("a")], [attempt("a")])
+    (run / "tasks.jsonl").write_text(task_line(dedup_key=f'["s",{at_limit}]').replace('"b"', '"a"', 1) + "\n")
+    b = read_batch(UPath(run), "r")
+    assert b.rejects.empty
+    assert b.tasks["dedup_key"].tolist() == [f'["s",{at_limit}]']
+
+
+@pytest.fixture
+def int_digits_640():
+    """Python's int-string limit at its smallest, so that many alignments of a long run can be tried."""
+    import sys
+
+    before = sys.get_int_max_str_digits()
+    sys.set_int_max_str_digits(640)
+    yield 640
+    sys.set_int_max_str_digits(before)
+
+
+@pytest.mark.parametrize("length", [639, 640, 641, 700, 1300])
+def test_a_run_of_more_digits_than_python_converts_is_found_wherever_it_sits(int_digits_640, length):
+    for offset in range(0, 200, 7):
+        data = b"x" * offset + b'{"a": ' + b"1" * length + b"}\n" + b"y" * 1000
+        assert batch_module._may_hold_long_integer(data) == (length > int_digits_640), (offset, length)
+
+
+def test_the_fast_paths_decline_a_long_integer_that_pyarrow_would_take(tmp_path):
+    run = write_batch(tmp_path, "r", [task("a"), task("b", extra=1)], [attempt("a"), attempt("b", extra=1)])
+    for name in ("tasks.jsonl", "executions.jsonl"):
+        assert batch_module._read_jsonl((run / name).read_bytes(), batch_module._ATTEMPT_ARROW if "exec" in name else batch_module._TASK_ARROW) is not None
+        (run / name).write_text((run / name).read_text().replace('"extra": 1', f'"extra": {LONG}'))
+    assert batch_module._fast_tasks((run / "tasks.jsonl").read_bytes()) is None
+    assert batch_module._fast_attempts((run / "executions.jsonl").read_bytes()) is None
+
+
+@pytest.mark.parametrize("text", ['["s",NaN]', '["s", Infinity]', '["s",-Infinity]', '["s",1e400]', '["s",-1E+999]'])
+def test_canonical_texts_refuses_numbers_json_has_no_text_for(text):
+    import pyarrow as pa
+
+    from filter_pipeline.rules.schemas import canonical_texts
+
+    with pytest.raises(ValueError):
+        canonical_texts(pa.array(['["s",1]', text]))
+    assert canonical_texts(pa.array(['["NaN","Infinity"]', '["s", 1e308]'])) == ['["NaN","Infinity"]', '["s",1e+308]']
+
+
+def test_a_record_nested_deeper_than_json_loads_follows_is_kept_by_both_paths(tmp_path):
+    """pyarrow reads any depth: a line whose used fields are fine is kept whichever path reads the file."""
+    deep = "[" * 5000 + "]" * 5000
+    tasks = [task_line(note=deep).replace('"b"', '"a"', 1), json.dumps(task("b"))]
+    attempts = [with_raw(attempt("a"), {"steps": f'[{{"x": {deep}}}]'}), json.dumps(attempt("b"))]
+    fast = write_batch(tmp_path / "fast", "r", tasks, attempts)
+    assert batch_module._fast_tasks((fast / "tasks.jsonl").read_bytes()) is not None
+    assert batch_module._fast_attempts((fast / "executions.jsonl").read_bytes()) is not None
+    careful = write_batch(tmp_path / "careful", "r", [*tasks, "not json"], [*attempts, "not json"])
+    got = [read_batch(UPath(run), "r") for run in (fast, careful)]
+    for b in got:
+        assert b.tasks["task_id"].tolist() == ["a", "b"]
+        assert b.attempts[["task_id", "n_actions"]].values.tolist() == [["a", 1], ["b", 2]]
+    assert got[1].rejects["line"].tolist() == [3, 3]
+    assert got[0].tasks.equals(got[1].tasks) and got[0].attempts.equals(got[1].attempts)
+    assert batch_module.attempt_steps(UPath(fast), {1}) == {1: []}  # the judge's fallback copes too
+
+
+def test_invalid_utf8_in_a_field_the_pipeline_ignores_is_rejected_by_both_paths(tmp_path):
+    run = write_batch(tmp_path, "r", [task("a"), task("b")], [attempt("a"), attempt("b", note="x")])
+    raw = (run / "executions.jsonl").read_bytes()
+    (run / "executions.jsonl").write_bytes(raw.replace(b'"note": "x"', b'"note": "\xc3("'))
+    assert batch_module._fast_attempts((run / "executions.jsonl").read_bytes()) is None
+    b = read_batch(UPath(run), "r")
+    assert b.attempts["task_id"].tolist() == ["a"]
+    assert rows(b.rejects, "line", "field") == [[2, None]]
+    assert "line is not UTF-8" in b.rejects["message"].item()

@@ -41,14 +41,15 @@ def test_error_prefix_gives_reason(tmp_path, error, reason):
     assert pool["stage"].tolist() == ["execute"]
 
 
-def test_null_and_absent_error_are_unknown(tmp_path):
+def test_null_absent_and_empty_error_are_unknown_with_an_empty_detail(tmp_path):
     pool = failures(
         tmp_path,
-        [task("a"), task("b")],
-        [attempt("a", ok=False), {**attempt("b", ok=False), "error": None}],
+        [task("a"), task("b"), task("c")],
+        [attempt("a", ok=False), {**attempt("b", ok=False), "error": None}, attempt("c", ok=False, error="")],
     )
-    assert pool["reason"].tolist() == ["unknown", "unknown"]
-    assert pool["detail"].isna().all()
+    assert pool["reason"].tolist() == ["unknown", "unknown", "unknown"]
+    assert pool["detail"].tolist() == ["", "", ""]  # CONTRACT §3.1: "" on execute rows, never null
+    assert pool["detail"].notna().all()
 
 
 def test_detail_is_error_cut_to_500_chars_and_n_actions_counts_steps(tmp_path):

@@ -148,6 +148,20 @@ def test_judge_calibration_reads_labels_across_runs(instance, data_root):
     assert gate[["n", "tp", "tn", "agreement"]].values.tolist() == [[2, 1, 1, 1.0]]
 
 
+def test_bad_lines_in_labels_jsonl_are_reported_by_judge_calibration_without_failing_the_run(instance, data_root):
+    write_batch(data_root, "r1", [task("a"), task("b")], [attempt("a"), attempt("b", ok=False, error="x")])
+    bad = ["not json", '{"dir": "x", "success": "yes"}'] * 12  # 24 bad lines: 20 shown, all counted
+    (data_root / "labels.jsonl").write_text("\n".join(['{"dir": "runs/r/traj/a/1", "success": true}', *bad]) + "\n")
+    result = materialize(instance, data_root, "r1")
+    assert result.success  # the batch's run, with judge_calibration in it
+    meta = metadata(result, "judge_calibration")
+    assert (meta["labels"], meta["matched"], meta["rejected_lines"]) == (1, 1, 24)
+    assert meta["rejects"].count("- `labels.jsonl:") == 20 and "`labels.jsonl:2: not JSON" in meta["rejects"]
+    warnings = [e.message for e in result.all_events if e.step_key == "judge_calibration" and "labels.jsonl" in (e.message or "")]
+    assert len(warnings) == 21 and "4 more line(s) rejected" in warnings[-1]
+    assert output(data_root, "kept", "r1")["task_id"].tolist() == ["a"]
+
+
 def test_on_s3_with_only_the_endpoint_setting_every_asset_reaches_the_store(s3_server, monkeypatch, instance):
     # no AWS_ENDPOINT_URL: the endpoint comes from the DataRoot setting alone, across-runs assets included
     for name, value in s3_server.env.items():

@@ -63,7 +63,8 @@ def test_a_complete_batch_whose_folder_is_not_a_plain_run_id_is_refused_with_a_r
         data = DataRoot(path=str(data_root))
         batches = complete_batches(data.runs, data.warehouse, logging.getLogger("test"))
     assert [b.run_id for b in batches] == ["fine"]
-    assert "runs/has space is refused: run_id 'has space' is not a plain folder name" in caplog.text
+    assert "runs/has space: refused: run_id 'has space' is not a plain folder name" in caplog.text
+    assert caplog.text.count("refused") == 1 and "; rename it" in caplog.text
 
 
 def test_a_batch_whose_success_marker_appears_later_is_picked_up_on_the_next_tick(instance, data_root):

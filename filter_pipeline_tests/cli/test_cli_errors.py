@@ -1,0 +1,239 @@
+"""Every bad argument, setting or input gets one line and the right exit status, and nothing else is lost.
+
+Refusals (exit 2) are checked in-process through `cli.main.main`: they stop before any run starts. What
+needs a run (a failed step, a refused folder, bad records, bad labels) runs the CLI as a user does (slow).
+"""
+
+import json
+
+import dagster as dg
+import pandas as pd
+import pytest
+
+from filter_pipeline.cli.main import main
+from filter_pipeline_tests.builders import attempt, task, write_batch
+
+SURROGATE = "\\ud800"
+
+
+@pytest.fixture
+def env(monkeypatch, dagster_home, data_root):
+    """The user's shell: DAGSTER_HOME and the data root set, no other filter-pipeline setting."""
+    for name in ("FILTER_PIPELINE_CAPS", "FILTER_PIPELINE_EXECUTOR", "FILTER_JUDGE_KIND", "FILTER_JUDGE_VOTES",
+                 "FILTER_JUDGE_BASE_URL", "FILTER_JUDGE_MODEL", "FILTER_PIPELINE_ENDPOINT_URL"):  # fmt: skip
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("DAGSTER_HOME", str(dagster_home))
+    monkeypatch.setenv("FILTER_PIPELINE_DATA", str(data_root))
+    write_batch(data_root, "b1", [task("a")], [attempt("a")])
+    return monkeypatch
+
+
+def refused(capsys, *argv) -> str:
+    """Run the CLI, expecting exit status 2 with exactly one line on stderr and nothing on stdout; the line."""
+    try:
+        status = main(["materialize", *argv])
+    except SystemExit as exc:  # argparse
+        status = exc.code
+    out, err = capsys.readouterr()
+    assert status == 2, (out, err)
+    assert out == ""
+    assert len(err.splitlines()) == 1, err
+    assert "Traceback" not in err
+    return err.strip()
+
+
+def nothing_registered_or_written(dagster_home, data_root) -> None:
+    assert not (data_root / "warehouse").exists()
+    assert not list(dagster_home.glob("storage/*")) or _no_partitions(dagster_home)
+
+
+def _no_partitions(dagster_home) -> bool:
+    with dg.DagsterInstance.from_config(str(dagster_home)) as instance:
+        return instance.get_dynamic_partitions("run_id") == [] and not instance.get_run_records()
+
+
+@pytest.mark.parametrize(
+    "text, field",
+    [
+        ('per_site_cap: "2"\n', 'per_site_cap: Input should be a valid integer (got "2")'),
+        ("per_site_cap: 2.0\n", "per_site_cap: Input should be a valid integer (got 2.0)"),
+        ("per_site_cap: true\n", "per_site_cap: Input should be a valid integer (got true)"),
+        ('caps: {m: {site_cap: "1"}}\n', 'caps.m.site_cap: Input should be a valid integer (got "1")'),
+        ("caps: {m: {target: 2.5}}\n", "caps.m.target: Input should be a valid integer (got 2.5)"),
+        ("caps: {m: {target: false}}\n", "caps.m.target: Input should be a valid integer (got false)"),
+        ("caps: [m]\n", "caps must be a mapping"),
+        ("caps: {7: {site_cap: 1}}\n", "caps: macro name 7 must be a string"),
+        ("per_site_cap: 100000000000000000000\n", "per_site_cap: Value error, must be at most"),
+    ],
+)
+def test_a_caps_value_that_is_not_a_plain_integer_is_refused_in_one_line_before_anything_is_registered(
+    env, capsys, tmp_path, dagster_home, data_root, text, field
+):
+    caps = tmp_path / "caps.yaml"
+    caps.write_text(text)
+    assert refused(capsys, "--caps", str(caps)).startswith(f"filter-pipeline: caps file {caps}: {field}")
+    nothing_registered_or_written(dagster_home, data_root)
+
+
+@pytest.mark.parametrize(
+    "name, text, line",
+    [
+        ("caps.yaml", "per_site_cap: 2\ncaps:\n  m: {site_cap: 1\n", "caps.yaml:4:1: not YAML or JSON: while parsing a flow mapping expected ',' or '}', but got '<stream end>'"),
+        ("caps.yaml", "per_site_cap: 2\nper_site_cap: 3\n", 'caps.yaml:2:1: key "per_site_cap" appears twice'),
+        ("caps.yaml", "caps:\n  m: {site_cap: 1}\n  m: {target: 2}\n", 'caps.yaml:3:3: key "m" appears twice'),
+        ("caps.json", '{\n\t"per_site_cap": 2,\n}\n', "caps.json:3:1: not JSON: Expecting property name enclosed in double quotes"),
+        ("caps.json", '{"caps": {"m": {"site_cap": 1}, "m": {}}}', 'caps.json: key "m" appears twice'),
+    ],
+)
+def test_a_caps_file_that_does_not_parse_is_one_line_with_its_line_and_column(env, capsys, tmp_path, dagster_home, data_root, name, text, line):
+    caps = tmp_path / name
+    caps.write_text(text)
+    assert refused(capsys, "--caps", str(caps)) == f"filter-pipeline: caps file {tmp_path}/{line}"
+    nothing_registered_or_written(dagster_home, data_root)
+
+
+def test_a_json_caps_file_indented_with_tabs_is_read(env, tmp_path):
+    from filter_pipeline.shell.config import load_caps_file
+
+    caps = tmp_path / "caps.json"
+    caps.write_text('{\n\t"per_site_cap": 2,\n\t"caps": {"m": {"target": 4}}\n}\n')
+    assert load_caps_file(caps) == {"per_site_cap": 2, "caps": {"m": {"target": 4}}}
+
+
+def test_bad_caps_in_the_environment_are_refused_naming_the_variable(env, capsys, tmp_path, dagster_home, data_root):
+    caps = tmp_path / "caps.yaml"
+    caps.write_text("per_site_cap: '2'\n")
+    env.setenv("FILTER_PIPELINE_CAPS", str(caps))
+    assert refused(capsys) == f"filter-pipeline: FILTER_PIPELINE_CAPS: caps file {caps}: per_site_cap: Input should be a valid integer (got \"2\")"
+    nothing_registered_or_written(dagster_home, data_root)
+
+
+@pytest.mark.parametrize("value", ["2.0", "two", "true"])
+def test_a_per_site_cap_flag_that_is_not_an_integer_is_one_line(env, capsys, dagster_home, data_root, value):
+    line = refused(capsys, "--per-site-cap", value)
+    assert line == f"filter-pipeline materialize: argument --per-site-cap: invalid int value: '{value}' (see filter-pipeline materialize --help)"
+    nothing_registered_or_written(dagster_home, data_root)
+
+
+def test_a_data_root_that_does_not_exist_or_has_no_runs_folder_is_one_line(env, capsys, tmp_path, dagster_home):
+    assert refused(capsys, "--data", str(tmp_path / "nope")) == (
+        f"filter-pipeline: --data {tmp_path / 'nope'}: no such folder (point --data or FILTER_PIPELINE_DATA at the folder that holds runs/)"
+    )
+    env.setenv("FILTER_PIPELINE_DATA", str(tmp_path / "gone"))
+    assert refused(capsys).startswith(f"filter-pipeline: FILTER_PIPELINE_DATA={tmp_path / 'gone'}: no such folder")
+    (tmp_path / "empty").mkdir()
+    assert refused(capsys, "--data", str(tmp_path / "empty")) == (
+        f"filter-pipeline: --data {tmp_path / 'empty'}: has no runs/ folder, so it holds no execution batch (runs/<run_id>/); is it the data root?"
+    )
+    assert _no_partitions(dagster_home)
+
+
+def test_a_dagster_home_that_is_unset_relative_or_missing_is_one_line(env, capsys, tmp_path, data_root):
+    env.delenv("DAGSTER_HOME")
+    assert refused(capsys).startswith("filter-pipeline: DAGSTER_HOME is not set")
+    env.setenv("DAGSTER_HOME", "relative/home")
+    assert refused(capsys).startswith("filter-pipeline: DAGSTER_HOME=relative/home: not an absolute path")
+    env.setenv("DAGSTER_HOME", str(tmp_path / "missing"))
+    assert refused(capsys).startswith(f"filter-pipeline: DAGSTER_HOME={tmp_path / 'missing'}: no such folder: create it")
+    assert not (tmp_path / "missing").exists() and not (data_root / "warehouse").exists()
+
+
+def test_a_dagster_yaml_that_is_not_valid_is_one_line(env, capsys, dagster_home, data_root):
+    (dagster_home / "dagster.yaml").write_text("run_storage: {module: nowhere, class: Nothing}\n")
+    assert refused(capsys).startswith(f"filter-pipeline: DAGSTER_HOME={dagster_home}: the instance cannot be loaded: ")
+    assert not (data_root / "warehouse").exists()
+
+
+@pytest.mark.parametrize(
+    "name, value, line",
+    [
+        ("FILTER_JUDGE_VOTES", "x", "FILTER_JUDGE_VOTES='x' is not a valid int"),
+        ("FILTER_JUDGE_KIND", "bogus", "FILTER_JUDGE_KIND='bogus': judge kind 'bogus' is not one of gate, llm"),
+        ("FILTER_JUDGE_SCREENSHOT", "maybe", "FILTER_JUDGE_SCREENSHOT='maybe' is not a valid flag (true/false)"),
+        ("FILTER_PIPELINE_EXECUTOR", "threads", "FILTER_PIPELINE_EXECUTOR='threads': expected one of in_process, multiprocess"),
+        ("FILTER_PIPELINE_ENDPOINT_URL", "http://127.0.0.1:9", "an endpoint URL applies to an s3:// data root, not file://"),
+    ],
+)
+def test_a_bad_setting_in_the_environment_is_one_line(env, capsys, dagster_home, data_root, name, value, line):
+    env.setenv(name, value)
+    assert refused(capsys) == f"filter-pipeline: {line}"
+    nothing_registered_or_written(dagster_home, data_root)
+
+
+def test_the_llm_judge_without_its_endpoint_is_one_line_before_anything_is_registered(env, capsys, dagster_home, data_root):
+    assert refused(capsys, "--judge", "llm") == "filter-pipeline: the llm judge needs FILTER_JUDGE_BASE_URL and FILTER_JUDGE_MODEL"
+    nothing_registered_or_written(dagster_home, data_root)
+
+
+# --- what needs a run: the CLI as a user runs it ------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, value", [("FILTER_PIPELINE_EXECUTOR", "threads"), ("FILTER_JUDGE_VOTES", "3.5")])
+def test_a_setting_the_code_location_reads_as_it_loads_is_one_line_in_a_fresh_process(cli, data_root, name, value):
+    write_batch(data_root, "b1", [task("a")], [attempt("a")])
+    done = cli(env={name: value})
+    assert done.returncode == 2
+    assert len(done.stderr.splitlines()) == 1 and done.stderr.startswith(f"filter-pipeline: {name}="), done.stderr
+    assert not (data_root / "warehouse").exists()
+
+
+@pytest.mark.slow
+def test_bad_records_a_refused_folder_and_bad_labels_each_get_their_line_and_the_rest_is_filtered(cli, data_root):
+    tasks = [task("a"), task("b", instruction="do @"), task("c", key=["s", "x"])]
+    lines = [json.dumps(t) for t in tasks]
+    lines[1] = lines[1].replace("do @", f"do {SURROGATE}")  # the escape as the file holds it
+    lines[2] = lines[2].replace('"x"]', "1" + "0" * 5000 + "]")  # more digits than Python converts
+    attempts = [attempt("a"), attempt("b"), attempt("c"), attempt("a", 2, ok=False, error=f"assertion failed: {SURROGATE}")]
+    run = write_batch(data_root, "b1", [], [])
+    (run / "tasks.jsonl").write_text("\n".join(lines) + "\n")
+    (run / "executions.jsonl").write_text(
+        "\n".join(json.dumps(a) for a in attempts).replace("\\\\ud800", SURROGATE) + "\n"
+    )
+    write_batch(data_root, "b2", [task("d")], [attempt("d")])
+    write_batch(data_root, ".hidden", [task("e")], [attempt("e")])
+    write_batch(data_root, "with space", [task("e")], [attempt("e")])
+    (data_root / "labels.jsonl").write_text('{"dir": "runs/r/traj/a/1", "success": true}\nnot a label\n')
+
+    done = cli()
+
+    assert done.returncode == 1  # two complete folders were not filtered
+    assert "Traceback" not in done.stderr and "Stack Trace" not in done.stderr
+    refusals = [line for line in done.stderr.splitlines() if ": refused: " in line]
+    assert [line.split(":")[0] for line in refusals] == ["runs/.hidden", "runs/with space"]
+    assert all(line.endswith("; rename it") for line in refusals)
+    assert done.stdout.splitlines()[:2] == [
+        "b1: judged 1, unjudged 0, kept 1, surplus 0, failures 0",
+        "b2: judged 1, unjudged 0, kept 1, surplus 0, failures 0",
+    ]
+    rejects = pd.read_parquet(data_root / "warehouse" / "batch_rejects" / "b1.parquet")
+    assert rejects[["file", "line", "field"]].values.tolist() == [
+        ["executions.jsonl", 2, "task_id"], ["executions.jsonl", 3, "task_id"], ["executions.jsonl", 4, "error"],
+        ["tasks.jsonl", 2, "instruction"], ["tasks.jsonl", 3, "dedup_key[1]"],
+    ]  # fmt: skip
+    assert "field 'instruction' holds a lone surrogate (\\ud800), which is not text" in rejects["message"].iloc[3]
+    assert pd.read_parquet(data_root / "warehouse" / "kept")["task_id"].tolist() == ["a", "d"]
+    assert "labels.jsonl:2: not JSON" in done.stderr  # judge_calibration's warning; its run succeeded
+    assert (data_root / "warehouse" / "judge_calibration.parquet").exists()
+
+
+@pytest.mark.slow
+def test_a_failed_step_is_one_line_with_its_reason_and_where_the_full_log_is(cli, data_root, dagster_home):
+    write_batch(data_root, "empty", [], [])
+    done = cli("empty")
+    assert done.returncode == 1
+    [failed] = [line for line in done.stdout.splitlines() if "FAILED" in line]
+    with dg.DagsterInstance.from_config(str(dagster_home)) as instance:
+        [record] = instance.get_run_records(dg.RunsFilter(tags={"dagster/partition": "empty"}))
+        run_id = record.dagster_run.run_id
+        failures = instance.all_logs(run_id, of_type=dg.DagsterEventType.STEP_FAILURE)
+    assert failed == (
+        f"empty: FAILED (step execution_batch: runs/empty/tasks.jsonl holds no valid task; full log: run {run_id} on the "
+        f"instance at $DAGSTER_HOME ({dagster_home}): `dagster dev` shows it at /runs/{run_id}, "
+        f"`dagster debug export {run_id} run.gz` saves it)"
+    )
+    assert "Traceback" not in done.stderr and "Stack Trace" not in done.stderr and 'File "' not in done.stderr
+    assert 'STEP_FAILURE - Execution of step "execution_batch" failed.' in done.stderr  # the INFO/ERROR lines stay
+    # the full trace is in the run's event log
+    error = failures[0].get_dagster_event().step_failure_data.error
+    assert "holds no valid task" in error.to_string() and (error.stack or (error.cause and error.cause.stack))
