@@ -239,10 +239,14 @@ class RateController:
             self._waiters.append(waiter)
             try:
                 await waiter
-            finally:
-                if not waiter.done():
+            except BaseException:  # cancelled (a sibling vote raised): never strand a wake-up meant for a slot
+                if waiter.done() and not waiter.cancelled():
+                    self._wake()
+                else:
                     waiter.cancel()
-                    self._waiters.remove(waiter)
+                    if waiter in self._waiters:
+                        self._waiters.remove(waiter)
+                raise
 
     def release(self) -> None:
         self.in_flight -= 1
