@@ -215,7 +215,7 @@ class RateController:
         pause, within the task's budget."""
         while True:
             if self.refused is not None:
-                raise self.refused
+                raise EndpointRefused(str(self.refused))  # a fresh one: a re-raised instance grows its traceback
             now = time.monotonic()
             if task.requests == 0 and self.down:
                 raise _Unanswered(
@@ -516,8 +516,9 @@ class JudgeClient:
                     return body, completion
                 problem = f"HTTP {status} from the judge endpoint is not a chat completion: {self._server_text(text)}"
             elif status is not None and self._refusal(status, text):
-                self.rate.refuse(self._refused(status, text))
-                raise self.rate.refused
+                refused = self._refused(status, text)
+                self.rate.refuse(refused)
+                raise refused
             elif status == 429 or (status is not None and (status in (408, 409) or status >= 500)):
                 if status >= 500 and body.get("n", 1) > 1 and self.n_ok is not True:
                     return body, _Rejected(status, text)

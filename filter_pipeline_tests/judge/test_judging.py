@@ -112,6 +112,20 @@ def test_outage_leaves_tasks_unjudged_and_the_next_materialization_judges_only_t
     assert pipeline.output("kept")["task_id"].tolist() == ["a", "c", "d"]
 
 
+def test_a_refusing_endpoint_fails_the_step_in_one_line_within_ten_requests(pipeline):
+    sample_batch(pipeline.data_root)
+    pipeline.instance.add_dynamic_partitions("run_id", ["r1"])
+    with FakeOpenAI(lambda call, n: Reply(status=401, body='{"error": {"message": "bad key sk-SECRET-1"}}')) as server:
+        job = build_defs(str(pipeline.data_root), llm(server, api_key="sk-SECRET-1", concurrency=64), caps={}).resolve_job_def("filter_job")
+        result = job.execute_in_process(instance=pipeline.instance, partition_key="r1", raise_on_error=False)
+    assert not result.success and len(server.calls) <= 10
+    [failure] = [e for e in result.all_events if e.event_type_value == "STEP_FAILURE"]
+    message = str(failure.step_failure_data.error.to_string())
+    assert f"the judge endpoint {server.base_url}/chat/completions refused the request" in message and "HTTP 401" in message
+    assert "sk-SECRET-1" not in message
+    assert not (pipeline.data_root / "warehouse" / "kept" / "r1.parquet").exists()
+
+
 def test_rematerializing_costs_zero_calls_and_a_new_prompt_version_pays_again(pipeline):
     sample_batch(pipeline.data_root)
     with FakeOpenAI() as server:
