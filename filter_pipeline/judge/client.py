@@ -30,7 +30,9 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable
 from urllib.parse import urlsplit, urlunsplit
 
 from filter_pipeline.judge.llm import PROMPT_VERSION
-from filter_pipeline.judge.replies import Choice, Usage, error_message, parse_reply, read_completion, retry_hint, strip_reasoning
+from filter_pipeline.judge.replies import (
+    Choice, Usage, error_message, parse_reply, read_completion, retry_hint, strip_reasoning,
+)  # fmt: skip
 from filter_pipeline.rules.schemas import STATUS_ERROR, STATUS_JUDGED
 
 if TYPE_CHECKING:  # aiohttp itself is imported when a client opens: gate-judged runs never load it
@@ -147,7 +149,8 @@ def majority(votes: list[Vote], n: int) -> tuple[bool | None, str, str | None, s
     errors = [v.error for v in votes if v.error]
     if n == 1 and errors:
         return None, errors[0], None, STATUS_ERROR
-    reason = f"no majority of {n} votes: {len(passes)} pass, {len(fails)} fail, {n - len(passes) - len(fails)} without an answer"
+    unanswered = n - len(passes) - len(fails)
+    reason = f"no majority of {n} votes: {len(passes)} pass, {len(fails)} fail, {unanswered} without an answer"
     return None, f"{reason} ({errors[0]})" if errors else reason, None, STATUS_ERROR
 
 
@@ -405,7 +408,8 @@ class JudgeClient:
         if verdict is not None:
             return Vote(verdict.passed, verdict.why)
         said = strip_reasoning(choice.text or "").strip()
-        follow_up = [*messages, *([{"role": "assistant", "content": said}] if said else []), {"role": "user", "content": REPAIR_PROMPT}]
+        follow_up = [*messages, *([{"role": "assistant", "content": said}] if said else [])]
+        follow_up.append({"role": "user", "content": REPAIR_PROMPT})
         trouble = (
             f"the reply was cut off at the token limit (finish_reason length, max {self._max_tokens(1) or 'default'})"
             if choice.cut_off
@@ -475,7 +479,9 @@ class JudgeClient:
                 self.structured = False  # the same request went through without it
             return choices
 
-    async def _send(self, make_body: Callable[[], dict], task: _Task) -> tuple[dict, tuple[list[Choice], Usage] | _Rejected]:
+    async def _send(
+        self, make_body: Callable[[], dict], task: _Task
+    ) -> tuple[dict, tuple[list[Choice], Usage] | _Rejected]:
         """(the body sent, one completion), retrying transient faults within the task's budget; a rejection
         that retrying cannot fix comes back as _Rejected (a refusal raises EndpointRefused)."""
         aiohttp = self._aiohttp
@@ -536,7 +542,10 @@ class JudgeClient:
             if time.monotonic() + wait >= task.deadline:
                 self.rate.gave_up(task)
                 spent = time.monotonic() - (task.started or time.monotonic())
-                raise _Unanswered(f"{problem} (gave up after {task.requests} requests in {spent:.1f} s; task budget {task.budget:.0f} s)")
+                raise _Unanswered(
+                    f"{problem} (gave up after {task.requests} requests in {spent:.1f} s; "
+                    f"task budget {task.budget:.0f} s)"
+                )
             if not (hint is not None and status in (429, 503)):  # a shared pause is waited out in acquire()
                 await asyncio.sleep(wait)
 

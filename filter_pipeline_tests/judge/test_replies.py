@@ -82,7 +82,7 @@ wrappers = st.sampled_from(["bare", "fenced", "plain_fence"])
 tags = st.sampled_from(["think", "thinking", "reasoning", "THINK"])
 
 
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=120, deadline=None, database=None)
 @given(
     st.lists(verdict_objects(), min_size=1, max_size=3), st.lists(wrappers, min_size=3, max_size=3), prose, prose,
     st.lists(st.tuples(tags, verdict_objects(), prose), max_size=2),
@@ -94,7 +94,7 @@ def test_the_last_verdict_object_outside_reasoning_wins(objects, hows, before, a
     assert parse_reply(reply) == objects[-1][0]
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=80, deadline=None, database=None)
 @given(st.lists(st.tuples(tags, verdict_objects(), prose), min_size=1, max_size=3), prose, st.booleans())
 def test_a_verdict_inside_a_reasoning_block_never_wins(thoughts, answer, closed):
     thinking = "".join(f"<{tag}>{p}{obj}{p}</{tag}>" for tag, (_, obj), p in thoughts)
