@@ -153,7 +153,8 @@ def test_reasoning_replies_decoy_verdicts_and_reasoning_fields_are_ignored():
         think, field, only = judge_prompts([prompt("think"), prompt("field"), prompt("only-field")], settings(server))
     assert (think.passed, think.requests, field.passed, field.requests) == (False, 1, False, 1)
     assert (only.passed, only.requests) == (False, 2)  # the reasoning field is not an answer: repaired
-    assert server.calls[-1].body["messages"][-1]["content"] == REPAIR_PROMPT
+    [repair] = [c for c in server.calls if len(c.body["messages"]) > 2]
+    assert repair.text(1) == "task only-field" and repair.prompt == REPAIR_PROMPT
 
 
 def test_a_reply_cut_off_at_the_token_limit():
