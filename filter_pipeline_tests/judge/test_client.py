@@ -84,7 +84,7 @@ def test_a_server_ignoring_n_gets_the_missing_votes_as_separate_requests_then_no
         first, second = judge_prompts([prompt("a"), prompt("b")], s)
     assert (first.requests, second.requests) == (3, 3)
     assert [c.body.get("n") for c in server.calls] == [3, None, None, None, None, None]
-    assert (first.passed, first.votes, second.votes) == (False, "1/3", "0/3")
+    assert {first.votes, second.votes} == {"1/3", "0/3"} and first.passed is second.passed is False
 
 
 @pytest.mark.parametrize("mode", ["reject400", "reject500"])  # reject500: llama.cpp's server
