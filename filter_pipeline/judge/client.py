@@ -46,6 +46,8 @@ PROBE_REQUESTS = 4
 # Additive increase of the concurrency window. Small enough that a window halved by a burst of 429s regrows
 # within one rate-limit period (a rate limit, unlike a concurrency limit, is best met with a full window).
 GROW_AFTER_SUCCESSES = 2
+# While the endpoint is down, one task not yet asked is asked this often anyway, so that a recovery is seen.
+PROBE_INTERVAL_SECONDS = 30.0
 
 # Reasoning first, then the verdict: what structured output asks for unless the caller passes its own schema.
 VERDICT_SCHEMA = {
@@ -206,6 +208,7 @@ class RateController:
         self.refused: EndpointRefused | None = None
         self.last_success = -math.inf  # time.monotonic()
         self.down = False  # a task spent its whole budget without any request succeeding meanwhile
+        self.probe_at = math.inf  # while down, the next time one task not yet asked is asked anyway
         self.last_problem = ""
         self._waiters: deque[asyncio.Future] = deque()
 
@@ -220,7 +223,10 @@ class RateController:
             if self.refused is not None:
                 raise EndpointRefused(str(self.refused))  # a fresh one: a re-raised instance grows its traceback
             now = time.monotonic()
-            if task.requests == 0 and self.down:
+            if task.started is None and self.down and now >= self.probe_at:
+                self.probe_at = now + min(self.budget, PROBE_INTERVAL_SECONDS)
+                task.start(now)  # this task probes
+            elif task.started is None and self.down:
                 raise _Unanswered(
                     f"not asked: the judge endpoint has answered nothing for a whole task budget "
                     f"({self.budget:.0f} s; last: {self.last_problem})"
@@ -278,9 +284,11 @@ class RateController:
 
     def gave_up(self, task: _Task) -> None:
         """`task` spent its budget on faults; if no request succeeded meanwhile, the endpoint is down: tasks
-        not yet asked end unjudged at once (judged again later) instead of each spending a budget."""
-        if task.started is not None and self.last_success < task.started:
+        not yet asked end unjudged at once (judged again later) instead of each spending a budget, but for
+        one probe every PROBE_INTERVAL_SECONDS (or budget), whose success ends the outage."""
+        if task.started is not None and self.last_success < task.started and not self.down:
             self.down = True
+            self.probe_at = time.monotonic() + min(self.budget, PROBE_INTERVAL_SECONDS)
 
     def throttled(self, epoch: int) -> None:
         """A 429: halve the window, once for all the requests that started in the same window."""

@@ -271,6 +271,27 @@ def test_an_outage_leaves_tasks_unjudged_and_later_tasks_are_not_even_asked():
     assert seconds < 0.2 and not any("later" in c.prompt for c in server.calls)
 
 
+def test_while_down_one_task_probes_now_and_then_and_its_success_ends_the_outage():
+    healthy = threading.Event()
+    down = Reply(status=503, body=error_body("upstream down", "server_error"))
+
+    async def run(s):
+        async with JudgeClient(s) as client:
+            await client.judge(prompt("first"))  # spends its budget: the endpoint is down
+            skipped = await client.judge(prompt("skipped"))
+            healthy.set()
+            await asyncio.sleep(0.45)  # the probe interval is the budget here
+            probe = await client.judge(prompt("probe"))
+            after = await asyncio.gather(*(client.judge(prompt(f"after {i}")) for i in range(3)))
+            return skipped, probe, after
+
+    with FakeOpenAI(lambda call, n: Reply(content=PASS) if healthy.is_set() else down) as server:
+        skipped, probe, after = asyncio.run(run(settings(server, task_budget_seconds=0.4)))
+    assert (skipped.requests, skipped.status) == (0, "error")
+    assert (probe.requests, probe.status) == (1, "judged")
+    assert [v.status for v in after] == ["judged"] * 3
+
+
 def test_an_unreachable_endpoint_is_unjudged_not_a_crash():
     with FakeOpenAI() as server:
         url = server.base_url
