@@ -257,16 +257,16 @@ def test_a_timed_out_request_is_retried():
 def test_an_outage_leaves_tasks_unjudged_and_later_tasks_are_not_even_asked():
     async def run(s):
         async with JudgeClient(s) as client:
-            first = await asyncio.gather(*(client.judge(prompt(str(i))) for i in range(3)))
+            first = await asyncio.gather(*(client.judge(prompt(str(i))) for i in range(2)))
             start = time.perf_counter()
             later = await asyncio.gather(*(client.judge(prompt(f"later {i}")) for i in range(20)))
             return first, later, time.perf_counter() - start
 
     with FakeOpenAI(lambda call, n: Reply(status=503, body=error_body("upstream down", "server_error"))) as server:
-        first, later, seconds = asyncio.run(run(settings(server, concurrency=2, task_budget_seconds=0.5)))
+        first, later, seconds = asyncio.run(run(settings(server, concurrency=2, task_budget_seconds=1.0)))
     assert all(v.status == "error" and v.passed is None for v in first + later)
-    assert all("HTTP 503 from the judge endpoint: upstream down" in v.why and v.requests >= 1 for v in first)
-    assert sum(v.requests for v in first) > 3  # retried within their budgets
+    assert all("HTTP 503 from the judge endpoint: upstream down" in v.why and v.requests >= 1 for v in first), first
+    assert sum(v.requests for v in first) >= 3  # retried within their budgets
     assert all(v.requests == 0 and "not asked: the judge endpoint has answered nothing" in v.why for v in later)
     assert seconds < 0.2 and not any("later" in c.prompt for c in server.calls)
 
