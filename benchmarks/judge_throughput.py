@@ -14,14 +14,16 @@ import sys
 import time
 from contextlib import contextmanager
 
-from filter_pipeline.judge.llm import LLMSettings, build_messages, judge_prompts
+from filter_pipeline.judge.client import LLMSettings, judge_prompts
+from filter_pipeline.judge.llm import build_messages
 
 
 @contextmanager
-def server_process(latency: float):
-    """The test server in its own process: sharing this interpreter's lock would cap the client, not measure it."""
+def server_process(latency: float, *options: str):
+    """The test server in its own process: sharing this interpreter's lock would cap the client, not measure it.
+    `options`: more of filter_pipeline_tests.openai_server's command-line options (rate limit, unparseable...)."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "filter_pipeline_tests.openai_server", "--latency", str(latency)],
+        [sys.executable, "-m", "filter_pipeline_tests.openai_server", "--latency", str(latency), *options],
         stdout=subprocess.PIPE,
         text=True,
     )

@@ -1,6 +1,13 @@
 """A real HTTP server on 127.0.0.1 speaking the OpenAI chat-completions protocol, standing in for the
-judge model (the one thing that cannot run here). Tests script its behaviour per call."""
+judge model (the one thing that cannot run here). Tests script its behaviour per call.
 
+It speaks the wire shapes real servers do: `n` honoured (n choices), ignored (one choice, as some proxies do)
+or rejected (400, or llama.cpp's 500); `response_format` accepted or rejected with a 400; `usage` with
+`prompt_tokens_details.cached_tokens`; `reasoning_content` beside `content`; `finish_reason`; a token-bucket
+rate limit answering 429 with the retry headers a test chooses; OpenAI-shaped error bodies.
+"""
+
+import hashlib
 import json
 import threading
 import time
@@ -8,24 +15,64 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 
+N_MODES = ("honour", "ignore", "reject400", "reject500")
+
 
 @dataclass
 class Reply:
-    content: str = '{"passed": true, "why": "looks done"}'
+    content: str | None = '{"passed": true, "why": "looks done"}'
     status: int = 200
     delay: float = 0.0
     headers: dict = field(default_factory=dict)
     body: str | None = None  # raw body instead of a chat completion
+    choices: list[str] | None = None  # contents of the n choices; default: `content` n times
+    finish_reason: str = "stop"
+    reasoning_content: str | None = None  # the message's separate reasoning field (DeepSeek, vLLM, SGLang)
+    prompt_tokens: int = 100
+    completion_tokens: int = 10
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens; None: not reported
+
+
+def error_body(message: str, kind: str = "invalid_request_error", code: str | int | None = None) -> str:
+    """An error body in OpenAI's shape."""
+    return json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}})
+
+
+@dataclass
+class RateLimit:
+    """A token bucket: `per_second` requests a second, bursts of `burst`; beyond it, 429 with `headers`."""
+
+    per_second: float
+    burst: float
+    headers: dict = field(default_factory=lambda: {"Retry-After": "1"})
+    _tokens: float = -1.0
+    _at: float = 0.0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def allow(self) -> bool:
+        with self._lock:
+            now = time.monotonic()
+            self._tokens = self.burst if self._tokens < 0 else min(self.burst, self._tokens + (now - self._at) * self.per_second)
+            self._at = now
+            if self._tokens >= 1:
+                self._tokens -= 1
+                return True
+            return False
 
 
 @dataclass
 class Call:
     body: dict
     headers: dict
+    at: float = 0.0  # time.monotonic() of its arrival
+    status: int = 0  # what the server answered
 
     @property
     def prompt(self) -> str:
-        content = self.body["messages"][-1]["content"]
+        return self.text(-1)
+
+    def text(self, i: int) -> str:
+        content = self.body["messages"][i]["content"]
         return content if isinstance(content, str) else content[0]["text"]
 
 
@@ -38,9 +85,19 @@ Responder = Callable[[Call, int], Reply]  # (the call, how many calls came befor
 
 
 class FakeOpenAI:
-    """`with FakeOpenAI(responder) as server:` ... `server.base_url` ... `server.calls`."""
+    """`with FakeOpenAI(responder) as server:` ... `server.base_url` ... `server.calls`.
 
-    def __init__(self, responder: Responder = lambda call, n: Reply()):
+    `n`: what the server does with `n` > 1 (N_MODES); `response_format`: "accept" or "reject" (400);
+    `rate`: a RateLimit checked before the responder."""
+
+    def __init__(
+        self,
+        responder: Responder = lambda call, n: Reply(),
+        n: str = "honour",
+        response_format: str = "accept",
+        rate: RateLimit | None = None,
+    ):
+        assert n in N_MODES and response_format in ("accept", "reject")
         self.responder = responder
         self.calls: list[Call] = []
         self._lock = threading.Lock()
@@ -53,27 +110,19 @@ class FakeOpenAI:
             def do_POST(self):  # noqa: N802
                 length = int(self.headers.get("Content-Length", 0))
                 body = json.loads(self.rfile.read(length))
-                call = Call(body=body, headers=dict(self.headers))
+                call = Call(body=body, headers=dict(self.headers), at=time.monotonic())
                 with outer._lock:
-                    n = len(outer.calls)
+                    count = len(outer.calls)
                     outer.calls.append(call)
                 if self.path.rstrip("/") != "/v1/chat/completions":
-                    return self._send(Reply(status=404, body='{"error": "not found"}'))
-                self._send(outer.responder(call, n))
+                    return self._send(call, Reply(status=404, body=error_body(f"no route {self.path}")))
+                self._send(call, outer._answer(call, count))
 
-            def _send(self, reply: Reply):
+            def _send(self, call: Call, reply: Reply):
                 if reply.delay:
                     time.sleep(reply.delay)
-                payload = reply.body if reply.body is not None else json.dumps(
-                    {
-                        "id": "chatcmpl-test",
-                        "object": "chat.completion",
-                        "model": "judge-test",
-                        "choices": [{"index": 0, "message": {"role": "assistant", "content": reply.content}, "finish_reason": "stop"}],
-                        "usage": {"prompt_tokens": 100, "completion_tokens": 10, "total_tokens": 110},
-                    }
-                )
-                data = payload.encode()
+                call.status = reply.status
+                data = (reply.body if reply.body is not None else outer._completion(call, reply)).encode()
                 self.send_response(reply.status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
@@ -85,8 +134,39 @@ class FakeOpenAI:
             def log_message(self, *args):
                 pass
 
+        self.n_mode, self.response_format, self.rate = n, response_format, rate
         self._server = _Server(("127.0.0.1", 0), Handler)
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+
+    def _answer(self, call: Call, count: int) -> Reply:
+        if self.rate is not None and not self.rate.allow():
+            return Reply(status=429, headers=dict(self.rate.headers), body=error_body(
+                "Rate limit reached for requests per second. Please try again later.", "requests", "rate_limit_exceeded"))  # fmt: skip
+        n = call.body.get("n", 1)
+        if n > 1 and self.n_mode == "reject400":
+            return Reply(status=400, body=error_body("n > 1 is not supported by this server", code="invalid_n"))
+        if n > 1 and self.n_mode == "reject500":  # what llama.cpp's server answers
+            return Reply(status=500, body=json.dumps({"error": {"code": 500, "message": "Only one completion choice is allowed", "type": "server_error"}}))
+        if "response_format" in call.body and self.response_format == "reject":
+            return Reply(status=400, body=error_body(
+                "Invalid parameter: 'response_format' of type 'json_schema' is not supported with this model.", code=None))  # fmt: skip
+        return self.responder(call, count)
+
+    def _completion(self, call: Call, reply: Reply) -> str:
+        n = call.body.get("n", 1) if self.n_mode == "honour" else 1
+        contents = reply.choices if reply.choices is not None else [reply.content] * n
+        choices = []
+        for i, content in enumerate(contents):
+            message = {"role": "assistant", "content": content}
+            if reply.reasoning_content is not None:
+                message["reasoning_content"] = reply.reasoning_content
+            choices.append({"index": i, "message": message, "finish_reason": reply.finish_reason})
+        usage = {"prompt_tokens": reply.prompt_tokens, "completion_tokens": reply.completion_tokens * len(contents),
+                 "total_tokens": reply.prompt_tokens + reply.completion_tokens * len(contents)}  # fmt: skip
+        if reply.cached_tokens is not None:
+            usage["prompt_tokens_details"] = {"cached_tokens": reply.cached_tokens}
+        return json.dumps({"id": "chatcmpl-test", "object": "chat.completion", "created": int(time.time()),
+                           "model": call.body.get("model", "judge-test"), "choices": choices, "usage": usage})  # fmt: skip
 
     @property
     def base_url(self) -> str:
@@ -101,16 +181,50 @@ class FakeOpenAI:
         self._server.server_close()
 
 
+class BenchModel:
+    """The benchmarks' model: answers after `latency` seconds; `unparseable` of the prompts (by a hash of the
+    exact request, so the same request gets the same reply, as at temperature 0) get prose without a verdict,
+    unless structured output was asked for and accepted (constrained decoding cannot produce prose). Tokens
+    are about a quarter of the characters; the system message counts as a cached prefix once seen."""
+
+    def __init__(self, latency: float, unparseable: float = 0.0):
+        self.latency, self.unparseable = latency, unparseable
+        self._prefixes: set[str] = set()
+        self._lock = threading.Lock()
+
+    def __call__(self, call: Call, count: int) -> Reply:
+        messages = call.body["messages"]
+        request = json.dumps([messages, call.body.get("temperature"), call.body.get("max_tokens")], sort_keys=True)
+        draw = int(hashlib.sha256(request.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
+        prose = draw < self.unparseable and "response_format" not in call.body
+        content = "The agent seems to have completed the task, as far as I can tell." if prose else (
+            '{"reasoning": "the final page shows the item in the cart", "passed": true, "why": "item in cart"}')
+        system = messages[0]["content"] if messages and messages[0]["role"] == "system" else ""
+        with self._lock:
+            cached = len(system) // 4 if system in self._prefixes else 0
+            self._prefixes.add(system)
+        chars = sum(len(m["content"]) if isinstance(m["content"], str) else 1000 for m in messages)
+        return Reply(content=content, delay=self.latency, prompt_tokens=chars // 4, completion_tokens=len(content) // 4,
+                     cached_tokens=cached)  # fmt: skip
+
+
 def main() -> None:
-    """Serve a model that passes everything after --latency seconds; prints the base URL, then serves
-    until killed. Used by the benchmark so server and client do not share one interpreter lock."""
+    """Serve a model (BenchModel) after --latency seconds; prints the base URL, then serves until killed. Used
+    by the benchmarks so server and client do not share one interpreter lock."""
     import argparse
     import sys
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--latency", type=float, default=0.2)
+    parser.add_argument("--unparseable", type=float, default=0.0, help="share of requests answered with prose")
+    parser.add_argument("--rate", type=float, default=0.0, help="requests a second allowed (token bucket); 0: no limit")
+    parser.add_argument("--burst", type=float, default=0.0, help="the bucket's size (default: --rate)")
+    parser.add_argument("--retry-after", default="1", help="the Retry-After header of a 429")
+    parser.add_argument("--n", choices=N_MODES, default="honour")
+    parser.add_argument("--response-format", choices=("accept", "reject"), default="accept")
     args = parser.parse_args()
-    server = FakeOpenAI(lambda call, n: Reply(delay=args.latency))
+    rate = RateLimit(args.rate, args.burst or args.rate, {"Retry-After": args.retry_after}) if args.rate else None
+    server = FakeOpenAI(BenchModel(args.latency, args.unparseable), n=args.n, response_format=args.response_format, rate=rate)
     print(server.base_url, flush=True)
     sys.stdout.close()
     server._server.serve_forever()

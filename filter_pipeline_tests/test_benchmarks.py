@@ -37,6 +37,22 @@ def test_judge_throughput_runs_at_a_small_size():
     assert all(0 < float(r[4].rstrip("%")) <= 110 for r in rows)
 
 
+def test_judge_rate_limit_judges_everything_at_a_small_size():
+    out = run("benchmarks.judge_rate_limit", "--tasks", "12", "--rate", "8", "--retry-after", "0.5", "--latency", "0")
+    [row] = [line.split() for line in out.splitlines() if line.split() and line.split()[0] == "0"]
+    assert row[1] == "12" and int(row[2]) >= 12  # every task judged; the 429s are counted as requests
+
+
+def test_judge_requests_compares_the_old_client_with_the_new_at_a_small_size():
+    out = run("benchmarks.judge_requests", "--tasks", "40", "--latency", "0.01", "--unparseable", "0.2")
+    # each row: the client's name, then requests/task, prompt, completion and cached tokens/task, unjudged, seconds
+    rows = {line.split()[0].rstrip(","): line.split()[-6:] for line in out.splitlines() if line.startswith(("old", "new"))}
+    requests = {line.split("  ")[0]: float(line.split()[-6]) for line in out.splitlines() if line.startswith(("old", "new"))}
+    assert len(requests) == 3 and set(rows) == {"old", "new"}
+    assert requests["new, response_format accepted"] == 1.0 and requests["new, response_format rejected"] < 1.5
+    assert float(rows["old"][0]) >= 3.0  # three votes, and identical requests again after prose
+
+
 def test_parallel_batches_judge_together_and_walk_the_ledger_one_at_a_time_in_order():
     out = run("benchmarks.parallel_batches", "--batches", "3", "--tasks", "60", "--latency", "0.3", "--concurrency", "2")
     assert "runs failed: 0" in out

@@ -32,7 +32,9 @@ ENV = {
     "timeout_seconds": "FILTER_JUDGE_TIMEOUT",
     "temperature": "FILTER_JUDGE_TEMPERATURE",
     "max_tokens": "FILTER_JUDGE_MAX_TOKENS",
-    "max_attempts": "FILTER_JUDGE_MAX_ATTEMPTS",
+    "task_budget_seconds": "FILTER_JUDGE_TASK_BUDGET",
+    "reasoning_model": "FILTER_JUDGE_REASONING_MODEL",
+    "structured_output": "FILTER_JUDGE_STRUCTURED_OUTPUT",
     "prompt_version": "FILTER_JUDGE_PROMPT_VERSION",
     "include_screenshot": "FILTER_JUDGE_SCREENSHOT",
 }
@@ -63,14 +65,26 @@ class JudgeResource(dg.ConfigurableResource):
     api_key: Optional[str] = Field(
         default=None, description="Bearer token, if the endpoint wants one. Set it with EnvVar: never shown in the UI."
     )
-    votes: int = Field(default=3, description="Votes per task; the majority wins and a tie fails.")
+    votes: int = Field(
+        default=1, description="Votes per task; the majority wins and a tie fails. Above 1 needs a temperature "
+        "above 0; the votes are then n samples of one request where the server takes `n`."
+    )
     concurrency: int = Field(default=16, description="Most requests in flight at once.")
     timeout_seconds: float = Field(default=60.0, description="Timeout of one request.")
-    temperature: float = Field(default=0.0, description="Sampling temperature.")
-    max_tokens: int = Field(default=300, description="Most tokens in one reply.")
-    max_attempts: int = Field(
-        default=5, description="Tries per vote: 429/5xx/timeouts (with backoff, honouring Retry-After) and "
-        "unparseable replies all spend it. A task still without a majority is unjudged (status error)."
+    temperature: float = Field(default=0.0, description="Sampling temperature (not sent to a reasoning model).")
+    max_tokens: int = Field(default=300, description="Most tokens in one reply; 0: not sent (the server's default).")
+    # --- the client's own settings (judge/client.py)
+    task_budget_seconds: float = Field(
+        default=600.0, description="Seconds one task may spend on retries of 408/409/429/5xx/timeouts (honouring "
+        "Retry-After and the x-ratelimit-reset headers); a task still unanswered is unjudged (status error)."
+    )
+    reasoning_model: bool = Field(
+        default=False, description="A reasoning model (o1-style): send max_completion_tokens instead of "
+        "max_tokens, and no temperature (env FILTER_JUDGE_REASONING_MODEL)."
+    )
+    structured_output: bool = Field(
+        default=True, description="Ask for a JSON-schema reply (response_format); dropped by itself where the "
+        "server rejects it (env FILTER_JUDGE_STRUCTURED_OUTPUT)."
     )
     prompt_version: str = Field(
         default=llm_judge.PROMPT_VERSION, description="Part of the verdict cache key: change it to re-judge everything."
@@ -92,8 +106,10 @@ class JudgeResource(dg.ConfigurableResource):
         return llm_judge.LLMSettings(
             base_url=self.base_url, model=self.model, api_key=self.api_key, votes=self.votes,
             concurrency=self.concurrency, timeout_seconds=self.timeout_seconds, temperature=self.temperature,
-            max_tokens=self.max_tokens, max_attempts=self.max_attempts, prompt_version=self.prompt_version,
+            max_tokens=self.max_tokens, prompt_version=self.prompt_version,
             max_prompt_chars=self.max_prompt_chars, include_screenshot=self.include_screenshot,
+            task_budget_seconds=self.task_budget_seconds, reasoning_model=self.reasoning_model,
+            structured_output=self.structured_output,
         )  # fmt: skip
 
     def judge(
@@ -123,7 +139,8 @@ def _flag(text: str) -> bool:
 
 _flag.__name__ = "flag (true/false)"
 _ENV_TYPES = {"votes": int, "concurrency": int, "timeout_seconds": float, "temperature": float,
-              "max_tokens": int, "max_attempts": int, "include_screenshot": _flag}  # fmt: skip
+              "max_tokens": int, "include_screenshot": _flag,
+              "task_budget_seconds": float, "reasoning_model": _flag, "structured_output": _flag}  # fmt: skip
 
 
 def judge_from_env(kind: str | None = None) -> JudgeResource:

@@ -1,0 +1,189 @@
+"""Reading what a chat-completions endpoint replied: the verdict in a model's reply, the choices and token usage
+of a completion, and the retry hints of a refused request. Pure functions, no IO.
+"""
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from email.utils import parsedate_to_datetime
+from typing import Any, Mapping
+
+# Reasoning models write their thinking in such blocks; a verdict-shaped object inside one is the model
+# thinking aloud (often quoting the requested format), never its answer.
+_CLOSED_BLOCK = re.compile(r"<(think|thinking|reasoning)\b[^>]*>.*?</\1\s*>", re.DOTALL | re.IGNORECASE)
+_CLOSE_TAG = re.compile(r"</(?:think|thinking|reasoning)\s*>", re.IGNORECASE)
+_OPEN_TAG = re.compile(r"<(?:think|thinking|reasoning)\b[^>]*>", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    passed: bool
+    why: str
+
+
+def strip_reasoning(text: str) -> str:
+    """`text` without its reasoning blocks: closed `<think>…</think>` (or thinking/reasoning) blocks; everything
+    before a closing tag whose opening tag the chat template already sent; all of a reply that starts with a
+    block never closed (cut off while thinking)."""
+    text = _CLOSED_BLOCK.sub("", text)
+    closes = list(_CLOSE_TAG.finditer(text))
+    if closes:
+        text = text[closes[-1].end():]
+    if _OPEN_TAG.match(text.lstrip()):
+        return ""
+    return text
+
+
+def parse_reply(text: str | None) -> Verdict | None:
+    """The verdict in a model's reply: the LAST top-level JSON object holding a boolean `passed`, bare, in a
+    ```json fence or inside prose, once reasoning blocks are removed. `why` is optional ("" when absent);
+    other fields are allowed. None when the reply holds no such object."""
+    if not text:
+        return None
+    text = strip_reasoning(text)
+    decoder = json.JSONDecoder()
+    found: Verdict | None = None
+    i = text.find("{")
+    while i != -1:
+        try:
+            value, end = decoder.raw_decode(text, i)
+        except ValueError:
+            i = text.find("{", i + 1)
+            continue
+        if isinstance(value, dict) and isinstance(value.get("passed"), bool):
+            found = Verdict(value["passed"], _why(value.get("why")))
+            i = text.find("{", end)  # objects nested in the verdict (criteria) are not verdicts
+        else:
+            i = text.find("{", i + 1)  # a wrapper object may hold the verdict
+    return found
+
+
+def _why(value: Any) -> str:
+    if value is None:
+        return ""
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+# --- a completion -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Choice:
+    text: str | None  # the message content; reasoning_content / reasoning fields are never read
+    finish_reason: str | None
+
+    @property
+    def cut_off(self) -> bool:
+        return self.finish_reason == "length"
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+def read_completion(payload: Any) -> tuple[list[Choice], Usage] | None:
+    """The choices (in index order) and usage of a chat completion; None when `payload` is not one."""
+    if not isinstance(payload, dict) or not isinstance(payload.get("choices"), list) or not payload["choices"]:
+        return None
+    choices = []
+    raw = sorted(payload["choices"], key=lambda c: c.get("index", 0) if isinstance(c, dict) else 0)
+    for c in raw:
+        message = c.get("message") if isinstance(c, dict) else None
+        if not isinstance(message, dict):
+            return None
+        choices.append(Choice(_content_text(message.get("content")), c.get("finish_reason")))
+    return choices, _usage(payload.get("usage"))
+
+
+def _content_text(content: Any) -> str | None:
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list):  # content parts
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return json.dumps(content, ensure_ascii=False)
+
+
+def _count(value: Any) -> int:
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0 else 0
+
+
+def _usage(usage: Any) -> Usage:
+    if not isinstance(usage, dict):
+        return Usage()
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return Usage(_count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens")), _count(cached))
+
+
+def error_message(text: str) -> str:
+    """The server's short message from an error body (`{"error": {"message": ...}}`, `{"error": "..."}`,
+    `{"message": ...}`, `{"detail": ...}`), else the body itself; one line."""
+    message: Any = text
+    try:
+        body = json.loads(text)
+    except ValueError:
+        body = None
+    if isinstance(body, dict):
+        err = body.get("error", body)
+        if isinstance(err, dict):
+            err = err.get("message") or err.get("detail") or err.get("msg") or err
+        message = err if isinstance(err, str) else json.dumps(err, ensure_ascii=False)
+    return " ".join(str(message).split())
+
+
+# --- retry hints ------------------------------------------------------------------------------------
+
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|us|µs|ns|h|m|s)")
+_UNIT_SECONDS = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+
+
+def duration_seconds(text: str) -> float | None:
+    """Seconds in a Go-style duration (`1s`, `6m0s`, `20ms`, `0.5s`, `1h2m3.5s`) or a bare number of seconds."""
+    text = text.strip().lower()
+    try:
+        value = float(text)
+    except ValueError:
+        pass
+    else:
+        return value if math.isfinite(value) and value >= 0 else None
+    parts = _DURATION_PART.findall(text)
+    if not parts or "".join(n + u for n, u in parts) != text:
+        return None
+    return sum(float(n) * _UNIT_SECONDS[u] for n, u in parts)
+
+
+def _seconds_or_date(text: str, now: datetime) -> float | None:
+    seconds = duration_seconds(text)
+    if seconds is not None:
+        return seconds
+    try:
+        when = parsedate_to_datetime(text)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=timezone.utc)
+    return max((when - now).total_seconds(), 0.0)
+
+
+def retry_hint(headers: Mapping[str, str], now: datetime | None = None) -> float | None:
+    """Seconds the endpoint asks to wait before the next request, from (first found) `retry-after-ms`,
+    `Retry-After` (seconds or an HTTP-date), LiteLLM's `llm_provider-retry-after(-ms)`, else the longest of
+    `x-ratelimit-reset-requests` / `x-ratelimit-reset-tokens` (`1s`, `6m0s`, `20ms`). None: no hint."""
+    now = now or datetime.now(timezone.utc)
+    h = {k.lower(): v for k, v in headers.items()}
+    for prefix in ("", "llm_provider-"):
+        ms = h.get(f"{prefix}retry-after-ms")
+        if ms is not None and (seconds := duration_seconds(ms)) is not None:
+            return seconds / 1000
+        after = h.get(f"{prefix}retry-after")
+        if after is not None and (seconds := _seconds_or_date(after, now)) is not None:
+            return seconds
+    names = [f"{p}x-ratelimit-reset-{what}" for p in ("", "llm_provider-") for what in ("requests", "tokens")]
+    resets = [duration_seconds(h[k]) for k in names if k in h]
+    resets = [s for s in resets if s is not None]
+    return max(resets) if resets else None

@@ -1,0 +1,410 @@
+"""Asking the judge model, against a real HTTP server on 127.0.0.1 speaking the wire shapes of real servers:
+requests per task, n, structured output, repairs, reasoning replies, retry hints, faults, refusals."""
+
+import asyncio
+import json
+import threading
+import time
+from datetime import datetime, timedelta, timezone
+from email.utils import format_datetime
+
+import pytest
+
+from filter_pipeline.judge.client import (
+    REPAIR_PROMPT, EndpointRefused, JudgeClient, LLMSettings, RateController, Vote, judge_prompts, majority,
+)  # fmt: skip
+from filter_pipeline_tests.openai_server import FakeOpenAI, RateLimit, Reply, error_body
+
+PASS = '{"passed": true, "why": "done"}'
+FAIL = '{"passed": false, "why": "wrong item"}'
+PROSE = "I believe the agent did it."
+
+
+def settings(server, **kw) -> LLMSettings:
+    defaults = dict(base_url=server.base_url, model="judge-test", backoff_initial_seconds=0.01,
+                    backoff_max_seconds=0.05, task_budget_seconds=5.0)  # fmt: skip
+    return LLMSettings(**{**defaults, **kw})
+
+
+def prompt(name: str) -> list[dict]:
+    return [{"role": "system", "content": "judge"}, {"role": "user", "content": f"task {name}"}]
+
+
+def sequence(*replies: Reply):
+    """A responder answering the calls in turn, the last reply from then on."""
+    return lambda call, n: replies[min(n, len(replies) - 1)]
+
+
+# --- cost: one request per task ---------------------------------------------------------------------
+
+
+def test_at_the_defaults_a_task_costs_one_request_asking_for_structured_output():
+    with FakeOpenAI(lambda call, n: Reply(content=PASS, prompt_tokens=120, completion_tokens=7, cached_tokens=100)) as server:
+        result = judge_prompts([prompt(str(i)) for i in range(5)], settings(server))
+    assert len(server.calls) == 5
+    assert [(v.passed, v.votes, v.status, v.requests) for v in result] == [(True, "1/1", "judged", 1)] * 5
+    assert (result[0].prompt_tokens, result[0].completion_tokens, result[0].cached_tokens) == (120, 7, 100)
+    body = server.calls[0].body
+    assert (body["temperature"], body["max_tokens"], "n" in body) == (0.0, 300, False)
+    assert body["response_format"]["type"] == "json_schema"
+    schema = body["response_format"]["json_schema"]
+    assert schema["strict"] is True and schema["schema"]["properties"]["passed"] == {"type": "boolean"}
+
+
+def test_usage_without_cached_tokens_counts_zero():
+    with FakeOpenAI(lambda call, n: Reply(content=PASS)) as server:
+        [v] = judge_prompts([prompt("a")], settings(server))
+    assert (v.prompt_tokens, v.completion_tokens, v.cached_tokens) == (100, 10, 0)
+
+
+def test_several_votes_at_temperature_0_are_refused_at_settings_time():
+    with pytest.raises(ValueError, match="votes=3 at temperature=0.0: identical samples"):
+        LLMSettings(base_url="http://x", model="m", votes=3)
+    assert LLMSettings(base_url="http://x", model="m", votes=3, temperature=0.7).votes == 3
+
+
+def test_votes_are_n_samples_of_one_request_when_the_server_honours_n():
+    with FakeOpenAI(lambda call, n: Reply(choices=[PASS, FAIL, PASS])) as server:
+        [v] = judge_prompts([prompt("a")], settings(server, votes=3, temperature=0.7))
+    assert (v.passed, v.votes, v.requests) == (True, "2/3", 1)
+    assert len(server.calls) == 1 and server.calls[0].body["n"] == 3
+    assert json.loads(v.raw_replies) == [PASS, FAIL, PASS]
+
+
+def test_a_server_ignoring_n_gets_the_missing_votes_as_separate_requests_then_no_n():
+    answers = iter([FAIL, FAIL, PASS, FAIL, FAIL, FAIL])
+    lock = threading.Lock()
+
+    def responder(call, n):
+        with lock:
+            return Reply(content=next(answers))
+
+    with FakeOpenAI(responder, n="ignore") as server:
+        s = settings(server, votes=3, temperature=0.7, concurrency=1)
+        first, second = judge_prompts([prompt("a"), prompt("b")], s)
+    assert (first.requests, second.requests) == (3, 3)
+    assert [c.body.get("n") for c in server.calls] == [3, None, None, None, None, None]
+    assert {first.votes, second.votes} == {"1/3", "0/3"} and first.passed is second.passed is False
+
+
+@pytest.mark.parametrize("mode", ["reject400", "reject500"])  # reject500: llama.cpp's server
+def test_a_server_rejecting_n_gets_separate_requests_for_the_clients_lifetime(mode):
+    with FakeOpenAI(lambda call, n: Reply(content=PASS), n=mode) as server:
+        s = settings(server, votes=3, temperature=0.7, concurrency=1)
+        first, second = judge_prompts([prompt("a"), prompt("b")], s)
+    assert [c.body.get("n") for c in server.calls] == [3] + [None] * 6
+    assert (first.votes, first.status, first.requests, second.requests) == ("3/3", "judged", 4, 3)
+
+
+def test_a_rejected_response_format_is_dropped_for_the_clients_lifetime():
+    with FakeOpenAI(lambda call, n: Reply(content=PASS), response_format="reject") as server:
+        result = judge_prompts([prompt("a"), prompt("b")], settings(server, concurrency=1))
+    assert ["response_format" in c.body for c in server.calls] == [True, False, False]
+    assert [v.status for v in result] == ["judged", "judged"]
+    assert [c.status for c in server.calls] == [400, 200, 200]
+
+
+def test_a_400_that_goes_away_without_the_schema_drops_it_and_other_400s_are_task_errors():
+    def responder(call, n):
+        if "response_format" in call.body:
+            return Reply(status=400, body=error_body("Invalid request"))
+        if "too long" in call.prompt:
+            return Reply(status=400, body=error_body("This model's maximum context length is 8192 tokens"))
+        return Reply(content=PASS)
+
+    with FakeOpenAI(responder) as server:
+        ok, long = judge_prompts([prompt("a"), prompt("too long")], settings(server, concurrency=1))
+    assert ok.status == "judged" and ["response_format" in c.body for c in server.calls] == [True, False, False]
+    assert long.status == "error" and long.requests == 1 and "HTTP 400" in long.why and "maximum context length" in long.why
+
+
+# --- unparseable and cut-off replies ----------------------------------------------------------------
+
+
+def test_an_unparseable_reply_is_repaired_by_a_different_request_never_resent():
+    with FakeOpenAI(sequence(Reply(content=PROSE), Reply(content=PASS))) as server:
+        [v] = judge_prompts([prompt("a")], settings(server))
+    assert (v.passed, v.status, v.requests) == (True, "judged", 2)
+    first, repair = (c.body for c in server.calls)
+    assert repair["messages"] == [*first["messages"], {"role": "assistant", "content": PROSE}, {"role": "user", "content": REPAIR_PROMPT}]
+    assert json.loads(v.raw_replies) == [PROSE, PASS]
+
+
+def test_a_repair_without_a_verdict_leaves_the_task_unjudged_after_two_requests():
+    with FakeOpenAI(lambda call, n: Reply(content=PROSE)) as server:
+        [v] = judge_prompts([prompt("a")], settings(server))
+    assert (v.passed, v.status, v.votes, len(server.calls)) == (None, "error", None, 2)
+    assert 'no JSON object with a boolean "passed"' in v.why
+
+
+def test_reasoning_replies_decoy_verdicts_and_reasoning_fields_are_ignored():
+    decoy = '<think>The format is {"passed": true, "why": "x"}. The order page is missing.</think>\n' + FAIL
+    replies = {
+        "think": Reply(content=decoy),
+        "field": Reply(content=FAIL, reasoning_content=PASS),
+        "only-field": Reply(content=None, reasoning_content=PASS),
+    }
+
+    def responder(call, n):
+        name = call.text(1).split()[-1]
+        return replies[name] if len(call.body["messages"]) == 2 else Reply(content=FAIL)
+
+    with FakeOpenAI(responder) as server:
+        think, field, only = judge_prompts([prompt("think"), prompt("field"), prompt("only-field")], settings(server))
+    assert (think.passed, think.requests, field.passed, field.requests) == (False, 1, False, 1)
+    assert (only.passed, only.requests) == (False, 2)  # the reasoning field is not an answer: repaired
+    [repair] = [c for c in server.calls if len(c.body["messages"]) > 2]
+    assert repair.text(1) == "task only-field" and repair.prompt == REPAIR_PROMPT
+
+
+def test_a_reply_cut_off_at_the_token_limit():
+    cut = Reply(content='{"reasoning": "the page shows', finish_reason="length")
+    whole = Reply(content='{"reasoning": "r", "passed": true, "why": "kept"}', finish_reason="length")
+    with FakeOpenAI(sequence(cut, Reply(content=FAIL))) as server:
+        [repaired] = judge_prompts([prompt("a")], settings(server))
+    assert (repaired.passed, repaired.requests) == (False, 2)
+    assert [c.body["max_tokens"] for c in server.calls] == [300, 600]  # the repair gets twice the allowance
+    with FakeOpenAI(lambda call, n: whole) as server:
+        [v] = judge_prompts([prompt("a")], settings(server))
+    assert (v.passed, v.requests) == (True, 1)  # cut after a whole verdict object: it stands
+    with FakeOpenAI(lambda call, n: cut) as server:
+        [v] = judge_prompts([prompt("a")], settings(server))
+    assert (v.status, v.requests) == ("error", 2) and "cut off at the token limit" in v.why
+
+
+def test_reasoning_model_settings_send_max_completion_tokens_and_no_temperature():
+    with FakeOpenAI(lambda call, n: Reply(content=PASS)) as server:
+        judge_prompts([prompt("a")], settings(server, reasoning_model=True, max_tokens=2000))
+        judge_prompts([prompt("b")], settings(server, max_tokens=0))
+    reasoning, unlimited = (c.body for c in server.calls)
+    assert reasoning["max_completion_tokens"] == 2000 and "temperature" not in reasoning and "max_tokens" not in reasoning
+    assert "max_tokens" not in unlimited and "max_completion_tokens" not in unlimited and unlimited["temperature"] == 0.0
+
+
+# --- limits and faults ------------------------------------------------------------------------------
+
+SOON = object()  # an HTTP-date two seconds ahead (the format has whole seconds)
+
+
+@pytest.mark.parametrize(
+    "headers, at_least",
+    [
+        ({"Retry-After": "0.6"}, 0.55),
+        ({"Retry-After": SOON}, 0.9),
+        ({"retry-after-ms": "600"}, 0.55),
+        ({"x-ratelimit-reset-requests": "0.6s"}, 0.55),
+        ({"llm_provider-retry-after": "0.6"}, 0.55),
+    ],
+    ids=["seconds", "http-date", "ms", "x-ratelimit-reset", "litellm"],
+)
+def test_a_429_is_retried_after_the_time_its_headers_say(headers, at_least):
+    def responder(call, n):
+        if n == 0:
+            when = format_datetime(datetime.now(timezone.utc) + timedelta(seconds=2), usegmt=True)
+            return Reply(status=429, headers={k: when if v is SOON else v for k, v in headers.items()}, body=error_body("slow down"))
+        return Reply(content=PASS)
+
+    with FakeOpenAI(responder) as server:
+        [v] = judge_prompts([prompt("a")], settings(server))
+    assert (v.status, v.requests) == ("judged", 2)
+    assert server.calls[1].at - server.calls[0].at >= at_least
+
+
+def test_a_retry_hint_pauses_every_request_not_only_its_own():
+    def responder(call, n):
+        if n == 0:
+            return Reply(status=429, headers={"Retry-After": "0.5"}, body=error_body("slow down"))
+        return Reply(content=PASS, delay=0.05)
+
+    with FakeOpenAI(responder) as server:
+        result = judge_prompts([prompt(str(i)) for i in range(12)], settings(server, concurrency=4))
+    assert all(v.status == "judged" for v in result)
+    first = server.calls[0].at
+    later = [c.at - first for c in server.calls[4:]]  # calls 1-3 were already in flight
+    assert len(later) == 9 and min(later) >= 0.45
+
+
+@pytest.mark.parametrize("status", [408, 409, 500, 502, 503])
+def test_transient_statuses_are_retried(status):
+    with FakeOpenAI(sequence(Reply(status=status, body="{}"), Reply(status=status, body="{}"), Reply(content=PASS))) as server:
+        [v] = judge_prompts([prompt("a")], settings(server))
+    assert (v.passed, v.status, v.requests, len(server.calls)) == (True, "judged", 3, 3)
+
+
+def test_garbage_bodies_are_retried_as_faults():
+    garbage = [Reply(body="<html>502 Bad Gateway</html>"), Reply(body='{"choices": []}'), Reply(body="\xff\xfe")]
+    with FakeOpenAI(sequence(*garbage, Reply(content=PASS))) as server:
+        [v] = judge_prompts([prompt("a")], settings(server))
+    assert (v.passed, v.requests) == (True, 4)
+
+
+def test_a_task_still_rate_limited_at_the_end_of_its_budget_is_unjudged_with_the_429s_body():
+    limited = Reply(status=429, headers={"Retry-After": "0.2"}, body=error_body("You exceeded your current quota for org-7"))
+    with FakeOpenAI(lambda call, n: limited) as server:
+        start = time.perf_counter()
+        [v] = judge_prompts([prompt("a")], settings(server, task_budget_seconds=1.0))
+        elapsed = time.perf_counter() - start
+    assert v.status == "error" and "HTTP 429" in v.why and "You exceeded your current quota for org-7" in v.why
+    assert 2 <= v.requests <= 6 and 0.7 <= elapsed < 5.0  # a request every 0.2 s until the budget ends
+
+
+def test_a_timed_out_request_is_retried():
+    with FakeOpenAI(sequence(Reply(delay=1.5), Reply(content=PASS))) as server:
+        [v] = judge_prompts([prompt("a")], settings(server, timeout_seconds=0.5))
+    assert v.passed is True and v.requests == len(server.calls) >= 2
+
+
+def test_an_outage_leaves_tasks_unjudged_and_later_tasks_are_not_even_asked():
+    async def run(s):
+        async with JudgeClient(s) as client:
+            first = await asyncio.gather(*(client.judge(prompt(str(i))) for i in range(2)))
+            start = time.perf_counter()
+            later = await asyncio.gather(*(client.judge(prompt(f"later {i}")) for i in range(20)))
+            return first, later, time.perf_counter() - start
+
+    with FakeOpenAI(lambda call, n: Reply(status=503, body=error_body("upstream down", "server_error"))) as server:
+        first, later, seconds = asyncio.run(run(settings(server, concurrency=2, task_budget_seconds=1.0)))
+    assert all(v.status == "error" and v.passed is None for v in first + later)
+    assert all("HTTP 503 from the judge endpoint: upstream down" in v.why and v.requests >= 1 for v in first), first
+    assert sum(v.requests for v in first) >= 3  # retried within their budgets
+    assert all(v.requests == 0 and "not asked: the judge endpoint has answered nothing" in v.why for v in later)
+    assert seconds < 0.2 and not any("later" in c.prompt for c in server.calls)
+
+
+def test_while_down_one_task_probes_now_and_then_and_its_success_ends_the_outage():
+    healthy = threading.Event()
+    down = Reply(status=503, body=error_body("upstream down", "server_error"))
+
+    async def run(s):
+        async with JudgeClient(s) as client:
+            await client.judge(prompt("first"))  # spends its budget: the endpoint is down
+            skipped = await client.judge(prompt("skipped"))
+            healthy.set()
+            await asyncio.sleep(0.45)  # the probe interval is the budget here
+            probe = await client.judge(prompt("probe"))
+            after = await asyncio.gather(*(client.judge(prompt(f"after {i}")) for i in range(3)))
+            return skipped, probe, after
+
+    with FakeOpenAI(lambda call, n: Reply(content=PASS) if healthy.is_set() else down) as server:
+        skipped, probe, after = asyncio.run(run(settings(server, task_budget_seconds=0.4)))
+    assert (skipped.requests, skipped.status) == (0, "error")
+    assert (probe.requests, probe.status) == (1, "judged")
+    assert [v.status for v in after] == ["judged"] * 3
+
+
+def test_an_unreachable_endpoint_is_unjudged_not_a_crash():
+    with FakeOpenAI() as server:
+        url = server.base_url
+    [v] = judge_prompts([prompt("a")], LLMSettings(base_url=url, model="m", task_budget_seconds=0.3, backoff_initial_seconds=0.01))
+    assert v.status == "error" and "talking to the judge endpoint" in v.why and v.requests >= 2
+
+
+# --- refusals ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "status, message",
+    [
+        (401, "Incorrect API key provided: sk-test-SECRET"),
+        (403, "forbidden"),
+        (404, "The model `judge-test` does not exist or you do not have access to it."),
+        (400, "Invalid model name passed in model=judge-test. Call `/v1/models` to view available models"),
+    ],
+)
+def test_a_refusing_endpoint_stops_everything_within_ten_requests(status, message):
+    with FakeOpenAI(lambda call, n: Reply(status=status, body=error_body(message))) as server:
+        url = server.base_url.replace("http://", "http://user:pw-SECRET@")
+        s = settings(server, base_url=url, api_key="sk-test-SECRET", concurrency=64)
+        with pytest.raises(EndpointRefused) as refused:
+            judge_prompts([prompt(str(i)) for i in range(60)], s)
+    assert len(server.calls) <= 10
+    text = str(refused.value)
+    assert f"HTTP {status}" in text and server.base_url + "/chat/completions" in text
+    assert "SECRET" not in text and "\n" not in text
+
+
+def test_a_refusal_raises_from_every_waiting_judge_call():
+    async def run(url):
+        async with JudgeClient(LLMSettings(base_url=url, model="m", concurrency=8)) as client:
+            return await asyncio.gather(*(client.judge(prompt(str(i))) for i in range(20)), return_exceptions=True)
+
+    with FakeOpenAI(lambda call, n: Reply(status=401, body=error_body("no key"))) as server:
+        outcomes = asyncio.run(run(server.base_url))
+    assert all(isinstance(o, EndpointRefused) for o in outcomes) and len(server.calls) <= 4
+
+
+# --- concurrency ------------------------------------------------------------------------------------
+
+
+def test_concurrency_is_bounded_and_reached():
+    active = peak = 0
+    lock = threading.Lock()
+
+    def responder(call, n):
+        nonlocal active, peak
+        with lock:
+            active += 1
+            peak = max(peak, active)
+        time.sleep(0.05)
+        with lock:
+            active -= 1
+        return Reply(content=PASS)
+
+    with FakeOpenAI(responder) as server:
+        judge_prompts([prompt(str(i)) for i in range(30)], settings(server, concurrency=6))
+    assert peak == 6
+
+
+def test_the_window_halves_once_per_burst_of_429s_and_grows_back():
+    rate = RateController(concurrency=16, budget=10)
+    epoch = rate.epoch
+    for _ in range(8):  # eight requests of one window refused together
+        rate.throttled(epoch)
+    assert rate.window == 8
+    rate.throttled(rate.epoch)
+    assert rate.window == 4
+    for _ in range(100):
+        rate.succeeded()
+    assert rate.window == 16  # never above concurrency
+
+
+def test_a_rate_limited_endpoint_gets_every_task_judged():
+    # 8 requests/s, 429 with Retry-After: 1 beyond: benchmarks/judge_rate_limit.py prints the rate reached
+    with FakeOpenAI(lambda call, n: Reply(content=PASS), rate=RateLimit(8, 8, {"Retry-After": "1"})) as server:
+        result = judge_prompts([prompt(str(i)) for i in range(50)], settings(server, task_budget_seconds=60))
+    assert all(v.status == "judged" for v in result)
+    assert sum(c.status == 200 for c in server.calls) == 50
+
+
+def test_api_key_is_sent_as_bearer_token_only_when_set():
+    with FakeOpenAI() as server:
+        judge_prompts([prompt("a")], settings(server, api_key="sk-test-123"))
+        judge_prompts([prompt("b")], settings(server))
+    assert server.calls[0].headers.get("Authorization") == "Bearer sk-test-123"
+    assert "Authorization" not in server.calls[1].headers
+
+
+# --- votes ------------------------------------------------------------------------------------------
+
+
+def votes(*results) -> list[Vote]:
+    return [Vote(passed=r, why=f"why {i}", error=None if r is not None else "boom") for i, r in enumerate(results)]
+
+
+@pytest.mark.parametrize(
+    "results, n, passed, tally, status",
+    [
+        ((True, True, False), 3, True, "2/3", "judged"),
+        ((True, False, False), 3, False, "1/3", "judged"),
+        ((True, False), 2, False, "1/2", "judged"),  # a tie fails
+        ((True, True, None), 3, True, "2/3", "judged"),  # majority reached without the third vote
+        ((True, False, None), 3, None, None, "error"),  # no majority: unjudged
+        ((None, None, None), 3, None, None, "error"),
+        ((None,), 1, None, None, "error"),
+    ],
+)
+def test_majority_and_tie_rules(results, n, passed, tally, status):
+    verdict_passed, why, verdict_votes, verdict_status = majority(votes(*results), n)
+    assert (verdict_passed, verdict_votes, verdict_status) == (passed, tally, status)
+    if status == "error":
+        assert "boom" in why

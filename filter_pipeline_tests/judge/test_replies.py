@@ -1,0 +1,162 @@
+"""Reading replies: the verdict in a model's reply (examples and properties), completions, retry hints."""
+
+import json
+from datetime import datetime, timedelta, timezone
+from email.utils import format_datetime
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from filter_pipeline.judge.replies import (
+    Choice, Usage, Verdict, duration_seconds, error_message, parse_reply, read_completion, retry_hint, strip_reasoning,
+)  # fmt: skip
+
+# --- examples ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ('{"passed": true, "why": "ok"}', Verdict(True, "ok")),
+        ('Sure! Here is my verdict:\n```json\n{"passed": false, "why": "no banner"}\n```\nThanks.', Verdict(False, "no banner")),
+        ('I think {"passed": true, "why": "cart has it"} is right.', Verdict(True, "cart has it")),
+        ('```\n{"passed": false, "why": "x"}\n```', Verdict(False, "x")),
+        ('{"passed": true}', Verdict(True, "")),  # why is optional
+        ('{"criteria": [{"name": "site", "passed": true}], "reasoning": "r", "passed": false, "why": "w"}', Verdict(False, "w")),
+        ('{"passed": true, "why": "first"} on second thought {"passed": false, "why": "second"}', Verdict(False, "second")),
+        ('{"verdict": {"passed": true, "why": "wrapped"}}', Verdict(True, "wrapped")),
+        ('{"passed": true, "why": 3}', Verdict(True, "3")),
+        ('<think>the format is {"passed": true, "why": "x"}</think> {"passed": false, "why": "no order"}', Verdict(False, "no order")),
+        ('<reasoning>{"passed": false}</reasoning>\n{"passed": true, "why": "done"}', Verdict(True, "done")),
+        ('template opened it {"passed": true} </think>{"passed": false, "why": "after"}', Verdict(False, "after")),
+        ('<think>still thinking, maybe {"passed": true, "why": "decoy"}', None),  # cut off inside its thinking
+        ('<think>{"passed": true}</think> I cannot decide.', None),
+        ('{"passed": "yes", "why": "x"}', None),
+        ('{"passed": 1, "why": "x"}', None),
+        ("The task was completed.", None),
+        ('{"passed": true, "why": "unterminated', None),
+        ("", None),
+        (None, None),
+    ],
+)
+def test_parse_reply(text, expected):
+    assert parse_reply(text) == expected
+
+
+def test_strip_reasoning_keeps_the_answer():
+    assert strip_reasoning("<think>a</think>b<THINKING>c</THINKING>d").strip() == "bd"
+    assert strip_reasoning("  <think>never closed") == ""
+    assert strip_reasoning("plain") == "plain"
+
+
+# --- properties -------------------------------------------------------------------------------------
+
+# Free text of the model: no braces (it would be JSON) and no angle brackets (it would be a tag).
+prose = st.text(st.characters(blacklist_characters="{}<>", blacklist_categories=("Cs",)), max_size=40)
+words = st.text(st.characters(blacklist_characters="<>", blacklist_categories=("Cs",)), max_size=30)
+verdicts = st.builds(Verdict, st.booleans(), words)
+extra_fields = st.dictionaries(
+    st.sampled_from(["reasoning", "criteria", "confidence", "notes"]),
+    st.one_of(words, st.lists(st.fixed_dictionaries({"name": words, "passed": st.booleans()}), max_size=3), st.floats(0, 1)),
+    max_size=3,
+)
+
+
+@st.composite
+def verdict_objects(draw) -> tuple[Verdict, str]:
+    v = draw(verdicts)
+    fields = {**draw(extra_fields), "passed": v.passed}
+    if v.why or draw(st.booleans()):
+        fields["why"] = v.why
+    order = draw(st.permutations(list(fields)))
+    text = json.dumps({k: fields[k] for k in order}, ensure_ascii=draw(st.booleans()), indent=draw(st.sampled_from([None, 2])))
+    return v, text
+
+
+def wrapped(text: str, how: str) -> str:
+    return {"bare": text, "fenced": f"```json\n{text}\n```", "plain_fence": f"```\n{text}\n```"}[how]
+
+
+wrappers = st.sampled_from(["bare", "fenced", "plain_fence"])
+tags = st.sampled_from(["think", "thinking", "reasoning", "THINK"])
+
+
+@settings(max_examples=120, deadline=None, database=None)
+@given(
+    st.lists(verdict_objects(), min_size=1, max_size=3), st.lists(wrappers, min_size=3, max_size=3), prose, prose,
+    st.lists(st.tuples(tags, verdict_objects(), prose), max_size=2),
+)
+def test_the_last_verdict_object_outside_reasoning_wins(objects, hows, before, after, thoughts):
+    thinking = "".join(f"<{tag}>{p} {obj} {p}</{tag}>" for tag, (_, obj), p in thoughts)
+    body = f" {before} ".join(wrapped(text, how) for (_, text), how in zip(objects, hows))
+    reply = f"{thinking}{before}\n{body}\n{after}"
+    assert parse_reply(reply) == objects[-1][0]
+
+
+@settings(max_examples=80, deadline=None, database=None)
+@given(st.lists(st.tuples(tags, verdict_objects(), prose), min_size=1, max_size=3), prose, st.booleans())
+def test_a_verdict_inside_a_reasoning_block_never_wins(thoughts, answer, closed):
+    thinking = "".join(f"<{tag}>{p}{obj}{p}</{tag}>" for tag, (_, obj), p in thoughts)
+    if not closed:  # cut off while thinking: the reply is an unclosed block
+        thinking = f"<think>{thoughts[0][1][1]}"
+    assert parse_reply(f"{thinking}{answer}") is None
+
+
+# --- completions ------------------------------------------------------------------------------------
+
+
+def test_read_completion_takes_content_never_the_reasoning_field():
+    payload = {
+        "choices": [
+            {"index": 1, "message": {"role": "assistant", "content": "b", "reasoning_content": "x"}, "finish_reason": "length"},
+            {"index": 0, "message": {"role": "assistant", "content": [{"type": "text", "text": "a"}], "reasoning": "y"}, "finish_reason": "stop"},
+        ],
+        "usage": {"prompt_tokens": 10, "completion_tokens": 4, "prompt_tokens_details": {"cached_tokens": 8}},
+    }
+    choices, usage = read_completion(payload)
+    assert choices == [Choice("a", "stop"), Choice("b", "length")] and choices[1].cut_off
+    assert usage == Usage(10, 4, 8)
+    assert read_completion({"choices": [{"message": {"content": None}}]})[1] == Usage()
+    for not_one in ({}, {"choices": []}, {"choices": [{"text": "legacy"}]}, [], "x"):
+        assert read_completion(not_one) is None
+
+
+def test_error_message_is_the_servers_short_line():
+    assert error_message('{"error": {"message": "bad\\n key", "type": "x"}}') == "bad key"
+    assert error_message('{"error": "nope"}') == "nope"
+    assert error_message('{"detail": "Not Found"}') == "Not Found"
+    assert error_message("<html>\n  502 </html>") == "<html> 502 </html>"
+
+
+# --- retry hints ------------------------------------------------------------------------------------
+
+NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
+
+
+@pytest.mark.parametrize(
+    "headers, seconds",
+    [
+        ({"Retry-After": "2"}, 2.0),
+        ({"retry-after": "0.5"}, 0.5),
+        ({"Retry-After": format_datetime(NOW + timedelta(seconds=30), usegmt=True)}, 30.0),
+        ({"Retry-After": format_datetime(NOW - timedelta(seconds=30), usegmt=True)}, 0.0),  # already past
+        ({"retry-after-ms": "1500", "Retry-After": "9"}, 1.5),  # the finer one first, as OpenAI's client does
+        ({"x-ratelimit-reset-requests": "1s"}, 1.0),
+        ({"x-ratelimit-reset-requests": "20ms", "x-ratelimit-reset-tokens": "6m0s"}, 360.0),
+        ({"x-ratelimit-reset-tokens": "0.5s"}, 0.5),
+        ({"llm_provider-retry-after": "3"}, 3.0),
+        ({"llm_provider-retry-after-ms": "250"}, 0.25),
+        ({"Retry-After": "soon"}, None),
+        ({}, None),
+    ],
+)
+def test_retry_hint_reads_every_form(headers, seconds):
+    assert retry_hint(headers, now=NOW) == seconds
+
+
+@pytest.mark.parametrize(
+    "text, seconds", [("1s", 1.0), ("6m0s", 360.0), ("20ms", 0.02), ("1h2m3.5s", 3723.5), ("7", 7.0), ("x1s", None), ("-1", None)]
+)
+def test_duration_seconds(text, seconds):
+    assert duration_seconds(text) == pytest.approx(seconds) if seconds is not None else duration_seconds(text) is None
