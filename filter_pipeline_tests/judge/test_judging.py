@@ -120,9 +120,9 @@ def test_rematerializing_costs_zero_calls_and_a_new_prompt_version_pays_again(pi
         again = pipeline.run(llm(server))
         assert len(server.calls) == 12
         meta = verdict_metadata(again)
-        assert (meta["calls"], meta["cache_hits"]) == (0, 4)
+        assert (meta["requests"], meta["cache_hits"]) == (0, 4)
         assert pipeline.output("judge_verdicts")["cached"].tolist() == [True] * 4
-        pipeline.run(llm(server, prompt_version="v2"))
+        pipeline.run(llm(server, prompt_version="v3"))
         assert len(server.calls) == 24
         pipeline.run(llm(server, model="other-model"))
         assert len(server.calls) == 36
@@ -133,12 +133,12 @@ def test_verdict_records_and_metadata(pipeline):
     with FakeOpenAI(model_that_fails("c")) as server:
         result = pipeline.run(llm(server))
     v = pipeline.output("judge_verdicts").set_index("task_id")
-    assert v.loc["a", ["judge", "model", "prompt_version", "status", "votes"]].tolist() == ["llm", "judge-test", "v1", "judged", "3/3"]
+    assert v.loc["a", ["judge", "model", "prompt_version", "status", "votes"]].tolist() == ["llm", "judge-test", "v2", "judged", "3/3"]
     assert v.loc["a", "prompt_tokens"] == 300 and v.loc["a", "completion_tokens"] == 30
     assert json.loads(v.loc["c", "raw_replies"]) == [FAIL] * 3
     assert len(v.loc["a", "cache_key"]) == 64
     meta = verdict_metadata(result)
-    assert (meta["calls"], meta["prompt_tokens"], meta["unjudged"]) == (12, 1200, 0)
+    assert (meta["requests"], meta["prompt_tokens"], meta["unjudged"]) == (12, 1200, 0)
     assert meta["pass_rate"] == 0.75
     assert meta["latency_p95_ms"] >= meta["latency_p50_ms"] > 0
     assert "| s2 | 1 | 1 | 100% |" in meta["agreement_with_gate"]
