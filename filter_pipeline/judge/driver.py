@@ -361,11 +361,12 @@ class _Driver:
         for name in VERDICT_FIELDS:
             values = np.empty(self.n, dtype=object)
             values[:] = self.fresh[name]
+            self.fresh[name] = None  # (the lists go as their columns are built: no second copy of the batch)
             if len(reused):
-                values[reused] = self.reusable[name].astype(object).to_numpy()[self.ref[reused]]
+                on_file = self.reusable[name].astype(object)
+                # a number missing from an older file reads as NaN: None, as in a fresh verdict
+                values[reused] = on_file.where(on_file.notna(), None).to_numpy()[self.ref[reused]]
             if len(copies):
                 values[copies] = 0 if name in SPEND_FIELDS else values[self.ref[copies]]
             out[name] = values
-        frame = pd.DataFrame(out)
-        # pandas reads a missing number from an older file as NaN: the verdict columns hold None for missing
-        return frame.astype({name: object for name in VERDICT_FIELDS}).where(frame.notna(), None)
+        return pd.DataFrame(out, copy=False)

@@ -49,8 +49,8 @@ class PromptSettings:
 # Rubrics by kind of task; a macro's kind is the first whose words its name contains (else "general").
 RUBRICS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("cart", ("cart", "basket", "buy", "purchase", "order", "checkout"),
-     "the cart or order holds exactly the target item with the argument's name or quantity, and nothing "
-     "else was added, bought or removed."),
+     "the cart or order now holds the argument's item in the asked quantity, and the agent added, bought "
+     "or removed nothing else."),
     ("message", ("email", "mail", "message", "send", "reply", "post", "comment", "chat"),
      "the message was actually sent or posted (a sent confirmation or the sent folder, not a draft) to the "
      "argument's recipient or thread, once."),

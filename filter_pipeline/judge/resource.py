@@ -91,27 +91,30 @@ class JudgeResource(dg.ConfigurableResource):
     prompt_version: str = Field(
         default=PROMPT_VERSION, description="Part of the verdict cache key: change it to re-judge everything."
     )
-    max_prompt_chars: int = Field(default=24_000, description="Budget of one prompt; long page text is cut, and marked.")
+    max_prompt_chars: int = Field(
+        default=24_000, description="Budget of one prompt's task text in characters (the fixed system prompt aside); "
+        "long actions and page text keep their head and tail, the cut marked."
+    )
     include_screenshot: bool = Field(
         default=False, description="Send the attempt's first and last screenshots, by natural order (multimodal models)."
     )
     # (the per-batch driver's settings: resume and cost)
     save_every_verdicts: int = Field(
-        default=500, description="Save verdicts as they arrive, every this many (warehouse/_judge_progress/<run_id>/): "
+        default=500, ge=1, description="Save verdicts as they arrive, every this many (warehouse/_judge_progress/<run_id>/): "
         "a killed run's next materialization asks only what was not saved. Env FILTER_JUDGE_SAVE_EVERY."
     )
     save_every_seconds: float = Field(
-        default=30.0, description="... or every this many seconds, whichever comes first. Env FILTER_JUDGE_SAVE_SECONDS."
+        default=30.0, ge=0, description="... or every this many seconds, whichever comes first. Env FILTER_JUDGE_SAVE_SECONDS."
     )
     price_per_million_prompt_tokens: float = Field(
-        default=0.0, description="Price of a million prompt tokens, for the cost in the metadata and the report "
+        default=0.0, ge=0, description="Price of a million prompt tokens, for the cost in the metadata and the report "
         "(0 with the other prices: not priced). Env FILTER_JUDGE_PRICE_PROMPT."
     )
     price_per_million_completion_tokens: float = Field(
-        default=0.0, description="Price of a million completion tokens. Env FILTER_JUDGE_PRICE_COMPLETION."
+        default=0.0, ge=0, description="Price of a million completion tokens. Env FILTER_JUDGE_PRICE_COMPLETION."
     )
     price_per_million_cached_tokens: Optional[float] = Field(
-        default=None, description="Price of a million prompt tokens the endpoint served from its cache (unset: "
+        default=None, ge=0, description="Price of a million prompt tokens the endpoint served from its cache (unset: "
         "the prompt price). Env FILTER_JUDGE_PRICE_CACHED."
     )
 

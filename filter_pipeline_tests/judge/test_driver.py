@@ -241,3 +241,20 @@ class Judging(Pipeline):
 def pipeline(data_root):
     with dg.instance_for_test() as instance:
         yield Judging(data_root, instance)
+
+
+@pytest.mark.slow
+def test_a_killed_run_asks_again_only_what_was_not_saved():
+    """A real SIGKILL of the judging process once half the verdicts are saved (benchmarks/judge_memory)."""
+    import subprocess
+    import sys
+
+    from filter_pipeline_tests.conftest import REPO
+
+    done = subprocess.run([sys.executable, "-m", "benchmarks.judge_memory", "--tasks", "--kill-at", "1200"],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    line = next(line for line in done.stdout.splitlines() if line.startswith("rework:"))
+    saved = int(line.split(" verdicts saved")[0].rsplit(" ", 1)[1])
+    again = int(line.split("the resumed run made ")[1].split(" ")[0])
+    assert 600 <= saved < 1200 and again == 1200 - saved, line
