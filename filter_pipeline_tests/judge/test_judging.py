@@ -214,3 +214,4 @@ def test_on_s3_the_llm_judge_reads_each_attempts_trajectory_from_the_bucket(s3_b
     assert '"action": "click"' in prompts["b"] and "(no page text)" in prompts["b"]
     kept = pd.read_parquet(f"s3://{s3_bucket}/data/warehouse/kept/r1.parquet")
     assert kept["task_id"].tolist() == ["a"]
+    assert list((root / "warehouse" / "_judge_progress").rglob("*.parquet")) == []  # saved, then dropped once written
