@@ -14,7 +14,7 @@ import time
 
 from benchmarks.judge_throughput import server_process
 from filter_pipeline.judge.client import LLMSettings, judge_prompts
-from filter_pipeline.judge.llm import build_messages
+from benchmarks.sample_prompts import task_messages
 
 
 def main() -> None:
@@ -26,9 +26,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=16)
     args = parser.parse_args()
 
-    base = LLMSettings(base_url="", model="bench")
-    prompts = [build_messages(f"Add item {i} to the cart", [{"action": "click"}], f"https://shop/{i}", "Cart: 1 item", base)
-               for i in range(args.tasks)]  # fmt: skip
+    prompts = [task_messages(i, [{"action": "click"}], f"https://shop/{i}", "Cart: 1 item") for i in range(args.tasks)]
     ideal = args.tasks / args.rate
     print(f"{args.tasks} tasks, {args.rate:g} requests/s allowed (429 + Retry-After: {args.retry_after} beyond), "
           f"concurrency {args.concurrency}, ideal {ideal:.2f} s")  # fmt: skip

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from benchmarks.judge_throughput import server_process
 from filter_pipeline.judge.client import LLMSettings, judge_prompts
-from filter_pipeline.judge.llm import build_messages
+from benchmarks.sample_prompts import task_messages
 
 REPO = Path(__file__).resolve().parent.parent
 OLD_COMMIT = "6e847e5"
@@ -50,12 +50,10 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=64)
     args = parser.parse_args()
 
-    base = LLMSettings(base_url="", model="bench")
     prompts = [
-        build_messages(f"Add item {i} to the cart", [{"action": "click", "selector": f"#item-{i}"}] * 5,
-                       f"https://shop.example/cart/{i}", "Your cart: 1 item. " * 50, base)
+        task_messages(i, [{"action": "click", "selector": f"#item-{i}"}] * 5, f"https://shop.example/cart/{i}", "Your cart: 1 item. " * 50)
         for i in range(args.tasks)
-    ]  # fmt: skip
+    ]
     print(f"{args.tasks} tasks, server latency {args.latency * 1000:.0f} ms, {args.unparseable:.0%} of requests "
           f"answered with prose, concurrency {args.concurrency}")  # fmt: skip
     print(f"{'client':<40} {'req/task':>8} {'prompt tok':>10} {'compl tok':>9} {'cached tok':>10} {'unjudged':>8} {'seconds':>8}")

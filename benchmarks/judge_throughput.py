@@ -15,7 +15,7 @@ import time
 from contextlib import contextmanager
 
 from filter_pipeline.judge.client import LLMSettings, judge_prompts
-from filter_pipeline.judge.llm import build_messages
+from filter_pipeline.judge.prompt import Evidence, PromptSettings, build_messages, success_criteria
 
 
 @contextmanager
@@ -53,10 +53,10 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     args = parser.parse_args()
 
-    base = LLMSettings(base_url="", model="bench", votes=1)
     prompts = [
-        build_messages(f"Add item {i} to the cart", [{"action": "click", "selector": f"#item-{i}"}] * 5,
-                       f"https://shop.example/cart/{i}", "Your cart: 1 item. " * 200, base)
+        build_messages(f"Add item {i} to the cart", success_criteria("add_to_cart", "shop.example", f'["shop.example","#add",{i}]', "url"),
+                       Evidence([{"action": "click", "selector": f"#item-{i}"}] * 5, f"https://shop.example/cart/{i}",
+                                "Your cart: 1 item. " * 200, None, (), "trajectory"), PromptSettings())
         for i in range(args.tasks)
     ]  # fmt: skip
     print(f"{args.tasks} tasks, 1 vote each, server latency {args.latency * 1000:.0f} ms")

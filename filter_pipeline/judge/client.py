@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable
 from urllib.parse import urlsplit, urlunsplit
 
-from filter_pipeline.judge.llm import PROMPT_VERSION
+from filter_pipeline.judge.prompt import PROMPT_VERSION
 from filter_pipeline.judge.replies import (
     Choice, Usage, error_message, parse_reply, read_completion, retry_hint, strip_reasoning,
 )  # fmt: skip

@@ -16,9 +16,18 @@ import pandas as pd
 from pydantic import Field, field_validator
 from upath import UPath
 
-from filter_pipeline.judge import llm as llm_judge
+from filter_pipeline.judge import driver
+from filter_pipeline.judge import client as llm_judge
+from filter_pipeline.judge.prompt import PROMPT_VERSION, PromptSettings
 from filter_pipeline.rules.report import agreement_markdown
-from filter_pipeline.rules.schemas import GATE_VOTES, GATE_WHY, STATUS_ERROR, STATUS_JUDGED
+from filter_pipeline.rules.schemas import (
+    EVIDENCE_TRAJECTORY,
+    GATE_VOTES,
+    GATE_WHY,
+    STATUS_ERROR,
+    STATUS_JUDGED,
+    evidence_kind,
+)
 from filter_pipeline.settings import JUDGE_KIND_ENV, JUDGE_KINDS
 
 # CONTRACT §5 environment settings of the LLM judge (plus the ones after VOTES, this project's own).
@@ -37,13 +46,19 @@ ENV = {
     "structured_output": "FILTER_JUDGE_STRUCTURED_OUTPUT",
     "prompt_version": "FILTER_JUDGE_PROMPT_VERSION",
     "include_screenshot": "FILTER_JUDGE_SCREENSHOT",
+    "save_every_verdicts": "FILTER_JUDGE_SAVE_EVERY",
+    "save_every_seconds": "FILTER_JUDGE_SAVE_SECONDS",
+    "price_per_million_prompt_tokens": "FILTER_JUDGE_PRICE_PROMPT",
+    "price_per_million_completion_tokens": "FILTER_JUDGE_PRICE_COMPLETION",
+    "price_per_million_cached_tokens": "FILTER_JUDGE_PRICE_CACHED",
 }
 
 
 def gate_verdicts(requests: pd.DataFrame) -> pd.DataFrame:
     """The deterministic gate alone: every attempt it is shown already passed the backend gate (`ok`)."""
     return requests.assign(
-        passed=True, why=GATE_WHY, votes=GATE_VOTES, status=STATUS_JUDGED, judge="gate", cached=False, calls=0
+        passed=True, why=GATE_WHY, votes=GATE_VOTES, status=STATUS_JUDGED, judge="gate", cached=False,
+        deduplicated=False, requests=0, evidence=None,
     )
 
 
@@ -51,6 +66,7 @@ def gate_verdicts(requests: pd.DataFrame) -> pd.DataFrame:
 class Judgement:
     verdicts: pd.DataFrame  # the requests plus verdict columns, same rows and order
     metadata: dict  # figures for the judge_verdicts materialization
+    written: Callable[[], int] = lambda: 0  # call once the verdicts are in the warehouse: drops saved progress
 
 
 class JudgeResource(dg.ConfigurableResource):
@@ -87,10 +103,34 @@ class JudgeResource(dg.ConfigurableResource):
         "server rejects it (env FILTER_JUDGE_STRUCTURED_OUTPUT)."
     )
     prompt_version: str = Field(
-        default=llm_judge.PROMPT_VERSION, description="Part of the verdict cache key: change it to re-judge everything."
+        default=PROMPT_VERSION, description="Part of the verdict cache key: change it to re-judge everything."
     )
-    max_prompt_chars: int = Field(default=24_000, description="Budget of one prompt; long page text is cut, and marked.")
-    include_screenshot: bool = Field(default=False, description="Send the attempt's last screenshot (multimodal models).")
+    max_prompt_chars: int = Field(
+        default=24_000, description="Budget of one prompt's task text in characters (the fixed system prompt aside); "
+        "long actions and page text keep their head and tail, the cut marked."
+    )
+    include_screenshot: bool = Field(
+        default=False, description="Send the attempt's first and last screenshots, by natural order (multimodal models)."
+    )
+    # (the per-batch driver's settings: resume and cost)
+    save_every_verdicts: int = Field(
+        default=500, ge=1, description="Save verdicts as they arrive, every this many (warehouse/_judge_progress/<run_id>/): "
+        "a killed run's next materialization asks only what was not saved. Env FILTER_JUDGE_SAVE_EVERY."
+    )
+    save_every_seconds: float = Field(
+        default=30.0, ge=0, description="... or every this many seconds, whichever comes first. Env FILTER_JUDGE_SAVE_SECONDS."
+    )
+    price_per_million_prompt_tokens: float = Field(
+        default=0.0, ge=0, description="Price of a million prompt tokens, for the cost in the metadata and the report "
+        "(0 with the other prices: not priced). Env FILTER_JUDGE_PRICE_PROMPT."
+    )
+    price_per_million_completion_tokens: float = Field(
+        default=0.0, ge=0, description="Price of a million completion tokens. Env FILTER_JUDGE_PRICE_COMPLETION."
+    )
+    price_per_million_cached_tokens: Optional[float] = Field(
+        default=None, ge=0, description="Price of a million prompt tokens the endpoint served from its cache (unset: "
+        "the prompt price). Env FILTER_JUDGE_PRICE_CACHED."
+    )
 
     @field_validator("kind")
     @classmethod
@@ -112,23 +152,38 @@ class JudgeResource(dg.ConfigurableResource):
             structured_output=self.structured_output,
         )  # fmt: skip
 
+    def prompt_settings(self) -> PromptSettings:
+        return PromptSettings(
+            max_prompt_chars=self.max_prompt_chars, include_screenshot=self.include_screenshot,
+            prompt_version=self.prompt_version,
+        )  # fmt: skip
+
+    def prices(self) -> driver.Prices:
+        return driver.Prices(
+            prompt=self.price_per_million_prompt_tokens, completion=self.price_per_million_completion_tokens,
+            cached=self.price_per_million_cached_tokens,
+        )  # fmt: skip
+
     def judge(
         self,
         requests: pd.DataFrame,
         data_root: UPath,
-        steps_for: Callable[[set[int]], dict[int, list]],
+        record_steps: Callable[[int], list],
         previous: pd.DataFrame | None,
         log: logging.Logger,
+        progress: Optional[driver.ProgressStore] = None,
     ) -> Judgement:
         """Verdicts for `requests` (rows of rules.attempts_to_judge), same rows and order.
 
-        `steps_for` gives attempt records' steps by executions.jsonl line (when a trajectory.json is
-        missing); `previous` is this partition's earlier judge_verdicts, whose matching verdicts are reused.
+        `record_steps` gives an attempt record's steps by executions.jsonl line (when its trajectory.json
+        cannot be used); `previous` is this partition's earlier judge_verdicts and `progress` the verdicts
+        saved by a materialization that did not finish: their matching verdicts are reused. Raises
+        EndpointRefused when the endpoint refuses every request.
         """
         if self.kind == "gate":
             log.info(f"judged {len(requests)}/{len(requests)} tasks with the deterministic gate")
             return Judgement(gate_verdicts(requests), {"judge": "gate"})
-        return _llm_judgement(requests, self.settings(), data_root, steps_for, previous, log)
+        return _llm_judgement(requests, self, data_root, record_steps, previous, progress, log)
 
 
 def _flag(text: str) -> bool:
@@ -140,7 +195,9 @@ def _flag(text: str) -> bool:
 _flag.__name__ = "flag (true/false)"
 _ENV_TYPES = {"votes": int, "concurrency": int, "timeout_seconds": float, "temperature": float,
               "max_tokens": int, "include_screenshot": _flag,
-              "task_budget_seconds": float, "reasoning_model": _flag, "structured_output": _flag}  # fmt: skip
+              "task_budget_seconds": float, "reasoning_model": _flag, "structured_output": _flag,
+              "save_every_verdicts": int, "save_every_seconds": float, "price_per_million_prompt_tokens": float,
+              "price_per_million_completion_tokens": float, "price_per_million_cached_tokens": float}  # fmt: skip
 
 
 def judge_from_env(kind: str | None = None) -> JudgeResource:
@@ -165,87 +222,105 @@ def judge_from_env(kind: str | None = None) -> JudgeResource:
 
 def _llm_judgement(
     requests: pd.DataFrame,
-    settings: llm_judge.LLMSettings,
+    resource: "JudgeResource",
     data_root: UPath,
-    steps_for: Callable[[set[int]], dict[int, list]],
+    record_steps: Callable[[int], list],
     previous: pd.DataFrame | None,
+    progress: driver.ProgressStore | None,
     log: logging.Logger,
 ) -> Judgement:
-    fallback_cache: dict[int, list] = {}
-
-    def fallback(line: int) -> list:
-        if line not in fallback_cache:
-            fallback_cache.update(steps_for({line}))
-        return fallback_cache.get(line, [])
-
-    messages = [
-        llm_judge.messages_for_attempt(data_root, instr, rel_dir, lambda line=int(line): fallback(line), settings)
-        for instr, rel_dir, line in zip(requests["instruction"], requests["dir"], requests["attempt_line"])
-    ]
-    keys = [llm_judge.cache_key(m, settings) for m in messages]
-    reusable = _reusable(previous)
-    to_ask = [i for i, k in enumerate(keys) if k not in reusable]
-    log.info(f"llm judge: {len(requests)} tasks, {len(requests) - len(to_ask)} verdicts reused, asking {len(to_ask)}")
-
-    step = max(1, len(to_ask) // 10)
-
-    def progress(done: int) -> None:
-        if done % step == 0 or done == len(to_ask):
-            log.info(f"judged {done}/{len(to_ask)} tasks")
-
-    fresh = dict(zip(to_ask, llm_judge.judge_prompts([messages[i] for i in to_ask], settings, progress)))
-    rows = []
-    for i, key in enumerate(keys):
-        if i in fresh:
-            v = fresh[i]
-            rows.append(
-                dict(passed=v.passed, why=_redact(v.why, settings), votes=v.votes, status=v.status, cached=False,
-                     calls=v.calls, prompt_tokens=v.prompt_tokens, completion_tokens=v.completion_tokens,
-                     latency_ms=v.latency_ms, raw_replies=_redact(v.raw_replies, settings),
-                     replies_sha256=v.replies_sha256)
-            )  # fmt: skip
-        else:
-            rows.append({**reusable[key], "cached": True})
+    settings, prompt_settings, prices = resource.settings(), resource.prompt_settings(), resource.prices()
+    saved = progress.load(log) if progress is not None else None
+    reusable, resumable = driver.reusable_verdicts(previous, saved)
+    log.info(
+        f"llm judge: {len(requests)} tasks; {len(reusable)} verdicts on file for this run, {resumable} of them "
+        f"saved by an earlier materialization that did not finish"
+    )
+    result = driver.drive(
+        requests,
+        client_factory=lambda: llm_judge.JudgeClient(settings),
+        concurrency=settings.concurrency,
+        data_root=data_root,
+        record_steps=record_steps,
+        prompt_settings=prompt_settings,
+        judge_identity=judge_identity(settings),
+        reusable=reusable,
+        progress=progress,
+        save_every=resource.save_every_verdicts,
+        save_every_seconds=resource.save_every_seconds,
+        redact=lambda text: _redact(text, settings),
+        log=log,
+    )
+    frame = result.frame
+    cost = prices.cost(_ints(frame["prompt_tokens"]), _ints(frame["completion_tokens"]), _ints(frame["cached_tokens"]))
     verdicts = requests.reset_index(drop=True).assign(
-        **pd.DataFrame(rows, index=range(len(keys))), judge="llm", model=settings.model,
-        prompt_version=settings.prompt_version, cache_key=keys,
-    )  # fmt: skip
-    latencies = [ms for v in fresh.values() for ms in v.call_latencies_ms]
-    return Judgement(verdicts, _llm_metadata(verdicts, fresh, latencies, settings))
+        **frame, cost=cost, judge="llm", model=settings.model, prompt_version=prompt_settings.prompt_version
+    )
+    _warn_missing_evidence(verdicts, log)
+    metadata = _llm_metadata(verdicts, result.stats, settings, prompt_settings, prices)
+    return Judgement(verdicts, metadata, written=progress.remove if progress is not None else lambda: 0)
 
 
-_REUSED = ["passed", "why", "votes", "status", "calls", "prompt_tokens", "completion_tokens", "latency_ms",
-           "raw_replies", "replies_sha256"]  # fmt: skip
+def judge_identity(settings) -> list:
+    """What of the judge's settings decides a verdict, for the cache key (with the prompt version and messages)."""
+    return [getattr(settings, name, None) for name in ("model", "votes", "temperature")]
 
 
-def _reusable(previous: pd.DataFrame | None) -> dict[str, dict]:
-    """cache_key -> verdict fields of the previous materialization's judged LLM verdicts (errors are re-asked)."""
-    if previous is None or previous.empty or "cache_key" not in previous:
-        return {}
-    judged = previous[(previous["status"] == STATUS_JUDGED) & previous["cache_key"].notna()]
-    return {row["cache_key"]: {c: row[c] for c in _REUSED} for row in judged.to_dict("records")}
+def _ints(values: pd.Series) -> np.ndarray:
+    return pd.to_numeric(values, errors="coerce").fillna(0).to_numpy(dtype=float)
 
 
-def _redact(text: str | None, settings: llm_judge.LLMSettings) -> str | None:
+def _redact(text: str | None, settings) -> str | None:
     if text is None or not settings.api_key:
         return text
     return text.replace(settings.api_key, "***")
 
 
-def _llm_metadata(verdicts: pd.DataFrame, fresh: dict, latencies: list[float], settings) -> dict:
+def _warn_missing_evidence(verdicts: pd.DataFrame, log: logging.Logger, shown: int = 5) -> None:
+    missing = verdicts[verdicts["evidence"].notna() & (verdicts["evidence"] != EVIDENCE_TRAJECTORY)]
+    if missing.empty:
+        return
+    examples = ", ".join(f"{d} ({e.split(': ', 1)[-1]})" for d, e in zip(missing["dir"].head(shown), missing["evidence"].head(shown)))
+    log.warning(
+        f"llm judge: {len(missing)} of {len(verdicts)} attempts judged without their full trajectory.json "
+        f"(from the attempt record's steps, no page text), e.g. {examples}; see the evidence column"
+    )
+
+
+def evidence_counts(verdicts: pd.DataFrame) -> dict[str, int]:
+    """Verdicts per kind of evidence (schemas.evidence_kind), most common first."""
+    if "evidence" not in verdicts:
+        return {}
+    kinds = verdicts["evidence"].dropna().map(evidence_kind).value_counts()
+    return {str(k): int(n) for k, n in kinds.items()}
+
+
+def _llm_metadata(verdicts: pd.DataFrame, stats: driver.DriveStats, settings, prompt_settings, prices) -> dict:
     judged = verdicts[verdicts["status"] == STATUS_JUDGED]
-    new = list(fresh.values())
-    return {
+    asked = verdicts[~verdicts["cached"].astype(bool)]  # what this materialization paid for (copies carry 0)
+    spent = {name: int(_ints(asked[name]).sum()) for name in ("requests", "prompt_tokens", "completion_tokens", "cached_tokens")}
+    latencies = np.frombuffer(stats.latencies_ms, dtype=np.float64) if len(stats.latencies_ms) else np.zeros(0)
+    evidence = evidence_counts(verdicts)
+    missing = sum(n for kind, n in evidence.items() if kind != EVIDENCE_TRAJECTORY)
+    metadata = {
         "judge": "llm",
         "model": settings.model,
-        "prompt_version": settings.prompt_version,
-        "calls": sum(v.calls for v in new),
-        "cache_hits": int(verdicts["cached"].sum()),
-        "prompt_tokens": sum(v.prompt_tokens for v in new),
-        "completion_tokens": sum(v.completion_tokens for v in new),
-        "latency_p50_ms": float(np.percentile(latencies, 50)) if latencies else 0.0,
-        "latency_p95_ms": float(np.percentile(latencies, 95)) if latencies else 0.0,
+        "prompt_version": prompt_settings.prompt_version,
+        **spent,
+        "cost": float(np.nansum(asked["cost"].to_numpy(dtype=float))) if prices.priced else "not priced (FILTER_JUDGE_PRICE_*)",
+        "asked": stats.asked,
+        "cache_hits": stats.reused,
+        "resumed_from_progress": stats.resumed,
+        "deduplicated": stats.deduplicated,
+        "progress_parts_saved": stats.parts_saved,
+        "latency_p50_ms": float(np.percentile(latencies, 50)) if len(latencies) else 0.0,
+        "latency_p95_ms": float(np.percentile(latencies, 95)) if len(latencies) else 0.0,
         "unjudged": int((verdicts["status"] == STATUS_ERROR).sum()),
         "pass_rate": float((judged["passed"] == True).mean()) if len(judged) else 0.0,  # noqa: E712
+        "evidence_missing": missing,
         "agreement_with_gate": dg.MetadataValue.md(agreement_markdown(verdicts)),
     }
+    if missing:
+        table = "| evidence | verdicts |\n|---|---|\n" + "\n".join(f"| {k} | {n} |" for k, n in evidence.items())
+        metadata["evidence"] = dg.MetadataValue.md(table)
+    return metadata

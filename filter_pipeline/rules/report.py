@@ -12,14 +12,15 @@ import pandas as pd
 import pygal
 from pygal.style import Style
 
-from filter_pipeline.rules.schemas import DROPPED_REASONS, FAILURE_REASONS, STATUS_ERROR, STATUS_JUDGED
+from filter_pipeline.rules.schemas import DROPPED_REASONS, EVIDENCE_TRAJECTORY, FAILURE_REASONS, STATUS_ERROR, STATUS_JUDGED
 
 FUNNEL_STEPS = ("attempts", "ok attempts", "judged tasks", "passed", "kept")
+COST_COLUMNS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens", "cost")
 # The columns `figures` reads from each input: the report asset loads only these (a large batch's frames
 # are mostly text the report never looks at).
 INPUT_COLUMNS = {
     "batch_attempts": ["ok"],
-    "judge_verdicts": ["site", "macro", "status", "passed", "judge", "calls", "cached", "prompt_tokens", "completion_tokens"],
+    "judge_verdicts": ["site", "macro", "status", "passed", "judge", "cached", "deduplicated", *COST_COLUMNS, "evidence"],
     "failure_pool": ["site", "macro", "reason"],
     "kept": ["site", "macro"],
     "surplus": ["dropped"],
@@ -54,16 +55,30 @@ def figures(
         by_macro=_by(judged, kept, pool, "macro"),
         surplus=pd.DataFrame({"dropped": DROPPED_REASONS, "count": [int((surplus["dropped"] == r).sum()) for r in DROPPED_REASONS]}),
         agreement_by_site=agreement(verdicts, "site"),
-        cost={
-            "judge": ", ".join(sorted(verdicts["judge"].dropna().unique().tolist())) or "none",
-            "calls": int(verdicts["calls"].fillna(0).sum()),
-            "cache_hits": int(verdicts["cached"].fillna(False).sum()),
-            "prompt_tokens": int(verdicts["prompt_tokens"].fillna(0).sum()),
-            "completion_tokens": int(verdicts["completion_tokens"].fillna(0).sum()),
-            "unjudged": int((verdicts["status"] == STATUS_ERROR).sum()),
-            "judge_pass_rate": round(len(passed) / len(judged), 4) if len(judged) else None,
-        },
+        cost=judge_cost(verdicts, len(passed), len(judged)),
     )
+
+
+def judge_cost(verdicts: pd.DataFrame, passed: int, judged: int) -> dict:
+    """The report's judge and cost section. Each verdict carries what it cost when it was asked (a reused one
+    too, a deduplicated copy 0): `requests`, tokens and `cost` are what this run's verdicts cost in all, the
+    `_now` figures what the last materialization paid (verdicts not reused). `cost` is None when not priced."""
+    verdicts = verdicts.reindex(columns=["judge", "status", "cached", "deduplicated", "evidence", *COST_COLUMNS])
+    asked_now = ~verdicts["cached"].astype(object).fillna(False).astype(bool)
+    total = {c: pd.to_numeric(verdicts[c], errors="coerce") for c in COST_COLUMNS}
+    evidence = verdicts["evidence"].dropna()
+    return {
+        "judge": ", ".join(sorted(verdicts["judge"].dropna().unique().tolist())) or "none",
+        **{c: int(total[c].fillna(0).sum()) for c in COST_COLUMNS if c != "cost"},
+        "cost": round(float(total["cost"].sum()), 6) if total["cost"].notna().any() else None,
+        "requests_now": int(total["requests"][asked_now].fillna(0).sum()),
+        "cost_now": round(float(total["cost"][asked_now].sum()), 6) if total["cost"].notna().any() else None,
+        "cache_hits": int((~asked_now).sum()),
+        "deduplicated": int(verdicts["deduplicated"].astype(object).fillna(False).astype(bool).sum()),
+        "evidence_missing": int((evidence != EVIDENCE_TRAJECTORY).sum()),
+        "unjudged": int((verdicts["status"] == STATUS_ERROR).sum()),
+        "judge_pass_rate": round(passed / judged, 4) if judged else None,
+    }
 
 
 def _by(judged: pd.DataFrame, kept: pd.DataFrame, pool: pd.DataFrame, key: str) -> pd.DataFrame:

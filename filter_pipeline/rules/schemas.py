@@ -49,6 +49,27 @@ STATUS_ERROR = "error"
 GATE_WHY = "deterministic gate only (no LLM judge)"
 GATE_VOTES = "gate"
 
+# What the LLM judge was shown of an attempt (judge_verdicts.evidence; null for the gate, which reads none).
+# "trajectory": its trajectory.json; otherwise the attempt record's steps and no page text, and why.
+EVIDENCE_TRAJECTORY = "trajectory"
+EVIDENCE_RECORD_STEPS = "record_steps"
+TRAJECTORY_MISSING = "trajectory.json missing"
+TRAJECTORY_UNREADABLE = "trajectory.json unreadable"  # + " (<the OS error>)"
+TRAJECTORY_NOT_JSON = "trajectory.json not JSON"  # + " (<the parser's message>)"
+TRAJECTORY_NOT_OBJECT = "trajectory.json not an object"
+TRAJECTORY_OUTSIDE_ROOT = "trajectory.json outside the data root"
+TRAJECTORY_NO_STEPS = "trajectory.json has no steps list"  # page text from it, actions from the record
+
+
+def record_steps_evidence(problem: str) -> str:
+    """The evidence value of an attempt judged from its record's steps because of `problem`."""
+    return f"{EVIDENCE_RECORD_STEPS}: {problem}"
+
+
+def evidence_kind(evidence: str) -> str:
+    """An evidence value without its per-file detail ("record_steps: trajectory.json not JSON"): what is counted."""
+    return evidence.split(" (", 1)[0]
+
 DEFAULT_PER_SITE_CAP = 3
 
 # --- dedup keys -------------------------------------------------------------------------------------
@@ -168,10 +189,14 @@ _VERDICT_FIELDS = [
     ("model", STR),
     ("prompt_version", STR),
     ("cache_key", STR),  # hash of prompt version, model, votes, temperature and the exact inputs shown
-    ("cached", BOOL),  # verdict reused from this partition's previous materialization
-    ("calls", INT),  # HTTP calls made for this verdict (retries included)
+    ("cached", BOOL),  # verdict reused from this partition's previous materialization or saved progress
+    ("deduplicated", BOOL),
+    ("requests", INT),
     ("prompt_tokens", INT),
     ("completion_tokens", INT),
+    ("cached_tokens", INT),
+    ("cost", pa.float64()),
+    ("evidence", STR),
     ("latency_ms", pa.float64()),
     ("raw_replies", STR),  # JSON list of the model's replies, each cut to 500 characters
     ("replies_sha256", STR),  # hash of the full replies
@@ -310,7 +335,7 @@ SCHEMAS: dict[str, pa.Schema] = {
 DICTIONARY_COLUMNS = frozenset(
     {"macro", "site", "run_id", "status", "judge", "model", "prompt_version", "votes", "stage", "reason", "dropped",
      "start_kind", "file", "field", "section", "metric", "level", "predictor", "dup_of_run_id", "rejected_stage",
-     "rejected_reason", "why", "key"}
+     "rejected_reason", "why", "key", "evidence"}
 )  # fmt: skip
 
 
@@ -379,6 +404,16 @@ def pylist(values: pd.Series) -> list:
     return pa.array(values).to_pylist()
 
 
+# judge_verdicts fields saved as the LLM judge goes (warehouse/_judge_progress/<run_id>/*.parquet): what a
+# killed run's next materialization reuses by cache_key instead of asking again.
+JUDGE_PROGRESS_SCHEMA = pa.schema(
+    [f for f in _VERDICT_FIELDS if f[0] in (
+        "cache_key", "passed", "why", "votes", "status", "requests", "prompt_tokens", "completion_tokens",
+        "cached_tokens", "latency_ms", "raw_replies", "replies_sha256",
+    )]
+)  # fmt: skip
+
+
 # --- column descriptions ----------------------------------------------------------------------------
 
 # What each column means, shown beside it in the UI (every asset's `dagster/column_schema`). One entry per
@@ -424,9 +459,6 @@ COLUMN_DESCRIPTIONS: dict[str, str] = {
     "cache_key": "Hash of prompt version, model, votes, temperature and the exact messages shown: a verdict "
     "with the same key is reused, not asked again.",
     "cached": "Whether the verdict was reused from this partition's previous materialization (no call made).",
-    "calls": "HTTP calls made to the judge endpoint for this verdict, retries included (0 for the gate).",
-    "prompt_tokens": "Prompt tokens the endpoint reported for this verdict's calls.",
-    "completion_tokens": "Completion tokens the endpoint reported for this verdict's calls.",
     "latency_ms": "Wall time spent on this verdict's calls, in milliseconds.",
     "raw_replies": "JSON list of the model's replies, each cut to 500 characters (the API key redacted).",
     "replies_sha256": "SHA-256 of the full replies, to tell replies apart beyond the stored cut.",
@@ -474,4 +506,17 @@ COLUMN_DESCRIPTIONS: dict[str, str] = {
     "rejected_stage": "Where the rejected attempt failed: execute or judge.",
     "rejected_reason": "The rejected attempt's failure-pool reason.",
     "rejected_detail": "The rejected attempt's failure-pool detail.",
+    # the LLM judge's cost and evidence
+    "deduplicated": "Verdict copied from another task of this batch whose prompt was identical (asked once); "
+    "its requests, tokens and cost are 0, the task asked carries them.",
+    "requests": "HTTP requests made for this verdict when it was asked (retries included; 0 for the gate and "
+    "for deduplicated copies; a cached verdict carries what it cost when asked).",
+    "prompt_tokens": "Prompt tokens the endpoint reported for this verdict's requests (cached tokens included).",
+    "completion_tokens": "Completion tokens the endpoint reported for this verdict's requests.",
+    "cached_tokens": "Of the prompt tokens, those the endpoint served from its prompt cache.",
+    "cost": "Price of this verdict's tokens at the configured FILTER_JUDGE_PRICE_* (per million tokens); null "
+    "when no price is set.",
+    "evidence": "What the LLM judge was shown: 'trajectory' (the attempt's trajectory.json), or "
+    "'record_steps: <why>' (trajectory.json missing, unreadable, not JSON, not an object, outside the data "
+    "root: the record's steps, no page text). Null for the gate judge, which reads no evidence.",
 }

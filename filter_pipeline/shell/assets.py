@@ -16,16 +16,18 @@ from filter_pipeline.rules import checks
 from filter_pipeline.rules import dpo
 from filter_pipeline.rules import report
 from filter_pipeline.rules import filtering
-from filter_pipeline.rules.batch import EXECUTIONS_FILE, TASKS_FILE, attempt_steps, count_records, read_batch
+from filter_pipeline.rules.batch import EXECUTIONS_FILE, TASKS_FILE, count_records, read_batch
 from filter_pipeline.shell.config import CapsConfig
 from filter_pipeline.shell.jobs import PRIORITY_TAG
 from filter_pipeline.rules.coverage import coverage_chart, coverage_markdown, coverage_table
 from filter_pipeline.rules.history import build_prior_index, load_retired
+from filter_pipeline.judge.driver import ProgressStore, RecordSteps
+from filter_pipeline.judge.client import EndpointRefused
 from filter_pipeline.judge.resource import JudgeResource
 from filter_pipeline.rules.schemas import DROPPED_REASONS, FAILURE_REASONS, SCHEMAS, STATUS_ERROR, STATUS_JUDGED
 from filter_pipeline.rules.schemas import COLUMN_DESCRIPTIONS
 from filter_pipeline.shell.pool import LEDGER_POOL, ledger_lock, mark_ledger_holder
-from filter_pipeline.shell.warehouse import DataRoot, read_folder, read_parquet, write_atomically
+from filter_pipeline.shell.warehouse import DataRoot, read_folder, read_parquet, write_atomically, write_parquet
 
 run_id_partitions = dg.DynamicPartitionsDefinition(name="run_id")
 
@@ -101,11 +103,16 @@ def execution_batch(context: dg.AssetExecutionContext, data: DataRoot):
 # --- judging ----------------------------------------------------------------------------------------
 
 
+JUDGE_PROGRESS_FOLDER = "_judge_progress"  # warehouse/_judge_progress/<run_id>/: verdicts saved as they arrive
+
+
 @dg.asset(
     partitions_def=run_id_partitions,
     group_name="judging",
     description="The verdict on each task's ok attempt with the highest number (tasks.jsonl order), from the "
-    "judge resource. status 'error' marks a task that could not be judged: neither kept nor a failure.",
+    "judge resource. status 'error' marks a task that could not be judged: neither kept nor a failure. The LLM "
+    "judge saves verdicts as they arrive (warehouse/_judge_progress/<run_id>/), so a killed run asks again only "
+    "what was not saved; evidence says what each verdict was judged from.",
     metadata=column_schema("judge_verdicts"),
 )
 def judge_verdicts(
@@ -114,20 +121,25 @@ def judge_verdicts(
     batch_attempts: pd.DataFrame,
     judge: JudgeResource,
     data: DataRoot,
-) -> dg.Output[pd.DataFrame]:
+):
     run_id = context.partition_key
     requests = filtering.attempts_to_judge(batch_tasks, batch_attempts)
     previous_file = data.asset_file("judge_verdicts", run_id)
-    judgement = judge.judge(
-        requests,
-        data.root,
-        steps_for=lambda lines: attempt_steps(data.run_dir(run_id), lines),
-        previous=read_parquet(previous_file) if previous_file.exists() else None,
-        log=context.log,
-    )
+    progress = ProgressStore(data.warehouse / JUDGE_PROGRESS_FOLDER / run_id, write=write_parquet)
+    try:
+        judgement = judge.judge(
+            requests,
+            data.root,
+            record_steps=RecordSteps(data.run_dir(run_id)),
+            previous=read_parquet(previous_file) if previous_file.exists() else None,
+            log=context.log,
+            progress=progress,
+        )
+    except EndpointRefused as exc:  # one line, no traceback: the endpoint refuses, retrying cannot help
+        raise dg.Failure(description=str(exc), allow_retries=False) from None
     verdicts = judgement.verdicts.assign(backend=judgement.verdicts["backend_detail"], run_id=run_id)
     judged = verdicts[verdicts["status"] == STATUS_JUDGED]
-    return dg.Output(
+    yield dg.Output(
         verdicts,
         metadata={
             "judged": len(judged),
@@ -137,6 +149,8 @@ def judge_verdicts(
             **judgement.metadata,
         },
     )
+    # resumed after the IO manager has written the partition: the saved progress is in it now
+    judgement.written()
 
 
 def check_result(check: str, asset: str, outcome: checks.CheckOutcome) -> dg.AssetCheckResult:

@@ -134,9 +134,9 @@ def test_rematerializing_costs_zero_calls_and_a_new_prompt_version_pays_again(pi
         again = pipeline.run(llm(server))
         assert len(server.calls) == 4
         meta = verdict_metadata(again)
-        assert (meta["calls"], meta["cache_hits"]) == (0, 4)
+        assert (meta["requests"], meta["cache_hits"]) == (0, 4)
         assert pipeline.output("judge_verdicts")["cached"].tolist() == [True] * 4
-        pipeline.run(llm(server, prompt_version="v2"))
+        pipeline.run(llm(server, prompt_version="v3"))
         assert len(server.calls) == 8
         pipeline.run(llm(server, model="other-model"))
         assert len(server.calls) == 12
@@ -147,12 +147,12 @@ def test_verdict_records_and_metadata(pipeline):
     with FakeOpenAI(model_that_fails("c")) as server:
         result = pipeline.run(llm(server))
     v = pipeline.output("judge_verdicts").set_index("task_id")
-    assert v.loc["a", ["judge", "model", "prompt_version", "status", "votes"]].tolist() == ["llm", "judge-test", "v1", "judged", "1/1"]
+    assert v.loc["a", ["judge", "model", "prompt_version", "status", "votes"]].tolist() == ["llm", "judge-test", "v2", "judged", "1/1"]
     assert v.loc["a", "prompt_tokens"] == 100 and v.loc["a", "completion_tokens"] == 10
     assert json.loads(v.loc["c", "raw_replies"]) == [FAIL]
     assert len(v.loc["a", "cache_key"]) == 64
     meta = verdict_metadata(result)
-    assert (meta["calls"], meta["prompt_tokens"], meta["unjudged"]) == (4, 400, 0)
+    assert (meta["requests"], meta["prompt_tokens"], meta["unjudged"]) == (4, 400, 0)
     assert meta["pass_rate"] == 0.75
     assert meta["latency_p95_ms"] >= meta["latency_p50_ms"] > 0
     assert "| s2 | 1 | 1 | 100% |" in meta["agreement_with_gate"]
@@ -228,3 +228,4 @@ def test_on_s3_the_llm_judge_reads_each_attempts_trajectory_from_the_bucket(s3_b
     assert '"action": "click"' in prompts["b"] and "(no page text)" in prompts["b"]
     kept = pd.read_parquet(f"s3://{s3_bucket}/data/warehouse/kept/r1.parquet")
     assert kept["task_id"].tolist() == ["a"]
+    assert list((root / "warehouse" / "_judge_progress").rglob("*.parquet")) == []  # saved, then dropped once written
