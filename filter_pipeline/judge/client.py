@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable
 from urllib.parse import urlsplit, urlunsplit
 
-from filter_pipeline.judge.prompt import PROMPT_VERSION
+from filter_pipeline.judge.prompt import ANSWER_SCHEMA, PROMPT_VERSION
 from filter_pipeline.judge.replies import (
     Choice, Usage, error_message, parse_reply, read_completion, retry_hint, strip_reasoning,
 )  # fmt: skip
@@ -49,13 +49,6 @@ GROW_AFTER_SUCCESSES = 2
 # While the endpoint is down, one task not yet asked is asked this often anyway, so that a recovery is seen.
 PROBE_INTERVAL_SECONDS = 30.0
 
-# Reasoning first, then the verdict: what structured output asks for unless the caller passes its own schema.
-VERDICT_SCHEMA = {
-    "type": "object",
-    "properties": {"reasoning": {"type": "string"}, "passed": {"type": "boolean"}, "why": {"type": "string"}},
-    "required": ["reasoning", "passed", "why"],
-    "additionalProperties": False,
-}
 REPAIR_PROMPT = (
     'Your reply held no verdict I could read. Answer with only the JSON object {"passed": true or false, '
     '"why": "<one short sentence>"}, nothing else.'
@@ -81,7 +74,7 @@ class LLMSettings:
     concurrency: int = 16
     timeout_seconds: float = 60.0  # one request
     temperature: float = 0.0
-    max_tokens: int = 300  # 0: not sent (the server's default applies)
+    max_tokens: int = 800  # 0: not sent (the server's default applies); the answer reasons before its verdict
     prompt_version: str = PROMPT_VERSION
     max_prompt_chars: int = 24_000  # about 6k tokens
     include_screenshot: bool = False
@@ -133,10 +126,6 @@ class TaskVerdict:
     call_latencies_ms: list[float]
     raw_replies: str  # JSON list of the replies, each cut to RAW_REPLY_MAX_CHARS
     replies_sha256: str
-
-    @property
-    def calls(self) -> int:  # the name the driver of commit 6e847e5 reads
-        return self.requests
 
 
 def majority(votes: list[Vote], n: int) -> tuple[bool | None, str, str | None, str]:
@@ -334,11 +323,11 @@ class JudgeClient:
     """One per endpoint and materialization: one aiohttp session, one rate controller shared by every request.
 
     `async with JudgeClient(settings) as client: verdict = await client.judge(messages)`; `verdict_schema`
-    replaces VERDICT_SCHEMA in structured-output requests (a prompt asking for other reasoning fields)."""
+    replaces prompt.ANSWER_SCHEMA in structured-output requests (a prompt asking for other reasoning fields)."""
 
     def __init__(self, settings: LLMSettings, verdict_schema: dict | None = None):
         self.settings = settings
-        self.schema = verdict_schema or VERDICT_SCHEMA
+        self.schema = verdict_schema or ANSWER_SCHEMA
         self.url = settings.base_url.rstrip("/") + "/chat/completions"
         self.public_url = public_url(self.url)
         if settings.api_key and urlsplit(self.url).password is not None:

@@ -101,6 +101,28 @@ SYSTEM_PROMPT = "\n".join(
 )
 
 
+# The answer format above as a JSON schema, for servers that take structured output (`response_format`).
+ANSWER_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "criteria": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {"criterion": {"type": "string"}, "met": {"type": "boolean"}},
+                "required": ["criterion", "met"],
+                "additionalProperties": False,
+            },
+        },
+        "reasoning": {"type": "string"},
+        "passed": {"type": "boolean"},
+        "why": {"type": "string"},
+    },
+    "required": ["criteria", "reasoning", "passed", "why"],
+    "additionalProperties": False,
+}
+
+
 def rubric_kind(macro: str | None) -> str:
     """The rubric a macro's name points to ("general" when no kind's words occur in it)."""
     name = (macro or "").lower().replace("-", "_").replace(" ", "_")

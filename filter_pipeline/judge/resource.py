@@ -88,7 +88,7 @@ class JudgeResource(dg.ConfigurableResource):
     concurrency: int = Field(default=16, description="Most requests in flight at once.")
     timeout_seconds: float = Field(default=60.0, description="Timeout of one request.")
     temperature: float = Field(default=0.0, description="Sampling temperature (not sent to a reasoning model).")
-    max_tokens: int = Field(default=300, description="Most tokens in one reply; 0: not sent (the server's default).")
+    max_tokens: int = Field(default=800, description="Most tokens in one reply; 0: not sent (the server's default).")
     # --- the client's own settings (judge/client.py)
     task_budget_seconds: float = Field(
         default=600.0, description="Seconds one task may spend on retries of 408/409/429/5xx/timeouts (honouring "

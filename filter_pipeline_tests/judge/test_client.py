@@ -45,7 +45,7 @@ def test_at_the_defaults_a_task_costs_one_request_asking_for_structured_output()
     assert [(v.passed, v.votes, v.status, v.requests) for v in result] == [(True, "1/1", "judged", 1)] * 5
     assert (result[0].prompt_tokens, result[0].completion_tokens, result[0].cached_tokens) == (120, 7, 100)
     body = server.calls[0].body
-    assert (body["temperature"], body["max_tokens"], "n" in body) == (0.0, 300, False)
+    assert (body["temperature"], body["max_tokens"], "n" in body) == (0.0, 800, False)
     assert body["response_format"]["type"] == "json_schema"
     schema = body["response_format"]["json_schema"]
     assert schema["strict"] is True and schema["schema"]["properties"]["passed"] == {"type": "boolean"}
@@ -163,7 +163,7 @@ def test_a_reply_cut_off_at_the_token_limit():
     with FakeOpenAI(sequence(cut, Reply(content=FAIL))) as server:
         [repaired] = judge_prompts([prompt("a")], settings(server))
     assert (repaired.passed, repaired.requests) == (False, 2)
-    assert [c.body["max_tokens"] for c in server.calls] == [300, 600]  # the repair gets twice the allowance
+    assert [c.body["max_tokens"] for c in server.calls] == [800, 1600]  # the repair gets twice the allowance
     with FakeOpenAI(lambda call, n: whole) as server:
         [v] = judge_prompts([prompt("a")], settings(server))
     assert (v.passed, v.requests) == (True, 1)  # cut after a whole verdict object: it stands
