@@ -1,5 +1,6 @@
 """The assets under Dagster: lineage, metadata, and the ledger over several runs."""
 
+import logging
 import threading
 
 import dagster as dg
@@ -157,8 +158,9 @@ def test_bad_lines_in_labels_jsonl_are_reported_by_judge_calibration_without_fai
     meta = metadata(result, "judge_calibration")
     assert (meta["labels"], meta["matched"], meta["rejected_lines"]) == (1, 1, 24)
     assert meta["rejects"].count("- `labels.jsonl:") == 20 and "`labels.jsonl:2: not JSON" in meta["rejects"]
-    warnings = [e.message for e in result.all_events if e.step_key == "judge_calibration" and "labels.jsonl" in (e.message or "")]
-    assert len(warnings) == 21 and "4 more line(s) rejected" in warnings[-1]
+    logged = instance.all_logs(result.run_id)
+    warnings = [e.user_message for e in logged if e.step_key == "judge_calibration" and e.level == logging.WARNING]
+    assert len(warnings) == 21 and warnings[0].startswith("labels.jsonl:2: not JSON") and "4 more line(s) rejected" in warnings[-1]
     assert output(data_root, "kept", "r1")["task_id"].tolist() == ["a"]
 
 
