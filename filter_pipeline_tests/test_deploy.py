@@ -15,6 +15,9 @@ import dagster as dg
 import pytest
 import setuptools
 import yaml
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
 
 from filter_pipeline.definitions import EXECUTOR_ENV, EXECUTORS, defs_from_env
 from filter_pipeline.judge import resource as judging
@@ -186,3 +189,35 @@ def test_readme_s3_walkthrough(tmp_path):
     assert proc.returncode == 0, out[-4000:]
     assert re.search(r"^2026-11-28: judged \d+, unjudged 0, kept \d+", out, re.M), out[-4000:]
     assert re.search(r"^\d+ +2026-11-29 +\S+ +\S+$", out, re.M), out[-4000:]  # a kept row read back from S3
+
+
+def _pins(path) -> dict[str, Version]:
+    """name -> pinned version of a constraints file (names canonical, as pip compares them)."""
+    pins = {}
+    for line in (REPO / path).read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            requirement = Requirement(line)
+            [spec] = requirement.specifier
+            assert spec.operator == "==", f"{path}: {line} is not a pin"
+            pins[canonicalize_name(requirement.name)] = Version(spec.version)
+    return pins
+
+
+def _requirements() -> list[Requirement]:
+    """Every requirement pyproject.toml names, the extras' included (this package's own self-references not)."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    lines = project["dependencies"] + [r for extra in project["optional-dependencies"].values() for r in extra]
+    return [r for r in map(Requirement, lines) if canonicalize_name(r.name) != canonicalize_name(project["name"])]
+
+
+def test_the_constraints_pin_every_requirement_within_its_range():
+    newest, oldest = _pins("constraints/py311.txt"), _pins("constraints/dagster-1.12.txt")
+    for requirement in _requirements():
+        name = canonicalize_name(requirement.name)
+        assert name in newest, f"{requirement.name} is not in constraints/py311.txt: run `make constraints`"
+        assert newest[name] in requirement.specifier, f"constraints/py311.txt: {name}=={newest[name]} vs {requirement}"
+        if name in oldest:
+            assert oldest[name] in requirement.specifier, f"constraints/dagster-1.12.txt: {name} vs {requirement}"
+    # the oldest file is the floor of the dagster range
+    [dagster] = [r for r in _requirements() if r.name == "dagster"]
+    assert not dagster.specifier.contains(Version(f"{oldest['dagster'].major}.{oldest['dagster'].minor - 1}.99"))
