@@ -18,7 +18,6 @@ import yaml
 from filter_pipeline.judge import resource as judging
 from filter_pipeline.shell import warehouse
 from filter_pipeline.definitions import EXECUTOR_ENV, EXECUTORS
-from filter_pipeline.shell.pool import LEDGER_POOL
 from filter_pipeline_tests.conftest import REPO
 from filter_pipeline_tests.servers import free_port
 
@@ -102,7 +101,7 @@ def test_the_pool_limits_match_the_local_instance_everywhere():
     assert helm["enabled"] is True
     assert helm["pools"] == {"granularity": local["pools"]["granularity"], "defaultLimit": local["pools"]["default_limit"]}
     assert helm["runs"] == {"maxConcurrentRuns": local["runs"]["max_concurrent_runs"]}
-    assert local["pools"]["default_limit"] == 1 and LEDGER_POOL == "ledger"
+    assert local["pools"]["default_limit"] == 1
 
 
 def test_the_stored_log_level_matches_the_local_instance_everywhere():
