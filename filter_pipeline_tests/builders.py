@@ -116,7 +116,10 @@ def write_kept(data: Path, run_id: str, *rows: tuple, commit: bool = True, histo
         commit_files(data, run_id, {"kept": path}, history=history, caps=caps, kept_keys=len(rows))
 
 
-def commit_files(data: Path, run_id: str, files: dict, history: dict | None = None, caps: dict | None = None, kept_keys: int = 0) -> None:
+def commit_files(
+    data: Path, run_id: str, files: dict, history: dict | None = None, caps: dict | None = None, kept_keys: int = 0,
+    inputs: dict | None = None,
+) -> None:
     """The commit record of `run_id` naming `files` ({asset: path}) as they are now."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -136,7 +139,7 @@ def commit_files(data: Path, run_id: str, files: dict, history: dict | None = No
         run_id=run_id, walked_at="2026-12-01T00:00:00+00:00", files=entries, kept_keys=kept_keys,
         caps=caps or {"per_site_cap": 3, "caps": {}}, caps_source="deployment",
         judge={"kind": "gate", "model": None, "prompt_version": None, "votes": None},
-        history=history or {}, inputs={}, unjudged=0,
+        history=history or {}, inputs=inputs or {}, unjudged=0,
     )  # fmt: skip
     write_commit(root / "warehouse", record)
 
