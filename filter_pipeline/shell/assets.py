@@ -5,6 +5,7 @@ Lineage: execution batch -> judge_verdicts -> failure_pool; judge_verdicts + pri
 """
 
 import os
+import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
@@ -295,8 +296,9 @@ def ledger(
     commit is written; a walk killed before that leaves the run pending, to be walked again from its inputs."""
     run_id = context.partition_key
     holder = f"the ledger walk of {run_id} (Dagster run {context.run.run_id})"
+    # (the place for an order check: which lower runs this walk waits for)
     with acquire_or_wait(data.root, holder, log=context.log.info):
-        yield from _walk_the_ledger(context, config, data, judge_verdicts, failure_pool, batch_attempts)
+        yield from _walk_the_ledger(context, config, data, run_id, judge_verdicts, caps_source(config), failure_pool, batch_attempts)
 
 
 def caps_source(config: CapsConfig) -> str:
@@ -329,13 +331,15 @@ def _walk_the_ledger(
     context: dg.AssetExecutionContext,
     config: LedgerConfig,
     data: DataRoot,
+    run_id: str,
     judge_verdicts: pd.DataFrame,
+    source: str,
     failure_pool: pd.DataFrame,
     batch_attempts: pd.DataFrame,
 ):
-    """The ledger step's work for one run (the caller holds the lease): history, the walk, its outputs, their
-    checks, the commit, then one materialization per asset."""
-    run_id = context.partition_key
+    """One run's walk (the caller holds the lease): history, the walk, every file derived from it written
+    atomically, their checks, then the commit record, then one materialization per asset and the checks'
+    results. `source`: where the caps came from ("deployment" or "run config"), recorded in the commit."""
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ledger") as alongside:
         # the inputs' hashes, for telling later whether the batch changed since it was filtered
         inputs = alongside.submit(commits.input_fingerprints, data.run_dir(run_id))
@@ -361,7 +365,7 @@ def _walk_the_ledger(
         frames = {
             "prior_dedup_index": (index.keys, {"runs_read": index.runs_read, "rows_read": index.rows_read}),
             "prior_kept_counts": (index.counts, {"kept_before": int(index.counts["n_kept"].sum())}),
-            "kept": (result.kept, {}),
+            "kept": (result.kept, {"caps_source": source}),
             "surplus": (result.surplus, count_by(result.surplus["dropped"], DROPPED_REASONS, "dropped/")),
             "dpo_pairs": (pairs.pairs, {"kept_without_clean_negative": pairs.kept_without_negative,
                                         **{f"excluded/{reason}": n for reason, n in pairs.excluded.items()}}),  # fmt: skip
@@ -372,6 +376,7 @@ def _walk_the_ledger(
             ),  # fmt: skip
         }
         files: dict[str, dict] = {}
+        writing = time.perf_counter()
         for asset, (frame, _) in frames.items():
             path = data.asset_file(asset, run_id)
             encoded, rows = _parquet_bytes(frame, asset)
@@ -381,6 +386,7 @@ def _walk_the_ledger(
         html = report.html(figures, images, run_id).encode()
         atomic_write(page, html)
         files["filter_report_html"] = file_entry(data.root, page, html, 0)
+        context.log.info(f"wrote {len(files)} files in {time.perf_counter() - writing:.2f} s")
         frames["filter_report"][1]["html"] = dg.MetadataValue.path(str(page))
         outcomes = {key: future.result() for key, future in pending.items()}
         if all(outcome.passed for outcome in outcomes.values()):
@@ -391,7 +397,7 @@ def _walk_the_ledger(
                 files=files,
                 kept_keys=int(result.kept["dedup_key"].nunique()),
                 caps={k: v for k, v in config.model_dump().items() if k in CapsConfig.model_fields},
-                caps_source=caps_source(config),
+                caps_source=source,
                 judge=judge_settings(judge_verdicts),
                 history=index.history,
                 inputs=inputs.result(),
