@@ -13,6 +13,7 @@ Pure: no Dagster.
 
 from dataclasses import dataclass
 
+import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -22,7 +23,7 @@ from upath import UPath
 from filter_pipeline.rules.commits import COMMITS_DIR, CommitRecord, HistoryIntegrityError, inputs_changed, parse_commit
 from filter_pipeline.rules.filtering import Caps, MacroLimits
 from filter_pipeline.rules.history import (
-    HistoryError, _drop_retired, _read_legacy, kept_files, legacy_kept_files, load_retired, verified_bytes,
+    HistoryError, _drop_retired, _Names, _PairCounts, _read_legacy, kept_files, legacy_kept_files, load_retired, verified_bytes,
 )  # fmt: skip
 from filter_pipeline.rules.schemas import DEFAULT_PER_SITE_CAP, STATUS_ERROR, STATUS_JUDGED
 
@@ -58,7 +59,8 @@ def _caps_of(record: CommitRecord) -> Caps:
     return Caps(per_site_cap=raw.get("per_site_cap", DEFAULT_PER_SITE_CAP), macros=macros)
 
 
-def _kept_rows(data_root: UPath, run_id: str, record: CommitRecord, findings: list[Finding]) -> pa.Table | None:
+def _kept_rows(data_root: UPath, run_id: str, record: CommitRecord, columns: list[str], findings: list[Finding]) -> pa.Table | None:
+    """The columns of a committed run's kept file, verified against its commit (None, with a finding, if not)."""
     entry = record.files.get("kept")
     if entry is None:
         findings.append(Finding("commit", f"warehouse/{COMMITS_DIR}/{run_id}.json names no kept file: re-filter {run_id} "
@@ -66,7 +68,8 @@ def _kept_rows(data_root: UPath, run_id: str, record: CommitRecord, findings: li
         return None
     try:
         data = verified_bytes(data_root, run_id, entry)
-        return pq.read_table(pa.BufferReader(data), columns=["dedup_key", "macro", "site", "task_id"])
+        dictionary = [c for c in ("macro", "site") if c in columns]  # counted by code, not by text
+        return pq.read_table(pa.BufferReader(data), columns=columns, read_dictionary=dictionary)
     except HistoryIntegrityError as exc:
         findings.append(Finding("file", str(exc)))
     except (pa.ArrowException, OSError, KeyError) as exc:
@@ -85,9 +88,11 @@ def audit(data_root: UPath) -> list[Finding]:
     records, commit_findings = _commits(warehouse)
     findings += commit_findings
 
+    # Kept rows as key hashes and dictionary codes (cheap at millions of rows); texts only where hashes repeat.
     kept: dict[str, pa.Table] = {}
     for run_id, record in records.items():
-        table = _kept_rows(data_root, run_id, record, findings)
+        columns = ["key_hash", "macro", "site"] + (["task_id"] if retired.tasks.get(run_id) else [])
+        table = _kept_rows(data_root, run_id, record, columns, findings)
         for asset, entry in record.files.items():
             if asset == "kept":
                 continue
@@ -100,12 +105,12 @@ def audit(data_root: UPath) -> list[Finding]:
     for run_id, path in legacy_kept_files(data_root / "runs").items():
         if run_id not in records:
             try:
-                kept[run_id] = _read_legacy(path, run_id)[0].select(["dedup_key", "macro", "site", "task_id"])
+                kept[run_id] = _read_legacy(path, run_id)[0]
             except HistoryError as exc:
                 findings.append(Finding("file", str(exc)))
 
     live = {r: _drop_retired(t, retired.tasks.get(r)) for r, t in kept.items() if not retired.run_is_retired(r)}
-    findings += _duplicates(live)
+    findings += _duplicates(data_root, records, live, retired)
     findings += _caps(records, live)
     findings += _conservation(data_root, records)
     for run_id in sorted(set(kept_files(warehouse / "kept")) - set(records)):
@@ -137,13 +142,32 @@ def _capped(findings: list[Finding]) -> list[Finding]:
     return out
 
 
-def _duplicates(live: dict[str, pa.Table]) -> list[Finding]:
+def _duplicates(data_root: UPath, records: dict[str, CommitRecord], live: dict[str, pa.Table], retired) -> list[Finding]:
+    """Keys kept more than once across non-retired runs: rows whose key_hash repeats, confirmed on the text."""
     if not live:
         return []
-    frames = [t.select(["dedup_key", "task_id"]).append_column("run_id", pa.array([r] * t.num_rows, pa.string()))
-              for r, t in live.items()]  # fmt: skip
-    rows = pa.concat_tables(frames).to_pandas()
-    twice = rows[rows["dedup_key"].duplicated(keep=False)]
+    runs = list(live)
+    hashes = np.concatenate([np.zeros(0, np.int64), *(live[r]["key_hash"].to_numpy() for r in runs)])
+    owner = np.repeat(np.arange(len(runs)), [live[r].num_rows for r in runs])
+    repeated = pd.Series(hashes).duplicated(keep=False).to_numpy()  # a hash table: no sort of millions
+    if not repeated.any():
+        return []
+    suspects = set(hashes[repeated].tolist())
+    rows = []
+    for i in sorted(set(owner[repeated].tolist())):
+        run_id = runs[i]
+        if run_id in records:
+            table = _kept_rows(data_root, run_id, records[run_id], ["dedup_key", "key_hash", "task_id"], [])
+        else:
+            table = _read_legacy(data_root / "runs" / run_id / "kept.jsonl", run_id)[0]
+        if table is None:
+            continue
+        table = _drop_retired(table, retired.tasks.get(run_id))
+        wanted = pc.is_in(table["key_hash"], value_set=pa.array(sorted(suspects), pa.int64()))
+        for key, task_id in zip(*(table.filter(wanted)[c].to_pylist() for c in ("dedup_key", "task_id"))):
+            rows.append((key, run_id, task_id))
+    frame = pd.DataFrame(rows, columns=["dedup_key", "run_id", "task_id"])
+    twice = frame[frame["dedup_key"].duplicated(keep=False)]
     findings = []
     for key, group in twice.groupby("dedup_key", sort=True):
         where = ", ".join(f"{r}/{t}" for r, t in zip(group["run_id"], group["task_id"]))
@@ -152,40 +176,60 @@ def _duplicates(live: dict[str, pa.Table]) -> list[Finding]:
     return findings
 
 
-def _pair_counts(table: pa.Table) -> pd.DataFrame:
-    if table.num_rows == 0:
-        return pd.DataFrame({"macro": [], "site": [], "n": []})
-    grouped = table.select(["macro", "site"]).cast(pa.schema([("macro", pa.string()), ("site", pa.string())]))
-    return grouped.group_by(["macro", "site"]).aggregate([([], "count_all")]).rename_columns(["macro", "site", "n"]).to_pandas()
-
-
 def _caps(records: dict[str, CommitRecord], live: dict[str, pa.Table]) -> list[Finding]:
     """Where a committed run kept rows: its kept rows plus those of the runs its walk read as history (still
-    non-retired), against the caps it recorded."""
-    counts = {r: _pair_counts(t) for r, t in live.items()}
+    non-retired), against the caps it recorded. Counted on integer (macro, site) pair ids: each run's counts
+    once, and a run's prior as a sum of the runs it read (or all runs less those it did not read)."""
+    runs = [r for r in live if live[r].num_rows]
+    if not runs:
+        return []
+    macro_ids, site_ids = _Names(), _Names()
+    coded = {}
+    for r in runs:  # each file's (small) dictionaries mapped to global ids; rows counted by numpy
+        m = _PairCounts._codes(live[r]["macro"], macro_ids)
+        s_ = _PairCounts._codes(live[r]["site"], site_ids)
+        coded[r] = m * (1 << 31) + s_
+    pair_ids, pairs = pd.factorize(np.concatenate([coded[r] for r in runs]))
+    pair_macro = pairs >> 31
+    macro_names = np.array(macro_ids.names, dtype=object)
+    site_names = np.array(site_ids.names, dtype=object)
+    bounds = np.cumsum([0, *(len(coded[r]) for r in runs)])
+    per_run = {}
+    for i, r in enumerate(runs):
+        counted = np.bincount(pair_ids[bounds[i] : bounds[i + 1]], minlength=len(pairs))
+        ids = np.flatnonzero(counted)
+        per_run[r] = (ids, counted[ids].astype(np.int64))
+    n = np.concatenate([per_run[r][1] for r in runs])
+    pair_ids = np.concatenate([per_run[r][0] for r in runs])
+    dense = lambda r: np.bincount(per_run[r][0], weights=per_run[r][1], minlength=len(pairs)).astype(np.int64)  # noqa: E731
+    everything = np.bincount(pair_ids, weights=n, minlength=len(pairs)).astype(np.int64)
     findings = []
     for run_id, record in records.items():
-        if run_id not in counts or counts[run_id].empty:
+        if run_id not in per_run:
             continue
+        read = set(record.history) & set(per_run) - {run_id}
+        unread = set(per_run) - read - {run_id}
+        if len(read) <= len(unread):
+            prior = sum((dense(r) for r in read), np.zeros(len(pairs), np.int64))
+        else:
+            prior = everything - dense(run_id) - sum((dense(r) for r in unread), np.zeros(len(pairs), np.int64))
         caps = _caps_of(record)
-        before = [counts[r] for r in record.history if r in counts and r != run_id]
-        prior = pd.concat(before).groupby(["macro", "site"], as_index=False)["n"].sum() if before else None
-        mine = counts[run_id]
-        totals = mine.merge(prior, on=["macro", "site"], how="left", suffixes=("", "_before")) if prior is not None else mine.assign(n_before=0)
-        totals["total"] = totals["n"] + totals["n_before"].fillna(0).astype(int)
-        for macro, site, total in zip(totals["macro"], totals["site"], totals["total"]):
-            cap = caps.site_cap(macro)
-            if total > cap:
-                findings.append(Finding("cap", f"run {run_id}: {macro}/{site} holds {total} kept rows with the history "
-                                               f"it read, over its site cap {cap}"))  # fmt: skip
-        for macro in sorted(set(mine["macro"])):
-            target = caps.target(macro)
-            total = int(totals.loc[totals["macro"] == macro, "n"].sum())
-            if prior is not None:
-                total += int(prior.loc[prior["macro"] == macro, "n"].sum())
-            if target is not None and total > target:
+        ids, own = per_run[run_id]
+        totals = prior[ids] + own
+        limits = caps.site_caps(pd.Series(macro_names[pair_macro[ids]]))
+        for k in np.flatnonzero(totals > limits)[:MAX_LINES_PER_KIND]:
+            macro, site = macro_names[pair_macro[ids[k]]], site_names[pairs[ids[k]] & ((1 << 31) - 1)]
+            findings.append(Finding("cap", f"run {run_id}: {macro}/{site} holds {totals[k]} kept rows with the history "
+                                           f"it read, over its site cap {limits[k]}"))  # fmt: skip
+        with_target = {m for m, limit in caps.macros.items() if limit.target is not None}
+        for code in sorted(set(pair_macro[ids].tolist())):
+            macro = macro_names[code]
+            if macro not in with_target:
+                continue
+            total = int(prior[pair_macro == code].sum() + own[pair_macro[ids] == code].sum())
+            if total > caps.target(macro):
                 findings.append(Finding("cap", f"run {run_id}: macro {macro} holds {total} kept rows with the history "
-                                               f"it read, over its target {target}"))  # fmt: skip
+                                               f"it read, over its target {caps.target(macro)}"))  # fmt: skip
     return findings
 
 

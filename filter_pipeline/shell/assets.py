@@ -33,7 +33,7 @@ from filter_pipeline.rules.schemas import (
 from filter_pipeline.rules import commits
 from filter_pipeline.rules import verify
 from filter_pipeline.rules.commits import atomic_write, delete_commit, file_entry, write_commit
-from filter_pipeline.rules.lease import acquire_or_wait
+from filter_pipeline.rules.lease import Lease, acquire_or_wait
 from filter_pipeline.shell.config import CAPS_ENV, load_caps_file
 from filter_pipeline.shell.warehouse import DataRoot, read_folder, read_parquet
 
@@ -297,8 +297,10 @@ def ledger(
     run_id = context.partition_key
     holder = f"the ledger walk of {run_id} (Dagster run {context.run.run_id})"
     # (the place for an order check: which lower runs this walk waits for)
-    with acquire_or_wait(data.root, holder, log=context.log.info):
-        yield from _walk_the_ledger(context, config, data, run_id, judge_verdicts, caps_source(config), failure_pool, batch_attempts)
+    with acquire_or_wait(data.root, holder, log=context.log.info) as lease:
+        yield from _walk_the_ledger(
+            context, config, data, run_id, judge_verdicts, caps_source(config), failure_pool, batch_attempts, lease
+        )
 
 
 def caps_source(config: CapsConfig) -> str:
@@ -336,14 +338,16 @@ def _walk_the_ledger(
     source: str,
     failure_pool: pd.DataFrame,
     batch_attempts: pd.DataFrame,
+    lease: Lease | None = None,
 ):
     """One run's walk (the caller holds the lease): history, the walk, every file derived from it written
     atomically, their checks, then the commit record, then one materialization per asset and the checks'
-    results. `source`: where the caps came from ("deployment" or "run config"), recorded in the commit."""
+    results. `source`: where the caps came from ("deployment" or "run config"), recorded in the commit;
+    `lease`: the held lease, checked just before committing (on object storage a holder that stalled past its
+    expiry may have lost it: it must not commit)."""
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ledger") as alongside:
         # the inputs' hashes, for telling later whether the batch changed since it was filtered
         inputs = alongside.submit(commits.input_fingerprints, data.run_dir(run_id))
-        delete_commit(data.warehouse, run_id)  # pending from here until committed again
         retired = load_retired(data.root)
         index = build_prior_index(data.root, run_id, judge_verdicts[["dedup_key", "key_hash"]], retired)
         context.log.info(
@@ -377,6 +381,9 @@ def _walk_the_ledger(
         }
         files: dict[str, dict] = {}
         writing = time.perf_counter()
+        # pending from the first write until committed again (not before: a walk that fails on history leaves
+        # an already filtered run's commit, and so its place in everyone's history, as it was)
+        delete_commit(data.warehouse, run_id)
         for asset, (frame, _) in frames.items():
             path = data.asset_file(asset, run_id)
             encoded, rows = _parquet_bytes(frame, asset)
@@ -403,6 +410,8 @@ def _walk_the_ledger(
                 inputs=inputs.result(),
                 unjudged=int((judge_verdicts["status"] == STATUS_ERROR).sum()),
             )
+            if lease is not None:
+                lease.check()
             write_commit(data.warehouse, record)
             context.log.info(f"committed {run_id}: warehouse/{commits.COMMITS_DIR}/{run_id}.json")
     for asset, (frame, metadata) in frames.items():
