@@ -85,9 +85,16 @@ def ledger_lease(data_root: UPath, holder: str, ttl_seconds: float = DEFAULT_TTL
     if isinstance(warehouse.fs, LocalFileSystem):
         with _local_lock(warehouse, holder) as lease:
             yield lease
-    else:
+    elif warehouse.protocol == "memory":
+        with _process_lock(warehouse, holder) as lease:
+            yield lease
+    elif warehouse.protocol in ("s3", "s3a"):
         with _object_lease(warehouse, holder, ttl_seconds) as lease:
             yield lease
+    else:
+        raise ValueError(
+            f"the ledger lease needs a local or s3:// data root (conditional writes), not {warehouse.protocol}://"
+        )
 
 
 @contextmanager
@@ -123,6 +130,25 @@ def acquire_or_wait(
             raise
     else:
         context.__exit__(None, None, None)
+
+
+# --- fsspec's memory filesystem (one process's, as in tests) ---------------------------------------
+
+_process_locks: dict[str, tuple[threading.Lock, list]] = {}
+_process_locks_guard = threading.Lock()
+
+
+@contextmanager
+def _process_lock(warehouse: UPath, holder: str) -> Iterator[Lease]:
+    with _process_locks_guard:
+        lock, holders = _process_locks.setdefault(warehouse.path, (threading.Lock(), [None]))
+    if not lock.acquire(blocking=False):
+        raise LedgerBusy(_describe(f"memory://{warehouse.parent.path}", holders[0]))
+    holders[0] = _holder_record(holder, 0)
+    try:
+        yield Lease()
+    finally:
+        lock.release()
 
 
 # --- local disk -------------------------------------------------------------------------------------

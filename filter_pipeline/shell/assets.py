@@ -50,11 +50,6 @@ def column_schema(asset: str) -> dict:
     }
 
 
-def reading(columns_by_input: dict[str, list[str]]) -> dict[str, dg.AssetIn]:
-    """Asset inputs that load only the given columns (the warehouse IO manager honours `columns`)."""
-    return {name: dg.AssetIn(metadata={"columns": columns}) for name, columns in columns_by_input.items()}
-
-
 def count_by(values: pd.Series, names: Iterable[str], prefix: str) -> dict:
     """One integer metadata entry per name (zeros included, so every materialization plots the same series)."""
     counts = values.value_counts()
