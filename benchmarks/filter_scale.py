@@ -4,10 +4,14 @@
     .venv/bin/python -m benchmarks.filter_scale --repeat 5           # the same, five times each, with medians
     .venv/bin/python -m benchmarks.filter_scale --history-runs 400 --no-baseline   # history x 10
 
-Generates (fixed seed, cached under benchmarks/out/) a history of kept rows — as warehouse Parquet files
-for this project and as legacy runs/*/kept.jsonl for the baseline — and one new batch, then times
-`filter-pipeline materialize` (process start to exit, Dagster included) and the baseline script on it,
-printing wall time, peak RSS and this project's split by step (and, with --repeat, the median ratio).
+Generates (fixed seed, cached under benchmarks/out/) a history of kept rows — as committed warehouse Parquet
+files (each with its commit record, as the ledger step leaves them) for this project and as legacy
+runs/*/kept.jsonl for the baseline — and one new batch, then times `filter-pipeline materialize` (process
+start to exit, Dagster included) and the baseline script on it, printing wall time, peak RSS and this
+project's split by step (and, with --repeat, the median ratio). It also prints what committing and verifying
+cost: hashing every committed history file as the ledger step does, fingerprinting the batch's inputs and
+writing its commit record, timed one after the other in this process (in the step they overlap other work,
+so these are upper bounds), against the run's wall time.
 """
 
 import argparse
@@ -26,6 +30,10 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from upath import UPath
+
+from filter_pipeline.rules import commits
+from filter_pipeline.rules.history import verified_bytes
 from filter_pipeline.rules.schemas import key_hash
 
 REPO = Path(__file__).resolve().parent.parent
@@ -56,6 +64,7 @@ def generate(out: Path, args: argparse.Namespace) -> None:
              "key_hash": [key_hash(k) for k in keys], "run_id": [run_id] * n}
         )  # fmt: skip
         pq.write_table(table, kept_dir / f"{run_id}.parquet")
+        commit_history_run(out, run_id)
         if not args.no_baseline:
             run = out / "runs" / run_id
             run.mkdir(exist_ok=True)
@@ -90,6 +99,40 @@ def generate(out: Path, args: argparse.Namespace) -> None:
     rng.shuffle(lines)
     (run / "executions.jsonl").write_text("".join(lines))
     (run / "_SUCCESS").write_text("")
+
+
+def commit_history_run(out: Path, run_id: str) -> None:
+    """The commit record a walk of history run `run_id` would have left beside its kept file."""
+    root = UPath(str(out))
+    path = root / "warehouse" / "kept" / f"{run_id}.parquet"
+    data = path.read_bytes()
+    record = commits.CommitRecord(
+        run_id=run_id, walked_at="2026-11-30T00:00:00+00:00",
+        files={"kept": commits.file_entry(root, path, data, pq.read_metadata(path.path).num_rows)},
+        kept_keys=0, caps={"per_site_cap": 40, "caps": {}}, caps_source="run config",
+        judge={"kind": "gate", "model": None, "prompt_version": None, "votes": "gate"}, history={}, inputs={}, unjudged=0,
+    )  # fmt: skip
+    commits.write_commit(root / "warehouse", record)
+
+
+def integrity_cost(data: Path) -> dict[str, float]:
+    """Seconds of what commits add, timed serially here: verifying (reading and hashing) every committed
+    history file, fingerprinting the new batch's inputs, writing a commit record."""
+    root = UPath(str(data))
+    records = commits.read_commits(root / "warehouse")
+    start = time.perf_counter()
+    for run_id, record in records.items():
+        if run_id != "new":
+            verified_bytes(root, run_id, record.files["kept"])
+    verify = time.perf_counter() - start
+    start = time.perf_counter()
+    inputs = commits.input_fingerprints(root / "runs" / "new")
+    fingerprint = time.perf_counter() - start
+    start = time.perf_counter()
+    commits.write_commit(root / "warehouse", records["new"])
+    write = time.perf_counter() - start
+    assert inputs == records["new"].inputs
+    return {"verify history": verify, "fingerprint inputs": fingerprint, "write commit": write}
 
 
 BASELINE = r'''
@@ -166,6 +209,8 @@ def step_split(home: Path) -> tuple[dict[str, float], dict[str, float]]:
             phases["parse"] = float(re.search(r" in ([0-9.]+) s", event.user_message).group(1))
         elif kind is None and event.user_message.startswith("prior index:"):
             phases["index"], marks["index"] = event.timestamp - marks[event.step_key], event.timestamp
+        elif kind is None and event.user_message.startswith("wrote ") and " files in " in event.user_message:
+            phases["write"] += float(re.search(r" in ([0-9.]+) s", event.user_message).group(1))  # the ledger's own
         elif kind is None and event.user_message.startswith("walk:"):
             phases["walk"] = event.timestamp - marks["index"]
     return split, {name: phases[name] for name in ("parse", "index", "walk", "write")}
@@ -190,7 +235,7 @@ def main() -> None:
 
     name = f"h{args.history_runs}x{args.history_rows}-t{args.tasks}-s{args.seed}{'-nb' if args.no_baseline else ''}"
     data = args.out / name
-    if not (data / "runs" / "new" / "_SUCCESS").exists():
+    if not (data / "runs" / "new" / "_SUCCESS").exists() or not (data / "warehouse" / commits.COMMITS_DIR).exists():
         shutil.rmtree(data, ignore_errors=True)
         start = time.perf_counter()
         generate(data, args)
@@ -223,9 +268,10 @@ def run_filter(data: Path, home: Path, args: argparse.Namespace, label: str) -> 
     # SQLite schema (about 1 s) is a one-time cost, not a per-batch one
     subprocess.run([sys.executable, "-c", f"import dagster as dg; dg.DagsterInstance.from_config({str(home)!r}).dispose()"], check=True)
     for folder in ("judge_verdicts", "failure_pool", "prior_dedup_index", "prior_kept_counts", "surplus",
-                   "batch_tasks", "batch_attempts", "batch_rejects"):  # fmt: skip
+                   "batch_tasks", "batch_attempts", "batch_rejects", "dpo_pairs", "filter_report"):  # fmt: skip
         shutil.rmtree(data / "warehouse" / folder, ignore_errors=True)
     (data / "warehouse" / "kept" / "new.parquet").unlink(missing_ok=True)
+    (data / "warehouse" / commits.COMMITS_DIR / "new.json").unlink(missing_ok=True)
 
     env = {**os.environ, "DAGSTER_HOME": str(home)}
     cli = [sys.executable, "-m", "filter_pipeline.cli.main", "materialize", "--data", str(data),
@@ -238,6 +284,10 @@ def run_filter(data: Path, home: Path, args: argparse.Namespace, label: str) -> 
     split, phases = step_split(home)
     print("  split: " + ", ".join(f"{step} {sec:.1f} s" for step, sec in split.items()))
     print("  phases: " + ", ".join(f"{phase} {sec:.1f} s" for phase, sec in phases.items()))
+    cost = integrity_cost(data)
+    total = sum(cost.values())
+    print("  commits: " + ", ".join(f"{name} {sec:.2f} s" for name, sec in cost.items())
+          + f"; together {total:.2f} s = {100 * total / wall:.1f}% of the run (upper bound: serial here)")
     return wall, rss
 
 

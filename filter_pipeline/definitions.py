@@ -6,10 +6,8 @@ import dagster as dg
 
 from filter_pipeline.shell.assets import (
     coverage,
-    dpo_pairs,
     execution_batch,
     failure_pool,
-    filter_report,
     judge_calibration,
     judge_verdicts,
     ledger,
@@ -32,7 +30,7 @@ def build_defs(data: DataRoot | str, judge: JudgeResource, caps: dict, executor:
         raise ValueError(f"{EXECUTOR_ENV}={executor!r}: expected one of {', '.join(EXECUTORS)}")
     data = data if isinstance(data, DataRoot) else DataRoot(path=data)
     return dg.Definitions(
-        assets=[execution_batch, judge_verdicts, failure_pool, ledger, dpo_pairs, filter_report, coverage, judge_calibration],
+        assets=[execution_batch, judge_verdicts, failure_pool, ledger, coverage, judge_calibration],
         jobs=[judge_job, ledger_job, filter_job, across_runs_job],
         sensors=[build_batch_sensor(caps)],
         resources={"data": data, "judge": judge, "io_manager": WarehouseIOManager(data=data)},

@@ -100,8 +100,9 @@ def counts(*rows: tuple) -> pd.DataFrame:
     return conform(pd.DataFrame([dict(macro=m, site=s, n_kept=n) for m, s, n in rows]), "prior_kept_counts")
 
 
-def write_kept(data: Path, run_id: str, *rows: tuple) -> None:
-    """warehouse/kept/<run_id>.parquet from (task_id, key, macro, site) tuples, as the pipeline writes it."""
+def write_kept(data: Path, run_id: str, *rows: tuple, commit: bool = True, history: dict | None = None, caps: dict | None = None) -> None:
+    """warehouse/kept/<run_id>.parquet from (task_id, key, macro, site) tuples, as the pipeline writes it, and
+    (if `commit`) its commit record naming it (`history`: the runs its walk read; `caps`: the caps it used)."""
     from filter_pipeline.rules.schemas import to_arrow
     from filter_pipeline.shell.warehouse import write_parquet
 
@@ -109,7 +110,38 @@ def write_kept(data: Path, run_id: str, *rows: tuple) -> None:
         [dict(task_id=t, dedup_key=canonical_key(k), key_hash=key_hash(canonical_key(k)), macro=m, site=s, run_id=run_id)
          for t, k, m, s in rows]
     )  # fmt: skip
-    write_parquet(to_arrow(frame, "kept"), UPath(data) / "warehouse" / "kept" / f"{run_id}.parquet")
+    path = UPath(data) / "warehouse" / "kept" / f"{run_id}.parquet"
+    write_parquet(to_arrow(frame, "kept"), path)
+    if commit:
+        commit_files(data, run_id, {"kept": path}, history=history, caps=caps, kept_keys=len(rows))
+
+
+def commit_files(
+    data: Path, run_id: str, files: dict, history: dict | None = None, caps: dict | None = None, kept_keys: int = 0,
+    inputs: dict | None = None,
+) -> None:
+    """The commit record of `run_id` naming `files` ({asset: path}) as they are now."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from filter_pipeline.rules.commits import CommitRecord, file_entry, write_commit
+
+    root = UPath(data)
+    entries = {}
+    for asset, path in files.items():
+        data_bytes = UPath(path).read_bytes()
+        try:
+            rows = pq.read_metadata(pa.BufferReader(data_bytes)).num_rows
+        except pa.ArrowException:
+            rows = 0  # (a test's deliberately broken file)
+        entries[asset] = file_entry(root, UPath(path), data_bytes, rows)
+    record = CommitRecord(
+        run_id=run_id, walked_at="2026-12-01T00:00:00+00:00", files=entries, kept_keys=kept_keys,
+        caps=caps or {"per_site_cap": 3, "caps": {}}, caps_source="deployment",
+        judge={"kind": "gate", "model": None, "prompt_version": None, "votes": None},
+        history=history or {}, inputs=inputs or {}, unjudged=0,
+    )  # fmt: skip
+    write_commit(root / "warehouse", record)
 
 
 def write_legacy_kept(data: Path, run_id: str, *rows: tuple) -> None:

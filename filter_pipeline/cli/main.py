@@ -49,7 +49,34 @@ def _parser() -> argparse.ArgumentParser:
     )
     m.add_argument("--per-site-cap", type=int, default=None, help="most kept rows per (macro, site); overrides --caps")
     m.add_argument("--caps", default=None, metavar="FILE", help='YAML/JSON {"per_site_cap": N, "caps": {macro: {site_cap, target}}}')
+    v = commands.add_parser(
+        "verify",
+        help="audit the whole warehouse",
+        description="Audit the warehouse: every committed file present and unchanged, no key kept twice across "
+        "non-retired runs, caps respected with history, verdicts conserved per run, no kept file without a commit, "
+        "no batch changed since it was filtered. Exit 0 when clean, 1 with one line per finding.",
+    )
+    v.add_argument("--data", default=None, help=f"data root (default: ${DATA_ENV} or '{DEFAULT_DATA}')")
     return parser
+
+
+def verify(args: argparse.Namespace) -> int:
+    """Print one line per finding of the warehouse audit; 0 when clean, 1 otherwise (2: no data root)."""
+    from filter_pipeline.rules.verify import audit
+    from filter_pipeline.settings import ENDPOINT_ENV
+
+    path = data_path(args.data)
+    endpoint = os.environ.get(ENDPOINT_ENV)
+    root = UPath(path, **({"endpoint_url": endpoint, "use_listings_cache": False} if endpoint else {}))
+    if not root.exists():
+        print(f"filter-pipeline: data root {path} does not exist (--data or ${DATA_ENV})", file=sys.stderr)
+        return 2
+    findings = audit(root)
+    for finding in findings:
+        print(finding.line)
+    if not findings:
+        print(f"{path}: warehouse verified, no finding")
+    return 1 if findings else 0
 
 
 def read_first_batch_ahead(args: argparse.Namespace) -> bool:
@@ -77,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     """Exit status: 0 all materialized; 1 something was not filtered (a run failed, a folder was refused);
     2 an argument or setting is wrong (one line on stderr, nothing registered, written or judged)."""
     args = _parser().parse_args(argv)
+    if args.command == "verify":
+        return verify(args)
     read_first_batch_ahead(args)
     try:
         # Dagster loads while the batch is read; so does the code location, which reads its settings

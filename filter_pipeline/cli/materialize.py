@@ -17,8 +17,8 @@ from filter_pipeline.shell.config import CAPS_ENV, load_caps_file, parse_caps
 from filter_pipeline.definitions import defs_from_env
 from filter_pipeline.rules.history import load_retired
 from filter_pipeline.shell.jobs import ACROSS_RUNS_ASSETS, PARTITION_TAG, across_runs_job, filter_job
+from filter_pipeline.shell.sensors import changed_warning
 from filter_pipeline.judge.resource import ENV, judge_from_env
-from filter_pipeline.shell.pool import release_stale_ledger_slots
 from filter_pipeline.rules.schemas import DROPPED_REASONS, FAILURE_REASONS, STATUS_ERROR
 from filter_pipeline.shell.warehouse import DATA_ENV, DataRoot, read_parquet
 
@@ -70,8 +70,12 @@ def _dagster_home() -> str:
 def _runs_to_materialize(data: DataRoot, requested: list[str], refused: list[str]) -> list[str]:
     """The run_ids to materialize; with none requested, every complete batch not yet filtered, and each
     complete folder refused for its name appended to `refused` (one line each)."""
+    batches = complete_batches(data.runs, data.warehouse, log=None, refused=None if requested else refused)
+    for b in batches:
+        if b.changed and b.run_id not in requested:
+            print(f"filter-pipeline: warning: {changed_warning(b.run_id)}", file=sys.stderr)
     if not requested:
-        return [b.run_id for b in complete_batches(data.runs, data.warehouse, log=None, refused=refused) if not b.filtered]
+        return [b.run_id for b in batches if not b.filtered]
     for run_id in requested:
         check_run_id(run_id)
         if not (data.run_dir(run_id) / SUCCESS_FILE).exists():
@@ -155,8 +159,6 @@ def materialize(args: argparse.Namespace) -> int:
             return 1  # something complete was not filtered
         print("nothing to materialize: every complete batch is already filtered")
         return 0
-    for run_id in release_stale_ledger_slots(instance):
-        print(f"released the ledger slot of run {run_id}, whose process died", file=sys.stderr)
     known = set(instance.get_dynamic_partitions(run_id_partitions.name))
     instance.add_dynamic_partitions(run_id_partitions.name, [r for r in dict.fromkeys(run_ids) if r not in known])
     # the job is rebuilt from the environment (see cli_filter_job), so the settings travel through it

@@ -28,6 +28,7 @@ import pyarrow.compute as pc
 import pyarrow.json as pa_json
 from upath import UPath
 
+from filter_pipeline.rules.commits import inputs_changed, read_commits
 from filter_pipeline.rules.schemas import canonical_key, canonical_texts, conform, empty_frame, isin, key_hash, key_hashes, positions
 
 # fsspec protocols of a local data root; anything else is object storage (no symlinks, no rename)
@@ -665,7 +666,8 @@ def _fast_tasks(data: bytes) -> pd.DataFrame | None:
 class BatchState:
     run_id: str
     judged: bool  # warehouse/judge_verdicts/<run_id>.parquet exists
-    filtered: bool  # warehouse/kept/<run_id>.parquet or a legacy runs/<run_id>/kept.jsonl exists
+    filtered: bool  # committed (warehouse/_commits/<run_id>.json) or a legacy runs/<run_id>/kept.jsonl exists
+    changed: bool = False  # committed, but tasks.jsonl / executions.jsonl differ from what the commit recorded
 
 
 def complete_batches(
@@ -679,12 +681,13 @@ def complete_batches(
 
     A batch without `_SUCCESS` is still being written and is not listed; a complete one whose folder name is
     not a plain run_id is refused: one line, "runs/<name>: refused: why; rename it", logged as a warning to
-    `log` (None: not logged) and appended to `refused` (when given).
+    `log` (None: not logged) and appended to `refused` (when given). A batch is filtered only
+    once its walk committed (a kept file without a commit is a walk killed midway: still to do).
     """
     if not runs.exists():
         return []
     judged = _stems(warehouse / "judge_verdicts")
-    kept = _stems(warehouse / "kept")
+    commits = read_commits(warehouse)
     states = []
     for run_dir in runs.iterdir():
         run_id = run_dir.name
@@ -701,8 +704,10 @@ def complete_batches(
             if refused is not None:
                 refused.append(message)
             continue
-        filtered = run_id in kept or (run_dir / LEGACY_KEPT_FILE).exists()
-        states.append(BatchState(run_id=run_id, judged=run_id in judged, filtered=filtered))
+        committed = commits.get(run_id)
+        filtered = committed is not None or (run_dir / LEGACY_KEPT_FILE).exists()
+        changed = committed is not None and bool(inputs_changed(run_dir, committed.inputs))
+        states.append(BatchState(run_id=run_id, judged=run_id in judged, filtered=filtered, changed=changed))
     return sorted(states, key=lambda s: s.run_id)
 
 

@@ -1,10 +1,14 @@
-"""History for the ledger walk: what earlier runs kept (CONTRACT §2 retired.json, §3.4 the prior index).
+"""History for the ledger walk: what earlier runs kept (CONTRACT §2 retired.json, §3.4 the prior index, §3.6).
 
-The record is the warehouse: every `warehouse/kept/<run>.parquet`, plus the legacy `runs/<run>/kept.jsonl`
-of runs filtered by the earlier script that have no such file. Files are read one at a time, only the
-columns the walk needs, so memory follows the largest run rather than the whole history.
+The record is what was committed: the `kept` file each commit record (`warehouse/_commits/<run>.json`)
+names, verified against the size and SHA-256 the commit recorded, plus the legacy `runs/<run>/kept.jsonl`
+of runs filtered by the earlier script that have no commit. A committed file that is missing, changed,
+unreadable or not a kept file fails the read with one line naming it (HistoryIntegrityError); a kept file
+without a commit (a walk killed before it committed) is not history. Files are read a few at a time, so
+memory follows the largest run rather than the whole history.
 """
 
+import hashlib
 import json
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -18,6 +22,7 @@ import pyarrow.parquet as pq
 from upath import UPath
 
 from filter_pipeline.rules.batch import LEGACY_KEPT_FILE, local_signature
+from filter_pipeline.rules.commits import LEGACY_PREFIX, CommitRecord, HistoryIntegrityError, read_commits
 from filter_pipeline.rules.schemas import canonical_key, conform, empty_frame, key_hashes, pylist, to_pandas
 
 RETIRED_FILE = "retired.json"
@@ -77,6 +82,7 @@ class PriorIndex:
     counts: pd.DataFrame
     runs_read: int
     rows_read: int
+    history: dict[str, str] = field(default_factory=dict)  # run_id -> commit digest, or "legacy:<sha256>"
 
 
 _INDEX_COLUMNS = ["dedup_key", "key_hash", "macro", "site", "task_id"]
@@ -84,7 +90,7 @@ _STRINGS = pa.schema([(c, pa.string()) for c in ("dedup_key", "macro", "site", "
 
 
 def kept_files(kept_dir: UPath) -> dict[str, UPath]:
-    """run_id -> its `kept` Parquet file, skipping temporary files of writes in progress."""
+    """run_id -> its `kept` Parquet file, committed or not, skipping temporary files of writes in progress."""
     if not kept_dir.exists():
         return {}
     return {
@@ -101,9 +107,15 @@ def legacy_kept_files(runs_dir: UPath) -> dict[str, UPath]:
     return {p.name: p / LEGACY_KEPT_FILE for p in runs_dir.iterdir() if (p / LEGACY_KEPT_FILE).exists()}
 
 
-def _read_legacy(path: UPath, run_id: str) -> pa.Table:
+def _read_legacy(path: UPath, run_id: str) -> tuple[pa.Table, str]:
+    """A legacy kept.jsonl's rows (keys re-encoded as canonical text) and the SHA-256 of its bytes."""
+    data = path.read_bytes()
     rows = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise HistoryError(f"runs/{run_id}/{LEGACY_KEPT_FILE}: not UTF-8 ({exc})") from None
+    for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:
@@ -123,7 +135,7 @@ def _read_legacy(path: UPath, run_id: str) -> pa.Table:
             )
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
             raise HistoryError(f"runs/{run_id}/{LEGACY_KEPT_FILE}:{number}: not a kept row ({exc})") from None
-    return _with_hashes(pa.Table.from_pylist(rows, schema=_STRINGS))
+    return _with_hashes(pa.Table.from_pylist(rows, schema=_STRINGS)), hashlib.sha256(data).hexdigest()
 
 
 def _with_hashes(table: pa.Table) -> pa.Table:
@@ -234,22 +246,63 @@ def _drop_retired(table: pa.Table, retired_ids: frozenset[str] | None) -> pa.Tab
 _MATCHED = pa.schema([*_STRINGS, ("key_hash", pa.int64())])
 
 
-def _read_warehouse(path: UPath, probe: _KeyProbe, retired_ids: frozenset[str] | None) -> tuple[pa.Table, pa.Table]:
+KEPT_COLUMNS = ("dedup_key", "key_hash", "macro", "site", "task_id")
+
+
+def _refilter(run_id: str) -> str:
+    return f"restore it, or re-filter {run_id} with `filter-pipeline materialize {run_id}`"
+
+
+def verified_bytes(data_root: UPath, run_id: str, entry: dict) -> bytes:
+    """The bytes of a committed file, checked against its commit entry (size, SHA-256). Raises
+    HistoryIntegrityError naming the file when it is missing, unreadable or changed."""
+    where = entry["path"]
+    try:
+        with (data_root / where).open("rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise HistoryIntegrityError(f"{where} is missing, but run {run_id} committed it: {_refilter(run_id)}") from None
+    except OSError as exc:
+        raise HistoryIntegrityError(f"{where} (committed by run {run_id}) cannot be read ({exc}): {_refilter(run_id)}") from None
+    digest = hashlib.sha256(data).hexdigest()  # (releases the GIL: the read-ahead threads hash in parallel)
+    if len(data) != entry["size"] or digest != entry["sha256"]:
+        raise HistoryIntegrityError(
+            f"{where} changed since run {run_id} was committed (sha256 {digest[:12]}, {len(data)} bytes; committed "
+            f"{str(entry['sha256'])[:12]}, {entry['size']} bytes): {_refilter(run_id)}"
+        )
+    return data
+
+
+def _open_kept(data: bytes, where: str, run_id: str) -> pq.ParquetFile:
+    try:
+        parquet = pq.ParquetFile(pa.BufferReader(data), read_dictionary=["macro", "site"])  # counted by code
+    except (pa.ArrowException, OSError) as exc:
+        raise HistoryIntegrityError(f"{where} (committed by run {run_id}) is not readable Parquet ({exc}): {_refilter(run_id)}") from None
+    missing = [c for c in KEPT_COLUMNS if c not in parquet.schema_arrow.names]
+    if missing:
+        raise HistoryIntegrityError(
+            f"{where} (committed by run {run_id}) is not a kept file: no column {', '.join(missing)}: {_refilter(run_id)}"
+        )
+    return parquet
+
+
+def _read_warehouse(
+    data_root: UPath, run_id: str, entry: dict, probe: _KeyProbe, retired_ids: frozenset[str] | None
+) -> tuple[pa.Table, pa.Table]:
     """(rows for the counts: macro, site; rows whose key_hash the batch carries, to be confirmed on the text:
-    the index columns and key_hash)."""
-    with path.open("rb") as f:
-        parquet = pq.ParquetFile(f, read_dictionary=["macro", "site"])  # counted by code, not by text
-        has_hash = "key_hash" in parquet.schema_arrow.names
-        keys = (["key_hash"] if has_hash else ["dedup_key"]) if probe.wanted else []  # (coverage wants no keys)
-        wanted = ["macro", "site", *keys] + (["task_id"] if retired_ids else [])
-        table = _drop_retired(parquet.read(columns=wanted), retired_ids)  # macro/site stay dictionary codes
-        if not probe.wanted:
-            return table, _MATCHED.empty_table()
-        hashes = table["key_hash"].to_numpy() if has_hash else _with_hashes(table.select(["dedup_key"]))["key_hash"].to_numpy()
-        maybe = probe.maybe(hashes)
-        if not maybe.any():
-            return table, _MATCHED.empty_table()
-        full = parquet.read(columns=["dedup_key", "macro", "site", "task_id"]).cast(_STRINGS)
+    the index columns and key_hash), from a committed kept file verified against its commit entry."""
+    parquet = _open_kept(verified_bytes(data_root, run_id, entry), entry["path"], run_id)
+    # The file is the one the walk wrote (its hash says so): its keys are canonical and key_hash is theirs.
+    keys = ["key_hash"] if probe.wanted else []  # (coverage wants no keys)
+    wanted = ["macro", "site", *keys] + (["task_id"] if retired_ids else [])
+    table = _drop_retired(parquet.read(columns=wanted), retired_ids)  # macro/site stay dictionary codes
+    if not probe.wanted:
+        return table, _MATCHED.empty_table()
+    hashes = table["key_hash"].to_numpy()
+    maybe = probe.maybe(hashes)
+    if not maybe.any():
+        return table, _MATCHED.empty_table()
+    full = parquet.read(columns=["dedup_key", "macro", "site", "task_id"]).cast(_STRINGS)
     matched = _drop_retired(full, retired_ids).filter(pa.array(maybe))
     return table, matched.append_column("key_hash", pa.array(hashes[maybe], pa.int64()))
 
@@ -274,7 +327,7 @@ def _in_order(read, items: list):
 @dataclass(frozen=True)
 class _Counted:
     """The counts of one history read, and the exact files they came from: run_id -> (path, (size,
-    mtime_ns), that run's retired task_ids)."""
+    mtime_ns), that run's retired task_ids, what its commit says of it)."""
 
     files: dict[str, tuple]
     counts: _PairCounts
@@ -287,53 +340,82 @@ class _Counted:
 _last_counted: _Counted | None = None
 
 
-def _fingerprint(path: UPath, retired_ids: frozenset[str] | None) -> tuple | None:
-    """What a file's counts depend on; None off local disk."""
-    signature = local_signature(path)
-    return None if signature is None else (path.path, signature, retired_ids)
+def _fingerprint(path: UPath, retired_ids: frozenset[str] | None, source: str) -> tuple | None:
+    """What a file's counts depend on; None off local disk or when it is missing (then it is read, and fails)."""
+    try:
+        signature = local_signature(path)
+    except OSError:
+        return None
+    return None if signature is None else (path.path, signature, retired_ids, source)
+
+
+def history_sources(data_root: UPath, commits: dict[str, CommitRecord]) -> dict[str, tuple[str, UPath, dict | None]]:
+    """run_id -> ("warehouse", its committed kept file, the commit's entry) for each committed run, or
+    ("legacy", runs/<run>/kept.jsonl, None) for a run with a legacy file and no commit."""
+    sources: dict[str, tuple[str, UPath, dict | None]] = {
+        r: ("legacy", p, None) for r, p in legacy_kept_files(data_root / "runs").items() if r not in commits
+    }
+    for run_id, record in commits.items():
+        entry = record.files.get("kept")
+        if entry is None:
+            raise HistoryIntegrityError(
+                f"warehouse/_commits/{run_id}.json names no kept file: delete it and re-filter {run_id} with "
+                f"`filter-pipeline materialize {run_id}`"
+            )
+        sources[run_id] = ("warehouse", data_root / entry["path"], entry)
+    return dict(sorted(sources.items()))
 
 
 def build_prior_index(
-    data_root: UPath, kept_dir: UPath, run_id: str, batch_keys: pd.DataFrame, retired: Retired
+    data_root: UPath, run_id: str, batch_keys: pd.DataFrame, retired: Retired, commits: dict[str, CommitRecord] | None = None
 ) -> PriorIndex:
-    """The prior-run dedup index for `run_id` (CONTRACT §3.4): every other run's kept rows minus retired.
+    """The prior-run dedup index for `run_id` (CONTRACT §3.4, §3.6): every other committed run's kept rows,
+    plus legacy kept.jsonl, minus retired. Raises HistoryIntegrityError (one line: the file, what is wrong,
+    what to do) when a committed kept file is missing, changed, unreadable or not a kept file.
 
     `batch_keys` (dedup_key, key_hash) are the keys the walk can meet: only those are returned with their
-    provenance; counts cover every row. Files are read a few at a time (READ_AHEAD), mostly as integers
-    and dictionary codes, so cost grows slowly with history and memory not at all. Without batch keys, runs
+    provenance; counts cover every row. `commits`: the warehouse's commit records (read when not given).
+    Files are read a few at a time (READ_AHEAD), each hashed as read, mostly decoded as integers and
+    dictionary codes, so cost grows slowly with history and memory not at all. Without batch keys, runs
     counted by this process's previous read, with their file and retired rows unchanged, are not read again.
     """
     global _last_counted
-    sources: dict[str, tuple[str, UPath]] = {
-        r: ("legacy", p) for r, p in legacy_kept_files(data_root / "runs").items()
-    }
-    sources.update({r: ("warehouse", p) for r, p in kept_files(kept_dir).items()})
+    commits = read_commits(data_root / "warehouse") if commits is None else commits
+    sources = history_sources(data_root, commits)
     probe = _KeyProbe(batch_keys)
     counts = _PairCounts()
     key_parts: list[pa.Table] = []
     runs_read = rows_read = 0
+    history: dict[str, str] = {}
 
-    def read(other: str) -> tuple[pa.Table, pa.Table]:
-        kind, path = sources[other]
+    def read(other: str) -> tuple[pa.Table, pa.Table, str]:
+        kind, path, entry = sources[other]
         retired_ids = retired.tasks.get(other)
         if kind == "warehouse":
-            return _read_warehouse(path, probe, retired_ids)
-        rows = _drop_retired(_read_legacy(path, other), retired_ids)
-        return rows, rows.filter(pa.array(probe.maybe(rows["key_hash"].to_numpy()))).select(_MATCHED.names)
+            return *_read_warehouse(data_root, other, entry, probe, retired_ids), commits[other].digest
+        rows, digest = _read_legacy(path, other)
+        rows = _drop_retired(rows, retired_ids)
+        return rows, rows.filter(pa.array(probe.maybe(rows["key_hash"].to_numpy()))).select(_MATCHED.names), LEGACY_PREFIX + digest
 
-    others = [r for r in sorted(sources) if r != run_id and not retired.run_is_retired(r)]
-    files = {r: _fingerprint(sources[r][1], retired.tasks.get(r)) for r in others}
+    others = [r for r in sources if r != run_id and not retired.run_is_retired(r)]
+    files = {
+        r: _fingerprint(sources[r][1], retired.tasks.get(r), commits[r].digest if r in commits else "legacy")
+        for r in others
+    }
     to_read = others
     last = _last_counted
     if not probe.wanted and last is not None and all(f is not None and files.get(r) == f for r, f in last.files.items()):
         counts, runs_read, rows_read = last.counts.copy(), len(last.files), last.rows
         to_read = [r for r in others if r not in last.files]
-    for other, (rows, matched) in zip(to_read, _in_order(read, to_read)):
+    for other, (rows, matched, digest) in zip(to_read, _in_order(read, to_read)):
         runs_read += 1
         rows_read += rows.num_rows
+        history[other] = digest
         counts.add(rows.select(["macro", "site"]))
         if matched.num_rows:
             key_parts.append(matched.append_column("run_id", pa.array([other] * matched.num_rows, type=pa.string())))
+    for other in others:
+        history.setdefault(other, commits[other].digest if other in commits else "legacy:")
     if all(f is not None for f in files.values()):
         _last_counted = _Counted(files, counts.copy(), rows_read)
 
@@ -347,4 +429,5 @@ def build_prior_index(
         counts=conform(to_pandas(total), "prior_kept_counts"),
         runs_read=runs_read,
         rows_read=rows_read,
+        history=dict(sorted(history.items())),
     )

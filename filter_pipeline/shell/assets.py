@@ -4,11 +4,16 @@ Lineage: execution batch -> judge_verdicts -> failure_pool; judge_verdicts + pri
 (No `from __future__ import annotations` here: Dagster reads the `context` annotation at runtime.)
 """
 
+import os
+import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timezone
 
 import dagster as dg
 import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
 from pydantic import Field
 
 from filter_pipeline.rules import calibration
@@ -24,10 +29,16 @@ from filter_pipeline.rules.history import build_prior_index, load_retired
 from filter_pipeline.judge.driver import ProgressStore, RecordSteps
 from filter_pipeline.judge.client import EndpointRefused
 from filter_pipeline.judge.resource import JudgeResource
-from filter_pipeline.rules.schemas import DROPPED_REASONS, FAILURE_REASONS, SCHEMAS, STATUS_ERROR, STATUS_JUDGED
-from filter_pipeline.rules.schemas import COLUMN_DESCRIPTIONS
-from filter_pipeline.shell.pool import LEDGER_POOL, ledger_lock, mark_ledger_holder
+from filter_pipeline.rules.schemas import (
+    DROPPED_REASONS, FAILURE_REASONS, SCHEMAS, STATUS_ERROR, STATUS_JUDGED, dictionary_columns, statistics_columns, to_arrow,
+)  # fmt: skip
+from filter_pipeline.rules import commits
+from filter_pipeline.rules import verify
+from filter_pipeline.rules.commits import atomic_write, delete_commit, file_entry, write_commit
+from filter_pipeline.rules.lease import Lease, acquire_or_wait
+from filter_pipeline.shell.config import CAPS_ENV, load_caps_file
 from filter_pipeline.shell.warehouse import DataRoot, read_folder, read_parquet, write_atomically, write_parquet
+from filter_pipeline.rules.schemas import COLUMN_DESCRIPTIONS
 
 run_id_partitions = dg.DynamicPartitionsDefinition(name="run_id")
 
@@ -43,11 +54,6 @@ def column_schema(asset: str) -> dict:
             ]
         )
     }
-
-
-def reading(columns_by_input: dict[str, list[str]]) -> dict[str, dg.AssetIn]:
-    """Asset inputs that load only the given columns (the warehouse IO manager honours `columns`)."""
-    return {name: dg.AssetIn(metadata={"columns": columns}) for name, columns in columns_by_input.items()}
 
 
 def count_by(values: pd.Series, names: Iterable[str], prefix: str) -> dict:
@@ -217,134 +223,238 @@ def failure_pool(
 
 # --- the ledger -------------------------------------------------------------------------------------
 
-_LEDGER_INPUTS = {dg.AssetKey("judge_verdicts"), dg.AssetKey("prior_dedup_index"), dg.AssetKey("prior_kept_counts")}
+
+class LedgerConfig(CapsConfig):
+    """Caps of the walk, and which failed attempts may be the rejected side of a DPO pair."""
+
+    include_judge_failures: bool = Field(
+        default=False,
+        description="DPO pairs: also pair judge failures, whose backend gate passed (the judge and the gate "
+        "disagree there).",
+    )
+
+
+_WALK_INPUTS = [dg.AssetKey("judge_verdicts"), dg.AssetKey("prior_dedup_index"), dg.AssetKey("prior_kept_counts")]
+
+
+def _ledger_spec(name: str, description: str, deps: list, group: str = "ledger") -> dg.AssetSpec:
+    return dg.AssetSpec(name, description=description, deps=deps, group_name=group, metadata=column_schema(name))
 
 
 @dg.multi_asset(
+    name="ledger",
     partitions_def=run_id_partitions,
-    group_name="ledger",
-    pool=LEDGER_POOL,
-    # first among the steps ready beside it (failure_pool, judge_calibration): the longest of them, and every
-    # step after it waits for its kept and surplus
+    # first among the steps ready beside it (judge_calibration): the longest of them
     op_tags={PRIORITY_TAG: "1"},
-    ins={"judge_verdicts": dg.AssetIn()},
-    outs={
-        "prior_dedup_index": dg.AssetOut(
-            description="Keys kept by every other run (warehouse `kept` files plus legacy runs/*/kept.jsonl, minus "
-            "retired.json) that this batch's verdicts carry, with the run and task that kept each. Read straight "
-            "from the warehouse, not as an asset input: an asset cannot depend on other partitions of its own "
-            "downstream `kept`.",
-            metadata=column_schema("prior_dedup_index"),
+    # (whole frames: in one process the IO manager hands over the tables it just wrote, without reading them;
+    # an input that also is a spec's dep cannot narrow its columns)
+    ins={"judge_verdicts": dg.AssetIn(), "failure_pool": dg.AssetIn(), "batch_attempts": dg.AssetIn()},
+    specs=[
+        _ledger_spec(
+            "prior_dedup_index",
+            "Keys kept by every other committed run (plus legacy runs/*/kept.jsonl, minus retired.json) that this "
+            "batch's verdicts carry, with the run and task that kept each. Read straight from the warehouse, "
+            "verified against each run's commit record, not as an asset input: an asset cannot depend on other "
+            "partitions of its own downstream `kept`.",
+            ["judge_verdicts"],
         ),
-        "prior_kept_counts": dg.AssetOut(
-            description="Kept rows per (macro, site) over every other run, minus retired: where the caps start.",
-            metadata=column_schema("prior_kept_counts"),
+        _ledger_spec("prior_kept_counts", "Kept rows per (macro, site) over every other committed run, minus "
+                     "retired: where the caps start.", []),  # fmt: skip
+        _ledger_spec(
+            "kept",
+            "Passing verdicts kept as training data: not a duplicate of anything kept before (same site, target "
+            "element, argument) and under the site cap and macro target, history included.",
+            _WALK_INPUTS,
         ),
-        "kept": dg.AssetOut(
-            description="Passing verdicts kept as training data: not a duplicate of anything kept before (same "
-            "site, target element, argument) and under the site cap and macro target, history included.",
-            metadata=column_schema("kept"),
+        _ledger_spec(
+            "surplus",
+            "Passing verdicts dropped only by dedup or a cap: dropped = duplicate / site_cap / target; duplicates "
+            "name the run and task that kept the key first.",
+            _WALK_INPUTS,
         ),
-        "surplus": dg.AssetOut(
-            description="Passing verdicts dropped only by dedup or a cap: dropped = duplicate / site_cap / target; "
-            "duplicates name the run and task that kept the key first.",
-            metadata=column_schema("surplus"),
+        _ledger_spec(
+            "dpo_pairs",
+            "DPO pairs: chosen = a kept trajectory, rejected = a failed attempt of the same task that is a clean "
+            "negative (not backend_ok, not unjudged; judge failures only if configured).",
+            ["failure_pool", "kept"],
+            group="training",
         ),
-    },
+        _ledger_spec(
+            "filter_report",
+            "The run at a glance: funnel (attempts -> ok attempts -> judged -> passed -> kept), keep rate and "
+            "failure reasons per site and macro, surplus by reason, judge pass rate and agreement with the gate, "
+            "cost. Charts show on the materialization; a standalone page is written to "
+            "warehouse/filter_report_html/.",
+            ["batch_attempts", "judge_verdicts", "failure_pool", "kept", "surplus"],
+            group="reports",
+        ),
+    ],
     check_specs=[
         blocking_check("verdicts_conserved", "kept", checks.verdicts_conserved.__doc__),
         blocking_check("no_key_kept_twice", "kept", checks.no_key_kept_twice.__doc__),
         blocking_check("caps_respected", "kept", checks.caps_respected.__doc__),
     ],
-    internal_asset_deps={
-        "prior_dedup_index": {dg.AssetKey("judge_verdicts")},
-        "prior_kept_counts": set(),
-        "kept": _LEDGER_INPUTS,
-        "surplus": _LEDGER_INPUTS,
-    },
 )
-def ledger(context: dg.AssetExecutionContext, config: CapsConfig, data: DataRoot, judge_verdicts: pd.DataFrame):
-    """Read history and walk the verdicts in one step under the `ledger` pool (limit 1): two runs reading the
-    index before either writes `kept` could both keep the same key."""
-    mark_ledger_holder(context)
-    with ledger_lock(context.instance):
-        yield from _walk_the_ledger(context, config, data, judge_verdicts)
-
-
-def _walk_the_ledger(context: dg.AssetExecutionContext, config: CapsConfig, data: DataRoot, judge_verdicts: pd.DataFrame):
-    """The ledger step's work: history, the walk, its outputs and checks (the caller holds the lock)."""
+def ledger(
+    context: dg.AssetExecutionContext,
+    config: LedgerConfig,
+    data: DataRoot,
+    judge_verdicts: pd.DataFrame,
+    failure_pool: pd.DataFrame,
+    batch_attempts: pd.DataFrame,
+):
+    """Walk the run's verdicts against committed history, write everything derived from the walk, then
+    commit it (warehouse/_commits/<run_id>.json), all under the warehouse's ledger lease: walks on one data
+    root never overlap, whichever process, instance or machine runs them. A run is filtered only once its
+    commit is written; a walk killed before that leaves the run pending, to be walked again from its inputs."""
     run_id = context.partition_key
-    retired = load_retired(data.root)
-    index = build_prior_index(data.root, data.warehouse / "kept", run_id, judge_verdicts[["dedup_key", "key_hash"]], retired)
-    context.log.info(
-        f"prior index: {index.rows_read} kept rows of {index.runs_read} other runs; "
-        f"{len(index.keys)} of them share a key with this batch"
-    )
-    caps = config.to_caps()
-    result = filtering.walk_ledger(judge_verdicts, index.keys, index.counts, caps, run_id)
-    context.log.info(f"walk: kept {len(result.kept)}, surplus {len(result.surplus)}")
-    yield from outputs_then_checks(
-        [
-            dg.Output(index.keys, output_name="prior_dedup_index", metadata={"runs_read": index.runs_read, "rows_read": index.rows_read}),
-            dg.Output(index.counts, output_name="prior_kept_counts", metadata={"kept_before": int(index.counts["n_kept"].sum())}),
-            dg.Output(result.kept, output_name="kept"),
-            dg.Output(result.surplus, output_name="surplus", metadata=count_by(result.surplus["dropped"], DROPPED_REASONS, "dropped/")),
-        ],
-        {
-            ("verdicts_conserved", "kept"): lambda: checks.verdicts_conserved(judge_verdicts, result.kept, result.surplus),
-            # against the index this step built (it holds every earlier keeper of any key this batch carries);
-            # a second scan of the warehouse would double the step's cost on a large history
-            ("no_key_kept_twice", "kept"): lambda: checks.no_key_kept_twice(result.kept, index.keys),
-            ("caps_respected", "kept"): lambda: checks.caps_respected(result.kept, index.counts, caps),
-        },
-    )
+    holder = f"the ledger walk of {run_id} (Dagster run {context.run.run_id})"
+    # (the place for an order check: which lower runs this walk waits for)
+    with acquire_or_wait(data.root, holder, log=context.log.info) as lease:
+        yield from _walk_the_ledger(
+            context, config, data, run_id, judge_verdicts, caps_source(config), failure_pool, batch_attempts, lease
+        )
+
+
+def caps_source(config: CapsConfig) -> str:
+    """'deployment' when the walk's caps are the deployment's (FILTER_PIPELINE_CAPS, else the defaults),
+    else 'run config'."""
+    path = os.environ.get(CAPS_ENV)
+    deployment = CapsConfig(**(load_caps_file(path) if path else {})).to_caps()
+    return "deployment" if config.to_caps() == deployment else "run config"
+
+
+def judge_settings(verdicts: pd.DataFrame) -> dict:
+    """Which judge decided the walked verdicts (kind, model, prompt version, votes per task); never its key."""
+    def first(column: str):
+        values = verdicts[column].dropna().unique() if column in verdicts else []
+        return str(values[0]) if len(values) else None
+
+    votes = first("votes")
+    return {"kind": first("judge"), "model": first("model"), "prompt_version": first("prompt_version"),
+            "votes": votes.partition("/")[2] or votes if votes else None}  # fmt: skip
+
+
+def _parquet_bytes(frame: pd.DataFrame, asset: str) -> tuple[pa.Buffer, int]:
+    table = to_arrow(frame, asset)
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink, use_dictionary=dictionary_columns(asset), write_statistics=statistics_columns(asset))
+    return sink.getvalue(), table.num_rows
+
+
+def _walk_the_ledger(
+    context: dg.AssetExecutionContext,
+    config: LedgerConfig,
+    data: DataRoot,
+    run_id: str,
+    judge_verdicts: pd.DataFrame,
+    source: str,
+    failure_pool: pd.DataFrame,
+    batch_attempts: pd.DataFrame,
+    lease: Lease | None = None,
+):
+    """One run's walk (the caller holds the lease): history, the walk, every file derived from it written
+    atomically, their checks, then the commit record, then one materialization per asset and the checks'
+    results. `source`: where the caps came from ("deployment" or "run config"), recorded in the commit;
+    `lease`: the held lease, checked just before committing (on object storage a holder that stalled past its
+    expiry may have lost it: it must not commit)."""
+    # two threads beside the walk: the inputs' hashes (hashlib and Arrow run without the GIL), and the checks
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="ledger") as alongside:
+        # the inputs' hashes, for telling later whether the batch changed since it was filtered
+        inputs = alongside.submit(commits.input_fingerprints, data.run_dir(run_id))
+        retired = load_retired(data.root)
+        index = build_prior_index(data.root, run_id, judge_verdicts[["dedup_key", "key_hash"]], retired)
+        context.log.info(
+            f"prior index: {index.rows_read} kept rows of {index.runs_read} other runs; "
+            f"{len(index.keys)} of them share a key with this batch"
+        )
+        caps = config.to_caps()
+        result = filtering.walk_ledger(judge_verdicts, index.keys, index.counts, caps, run_id)
+        context.log.info(f"walk: kept {len(result.kept)}, surplus {len(result.surplus)}")
+        pending = {
+            ("verdicts_conserved", "kept"): alongside.submit(checks.verdicts_conserved, judge_verdicts, result.kept, result.surplus),
+            # against the index this step built (it holds every earlier keeper of any key this batch carries)
+            ("no_key_kept_twice", "kept"): alongside.submit(checks.no_key_kept_twice, result.kept, index.keys),
+            ("caps_respected", "kept"): alongside.submit(checks.caps_respected, result.kept, index.counts, caps),
+        }
+        pairs = dpo.dpo_pairs(result.kept, failure_pool, include_judge_failures=config.include_judge_failures)
+        figures = report.figures(batch_attempts, judge_verdicts, failure_pool, result.kept, result.surplus)
+        images = report.charts(figures)
+        frames = {
+            "prior_dedup_index": (index.keys, {"runs_read": index.runs_read, "rows_read": index.rows_read}),
+            "prior_kept_counts": (index.counts, {"kept_before": int(index.counts["n_kept"].sum())}),
+            "kept": (result.kept, {"caps_source": source}),
+            "surplus": (result.surplus, count_by(result.surplus["dropped"], DROPPED_REASONS, "dropped/")),
+            "dpo_pairs": (pairs.pairs, {"kept_without_clean_negative": pairs.kept_without_negative,
+                                        **{f"excluded/{reason}": n for reason, n in pairs.excluded.items()}}),  # fmt: skip
+            "filter_report": (
+                report.long_form(figures).assign(run_id=run_id),
+                {"report": dg.MetadataValue.md(report.markdown(figures, images, run_id)),
+                 **{f"funnel/{s}": int(c) for s, c in zip(figures.funnel["step"], figures.funnel["count"])}},
+            ),  # fmt: skip
+        }
+        files: dict[str, dict] = {}
+        writing = time.perf_counter()
+        # pending from the first write until committed again (not before: a walk that fails on history leaves
+        # an already filtered run's commit, and so its place in everyone's history, as it was)
+        delete_commit(data.warehouse, run_id)
+        for asset, (frame, _) in frames.items():
+            path = data.asset_file(asset, run_id)
+            encoded, rows = _parquet_bytes(frame, asset)
+            atomic_write(path, encoded)
+            files[asset] = file_entry(data.root, path, encoded, rows)
+        page = data.warehouse / "filter_report_html" / f"{run_id}.html"
+        html = report.html(figures, images, run_id).encode()
+        atomic_write(page, html)
+        files["filter_report_html"] = file_entry(data.root, page, html, 0)
+        context.log.info(f"wrote {len(files)} files in {time.perf_counter() - writing:.2f} s")
+        frames["filter_report"][1]["html"] = dg.MetadataValue.path(str(page))
+        outcomes = {key: future.result() for key, future in pending.items()}
+        if all(outcome.passed for outcome in outcomes.values()):
+            # Only a walk whose invariants held becomes history; one that broke them fails on its checks.
+            record = commits.CommitRecord(
+                run_id=run_id,
+                walked_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                files=files,
+                kept_keys=int(result.kept["dedup_key"].nunique()),
+                caps={k: v for k, v in config.model_dump().items() if k in CapsConfig.model_fields},
+                caps_source=source,
+                judge=judge_settings(judge_verdicts),
+                history=index.history,
+                inputs=inputs.result(),
+                unjudged=int((judge_verdicts["status"] == STATUS_ERROR).sum()),
+            )
+            if lease is not None:
+                lease.check()
+            write_commit(data.warehouse, record)
+            context.log.info(f"committed {run_id}: warehouse/{commits.COMMITS_DIR}/{run_id}.json")
+    for asset, (frame, metadata) in frames.items():
+        yield dg.MaterializeResult(
+            asset_key=asset,
+            metadata={**metadata, "dagster/row_count": len(frame), "sha256": files[asset]["sha256"]},
+        )
+    for (check, asset), outcome in outcomes.items():
+        yield check_result(check, asset, outcome)
 
 
 # --- training data ----------------------------------------------------------------------------------
 
 
-class DpoConfig(dg.Config):
-    """Which failed attempts may be the rejected side of a DPO pair."""
-
-    include_judge_failures: bool = Field(
-        default=False,
-        description="Also pair judge failures, whose backend gate passed (the judge and the gate disagree there).",
-    )
-
-
-@dg.asset(
-    partitions_def=run_id_partitions,
-    group_name="training",
-    description="DPO pairs: chosen = a kept trajectory, rejected = a failed attempt of the same task that is a "
-    "clean negative (not backend_ok, not unjudged; judge failures only if configured).",
-    metadata=column_schema("dpo_pairs"),
-    ins=reading(dpo.INPUT_COLUMNS),
-)
-def dpo_pairs(config: DpoConfig, kept: pd.DataFrame, failure_pool: pd.DataFrame) -> dg.Output[pd.DataFrame]:
-    result = dpo.dpo_pairs(kept, failure_pool, include_judge_failures=config.include_judge_failures)
-    return dg.Output(
-        result.pairs,
-        metadata={
-            "kept_without_clean_negative": result.kept_without_negative,
-            **{f"excluded/{reason}": n for reason, n in result.excluded.items()},
-        },
-    )
-
-
 @dg.asset(
     group_name="training",
     deps=[dg.AssetKey("kept")],
-    description="Kept rows per (macro, site) and per macro over every non-retired run, against the site caps "
-    "and macro targets: what is full, what is short, by how much (a chart and a table on the materialization). "
-    "Refreshed by the batch sensor whenever the set of kept files changes.",
+    description="Kept rows per (macro, site) and per macro over every non-retired committed run, against the site "
+    "caps and macro targets: what is full, what is short, by how much (a chart and a table on the "
+    "materialization). Refreshed by the batch sensor whenever the set of kept files changes.",
     metadata=column_schema("coverage"),
+    check_specs=[dg.AssetCheckSpec("warehouse_verified", asset="coverage", description=verify.audit.__doc__ + " " + (verify.__doc__ or "").split("\n\n")[1])],
 )
-def coverage(config: CapsConfig, data: DataRoot) -> dg.Output[pd.DataFrame]:
+def coverage(config: CapsConfig, data: DataRoot):
     no_keys = pd.DataFrame({"dedup_key": pd.Series([], dtype=object), "key_hash": pd.Series([], dtype="int64")})
-    index = build_prior_index(data.root, data.warehouse / "kept", "", no_keys, load_retired(data.root))
+    index = build_prior_index(data.root, "", no_keys, load_retired(data.root))
     table = coverage_table(index.counts, config.to_caps())
     sites = table[table["level"] == "site"]
-    return dg.Output(
+    yield dg.Output(
         table,
         metadata={
             "kept": int(sites["kept"].sum()),
@@ -356,42 +466,23 @@ def coverage(config: CapsConfig, data: DataRoot) -> dg.Output[pd.DataFrame]:
             ),
         },
     )
+    findings = verify.audit(data.root)
+    yield dg.AssetCheckResult(
+        check_name="warehouse_verified",
+        passed=not findings,
+        description="\n".join(f.line for f in findings) or "every committed file present and unchanged, no key kept "
+        "twice, caps respected, verdicts conserved, no uncommitted kept file, no batch changed since filtered",
+        metadata={
+            "findings": len(findings),
+            **{f"findings/{kind}": sum(f.kind == kind for f in findings) for kind in verify.FINDING_KINDS},
+            "changed_batches": dg.MetadataValue.md(
+                "\n".join(f"- {f.line}" for f in findings if f.kind == "changed") or "none"
+            ),
+        },
+    )
 
 
 # --- reports ----------------------------------------------------------------------------------------
-
-
-@dg.asset(
-    partitions_def=run_id_partitions,
-    group_name="reports",
-    description="The run at a glance: funnel (attempts -> ok attempts -> judged -> passed -> kept), keep rate and "
-    "failure reasons per site and macro, surplus by reason, judge pass rate and agreement with the gate, cost. "
-    "Charts show on the materialization; a standalone page is written to warehouse/filter_report_html/.",
-    metadata=column_schema("filter_report"),
-    ins=reading(report.INPUT_COLUMNS),
-)
-def filter_report(
-    context: dg.AssetExecutionContext,
-    data: DataRoot,
-    batch_attempts: pd.DataFrame,
-    judge_verdicts: pd.DataFrame,
-    failure_pool: pd.DataFrame,
-    kept: pd.DataFrame,
-    surplus: pd.DataFrame,
-) -> dg.Output[pd.DataFrame]:
-    run_id = context.partition_key
-    figures = report.figures(batch_attempts, judge_verdicts, failure_pool, kept, surplus)
-    images = report.charts(figures)
-    page = data.warehouse / "filter_report_html" / f"{run_id}.html"
-    write_atomically(page, lambda f: f.write(report.html(figures, images, run_id).encode()))
-    return dg.Output(
-        report.long_form(figures).assign(run_id=run_id),
-        metadata={
-            "report": dg.MetadataValue.md(report.markdown(figures, images, run_id)),
-            "html": dg.MetadataValue.path(str(page)),
-            **{f"funnel/{s}": int(c) for s, c in zip(figures.funnel["step"], figures.funnel["count"])},
-        },
-    )
 
 
 @dg.asset(

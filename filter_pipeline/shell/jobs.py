@@ -27,8 +27,9 @@ judge_job = dg.define_asset_job(
 ledger_job = dg.define_asset_job(
     "ledger_job",
     selection=dg.AssetSelection.groups(LEDGER_GROUP, "training", "reports") - ACROSS_RUNS,
-    description="Build the prior dedup index, walk the verdicts into kept / surplus (serialized by the `ledger` "
-    "pool; the sensor launches it in run_id order), then the DPO pairs and the run's report.",
+    description="Build the prior dedup index, walk the verdicts into kept / surplus, write the DPO pairs and the "
+    "run's report, and commit them (one walk at a time per data root, under the warehouse's ledger lease; the "
+    "sensor launches it in run_id order).",
 )
 across_runs_job = dg.define_asset_job(
     "across_runs_job",

@@ -12,7 +12,6 @@ import dagster as dg
 from filter_pipeline.shell.assets import run_id_partitions
 from filter_pipeline.rules.batch import BatchState, complete_batches
 from filter_pipeline.shell.jobs import PARTITION_TAG, RUN_KEY_TAG, across_runs_job, judge_job, ledger_job
-from filter_pipeline.shell.pool import release_stale_ledger_slots
 from filter_pipeline.shell.warehouse import DataRoot
 
 JUDGE_JOB = judge_job.name
@@ -36,6 +35,13 @@ def kept_fingerprint(data: DataRoot) -> str | None:
         return None
     files = sorted((p.name, p.stat().st_size) for p in folder.iterdir() if p.name.endswith(".parquet") and not p.name.startswith("."))
     return hashlib.sha1(repr(files).encode()).hexdigest()[:16] if files else None
+
+
+def changed_warning(run_id: str) -> str:
+    return (
+        f"runs/{run_id} changed since it was filtered (tasks.jsonl or executions.jsonl differ from its commit "
+        f"record): re-filter it with `filter-pipeline materialize {run_id}`; it is not re-filtered unless named"
+    )
 
 
 def plan_tick(
@@ -84,9 +90,10 @@ def build_batch_sensor(caps: dict) -> dg.SensorDefinition:
     )
     def batch_sensor(context: dg.SensorEvaluationContext, data: DataRoot) -> dg.SensorResult:
         instance = context.instance
-        for run_id in release_stale_ledger_slots(instance):
-            context.log.warning(f"released the ledger slot of run {run_id}, whose process died")
         batches = complete_batches(data.runs, data.warehouse, context.log)
+        for b in batches:
+            if b.changed:
+                context.log.warning(changed_warning(b.run_id))
         registered = set(instance.get_dynamic_partitions(run_id_partitions.name))
         waiting = [b.run_id for b in batches if not b.filtered]
         busy = {r for r in waiting if _has_run(instance, {PARTITION_TAG: r}, NOT_FINISHED_STATUSES)}

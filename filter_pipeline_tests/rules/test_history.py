@@ -1,5 +1,6 @@
 """CONTRACT §2 retired.json and §3.4 the prior-run dedup index."""
 
+import hashlib
 import json
 
 import pandas as pd
@@ -9,16 +10,17 @@ import pytest
 from upath import UPath
 
 from filter_pipeline.rules import history
+from filter_pipeline.rules.commits import HistoryIntegrityError
 from filter_pipeline.rules.history import HistoryError, Retired, build_prior_index, load_retired
 from filter_pipeline.rules.schemas import canonical_key, key_hash
-from filter_pipeline_tests.builders import write_kept, write_legacy_kept
+from filter_pipeline_tests.builders import commit_files, write_kept, write_legacy_kept
 
 
 def index(data, run_id="now", batch_keys=(), retired=None):
     texts = [canonical_key(k) for k in batch_keys]
     keys = pd.DataFrame({"dedup_key": pd.Series(texts, dtype=object), "key_hash": pd.Series([key_hash(t) for t in texts], dtype="int64")})
     root = UPath(data)
-    return build_prior_index(root, root / "warehouse" / "kept", run_id, keys, retired or load_retired(root))
+    return build_prior_index(root, run_id, keys, retired or load_retired(root))
 
 
 def counts_of(idx) -> dict:
@@ -35,11 +37,12 @@ def test_keys_and_counts_of_other_runs(tmp_path):
 
 def write_kept_with_hash(data, run_id: str, stored_hash: int, *rows: tuple) -> None:
     """A kept file whose key_hash column holds `stored_hash` on every row, whatever its text (a collision)."""
-    write_kept(data, run_id, *rows)
+    write_kept(data, run_id, *rows, commit=False)
     path = UPath(data) / "warehouse" / "kept" / f"{run_id}.parquet"
     table = pq.read_table(path.path)
     forced = pa.array([stored_hash] * table.num_rows, pa.int64())
     pq.write_table(table.set_column(table.column_names.index("key_hash"), "key_hash", forced), path.path)
+    commit_files(data, run_id, {"kept": path})
 
 
 def test_a_history_row_with_a_batch_keys_hash_but_other_text_is_no_match(tmp_path):
@@ -74,7 +77,7 @@ def test_retired_whole_run_and_retired_rows_do_not_count(tmp_path):
     assert counts_of(idx) == {("m", "s"): 2}
 
 
-def test_legacy_kept_jsonl_counts_unless_the_run_has_a_warehouse_file(tmp_path):
+def test_legacy_kept_jsonl_counts_unless_the_run_has_a_commit(tmp_path):
     write_legacy_kept(tmp_path, "old", ("a", ["k", 1], "m", "s"), ("b", ["k", 2], "m", "s"))
     write_legacy_kept(tmp_path, "redone", ("x", ["k", 7], "m", "s"))
     write_kept(tmp_path, "redone", ("y", ["k", 8], "m", "s"))
@@ -114,7 +117,9 @@ def files_opened(monkeypatch) -> list[str]:
     """Names of the warehouse kept files each history read from now on opens."""
     opened: list[str] = []
     real = history._read_warehouse
-    monkeypatch.setattr(history, "_read_warehouse", lambda path, *args: opened.append(path.name) or real(path, *args))
+    monkeypatch.setattr(
+        history, "_read_warehouse", lambda root, run_id, entry, *args: opened.append(UPath(entry["path"]).name) or real(root, run_id, entry, *args)
+    )
     return opened
 
 
@@ -172,3 +177,79 @@ def test_history_off_local_disk_is_always_read(monkeypatch):
     opened = files_opened(monkeypatch)
     assert counts_of(index(root, run_id="")) == {("m", "s1"): 1}
     assert opened == ["r1.parquet"]
+
+
+# --- history is what was committed, verified (CONTRACT §3.6) ----------------------------------------
+
+
+def kept_path(data, run_id):
+    return UPath(data) / "warehouse" / "kept" / f"{run_id}.parquet"
+
+
+def test_a_kept_file_without_a_commit_is_not_history(tmp_path):
+    write_kept(tmp_path, "r1", ("a", ["k", 1], "m", "s"))
+    write_kept(tmp_path, "r2", ("b", ["k", 2], "m", "s"), commit=False)  # a walk killed before its commit
+    idx = index(tmp_path, batch_keys=[["k", 1], ["k", 2]])
+    assert idx.keys["task_id"].tolist() == ["a"]
+    assert counts_of(idx) == {("m", "s"): 1}
+
+
+def test_a_deleted_committed_kept_file_fails_with_one_line_naming_it(tmp_path):
+    write_kept(tmp_path, "r1", ("a", ["k", 1], "m", "s"))
+    kept_path(tmp_path, "r1").unlink()
+    with pytest.raises(HistoryIntegrityError) as caught:
+        index(tmp_path, batch_keys=[["k", 1]])
+    assert str(caught.value) == (
+        "warehouse/kept/r1.parquet is missing, but run r1 committed it: restore it, or re-filter r1 with "
+        "`filter-pipeline materialize r1`"
+    )
+
+
+def test_a_kept_file_rewritten_by_another_tool_is_refused_never_read_as_new_keys(tmp_path):
+    write_kept(tmp_path, "r1", ("a", ["k", 1], "m", "s"))
+    # another tool: json.dumps defaults (", " separators), no key_hash column
+    table = pa.table({"task_id": ["a"], "macro": ["m"], "site": ["s"], "dedup_key": [json.dumps(["k", 1])], "run_id": ["r1"]})
+    pq.write_table(table, kept_path(tmp_path, "r1").path)
+    with pytest.raises(HistoryIntegrityError, match=r"^warehouse/kept/r1.parquet changed since run r1 was committed \(sha256 [0-9a-f]{12}, \d+ bytes; committed [0-9a-f]{12}, \d+ bytes\): restore it, or re-filter r1 with `filter-pipeline materialize r1`$"):
+        index(tmp_path, batch_keys=[["k", 1]])
+
+
+def test_a_committed_file_that_is_not_parquet_or_not_a_kept_file_is_refused(tmp_path):
+    path = kept_path(tmp_path, "r1")
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"not parquet at all")
+    commit_files(tmp_path, "r1", {"kept": path})
+    with pytest.raises(HistoryIntegrityError, match=r"^warehouse/kept/r1.parquet \(committed by run r1\) is not readable Parquet"):
+        index(tmp_path)
+    pq.write_table(pa.table({"task_id": ["a"], "macro": ["m"], "site": ["s"]}), path.path)
+    commit_files(tmp_path, "r1", {"kept": path})
+    with pytest.raises(HistoryIntegrityError, match=r"is not a kept file: no column dedup_key, key_hash: restore it"):
+        index(tmp_path)
+
+
+def test_an_unreadable_commit_record_is_refused_with_what_to_do(tmp_path):
+    write_kept(tmp_path, "r1", ("a", ["k", 1], "m", "s"))
+    (tmp_path / "warehouse" / "_commits" / "r1.json").write_text("{half")
+    with pytest.raises(HistoryIntegrityError, match=r"^warehouse/_commits/r1.json is not a commit record \(not JSON"):
+        index(tmp_path)
+
+
+def test_the_index_names_the_commits_and_legacy_files_it_read(tmp_path):
+    from filter_pipeline.rules.commits import read_commits
+
+    write_kept(tmp_path, "r1", ("a", ["k", 1], "m", "s"))
+    write_legacy_kept(tmp_path, "old", ("b", ["k", 2], "m", "s"))
+    idx = index(tmp_path, batch_keys=[["k", 2]])
+    legacy = hashlib.sha256((tmp_path / "runs" / "old" / "kept.jsonl").read_bytes()).hexdigest()
+    assert idx.history == {"old": f"legacy:{legacy}", "r1": read_commits(UPath(tmp_path) / "warehouse")["r1"].digest}
+
+
+def test_legacy_keys_in_any_json_spelling_are_compared_as_canonical_text(tmp_path):
+    run = tmp_path / "runs" / "old"
+    run.mkdir(parents=True)
+    (run / "kept.jsonl").write_text(
+        json.dumps({"task_id": "a", "macro": "m", "site": "s", "dedup_key": json.dumps(["k", "é", 1])}) + "\n"  # text, ", " and \\u00e9
+        + '{"task_id": "b", "macro": "m", "site": "s", "dedup_key": [ "k" , 2 ]}\n'
+    )
+    idx = index(tmp_path, batch_keys=[["k", "é", 1], ["k", 2]])
+    assert idx.keys["dedup_key"].tolist() == ['["k","é",1]', '["k",2]']

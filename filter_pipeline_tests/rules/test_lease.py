@@ -1,0 +1,156 @@
+"""The ledger lease on the data root (CONTRACT §3.6: walks never overlap on one warehouse): local disk and S3."""
+
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from upath import UPath
+
+from filter_pipeline.rules import lease
+from filter_pipeline.rules.lease import LEASE_FILE, LedgerBusy, acquire_or_wait, ledger_lease
+
+HOLD = """
+import sys, time
+from upath import UPath
+from filter_pipeline.rules.lease import ledger_lease
+with ledger_lease(UPath(sys.argv[1]), "run r1 (test holder)"):
+    print("held", flush=True)
+    time.sleep(600)
+"""
+
+
+def holder_process(root) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(root)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_local_lease_held_by_another_process_names_the_holder_and_is_free_once_it_is_killed(tmp_path):
+    proc = holder_process(tmp_path)
+    try:
+        with pytest.raises(LedgerBusy) as busy:
+            with ledger_lease(UPath(tmp_path), "run r2"):
+                pass
+        assert f"the ledger of {tmp_path} is held by run r1 (test holder) (host " in str(busy.value)
+        assert f"pid {proc.pid}) since 20" in str(busy.value)
+    finally:
+        proc.kill()  # SIGKILL: no clean-up runs; the OS drops its lock
+        proc.wait()
+    with ledger_lease(UPath(tmp_path), "run r2"):
+        holder = json.loads((tmp_path / "warehouse" / lease.HOLDER_FILE).read_text())
+        assert holder["holder"] == "run r2"
+
+
+def test_local_lease_excludes_a_second_holder_in_the_same_process(tmp_path):
+    with ledger_lease(UPath(tmp_path), "first"):
+        with pytest.raises(LedgerBusy, match="held by first"):
+            with ledger_lease(UPath(tmp_path), "second"):
+                pass
+    with ledger_lease(UPath(tmp_path), "second"):
+        pass
+
+
+def test_acquire_or_wait_waits_for_the_holder_then_gives_up_with_ledger_busy(tmp_path):
+    said: list[str] = []
+    release = threading.Event()
+
+    def hold():
+        with ledger_lease(UPath(tmp_path), "the first walk"):
+            release.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    time.sleep(0.2)
+    with pytest.raises(LedgerBusy):
+        with acquire_or_wait(UPath(tmp_path), "second", wait_seconds=0.3, log=said.append, poll_seconds=0.05):
+            pass
+    assert said and said[0].startswith("waiting: the ledger of") and "the first walk" in said[0]
+    threading.Timer(0.3, release.set).start()
+    started = time.monotonic()
+    with acquire_or_wait(UPath(tmp_path), "second", wait_seconds=10, poll_seconds=0.05):
+        assert time.monotonic() - started >= 0.2
+    holder.join()
+
+
+def test_an_exception_inside_acquire_or_wait_releases_the_lease(tmp_path):
+    with pytest.raises(RuntimeError):
+        with acquire_or_wait(UPath(tmp_path), "a", wait_seconds=0):
+            raise RuntimeError("the walk failed")
+    with ledger_lease(UPath(tmp_path), "b"):
+        pass
+
+
+def s3_root(s3_server, bucket):
+    return UPath(f"s3://{bucket}/data", endpoint_url=s3_server.endpoint, use_listings_cache=False)
+
+
+def test_s3_lease_is_exclusive_renewed_while_held_and_deleted_at_the_end(s3_server, s3_bucket):
+    root = s3_root(s3_server, s3_bucket)
+    with ledger_lease(root, "run r1", ttl_seconds=1.2):
+        with pytest.raises(LedgerBusy, match=rf"^the ledger of s3://{s3_bucket}/data is held by run r1 \(host .*, pid \d+\) since 20"):
+            with ledger_lease(root, "run r2"):
+                pass
+        time.sleep(2)  # past the first expiry: the heartbeat renewed it
+        with pytest.raises(LedgerBusy, match="held by run r1"):
+            with ledger_lease(root, "run r2"):
+                pass
+    assert not root.fs.exists(f"{s3_bucket}/data/warehouse/{LEASE_FILE}")
+    with ledger_lease(root, "run r2"):
+        pass
+
+
+def expired_lease(root, holder="a dead walk") -> None:
+    path = root / "warehouse" / LEASE_FILE
+    path.fs.pipe_file(path.path, json.dumps({"holder": holder, "host": "gone", "pid": 1, "since": "x", "expires": time.time() - 5}).encode())
+
+
+def test_an_expired_s3_lease_of_a_dead_holder_is_taken_over_without_hand_work(s3_server, s3_bucket):
+    root = s3_root(s3_server, s3_bucket)
+    expired_lease(root)
+    with ledger_lease(root, "run r2"):
+        current = json.loads(root.fs.cat_file((root / "warehouse" / LEASE_FILE).path))
+        assert current["holder"] == "run r2"
+
+
+def test_of_two_takers_of_an_expired_s3_lease_exactly_one_wins(s3_server, s3_bucket, monkeypatch):
+    root = s3_root(s3_server, s3_bucket)
+    for attempt in range(3):
+        expired_lease(root)
+        # both takers read the expired lease before either writes: only the conditional write decides
+        barrier = threading.Barrier(2)
+        real_cat = root.fs.cat_file
+
+        def cat_then_wait(path, *args, **kwargs):
+            data = real_cat(path, *args, **kwargs)
+            if path.endswith(LEASE_FILE):
+                barrier.wait(timeout=10)
+            return data
+
+        monkeypatch.setattr(root.fs, "cat_file", cat_then_wait)
+        outcomes: list[str] = []
+        inside = threading.Event()
+        release = threading.Event()
+
+        def take(name):
+            try:
+                with ledger_lease(root, name):
+                    outcomes.append(f"won {name}")
+                    inside.set()
+                    release.wait(10)
+            except LedgerBusy as exc:
+                outcomes.append(f"busy {exc}")
+
+        takers = [threading.Thread(target=take, args=(f"taker {i}",)) for i in range(2)]
+        for t in takers:
+            t.start()
+        assert inside.wait(10)
+        time.sleep(0.3)
+        release.set()
+        for t in takers:
+            t.join()
+        monkeypatch.undo()
+        assert sorted(o.split()[0] for o in outcomes) == ["busy", "won"], outcomes
+        assert "just taken over by another walk" in next(o for o in outcomes if o.startswith("busy"))

@@ -1,0 +1,177 @@
+"""The ledger step under Dagster (CONTRACT §3.6): it commits what it wrote, reads only verified committed
+history, and a run is filtered only once committed."""
+
+import json
+import logging
+
+import dagster as dg
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from upath import UPath
+
+from filter_pipeline.definitions import build_defs
+from filter_pipeline.judge.resource import JudgeResource
+from filter_pipeline.rules.batch import complete_batches
+from filter_pipeline.rules.commits import read_commits
+from filter_pipeline.rules.verify import audit
+from filter_pipeline.shell.sensors import build_batch_sensor
+from filter_pipeline.shell.warehouse import DataRoot
+from filter_pipeline_tests.builders import attempt, task, write_batch
+
+pytestmark = pytest.mark.slow  # (each test runs the whole job in process, several seconds a run)
+
+LEDGER_FILES = ["prior_dedup_index", "prior_kept_counts", "kept", "surplus", "dpo_pairs", "filter_report"]
+
+
+@pytest.fixture
+def instance():
+    with dg.instance_for_test() as instance:
+        yield instance
+
+
+def materialize(instance, data_root, run_id, caps=None) -> dg.ExecuteInProcessResult:
+    if run_id not in instance.get_dynamic_partitions("run_id"):
+        instance.add_dynamic_partitions("run_id", [run_id])
+    run_config = {"ops": {"ledger": {"config": caps}}} if caps else {}
+    return build_defs(str(data_root), JudgeResource(), caps={}).resolve_job_def("filter_job").execute_in_process(
+        instance=instance, partition_key=run_id, run_config=run_config, raise_on_error=False
+    )
+
+
+def failure(result) -> str:
+    [event] = [e for e in result.all_events if e.event_type == dg.DagsterEventType.STEP_FAILURE]
+    error = event.step_failure_data.error
+    error = error.cause or error
+    return f"{event.step_key}: {error.message.strip().removeprefix(f'filter_pipeline.rules.commits.{error.cls_name}: ')}"
+
+
+def same_keys_batches(data_root, *run_ids, n=3):
+    """Batches carrying the same n keys, on n sites (so no cap interferes)."""
+    for run_id in run_ids:
+        tasks = [task(f"{run_id}-{i}", site=f"s{i}", key=["s", "#el", i]) for i in range(n)]
+        write_batch(data_root, run_id, tasks, [attempt(t["task_id"]) for t in tasks])
+
+
+def kept(data_root, run_id) -> list[str]:
+    return pd.read_parquet(data_root / "warehouse" / "kept" / f"{run_id}.parquet")["task_id"].tolist()
+
+
+def filtered(data_root) -> dict[str, bool]:
+    data = DataRoot(path=str(data_root))
+    return {b.run_id: b.filtered for b in complete_batches(data.runs, data.warehouse)}
+
+
+def test_a_walk_commits_every_file_it_wrote_with_sizes_hashes_caps_judge_inputs_and_history(instance, data_root):
+    same_keys_batches(data_root, "r1", "r2")
+    assert materialize(instance, data_root, "r1").success
+    assert materialize(instance, data_root, "r2", caps={"per_site_cap": 2}).success
+    records = read_commits(UPath(data_root) / "warehouse")
+    r1, r2 = records["r1"], records["r2"]
+    assert sorted(r2.files) == sorted([*LEDGER_FILES, "filter_report_html"])
+    for asset in LEDGER_FILES:
+        entry = r2.files[asset]
+        assert entry["path"] == f"warehouse/{asset}/r2.parquet"
+        assert entry["size"] == (data_root / entry["path"]).stat().st_size
+        assert entry["rows"] == len(pd.read_parquet(data_root / entry["path"]))
+    assert (r1.kept_keys, r2.kept_keys) == (3, 0)
+    assert (r1.caps_source, r1.caps) == ("deployment", {"per_site_cap": 3, "caps": {}})
+    assert (r2.caps_source, r2.caps) == ("run config", {"per_site_cap": 2, "caps": {}})
+    assert r2.judge == {"kind": "gate", "model": None, "prompt_version": None, "votes": "gate"}
+    assert r2.history == {"r1": r1.digest}
+    assert sorted(r2.inputs) == ["executions.jsonl", "tasks.jsonl"] and r2.unjudged == 0
+    assert audit(UPath(data_root)) == []
+
+
+def test_the_asset_checks_still_run_and_coverage_carries_the_warehouse_audit(instance, data_root):
+    same_keys_batches(data_root, "r1")
+    result = materialize(instance, data_root, "r1")
+    evaluations = {(e.asset_check_evaluation_data.check_name, e.asset_check_evaluation_data.passed)
+                   for e in result.all_events if e.event_type == dg.DagsterEventType.ASSET_CHECK_EVALUATION}  # fmt: skip
+    assert {("verdicts_conserved", True), ("no_key_kept_twice", True), ("caps_respected", True), ("warehouse_verified", True)} <= evaluations
+    (data_root / "warehouse" / "kept" / "r1.parquet").unlink()
+    job = build_defs(str(data_root), JudgeResource(), caps={}).resolve_job_def("across_runs_job")
+    with pytest.raises(Exception):  # coverage itself cannot count a missing committed file
+        job.execute_in_process(instance=instance)
+
+
+def test_a_deleted_committed_kept_file_fails_the_next_walk_with_one_line_instead_of_keeping_its_keys_again(instance, data_root):
+    same_keys_batches(data_root, "r1", "r2")
+    assert materialize(instance, data_root, "r1").success
+    (data_root / "warehouse" / "kept" / "r1.parquet").unlink()
+    result = materialize(instance, data_root, "r2")
+    assert not result.success
+    assert failure(result) == (
+        "ledger: warehouse/kept/r1.parquet is missing, but run r1 committed it: restore it, or re-filter r1 with "
+        "`filter-pipeline materialize r1`"
+    )
+    assert not filtered(data_root)["r2"] and not (data_root / "warehouse" / "kept" / "r2.parquet").exists()
+    assert materialize(instance, data_root, "r1").success  # what the line says to do
+    assert materialize(instance, data_root, "r2").success
+    assert (kept(data_root, "r1"), kept(data_root, "r2")) == (["r1-0", "r1-1", "r1-2"], [])
+
+
+def test_a_kept_file_rewritten_by_another_tool_is_refused_and_its_keys_are_never_kept_twice(instance, data_root):
+    same_keys_batches(data_root, "r1", "r2")
+    assert materialize(instance, data_root, "r1").success
+    path = data_root / "warehouse" / "kept" / "r1.parquet"
+    frame = pd.read_parquet(path)
+    frame["dedup_key"] = [json.dumps(json.loads(k)) for k in frame["dedup_key"]]  # json.dumps defaults: ", "
+    pq.write_table(pa.Table.from_pandas(frame.drop(columns=["key_hash"]), preserve_index=False), path)
+    result = materialize(instance, data_root, "r2")
+    assert not result.success
+    assert failure(result).startswith("ledger: warehouse/kept/r1.parquet changed since run r1 was committed (sha256 ")
+    assert not (data_root / "warehouse" / "kept" / "r2.parquet").exists()
+
+
+def test_a_walk_stopped_after_kept_but_before_its_commit_leaves_the_run_pending_and_the_next_walk_completes_it(instance, data_root):
+    same_keys_batches(data_root, "r1")
+    assert materialize(instance, data_root, "r1").success
+    before = {a: pd.read_parquet(data_root / "warehouse" / a / "r1.parquet") for a in LEDGER_FILES}
+    # the state a SIGKILL leaves after kept/r1.parquet is in place: no commit, no surplus, pairs or report
+    (data_root / "warehouse" / "_commits" / "r1.json").unlink()
+    for asset in ("surplus", "dpo_pairs", "filter_report"):
+        (data_root / "warehouse" / asset / "r1.parquet").unlink()
+    assert filtered(data_root) == {"r1": False}
+    assert [f.kind for f in audit(UPath(data_root))] == ["uncommitted"]
+    assert materialize(instance, data_root, "r1").success
+    assert filtered(data_root) == {"r1": True} and audit(UPath(data_root)) == []
+    for asset in LEDGER_FILES:
+        pd.testing.assert_frame_equal(pd.read_parquet(data_root / "warehouse" / asset / "r1.parquet"), before[asset], obj=asset)
+
+
+def test_an_uncommitted_kept_file_of_another_run_is_not_history(instance, data_root):
+    same_keys_batches(data_root, "r1", "r2")
+    assert materialize(instance, data_root, "r1").success
+    (data_root / "warehouse" / "_commits" / "r1.json").unlink()  # r1's walk never committed
+    assert materialize(instance, data_root, "r2").success
+    assert kept(data_root, "r2") == ["r2-0", "r2-1", "r2-2"]
+
+
+class Collect(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def test_a_batch_changed_since_it_was_filtered_is_reported_by_the_sensor_and_not_rerun(instance, data_root):
+    same_keys_batches(data_root, "r1")
+    assert materialize(instance, data_root, "r1").success
+    data = DataRoot(path=str(data_root))
+    assert [b.changed for b in complete_batches(data.runs, data.warehouse)] == [False]
+    with open(data_root / "runs" / "r1" / "tasks.jsonl", "a") as f:
+        f.write(json.dumps(task("late")) + "\n")
+    assert [(b.filtered, b.changed) for b in complete_batches(data.runs, data.warehouse)] == [(True, True)]
+    context = dg.build_sensor_context(instance=instance, resources={"data": data})
+    collected = Collect()
+    context.log.addHandler(collected)
+    result = build_batch_sensor({})(context)
+    assert [line for line in collected.lines if "changed" in line] == [
+        "runs/r1 changed since it was filtered (tasks.jsonl or executions.jsonl differ from its commit record): "
+        "re-filter it with `filter-pipeline materialize r1`; it is not re-filtered unless named"
+    ]
+    assert [r for r in result.run_requests if r.job_name != "across_runs_job"] == []
