@@ -103,7 +103,7 @@ def test_every_run_config_field_has_a_description():
 
     resources = (dg.ConfigurableResource, dg.ConfigurableIOManagerFactory)  # the test above covers those
     configs = [c for c in _package_subclasses(dg.Config) if not issubclass(c, resources)]
-    assert {"CapsConfig", "MacroCapsConfig", "DpoConfig"} <= {c.__name__ for c in configs}
+    assert {"CapsConfig", "MacroCapsConfig", "LedgerConfig"} <= {c.__name__ for c in configs}
     undescribed = [
         f"{cls.__name__}.{name}"
         for cls in configs
