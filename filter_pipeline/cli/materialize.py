@@ -2,6 +2,8 @@
 instance at $DAGSTER_HOME, print a summary line per batch (cli.py parses the arguments).
 
 What it materializes is recorded in that instance, so `dagster dev` on the same DAGSTER_HOME shows it.
+Exit status: 0 all succeeded; 1 a run failed; 2 bad input or config, nothing ran; 3 every run succeeded but
+some left tasks unjudged (a later `materialize` naming no run judges them again).
 """
 
 import argparse
@@ -10,7 +12,9 @@ import sys
 
 import dagster as dg
 
-from filter_pipeline.shell.assets import run_id_partitions
+from filter_pipeline.rules import order
+from filter_pipeline.rules.commits import read_commits
+from filter_pipeline.shell.assets import ORDER_MAX_WAIT_TAG, run_id_partitions
 from filter_pipeline.rules.batch import SUCCESS_FILE, check_run_id, complete_batches
 from filter_pipeline.shell.config import load_caps_file, parse_caps
 from filter_pipeline.definitions import across_runs_job_from_env, filter_job_from_env
@@ -18,8 +22,14 @@ from filter_pipeline.rules.history import load_retired
 from filter_pipeline.shell.jobs import ACROSS_RUNS_ASSETS, PARTITION_TAG
 from filter_pipeline.judge.resource import ENV, judge_from_env
 from filter_pipeline.shell.pool import release_stale_ledger_slots
+from filter_pipeline.shell.sensors import legacy_run_ids, record_legacy_runs, rejudge_tags, rejudging_due
 from filter_pipeline.rules.schemas import DROPPED_REASONS, FAILURE_REASONS, STATUS_ERROR
 from filter_pipeline.shell.warehouse import DATA_ENV, DataRoot, read_parquet
+
+
+EXIT_RUN_FAILED = 1
+EXIT_BAD_INPUT = 2  # (main.py maps CliError, ValueError and HistoryError to it)
+EXIT_UNJUDGED = 3
 
 
 class CliError(Exception):
@@ -34,6 +44,7 @@ def _caps(args: argparse.Namespace) -> dict:
 
 
 def _runs_to_materialize(data: DataRoot, requested: list[str]) -> list[str]:
+    """The named runs, checked; none named: every complete batch not yet filtered, in run_id order."""
     if not requested:
         return [b.run_id for b in complete_batches(data.runs, data.warehouse) if not b.filtered]
     for run_id in requested:
@@ -42,6 +53,32 @@ def _runs_to_materialize(data: DataRoot, requested: list[str]) -> list[str]:
             where = "does not exist" if not data.run_dir(run_id).exists() else f"has no {SUCCESS_FILE} (still being written?)"
             raise CliError(f"batch runs/{run_id} {where}")
     return requested
+
+
+def _in_ledger_order(data: DataRoot, run_ids: list[str], named: bool) -> list[str]:
+    """`run_ids` in the order the ledger accepts (CONTRACT §3.6): first walks in run_id order (one line when
+    that differs from the order given). Raises CliError when a named run's first walk would wait for a lower
+    complete batch that is neither named, filtered, retired, nor recorded as failed."""
+    batches = complete_batches(data.runs, data.warehouse, log=None)
+    committed = set(read_commits(data.warehouse)) | {b.run_id for b in batches if b.filtered}
+    ordered = order.walk_order(run_ids, committed)
+    if named and ordered != list(dict.fromkeys(run_ids)):
+        print(f"first walks go in run_id order: {' '.join(ordered)} (given: {' '.join(run_ids)})", flush=True)
+    complete = [b.run_id for b in batches]
+    failed, retired = order.read_failures(data.warehouse), load_retired(data.root).runs
+    blocked = {}
+    for run_id in ordered:
+        blockers = order.blocking_runs(run_id, complete, committed, failed, retired, walked_before=ordered)
+        if blockers:
+            blocked[run_id] = blockers
+    if blocked:
+        lowest = sorted({b for found in blocked.values() for b in found})
+        raise CliError(
+            f"{', '.join(sorted(blocked))}: first walk must wait for {', '.join(lowest)} (complete, lower run_id, "
+            f"not yet filtered): name {'it' if len(lowest) == 1 else 'them'} too, run `filter-pipeline materialize` "
+            f"with no run, or retire {'it' if len(lowest) == 1 else 'them'} in retired.json"
+        )
+    return ordered
 
 
 def _instance() -> dg.DagsterInstance:
@@ -88,8 +125,11 @@ def materialize(args: argparse.Namespace) -> int:
     data = DataRoot.from_env(args.data)
     caps = _caps(args)
     load_retired(data.root)  # a broken retired.json fails here, before anything is written
-    run_ids = _runs_to_materialize(data, args.run_ids)
+    run_ids = _in_ledger_order(data, _runs_to_materialize(data, args.run_ids), named=bool(args.run_ids))
     instance = _instance()
+    _register_legacy_runs(instance, data)
+    rejudge = {} if args.run_ids else {r.run_id: r for r in rejudging_due(instance, read_commits(data.warehouse), set(), wait=False)}
+    run_ids = sorted(set(run_ids) | set(rejudge)) if rejudge else run_ids
     if not run_ids:
         print("nothing to materialize: every complete batch is already filtered")
         return 0
@@ -105,18 +145,25 @@ def materialize(args: argparse.Namespace) -> int:
     os.environ[DATA_ENV], os.environ[ENV["kind"]] = data.path, judge.kind
     job = dg.reconstructable(filter_job_from_env)
     batch_only = [k for k in job.get_definition().asset_layer.executable_asset_keys if k.path[-1] not in ACROSS_RUNS_ASSETS]
-    failed, refreshed = 0, False
+    failed, unjudged, refreshed = 0, 0, False
     for position, run_id in enumerate(run_ids, start=1):
         last = position == len(run_ids)  # coverage and calibration once, in the last batch's run
+        # this call orders its own runs, so a ledger step that would wait can only be behind a run of this call
+        # that failed: it fails at once, naming that run, rather than wait for the order's whole timeout
+        tags = {PARTITION_TAG: run_id, ORDER_MAX_WAIT_TAG: "0"}
+        if run_id in rejudge:
+            tags.update(rejudge_tags(rejudge[run_id]))
+            print(f"{run_id}: judging its unjudged tasks again (try {rejudge[run_id].try_number})", flush=True)
         with dg.execute_job(
             job,
             instance,
             run_config=_run_config(caps, ops_with_caps=["ledger", "coverage"] if last else ["ledger"]),
-            tags={PARTITION_TAG: run_id},
+            tags=tags,
             asset_selection=None if last else batch_only,
         ) as result:
             if result.success:
                 print(summarize(data, run_id), flush=True)
+                unjudged += _unjudged(data, run_id) > 0
                 refreshed = last
             else:
                 failed += 1
@@ -126,11 +173,31 @@ def materialize(args: argparse.Namespace) -> int:
         failed += not refreshed
     if refreshed:
         _print_across_runs(data)
-    return 1 if failed else 0
+    if failed:
+        return EXIT_RUN_FAILED
+    if unjudged:
+        print(f"{unjudged} run(s) left tasks unjudged: a later `filter-pipeline materialize` naming no run judges them again", flush=True)
+        return EXIT_UNJUDGED
+    return 0
+
+
+def _unjudged(data: DataRoot, run_id: str) -> int:
+    verdicts = read_parquet(data.asset_file("judge_verdicts", run_id), columns=["status"])
+    return int((verdicts["status"] == STATUS_ERROR).sum())
+
+
+def _register_legacy_runs(instance: dg.DagsterInstance, data: DataRoot) -> None:
+    """Register every legacy run (a kept.jsonl of the earlier script) and record it as materialized, once."""
+    legacy = legacy_run_ids(data, complete_batches(data.runs, data.warehouse, log=None), read_commits(data.warehouse))
+    known = set(instance.get_dynamic_partitions(run_id_partitions.name))
+    instance.add_dynamic_partitions(run_id_partitions.name, [r for r in legacy if r not in known])
+    for run_id in record_legacy_runs(instance, data, legacy):
+        print(f"{run_id}: recorded as materialized (legacy kept.jsonl)", file=sys.stderr)
 
 
 def _run_config(caps: dict, ops_with_caps: list[str]) -> dict:
-    """INFO on the console, and the caps for the given ops (a run may configure only ops it runs)."""
+    """INFO on the console, and the caps for the given ops (a run may configure only ops it runs). No caps
+    given: none passed, and the steps use the deployment's (the caps config's defaults)."""
     config: dict = {"loggers": {"console": {"config": {"log_level": "INFO"}}}}
     if caps:
         config["ops"] = {op: {"config": caps} for op in ops_with_caps}

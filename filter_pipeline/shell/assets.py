@@ -315,24 +315,25 @@ def build_ledger(deployment_caps: dict) -> dg.AssetsDefinition:
                 else:
                     yield from _walk_in_order(context, config, data, run_ids, frames, source)
         except LedgerBusy as exc:
-            _retry_later(context, f"another walker holds the data root's lease ({exc})")
+            _retry_later(context, f"another walker holds the data root's lease ({exc})", honour_tag=False)
 
     return ledger
 
 
-def _order_settings(context: dg.AssetExecutionContext) -> tuple[int, int]:
-    """(seconds between tries, most seconds to wait) for this run (a run tag may lower the wait)."""
+def _order_settings(context: dg.AssetExecutionContext, honour_tag: bool = True) -> tuple[int, int]:
+    """(seconds between tries, most seconds to wait) for this run (its run tag may lower the wait for lower
+    runs; a wait for the lease is not lowered: the other walker will be done soon)."""
     interval = max(1, settings.int_setting(settings.ORDER_RETRY_SECONDS_ENV, settings.DEFAULT_ORDER_RETRY_SECONDS))
     max_wait = settings.int_setting(settings.ORDER_MAX_WAIT_SECONDS_ENV, settings.DEFAULT_ORDER_MAX_WAIT_SECONDS)
     tagged = context.run.tags.get(ORDER_MAX_WAIT_TAG)
-    if tagged is not None and tagged.isdigit():
+    if honour_tag and tagged is not None and tagged.isdigit():
         max_wait = min(max_wait, int(tagged))
     return interval, max_wait
 
 
-def _retry_later(context: dg.AssetExecutionContext, why: str) -> None:
+def _retry_later(context: dg.AssetExecutionContext, why: str, honour_tag: bool = True) -> None:
     """Ask Dagster to run this step again in a while, or fail it with `why` once the wait is used up."""
-    interval, max_wait = _order_settings(context)
+    interval, max_wait = _order_settings(context, honour_tag)
     tries = math.ceil(max_wait / interval)
     if context.retry_number >= tries:
         waited = f"after waiting {max_wait} s" if max_wait else "without waiting"
