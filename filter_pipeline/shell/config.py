@@ -115,7 +115,7 @@ def deployment_caps_config(caps: dict) -> type[CapsConfig]:
         __base__=CapsConfig,
         __doc__=CapsConfig.__doc__ + " Defaults: the deployment's caps (FILTER_PIPELINE_CAPS).",
         per_site_cap=(int, Field(default=parsed.per_site_cap, description=CapsConfig.model_fields["per_site_cap"].description)),
-        caps=(dict[str, MacroCapsConfig], Field(default=macros, description=CapsConfig.model_fields["caps"].description)),
+        caps=(dict[str, MacroCapsConfig], Field(default=macros, validate_default=True, description=CapsConfig.model_fields["caps"].description)),
     )
 
 
