@@ -6,8 +6,8 @@ filtered exactly when it has one. Only what the order and re-judging code reads 
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
 
 from upath import UPath
 
@@ -17,10 +17,10 @@ COMMITS_DIR = "_commits"
 @dataclass(frozen=True)
 class CommitRecord:
     run_id: str
+    walked_at: str = ""  # ISO 8601, UTC
     caps: dict = field(default_factory=dict)
     caps_source: str = "deployment"  # "deployment" or "run config"
     unjudged: int = 0  # tasks the walk could not use because they were not judged
-    committed_at: float = 0.0  # seconds since the epoch
 
 
 def commit_path(warehouse: UPath, run_id: str) -> UPath:
@@ -44,7 +44,8 @@ def read_commits(warehouse: UPath) -> dict[str, CommitRecord]:
 def write_commit(warehouse: UPath, record: CommitRecord) -> None:
     path = commit_path(warehouse, record.run_id)
     path.parent.mkdir(parents=True, exist_ok=True)
-    body = json.dumps({**asdict(record), "committed_at": record.committed_at or time.time()}, sort_keys=True)
+    walked_at = record.walked_at or datetime.now(timezone.utc).isoformat(timespec="seconds")
+    body = json.dumps({**asdict(record), "walked_at": walked_at}, sort_keys=True)
     temp = path.parent / f".{path.name}.tmp"
     temp.write_text(body, encoding="utf-8")
     temp.rename(path)

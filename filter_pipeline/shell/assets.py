@@ -369,9 +369,13 @@ def _walk_in_order(context, config, data: DataRoot, run_ids: list[str], frames: 
                 table = to_arrow(event.value, asset)
                 write_parquet(table, data.asset_file(asset, run_id), dictionary_columns(asset), statistics_columns(asset))
                 rows[asset][run_id] = table.num_rows
+            elif isinstance(event, dg.MaterializeResult):  # an output the walk wrote itself
+                asset = event.asset_key.path[-1]
+                row_count = (event.metadata or {}).get("dagster/row_count")
+                rows.setdefault(asset, {})[run_id] = int(getattr(row_count, "value", row_count) or 0)
             elif isinstance(event, dg.AssetCheckResult):
                 outcomes.setdefault((event.check_name, event.asset_key.path[-1]), []).append((run_id, event))
-    for asset in LEDGER_OUTPUTS:
+    for asset in rows:
         yield dg.MaterializeResult(
             asset_key=asset,
             metadata={"dagster/row_count": sum(rows[asset].values()), "runs_in_order": ", ".join(run_ids),
@@ -393,12 +397,12 @@ def _walk_the_ledger(context, config: CapsConfig, data: DataRoot, run_id: str, j
     retired = load_retired(data.root)
     index = build_prior_index(data.root, data.warehouse / "kept", run_id, judge_verdicts[["dedup_key", "key_hash"]], retired)
     context.log.info(
-        f"prior index for {run_id}: {index.rows_read} kept rows of {index.runs_read} other runs; "
+        f"prior index: {index.rows_read} kept rows of {index.runs_read} other runs; "
         f"{len(index.keys)} of them share a key with this batch"
     )
     caps = config.to_caps()
     result = filtering.walk_ledger(judge_verdicts, index.keys, index.counts, caps, run_id)
-    context.log.info(f"walk of {run_id}: kept {len(result.kept)}, surplus {len(result.surplus)}")
+    context.log.info(f"walk: kept {len(result.kept)}, surplus {len(result.surplus)}")
     yield from outputs_then_checks(
         [
             dg.Output(index.keys, output_name="prior_dedup_index", metadata={"runs_read": index.runs_read, "rows_read": index.rows_read}),

@@ -10,6 +10,7 @@ launched it, so a UI backfill or another instance cannot walk out of order eithe
 import hashlib
 import time
 from collections.abc import Iterable
+from datetime import datetime
 
 import dagster as dg
 
@@ -139,11 +140,19 @@ def rejudging_due(
             continue
         tries, last = rejudge_tries(instance, run_id)
         found = order.rejudge_due(
-            run_id, record.unjudged, tries, max(last, record.committed_at), time.time(), backoff, max_tries, wait
+            run_id, record.unjudged, tries, max(last, walked_at(record)), time.time(), backoff, max_tries, wait
         )
         if found is not None:
             due.append(found)
     return due
+
+
+def walked_at(record: CommitRecord) -> float:
+    """When the commit's walk happened, in seconds since the epoch (0.0 when the record does not say)."""
+    try:
+        return datetime.fromisoformat(record.walked_at).timestamp()
+    except (TypeError, ValueError):
+        return 0.0
 
 
 def rejudge_tags(item: order.Rejudge) -> dict[str, str]:

@@ -210,7 +210,7 @@ def test_a_filtered_run_with_unjudged_tasks_is_judged_again_after_a_backoff_unde
     write_kept(data_root, "b1", ("a", ["k"], "m", "s"))
     instance.add_dynamic_partitions("run_id", ["b1"])
     warehouse = UPath(str(data_root)) / "warehouse"
-    write_commit(warehouse, CommitRecord(run_id="b1", unjudged=2, committed_at=1.0))  # long ago
+    write_commit(warehouse, CommitRecord(run_id="b1", unjudged=2, walked_at="2001-01-01T00:00:00+00:00"))  # long ago
 
     rejudge = lambda result: [(r.job_name, r.run_key, r.tags) for r in result.run_requests if r.job_name == "rejudge_job"]  # noqa: E731
     [(job, key, tags)] = rejudge(tick(instance, data_root))
