@@ -79,32 +79,45 @@ def steps(instance, run_id, event_type) -> list[str]:
     return [e.step_key for e in instance.all_logs(run_id, of_type=event_type)]
 
 
+# one process per run, as a backfill's runs are launched: filter_job for one partition on the instance at DAGSTER_HOME
+LAUNCH = """
+import sys, dagster as dg
+from filter_pipeline.definitions import filter_job_from_env
+with dg.DagsterInstance.get() as instance:
+    with dg.execute_job(dg.reconstructable(filter_job_from_env), instance, tags={"dagster/partition": sys.argv[1]}) as result:
+        print(result.run_id)
+        sys.exit(0 if result.success else 1)
+"""
+
+
 @pytest.mark.slow
-def test_runs_launched_in_registration_order_at_once_give_the_run_id_order_results(
-    instance, data_root, tmp_path, monkeypatch, quick_retries
-):
+def test_runs_launched_in_registration_order_at_once_give_the_run_id_order_results(data_root, tmp_path, dagster_home):
+    import os
+    import subprocess
+    import sys
+
+    from filter_pipeline_tests.conftest import REPO
+
     overlapping(data_root)
     expected = reference(tmp_path, data_root, REGISTERED)
-    instance.add_dynamic_partitions("run_id", REGISTERED)
-    monkeypatch.setenv("FILTER_PIPELINE_DATA", str(data_root))
-    job = dg.reconstructable(filter_job_from_env)
-    results = {}
-
-    def launch(run_id):
-        with dg.execute_job(job, instance, tags={PARTITION_TAG: run_id}) as result:
-            results[run_id] = (result.success, result.run_id)
-
-    threads = []
-    for run_id in REGISTERED:  # as a backfill of filter_job submits them
-        threads.append(threading.Thread(target=launch, args=(run_id,)))
-        threads[-1].start()
-        time.sleep(0.2)
-    for thread in threads:
-        thread.join(timeout=600)
-    assert all(ok for ok, _ in results.values()), results
+    env = {**os.environ, "DAGSTER_HOME": str(dagster_home), "FILTER_PIPELINE_DATA": str(data_root),
+           ORDER_RETRY_SECONDS_ENV: "1", ORDER_MAX_WAIT_SECONDS_ENV: "300"}  # fmt: skip
+    with dg.DagsterInstance.from_config(str(dagster_home)) as instance:
+        instance.add_dynamic_partitions("run_id", REGISTERED)
+    procs = {}
+    for run_id in REGISTERED:  # as a backfill of filter_job submits them, all at once
+        procs[run_id] = subprocess.Popen([sys.executable, "-c", LAUNCH, run_id], env=env, cwd=REPO,
+                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        time.sleep(0.3)
+    runs = {}
+    for run_id, proc in procs.items():
+        out, err = proc.communicate(timeout=900)
+        assert proc.returncode == 0, err[-3000:]
+        runs[run_id] = out.strip().splitlines()[-1]
     assert_same(ledger_rows(data_root, REGISTERED), expected)
-    # some runs did wait: their ledger step was retried rather than walking out of order
-    assert any(steps(instance, rid, dg.DagsterEventType.STEP_UP_FOR_RETRY) for _, rid in results.values())
+    with dg.DagsterInstance.from_config(str(dagster_home)) as instance:
+        # some runs did wait: their ledger step was retried rather than walking out of order
+        assert any(steps(instance, rid, dg.DagsterEventType.STEP_UP_FOR_RETRY) for rid in runs.values())
 
 
 def test_a_ranged_ledger_step_walks_its_partitions_in_run_id_order(instance, data_root, tmp_path):
