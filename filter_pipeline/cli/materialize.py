@@ -135,8 +135,7 @@ def materialize(args: argparse.Namespace) -> int:
         return 0
     for run_id in release_stale_ledger_slots(instance):
         print(f"released the ledger slot of run {run_id}, whose process died", file=sys.stderr)
-    known = set(instance.get_dynamic_partitions(run_id_partitions.name))
-    instance.add_dynamic_partitions(run_id_partitions.name, [r for r in dict.fromkeys(run_ids) if r not in known])
+    _register(instance, run_ids)
 
     judge = judge_from_env(args.judge)
     if judge.kind == "llm":
@@ -186,11 +185,24 @@ def _unjudged(data: DataRoot, run_id: str) -> int:
     return int((verdicts["status"] == STATUS_ERROR).sum())
 
 
+def _register(instance: dg.DagsterInstance, run_ids: list[str]) -> None:
+    """Register `run_ids` as partitions. Another launcher registering the same run at the same moment is
+    fine (the storage refuses the second insert of a key: what matters is that it is registered)."""
+    known = set(instance.get_dynamic_partitions(run_id_partitions.name))
+    new = [r for r in dict.fromkeys(run_ids) if r not in known]
+    if not new:
+        return
+    try:
+        instance.add_dynamic_partitions(run_id_partitions.name, new)
+    except Exception:
+        if not set(new) <= set(instance.get_dynamic_partitions(run_id_partitions.name)):
+            raise
+
+
 def _register_legacy_runs(instance: dg.DagsterInstance, data: DataRoot) -> None:
     """Register every legacy run (a kept.jsonl of the earlier script) and record it as materialized, once."""
     legacy = legacy_run_ids(data, complete_batches(data.runs, data.warehouse, log=None), read_commits(data.warehouse))
-    known = set(instance.get_dynamic_partitions(run_id_partitions.name))
-    instance.add_dynamic_partitions(run_id_partitions.name, [r for r in legacy if r not in known])
+    _register(instance, legacy)
     for run_id in record_legacy_runs(instance, data, legacy):
         print(f"{run_id}: recorded as materialized (legacy kept.jsonl)", file=sys.stderr)
 
