@@ -25,3 +25,33 @@ JUDGE_KIND_ENV = "FILTER_JUDGE_KIND"
 def data_path(path: str | None = None) -> str:
     """The data root's path or URL: `path` when given, else $FILTER_PIPELINE_DATA, else `data`."""
     return path or os.environ.get(DATA_ENV, DEFAULT_DATA)
+
+# The ledger's order (CONTRACT §3.6): a first walk blocked by a lower complete batch that is not yet committed
+# is retried by Dagster every ORDER_RETRY_SECONDS (the step gives its pool slot back while it waits), for at
+# most ORDER_MAX_WAIT_SECONDS; then it fails with one line naming the run it waited for.
+ORDER_RETRY_SECONDS_ENV = "FILTER_PIPELINE_ORDER_RETRY_SECONDS"
+DEFAULT_ORDER_RETRY_SECONDS = 15
+ORDER_MAX_WAIT_SECONDS_ENV = "FILTER_PIPELINE_ORDER_MAX_WAIT_SECONDS"
+DEFAULT_ORDER_MAX_WAIT_SECONDS = 4 * 3600
+
+# Runs whose walk left unjudged tasks are judged and walked again (by the sensor, and by a `materialize`
+# naming no run): at most REJUDGE_MAX_TRIES times, the sensor waiting REJUDGE_BACKOFF_SECONDS after the
+# first walk, doubling after each try.
+REJUDGE_BACKOFF_SECONDS_ENV = "FILTER_PIPELINE_REJUDGE_BACKOFF_SECONDS"
+DEFAULT_REJUDGE_BACKOFF_SECONDS = 300
+REJUDGE_MAX_TRIES_ENV = "FILTER_PIPELINE_REJUDGE_MAX_TRIES"
+DEFAULT_REJUDGE_MAX_TRIES = 5
+
+
+def int_setting(env: str, default: int) -> int:
+    """A non-negative integer setting from the environment; raises ValueError with one line naming it."""
+    raw = os.environ.get(env)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{env}={raw!r}: expected a whole number of 0 or more") from None
+    if value < 0:
+        raise ValueError(f"{env}={raw!r}: expected a whole number of 0 or more")
+    return value

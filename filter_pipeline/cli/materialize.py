@@ -2,6 +2,8 @@
 instance at $DAGSTER_HOME, print a summary line per batch (cli.py parses the arguments).
 
 What it materializes is recorded in that instance, so `dagster dev` on the same DAGSTER_HOME shows it.
+Exit status: 0 all succeeded; 1 a run failed; 2 bad input or config, nothing ran; 3 every run succeeded but
+some left tasks unjudged (a later `materialize` naming no run judges them again).
 """
 
 import argparse
@@ -11,7 +13,10 @@ import sys
 
 import dagster as dg
 
+from filter_pipeline.rules import order
+from filter_pipeline.rules.commits import read_commits
 from filter_pipeline.shell.assets import run_id_partitions
+from filter_pipeline.shell.ledger import ORDER_MAX_WAIT_TAG
 from filter_pipeline.rules.batch import SUCCESS_FILE, check_run_id, complete_batches
 from filter_pipeline.shell.config import CAPS_ENV, load_caps_file, parse_caps
 from filter_pipeline.definitions import defs_from_env
@@ -19,8 +24,14 @@ from filter_pipeline.rules.history import load_retired
 from filter_pipeline.shell.jobs import ACROSS_RUNS_ASSETS, PARTITION_TAG, across_runs_job, filter_job
 from filter_pipeline.shell.sensors import changed_warning
 from filter_pipeline.judge.resource import ENV, judge_from_env
+from filter_pipeline.shell.sensors import legacy_run_ids, record_legacy_runs, rejudge_tags, rejudging_due
 from filter_pipeline.rules.schemas import DROPPED_REASONS, FAILURE_REASONS, STATUS_ERROR
 from filter_pipeline.shell.warehouse import DATA_ENV, DataRoot, read_parquet
+
+
+EXIT_RUN_FAILED = 1
+EXIT_BAD_INPUT = 2  # (main.py maps CliError, ValueError and HistoryError to it)
+EXIT_UNJUDGED = 3
 
 
 class CliError(Exception):
@@ -92,6 +103,32 @@ def _instance(home: str) -> dg.DagsterInstance:
         raise CliError(f"DAGSTER_HOME={home}: the instance cannot be loaded: {first}") from None
 
 
+def _in_ledger_order(data: DataRoot, run_ids: list[str], named: bool) -> list[str]:
+    """`run_ids` in the order the ledger accepts (CONTRACT §3.6): first walks in run_id order (one line when
+    that differs from the order given). Raises CliError when a named run's first walk would wait for a lower
+    complete batch that is neither named, filtered, retired, nor recorded as failed."""
+    batches = complete_batches(data.runs, data.warehouse, log=None)
+    committed = set(read_commits(data.warehouse)) | {b.run_id for b in batches if b.filtered}
+    ordered = order.walk_order(run_ids, committed)
+    if named and ordered != list(dict.fromkeys(run_ids)):
+        print(f"first walks go in run_id order: {' '.join(ordered)} (given: {' '.join(run_ids)})", flush=True)
+    complete = [b.run_id for b in batches]
+    failed, retired = order.read_failures(data.warehouse), load_retired(data.root).runs
+    blocked = {}
+    for run_id in ordered:
+        blockers = order.blocking_runs(run_id, complete, committed, failed, retired, walked_before=ordered)
+        if blockers:
+            blocked[run_id] = blockers
+    if blocked:
+        lowest = sorted({b for found in blocked.values() for b in found})
+        raise CliError(
+            f"{', '.join(sorted(blocked))}: first walk must wait for {', '.join(lowest)} (complete, lower run_id, "
+            f"not yet filtered): name {'it' if len(lowest) == 1 else 'them'} too, run `filter-pipeline materialize` "
+            f"with no run, or retire {'it' if len(lowest) == 1 else 'them'} in retired.json"
+        )
+    return ordered
+
+
 def summarize(data: DataRoot, run_id: str) -> str:
     """One line: judged, kept, surplus by reason, failures by reason (reasons with zero rows left out)."""
 
@@ -150,33 +187,42 @@ def materialize(args: argparse.Namespace) -> int:
         judge.settings()  # missing FILTER_JUDGE_BASE_URL / MODEL: say so before any run starts
     load_retired(data.root)  # a broken retired.json fails here, before anything is written
     refused: list[str] = []
-    run_ids = _runs_to_materialize(data, args.run_ids, refused)
+    run_ids = _in_ledger_order(data, _runs_to_materialize(data, args.run_ids, refused), named=bool(args.run_ids))
     instance = _instance(home)
     for line in refused:
         print(line, file=sys.stderr, flush=True)
+    _register_legacy_runs(instance, data)
+    rejudge = {} if args.run_ids else {r.run_id: r for r in rejudging_due(instance, read_commits(data.warehouse), set(), wait=False)}
+    run_ids = sorted(set(run_ids) | set(rejudge)) if rejudge else run_ids
     if not run_ids:
         if refused:
-            return 1  # something complete was not filtered
+            return EXIT_RUN_FAILED  # something complete was not filtered
         print("nothing to materialize: every complete batch is already filtered")
         return 0
-    known = set(instance.get_dynamic_partitions(run_id_partitions.name))
-    instance.add_dynamic_partitions(run_id_partitions.name, [r for r in dict.fromkeys(run_ids) if r not in known])
+    _register(instance, run_ids)
     # the job is rebuilt from the environment (see cli_filter_job), so the settings travel through it
     os.environ[DATA_ENV], os.environ[ENV["kind"]] = data.path, judge.kind
     job = dg.reconstructable(cli_filter_job)
     batch_only = [k for k in job.get_definition().asset_layer.executable_asset_keys if k.path[-1] not in ACROSS_RUNS_ASSETS]
-    failed, refreshed = 0, False
+    failed, unjudged, refreshed = 0, 0, False
     for position, run_id in enumerate(run_ids, start=1):
         last = position == len(run_ids)  # coverage and calibration once, in the last batch's run
+        # this call orders its own runs, so a ledger step that would wait can only be behind a run of this call
+        # that failed: it fails at once, naming that run, rather than wait for the order's whole timeout
+        tags = {PARTITION_TAG: run_id, ORDER_MAX_WAIT_TAG: "0"}
+        if run_id in rejudge:
+            tags.update(rejudge_tags(rejudge[run_id]))
+            print(f"{run_id}: judging its unjudged tasks again (try {rejudge[run_id].try_number})", flush=True)
         with dg.execute_job(
             job,
             instance,
             run_config=_run_config(caps, ops_with_caps=["ledger", "coverage"] if last else ["ledger"]),
-            tags={PARTITION_TAG: run_id},
+            tags=tags,
             asset_selection=None if last else batch_only,
         ) as result:
             if result.success:
                 print(summarize(data, run_id), flush=True)
+                unjudged += _unjudged(data, run_id) > 0
                 refreshed = last
             else:
                 failed += 1
@@ -186,11 +232,44 @@ def materialize(args: argparse.Namespace) -> int:
         failed += not refreshed
     if refreshed:
         _print_across_runs(data)
-    return 1 if failed or refused else 0
+    if failed or refused:
+        return EXIT_RUN_FAILED
+    if unjudged:
+        print(f"{unjudged} run(s) left tasks unjudged: a later `filter-pipeline materialize` naming no run judges them again", flush=True)
+        return EXIT_UNJUDGED
+    return 0
+
+
+def _unjudged(data: DataRoot, run_id: str) -> int:
+    verdicts = read_parquet(data.asset_file("judge_verdicts", run_id), columns=["status"])
+    return int((verdicts["status"] == STATUS_ERROR).sum())
+
+
+def _register(instance: dg.DagsterInstance, run_ids: list[str]) -> None:
+    """Register `run_ids` as partitions. Another launcher registering the same run at the same moment is
+    fine (the storage refuses the second insert of a key: what matters is that it is registered)."""
+    known = set(instance.get_dynamic_partitions(run_id_partitions.name))
+    new = [r for r in dict.fromkeys(run_ids) if r not in known]
+    if not new:
+        return
+    try:
+        instance.add_dynamic_partitions(run_id_partitions.name, new)
+    except Exception:
+        if not set(new) <= set(instance.get_dynamic_partitions(run_id_partitions.name)):
+            raise
+
+
+def _register_legacy_runs(instance: dg.DagsterInstance, data: DataRoot) -> None:
+    """Register every legacy run (a kept.jsonl of the earlier script) and record it as materialized, once."""
+    legacy = legacy_run_ids(data, complete_batches(data.runs, data.warehouse, log=None), read_commits(data.warehouse))
+    _register(instance, legacy)
+    for run_id in record_legacy_runs(instance, data, legacy):
+        print(f"{run_id}: recorded as materialized (legacy kept.jsonl)", file=sys.stderr)
 
 
 def _run_config(caps: dict, ops_with_caps: list[str]) -> dict:
-    """INFO on the console, and the caps for the given ops (a run may configure only ops it runs)."""
+    """INFO on the console, and the caps for the given ops (a run may configure only ops it runs). No caps
+    given: none passed, and the steps use the deployment's (the caps config's defaults)."""
     config: dict = {"loggers": {"console": {"config": {"log_level": "INFO"}}}}
     if caps:
         config["ops"] = {op: {"config": caps} for op in ops_with_caps}

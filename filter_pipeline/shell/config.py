@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 import dagster as dg
 import yaml
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, create_model, field_validator
 
 from filter_pipeline.rules.filtering import Caps, MacroLimits
 from filter_pipeline.rules.schemas import DEFAULT_PER_SITE_CAP
@@ -175,3 +175,58 @@ def load_caps_file(path: str | Path) -> dict:
     raw = _read_caps(text, path)
     return parse_caps({} if raw is None else raw, f"caps file {path}")
 
+
+
+# --- the deployment's caps as the run config's defaults ------------------------------------------------------
+
+CAPS_SOURCE_DEPLOYMENT = "deployment"
+CAPS_SOURCE_RUN_CONFIG = "run config"
+
+
+class LedgerConfig(CapsConfig):
+    """Caps of the walk, and which failed attempts may be the rejected side of a DPO pair."""
+
+    include_judge_failures: bool = Field(
+        default=False,
+        description="DPO pairs: also pair judge failures, whose backend gate passed (the judge and the gate "
+        "disagree there).",
+    )
+
+
+def deployment_caps_config(caps: dict, base: type[CapsConfig] = CapsConfig) -> type[CapsConfig]:
+    """`base` (a CapsConfig) with the deployment's caps as its defaults (`caps`: a validated caps document,
+    e.g. from FILTER_PIPELINE_CAPS; empty: the built-in defaults). The UI's launchpad scaffolds these
+    defaults, and a run given no caps config (the sensor's, the CLI's without --caps) uses them."""
+    if not caps:
+        return base
+    parsed = CapsConfig(**caps)
+    macros = {m: c.model_dump(exclude_none=True) for m, c in parsed.caps.items()}
+    fields = CapsConfig.model_fields
+    return create_model(
+        f"Deployment{base.__name__}",
+        __base__=base,
+        __doc__=base.__doc__ + " Defaults: the deployment's caps (FILTER_PIPELINE_CAPS).",
+        per_site_cap=(int, Field(default=parsed.per_site_cap, strict=True, description=fields["per_site_cap"].description)),
+        caps=(dict[str, MacroCapsConfig], Field(default=macros, validate_default=True, description=fields["caps"].description)),
+    )
+
+
+def caps_source(config: CapsConfig, deployment: dict) -> str:
+    """Whether a run walks with the deployment's caps or with caps its run config changed."""
+    same = config.to_caps() == CapsConfig(**deployment).to_caps()
+    return CAPS_SOURCE_DEPLOYMENT if same else CAPS_SOURCE_RUN_CONFIG
+
+
+def run_caps_problem(run_config: dict, ops: tuple[str, ...] = ("ledger", "coverage")) -> str | None:
+    """One line naming the first invalid caps in a run's config (ops.<op>.config), None if they are valid.
+    Dagster checks only the types of run config at launch; ranges are checked here, by the first step of
+    the run, before anything is written or judged."""
+    for op in ops:
+        raw = ((run_config.get("ops") or {}).get(op) or {}).get("config")
+        if raw is None:
+            continue
+        try:
+            parse_caps(raw, f"run config ops.{op}.config")
+        except ValueError as exc:
+            return str(exc)
+    return None

@@ -1,8 +1,9 @@
 """Jobs over the run_id-partitioned assets (partitioning is inferred from the selection).
 
 The sensor launches `judge_job` for every new batch at once and `ledger_job` one run at a time in
-run_id order; the CLI runs `filter_job` (both halves) run by run, in the order given, the across-runs assets
-only in the last.
+run_id order, and `rejudge_job` for filtered runs that left tasks unjudged; the CLI runs `filter_job` (both
+halves) run by run, first walks in run_id order, the across-runs assets only in the last. Whoever launches,
+the ledger step itself waits for lower runs (CONTRACT §3.6).
 """
 
 import dagster as dg
@@ -10,6 +11,11 @@ import dagster as dg
 # Dagster's documented run tags
 PARTITION_TAG = "dagster/partition"
 RUN_KEY_TAG = "dagster/run_key"
+RANGE_START_TAG = "dagster/asset_partition_range_start"  # a ranged (single-run backfill) run's partitions
+RANGE_END_TAG = "dagster/asset_partition_range_end"
+# this project's run tags: which filtered run a re-judging run is for, and its try number
+REJUDGE_OF_TAG = "filter_pipeline/rejudge_of"
+REJUDGE_TRY_TAG = "filter_pipeline/rejudge_try"
 PRIORITY_TAG = "dagster/priority"
 
 JUDGE_GROUPS = ("batch", "judging")
@@ -39,6 +45,13 @@ across_runs_job = dg.define_asset_job(
 )
 # the across-runs assets ride along in the batch's run: a run of its own costs about half a second of
 # bookkeeping (planned events, start, resources, end), which the CLI would pay after every call
+rejudge_job = dg.define_asset_job(
+    "rejudge_job",
+    selection=dg.AssetSelection.all() - ACROSS_RUNS,
+    description="A filtered batch whose walk left unjudged tasks, again: the judge asks only those (the other "
+    "verdicts are reused by cache key), then the ledger walks the run again. Launched by the batch sensor with "
+    "a backoff between tries and a cap on tries.",
+)
 filter_job = dg.define_asset_job(
     "filter_job",
     selection=dg.AssetSelection.all(),

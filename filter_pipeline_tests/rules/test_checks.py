@@ -83,6 +83,7 @@ def test_every_materialization_runs_the_checks(data_root):
         result = job.execute_in_process(instance=instance, partition_key="r1")
     evaluations = {e.check_name: e.passed for e in result.get_asset_check_evaluations()}
     assert evaluations == {
+        "all_tasks_judged": True,
         "attempts_conserved": True,
         "execute_rows_match_failed_attempts": True,
         "verdicts_conserved": True,

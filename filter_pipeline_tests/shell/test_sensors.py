@@ -17,8 +17,8 @@ def instance():
         yield instance
 
 
-def tick(instance, data_root, caps=None) -> dg.SensorResult:
-    sensor = build_batch_sensor(caps or {})
+def tick(instance, data_root) -> dg.SensorResult:
+    sensor = build_batch_sensor()
     context = dg.build_sensor_context(instance=instance, resources={"data": DataRoot(path=str(data_root))})
     return sensor(context)
 
@@ -82,18 +82,19 @@ def test_already_filtered_batches_are_registered_never_rerun(instance, data_root
     write_batch(data_root, "legacy", [task("a")], [attempt("a")])
     write_legacy_kept(data_root, "legacy", ("a", ["k"], "m", "s"))
     result = tick(instance, data_root)
-    assert added(result) == ["legacy", "old"]
+    assert added(result) == ["old"]
+    assert set(instance.get_dynamic_partitions("run_id")) == {"legacy"}  # registered at once, to record it as materialized
     assert requests(result) == []
 
 
-def test_ledger_is_walked_lowest_run_id_first_with_the_configured_caps(instance, data_root):
+def test_ledger_is_walked_lowest_run_id_first_with_the_deployments_caps(instance, data_root):
     for run_id in ("b1", "b2"):
         write_batch(data_root, run_id, [task("a")], [attempt("a")])
         judged(data_root, run_id)
     instance.add_dynamic_partitions("run_id", ["b1", "b2"])
-    result = tick(instance, data_root, caps={"per_site_cap": 5})
+    result = tick(instance, data_root)
     assert requests(result) == [("ledger_job", "b1", "b1:ledger")]
-    assert result.run_requests[0].run_config == {"ops": {"ledger": {"config": {"per_site_cap": 5}}}}
+    assert result.run_requests[0].run_config == {}  # the caps config's defaults are the deployment's
 
 
 B = BatchState
@@ -109,14 +110,19 @@ def test_plan_waits_while_an_earlier_ledger_run_is_in_flight():
     assert plan_tick(batches, {"b1", "b2"}, busy={"b1"}, failed_ledger=set())[2] is None
 
 
-def test_plan_does_not_let_one_broken_batch_block_the_rest():
+def test_plan_holds_later_batches_behind_a_failed_run_until_it_is_recorded_or_retired():
     batches = [
         B("b0", judged=True, filtered=True),
         B("b1", judged=False, filtered=False),  # its judge run failed: nothing in flight
         B("b2", judged=True, filtered=False),  # its ledger run failed
         B("b3", judged=True, filtered=False),
     ]
-    assert plan_tick(batches, {"b0", "b1", "b2", "b3"}, busy=set(), failed_ledger={"b2"})[2] == "b3"
+    registered = {"b0", "b1", "b2", "b3"}
+    _, _, walk, why = plan_tick(batches, registered, busy=set(), failed_ledger={"b2"})
+    assert walk is None and why.startswith("ledger waits for b1, whose judge run failed")
+    _, _, walk, why = plan_tick(batches, registered, busy=set(), failed_ledger={"b2"}, failed={"b1"})
+    assert walk is None and why.startswith("ledger waits for b2, whose ledger run failed")
+    assert plan_tick(batches, registered, busy=set(), failed_ledger={"b2"}, failed={"b1"}, retired={"b2"})[2] == "b3"
 
 
 def test_plan_waits_for_a_batch_judged_in_this_very_tick():
@@ -139,25 +145,44 @@ def test_sensor_sees_runs_in_flight_and_failed_ledger_runs_in_the_instance(insta
     assert requests(tick(instance, data_root)) == []  # b2 must wait for b1
 
     instance.report_run_failed(judging_b1)
+    assert requests(tick(instance, data_root)) == []  # b1's judge run failed: b2 still waits for b1
+    (data_root / "retired.json").write_text('[{"run_id": "b1", "reason": "broken build"}]')
     assert requests(tick(instance, data_root)) == [("ledger_job", "b2", "b2:ledger")]
 
     create_run_for_test(
         instance, tags={"dagster/partition": "b2", "dagster/run_key": "b2:ledger"}, status=dg.DagsterRunStatus.FAILURE
     )
+    assert requests(tick(instance, data_root)) == []
+    (data_root / "retired.json").write_text('[{"run_id": "b1", "reason": "x"}, {"run_id": "b2", "reason": "x"}]')
     assert requests(tick(instance, data_root)) == [("ledger_job", "b3", "b3:ledger")]
+
+
+def test_a_ranged_run_in_flight_makes_every_partition_of_its_range_busy(instance, data_root):
+    from dagster._core.test_utils import create_run_for_test
+
+    for run_id in ("b1", "b2", "b3"):
+        write_batch(data_root, run_id, [task("a")], [attempt("a")])
+        judged(data_root, run_id)
+    instance.add_dynamic_partitions("run_id", ["b2", "b1", "b3"])
+    create_run_for_test(
+        instance,
+        tags={"dagster/asset_partition_range_start": "b2", "dagster/asset_partition_range_end": "b1"},
+        status=dg.DagsterRunStatus.STARTED,
+    )
+    assert requests(tick(instance, data_root)) == []  # b1 and b2 are being walked by the ranged run
 
 
 def test_coverage_is_refreshed_when_the_set_of_kept_files_changes_and_nothing_is_in_flight(instance, data_root):
     write_batch(data_root, "old", [task("a")], [attempt("a")])
     assert coverage_keys(tick(instance, data_root)) == []  # no kept file yet; "old" is being judged
     write_kept(data_root, "old", ("a", ["k"], "m", "s"))
-    first = coverage_keys(tick(instance, data_root, caps={"per_site_cap": 2}))
+    first = coverage_keys(tick(instance, data_root))
     assert len(first) == 1 and first == coverage_keys(tick(instance, data_root))  # same files: same run_key
     write_kept(data_root, "other", ("b", ["k2"], "m", "s"))
-    result = tick(instance, data_root, caps={"per_site_cap": 2})
+    result = tick(instance, data_root)
     [refresh] = [r for r in result.run_requests if r.job_name == "across_runs_job"]
     assert refresh.run_key != first[0]
-    assert refresh.run_config == {"ops": {"coverage": {"config": {"per_site_cap": 2}}}}
+    assert refresh.run_config == {}
 
 
 def test_on_s3_a_batch_completed_after_the_first_listing_is_seen_by_the_same_process(s3_bucket):
@@ -171,3 +196,32 @@ def test_on_s3_a_batch_completed_after_the_first_listing_is_seen_by_the_same_pro
     write_batch(data.root, "b3", [task("a")], [attempt("a")])
 
     assert [b.run_id for b in complete_batches(data.runs, data.warehouse)] == ["b1", "b2", "b3"]
+
+
+def test_a_filtered_run_with_unjudged_tasks_is_judged_again_after_a_backoff_under_a_cap(instance, data_root, monkeypatch):
+    from dagster._core.test_utils import create_run_for_test
+
+    from filter_pipeline.rules.commits import CommitRecord, write_commit
+    from upath import UPath
+
+    monkeypatch.setenv("FILTER_PIPELINE_REJUDGE_BACKOFF_SECONDS", "1000")
+    monkeypatch.setenv("FILTER_PIPELINE_REJUDGE_MAX_TRIES", "2")
+    write_batch(data_root, "b1", [task("a")], [attempt("a")])
+    judged(data_root, "b1")
+    write_kept(data_root, "b1", ("a", ["k"], "m", "s"))
+    instance.add_dynamic_partitions("run_id", ["b1"])
+    warehouse = UPath(str(data_root)) / "warehouse"
+    write_commit(warehouse, CommitRecord(run_id="b1", unjudged=2, walked_at="2001-01-01T00:00:00+00:00"))  # long ago
+
+    rejudge = lambda result: [(r.job_name, r.run_key, r.tags) for r in result.run_requests if r.job_name == "rejudge_job"]  # noqa: E731
+    [(job, key, tags)] = rejudge(tick(instance, data_root))
+    assert key == "b1:rejudge:1" and tags == {"filter_pipeline/rejudge_of": "b1", "filter_pipeline/rejudge_try": "1"}
+
+    create_run_for_test(instance, tags=tags, status=dg.DagsterRunStatus.SUCCESS)  # that try just ended
+    assert rejudge(tick(instance, data_root)) == []  # the backoff: 2000 s after the first try
+    monkeypatch.setenv("FILTER_PIPELINE_REJUDGE_BACKOFF_SECONDS", "0")
+    [(_, key, _)] = rejudge(tick(instance, data_root))
+    assert key == "b1:rejudge:2"
+    create_run_for_test(instance, tags={"filter_pipeline/rejudge_of": "b1", "filter_pipeline/rejudge_try": "2"},
+                        status=dg.DagsterRunStatus.SUCCESS)  # fmt: skip
+    assert rejudge(tick(instance, data_root)) == []  # the cap: 2 tries

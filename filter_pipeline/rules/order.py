@@ -1,0 +1,131 @@
+"""The ledger's order (CONTRACT §3.6), as pure decisions, and the records of batches that failed validation.
+
+A run's first walk waits until every complete batch with a lower run_id is committed, retired as a whole, or
+has a recorded validation failure (`warehouse/_failed/<run_id>.json`). Walking an already committed run again
+waits for nothing. Whoever launches the walk (sensor, CLI, a UI backfill in any order, another instance), the
+ledger step asks `blocking_runs` first, so the order does not depend on the launcher.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from upath import UPath
+
+FAILED_DIR = "_failed"
+
+
+def blocking_runs(
+    run_id: str,
+    complete: Iterable[str],
+    committed: Iterable[str],
+    failed: Iterable[str],
+    retired: Iterable[str],
+    walked_before: Iterable[str] = (),
+) -> list[str]:
+    """The run_ids a first walk of `run_id` must wait for, in run_id order (empty: it may walk now).
+
+    `complete`: every complete batch (`_SUCCESS`); `committed`: runs filtered for good (committed, or a legacy
+    kept.jsonl); `failed`: runs with a recorded validation failure; `retired`: runs retired as a whole;
+    `walked_before`: runs the same step walks before this one (a ranged step walks its partitions in run_id
+    order, each committed before the next). A run that is itself committed is a re-walk and never waits.
+    """
+    done = set(committed)
+    if run_id in done:
+        return []
+    passed = done | set(failed) | set(retired) | set(walked_before)
+    return sorted(r for r in set(complete) if r < run_id and r not in passed)
+
+
+def walk_order(run_ids: Iterable[str], committed: Iterable[str]) -> list[str]:
+    """The order in which to walk `run_ids` (as given, duplicates dropped): runs whose first walk is pending
+    take the places of pending runs in run_id order; re-walks of committed runs keep their places."""
+    given = list(dict.fromkeys(run_ids))
+    done = set(committed)
+    pending = iter(sorted(r for r in given if r not in done))
+    return [r if r in done else next(pending) for r in given]
+
+
+def describe_wait(run_id: str, blockers: list[str], limit: int = 5) -> str:
+    """One line: which runs a first walk of `run_id` waits for."""
+    shown = ", ".join(blockers[:limit]) + (f" and {len(blockers) - limit} more" if len(blockers) > limit else "")
+    return (
+        f"the first walk of {run_id} waits for {shown}: a complete batch with a lower run_id, not yet filtered "
+        f"(walk it, retire it in retired.json, or let its validation failure be recorded)"
+    )
+
+
+# --- validation failures ----------------------------------------------------------------------------------
+
+
+def failure_path(warehouse: UPath, run_id: str) -> UPath:
+    return warehouse / FAILED_DIR / f"{run_id}.json"
+
+
+def record_failure(warehouse: UPath, run_id: str, reason: str) -> None:
+    """Record that `run_id`'s batch cannot be filtered as it is (later batches stop waiting for it)."""
+    path = failure_path(warehouse, run_id)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    body = json.dumps({"run_id": run_id, "reason": reason, "recorded_at": time.time()}, ensure_ascii=False)
+    if path.protocol in ("", "file", "local"):
+        temp = path.parent / f".{path.name}.tmp"  # renamed into place: a reader never sees half a record
+        temp.write_text(body, encoding="utf-8")
+        temp.rename(path)
+    else:
+        path.write_text(body, encoding="utf-8")  # an object store's put is atomic
+
+
+def clear_failure(warehouse: UPath, run_id: str) -> bool:
+    """Remove `run_id`'s failure record (it was walked since); returns whether there was one."""
+    path = failure_path(warehouse, run_id)
+    if not path.exists():
+        return False
+    path.unlink()
+    return True
+
+
+def read_failures(warehouse: UPath) -> dict[str, str]:
+    """run_id -> recorded reason, for every batch whose validation failure is recorded."""
+    folder = warehouse / FAILED_DIR
+    if not folder.exists():
+        return {}
+    found = {}
+    for path in folder.iterdir():
+        if path.name.endswith(".json") and not path.name.startswith("."):
+            try:
+                raw = json.loads(path.read_text(encoding="utf-8"))
+                found[raw["run_id"]] = str(raw.get("reason", ""))
+            except (ValueError, KeyError, TypeError):
+                found[path.name.removesuffix(".json")] = "unreadable failure record"
+    return found
+
+
+# --- re-judging runs with unjudged tasks -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Rejudge:
+    run_id: str
+    try_number: int  # 1 for the first re-judging
+
+
+def rejudge_due(
+    run_id: str,
+    unjudged: int,
+    tries_so_far: int,
+    last_at: float,
+    now: float,
+    backoff_seconds: float,
+    max_tries: int,
+    wait: bool = True,
+) -> Rejudge | None:
+    """Whether to judge `run_id` again now: it has unjudged tasks, fewer than `max_tries` tries were made, and
+    (when `wait`) `backoff_seconds * 2**tries_so_far` have passed since `last_at` (its last walk or try)."""
+    if unjudged <= 0 or tries_so_far >= max_tries:
+        return None
+    if wait and now < last_at + backoff_seconds * (2**tries_so_far):
+        return None
+    return Rejudge(run_id=run_id, try_number=tries_so_far + 1)

@@ -1,0 +1,330 @@
+"""The ledger step: the prior dedup index, the walk into kept / surplus, the DPO pairs and the run's report,
+then the run's commit record, for one run or (a single-run backfill) several in run_id order.
+
+Whoever launches it (the sensor, the CLI, a UI backfill in any order, another instance over the same warehouse),
+the step itself guarantees CONTRACT §3.6: a run's first walk waits until every lower complete batch is walked,
+retired or recorded as failed (the step asks Dagster to retry it later and walks nothing meanwhile); walks on
+one data root never overlap (the lease in `rules/lease.py`); and a run counts as filtered only once its commit
+record is written, after every file the walk derives.
+(No `from __future__ import annotations` here: Dagster reads the `context` annotation at runtime.)
+"""
+
+import math
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timezone
+from typing import Any
+
+import dagster as dg
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from filter_pipeline import settings
+from filter_pipeline.rules import checks, commits, dpo, filtering, order, report
+from filter_pipeline.rules.batch import complete_batches
+from filter_pipeline.rules.commits import atomic_write, delete_commit, file_entry, read_commits, write_commit
+from filter_pipeline.rules.history import build_prior_index, load_retired
+from filter_pipeline.rules.lease import Lease, LedgerBusy, ledger_lease
+from filter_pipeline.rules.schemas import DROPPED_REASONS, STATUS_ERROR, dictionary_columns, statistics_columns, to_arrow
+from filter_pipeline.shell.assets import blocking_check, check_result, column_schema, count_by, run_id_partitions
+from filter_pipeline.shell.config import CapsConfig, LedgerConfig, caps_source, deployment_caps_config
+from filter_pipeline.shell.jobs import PRIORITY_TAG
+from filter_pipeline.shell.warehouse import DataRoot
+
+# run tag: the most seconds this run's ledger step waits for lower runs (the CLI sets 0: it orders its own runs)
+ORDER_MAX_WAIT_TAG = "filter_pipeline/order_max_wait_seconds"
+
+_WALK_INPUTS = [dg.AssetKey("judge_verdicts"), dg.AssetKey("prior_dedup_index"), dg.AssetKey("prior_kept_counts")]
+
+
+def _spec(name: str, description: str, deps: list, group: str = "ledger") -> dg.AssetSpec:
+    return dg.AssetSpec(name, description=description, deps=deps, group_name=group, metadata=column_schema(name))
+
+
+LEDGER_SPECS = [
+    _spec(
+        "prior_dedup_index",
+        "Keys kept by every other committed run (plus legacy runs/*/kept.jsonl, minus retired.json) that this "
+        "batch's verdicts carry, with the run and task that kept each. Read straight from the warehouse, "
+        "verified against each run's commit record, not as an asset input: an asset cannot depend on other "
+        "partitions of its own downstream `kept`.",
+        ["judge_verdicts"],
+    ),
+    _spec(
+        "prior_kept_counts",
+        "Kept rows per (macro, site) over every other committed run, minus retired: where the caps start.",
+        [],
+    ),
+    _spec(
+        "kept",
+        "Passing verdicts kept as training data: not a duplicate of anything kept before (same site, target "
+        "element, argument) and under the site cap and macro target, history included.",
+        _WALK_INPUTS,
+    ),
+    _spec(
+        "surplus",
+        "Passing verdicts dropped only by dedup or a cap: dropped = duplicate / site_cap / target; duplicates "
+        "name the run and task that kept the key first.",
+        _WALK_INPUTS,
+    ),
+    _spec(
+        "dpo_pairs",
+        "DPO pairs: chosen = a kept trajectory, rejected = a failed attempt of the same task that is a clean "
+        "negative (not backend_ok, not unjudged; judge failures only if configured).",
+        ["failure_pool", "kept"],
+        group="training",
+    ),
+    _spec(
+        "filter_report",
+        "The run at a glance: funnel (attempts -> ok attempts -> judged -> passed -> kept), keep rate and "
+        "failure reasons per site and macro, surplus by reason, judge pass rate and agreement with the gate, "
+        "cost. Charts show on the materialization; a standalone page is written to warehouse/filter_report_html/.",
+        ["batch_attempts", "judge_verdicts", "failure_pool", "kept", "surplus"],
+        group="reports",
+    ),
+]
+
+
+def build_ledger(deployment_caps: dict) -> dg.AssetsDefinition:
+    """The ledger multi_asset; its config's caps default to `deployment_caps` (the launchpad shows them)."""
+    config_class = deployment_caps_config(deployment_caps, base=LedgerConfig)
+
+    @dg.multi_asset(
+        name="ledger",
+        partitions_def=run_id_partitions,
+        # one asset backfill ("Materialize all") walks all its partitions in one step, in run_id order
+        backfill_policy=dg.BackfillPolicy.single_run(),
+        # first among the steps ready beside it (judge_calibration): the longest of them
+        op_tags={PRIORITY_TAG: "1"},
+        # (whole frames: in one process the IO manager hands over the tables it just wrote, without reading them;
+        # an input that also is a spec's dep cannot narrow its columns)
+        ins={"judge_verdicts": dg.AssetIn(), "failure_pool": dg.AssetIn(), "batch_attempts": dg.AssetIn()},
+        specs=LEDGER_SPECS,
+        check_specs=[
+            blocking_check("verdicts_conserved", "kept", checks.verdicts_conserved.__doc__),
+            blocking_check("no_key_kept_twice", "kept", checks.no_key_kept_twice.__doc__),
+            blocking_check("caps_respected", "kept", checks.caps_respected.__doc__),
+        ],
+    )
+    def ledger(
+        context: dg.AssetExecutionContext,
+        config: config_class,
+        data: DataRoot,
+        judge_verdicts: Any,
+        failure_pool: Any,
+        batch_attempts: Any,
+    ):
+        """Walk this step's runs in run_id order, each once every lower complete batch is filtered (otherwise
+        Dagster retries the step later, and nothing is walked), under the data root's lease; each walk writes
+        every file derived from it, then its commit. One partition: its frames; a range: dicts by run_id."""
+        run_ids = sorted(context.partition_keys)
+        inputs = [
+            frames if isinstance(frames, dict) else {run_ids[0]: frames}
+            for frames in (judge_verdicts, failure_pool, batch_attempts)
+        ]
+        wait_for_lower_runs(context, data, run_ids)
+        source = caps_source(config, deployment_caps)
+        if source != "deployment":
+            context.log.info(f"caps from the run config, not the deployment's: {config.model_dump()}")
+        holder = f"the ledger walk of {', '.join(run_ids)} (Dagster run {context.run.run_id})"
+        try:
+            with ledger_lease(data.root, holder) as lease:
+                if len(run_ids) == 1:
+                    walk = _walk_the_ledger(context, config, data, run_ids[0], *(f[run_ids[0]] for f in inputs), source, lease)
+                else:
+                    walk = _walk_in_order(context, config, data, run_ids, inputs, source, lease)
+                events = list(walk)  # every walk of the step written and committed before Dagster hears of any
+        except LedgerBusy as exc:
+            _retry_later(context, f"another walker holds the data root's lease ({exc})", honour_tag=False)
+        yield from events
+
+    return ledger
+
+
+# --- the order ----------------------------------------------------------------------------------------
+
+
+def _order_settings(context: dg.AssetExecutionContext, honour_tag: bool = True) -> tuple[int, int]:
+    """(seconds between tries, most seconds to wait) for this run (its run tag may lower the wait for lower
+    runs; a wait for the lease is not lowered: the other walker will be done soon)."""
+    interval = max(1, settings.int_setting(settings.ORDER_RETRY_SECONDS_ENV, settings.DEFAULT_ORDER_RETRY_SECONDS))
+    max_wait = settings.int_setting(settings.ORDER_MAX_WAIT_SECONDS_ENV, settings.DEFAULT_ORDER_MAX_WAIT_SECONDS)
+    tagged = context.run.tags.get(ORDER_MAX_WAIT_TAG)
+    if honour_tag and tagged is not None and tagged.isdigit():
+        max_wait = min(max_wait, int(tagged))
+    return interval, max_wait
+
+
+def _retry_later(context: dg.AssetExecutionContext, why: str, honour_tag: bool = True) -> None:
+    """Ask Dagster to run this step again in a while, or fail it with `why` once the wait is used up."""
+    interval, max_wait = _order_settings(context, honour_tag)
+    tries = math.ceil(max_wait / interval)
+    if context.retry_number >= tries:
+        waited = f"after waiting {max_wait} s" if max_wait else "without waiting"
+        raise dg.Failure(description=f"{why}; gave up {waited} ({settings.ORDER_MAX_WAIT_SECONDS_ENV})")
+    context.log.info(f"{why}; trying again in {interval} s (try {context.retry_number + 1} of {tries})")
+    raise dg.RetryRequested(max_retries=tries, seconds_to_wait=interval)
+
+
+def wait_for_lower_runs(context: dg.AssetExecutionContext, data: DataRoot, run_ids: list[str]) -> None:
+    """Return when every run in `run_ids` may be walked now, in that order; else retry the step later."""
+    batches = complete_batches(data.runs, data.warehouse, log=None)
+    committed = set(read_commits(data.warehouse)) | {b.run_id for b in batches if b.filtered}
+    failed = order.read_failures(data.warehouse)
+    retired = load_retired(data.root).runs
+    complete = [b.run_id for b in batches]
+    for position, run_id in enumerate(run_ids):
+        blockers = order.blocking_runs(run_id, complete, committed, failed, retired, walked_before=run_ids[:position])
+        if blockers:
+            _retry_later(context, order.describe_wait(run_id, blockers))
+
+
+# --- the walk -----------------------------------------------------------------------------------------
+
+
+def judge_settings(verdicts: pd.DataFrame) -> dict:
+    """Which judge decided the walked verdicts (kind, model, prompt version, votes per task); never its key."""
+
+    def first(column: str):
+        values = verdicts[column].dropna().unique() if column in verdicts else []
+        return str(values[0]) if len(values) else None
+
+    votes = first("votes")
+    return {"kind": first("judge"), "model": first("model"), "prompt_version": first("prompt_version"),
+            "votes": votes.partition("/")[2] or votes if votes else None}  # fmt: skip
+
+
+def _parquet_bytes(frame: pd.DataFrame, asset: str) -> tuple[pa.Buffer, int]:
+    table = to_arrow(frame, asset)
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink, use_dictionary=dictionary_columns(asset), write_statistics=statistics_columns(asset))
+    return sink.getvalue(), table.num_rows
+
+
+def _walk_in_order(context, config, data: DataRoot, run_ids: list[str], inputs: list[dict], source: str, lease: Lease):
+    """A ranged step: each run walked on its own, lowest run_id first, written and committed before the next
+    run reads history; then one materialization per asset for the whole range, and each check's result over
+    all runs."""
+    rows: dict[str, dict[str, int]] = {}
+    outcomes: dict[tuple[str, str], list[tuple[str, dg.AssetCheckResult]]] = {}
+    for position, run_id in enumerate(run_ids, start=1):
+        context.log.info(f"walking {run_id} ({position} of {len(run_ids)} in run_id order)")
+        for event in _walk_the_ledger(context, config, data, run_id, *(f[run_id] for f in inputs), source, lease):
+            if isinstance(event, dg.MaterializeResult):
+                row_count = (event.metadata or {}).get("dagster/row_count")
+                rows.setdefault(event.asset_key.path[-1], {})[run_id] = int(getattr(row_count, "value", row_count) or 0)
+            elif isinstance(event, dg.AssetCheckResult):
+                outcomes.setdefault((event.check_name, event.asset_key.path[-1]), []).append((run_id, event))
+    for asset, counts in rows.items():
+        yield dg.MaterializeResult(
+            asset_key=asset,
+            metadata={"dagster/row_count": sum(counts.values()), "runs_in_order": ", ".join(run_ids),
+                      **{f"rows/{r}": n for r, n in counts.items()}},
+        )  # fmt: skip
+    for (check, asset), results in outcomes.items():
+        failing = [r for r, result in results if not result.passed]
+        yield dg.AssetCheckResult(
+            check_name=check,
+            asset_key=asset,
+            passed=not failing,
+            description="passed for every run" if not failing else f"failed for {', '.join(failing)}",
+            metadata={"runs": len(results), "failed_runs": ", ".join(failing)},
+        )
+
+
+def _walk_the_ledger(
+    context: dg.AssetExecutionContext,
+    config: LedgerConfig,
+    data: DataRoot,
+    run_id: str,
+    judge_verdicts: pd.DataFrame,
+    failure_pool: pd.DataFrame,
+    batch_attempts: pd.DataFrame,
+    source: str,
+    lease: Lease | None = None,
+):
+    """One run's walk (the caller holds the lease): history, the walk, every file derived from it written
+    atomically, their checks, then the commit record, then one materialization per asset and the checks'
+    results. `source`: where the caps came from ("deployment" or "run config"), recorded in the commit;
+    `lease`: the held lease, checked just before committing (on object storage a holder that stalled past its
+    expiry may have lost it: it must not commit)."""
+    # two threads beside the walk: the inputs' hashes (hashlib and Arrow run without the GIL), and the checks
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="ledger") as alongside:
+        # the inputs' hashes, for telling later whether the batch changed since it was filtered
+        inputs = alongside.submit(commits.input_fingerprints, data.run_dir(run_id))
+        retired = load_retired(data.root)
+        index = build_prior_index(data.root, run_id, judge_verdicts[["dedup_key", "key_hash"]], retired)
+        context.log.info(
+            f"prior index: {index.rows_read} kept rows of {index.runs_read} other runs; "
+            f"{len(index.keys)} of them share a key with this batch"
+        )
+        caps = config.to_caps()
+        result = filtering.walk_ledger(judge_verdicts, index.keys, index.counts, caps, run_id)
+        context.log.info(f"walk: kept {len(result.kept)}, surplus {len(result.surplus)}")
+        pending = {
+            ("verdicts_conserved", "kept"): alongside.submit(checks.verdicts_conserved, judge_verdicts, result.kept, result.surplus),
+            # against the index this step built (it holds every earlier keeper of any key this batch carries)
+            ("no_key_kept_twice", "kept"): alongside.submit(checks.no_key_kept_twice, result.kept, index.keys),
+            ("caps_respected", "kept"): alongside.submit(checks.caps_respected, result.kept, index.counts, caps),
+        }
+        pairs = dpo.dpo_pairs(result.kept, failure_pool, include_judge_failures=config.include_judge_failures)
+        figures = report.figures(batch_attempts, judge_verdicts, failure_pool, result.kept, result.surplus)
+        images = report.charts(figures)
+        frames = {
+            "prior_dedup_index": (index.keys, {"runs_read": index.runs_read, "rows_read": index.rows_read}),
+            "prior_kept_counts": (index.counts, {"kept_before": int(index.counts["n_kept"].sum())}),
+            "kept": (result.kept, {"caps_source": source}),
+            "surplus": (result.surplus, count_by(result.surplus["dropped"], DROPPED_REASONS, "dropped/")),
+            "dpo_pairs": (pairs.pairs, {"kept_without_clean_negative": pairs.kept_without_negative,
+                                        **{f"excluded/{reason}": n for reason, n in pairs.excluded.items()}}),  # fmt: skip
+            "filter_report": (
+                report.long_form(figures).assign(run_id=run_id),
+                {"report": dg.MetadataValue.md(report.markdown(figures, images, run_id)),
+                 **{f"funnel/{s}": int(c) for s, c in zip(figures.funnel["step"], figures.funnel["count"])}},
+            ),  # fmt: skip
+        }
+        files: dict[str, dict] = {}
+        writing = time.perf_counter()
+        # pending from the first write until committed again (not before: a walk that fails on history leaves
+        # an already filtered run's commit, and so its place in everyone's history, as it was)
+        delete_commit(data.warehouse, run_id)
+        for asset, (frame, _) in frames.items():
+            path = data.asset_file(asset, run_id)
+            encoded, rows = _parquet_bytes(frame, asset)
+            atomic_write(path, encoded)
+            files[asset] = file_entry(data.root, path, encoded, rows)
+        page = data.warehouse / "filter_report_html" / f"{run_id}.html"
+        html = report.html(figures, images, run_id).encode()
+        atomic_write(page, html)
+        files["filter_report_html"] = file_entry(data.root, page, html, 0)
+        context.log.info(f"wrote {len(files)} files in {time.perf_counter() - writing:.2f} s")
+        frames["filter_report"][1]["html"] = dg.MetadataValue.path(str(page))
+        outcomes = {key: future.result() for key, future in pending.items()}
+        if all(outcome.passed for outcome in outcomes.values()):
+            # Only a walk whose invariants held becomes history; one that broke them fails on its checks.
+            record = commits.CommitRecord(
+                run_id=run_id,
+                walked_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                files=files,
+                kept_keys=int(result.kept["dedup_key"].nunique()),
+                caps={k: v for k, v in config.model_dump().items() if k in CapsConfig.model_fields},
+                caps_source=source,
+                judge=judge_settings(judge_verdicts),
+                history=index.history,
+                inputs=inputs.result(),
+                unjudged=int((judge_verdicts["status"] == STATUS_ERROR).sum()),
+            )
+            if lease is not None:
+                lease.check()
+            write_commit(data.warehouse, record)
+            context.log.info(f"committed {run_id}: warehouse/{commits.COMMITS_DIR}/{run_id}.json")
+            if order.clear_failure(data.warehouse, run_id):
+                context.log.info(f"{run_id} was walked: its recorded validation failure is removed")
+    for asset, (frame, metadata) in frames.items():
+        yield dg.MaterializeResult(
+            asset_key=asset,
+            metadata={**metadata, "dagster/row_count": len(frame), "sha256": files[asset]["sha256"]},
+        )
+    for (check, asset), outcome in outcomes.items():
+        yield check_result(check, asset, outcome)

@@ -1,0 +1,80 @@
+"""The CLI keeps the ledger's order (first walks in run_id order, exit 2 when an unnamed lower batch blocks),
+and runs with unjudged tasks exit 3 and are judged again by a later `materialize` naming no run."""
+
+import pandas as pd
+import pytest
+
+from filter_pipeline_tests.builders import attempt, task, write_batch
+from filter_pipeline_tests.openai_server import FakeOpenAI, Reply
+
+pytestmark = pytest.mark.slow
+
+
+def kept(data_root) -> list[str]:
+    return sorted(pd.read_parquet(data_root / "warehouse" / "kept")["task_id"])
+
+
+def test_named_runs_are_walked_in_run_id_order_with_one_line_saying_so(cli, data_root):
+    write_batch(data_root, "b1", [task("y", key=["k"])], [attempt("y")])
+    write_batch(data_root, "b2", [task("x", key=["k"])], [attempt("x")])
+    done = cli("b2", "b1")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "first walks go in run_id order: b1 b2 (given: b2 b1)"
+    assert [line.split(":")[0] for line in lines[1:3]] == ["b1", "b2"]
+    assert kept(data_root) == ["y"]  # the CLI's run_id-order result, whatever order the names came in
+
+
+def test_a_named_run_behind_an_unnamed_lower_batch_exits_2_before_anything_runs(cli, data_root):
+    write_batch(data_root, "b1", [task("y")], [attempt("y")])
+    write_batch(data_root, "b2", [task("x")], [attempt("x")])
+    done = cli("b2")
+    assert done.returncode == 2
+    assert done.stderr.strip() == (
+        "filter-pipeline: b2: first walk must wait for b1 (complete, lower run_id, not yet filtered): name it too, "
+        "run `filter-pipeline materialize` with no run, or retire it in retired.json"
+    )
+    assert not (data_root / "warehouse").exists()
+    (data_root / "retired.json").write_text('[{"run_id": "b1", "reason": "bad build"}]')
+    assert cli("b2").returncode == 0  # retired: no longer waited for
+
+
+def test_unjudged_tasks_exit_3_and_a_later_materialize_judges_only_those_again(cli, data_root):
+    write_batch(data_root, "b1", [task("a"), task("b")], [attempt("a"), attempt("b")])
+    down = {"b": True}
+
+    def responder(call, n):
+        if down["b"] and "do b" in call.prompt:
+            return Reply(status=500, body='{"error": "upstream down"}')
+        return Reply()
+
+    with FakeOpenAI(responder) as server:
+        env = {"FILTER_JUDGE_BASE_URL": server.base_url, "FILTER_JUDGE_MODEL": "m", "FILTER_JUDGE_VOTES": "1",
+               "FILTER_JUDGE_MAX_ATTEMPTS": "1", "FILTER_PIPELINE_REJUDGE_MAX_TRIES": "2"}  # fmt: skip
+        first = cli("--judge", "llm", env=env)
+        assert first.returncode == 3, first.stderr
+        assert "b1: judged 1, unjudged 1" in first.stdout
+        assert kept(data_root) == ["a"]
+
+        before = len(server.calls)
+        second = cli("--judge", "llm", env=env)  # still down: try 1 of 2
+        assert second.returncode == 3, second.stderr
+        assert "b1: judging its unjudged tasks again (try 1)" in second.stdout
+        assert all("do b" in c.prompt for c in server.calls[before:])  # only the unjudged task is asked again
+
+        down["b"] = False
+        third = cli("--judge", "llm", env=env)  # try 2 of 2
+        assert third.returncode == 0, third.stderr
+        assert "b1: judged 2, unjudged 0" in third.stdout
+        assert kept(data_root) == ["a", "b"]
+        assert "nothing to materialize" in cli("--judge", "llm", env=env).stdout
+
+
+def test_the_cap_on_tries_is_respected(cli, data_root):
+    write_batch(data_root, "b1", [task("a")], [attempt("a")])
+    with FakeOpenAI(lambda call, n: Reply(status=500, body='{"error": "down"}')) as server:
+        env = {"FILTER_JUDGE_BASE_URL": server.base_url, "FILTER_JUDGE_MODEL": "m", "FILTER_JUDGE_VOTES": "1",
+               "FILTER_JUDGE_MAX_ATTEMPTS": "1", "FILTER_PIPELINE_REJUDGE_MAX_TRIES": "1"}  # fmt: skip
+        assert cli("--judge", "llm", env=env).returncode == 3
+        assert "try 1" in cli("--judge", "llm", env=env).stdout
+        assert "nothing to materialize" in cli("--judge", "llm", env=env).stdout  # the cap is reached

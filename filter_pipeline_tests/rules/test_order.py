@@ -1,0 +1,66 @@
+"""The ledger's order rule (CONTRACT §3.6), the records of validation failures, and the re-judging schedule."""
+
+from upath import UPath
+
+from filter_pipeline.rules.order import (
+    blocking_runs,
+    clear_failure,
+    read_failures,
+    record_failure,
+    rejudge_due,
+    walk_order,
+)
+
+COMPLETE = ["b0", "b1", "b2", "b3"]
+
+
+def test_a_first_walk_waits_for_every_lower_complete_batch_not_yet_filtered():
+    assert blocking_runs("b3", COMPLETE, committed=["b0"], failed=[], retired=[]) == ["b1", "b2"]
+    assert blocking_runs("b1", COMPLETE, committed=["b0"], failed=[], retired=[]) == []
+    assert blocking_runs("b0", COMPLETE, committed=[], failed=[], retired=[]) == []
+
+
+def test_retired_and_recorded_failures_do_not_hold_later_batches_back():
+    assert blocking_runs("b3", COMPLETE, committed=["b0"], failed=["b1"], retired=["b2"]) == []
+    assert blocking_runs("b3", COMPLETE, committed=[], failed=["b1"], retired=["b2"]) == ["b0"]
+
+
+def test_a_rewalk_of_a_committed_run_never_waits():
+    assert blocking_runs("b2", COMPLETE, committed=["b2"], failed=[], retired=[]) == []
+
+
+def test_runs_walked_before_in_the_same_step_do_not_block():
+    assert blocking_runs("b3", COMPLETE, committed=[], failed=[], retired=[], walked_before=["b0", "b1", "b2"]) == []
+    assert blocking_runs("b3", COMPLETE, committed=[], failed=[], retired=[], walked_before=["b1", "b2"]) == ["b0"]
+
+
+def test_incomplete_or_higher_batches_never_block():
+    assert blocking_runs("b1", ["b1", "b2", "b3"], committed=[], failed=[], retired=[]) == []
+    assert blocking_runs("a9", COMPLETE, committed=[], failed=[], retired=[]) == []
+
+
+def test_first_walks_take_run_id_order_and_rewalks_keep_their_places():
+    assert walk_order(["b2", "b0", "b3", "b1"], committed=[]) == ["b0", "b1", "b2", "b3"]
+    assert walk_order(["b3", "b0", "b1"], committed=["b0"]) == ["b1", "b0", "b3"]
+    assert walk_order(["b1", "b1", "b0"], committed=[]) == ["b0", "b1"]
+
+
+def test_failure_records_are_written_read_and_cleared(tmp_path):
+    warehouse = UPath(tmp_path) / "warehouse"
+    assert read_failures(warehouse) == {}
+    record_failure(warehouse, "b1", "runs/b1/tasks.jsonl holds no valid task")
+    assert read_failures(warehouse) == {"b1": "runs/b1/tasks.jsonl holds no valid task"}
+    assert [p.name for p in (warehouse / "_failed").iterdir()] == ["b1.json"]  # no temp file left
+    assert clear_failure(warehouse, "b1") and not clear_failure(warehouse, "b1")
+    assert read_failures(warehouse) == {}
+
+
+def test_rejudging_backs_off_doubling_and_stops_at_the_cap():
+    due = lambda tries, now, **kw: rejudge_due("r", 2, tries, last_at=1000, now=now, backoff_seconds=300, max_tries=3, **kw)  # noqa: E731
+    assert due(0, 1299) is None and due(0, 1300).try_number == 1
+    assert due(1, 1599) is None and due(1, 1600).try_number == 2  # 600 s after the first try
+    assert due(2, 2199) is None and due(2, 2200).try_number == 3
+    assert due(3, 10**9) is None  # the cap
+    assert due(1, 1001, wait=False).try_number == 2  # a user's materialize does not wait ...
+    assert due(3, 10**9, wait=False) is None  # ... but the cap holds
+    assert rejudge_due("r", 0, 0, 0, 10**9, 300, 3) is None  # nothing unjudged

@@ -1,0 +1,216 @@
+"""The ledger keeps run_id order whoever launches it (CONTRACT §3.6), without `dagster dev`: runs launched
+out of order on one instance, a ranged (single-run backfill) step, a blocked step that retries without
+holding the pool slot, and one that gives up with one line."""
+
+import shutil
+import threading
+import time
+
+import dagster as dg
+import pandas as pd
+import pytest
+from upath import UPath
+
+from filter_pipeline.cli.materialize import _failure_reason
+from filter_pipeline.definitions import build_defs, filter_job_from_env
+from filter_pipeline.judge.resource import JudgeResource
+from filter_pipeline.rules.order import read_failures
+from filter_pipeline.settings import ORDER_MAX_WAIT_SECONDS_ENV, ORDER_RETRY_SECONDS_ENV
+from filter_pipeline.shell.jobs import PARTITION_TAG, RANGE_END_TAG, RANGE_START_TAG
+from filter_pipeline_tests.builders import attempt, task, write_batch
+
+REGISTERED = ["b2", "b0", "b3", "b1"]  # the order the batches arrive in; run_id order differs
+LEDGER_ASSETS = ["prior_dedup_index", "prior_kept_counts", "kept", "surplus"]
+
+
+@pytest.fixture
+def instance():
+    with dg.instance_for_test(overrides={"concurrency": {"pools": {"default_limit": 1}}}) as instance:
+        yield instance
+
+
+@pytest.fixture
+def quick_retries(monkeypatch):
+    monkeypatch.setenv(ORDER_RETRY_SECONDS_ENV, "1")
+    monkeypatch.setenv(ORDER_MAX_WAIT_SECONDS_ENV, "120")
+
+
+def overlapping(data_root, run_ids=REGISTERED, n=8):
+    """Batches whose keys and (macro, site) counts overlap, so a walk's result depends on the runs before it."""
+    for run_id in run_ids:
+        shift = int(run_id[1:])
+        tasks = [task(f"{run_id}-{i}", site=f"s{i % 2}", key=["s", "#el", i + 2 * shift]) for i in range(n)]
+        write_batch(data_root, run_id, tasks, [attempt(t["task_id"]) for t in tasks])
+
+
+def defs_for(data_root):
+    return build_defs(str(data_root), JudgeResource(), caps={})
+
+
+def run_job(defs, instance, name, run_id, **kw):
+    return defs.resolve_job_def(name).execute_in_process(instance=instance, partition_key=run_id, raise_on_error=False, **kw)
+
+
+def ledger_rows(data_root, run_ids) -> dict:
+    return {
+        (asset, r): pd.read_parquet(data_root / "warehouse" / asset / f"{r}.parquet")
+        for asset in ("kept", "surplus") for r in run_ids
+    }  # fmt: skip
+
+
+def reference(tmp_path, data_root, run_ids) -> dict:
+    """kept and surplus as the CLI makes them: each run's whole graph, one after the other in run_id order."""
+    copy = tmp_path / "reference"
+    shutil.copytree(data_root, copy)
+    defs = defs_for(copy)
+    with dg.instance_for_test() as other:
+        other.add_dynamic_partitions("run_id", sorted(run_ids))
+        for r in sorted(run_ids):
+            assert run_job(defs, other, "filter_job", r).success
+    return ledger_rows(copy, run_ids)
+
+
+def assert_same(found: dict, expected: dict):
+    for key, frame in expected.items():
+        pd.testing.assert_frame_equal(found[key], frame, obj=str(key))
+
+
+def steps(instance, run_id, event_type) -> list[str]:
+    return [e.step_key for e in instance.all_logs(run_id, of_type=event_type)]
+
+
+# one process per run, as a backfill's runs are launched: filter_job for one partition on the instance at DAGSTER_HOME
+LAUNCH = """
+import sys, dagster as dg
+from filter_pipeline.definitions import filter_job_from_env
+with dg.DagsterInstance.get() as instance:
+    with dg.execute_job(dg.reconstructable(filter_job_from_env), instance, tags={"dagster/partition": sys.argv[1]}) as result:
+        print(result.run_id)
+        sys.exit(0 if result.success else 1)
+"""
+
+
+@pytest.mark.slow
+def test_runs_launched_in_registration_order_at_once_give_the_run_id_order_results(data_root, tmp_path, dagster_home):
+    import os
+    import subprocess
+    import sys
+
+    from filter_pipeline_tests.conftest import REPO
+
+    overlapping(data_root)
+    expected = reference(tmp_path, data_root, REGISTERED)
+    env = {**os.environ, "DAGSTER_HOME": str(dagster_home), "FILTER_PIPELINE_DATA": str(data_root),
+           ORDER_RETRY_SECONDS_ENV: "1", ORDER_MAX_WAIT_SECONDS_ENV: "300"}  # fmt: skip
+    with dg.DagsterInstance.from_config(str(dagster_home)) as instance:
+        instance.add_dynamic_partitions("run_id", REGISTERED)
+    procs = {}
+    for run_id in REGISTERED:  # as a backfill of filter_job submits them, all at once
+        procs[run_id] = subprocess.Popen([sys.executable, "-c", LAUNCH, run_id], env=env, cwd=REPO,
+                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        time.sleep(0.3)
+    runs = {}
+    for run_id, proc in procs.items():
+        out, err = proc.communicate(timeout=900)
+        assert proc.returncode == 0, err[-3000:]
+        runs[run_id] = out.strip().splitlines()[-1]
+    assert_same(ledger_rows(data_root, REGISTERED), expected)
+    with dg.DagsterInstance.from_config(str(dagster_home)) as instance:
+        # some runs did wait: their ledger step was retried rather than walking out of order
+        assert any(steps(instance, rid, dg.DagsterEventType.STEP_UP_FOR_RETRY) for rid in runs.values())
+
+
+def test_a_ranged_ledger_step_walks_its_partitions_in_run_id_order(instance, data_root, tmp_path):
+    overlapping(data_root)
+    expected = reference(tmp_path, data_root, REGISTERED)
+    instance.add_dynamic_partitions("run_id", REGISTERED)
+    defs = defs_for(data_root)
+    for run_id in REGISTERED:
+        assert run_job(defs, instance, "judge_job", run_id).success
+    ranged = dg.define_asset_job("ranged_ledger", selection=dg.AssetSelection.assets(*LEDGER_ASSETS))
+    job = dg.Definitions.merge(defs, dg.Definitions(jobs=[ranged])).resolve_job_def("ranged_ledger")
+    # the whole range in registration order, as a single-run backfill tags its run
+    result = job.execute_in_process(instance=instance, tags={RANGE_START_TAG: "b2", RANGE_END_TAG: "b1"})
+    assert result.success
+    assert_same(ledger_rows(data_root, REGISTERED), expected)
+    walked = [e.user_message for e in instance.all_logs(result.run_id) if e.user_message.startswith("walking ")]
+    assert [m.split()[1] for m in walked] == ["b0", "b1", "b2", "b3"]
+    status = instance.get_status_by_partition(dg.AssetKey("kept"), REGISTERED, defs.resolve_assets_def("kept").partitions_def)
+    assert set(status.values()) == {dg.AssetPartitionStatus.MATERIALIZED}
+
+
+@pytest.mark.slow
+def test_a_blocked_ledger_step_retries_without_the_pool_slot_and_walks_once_the_lower_run_is_filtered(
+    instance, data_root, tmp_path, quick_retries
+):
+    overlapping(data_root, ["b0", "b1"])
+    expected = reference(tmp_path, data_root, ["b0", "b1"])
+    instance.add_dynamic_partitions("run_id", ["b1", "b0"])
+    defs = defs_for(data_root)
+    for run_id in ("b1", "b0"):
+        assert run_job(defs, instance, "judge_job", run_id).success
+    outcome = {}
+    waiting = threading.Thread(target=lambda: outcome.setdefault("b1", run_job(defs, instance, "ledger_job", "b1")))
+    waiting.start()
+    deadline = time.time() + 120
+    ledger_b1 = dg.RunsFilter(job_name="ledger_job", tags={PARTITION_TAG: "b1"})
+    while time.time() < deadline and not instance.get_run_records(ledger_b1):
+        time.sleep(0.2)
+    [record] = instance.get_run_records(ledger_b1)
+    while time.time() < deadline and not steps(instance, record.dagster_run.run_id, dg.DagsterEventType.STEP_UP_FOR_RETRY):
+        time.sleep(0.2)
+    assert not (data_root / "warehouse" / "kept" / "b1.parquet").exists()  # it did not walk
+    waits = [e.user_message for e in instance.all_logs(record.dagster_run.run_id) if "waits for" in e.user_message]
+    assert waits and "the first walk of b1 waits for b0" in waits[0]
+
+    # while b1 waits for its retry it holds no slot: b0's ledger (same pool, limit 1 on this instance) runs
+    # meanwhile; were the slot held, b0's step would wait for it and b1 for b0 until the test times out
+    assert run_job(defs, instance, "ledger_job", "b0").success
+    waiting.join(timeout=300)
+    assert outcome["b1"].success
+    assert_same(ledger_rows(data_root, ["b0", "b1"]), expected)
+    pool = defs.resolve_assets_def("kept").op.pool
+    if pool:  # (with the pool in place: nothing is left holding it)
+        assert instance.event_log_storage.get_concurrency_info(pool).active_run_ids == set()
+
+
+def test_when_the_wait_runs_out_the_step_fails_with_one_line_naming_the_run(instance, data_root, monkeypatch):
+    monkeypatch.setenv(ORDER_RETRY_SECONDS_ENV, "1")
+    monkeypatch.setenv(ORDER_MAX_WAIT_SECONDS_ENV, "2")
+    overlapping(data_root, ["b0", "b1"])
+    instance.add_dynamic_partitions("run_id", ["b0", "b1"])
+    defs = defs_for(data_root)
+    assert run_job(defs, instance, "judge_job", "b1").success  # b0 is complete but never judged
+    result = run_job(defs, instance, "ledger_job", "b1")
+    assert not result.success
+    assert len(steps(instance, result.run_id, dg.DagsterEventType.STEP_UP_FOR_RETRY)) == 2
+    reason = _failure_reason(result)
+    assert reason.startswith("step ledger: the first walk of b1 waits for b0: ")
+    assert "gave up after waiting 2 s" in reason and "\n" not in reason
+    assert not (data_root / "warehouse" / "kept" / "b1.parquet").exists()
+
+
+def test_a_batch_that_fails_validation_is_recorded_and_holds_later_ones_back_no_longer(instance, data_root, monkeypatch):
+    monkeypatch.setenv(ORDER_MAX_WAIT_SECONDS_ENV, "0")  # any wait would fail the later run at once
+    write_batch(data_root, "b0", [], [])
+    overlapping(data_root, ["b1"])
+    instance.add_dynamic_partitions("run_id", ["b0", "b1"])
+    defs = defs_for(data_root)
+    failed = run_job(defs, instance, "filter_job", "b0")
+    assert not failed.success
+    assert read_failures(UPath(str(data_root)) / "warehouse") == {"b0": "runs/b0/tasks.jsonl holds no valid task"}
+    assert run_job(defs, instance, "filter_job", "b1").success
+
+    overlapping(data_root, ["b0"])  # fixed: its walk is a late one, and removes the record
+    assert run_job(defs, instance, "filter_job", "b0").success
+    assert read_failures(UPath(str(data_root)) / "warehouse") == {}
+
+
+def test_a_rewalk_of_a_filtered_run_never_waits(instance, data_root, monkeypatch):
+    monkeypatch.setenv(ORDER_MAX_WAIT_SECONDS_ENV, "0")
+    overlapping(data_root, ["b1"])
+    instance.add_dynamic_partitions("run_id", ["b1"])
+    defs = defs_for(data_root)
+    assert run_job(defs, instance, "filter_job", "b1").success
+    overlapping(data_root, ["b0"])  # a lower batch arrives after b1 was walked: b1's re-walk does not wait
+    assert run_job(defs, instance, "ledger_job", "b1").success
