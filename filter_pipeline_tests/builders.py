@@ -118,9 +118,10 @@ def write_kept(data: Path, run_id: str, *rows: tuple, commit: bool = True, histo
 
 def commit_files(
     data: Path, run_id: str, files: dict, history: dict | None = None, caps: dict | None = None, kept_keys: int = 0,
-    inputs: dict | None = None,
+    inputs: dict | None = None, **changes,
 ) -> None:
-    """The commit record of `run_id` naming `files` ({asset: path}) as they are now."""
+    """The commit record of `run_id` naming `files` ({asset: path}) as they are now (`changes`: other fields of
+    the record, e.g. unjudged, walked_at)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -136,10 +137,10 @@ def commit_files(
             rows = 0  # (a test's deliberately broken file)
         entries[asset] = file_entry(root, UPath(path), data_bytes, rows)
     record = CommitRecord(
-        run_id=run_id, walked_at="2026-12-01T00:00:00+00:00", files=entries, kept_keys=kept_keys,
+        run_id=run_id, files=entries, kept_keys=kept_keys,
         caps=caps or {"per_site_cap": 3, "caps": {}}, caps_source="deployment",
         judge={"kind": "gate", "model": None, "prompt_version": None, "votes": None},
-        history=history or {}, inputs=inputs or {}, unjudged=0,
+        history=history or {}, inputs=inputs or {}, **{"unjudged": 0, "walked_at": "2026-12-01T00:00:00+00:00", **changes},
     )  # fmt: skip
     write_commit(root / "warehouse", record)
 

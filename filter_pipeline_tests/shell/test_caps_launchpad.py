@@ -29,11 +29,11 @@ def test_the_launchpad_default_is_the_deployments_caps(tmp_path):
     caps_file.write_text("per_site_cap: 1\ncaps:\n  m: {site_cap: 2, target: 5}\n")
     defs = build_defs("data", JudgeResource(), caps=load_caps_file(caps_file))
     for job in ("filter_job", "ledger_job"):
-        assert config_default(defs.resolve_job_def(job), "ledger") == DEPLOYMENT
+        assert config_default(defs.resolve_job_def(job), "ledger") == {**DEPLOYMENT, "include_judge_failures": False}
     assert config_default(defs.resolve_job_def("across_runs_job"), "coverage") == DEPLOYMENT
     # no deployment caps: the built-in defaults
     assert config_default(build_defs("data", JudgeResource(), caps={}).resolve_job_def("filter_job"), "ledger") == {
-        "per_site_cap": 3, "caps": {}
+        "per_site_cap": 3, "caps": {}, "include_judge_failures": False
     }  # fmt: skip
 
 

@@ -20,7 +20,7 @@ from filter_pipeline.shell.jobs import PARTITION_TAG, RANGE_END_TAG, RANGE_START
 from filter_pipeline_tests.builders import attempt, task, write_batch
 
 REGISTERED = ["b2", "b0", "b3", "b1"]  # the order the batches arrive in; run_id order differs
-LEDGER_ASSETS = ["prior_dedup_index", "prior_kept_counts", "kept", "surplus"]
+LEDGER_ASSETS = ["prior_dedup_index", "prior_kept_counts", "kept", "surplus", "dpo_pairs", "filter_report"]
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import pytest
 from filter_pipeline.rules.batch import BatchState, complete_batches
 from filter_pipeline.shell.sensors import build_batch_sensor, plan_tick
 from filter_pipeline.shell.warehouse import DataRoot
-from filter_pipeline_tests.builders import attempt, task, write_batch, write_kept, write_legacy_kept
+from filter_pipeline_tests.builders import attempt, task, commit_files, write_batch, write_kept, write_legacy_kept
 
 
 @pytest.fixture
@@ -201,17 +201,14 @@ def test_on_s3_a_batch_completed_after_the_first_listing_is_seen_by_the_same_pro
 def test_a_filtered_run_with_unjudged_tasks_is_judged_again_after_a_backoff_under_a_cap(instance, data_root, monkeypatch):
     from dagster._core.test_utils import create_run_for_test
 
-    from filter_pipeline.rules.commits import CommitRecord, write_commit
-    from upath import UPath
-
     monkeypatch.setenv("FILTER_PIPELINE_REJUDGE_BACKOFF_SECONDS", "1000")
     monkeypatch.setenv("FILTER_PIPELINE_REJUDGE_MAX_TRIES", "2")
     write_batch(data_root, "b1", [task("a")], [attempt("a")])
     judged(data_root, "b1")
     write_kept(data_root, "b1", ("a", ["k"], "m", "s"))
     instance.add_dynamic_partitions("run_id", ["b1"])
-    warehouse = UPath(str(data_root)) / "warehouse"
-    write_commit(warehouse, CommitRecord(run_id="b1", unjudged=2, walked_at="2001-01-01T00:00:00+00:00"))  # long ago
+    kept_file = data_root / "warehouse" / "kept" / "b1.parquet"
+    commit_files(data_root, "b1", {"kept": kept_file}, unjudged=2, walked_at="2001-01-01T00:00:00+00:00")  # long ago
 
     rejudge = lambda result: [(r.job_name, r.run_key, r.tags) for r in result.run_requests if r.job_name == "rejudge_job"]  # noqa: E731
     [(job, key, tags)] = rejudge(tick(instance, data_root))
