@@ -29,7 +29,6 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
-
 from upath import UPath
 
 from filter_pipeline.rules import commits
@@ -135,7 +134,7 @@ def integrity_cost(data: Path) -> dict[str, float]:
     return {"verify history": verify, "fingerprint inputs": fingerprint, "write commit": write}
 
 
-BASELINE = r'''
+BASELINE = r"""
 # The earlier script, as the reference: json.loads line by line into a set and a dict, then a Python walk.
 import json, os, sys
 data, run_id, per_site_cap = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -166,7 +165,7 @@ for t in tasks:
     kept.append(t["task_id"])
 with open(os.path.join(data, "baseline_kept.txt"), "w") as f:
     f.write("\n".join(kept))
-'''
+"""
 
 
 def timed(cmd: list[str], env: dict) -> tuple[float, float, str, subprocess.CompletedProcess]:
@@ -226,10 +225,15 @@ def main() -> None:
     parser.add_argument("--arguments", type=int, default=10_000_000)
     parser.add_argument("--per-site-cap", type=int, default=40)
     parser.add_argument("--seed", type=int, default=20261130)
-    parser.add_argument("--no-baseline", action="store_true", help="skip the earlier script (it needs ~30 GB at 20M rows)")
+    parser.add_argument(
+        "--no-baseline", action="store_true", help="skip the earlier script (it needs ~30 GB at 20M rows)"
+    )
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "out")
     parser.add_argument(
-        "--repeat", type=int, default=1, help="time both N times, alternating, and print the medians (the machine's noise is ~10%%)"
+        "--repeat",
+        type=int,
+        default=1,
+        help="time both N times, alternating, and print the medians (the machine's noise is ~10%%)",
     )
     args = parser.parse_args()
 
@@ -248,7 +252,9 @@ def main() -> None:
         ours.append(run_filter(data, args.out / f"{name}-home", args, label))
         if not args.no_baseline:
             theirs.append(run_baseline(data, args, label))
-            print(f"{label}ratio:           {ours[-1][0] / theirs[-1][0]:6.3f} x time, {ours[-1][1] / theirs[-1][1]:.2f} x memory")
+            print(
+                f"{label}ratio:           {ours[-1][0] / theirs[-1][0]:6.3f} x time, {ours[-1][1] / theirs[-1][1]:.2f} x memory"
+            )
     if args.repeat > 1:
         wall, rss = statistics.median(w for w, _ in ours), max(r for _, r in ours)
         line = f"median of {args.repeat}: filter-pipeline {wall:.1f} s (peak RSS up to {rss:.0f} MB)"
@@ -266,7 +272,10 @@ def run_filter(data: Path, home: Path, args: argparse.Namespace, label: str) -> 
     shutil.copy(REPO / "instance" / "dagster.yaml", home / "dagster.yaml")
     # the instance exists before the timed run, as it does on every day but a user's first: creating its
     # SQLite schema (about 1 s) is a one-time cost, not a per-batch one
-    subprocess.run([sys.executable, "-c", f"import dagster as dg; dg.DagsterInstance.from_config({str(home)!r}).dispose()"], check=True)
+    subprocess.run(
+        [sys.executable, "-c", f"import dagster as dg; dg.DagsterInstance.from_config({str(home)!r}).dispose()"],
+        check=True,
+    )
     for folder in ("judge_verdicts", "failure_pool", "prior_dedup_index", "prior_kept_counts", "surplus",
                    "batch_tasks", "batch_attempts", "batch_rejects", "dpo_pairs", "filter_report"):  # fmt: skip
         shutil.rmtree(data / "warehouse" / folder, ignore_errors=True)
@@ -286,14 +295,19 @@ def run_filter(data: Path, home: Path, args: argparse.Namespace, label: str) -> 
     print("  phases: " + ", ".join(f"{phase} {sec:.1f} s" for phase, sec in phases.items()))
     cost = integrity_cost(data)
     total = sum(cost.values())
-    print("  commits: " + ", ".join(f"{name} {sec:.2f} s" for name, sec in cost.items())
-          + f"; together {total:.2f} s = {100 * total / wall:.1f}% of the run (upper bound: serial here)")
+    print(
+        "  commits: "
+        + ", ".join(f"{name} {sec:.2f} s" for name, sec in cost.items())
+        + f"; together {total:.2f} s = {100 * total / wall:.1f}% of the run (upper bound: serial here)"
+    )
     return wall, rss
 
 
 def run_baseline(data: Path, args: argparse.Namespace, label: str) -> tuple[float, float]:
     """The earlier script on the same batch, checked to keep the same rows; (wall s, peak RSS MB)."""
-    wall, rss, kernel, done = timed([sys.executable, "-c", BASELINE, str(data), "new", str(args.per_site_cap)], dict(os.environ))
+    wall, rss, kernel, done = timed(
+        [sys.executable, "-c", BASELINE, str(data), "new", str(args.per_site_cap)], dict(os.environ)
+    )
     if done.returncode != 0:
         sys.exit(f"baseline failed:\n{done.stderr[-3000:]}")
     kept = set(pd.read_parquet(data / "warehouse" / "kept" / "new.parquet", columns=["task_id"])["task_id"])

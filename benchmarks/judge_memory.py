@@ -79,7 +79,9 @@ def serve() -> None:
 
 @contextmanager
 def endpoint():
-    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.judge_memory", "--serve"], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "benchmarks.judge_memory", "--serve"], stdout=subprocess.PIPE, text=True
+    )
     try:
         yield proc.stdout.readline().strip()
     finally:
@@ -186,7 +188,10 @@ def main() -> None:
                 proc = child(data, base_url, args.concurrency)
                 out, _ = proc.communicate()
                 figures = json.loads(out.strip().splitlines()[-1])
-                print(f"{n:>8} {figures['peak_rss_mb']:>12.0f} {figures['seconds']:>8.1f} {requests_seen(base_url) - before:>9}", flush=True)
+                print(
+                    f"{n:>8} {figures['peak_rss_mb']:>12.0f} {figures['seconds']:>8.1f} {requests_seen(base_url) - before:>9}",
+                    flush=True,
+                )
                 shutil.rmtree(data, ignore_errors=True)
             if args.kill_at:
                 n = args.kill_at

@@ -13,8 +13,8 @@ import argparse
 import time
 
 from benchmarks.judge_throughput import server_process
-from filter_pipeline.judge.client import LLMSettings, judge_prompts
 from benchmarks.sample_prompts import task_messages
+from filter_pipeline.judge.client import LLMSettings, judge_prompts
 
 
 def main() -> None:

@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 
 from benchmarks.judge_throughput import server_process
-from filter_pipeline.judge.client import LLMSettings, judge_prompts
 from benchmarks.sample_prompts import task_messages
+from filter_pipeline.judge.client import LLMSettings, judge_prompts
 
 REPO = Path(__file__).resolve().parent.parent
 OLD_COMMIT = "6e847e5"
@@ -33,7 +33,9 @@ OLD_COMMIT = "6e847e5"
 
 def old_client():
     """commit 6e847e5's filter_pipeline/judge/llm.py as a module, or None without the git history."""
-    done = subprocess.run(["git", "show", f"{OLD_COMMIT}:filter_pipeline/judge/llm.py"], cwd=REPO, capture_output=True, text=True)
+    done = subprocess.run(
+        ["git", "show", f"{OLD_COMMIT}:filter_pipeline/judge/llm.py"], cwd=REPO, capture_output=True, text=True
+    )
     if done.returncode != 0:
         return None
     spec = importlib.util.spec_from_loader(f"judge_llm_{OLD_COMMIT}", loader=None)
@@ -51,12 +53,19 @@ def main() -> None:
     args = parser.parse_args()
 
     prompts = [
-        task_messages(i, [{"action": "click", "selector": f"#item-{i}"}] * 5, f"https://shop.example/cart/{i}", "Your cart: 1 item. " * 50)
+        task_messages(
+            i,
+            [{"action": "click", "selector": f"#item-{i}"}] * 5,
+            f"https://shop.example/cart/{i}",
+            "Your cart: 1 item. " * 50,
+        )
         for i in range(args.tasks)
     ]
     print(f"{args.tasks} tasks, server latency {args.latency * 1000:.0f} ms, {args.unparseable:.0%} of requests "
           f"answered with prose, concurrency {args.concurrency}")  # fmt: skip
-    print(f"{'client':<40} {'req/task':>8} {'prompt tok':>10} {'compl tok':>9} {'cached tok':>10} {'unjudged':>8} {'seconds':>8}")
+    print(
+        f"{'client':<40} {'req/task':>8} {'prompt tok':>10} {'compl tok':>9} {'cached tok':>10} {'unjudged':>8} {'seconds':>8}"
+    )
 
     old = old_client()
     runs = [("new, response_format accepted", "accept", None), ("new, response_format rejected", "reject", None)]
@@ -74,7 +83,9 @@ def main() -> None:
                 requests = sum(v.calls for v in verdicts)
                 cached = "n/a"
             else:
-                verdicts = judge_prompts(prompts, LLMSettings(base_url=base_url, model="bench", concurrency=args.concurrency))
+                verdicts = judge_prompts(
+                    prompts, LLMSettings(base_url=base_url, model="bench", concurrency=args.concurrency)
+                )
                 requests = sum(v.requests for v in verdicts)
                 cached = f"{sum(v.cached_tokens for v in verdicts) / args.tasks:.0f}"
             seconds = time.perf_counter() - start

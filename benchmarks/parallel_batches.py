@@ -94,7 +94,10 @@ def main() -> None:
     parser.add_argument("--latency", type=float, default=0.5, help="seconds the judge server takes per call")
     parser.add_argument("--concurrency", type=int, default=4, help="judge requests in flight per batch")
     parser.add_argument(
-        "--executor", choices=["in_process", "multiprocess"], default="in_process", help="(the README's figures: in_process)"
+        "--executor",
+        choices=["in_process", "multiprocess"],
+        default="in_process",
+        help="(the README's figures: in_process)",
     )
     parser.add_argument("--timeout", type=float, default=900, help="give up after this many seconds")
     args = parser.parse_args()
@@ -124,9 +127,13 @@ def main() -> None:
         try:
             with dg.DagsterInstance.from_config(str(home)) as instance:
                 kept = [data / "warehouse" / "kept" / f"{r}.parquet" for r in run_ids]
-                while not (all(p.exists() for p in kept) and not instance.get_run_records(dg.RunsFilter(statuses=IN_FLIGHT))):
+                while not (
+                    all(p.exists() for p in kept) and not instance.get_run_records(dg.RunsFilter(statuses=IN_FLIGHT))
+                ):
                     if time.time() - started > args.timeout or daemon.poll() is not None:
-                        sys.exit(f"not done after {time.time() - started:.0f} s; daemon log tail:\n{log_path.read_text()[-3000:]}")
+                        sys.exit(
+                            f"not done after {time.time() - started:.0f} s; daemon log tail:\n{log_path.read_text()[-3000:]}"
+                        )
                     time.sleep(1)
                 wall = time.time() - started
                 judge = step_spans(instance, "judge_job", "judge_verdicts")

@@ -5,13 +5,19 @@ import warnings
 
 import dagster as dg
 
-from filter_pipeline.shell.assets import build_coverage, execution_batch, failure_pool, judge_calibration, judge_verdicts
-from filter_pipeline.shell.ledger import build_ledger
+from filter_pipeline.judge.resource import JudgeResource, judge_from_env
+from filter_pipeline.settings import DEFAULT_EXECUTOR, EXECUTOR_ENV
+from filter_pipeline.shell.assets import (
+    build_coverage,
+    execution_batch,
+    failure_pool,
+    judge_calibration,
+    judge_verdicts,
+)
 from filter_pipeline.shell.config import CAPS_ENV, load_caps_file
 from filter_pipeline.shell.jobs import across_runs_job, filter_job, judge_job, ledger_job, rejudge_job
-from filter_pipeline.judge.resource import JudgeResource, judge_from_env
+from filter_pipeline.shell.ledger import build_ledger
 from filter_pipeline.shell.sensors import build_batch_sensor
-from filter_pipeline.settings import DEFAULT_EXECUTOR, EXECUTOR_ENV
 from filter_pipeline.shell.warehouse import DataRoot, WarehouseIOManager
 
 # Intended: the ledger walks a single-run backfill's partitions in one step, in run_id order; the other assets
@@ -22,7 +28,9 @@ warnings.filterwarnings("ignore", message=r"Asset job \w+ materializes assets wi
 EXECUTORS = {e.name: e for e in (dg.in_process_executor, dg.multiprocess_executor)}
 
 
-def build_defs(data: DataRoot | str, judge: JudgeResource, caps: dict, executor: str = DEFAULT_EXECUTOR) -> dg.Definitions:
+def build_defs(
+    data: DataRoot | str, judge: JudgeResource, caps: dict, executor: str = DEFAULT_EXECUTOR
+) -> dg.Definitions:
     """All definitions for one data root, judge, caps and executor (the CLI builds its own; `defs` reads the
     env). `caps`: the deployment's caps, the default of every run's caps config (the launchpad shows them; the
     sensor and the CLI pass none unless told). Raises ValueError for an unknown executor name."""
@@ -30,7 +38,14 @@ def build_defs(data: DataRoot | str, judge: JudgeResource, caps: dict, executor:
         raise ValueError(f"{EXECUTOR_ENV}={executor!r}: expected one of {', '.join(EXECUTORS)}")
     data = data if isinstance(data, DataRoot) else DataRoot(path=data)
     return dg.Definitions(
-        assets=[execution_batch, judge_verdicts, failure_pool, build_ledger(caps), build_coverage(caps), judge_calibration],
+        assets=[
+            execution_batch,
+            judge_verdicts,
+            failure_pool,
+            build_ledger(caps),
+            build_coverage(caps),
+            judge_calibration,
+        ],
         jobs=[judge_job, ledger_job, filter_job, across_runs_job, rejudge_job],
         sensors=[build_batch_sensor()],
         resources={"data": data, "judge": judge, "io_manager": WarehouseIOManager(data=data)},

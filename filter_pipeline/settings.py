@@ -26,6 +26,7 @@ def data_path(path: str | None = None) -> str:
     """The data root's path or URL: `path` when given, else $FILTER_PIPELINE_DATA, else `data`."""
     return path or os.environ.get(DATA_ENV, DEFAULT_DATA)
 
+
 # The ledger's order (CONTRACT §3.6): a first walk blocked by a lower complete batch that is not yet committed
 # is retried by Dagster every ORDER_RETRY_SECONDS (the step gives its pool slot back while it waits), for at
 # most ORDER_MAX_WAIT_SECONDS; then it fails with one line naming the run it waited for.

@@ -4,10 +4,10 @@ import json
 from pathlib import Path
 
 import pandas as pd
+from upath import UPath
 
 from filter_pipeline.rules.batch import read_batch
 from filter_pipeline.rules.schemas import STATUS_JUDGED, canonical_key, conform, key_hash
-from upath import UPath
 
 
 def task(task_id: str, macro: str = "m", site: str = "s", key: list | None = None, **extra) -> dict:
@@ -24,7 +24,9 @@ def task(task_id: str, macro: str = "m", site: str = "s", key: list | None = Non
     return record
 
 
-def attempt(task_id: str, n: int = 1, ok: bool = True, error: str | None = None, backend=..., steps: int = 2, **extra) -> dict:
+def attempt(
+    task_id: str, n: int = 1, ok: bool = True, error: str | None = None, backend=..., steps: int = 2, **extra
+) -> dict:
     """An executions.jsonl record; `backend` defaults to {"ok": ok, "detail": ...}, pass None for null."""
     record = {
         "task_id": task_id,
@@ -88,8 +90,17 @@ def kept_history(*rows: tuple) -> pd.DataFrame:
     """prior_dedup_index rows from (key, macro, site, run_id, task_id) tuples."""
     return conform(
         pd.DataFrame(
-            [dict(dedup_key=canonical_key(k), key_hash=key_hash(canonical_key(k)), macro=m, site=s, run_id=r, task_id=t)
-             for k, m, s, r, t in rows]  # fmt: skip
+            [
+                dict(
+                    dedup_key=canonical_key(k),
+                    key_hash=key_hash(canonical_key(k)),
+                    macro=m,
+                    site=s,
+                    run_id=r,
+                    task_id=t,
+                )
+                for k, m, s, r, t in rows
+            ]  # fmt: skip
         ),
         "prior_dedup_index",
     )
@@ -100,7 +111,9 @@ def counts(*rows: tuple) -> pd.DataFrame:
     return conform(pd.DataFrame([dict(macro=m, site=s, n_kept=n) for m, s, n in rows]), "prior_kept_counts")
 
 
-def write_kept(data: Path, run_id: str, *rows: tuple, commit: bool = True, history: dict | None = None, caps: dict | None = None) -> None:
+def write_kept(
+    data: Path, run_id: str, *rows: tuple, commit: bool = True, history: dict | None = None, caps: dict | None = None
+) -> None:
     """warehouse/kept/<run_id>.parquet from (task_id, key, macro, site) tuples, as the pipeline writes it, and
     (if `commit`) its commit record naming it (`history`: the runs its walk read; `caps`: the caps it used)."""
     from filter_pipeline.rules.schemas import to_arrow
@@ -117,8 +130,14 @@ def write_kept(data: Path, run_id: str, *rows: tuple, commit: bool = True, histo
 
 
 def commit_files(
-    data: Path, run_id: str, files: dict, history: dict | None = None, caps: dict | None = None, kept_keys: int = 0,
-    inputs: dict | None = None, **changes,
+    data: Path,
+    run_id: str,
+    files: dict,
+    history: dict | None = None,
+    caps: dict | None = None,
+    kept_keys: int = 0,
+    inputs: dict | None = None,
+    **changes,
 ) -> None:
     """The commit record of `run_id` naming `files` ({asset: path}) as they are now (`changes`: other fields of
     the record, e.g. unjudged, walked_at)."""

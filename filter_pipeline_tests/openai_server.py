@@ -11,9 +11,9 @@ import hashlib
 import json
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable
 
 N_MODES = ("honour", "ignore", "reject400", "reject500")
 
@@ -52,7 +52,9 @@ class RateLimit:
     def allow(self) -> bool:
         with self._lock:
             now = time.monotonic()
-            self._tokens = self.burst if self._tokens < 0 else min(self.burst, self._tokens + (now - self._at) * self.per_second)
+            self._tokens = (
+                self.burst if self._tokens < 0 else min(self.burst, self._tokens + (now - self._at) * self.per_second)
+            )
             self._at = now
             if self._tokens >= 1:
                 self._tokens -= 1
@@ -146,7 +148,12 @@ class FakeOpenAI:
         if n > 1 and self.n_mode == "reject400":
             return Reply(status=400, body=error_body("n > 1 is not supported by this server", code="invalid_n"))
         if n > 1 and self.n_mode == "reject500":  # what llama.cpp's server answers
-            return Reply(status=500, body=json.dumps({"error": {"code": 500, "message": "Only one completion choice is allowed", "type": "server_error"}}))
+            return Reply(
+                status=500,
+                body=json.dumps(
+                    {"error": {"code": 500, "message": "Only one completion choice is allowed", "type": "server_error"}}
+                ),
+            )
         if "response_format" in call.body and self.response_format == "reject":
             return Reply(status=400, body=error_body(
                 "Invalid parameter: 'response_format' of type 'json_schema' is not supported with this model.", code=None))  # fmt: skip
@@ -197,8 +204,11 @@ class BenchModel:
         request = json.dumps([messages, call.body.get("temperature"), call.body.get("max_tokens")], sort_keys=True)
         draw = int(hashlib.sha256(request.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
         prose = draw < self.unparseable and "response_format" not in call.body
-        content = "The agent seems to have completed the task, as far as I can tell." if prose else (
-            '{"reasoning": "the final page shows the item in the cart", "passed": true, "why": "item in cart"}')
+        content = (
+            "The agent seems to have completed the task, as far as I can tell."
+            if prose
+            else ('{"reasoning": "the final page shows the item in the cart", "passed": true, "why": "item in cart"}')
+        )
         system = messages[0]["content"] if messages and messages[0]["role"] == "system" else ""
         with self._lock:
             cached = len(system) // 4 if system in self._prefixes else 0
@@ -224,7 +234,9 @@ def main() -> None:
     parser.add_argument("--response-format", choices=("accept", "reject"), default="accept")
     args = parser.parse_args()
     rate = RateLimit(args.rate, args.burst or args.rate, {"Retry-After": args.retry_after}) if args.rate else None
-    server = FakeOpenAI(BenchModel(args.latency, args.unparseable), n=args.n, response_format=args.response_format, rate=rate)
+    server = FakeOpenAI(
+        BenchModel(args.latency, args.unparseable), n=args.n, response_format=args.response_format, rate=rate
+    )
     print(server.base_url, flush=True)
     sys.stdout.close()
     server._server.serve_forever()

@@ -123,7 +123,9 @@ class PostgresCluster:
     def __init__(self):
         bindir = postgres_bindir()
         if bindir is None:
-            raise ServerUnavailable("no PostgreSQL server binaries (initdb): `apt-get install postgresql` (.ci/run does)")
+            raise ServerUnavailable(
+                "no PostgreSQL server binaries (initdb): `apt-get install postgresql` (.ci/run does)"
+            )
         self.bindir, self.port = bindir, free_port()
         self.dir = Path(tempfile.mkdtemp(prefix="filter-pg-"))
         self.run_as: list[str] = []

@@ -46,15 +46,21 @@ def test_judge_rate_limit_judges_everything_at_a_small_size():
 def test_judge_requests_compares_the_old_client_with_the_new_at_a_small_size():
     out = run("benchmarks.judge_requests", "--tasks", "40", "--latency", "0.01", "--unparseable", "0.2")
     # each row: the client's name, then requests/task, prompt, completion and cached tokens/task, unjudged, seconds
-    rows = {line.split()[0].rstrip(","): line.split()[-6:] for line in out.splitlines() if line.startswith(("old", "new"))}
-    requests = {line.split("  ")[0]: float(line.split()[-6]) for line in out.splitlines() if line.startswith(("old", "new"))}
+    rows = {
+        line.split()[0].rstrip(","): line.split()[-6:] for line in out.splitlines() if line.startswith(("old", "new"))
+    }
+    requests = {
+        line.split("  ")[0]: float(line.split()[-6]) for line in out.splitlines() if line.startswith(("old", "new"))
+    }
     assert len(requests) == 3 and set(rows) == {"old", "new"}
     assert requests["new, response_format accepted"] == 1.0 and requests["new, response_format rejected"] < 1.5
     assert float(rows["old"][0]) >= 3.0  # three votes, and identical requests again after prose
 
 
 def test_parallel_batches_judge_together_and_walk_the_ledger_one_at_a_time_in_order():
-    out = run("benchmarks.parallel_batches", "--batches", "3", "--tasks", "60", "--latency", "0.3", "--concurrency", "2")
+    out = run(
+        "benchmarks.parallel_batches", "--batches", "3", "--tasks", "60", "--latency", "0.3", "--concurrency", "2"
+    )
     assert "runs failed: 0" in out
     assert "ledger: 3 steps, in run_id order: True, overlapping pairs: 0" in out
     judging = next(line for line in out.splitlines() if line.startswith("judging:"))
@@ -67,7 +73,9 @@ def test_a_helper_process_that_ignores_sigterm_is_killed_after_the_grace_period(
     # what a benchmark's server inherits when the suite runs as a background job of a non-interactive shell
     from benchmarks.judge_throughput import stop
 
-    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(60)"
+    code = (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(60)"
+    )
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "ready"
     stop(proc, seconds=0.5)

@@ -15,8 +15,8 @@ import pandas as pd
 import pytest
 from dagster._core.events import DagsterEventType
 
-from filter_pipeline.shell.jobs import ACROSS_RUNS_ASSETS
 from filter_pipeline.rules.schemas import SCHEMAS
+from filter_pipeline.shell.jobs import ACROSS_RUNS_ASSETS
 from filter_pipeline.shell.sensors import kept_fingerprint
 from filter_pipeline.shell.warehouse import DataRoot
 from filter_pipeline_tests.conftest import REPO
@@ -104,7 +104,9 @@ def test_two_batches_on_s3_through_the_daemon_on_postgres_equal_the_local_run(
 
         def coverage_is_current() -> bool:
             key = f"across-runs:{kept_fingerprint(data)}"
-            done = instance.get_run_records(dg.RunsFilter(tags={"dagster/run_key": key}, statuses=[dg.DagsterRunStatus.SUCCESS]))
+            done = instance.get_run_records(
+                dg.RunsFilter(tags={"dagster/run_key": key}, statuses=[dg.DagsterRunStatus.SUCCESS])
+            )
             return bool(done) and not instance.get_run_records(dg.RunsFilter(statuses=IN_FLIGHT))
 
         wait_until(coverage_is_current, "coverage over both batches", daemon.log_path)
@@ -135,7 +137,11 @@ def test_two_batches_on_s3_through_the_daemon_on_postgres_equal_the_local_run(
     # the outputs: every asset file of the local run exists on S3 with the same rows
     compared = 0
     for asset in sorted(SCHEMAS):
-        names = [f"{asset}.parquet"] if asset in ACROSS_RUNS_ASSETS else [f"{asset}/{FIRST}.parquet", f"{asset}/{SECOND}.parquet"]
+        names = (
+            [f"{asset}.parquet"]
+            if asset in ACROSS_RUNS_ASSETS
+            else [f"{asset}/{FIRST}.parquet", f"{asset}/{SECOND}.parquet"]
+        )
         for name in names:
             local = pd.read_parquet(local_warehouse / name)
             remote = pd.read_parquet(f"{url}/warehouse/{name}")

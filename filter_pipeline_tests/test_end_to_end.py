@@ -87,10 +87,16 @@ def wait_for_kept(server: DagsterDev, run_ids: list[str]) -> None:
     while time.time() < deadline:
         if all((server.data / "warehouse" / "kept" / f"{r}.parquet").exists() for r in run_ids):
             with dg.DagsterInstance.from_config(str(server.home)) as instance:
-                if not instance.get_run_records(dg.RunsFilter(statuses=[dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.STARTING])):
+                if not instance.get_run_records(
+                    dg.RunsFilter(
+                        statuses=[dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.STARTING]
+                    )
+                ):
                     return
         time.sleep(2)
-    raise TimeoutError(f"sensor did not filter {run_ids}; log tail:\n" + (server.home / "dagster-dev.log").read_text()[-3000:])
+    raise TimeoutError(
+        f"sensor did not filter {run_ids}; log tail:\n" + (server.home / "dagster-dev.log").read_text()[-3000:]
+    )
 
 
 def test_a_dropped_batch_is_filtered_with_no_clicks_and_lineage_is_visible(dagster_dev):
@@ -107,7 +113,9 @@ def test_a_dropped_batch_is_filtered_with_no_clicks_and_lineage_is_visible(dagst
     query = """query($key: AssetKeyInput!) { assetOrError(assetKey: $key) {
         ... on Asset { assetMaterializations(partitions: ["b0"]) { partition runId } } } }"""
     for asset in set(deps) - set(ACROSS_RUNS_ASSETS):
-        materializations = dagster_dev.graphql(query, {"key": {"path": [asset]}})["assetOrError"]["assetMaterializations"]
+        materializations = dagster_dev.graphql(query, {"key": {"path": [asset]}})["assetOrError"][
+            "assetMaterializations"
+        ]
         assert [m["partition"] for m in materializations] == ["b0"], asset
 
     report = dagster_dev.graphql(

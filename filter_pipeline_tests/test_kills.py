@@ -18,7 +18,16 @@ from filter_pipeline_tests.conftest import CLI, REPO
 pytestmark = pytest.mark.slow
 
 KILLS = 12
-COMPARED = ["judge_verdicts", "failure_pool", "prior_dedup_index", "prior_kept_counts", "kept", "surplus", "dpo_pairs", "filter_report"]
+COMPARED = [
+    "judge_verdicts",
+    "failure_pool",
+    "prior_dedup_index",
+    "prior_kept_counts",
+    "kept",
+    "surplus",
+    "dpo_pairs",
+    "filter_report",
+]
 
 
 def batches(data_root):

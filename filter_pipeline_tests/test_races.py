@@ -40,8 +40,14 @@ def race(root: UPath, env: dict, tmp_path) -> None:
             tasks = [task(f"{run_id}-{i}", site=f"site{i}", key=["s", "#el", f"round{n}", i]) for i in range(KEYS)]
             write_batch(root, run_id, tasks, [attempt(t["task_id"]) for t in tasks])
         procs = [
-            subprocess.Popen([*CLI, "materialize", run_id], env={**env, "DAGSTER_HOME": home}, cwd=REPO,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+            subprocess.Popen(
+                [*CLI, "materialize", run_id],
+                env={**env, "DAGSTER_HOME": home},
+                cwd=REPO,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )  # fmt: skip
             for run_id, home in zip(pair, dagster_homes)
         ]
         for proc in procs:

@@ -48,7 +48,12 @@ def _parser() -> argparse.ArgumentParser:
         "--judge", choices=JUDGE_KINDS, default=None, help=f"which judge decides (default: ${JUDGE_KIND_ENV} or gate)"
     )
     m.add_argument("--per-site-cap", type=int, default=None, help="most kept rows per (macro, site); overrides --caps")
-    m.add_argument("--caps", default=None, metavar="FILE", help='YAML/JSON {"per_site_cap": N, "caps": {macro: {site_cap, target}}}')
+    m.add_argument(
+        "--caps",
+        default=None,
+        metavar="FILE",
+        help='YAML/JSON {"per_site_cap": N, "caps": {macro: {site_cap, target}}}',
+    )
     v = commands.add_parser(
         "verify",
         help="audit the whole warehouse",
@@ -89,7 +94,9 @@ def read_first_batch_ahead(args: argparse.Namespace) -> bool:
     if root.protocol not in LOCAL_PROTOCOLS:
         return False
     try:
-        pending = args.run_ids or [b.run_id for b in complete_batches(root / "runs", root / "warehouse", log=None) if not b.filtered]
+        pending = args.run_ids or [
+            b.run_id for b in complete_batches(root / "runs", root / "warehouse", log=None) if not b.filtered
+        ]
         if not pending:
             return False
         run_dir = root / "runs" / check_run_id(pending[0])

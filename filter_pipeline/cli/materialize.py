@@ -13,21 +13,25 @@ import sys
 
 import dagster as dg
 
-from filter_pipeline.rules import order
-from filter_pipeline.rules.commits import read_commits
-from filter_pipeline.shell.assets import run_id_partitions
-from filter_pipeline.shell.ledger import ORDER_MAX_WAIT_TAG
-from filter_pipeline.rules.batch import SUCCESS_FILE, check_run_id, complete_batches
-from filter_pipeline.shell.config import CAPS_ENV, load_caps_file, parse_caps
 from filter_pipeline.definitions import defs_from_env
-from filter_pipeline.rules.history import load_retired
-from filter_pipeline.shell.jobs import ACROSS_RUNS_ASSETS, PARTITION_TAG, across_runs_job, filter_job
-from filter_pipeline.shell.sensors import changed_warning
 from filter_pipeline.judge.resource import ENV, judge_from_env
-from filter_pipeline.shell.sensors import legacy_run_ids, record_legacy_runs, rejudge_tags, rejudging_due
+from filter_pipeline.rules import order
+from filter_pipeline.rules.batch import SUCCESS_FILE, check_run_id, complete_batches
+from filter_pipeline.rules.commits import read_commits
+from filter_pipeline.rules.history import load_retired
 from filter_pipeline.rules.schemas import DROPPED_REASONS, FAILURE_REASONS, STATUS_ERROR
+from filter_pipeline.shell.assets import run_id_partitions
+from filter_pipeline.shell.config import CAPS_ENV, load_caps_file, parse_caps
+from filter_pipeline.shell.jobs import ACROSS_RUNS_ASSETS, PARTITION_TAG, across_runs_job, filter_job
+from filter_pipeline.shell.ledger import ORDER_MAX_WAIT_TAG
+from filter_pipeline.shell.sensors import (
+    changed_warning,
+    legacy_run_ids,
+    record_legacy_runs,
+    rejudge_tags,
+    rejudging_due,
+)
 from filter_pipeline.shell.warehouse import DATA_ENV, DataRoot, read_parquet
-
 
 EXIT_RUN_FAILED = 1
 EXIT_BAD_INPUT = 2  # (main.py maps CliError, ValueError and HistoryError to it)
@@ -58,11 +62,19 @@ def _caps(args: argparse.Namespace) -> dict:
 def _data_root(path: str | None) -> DataRoot:
     """The data root --data or FILTER_PIPELINE_DATA names, if it exists and holds runs/; else CliError."""
     data = DataRoot.from_env(path)
-    named = f"--data {path}" if path else f"{DATA_ENV}={data.path}" if os.environ.get(DATA_ENV) else f"data root {data.path} (the default)"
+    named = (
+        f"--data {path}"
+        if path
+        else f"{DATA_ENV}={data.path}"
+        if os.environ.get(DATA_ENV)
+        else f"data root {data.path} (the default)"
+    )
     if not data.root.exists():
         raise CliError(f"{named}: no such folder (point --data or {DATA_ENV} at the folder that holds runs/)")
     if not data.runs.exists():
-        raise CliError(f"{named}: has no runs/ folder, so it holds no execution batch (runs/<run_id>/); is it the data root?")
+        raise CliError(
+            f"{named}: has no runs/ folder, so it holds no execution batch (runs/<run_id>/); is it the data root?"
+        )
     return data
 
 
@@ -74,7 +86,9 @@ def _dagster_home() -> str:
     if not os.path.isabs(home):
         raise CliError(f"DAGSTER_HOME={home}: not an absolute path (Dagster requires one): use {os.path.abspath(home)}")
     if not os.path.isdir(home):
-        raise CliError(f"DAGSTER_HOME={home}: no such folder: create it (mkdir -p {home}) or point DAGSTER_HOME at the instance folder")
+        raise CliError(
+            f"DAGSTER_HOME={home}: no such folder: create it (mkdir -p {home}) or point DAGSTER_HOME at the instance folder"
+        )
     return home
 
 
@@ -90,7 +104,11 @@ def _runs_to_materialize(data: DataRoot, requested: list[str], refused: list[str
     for run_id in requested:
         check_run_id(run_id)
         if not (data.run_dir(run_id) / SUCCESS_FILE).exists():
-            where = "does not exist" if not data.run_dir(run_id).exists() else f"has no {SUCCESS_FILE} (still being written?)"
+            where = (
+                "does not exist"
+                if not data.run_dir(run_id).exists()
+                else f"has no {SUCCESS_FILE} (still being written?)"
+            )
             raise CliError(f"batch runs/{run_id} {where}")
     return requested
 
@@ -192,7 +210,11 @@ def materialize(args: argparse.Namespace) -> int:
     for line in refused:
         print(line, file=sys.stderr, flush=True)
     _register_legacy_runs(instance, data)
-    rejudge = {} if args.run_ids else {r.run_id: r for r in rejudging_due(instance, read_commits(data.warehouse), set(), wait=False)}
+    rejudge = (
+        {}
+        if args.run_ids
+        else {r.run_id: r for r in rejudging_due(instance, read_commits(data.warehouse), set(), wait=False)}
+    )
     run_ids = sorted(set(run_ids) | set(rejudge)) if rejudge else run_ids
     if not run_ids:
         if refused:
@@ -203,7 +225,9 @@ def materialize(args: argparse.Namespace) -> int:
     # the job is rebuilt from the environment (see cli_filter_job), so the settings travel through it
     os.environ[DATA_ENV], os.environ[ENV["kind"]] = data.path, judge.kind
     job = dg.reconstructable(cli_filter_job)
-    batch_only = [k for k in job.get_definition().asset_layer.executable_asset_keys if k.path[-1] not in ACROSS_RUNS_ASSETS]
+    batch_only = [
+        k for k in job.get_definition().asset_layer.executable_asset_keys if k.path[-1] not in ACROSS_RUNS_ASSETS
+    ]
     failed, unjudged, refreshed = 0, 0, False
     for position, run_id in enumerate(run_ids, start=1):
         last = position == len(run_ids)  # coverage and calibration once, in the last batch's run
@@ -235,7 +259,10 @@ def materialize(args: argparse.Namespace) -> int:
     if failed or refused:
         return EXIT_RUN_FAILED
     if unjudged:
-        print(f"{unjudged} run(s) left tasks unjudged: a later `filter-pipeline materialize` naming no run judges them again", flush=True)
+        print(
+            f"{unjudged} run(s) left tasks unjudged: a later `filter-pipeline materialize` naming no run judges them again",
+            flush=True,
+        )
         return EXIT_UNJUDGED
     return 0
 
@@ -278,7 +305,9 @@ def _run_config(caps: dict, ops_with_caps: list[str]) -> dict:
 
 def _refresh_across_runs(instance: dg.DagsterInstance, caps: dict) -> bool:
     """Materialize coverage and judge calibration over every run in a run of their own."""
-    with dg.execute_job(dg.reconstructable(cli_across_runs_job), instance, run_config=_run_config(caps, ops_with_caps=["coverage"])) as result:
+    with dg.execute_job(
+        dg.reconstructable(cli_across_runs_job), instance, run_config=_run_config(caps, ops_with_caps=["coverage"])
+    ) as result:
         if not result.success:
             print(f"coverage / judge_calibration: FAILED ({_failure_reason(result)})", flush=True)
         return result.success
@@ -331,7 +360,9 @@ def one_line_console(init_context) -> logging.Logger:
 def _cli_job(name: str) -> dg.JobDefinition:
     """The named job as the environment configures it (see `definitions.defs_from_env`), with the CLI's
     one-line console as its console logger."""
-    return dg.Definitions.merge(defs_from_env(), dg.Definitions(loggers={"console": one_line_console})).resolve_job_def(name)
+    return dg.Definitions.merge(defs_from_env(), dg.Definitions(loggers={"console": one_line_console})).resolve_job_def(
+        name
+    )
 
 
 def cli_filter_job() -> dg.JobDefinition:

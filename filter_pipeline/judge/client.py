@@ -25,13 +25,20 @@ import random
 import re
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
 from filter_pipeline.judge.prompt import ANSWER_SCHEMA, PROMPT_VERSION
 from filter_pipeline.judge.replies import (
-    Choice, Usage, error_message, parse_reply, read_completion, retry_hint, strip_reasoning,
+    Choice,
+    Usage,
+    error_message,
+    parse_reply,
+    read_completion,
+    retry_hint,
+    strip_reasoning,
 )  # fmt: skip
 from filter_pipeline.rules.schemas import STATUS_ERROR, STATUS_JUDGED
 
@@ -336,7 +343,7 @@ class JudgeClient:
         self.rate = RateController(settings.concurrency, settings.task_budget_seconds)
         self.structured = settings.structured_output
         self.n_ok: bool | None = None  # does the server honour n > 1? None: not known yet
-        self.session: "aiohttp.ClientSession | None" = None
+        self.session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> "JudgeClient":
         import aiohttp

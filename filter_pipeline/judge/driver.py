@@ -17,9 +17,9 @@ import threading
 import time
 import uuid
 from array import array
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import numpy as np
 import pandas as pd
@@ -226,7 +226,9 @@ class _Driver:
         self.prompt_settings, self.judge_identity = prompt_settings, list(judge_identity)
         self.reusable = reusable
         self.reusable_at = {k: i for i, k in enumerate(reusable["cache_key"].tolist())}
-        self.from_progress = (reusable["_source"] == "progress").to_numpy() if "_source" in reusable else np.zeros(len(reusable), bool)
+        self.from_progress = (
+            (reusable["_source"] == "progress").to_numpy() if "_source" in reusable else np.zeros(len(reusable), bool)
+        )
         self.progress, self.save_every, self.save_every_seconds = progress, max(1, save_every), save_every_seconds
         self.redact, self.log = redact, log
         self.keys: list = [None] * n
@@ -276,7 +278,9 @@ class _Driver:
         """In a reader thread: the prompt of task i, its evidence, its cache key."""
         row = {c: values[i] for c, values in self.columns.items()}
         line = row["attempt_line"]
-        messages, evidence = self.build(self.data_root, row, lambda: self.record_steps(int(line)) if line is not None else [], self.prompt_settings)
+        messages, evidence = self.build(
+            self.data_root, row, lambda: self.record_steps(int(line)) if line is not None else [], self.prompt_settings
+        )
         return messages, evidence, judge_prompt.cache_key(messages, self.prompt_settings, self.judge_identity)
 
     async def _reader(self) -> None:
@@ -345,7 +349,9 @@ class _Driver:
             return
         rows, self._unsaved, self._last_save = self._unsaved, [], time.monotonic()
         columns = {"cache_key": [self.keys[i] for i in rows]}
-        columns.update({name: [self.fresh[name][i] for i in rows] for name in JUDGE_PROGRESS_SCHEMA.names if name != "cache_key"})
+        columns.update(
+            {name: [self.fresh[name][i] for i in rows] for name in JUDGE_PROGRESS_SCHEMA.names if name != "cache_key"}
+        )
         table = pa.table(columns, schema=JUDGE_PROGRESS_SCHEMA)
         self.stats.parts_saved += 1
         self._saves.append(self.loop.run_in_executor(self.saver, self.progress.save, table))

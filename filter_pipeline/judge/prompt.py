@@ -13,8 +13,9 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from upath import UPath
 
@@ -48,25 +49,59 @@ class PromptSettings:
 
 # Rubrics by kind of task; a macro's kind is the first whose words its name contains (else "general").
 RUBRICS: tuple[tuple[str, tuple[str, ...], str], ...] = (
-    ("cart", ("cart", "basket", "buy", "purchase", "order", "checkout"),
-     "the cart or order now holds the argument's item in the asked quantity, and the agent added, bought "
-     "or removed nothing else."),
-    ("message", ("email", "mail", "message", "send", "reply", "post", "comment", "chat"),
-     "the message was actually sent or posted (a sent confirmation or the sent folder, not a draft) to the "
-     "argument's recipient or thread, once."),
-    ("search", ("search", "find", "lookup", "query", "filter", "place", "locate"),
-     "the final page shows results for exactly the argument's query (or the place itself), not a "
-     "suggestion, an empty result or a different query."),
-    ("form", ("form", "fill", "submit", "book", "reserve", "register", "signup", "sign_up", "apply", "create",
-              "update", "edit", "set"),
-     "the form was submitted and accepted (a confirmation, or the saved value shown), with the argument's "
-     "values, not left unsent or rejected by validation."),
-    ("account", ("login", "log_in", "signin", "sign_in", "logout", "password", "account", "profile"),
-     "the account reached the asked state (signed in, signed out, changed), confirmed by the page."),
-    ("navigation", ("navigate", "open", "visit", "go_to", "goto", "browse", "view", "read", "show"),
-     "the final URL and page are the target page named by the element and argument."),
-    ("delete", ("delete", "remove", "cancel", "unsubscribe", "archive", "clear"),
-     "exactly the argument's item was removed or cancelled, confirmed by the page, and nothing else."),
+    (
+        "cart",
+        ("cart", "basket", "buy", "purchase", "order", "checkout"),
+        "the cart or order now holds the argument's item in the asked quantity, and the agent added, bought "
+        "or removed nothing else.",
+    ),
+    (
+        "message",
+        ("email", "mail", "message", "send", "reply", "post", "comment", "chat"),
+        "the message was actually sent or posted (a sent confirmation or the sent folder, not a draft) to the "
+        "argument's recipient or thread, once.",
+    ),
+    (
+        "search",
+        ("search", "find", "lookup", "query", "filter", "place", "locate"),
+        "the final page shows results for exactly the argument's query (or the place itself), not a "
+        "suggestion, an empty result or a different query.",
+    ),
+    (
+        "form",
+        (
+            "form",
+            "fill",
+            "submit",
+            "book",
+            "reserve",
+            "register",
+            "signup",
+            "sign_up",
+            "apply",
+            "create",
+            "update",
+            "edit",
+            "set",
+        ),
+        "the form was submitted and accepted (a confirmation, or the saved value shown), with the argument's "
+        "values, not left unsent or rejected by validation.",
+    ),
+    (
+        "account",
+        ("login", "log_in", "signin", "sign_in", "logout", "password", "account", "profile"),
+        "the account reached the asked state (signed in, signed out, changed), confirmed by the page.",
+    ),
+    (
+        "navigation",
+        ("navigate", "open", "visit", "go_to", "goto", "browse", "view", "read", "show"),
+        "the final URL and page are the target page named by the element and argument.",
+    ),
+    (
+        "delete",
+        ("delete", "remove", "cancel", "unsubscribe", "archive", "clear"),
+        "exactly the argument's item was removed or cancelled, confirmed by the page, and nothing else.",
+    ),
 )
 GENERAL_RUBRIC = "the final page shows the task's goal reached on its target element with its argument."
 
@@ -150,7 +185,7 @@ def cut(text: str, limit: int) -> str:
     kept = max(limit - 40, 0)
     head = kept - kept // 2
     tail = kept - head
-    return f"{text[:head]}\n[... {len(text) - kept} characters cut ...]\n{text[len(text) - tail:] if tail else ''}"
+    return f"{text[:head]}\n[... {len(text) - kept} characters cut ...]\n{text[len(text) - tail :] if tail else ''}"
 
 
 def natural_key(name: str) -> list:
@@ -251,7 +286,11 @@ def read_trajectory(data_root: UPath, rel_dir: str) -> tuple[dict | None, UPath,
     except FileNotFoundError:
         return None, folder, TRAJECTORY_MISSING
     except (OSError, ValueError) as exc:  # (ValueError: a path an fsspec store rejects)
-        return None, folder, f"{TRAJECTORY_UNREADABLE} ({_short(exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc) or type(exc).__name__)})"
+        return (
+            None,
+            folder,
+            f"{TRAJECTORY_UNREADABLE} ({_short(exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc) or type(exc).__name__)})",
+        )
     try:
         data = json.loads(raw)
     except ValueError as exc:  # UnicodeDecodeError included
@@ -320,7 +359,9 @@ def messages_for_attempt(
     """(messages, evidence) for one row of rules.attempts_to_judge (instruction, macro, site, dedup_key,
     start_kind, dir)."""
     evidence = evidence_for_attempt(data_root, request["dir"], record_steps, settings)
-    criteria = success_criteria(request.get("macro"), request.get("site"), request.get("dedup_key"), request.get("start_kind"))
+    criteria = success_criteria(
+        request.get("macro"), request.get("site"), request.get("dedup_key"), request.get("start_kind")
+    )
     return build_messages(request.get("instruction") or "", criteria, evidence, settings), evidence.evidence
 
 

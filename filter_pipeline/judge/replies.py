@@ -5,10 +5,11 @@ of a completion, and the retry hints of a refused request. Pure functions, no IO
 import json
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
-from typing import Any, Mapping
+from typing import Any
 
 # Reasoning models write their thinking in such blocks; a verdict-shaped object inside one is the model
 # thinking aloud (often quoting the requested format), never its answer.
@@ -30,7 +31,7 @@ def strip_reasoning(text: str) -> str:
     text = _CLOSED_BLOCK.sub("", text)
     closes = list(_CLOSE_TAG.finditer(text))
     if closes:
-        text = text[closes[-1].end():]
+        text = text[closes[-1].end() :]
     if _OPEN_TAG.match(text.lstrip()):
         return ""
     return text
@@ -166,7 +167,7 @@ def _seconds_or_date(text: str, now: datetime) -> float | None:
     except (TypeError, ValueError, IndexError):
         return None
     if when.tzinfo is None:
-        when = when.replace(tzinfo=timezone.utc)
+        when = when.replace(tzinfo=UTC)
     return max((when - now).total_seconds(), 0.0)
 
 
@@ -174,7 +175,7 @@ def retry_hint(headers: Mapping[str, str], now: datetime | None = None) -> float
     """Seconds the endpoint asks to wait before the next request, from (first found) `retry-after-ms`,
     `Retry-After` (seconds or an HTTP-date), LiteLLM's `llm_provider-retry-after(-ms)`, else the longest of
     `x-ratelimit-reset-requests` / `x-ratelimit-reset-tokens` (`1s`, `6m0s`, `20ms`). None: no hint."""
-    now = now or datetime.now(timezone.utc)
+    now = now or datetime.now(UTC)
     h = {k.lower(): v for k, v in headers.items()}
     for prefix in ("", "llm_provider-"):
         ms = h.get(f"{prefix}retry-after-ms")

@@ -7,8 +7,8 @@ touching an asset. Every implementation returns one verdict row per request, in 
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import dagster as dg
 import numpy as np
@@ -16,8 +16,8 @@ import pandas as pd
 from pydantic import Field, field_validator
 from upath import UPath
 
-from filter_pipeline.judge import driver
 from filter_pipeline.judge import client as llm_judge
+from filter_pipeline.judge import driver
 from filter_pipeline.judge.prompt import PROMPT_VERSION, PromptSettings
 from filter_pipeline.rules.report import agreement_markdown
 from filter_pipeline.rules.schemas import (
@@ -57,8 +57,15 @@ ENV = {
 def gate_verdicts(requests: pd.DataFrame) -> pd.DataFrame:
     """The deterministic gate alone: every attempt it is shown already passed the backend gate (`ok`)."""
     return requests.assign(
-        passed=True, why=GATE_WHY, votes=GATE_VOTES, status=STATUS_JUDGED, judge="gate", cached=False,
-        deduplicated=False, requests=0, evidence=None,
+        passed=True,
+        why=GATE_WHY,
+        votes=GATE_VOTES,
+        status=STATUS_JUDGED,
+        judge="gate",
+        cached=False,
+        deduplicated=False,
+        requests=0,
+        evidence=None,
     )
 
 
@@ -74,16 +81,18 @@ class JudgeResource(dg.ConfigurableResource):
     model behind an OpenAI-compatible endpoint, by majority of `votes`, reusing verdicts already paid for."""
 
     kind: str = Field(default="gate", description="'gate' (deterministic backend gate only) or 'llm'.")
-    base_url: Optional[str] = Field(
-        default=None, description="OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1 (env FILTER_JUDGE_BASE_URL)."
+    base_url: str | None = Field(
+        default=None,
+        description="OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1 (env FILTER_JUDGE_BASE_URL).",
     )
-    model: Optional[str] = Field(default=None, description="Model name sent to the endpoint (env FILTER_JUDGE_MODEL).")
-    api_key: Optional[str] = Field(
+    model: str | None = Field(default=None, description="Model name sent to the endpoint (env FILTER_JUDGE_MODEL).")
+    api_key: str | None = Field(
         default=None, description="Bearer token, if the endpoint wants one. Set it with EnvVar: never shown in the UI."
     )
     votes: int = Field(
-        default=1, description="Votes per task; the majority wins and a tie fails. Above 1 needs a temperature "
-        "above 0; the votes are then n samples of one request where the server takes `n`."
+        default=1,
+        description="Votes per task; the majority wins and a tie fails. Above 1 needs a temperature "
+        "above 0; the votes are then n samples of one request where the server takes `n`.",
     )
     concurrency: int = Field(default=16, description="Most requests in flight at once.")
     timeout_seconds: float = Field(default=60.0, description="Timeout of one request.")
@@ -91,45 +100,58 @@ class JudgeResource(dg.ConfigurableResource):
     max_tokens: int = Field(default=800, description="Most tokens in one reply; 0: not sent (the server's default).")
     # --- the client's own settings (judge/client.py)
     task_budget_seconds: float = Field(
-        default=600.0, description="Seconds one task may spend on retries of 408/409/429/5xx/timeouts (honouring "
-        "Retry-After and the x-ratelimit-reset headers); a task still unanswered is unjudged (status error)."
+        default=600.0,
+        description="Seconds one task may spend on retries of 408/409/429/5xx/timeouts (honouring "
+        "Retry-After and the x-ratelimit-reset headers); a task still unanswered is unjudged (status error).",
     )
     reasoning_model: bool = Field(
-        default=False, description="A reasoning model (o1-style): send max_completion_tokens instead of "
-        "max_tokens, and no temperature (env FILTER_JUDGE_REASONING_MODEL)."
+        default=False,
+        description="A reasoning model (o1-style): send max_completion_tokens instead of "
+        "max_tokens, and no temperature (env FILTER_JUDGE_REASONING_MODEL).",
     )
     structured_output: bool = Field(
-        default=True, description="Ask for a JSON-schema reply (response_format); dropped by itself where the "
-        "server rejects it (env FILTER_JUDGE_STRUCTURED_OUTPUT)."
+        default=True,
+        description="Ask for a JSON-schema reply (response_format); dropped by itself where the "
+        "server rejects it (env FILTER_JUDGE_STRUCTURED_OUTPUT).",
     )
     prompt_version: str = Field(
         default=PROMPT_VERSION, description="Part of the verdict cache key: change it to re-judge everything."
     )
     max_prompt_chars: int = Field(
-        default=24_000, description="Budget of one prompt's task text in characters (the fixed system prompt aside); "
-        "long actions and page text keep their head and tail, the cut marked."
+        default=24_000,
+        description="Budget of one prompt's task text in characters (the fixed system prompt aside); "
+        "long actions and page text keep their head and tail, the cut marked.",
     )
     include_screenshot: bool = Field(
-        default=False, description="Send the attempt's first and last screenshots, by natural order (multimodal models)."
+        default=False,
+        description="Send the attempt's first and last screenshots, by natural order (multimodal models).",
     )
     # (the per-batch driver's settings: resume and cost)
     save_every_verdicts: int = Field(
-        default=500, ge=1, description="Save verdicts as they arrive, every this many (warehouse/_judge_progress/<run_id>/): "
-        "a killed run's next materialization asks only what was not saved. Env FILTER_JUDGE_SAVE_EVERY."
+        default=500,
+        ge=1,
+        description="Save verdicts as they arrive, every this many (warehouse/_judge_progress/<run_id>/): "
+        "a killed run's next materialization asks only what was not saved. Env FILTER_JUDGE_SAVE_EVERY.",
     )
     save_every_seconds: float = Field(
-        default=30.0, ge=0, description="... or every this many seconds, whichever comes first. Env FILTER_JUDGE_SAVE_SECONDS."
+        default=30.0,
+        ge=0,
+        description="... or every this many seconds, whichever comes first. Env FILTER_JUDGE_SAVE_SECONDS.",
     )
     price_per_million_prompt_tokens: float = Field(
-        default=0.0, ge=0, description="Price of a million prompt tokens, for the cost in the metadata and the report "
-        "(0 with the other prices: not priced). Env FILTER_JUDGE_PRICE_PROMPT."
+        default=0.0,
+        ge=0,
+        description="Price of a million prompt tokens, for the cost in the metadata and the report "
+        "(0 with the other prices: not priced). Env FILTER_JUDGE_PRICE_PROMPT.",
     )
     price_per_million_completion_tokens: float = Field(
         default=0.0, ge=0, description="Price of a million completion tokens. Env FILTER_JUDGE_PRICE_COMPLETION."
     )
-    price_per_million_cached_tokens: Optional[float] = Field(
-        default=None, ge=0, description="Price of a million prompt tokens the endpoint served from its cache (unset: "
-        "the prompt price). Env FILTER_JUDGE_PRICE_CACHED."
+    price_per_million_cached_tokens: float | None = Field(
+        default=None,
+        ge=0,
+        description="Price of a million prompt tokens the endpoint served from its cache (unset: "
+        "the prompt price). Env FILTER_JUDGE_PRICE_CACHED.",
     )
 
     @field_validator("kind")
@@ -140,7 +162,9 @@ class JudgeResource(dg.ConfigurableResource):
         return kind
 
     def settings(self) -> llm_judge.LLMSettings:
-        missing = [env for name, env in (("base_url", ENV["base_url"]), ("model", ENV["model"])) if not getattr(self, name)]
+        missing = [
+            env for name, env in (("base_url", ENV["base_url"]), ("model", ENV["model"])) if not getattr(self, name)
+        ]
         if missing:
             raise ValueError(f"the llm judge needs {' and '.join(missing)}")
         return llm_judge.LLMSettings(
@@ -171,7 +195,7 @@ class JudgeResource(dg.ConfigurableResource):
         record_steps: Callable[[int], list],
         previous: pd.DataFrame | None,
         log: logging.Logger,
-        progress: Optional[driver.ProgressStore] = None,
+        progress: driver.ProgressStore | None = None,
     ) -> Judgement:
         """Verdicts for `requests` (rows of rules.attempts_to_judge), same rows and order.
 
@@ -280,7 +304,9 @@ def _warn_missing_evidence(verdicts: pd.DataFrame, log: logging.Logger, shown: i
     missing = verdicts[verdicts["evidence"].notna() & (verdicts["evidence"] != EVIDENCE_TRAJECTORY)]
     if missing.empty:
         return
-    examples = ", ".join(f"{d} ({e.split(': ', 1)[-1]})" for d, e in zip(missing["dir"].head(shown), missing["evidence"].head(shown)))
+    examples = ", ".join(
+        f"{d} ({e.split(': ', 1)[-1]})" for d, e in zip(missing["dir"].head(shown), missing["evidence"].head(shown))
+    )
     log.warning(
         f"llm judge: {len(missing)} of {len(verdicts)} attempts judged without their full trajectory.json "
         f"(from the attempt record's steps, no page text), e.g. {examples}; see the evidence column"
@@ -298,7 +324,10 @@ def evidence_counts(verdicts: pd.DataFrame) -> dict[str, int]:
 def _llm_metadata(verdicts: pd.DataFrame, stats: driver.DriveStats, settings, prompt_settings, prices) -> dict:
     judged = verdicts[verdicts["status"] == STATUS_JUDGED]
     asked = verdicts[~verdicts["cached"].astype(bool)]  # what this materialization paid for (copies carry 0)
-    spent = {name: int(_ints(asked[name]).sum()) for name in ("requests", "prompt_tokens", "completion_tokens", "cached_tokens")}
+    spent = {
+        name: int(_ints(asked[name]).sum())
+        for name in ("requests", "prompt_tokens", "completion_tokens", "cached_tokens")
+    }
     latencies = np.frombuffer(stats.latencies_ms, dtype=np.float64) if len(stats.latencies_ms) else np.zeros(0)
     evidence = evidence_counts(verdicts)
     missing = sum(n for kind, n in evidence.items() if kind != EVIDENCE_TRAJECTORY)
@@ -307,7 +336,9 @@ def _llm_metadata(verdicts: pd.DataFrame, stats: driver.DriveStats, settings, pr
         "model": settings.model,
         "prompt_version": prompt_settings.prompt_version,
         **spent,
-        "cost": float(np.nansum(asked["cost"].to_numpy(dtype=float))) if prices.priced else "not priced (FILTER_JUDGE_PRICE_*)",
+        "cost": float(np.nansum(asked["cost"].to_numpy(dtype=float)))
+        if prices.priced
+        else "not priced (FILTER_JUDGE_PRICE_*)",
         "asked": stats.asked,
         "cache_hits": stats.reused,
         "resumed_from_progress": stats.resumed,

@@ -16,10 +16,10 @@ import re
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -29,7 +29,16 @@ import pyarrow.json as pa_json
 from upath import UPath
 
 from filter_pipeline.rules.commits import inputs_changed, read_commits
-from filter_pipeline.rules.schemas import canonical_key, canonical_texts, conform, empty_frame, isin, key_hash, key_hashes, positions
+from filter_pipeline.rules.schemas import (
+    canonical_key,
+    canonical_texts,
+    conform,
+    empty_frame,
+    isin,
+    key_hash,
+    key_hashes,
+    positions,
+)
 
 # fsspec protocols of a local data root; anything else is object storage (no symlinks, no rename)
 LOCAL_PROTOCOLS = ("", "file", "local")
@@ -42,6 +51,7 @@ def local_signature(path: UPath) -> tuple[int, int] | None:
         return None
     stat = os.stat(path.path)
     return stat.st_size, stat.st_mtime_ns
+
 
 TASKS_FILE = "tasks.jsonl"
 EXECUTIONS_FILE = "executions.jsonl"
@@ -315,9 +325,14 @@ def _long_integer_reject(text: str) -> _Reject:
         record = None
     found = _first(record, lambda v: v if isinstance(v, _LongInteger) else None) if isinstance(record, dict) else None
     if found is None:
-        return _Reject(None, f"line holds an integer of more than {limit:,} digits, more than Python converts to a number")
+        return _Reject(
+            None, f"line holds an integer of more than {limit:,} digits, more than Python converts to a number"
+        )
     field, number = found
-    return _Reject(field, f"field {field!r} holds an integer of {number.digits:,} digits, more than the {limit:,} Python converts to a number")
+    return _Reject(
+        field,
+        f"field {field!r} holds an integer of {number.digits:,} digits, more than the {limit:,} Python converts to a number",
+    )
 
 
 def _first(record: dict, problem: Callable[[Any], Any]) -> tuple[str, Any] | None:
@@ -417,7 +432,9 @@ def _is_utf8(data: bytes) -> bool:
     """Whether `data` is valid UTF-8 (Arrow's validation, without copying or decoding it)."""
     offsets = np.array([0, len(data)], dtype=np.int64)
     try:
-        pa.Array.from_buffers(pa.large_string(), 1, [None, pa.py_buffer(offsets), pa.py_buffer(data)]).validate(full=True)
+        pa.Array.from_buffers(pa.large_string(), 1, [None, pa.py_buffer(offsets), pa.py_buffer(data)]).validate(
+            full=True
+        )
     except pa.ArrowInvalid:
         return False
     return True
@@ -662,6 +679,9 @@ def _fast_tasks(data: bytes) -> pd.DataFrame | None:
 # --- the batch --------------------------------------------------------------------------------------
 
 
+_LOG = logging.getLogger(__name__)
+
+
 @dataclass(frozen=True)
 class BatchState:
     run_id: str
@@ -673,7 +693,7 @@ class BatchState:
 def complete_batches(
     runs: UPath,
     warehouse: UPath,
-    log: logging.Logger | None = logging.getLogger(__name__),
+    log: logging.Logger | None = _LOG,
     refused: list[str] | None = None,
 ) -> list[BatchState]:
     """Every batch under `runs` with `_SUCCESS` and a plain run_id, in run_id order (`warehouse`: where
@@ -714,7 +734,11 @@ def complete_batches(
 def _stems(folder) -> set[str]:
     if not folder.exists():
         return set()
-    return {p.name.removesuffix(".parquet") for p in folder.iterdir() if p.name.endswith(".parquet") and not p.name.startswith(".")}
+    return {
+        p.name.removesuffix(".parquet")
+        for p in folder.iterdir()
+        if p.name.endswith(".parquet") and not p.name.startswith(".")
+    }
 
 
 def read_batch(run_dir: UPath, run_id: str) -> Batch:
@@ -781,7 +805,9 @@ def _parse_batch(run_dir: UPath, run_id: str) -> Batch:
         task_rows, rejects = _parse_lines(tasks_data, TASKS_FILE, _task_row, _fast_task_row, _deep_task_row)
         tasks = _frame(task_rows, TASK_FIELDS, "batch_tasks")
     duplicated = tasks["task_id"].duplicated(keep="first")
-    rejects += _rejects_for(tasks[duplicated], tasks_data, TASKS_FILE, "task_id", "task_id {} appears earlier in the file")
+    rejects += _rejects_for(
+        tasks[duplicated], tasks_data, TASKS_FILE, "task_id", "task_id {} appears earlier in the file"
+    )
     tasks = tasks[~duplicated]
     if tasks.empty:
         detail = f" ({len(rejects)} line(s) rejected, first: {rejects[0]['message']})" if rejects else ""
@@ -791,25 +817,39 @@ def _parse_batch(run_dir: UPath, run_id: str) -> Batch:
     executions_data = executions_path.read_bytes()
     attempts = _fast_attempts(executions_data)
     if attempts is None:
-        attempt_rows, attempt_rejects = _parse_lines(executions_data, EXECUTIONS_FILE, _attempt_row, deep_row=_deep_attempt_row)
+        attempt_rows, attempt_rejects = _parse_lines(
+            executions_data, EXECUTIONS_FILE, _attempt_row, deep_row=_deep_attempt_row
+        )
         rejects += attempt_rejects
         attempts = _frame(attempt_rows, ATTEMPT_FIELDS, "batch_attempts")
     task_at = positions(attempts["task_id"], tasks["task_id"])
     orphan = task_at < 0
     rejects += _rejects_for(
-        attempts[orphan], executions_data, EXECUTIONS_FILE, "task_id", "attempt of task_id {} which is not in tasks.jsonl"
+        attempts[orphan],
+        executions_data,
+        EXECUTIONS_FILE,
+        "task_id",
+        "attempt of task_id {} which is not in tasks.jsonl",
     )
     attempts, task_at = attempts[~orphan], task_at[~orphan]
     # (task, attempt) as two integers: far cheaper to compare than the task_id text
     numbers = pd.DataFrame({"task": task_at, "attempt": attempts["attempt"].to_numpy(dtype=np.int64)})
     twice = numbers.duplicated(keep="first").to_numpy()
     rejects += _rejects_for(
-        attempts[twice], executions_data, EXECUTIONS_FILE, "attempt", "attempt of task_id {} appears earlier with the same number"
+        attempts[twice],
+        executions_data,
+        EXECUTIONS_FILE,
+        "attempt",
+        "attempt of task_id {} appears earlier with the same number",
     )
     attempts = attempts[~twice]
     escaping = isin(attempts["dir"], list(dirs_outside_root(run_dir, attempts["dir"])))
     rejects += _rejects_for(
-        attempts[escaping], executions_data, EXECUTIONS_FILE, "dir", "attempt of task_id {} has a dir that resolves outside the data root"
+        attempts[escaping],
+        executions_data,
+        EXECUTIONS_FILE,
+        "dir",
+        "attempt of task_id {} has a dir that resolves outside the data root",
     )
     attempts = attempts[~escaping]
 
@@ -817,7 +857,9 @@ def _parse_batch(run_dir: UPath, run_id: str) -> Batch:
     return Batch(
         tasks=conform(tasks.assign(run_id=run_id), "batch_tasks"),
         attempts=conform(attempts.assign(run_id=run_id), "batch_attempts"),
-        rejects=conform(rejects_frame.assign(run_id=run_id).sort_values(["file", "line"], kind="stable"), "batch_rejects"),
+        rejects=conform(
+            rejects_frame.assign(run_id=run_id).sort_values(["file", "line"], kind="stable"), "batch_rejects"
+        ),
         seconds=time.perf_counter() - started,
     )
 

@@ -44,7 +44,9 @@ def _label(raw: bytes) -> dict:
     except (ValueError, RecursionError):  # an integer longer than Python converts; nesting too deep
         raise ValueError("not a JSON value Python reads (an integer too long or nesting too deep)") from None
     by_dir = isinstance(record, dict) and isinstance(record.get("dir"), str)
-    by_task = isinstance(record, dict) and isinstance(record.get("run_id"), str) and isinstance(record.get("task_id"), str)
+    by_task = (
+        isinstance(record, dict) and isinstance(record.get("run_id"), str) and isinstance(record.get("task_id"), str)
+    )
     if not (by_dir or by_task) or not isinstance(record.get("success"), bool):
         raise ValueError("expected {dir | run_id + task_id, success: bool}")
     row = {"dir": record["dir"] if by_dir else None, "run_id": None if by_dir else record["run_id"],
@@ -63,7 +65,9 @@ def resolve(labels: pd.DataFrame, attempts: pd.DataFrame, verdicts: pd.DataFrame
     by_dir = labels[labels["dir"].notna()][["dir", "success"]].merge(
         attempts[["run_id", "task_id", "dir", "ok"]], on="dir", how="inner"
     )
-    by_dir = by_dir.merge(judged[["dir", "passed"]], on="dir", how="left").rename(columns={"ok": "gate", "passed": "judge"})
+    by_dir = by_dir.merge(judged[["dir", "passed"]], on="dir", how="left").rename(
+        columns={"ok": "gate", "passed": "judge"}
+    )
     by_task = labels[labels["dir"].isna()][["run_id", "task_id", "success"]].merge(
         tasks[["run_id", "task_id"]], on=["run_id", "task_id"], how="inner"
     )
@@ -74,7 +78,9 @@ def resolve(labels: pd.DataFrame, attempts: pd.DataFrame, verdicts: pd.DataFrame
     by_task["gate"] = by_task["gate"].fillna(False)
     both = pd.concat([by_dir, by_task], ignore_index=True)
     both = both.merge(tasks[["run_id", "task_id", "site"]], on=["run_id", "task_id"], how="left")
-    return both[["site", "success", "gate", "judge"]].astype({"success": "boolean", "gate": "boolean", "judge": "boolean"})
+    return both[["site", "success", "gate", "judge"]].astype(
+        {"success": "boolean", "gate": "boolean", "judge": "boolean"}
+    )
 
 
 def calibration(resolved: pd.DataFrame) -> pd.DataFrame:

@@ -34,8 +34,11 @@ def attempts_conserved(
     return CheckOutcome(
         passed=accounted == records_in_file and superseded >= 0,
         metadata={
-            "records": records_in_file, "execute_failures": failed, "judged": len(judged),
-            "superseded_ok_attempts": superseded, "rejected": rejected,
+            "records": records_in_file,
+            "execute_failures": failed,
+            "judged": len(judged),
+            "superseded_ok_attempts": superseded,
+            "rejected": rejected,
         },  # fmt: skip
         description=f"{accounted} of {records_in_file} attempt records accounted for",
     )
@@ -106,8 +109,13 @@ def verdicts_conserved(verdicts: pd.DataFrame, kept: pd.DataFrame, surplus: pd.D
     )
     return CheckOutcome(
         passed=bool(passed),
-        metadata={"verdicts": len(verdicts), "kept": len(kept), "surplus": len(surplus),
-                  "judge_failures": failed, "unjudged": unjudged},  # fmt: skip
+        metadata={
+            "verdicts": len(verdicts),
+            "kept": len(kept),
+            "surplus": len(surplus),
+            "judge_failures": failed,
+            "unjudged": unjudged,
+        },  # fmt: skip
         description="each verdict is kept, surplus, a judge failure or unjudged, once",
     )
 

@@ -229,7 +229,12 @@ def inputs_changed(run_dir: UPath, recorded: dict[str, dict]) -> list[str]:
 def file_entry(data_root: UPath, path: UPath, data, rows: int) -> dict:
     """A commit's entry for a file written with `data` (bytes or a buffer; path relative to the data root)."""
     view = memoryview(data)
-    return {"path": relative(data_root, path), "size": view.nbytes, "sha256": hashlib.sha256(view).hexdigest(), "rows": rows}
+    return {
+        "path": relative(data_root, path),
+        "size": view.nbytes,
+        "sha256": hashlib.sha256(view).hexdigest(),
+        "rows": rows,
+    }
 
 
 def relative(data_root: UPath, path: UPath) -> str:

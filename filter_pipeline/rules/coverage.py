@@ -4,8 +4,8 @@ What is full and what is short decides the next batch to generate. Pure pandas."
 import numpy as np
 import pandas as pd
 
-from filter_pipeline.rules.report import add_series, bar_chart, svg
 from filter_pipeline.rules.filtering import Caps
+from filter_pipeline.rules.report import add_series, bar_chart, svg
 from filter_pipeline.rules.schemas import conform
 
 
@@ -24,7 +24,9 @@ def coverage_table(counts: pd.DataFrame, caps: Caps) -> pd.DataFrame:
         kept=per_macro["n_kept"],
         limit=pd.array([caps.target(m) for m in per_macro["macro"]], dtype="Int64"),
     )
-    for macro_name in sorted(set(m for m, lim in caps.macros.items() if lim.target is not None) - set(per_macro["macro"])):
+    for macro_name in sorted(
+        set(m for m, lim in caps.macros.items() if lim.target is not None) - set(per_macro["macro"])
+    ):
         macro = pd.concat([macro, pd.DataFrame([{"level": "macro", "macro": macro_name, "kept": 0,
                                                  "limit": caps.target(macro_name)}])], ignore_index=True)  # fmt: skip
     table = pd.concat([macro, site], ignore_index=True)
@@ -37,10 +39,18 @@ def coverage_table(counts: pd.DataFrame, caps: Caps) -> pd.DataFrame:
 def coverage_markdown(table: pd.DataFrame, limit: int = 30) -> str:
     """The per-macro rows, then the sites closest to full, as markdown for the UI."""
     lines = ["| level | macro | site | kept | limit | remaining |", "|---|---|---|---|---|---|"]
-    shown = pd.concat([table[table["level"] == "macro"], table[table["level"] == "site"].sort_values("remaining").head(limit)])
+    shown = pd.concat(
+        [table[table["level"] == "macro"], table[table["level"] == "site"].sort_values("remaining").head(limit)]
+    )
     for r in shown.to_dict("records"):
         cells = [r["level"], r["macro"], r["site"], r["kept"], r["limit"], r["remaining"]]
-        lines.append("| " + " | ".join("" if v is None or v is pd.NA or (isinstance(v, float) and np.isnan(v)) else str(v) for v in cells) + " |")
+        lines.append(
+            "| "
+            + " | ".join(
+                "" if v is None or v is pd.NA or (isinstance(v, float) and np.isnan(v)) else str(v) for v in cells
+            )
+            + " |"
+        )
     return "\n".join(lines)
 
 

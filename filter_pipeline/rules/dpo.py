@@ -41,8 +41,11 @@ def dpo_pairs(kept: pd.DataFrame, failure_pool: pd.DataFrame, include_judge_fail
     # pairs in kept (task) order, then pool order: each clean row beside the kept row of its task (rows are
     # picked by position, one take per column: filtering the frames first would copy every column again)
     order = np.argsort(clean_at, kind="stable")
-    chosen = kept[_CHOSEN].iloc[clean_at[order]].reset_index(drop=True).rename(
-        columns={"dir": "chosen_dir", "attempt": "chosen_attempt", "n_actions": "chosen_n_actions"}
+    chosen = (
+        kept[_CHOSEN]
+        .iloc[clean_at[order]]
+        .reset_index(drop=True)
+        .rename(columns={"dir": "chosen_dir", "attempt": "chosen_attempt", "n_actions": "chosen_n_actions"})
     )
     rejected = failure_pool[_REJECTED].iloc[clean[order]].reset_index(drop=True).rename(
         columns={

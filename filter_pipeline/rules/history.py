@@ -263,7 +263,9 @@ def verified_bytes(data_root: UPath, run_id: str, entry: dict) -> bytes:
     except FileNotFoundError:
         raise HistoryIntegrityError(f"{where} is missing, but run {run_id} committed it: {_refilter(run_id)}") from None
     except OSError as exc:
-        raise HistoryIntegrityError(f"{where} (committed by run {run_id}) cannot be read ({exc}): {_refilter(run_id)}") from None
+        raise HistoryIntegrityError(
+            f"{where} (committed by run {run_id}) cannot be read ({exc}): {_refilter(run_id)}"
+        ) from None
     digest = hashlib.sha256(data).hexdigest()  # (releases the GIL: the read-ahead threads hash in parallel)
     if len(data) != entry["size"] or digest != entry["sha256"]:
         raise HistoryIntegrityError(
@@ -277,7 +279,9 @@ def _open_kept(data: bytes, where: str, run_id: str) -> pq.ParquetFile:
     try:
         parquet = pq.ParquetFile(pa.BufferReader(data), read_dictionary=["macro", "site"])  # counted by code
     except (pa.ArrowException, OSError) as exc:
-        raise HistoryIntegrityError(f"{where} (committed by run {run_id}) is not readable Parquet ({exc}): {_refilter(run_id)}") from None
+        raise HistoryIntegrityError(
+            f"{where} (committed by run {run_id}) is not readable Parquet ({exc}): {_refilter(run_id)}"
+        ) from None
     missing = [c for c in KEPT_COLUMNS if c not in parquet.schema_arrow.names]
     if missing:
         raise HistoryIntegrityError(
@@ -367,7 +371,11 @@ def history_sources(data_root: UPath, commits: dict[str, CommitRecord]) -> dict[
 
 
 def build_prior_index(
-    data_root: UPath, run_id: str, batch_keys: pd.DataFrame, retired: Retired, commits: dict[str, CommitRecord] | None = None
+    data_root: UPath,
+    run_id: str,
+    batch_keys: pd.DataFrame,
+    retired: Retired,
+    commits: dict[str, CommitRecord] | None = None,
 ) -> PriorIndex:
     """The prior-run dedup index for `run_id` (CONTRACT §3.4, §3.6): every other committed run's kept rows,
     plus legacy kept.jsonl, minus retired. Raises HistoryIntegrityError (one line: the file, what is wrong,
@@ -395,7 +403,11 @@ def build_prior_index(
             return *_read_warehouse(data_root, other, entry, probe, retired_ids), commits[other].digest
         rows, digest = _read_legacy(path, other)
         rows = _drop_retired(rows, retired_ids)
-        return rows, rows.filter(pa.array(probe.maybe(rows["key_hash"].to_numpy()))).select(_MATCHED.names), LEGACY_PREFIX + digest
+        return (
+            rows,
+            rows.filter(pa.array(probe.maybe(rows["key_hash"].to_numpy()))).select(_MATCHED.names),
+            LEGACY_PREFIX + digest,
+        )
 
     others = [r for r in sources if r != run_id and not retired.run_is_retired(r)]
     files = {
@@ -404,7 +416,11 @@ def build_prior_index(
     }
     to_read = others
     last = _last_counted
-    if not probe.wanted and last is not None and all(f is not None and files.get(r) == f for r, f in last.files.items()):
+    if (
+        not probe.wanted
+        and last is not None
+        and all(f is not None and files.get(r) == f for r, f in last.files.items())
+    ):
         counts, runs_read, rows_read = last.counts.copy(), len(last.files), last.rows
         to_read = [r for r in others if r not in last.files]
     for other, (rows, matched, digest) in zip(to_read, _in_order(read, to_read)):
@@ -419,7 +435,11 @@ def build_prior_index(
     if all(f is not None for f in files.values()):
         _last_counted = _Counted(files, counts.copy(), rows_read)
 
-    total = counts.total().rename_columns(["macro", "site", "n_kept"]).sort_by([("macro", "ascending"), ("site", "ascending")])
+    total = (
+        counts.total()
+        .rename_columns(["macro", "site", "n_kept"])
+        .sort_by([("macro", "ascending"), ("site", "ascending")])
+    )
     # every run's hash matches confirmed at once: one value set, of the batch texts that share their hashes
     hits = probe.confirm(pa.concat_tables(key_parts)).drop_columns(["key_hash"]) if key_parts else None
     keys = to_pandas(hits) if hits is not None else empty_frame("prior_dedup_index")

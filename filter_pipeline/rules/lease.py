@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from fsspec.implementations.local import LocalFileSystem
 from upath import UPath
@@ -46,7 +46,7 @@ class LeaseLost(Exception):
 
 
 def _now_iso(seconds: float | None = None) -> str:
-    return datetime.fromtimestamp(time.time() if seconds is None else seconds, timezone.utc).isoformat(timespec="seconds")
+    return datetime.fromtimestamp(time.time() if seconds is None else seconds, UTC).isoformat(timespec="seconds")
 
 
 def _holder_record(holder: str, ttl_seconds: float, since: str | None = None) -> dict:
@@ -218,7 +218,9 @@ def _take(fs, path: str, holder: str, ttl_seconds: float, where: str) -> str:
     try:
         return _put(fs, path, _holder_record(holder, ttl_seconds), IfMatch=_etag(info))
     except (OSError, FileNotFoundError):
-        raise LedgerBusy(_describe(where, current) + " (its expired lease was just taken over by another walk)") from None
+        raise LedgerBusy(
+            _describe(where, current) + " (its expired lease was just taken over by another walk)"
+        ) from None
 
 
 @contextmanager

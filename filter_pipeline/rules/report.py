@@ -12,7 +12,13 @@ import pandas as pd
 import pygal
 from pygal.style import Style
 
-from filter_pipeline.rules.schemas import DROPPED_REASONS, EVIDENCE_TRAJECTORY, FAILURE_REASONS, STATUS_ERROR, STATUS_JUDGED
+from filter_pipeline.rules.schemas import (
+    DROPPED_REASONS,
+    EVIDENCE_TRAJECTORY,
+    FAILURE_REASONS,
+    STATUS_ERROR,
+    STATUS_JUDGED,
+)
 
 FUNNEL_STEPS = ("attempts", "ok attempts", "judged tasks", "passed", "kept")
 COST_COLUMNS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens", "cost")
@@ -20,7 +26,17 @@ COST_COLUMNS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens
 # are mostly text the report never looks at).
 INPUT_COLUMNS = {
     "batch_attempts": ["ok"],
-    "judge_verdicts": ["site", "macro", "status", "passed", "judge", "cached", "deduplicated", *COST_COLUMNS, "evidence"],
+    "judge_verdicts": [
+        "site",
+        "macro",
+        "status",
+        "passed",
+        "judge",
+        "cached",
+        "deduplicated",
+        *COST_COLUMNS,
+        "evidence",
+    ],
     "failure_pool": ["site", "macro", "reason"],
     "kept": ["site", "macro"],
     "surplus": ["dropped"],
@@ -53,7 +69,9 @@ def figures(
         funnel=funnel,
         by_site=_by(judged, kept, pool, "site"),
         by_macro=_by(judged, kept, pool, "macro"),
-        surplus=pd.DataFrame({"dropped": DROPPED_REASONS, "count": [int((surplus["dropped"] == r).sum()) for r in DROPPED_REASONS]}),
+        surplus=pd.DataFrame(
+            {"dropped": DROPPED_REASONS, "count": [int((surplus["dropped"] == r).sum()) for r in DROPPED_REASONS]}
+        ),
         agreement_by_site=agreement(verdicts, "site"),
         cost=judge_cost(verdicts, len(passed), len(judged)),
     )
@@ -89,7 +107,9 @@ def _by(judged: pd.DataFrame, kept: pd.DataFrame, pool: pd.DataFrame, key: str) 
     table["keep_rate"] = (table["kept"] / table["judged"].where(table["judged"] > 0)).round(3)
     reasons = pool.groupby([key, "reason"]).size().unstack(fill_value=0) if len(pool) else pd.DataFrame()
     for reason in FAILURE_REASONS:
-        table[reason] = table[key].map(reasons[reason] if reason in reasons else pd.Series(dtype=int)).fillna(0).astype(int)
+        table[reason] = (
+            table[key].map(reasons[reason] if reason in reasons else pd.Series(dtype=int)).fillna(0).astype(int)
+        )
     return table
 
 
@@ -100,9 +120,11 @@ def agreement(verdicts: pd.DataFrame, by: str) -> pd.DataFrame:
     """
     judged = verdicts[verdicts["status"] == STATUS_JUDGED]
     grouped = judged.assign(agreed=(judged["passed"] == True).astype(int)).groupby(by)["agreed"]  # noqa: E712
-    return pd.DataFrame({"judged": grouped.size(), "agreed": grouped.sum()}).assign(
-        rate=lambda d: (d["agreed"] / d["judged"]).round(3)
-    ).reset_index()
+    return (
+        pd.DataFrame({"judged": grouped.size(), "agreed": grouped.sum()})
+        .assign(rate=lambda d: (d["agreed"] / d["judged"]).round(3))
+        .reset_index()
+    )
 
 
 def agreement_markdown(verdicts: pd.DataFrame) -> str:
@@ -154,7 +176,9 @@ def charts(f: Figures, top_sites: int = 15) -> dict[str, bytes]:
 
     reasons = [r for r in FAILURE_REASONS if f.by_site[r].sum() > 0]
     busiest = f.by_site.assign(total=f.by_site[list(FAILURE_REASONS)].sum(axis=1)).nlargest(top_sites, "total")
-    per_site = bar_chart(f"failure reasons per site (top {len(busiest)})", busiest["site"].astype(str).tolist(), stacked=True)
+    per_site = bar_chart(
+        f"failure reasons per site (top {len(busiest)})", busiest["site"].astype(str).tolist(), stacked=True
+    )
     for reason in reasons:
         add_series(per_site, reason, busiest[reason])
     out["reasons_per_site"] = svg(per_site)
@@ -164,7 +188,9 @@ def charts(f: Figures, top_sites: int = 15) -> dict[str, bytes]:
 def _table_md(frame: pd.DataFrame) -> str:
     header = "| " + " | ".join(frame.columns) + " |"
     rule = "|" + "---|" * len(frame.columns)
-    body = ["| " + " | ".join("" if pd.isna(v) else str(v) for v in row) + " |" for row in frame.itertuples(index=False)]
+    body = [
+        "| " + " | ".join("" if pd.isna(v) else str(v) for v in row) + " |" for row in frame.itertuples(index=False)
+    ]
     return "\n".join([header, rule, *body])
 
 
@@ -237,7 +263,11 @@ def long_form(f: Figures) -> pd.DataFrame:
     for section, frame, key in (("site", f.by_site, "site"), ("macro", f.by_macro, "macro")):
         melted = frame.melt(id_vars=[key], var_name="metric", value_name="value").rename(columns={key: "key"})
         parts.append(melted.assign(section=section))
-    parts.append(f.surplus.assign(section="surplus", key=f.surplus["dropped"], metric="count").rename(columns={"count": "value"}))
-    parts.append(pd.DataFrame({"section": "cost", "key": list(f.cost), "metric": "value", "value": list(f.cost.values())}))
+    parts.append(
+        f.surplus.assign(section="surplus", key=f.surplus["dropped"], metric="count").rename(columns={"count": "value"})
+    )
+    parts.append(
+        pd.DataFrame({"section": "cost", "key": list(f.cost), "metric": "value", "value": list(f.cost.values())})
+    )
     frame = pd.concat(parts, ignore_index=True)[["section", "key", "metric", "value"]]
     return frame.assign(key=frame["key"].astype(str), value=pd.to_numeric(frame["value"], errors="coerce"))

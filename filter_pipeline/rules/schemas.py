@@ -70,6 +70,7 @@ def evidence_kind(evidence: str) -> str:
     """An evidence value without its per-file detail ("record_steps: trajectory.json not JSON"): what is counted."""
     return evidence.split(" (", 1)[0]
 
+
 DEFAULT_PER_SITE_CAP = 3
 
 # --- dedup keys -------------------------------------------------------------------------------------
@@ -103,7 +104,7 @@ def _bulk_encoder():
     def encode(key: list[Any]) -> str:
         return "".join(c_encode(key, 0))
 
-    probe = ["é\n\"x\u2028", 1, -0.0, 1.0, 1e16, 2**70, True, False, None, float("inf"), "\x7f"]
+    probe = ['é\n"x\u2028', 1, -0.0, 1.0, 1e16, 2**70, True, False, None, float("inf"), "\x7f"]
     return encode if encode(probe) == json.dumps(probe, ensure_ascii=False, separators=(",", ":")) else canonical_key
 
 
@@ -395,7 +396,9 @@ def isin(values: pd.Series, allowed) -> np.ndarray:
 def positions(values: pd.Series, keys: pd.Series) -> np.ndarray:
     """For each value, the position of its first equal in `keys`, or -1: a lookup by Arrow's hash table
     (a pandas merge on text columns factorizes both sides first, several times slower)."""
-    found = pc.index_in(pa.array(values.astype("str"), type=pa.string()), value_set=pa.array(keys.astype("str"), type=pa.string()))
+    found = pc.index_in(
+        pa.array(values.astype("str"), type=pa.string()), value_set=pa.array(keys.astype("str"), type=pa.string())
+    )
     return found.fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)
 
 

@@ -23,7 +23,15 @@ from upath import UPath
 from filter_pipeline.rules.commits import COMMITS_DIR, CommitRecord, HistoryIntegrityError, inputs_changed, parse_commit
 from filter_pipeline.rules.filtering import Caps, MacroLimits
 from filter_pipeline.rules.history import (
-    HistoryError, _drop_retired, _Names, _PairCounts, _read_legacy, kept_files, legacy_kept_files, load_retired, verified_bytes,
+    HistoryError,
+    _drop_retired,
+    _Names,
+    _PairCounts,
+    _read_legacy,
+    kept_files,
+    legacy_kept_files,
+    load_retired,
+    verified_bytes,
 )  # fmt: skip
 from filter_pipeline.rules.schemas import DEFAULT_PER_SITE_CAP, STATUS_ERROR, STATUS_JUDGED
 
@@ -55,11 +63,15 @@ def _commits(warehouse: UPath) -> tuple[dict[str, CommitRecord], list[Finding]]:
 
 def _caps_of(record: CommitRecord) -> Caps:
     raw = record.caps or {}
-    macros = {m: MacroLimits(site_cap=c.get("site_cap"), target=c.get("target")) for m, c in (raw.get("caps") or {}).items()}
+    macros = {
+        m: MacroLimits(site_cap=c.get("site_cap"), target=c.get("target")) for m, c in (raw.get("caps") or {}).items()
+    }
     return Caps(per_site_cap=raw.get("per_site_cap", DEFAULT_PER_SITE_CAP), macros=macros)
 
 
-def _kept_rows(data_root: UPath, run_id: str, record: CommitRecord, columns: list[str], findings: list[Finding]) -> pa.Table | None:
+def _kept_rows(
+    data_root: UPath, run_id: str, record: CommitRecord, columns: list[str], findings: list[Finding]
+) -> pa.Table | None:
     """The columns of a committed run's kept file, verified against its commit (None, with a finding, if not)."""
     entry = record.files.get("kept")
     if entry is None:
@@ -73,7 +85,9 @@ def _kept_rows(data_root: UPath, run_id: str, record: CommitRecord, columns: lis
     except HistoryIntegrityError as exc:
         findings.append(Finding("file", str(exc)))
     except (pa.ArrowException, OSError, KeyError) as exc:
-        findings.append(Finding("file", f"{entry['path']} (committed by run {run_id}) is not a readable kept file ({exc})"))
+        findings.append(
+            Finding("file", f"{entry['path']} (committed by run {run_id}) is not a readable kept file ({exc})")
+        )
     return None
 
 
@@ -142,7 +156,9 @@ def _capped(findings: list[Finding]) -> list[Finding]:
     return out
 
 
-def _duplicates(data_root: UPath, records: dict[str, CommitRecord], live: dict[str, pa.Table], retired) -> list[Finding]:
+def _duplicates(
+    data_root: UPath, records: dict[str, CommitRecord], live: dict[str, pa.Table], retired
+) -> list[Finding]:
     """Keys kept more than once across non-retired runs: rows whose key_hash repeats, confirmed on the text."""
     if not live:
         return []

@@ -9,26 +9,17 @@ from concurrent.futures import ThreadPoolExecutor
 
 import dagster as dg
 import pandas as pd
-from pydantic import Field
 
-from filter_pipeline.rules import calibration
-from filter_pipeline.rules import checks
-from filter_pipeline.rules import dpo
-from filter_pipeline.rules import report
-from filter_pipeline.rules import filtering
-from filter_pipeline.rules import order
+from filter_pipeline.judge.client import EndpointRefused
+from filter_pipeline.judge.driver import ProgressStore, RecordSteps
+from filter_pipeline.judge.resource import JudgeResource
+from filter_pipeline.rules import calibration, checks, filtering, order, report, verify
 from filter_pipeline.rules.batch import EXECUTIONS_FILE, TASKS_FILE, BatchError, count_records, read_batch
-from filter_pipeline.shell.config import deployment_caps_config, run_caps_problem
-from filter_pipeline.shell.jobs import PRIORITY_TAG
 from filter_pipeline.rules.coverage import coverage_chart, coverage_markdown, coverage_table
 from filter_pipeline.rules.history import build_prior_index, load_retired
-from filter_pipeline.judge.driver import ProgressStore, RecordSteps
-from filter_pipeline.judge.client import EndpointRefused
-from filter_pipeline.judge.resource import JudgeResource
-from filter_pipeline.rules.schemas import FAILURE_REASONS, SCHEMAS, STATUS_ERROR, STATUS_JUDGED
-from filter_pipeline.rules import verify
-from filter_pipeline.shell.warehouse import DataRoot, read_folder, read_parquet, write_atomically, write_parquet
-from filter_pipeline.rules.schemas import COLUMN_DESCRIPTIONS
+from filter_pipeline.rules.schemas import COLUMN_DESCRIPTIONS, FAILURE_REASONS, SCHEMAS, STATUS_ERROR, STATUS_JUDGED
+from filter_pipeline.shell.config import deployment_caps_config, run_caps_problem
+from filter_pipeline.shell.warehouse import DataRoot, read_folder, read_parquet, write_parquet
 
 run_id_partitions = dg.DynamicPartitionsDefinition(name="run_id")
 
@@ -109,7 +100,11 @@ def execution_batch(context: dg.AssetExecutionContext, data: DataRoot):
     yield dg.Output(
         batch.attempts, output_name="batch_attempts", metadata={"ok": ok, "failed": len(batch.attempts) - ok}
     )
-    yield dg.Output(batch.rejects, output_name="batch_rejects", metadata=count_by(batch.rejects["file"], [TASKS_FILE, EXECUTIONS_FILE], "file/"))
+    yield dg.Output(
+        batch.rejects,
+        output_name="batch_rejects",
+        metadata=count_by(batch.rejects["file"], [TASKS_FILE, EXECUTIONS_FILE], "file/"),
+    )
 
 
 # --- judging ----------------------------------------------------------------------------------------
@@ -218,7 +213,9 @@ def blocking_check(name: str, asset: str, description: str) -> dg.AssetCheckSpec
     metadata=column_schema("failure_pool"),
     check_specs=[
         blocking_check("attempts_conserved", "failure_pool", checks.attempts_conserved.__doc__),
-        blocking_check("execute_rows_match_failed_attempts", "failure_pool", checks.execute_rows_match_failed_attempts.__doc__),
+        blocking_check(
+            "execute_rows_match_failed_attempts", "failure_pool", checks.execute_rows_match_failed_attempts.__doc__
+        ),
     ],
 )
 def failure_pool(
@@ -234,14 +231,19 @@ def failure_pool(
         ignore_index=True,
     )
     run_dir = data.run_dir(context.partition_key)
-    metadata = {**count_by(pool["reason"], FAILURE_REASONS, "reason/"), "backend_ok": int((pool["backend_ok"] == True).sum())}  # noqa: E712
+    metadata = {
+        **count_by(pool["reason"], FAILURE_REASONS, "reason/"),
+        "backend_ok": int(pool["backend_ok"].sum()),
+    }
     yield from outputs_then_checks(
         [dg.Output(pool, metadata=metadata)],
         {
             ("attempts_conserved", "failure_pool"): lambda: checks.attempts_conserved(
                 count_records(run_dir), batch_attempts, batch_rejects, judge_verdicts
             ),
-            ("execute_rows_match_failed_attempts", "failure_pool"): lambda: checks.execute_rows_match_failed_attempts(pool, batch_attempts),
+            ("execute_rows_match_failed_attempts", "failure_pool"): lambda: checks.execute_rows_match_failed_attempts(
+                pool, batch_attempts
+            ),
         },
     )
 
@@ -260,7 +262,13 @@ def build_coverage(deployment_caps: dict) -> dg.AssetsDefinition:
         "caps and macro targets: what is full, what is short, by how much (a chart and a table on the "
         "materialization). Refreshed by the batch sensor whenever the set of kept files changes.",
         metadata=column_schema("coverage"),
-        check_specs=[dg.AssetCheckSpec("warehouse_verified", asset="coverage", description=verify.audit.__doc__ + " " + (verify.__doc__ or "").split("\n\n")[1])],
+        check_specs=[
+            dg.AssetCheckSpec(
+                "warehouse_verified",
+                asset="coverage",
+                description=verify.audit.__doc__ + " " + (verify.__doc__ or "").split("\n\n")[1],
+            )
+        ],
     )
     def coverage(config: caps_config, data: DataRoot):
         no_keys = pd.DataFrame({"dedup_key": pd.Series([], dtype=object), "key_hash": pd.Series([], dtype="int64")})
@@ -283,7 +291,8 @@ def build_coverage(deployment_caps: dict) -> dg.AssetsDefinition:
         yield dg.AssetCheckResult(
             check_name="warehouse_verified",
             passed=not findings,
-            description="\n".join(f.line for f in findings) or "every committed file present and unchanged, no key kept "
+            description="\n".join(f.line for f in findings)
+            or "every committed file present and unchanged, no key kept "
             "twice, caps respected, verdicts conserved, no uncommitted kept file, no batch changed since filtered",
             metadata={
                 "findings": len(findings),
@@ -314,7 +323,9 @@ def judge_calibration(context: dg.AssetExecutionContext, data: DataRoot) -> dg.O
     labels_path = data.root / calibration.LABELS_FILE
     verdicts_dir = data.warehouse / "judge_verdicts"
     if not labels_path.exists() or not verdicts_dir.exists():
-        return dg.Output(calibration.calibration(pd.DataFrame()), metadata={"labels": 0, "matched": 0, "rejected_lines": 0})
+        return dg.Output(
+            calibration.calibration(pd.DataFrame()), metadata={"labels": 0, "matched": 0, "rejected_lines": 0}
+        )
     labels, rejects = calibration.parse_labels(labels_path.read_bytes())
     shown = rejects[: calibration.MAX_REJECTS_SHOWN]
     for message in shown:

@@ -7,7 +7,7 @@ run config check, and every error is one line naming the file and the field.
 
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import dagster as dg
 import yaml
@@ -22,7 +22,7 @@ CAPS_ENV = "FILTER_PIPELINE_CAPS"
 CAP_MAX = 2**63 - 1  # the walk counts in 64-bit integers
 
 
-def _non_negative(value: Optional[int]) -> Optional[int]:
+def _non_negative(value: int | None) -> int | None:
     if value is not None and not 0 <= value <= CAP_MAX:
         raise ValueError(f"must be 0 or more, got {value}" if value < 0 else f"must be at most {CAP_MAX}, got {value}")
     return value
@@ -31,12 +31,12 @@ def _non_negative(value: Optional[int]) -> Optional[int]:
 class MacroCapsConfig(dg.Config):
     """Limits for one macro (task template)."""
 
-    site_cap: Optional[int] = Field(
+    site_cap: int | None = Field(
         default=None,
         strict=True,
         description="Most kept rows per site for this macro, history included (default: per_site_cap).",
     )
-    target: Optional[int] = Field(
+    target: int | None = Field(
         default=None,
         strict=True,
         description="Most kept rows for this macro over all sites, history included (default: none).",
@@ -44,7 +44,7 @@ class MacroCapsConfig(dg.Config):
 
     @field_validator("site_cap", "target")
     @classmethod
-    def _non_negative(cls, value: Optional[int]) -> Optional[int]:
+    def _non_negative(cls, value: int | None) -> int | None:
         return _non_negative(value)
 
 
@@ -127,7 +127,9 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                 except TypeError:  # not hashable: the safe loader says so itself
                     break
                 if twice:
-                    raise yaml.constructor.ConstructorError(None, None, f"key {_shown(key)} appears twice", key_node.start_mark)
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {_shown(key)} appears twice", key_node.start_mark
+                    )
                 seen.add(key)
         return super().construct_mapping(node, deep=deep)
 
@@ -176,7 +178,6 @@ def load_caps_file(path: str | Path) -> dict:
     return parse_caps({} if raw is None else raw, f"caps file {path}")
 
 
-
 # --- the deployment's caps as the run config's defaults ------------------------------------------------------
 
 CAPS_SOURCE_DEPLOYMENT = "deployment"
@@ -206,8 +207,14 @@ def deployment_caps_config(caps: dict, base: type[CapsConfig] = CapsConfig) -> t
         f"Deployment{base.__name__}",
         __base__=base,
         __doc__=base.__doc__ + " Defaults: the deployment's caps (FILTER_PIPELINE_CAPS).",
-        per_site_cap=(int, Field(default=parsed.per_site_cap, strict=True, description=fields["per_site_cap"].description)),
-        caps=(dict[str, MacroCapsConfig], Field(default=macros, validate_default=True, description=fields["caps"].description)),
+        per_site_cap=(
+            int,
+            Field(default=parsed.per_site_cap, strict=True, description=fields["per_site_cap"].description),
+        ),
+        caps=(
+            dict[str, MacroCapsConfig],
+            Field(default=macros, validate_default=True, description=fields["caps"].description),
+        ),
     )
 
 

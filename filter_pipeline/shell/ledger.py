@@ -12,7 +12,7 @@ record is written, after every file the walk derives.
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import dagster as dg
@@ -26,7 +26,13 @@ from filter_pipeline.rules.batch import complete_batches
 from filter_pipeline.rules.commits import atomic_write, delete_commit, file_entry, read_commits, write_commit
 from filter_pipeline.rules.history import build_prior_index, load_retired
 from filter_pipeline.rules.lease import Lease, LedgerBusy, ledger_lease
-from filter_pipeline.rules.schemas import DROPPED_REASONS, STATUS_ERROR, dictionary_columns, statistics_columns, to_arrow
+from filter_pipeline.rules.schemas import (
+    DROPPED_REASONS,
+    STATUS_ERROR,
+    dictionary_columns,
+    statistics_columns,
+    to_arrow,
+)
 from filter_pipeline.shell.assets import blocking_check, check_result, column_schema, count_by, run_id_partitions
 from filter_pipeline.shell.config import CapsConfig, LedgerConfig, caps_source, deployment_caps_config
 from filter_pipeline.shell.jobs import PRIORITY_TAG
@@ -131,7 +137,9 @@ def build_ledger(deployment_caps: dict) -> dg.AssetsDefinition:
         try:
             with ledger_lease(data.root, holder) as lease:
                 if len(run_ids) == 1:
-                    walk = _walk_the_ledger(context, config, data, run_ids[0], *(f[run_ids[0]] for f in inputs), source, lease)
+                    walk = _walk_the_ledger(
+                        context, config, data, run_ids[0], *(f[run_ids[0]] for f in inputs), source, lease
+                    )
                 else:
                     walk = _walk_in_order(context, config, data, run_ids, inputs, source, lease)
                 events = list(walk)  # every walk of the step written and committed before Dagster hears of any
@@ -263,7 +271,9 @@ def _walk_the_ledger(
         result = filtering.walk_ledger(judge_verdicts, index.keys, index.counts, caps, run_id)
         context.log.info(f"walk: kept {len(result.kept)}, surplus {len(result.surplus)}")
         pending = {
-            ("verdicts_conserved", "kept"): alongside.submit(checks.verdicts_conserved, judge_verdicts, result.kept, result.surplus),
+            ("verdicts_conserved", "kept"): alongside.submit(
+                checks.verdicts_conserved, judge_verdicts, result.kept, result.surplus
+            ),
             # against the index this step built (it holds every earlier keeper of any key this batch carries)
             ("no_key_kept_twice", "kept"): alongside.submit(checks.no_key_kept_twice, result.kept, index.keys),
             ("caps_respected", "kept"): alongside.submit(checks.caps_respected, result.kept, index.counts, caps),
@@ -276,12 +286,19 @@ def _walk_the_ledger(
             "prior_kept_counts": (index.counts, {"kept_before": int(index.counts["n_kept"].sum())}),
             "kept": (result.kept, {"caps_source": source}),
             "surplus": (result.surplus, count_by(result.surplus["dropped"], DROPPED_REASONS, "dropped/")),
-            "dpo_pairs": (pairs.pairs, {"kept_without_clean_negative": pairs.kept_without_negative,
-                                        **{f"excluded/{reason}": n for reason, n in pairs.excluded.items()}}),  # fmt: skip
+            "dpo_pairs": (
+                pairs.pairs,
+                {
+                    "kept_without_clean_negative": pairs.kept_without_negative,
+                    **{f"excluded/{reason}": n for reason, n in pairs.excluded.items()},
+                },
+            ),  # fmt: skip
             "filter_report": (
                 report.long_form(figures).assign(run_id=run_id),
-                {"report": dg.MetadataValue.md(report.markdown(figures, images, run_id)),
-                 **{f"funnel/{s}": int(c) for s, c in zip(figures.funnel["step"], figures.funnel["count"])}},
+                {
+                    "report": dg.MetadataValue.md(report.markdown(figures, images, run_id)),
+                    **{f"funnel/{s}": int(c) for s, c in zip(figures.funnel["step"], figures.funnel["count"])},
+                },
             ),  # fmt: skip
         }
         files: dict[str, dict] = {}
@@ -305,7 +322,7 @@ def _walk_the_ledger(
             # Only a walk whose invariants held becomes history; one that broke them fails on its checks.
             record = commits.CommitRecord(
                 run_id=run_id,
-                walked_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                walked_at=datetime.now(UTC).isoformat(timespec="seconds"),
                 files=files,
                 kept_keys=int(result.kept["dedup_key"].nunique()),
                 caps={k: v for k, v in config.model_dump().items() if k in CapsConfig.model_fields},

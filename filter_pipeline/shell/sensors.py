@@ -58,7 +58,11 @@ def kept_fingerprint(data: DataRoot) -> str | None:
     folder = data.warehouse / "kept"
     if not folder.exists():
         return None
-    files = sorted((p.name, p.stat().st_size) for p in folder.iterdir() if p.name.endswith(".parquet") and not p.name.startswith("."))
+    files = sorted(
+        (p.name, p.stat().st_size)
+        for p in folder.iterdir()
+        if p.name.endswith(".parquet") and not p.name.startswith(".")
+    )
     return hashlib.sha1(repr(files).encode()).hexdigest()[:16] if files else None
 
 
@@ -96,8 +100,13 @@ def plan_tick(
         if b.judged and b.run_id not in failed_ledger:
             return to_register, to_judge, b.run_id, f"ledger walks {b.run_id}"
         which = "ledger" if b.run_id in failed_ledger else "judge"
-        return to_register, to_judge, None, (
-            f"ledger waits for {b.run_id}, whose {which} run failed: materialize it again or retire it in retired.json"
+        return (
+            to_register,
+            to_judge,
+            None,
+            (
+                f"ledger waits for {b.run_id}, whose {which} run failed: materialize it again or retire it in retired.json"
+            ),
         )
     return to_register, to_judge, None, "no batch waiting for the ledger"
 
@@ -187,8 +196,12 @@ def record_legacy_runs(instance: dg.DagsterInstance, data: DataRoot, run_ids: li
             if asset == "kept":
                 metadata["dagster/row_count"] = n
             else:
-                metadata["note"] = f"filtered by the earlier script: only kept rows exist (runs/{run_id}/{LEGACY_KEPT_FILE})"
-            instance.report_runless_asset_event(dg.AssetMaterialization(asset_key=asset, partition=run_id, metadata=metadata))
+                metadata["note"] = (
+                    f"filtered by the earlier script: only kept rows exist (runs/{run_id}/{LEGACY_KEPT_FILE})"
+                )
+            instance.report_runless_asset_event(
+                dg.AssetMaterialization(asset_key=asset, partition=run_id, metadata=metadata)
+            )
         recorded.append(run_id)
     return recorded
 
@@ -246,7 +259,9 @@ def build_batch_sensor() -> dg.SensorDefinition:
         if to_walk is not None:
             requests.append(dg.RunRequest(job_name=LEDGER_JOB, partition_key=to_walk, run_key=ledger_run_key(to_walk)))
         for item in rejudging_due(instance, commits, busy | {to_walk} | set(to_judge)):
-            context.log.info(f"{item.run_id}: {commits[item.run_id].unjudged} unjudged tasks, judging again (try {item.try_number})")
+            context.log.info(
+                f"{item.run_id}: {commits[item.run_id].unjudged} unjudged tasks, judging again (try {item.try_number})"
+            )
             requests.append(
                 dg.RunRequest(
                     job_name=rejudge_job.name,

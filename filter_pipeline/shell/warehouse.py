@@ -25,7 +25,6 @@ from filter_pipeline.rules.schemas import SCHEMAS, dictionary_columns, statistic
 from filter_pipeline.settings import DATA_ENV, DEFAULT_DATA, ENDPOINT_ENV, data_path
 
 
-
 class DataRoot(dg.ConfigurableResource):
     """The data root: `runs/<run_id>/` batches, `retired.json`, and the `warehouse/` of outputs.
 
@@ -88,7 +87,9 @@ def write_parquet(
 ) -> tuple[int, int] | None:
     """Write `table` to `path` atomically (see `write_atomically`, which says what it returns);
     `dictionary`, `statistics`: which columns to dictionary-encode and to write statistics for (all by default)."""
-    return write_atomically(path, lambda f: pq.write_table(table, f, use_dictionary=dictionary, write_statistics=statistics))
+    return write_atomically(
+        path, lambda f: pq.write_table(table, f, use_dictionary=dictionary, write_statistics=statistics)
+    )
 
 
 def write_atomically(path: UPath, write) -> tuple[int, int] | None:
@@ -109,7 +110,11 @@ def write_atomically(path: UPath, write) -> tuple[int, int] | None:
     os.makedirs(folder, exist_ok=True)
     stale_prefix = f".{os.path.basename(target)}."
     for name in os.listdir(folder):
-        if name.startswith(stale_prefix) and name.endswith(".tmp") and _stale(os.path.join(folder, name), name[len(stale_prefix) :].removesuffix(".tmp")):
+        if (
+            name.startswith(stale_prefix)
+            and name.endswith(".tmp")
+            and _stale(os.path.join(folder, name), name[len(stale_prefix) :].removesuffix(".tmp"))
+        ):
             try:
                 os.unlink(os.path.join(folder, name))
             except FileNotFoundError:

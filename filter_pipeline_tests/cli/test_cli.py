@@ -2,7 +2,6 @@
 
 import shutil
 import subprocess
-import sys
 import time
 
 import dagster as dg
@@ -12,8 +11,8 @@ from upath import UPath
 
 from filter_pipeline.cli import main as cli_module
 from filter_pipeline.rules.batch import read_batch
-from filter_pipeline.shell.jobs import ACROSS_RUNS_ASSETS
 from filter_pipeline.settings import EXECUTOR_ENV
+from filter_pipeline.shell.jobs import ACROSS_RUNS_ASSETS
 from filter_pipeline_tests.builders import attempt, task, write_batch
 from filter_pipeline_tests.conftest import CLI, REPO
 
@@ -33,7 +32,9 @@ def read_all(data_root, asset) -> pd.DataFrame:
 
 def test_materializes_every_complete_batch_in_run_id_order_and_prints_a_summary(cli, data_root, dagster_home):
     write_batch(data_root, "b2", [task("x", key=["k"])], [attempt("x")])
-    write_batch(data_root, "b1", [task("y", key=["k"])], [attempt("y"), attempt("y", 2, ok=False, error="policy violation: z")])
+    write_batch(
+        data_root, "b1", [task("y", key=["k"])], [attempt("y"), attempt("y", 2, ok=False, error="policy violation: z")]
+    )
     write_batch(data_root, "b3", [task("z")], [attempt("z")], complete=False)
 
     done = cli()
@@ -95,7 +96,10 @@ def test_a_failing_run_exits_non_zero_with_its_reason(cli, data_root):
     (data_root / "retired.json").write_text("{not json")
     done = cli("b1")
     assert done.returncode == 2
-    assert done.stderr.strip() == "filter-pipeline: retired.json is not valid JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"
+    assert (
+        done.stderr.strip()
+        == "filter-pipeline: retired.json is not valid JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"
+    )
 
 
 def across_runs_materialized_by_run(dagster_home) -> dict[str, list[str]]:
@@ -116,7 +120,9 @@ def test_when_the_last_batch_fails_coverage_is_refreshed_in_a_run_of_its_own(cli
     write_batch(data_root, "z_empty", [], [])  # last in run_id order too (first walks go in run_id order)
     done = cli("fine", "z_empty")
     assert done.returncode == 1
-    assert done.stdout.splitlines()[1].startswith("z_empty: FAILED (step execution_batch: runs/z_empty/tasks.jsonl holds no valid task; full log: run ")
+    assert done.stdout.splitlines()[1].startswith(
+        "z_empty: FAILED (step execution_batch: runs/z_empty/tasks.jsonl holds no valid task; full log: run "
+    )
     assert done.stdout.splitlines()[2:] == ["coverage: 1 kept rows over 1 (macro, site) pairs, 0 full"]
     assert across_runs_materialized_by_run(dagster_home) == {
         "fine": [], "z_empty": [], "across_runs_job": ["coverage", "judge_calibration"]
@@ -128,7 +134,9 @@ def test_a_batch_without_tasks_fails_its_run_with_the_reason_and_writes_nothing(
     write_batch(data_root, "fine", [task("a")], [attempt("a")])
     done = cli("empty", "fine")
     assert done.returncode == 1
-    assert done.stdout.splitlines()[0].startswith("empty: FAILED (step execution_batch: runs/empty/tasks.jsonl holds no valid task; full log: run ")
+    assert done.stdout.splitlines()[0].startswith(
+        "empty: FAILED (step execution_batch: runs/empty/tasks.jsonl holds no valid task; full log: run "
+    )
     assert done.stdout.splitlines()[1].startswith("fine: judged 1")
     assert sorted(p.name for p in (data_root / "warehouse").rglob("*.parquet") if p.stem == "empty") == []
 
@@ -138,7 +146,14 @@ def test_two_runs_launched_together_never_keep_a_key_twice(cli_env, data_root, d
     dg.DagsterInstance.from_config(str(dagster_home)).dispose()  # an existing instance, as a user's would be
     # b2 alone would be refused (it must wait for b1's first walk): the second process names both
     procs = [
-        subprocess.Popen([*CLI, "materialize", *run_ids], env=cli_env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [*CLI, "materialize", *run_ids],
+            env=cli_env,
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for run_ids in (["b1"], ["b1", "b2"])
     ]
     for p in procs:
@@ -167,11 +182,15 @@ def big_batch(data_root, run_id, n):
     write_batch(data_root, run_id, tasks, [attempt(t["task_id"]) for t in tasks])
 
 
-def test_a_run_killed_while_writing_kept_leaves_nothing_partial_and_reruns_identically(cli, cli_env, tmp_path, data_root):
+def test_a_run_killed_while_writing_kept_leaves_nothing_partial_and_reruns_identically(
+    cli, cli_env, tmp_path, data_root
+):
     big_batch(data_root, "big", 120_000)
     reference = tmp_path / "reference"
     shutil.copytree(data_root, reference)
-    temp_files = lambda: [p for d in ("kept", "surplus") for p in (data_root / "warehouse" / d).glob(".*.tmp")]
+
+    def temp_files():
+        return [p for d in ("kept", "surplus") for p in (data_root / "warehouse" / d).glob(".*.tmp")]
 
     proc = subprocess.Popen([*CLI, "materialize", "big", "--per-site-cap", "100000"], env=cli_env, cwd=REPO,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip

@@ -78,14 +78,24 @@ def test_a_caps_value_that_is_not_a_plain_integer_is_refused_in_one_line_before_
 @pytest.mark.parametrize(
     "name, text, line",
     [
-        ("caps.yaml", "per_site_cap: 2\ncaps:\n  m: {site_cap: 1\n", "caps.yaml:4:1: not YAML or JSON: while parsing a flow mapping expected ',' or '}', but got '<stream end>'"),
+        (
+            "caps.yaml",
+            "per_site_cap: 2\ncaps:\n  m: {site_cap: 1\n",
+            "caps.yaml:4:1: not YAML or JSON: while parsing a flow mapping expected ',' or '}', but got '<stream end>'",
+        ),
         ("caps.yaml", "per_site_cap: 2\nper_site_cap: 3\n", 'caps.yaml:2:1: key "per_site_cap" appears twice'),
         ("caps.yaml", "caps:\n  m: {site_cap: 1}\n  m: {target: 2}\n", 'caps.yaml:3:3: key "m" appears twice'),
-        ("caps.json", '{\n\t"per_site_cap": 2,\n}\n', "caps.json:3:1: not JSON: Expecting property name enclosed in double quotes"),
+        (
+            "caps.json",
+            '{\n\t"per_site_cap": 2,\n}\n',
+            "caps.json:3:1: not JSON: Expecting property name enclosed in double quotes",
+        ),
         ("caps.json", '{"caps": {"m": {"site_cap": 1}, "m": {}}}', 'caps.json: key "m" appears twice'),
     ],
 )
-def test_a_caps_file_that_does_not_parse_is_one_line_with_its_line_and_column(env, capsys, tmp_path, dagster_home, data_root, name, text, line):
+def test_a_caps_file_that_does_not_parse_is_one_line_with_its_line_and_column(
+    env, capsys, tmp_path, dagster_home, data_root, name, text, line
+):
     caps = tmp_path / name
     caps.write_text(text)
     assert refused(capsys, "--caps", str(caps)) == f"filter-pipeline: caps file {tmp_path}/{line}"
@@ -104,14 +114,20 @@ def test_bad_caps_in_the_environment_are_refused_naming_the_variable(env, capsys
     caps = tmp_path / "caps.yaml"
     caps.write_text("per_site_cap: '2'\n")
     env.setenv("FILTER_PIPELINE_CAPS", str(caps))
-    assert refused(capsys) == f"filter-pipeline: FILTER_PIPELINE_CAPS: caps file {caps}: per_site_cap: Input should be a valid integer (got \"2\")"
+    assert (
+        refused(capsys)
+        == f'filter-pipeline: FILTER_PIPELINE_CAPS: caps file {caps}: per_site_cap: Input should be a valid integer (got "2")'
+    )
     nothing_registered_or_written(dagster_home, data_root)
 
 
 @pytest.mark.parametrize("value", ["2.0", "two", "true"])
 def test_a_per_site_cap_flag_that_is_not_an_integer_is_one_line(env, capsys, dagster_home, data_root, value):
     line = refused(capsys, "--per-site-cap", value)
-    assert line == f"filter-pipeline materialize: argument --per-site-cap: invalid int value: '{value}' (see filter-pipeline materialize --help)"
+    assert (
+        line
+        == f"filter-pipeline materialize: argument --per-site-cap: invalid int value: '{value}' (see filter-pipeline materialize --help)"
+    )
     nothing_registered_or_written(dagster_home, data_root)
 
 
@@ -134,7 +150,9 @@ def test_a_dagster_home_that_is_unset_relative_or_missing_is_one_line(env, capsy
     env.setenv("DAGSTER_HOME", "relative/home")
     assert refused(capsys).startswith("filter-pipeline: DAGSTER_HOME=relative/home: not an absolute path")
     env.setenv("DAGSTER_HOME", str(tmp_path / "missing"))
-    assert refused(capsys).startswith(f"filter-pipeline: DAGSTER_HOME={tmp_path / 'missing'}: no such folder: create it")
+    assert refused(capsys).startswith(
+        f"filter-pipeline: DAGSTER_HOME={tmp_path / 'missing'}: no such folder: create it"
+    )
     assert not (tmp_path / "missing").exists() and not (data_root / "warehouse").exists()
 
 
@@ -150,8 +168,16 @@ def test_a_dagster_yaml_that_is_not_valid_is_one_line(env, capsys, dagster_home,
         ("FILTER_JUDGE_VOTES", "x", "FILTER_JUDGE_VOTES='x' is not a valid int"),
         ("FILTER_JUDGE_KIND", "bogus", "FILTER_JUDGE_KIND='bogus': judge kind 'bogus' is not one of gate, llm"),
         ("FILTER_JUDGE_SCREENSHOT", "maybe", "FILTER_JUDGE_SCREENSHOT='maybe' is not a valid flag (true/false)"),
-        ("FILTER_PIPELINE_EXECUTOR", "threads", "FILTER_PIPELINE_EXECUTOR='threads': expected one of in_process, multiprocess"),
-        ("FILTER_PIPELINE_ENDPOINT_URL", "http://127.0.0.1:9", "an endpoint URL applies to an s3:// data root, not file://"),
+        (
+            "FILTER_PIPELINE_EXECUTOR",
+            "threads",
+            "FILTER_PIPELINE_EXECUTOR='threads': expected one of in_process, multiprocess",
+        ),
+        (
+            "FILTER_PIPELINE_ENDPOINT_URL",
+            "http://127.0.0.1:9",
+            "an endpoint URL applies to an s3:// data root, not file://",
+        ),
     ],
 )
 def test_a_bad_setting_in_the_environment_is_one_line(env, capsys, dagster_home, data_root, name, value, line):
@@ -160,8 +186,13 @@ def test_a_bad_setting_in_the_environment_is_one_line(env, capsys, dagster_home,
     nothing_registered_or_written(dagster_home, data_root)
 
 
-def test_the_llm_judge_without_its_endpoint_is_one_line_before_anything_is_registered(env, capsys, dagster_home, data_root):
-    assert refused(capsys, "--judge", "llm") == "filter-pipeline: the llm judge needs FILTER_JUDGE_BASE_URL and FILTER_JUDGE_MODEL"
+def test_the_llm_judge_without_its_endpoint_is_one_line_before_anything_is_registered(
+    env, capsys, dagster_home, data_root
+):
+    assert (
+        refused(capsys, "--judge", "llm")
+        == "filter-pipeline: the llm judge needs FILTER_JUDGE_BASE_URL and FILTER_JUDGE_MODEL"
+    )
     nothing_registered_or_written(dagster_home, data_root)
 
 
@@ -184,7 +215,12 @@ def test_bad_records_a_refused_folder_and_bad_labels_each_get_their_line_and_the
     lines = [json.dumps(t) for t in tasks]
     lines[1] = lines[1].replace("do @", f"do {SURROGATE}")  # the escape as the file holds it
     lines[2] = lines[2].replace('"x"]', "1" + "0" * 5000 + "]")  # more digits than Python converts
-    attempts = [attempt("a"), attempt("b"), attempt("c"), attempt("a", 2, ok=False, error=f"assertion failed: {SURROGATE}")]
+    attempts = [
+        attempt("a"),
+        attempt("b"),
+        attempt("c"),
+        attempt("a", 2, ok=False, error=f"assertion failed: {SURROGATE}"),
+    ]
     run = write_batch(data_root, "b1", [], [])
     (run / "tasks.jsonl").write_text("\n".join(lines) + "\n")
     (run / "executions.jsonl").write_text(

@@ -52,10 +52,15 @@ def test_verify_is_clean_after_a_run_and_names_each_finding_after_damage(cli, cl
 def test_verify_of_a_missing_data_root_exits_2_with_one_line(cli_env, tmp_path):
     done = verify(cli_env, "--data", str(tmp_path / "nope"))
     assert (done.returncode, done.stdout) == (2, "")
-    assert done.stderr.strip() == f"filter-pipeline: data root {tmp_path / 'nope'} does not exist (--data or $FILTER_PIPELINE_DATA)"
+    assert (
+        done.stderr.strip()
+        == f"filter-pipeline: data root {tmp_path / 'nope'} does not exist (--data or $FILTER_PIPELINE_DATA)"
+    )
 
 
-def test_a_run_stopped_after_kept_but_before_its_commit_is_completed_by_materialize_naming_no_run(cli, cli_env, data_root):
+def test_a_run_stopped_after_kept_but_before_its_commit_is_completed_by_materialize_naming_no_run(
+    cli, cli_env, data_root
+):
     two_batches(data_root)
     assert cli().returncode == 0
     before = {a: pd.read_parquet(data_root / "warehouse" / a / "b2.parquet") for a in LEDGER_FILES}
@@ -68,5 +73,7 @@ def test_a_run_stopped_after_kept_but_before_its_commit_is_completed_by_material
     assert done.stdout.splitlines()[0].startswith("b2: judged 6")
     assert (data_root / "warehouse" / "_commits" / "b2.json").exists()
     for asset in LEDGER_FILES:
-        pd.testing.assert_frame_equal(pd.read_parquet(data_root / "warehouse" / asset / "b2.parquet"), before[asset], obj=asset)
+        pd.testing.assert_frame_equal(
+            pd.read_parquet(data_root / "warehouse" / asset / "b2.parquet"), before[asset], obj=asset
+        )
     assert verify(cli_env).returncode == 0

@@ -5,13 +5,20 @@ import asyncio
 import json
 import threading
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
 
 import pytest
 
 from filter_pipeline.judge.client import (
-    REPAIR_PROMPT, EndpointRefused, JudgeClient, LLMSettings, RateController, Vote, judge_prompts, majority,
+    REPAIR_PROMPT,
+    EndpointRefused,
+    JudgeClient,
+    LLMSettings,
+    RateController,
+    Vote,
+    judge_prompts,
+    majority,
 )  # fmt: skip
 from filter_pipeline_tests.openai_server import FakeOpenAI, RateLimit, Reply, error_body
 
@@ -39,7 +46,9 @@ def sequence(*replies: Reply):
 
 
 def test_at_the_defaults_a_task_costs_one_request_asking_for_structured_output():
-    with FakeOpenAI(lambda call, n: Reply(content=PASS, prompt_tokens=120, completion_tokens=7, cached_tokens=100)) as server:
+    with FakeOpenAI(
+        lambda call, n: Reply(content=PASS, prompt_tokens=120, completion_tokens=7, cached_tokens=100)
+    ) as server:
         result = judge_prompts([prompt(str(i)) for i in range(5)], settings(server))
     assert len(server.calls) == 5
     assert [(v.passed, v.votes, v.status, v.requests) for v in result] == [(True, "1/1", "judged", 1)] * 5
@@ -115,7 +124,12 @@ def test_a_400_that_goes_away_without_the_schema_drops_it_and_other_400s_are_tas
     with FakeOpenAI(responder) as server:
         ok, long = judge_prompts([prompt("a"), prompt("too long")], settings(server, concurrency=1))
     assert ok.status == "judged" and ["response_format" in c.body for c in server.calls] == [True, False, False]
-    assert long.status == "error" and long.requests == 1 and "HTTP 400" in long.why and "maximum context length" in long.why
+    assert (
+        long.status == "error"
+        and long.requests == 1
+        and "HTTP 400" in long.why
+        and "maximum context length" in long.why
+    )
 
 
 # --- unparseable and cut-off replies ----------------------------------------------------------------
@@ -126,7 +140,11 @@ def test_an_unparseable_reply_is_repaired_by_a_different_request_never_resent():
         [v] = judge_prompts([prompt("a")], settings(server))
     assert (v.passed, v.status, v.requests) == (True, "judged", 2)
     first, repair = (c.body for c in server.calls)
-    assert repair["messages"] == [*first["messages"], {"role": "assistant", "content": PROSE}, {"role": "user", "content": REPAIR_PROMPT}]
+    assert repair["messages"] == [
+        *first["messages"],
+        {"role": "assistant", "content": PROSE},
+        {"role": "user", "content": REPAIR_PROMPT},
+    ]
     assert json.loads(v.raw_replies) == [PROSE, PASS]
 
 
@@ -177,8 +195,12 @@ def test_reasoning_model_settings_send_max_completion_tokens_and_no_temperature(
         judge_prompts([prompt("a")], settings(server, reasoning_model=True, max_tokens=2000))
         judge_prompts([prompt("b")], settings(server, max_tokens=0))
     reasoning, unlimited = (c.body for c in server.calls)
-    assert reasoning["max_completion_tokens"] == 2000 and "temperature" not in reasoning and "max_tokens" not in reasoning
-    assert "max_tokens" not in unlimited and "max_completion_tokens" not in unlimited and unlimited["temperature"] == 0.0
+    assert (
+        reasoning["max_completion_tokens"] == 2000 and "temperature" not in reasoning and "max_tokens" not in reasoning
+    )
+    assert (
+        "max_tokens" not in unlimited and "max_completion_tokens" not in unlimited and unlimited["temperature"] == 0.0
+    )
 
 
 # --- limits and faults ------------------------------------------------------------------------------
@@ -200,8 +222,12 @@ SOON = object()  # an HTTP-date two seconds ahead (the format has whole seconds)
 def test_a_429_is_retried_after_the_time_its_headers_say(headers, at_least):
     def responder(call, n):
         if n == 0:
-            when = format_datetime(datetime.now(timezone.utc) + timedelta(seconds=2), usegmt=True)
-            return Reply(status=429, headers={k: when if v is SOON else v for k, v in headers.items()}, body=error_body("slow down"))
+            when = format_datetime(datetime.now(UTC) + timedelta(seconds=2), usegmt=True)
+            return Reply(
+                status=429,
+                headers={k: when if v is SOON else v for k, v in headers.items()},
+                body=error_body("slow down"),
+            )
         return Reply(content=PASS)
 
     with FakeOpenAI(responder) as server:
@@ -226,7 +252,9 @@ def test_a_retry_hint_pauses_every_request_not_only_its_own():
 
 @pytest.mark.parametrize("status", [408, 409, 500, 502, 503])
 def test_transient_statuses_are_retried(status):
-    with FakeOpenAI(sequence(Reply(status=status, body="{}"), Reply(status=status, body="{}"), Reply(content=PASS))) as server:
+    with FakeOpenAI(
+        sequence(Reply(status=status, body="{}"), Reply(status=status, body="{}"), Reply(content=PASS))
+    ) as server:
         [v] = judge_prompts([prompt("a")], settings(server))
     assert (v.passed, v.status, v.requests, len(server.calls)) == (True, "judged", 3, 3)
 
@@ -239,7 +267,9 @@ def test_garbage_bodies_are_retried_as_faults():
 
 
 def test_a_task_still_rate_limited_at_the_end_of_its_budget_is_unjudged_with_the_429s_body():
-    limited = Reply(status=429, headers={"Retry-After": "0.2"}, body=error_body("You exceeded your current quota for org-7"))
+    limited = Reply(
+        status=429, headers={"Retry-After": "0.2"}, body=error_body("You exceeded your current quota for org-7")
+    )
     with FakeOpenAI(lambda call, n: limited) as server:
         start = time.perf_counter()
         [v] = judge_prompts([prompt("a")], settings(server, task_budget_seconds=1.0))
@@ -295,7 +325,9 @@ def test_while_down_one_task_probes_now_and_then_and_its_success_ends_the_outage
 def test_an_unreachable_endpoint_is_unjudged_not_a_crash():
     with FakeOpenAI() as server:
         url = server.base_url
-    [v] = judge_prompts([prompt("a")], LLMSettings(base_url=url, model="m", task_budget_seconds=0.3, backoff_initial_seconds=0.01))
+    [v] = judge_prompts(
+        [prompt("a")], LLMSettings(base_url=url, model="m", task_budget_seconds=0.3, backoff_initial_seconds=0.01)
+    )
     assert v.status == "error" and "talking to the judge endpoint" in v.why and v.requests >= 2
 
 

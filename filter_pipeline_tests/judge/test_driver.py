@@ -12,7 +12,8 @@ import pytest
 from upath import UPath
 
 from filter_pipeline.definitions import build_defs
-from filter_pipeline.judge import client as llm_judge, driver
+from filter_pipeline.judge import client as llm_judge
+from filter_pipeline.judge import driver
 from filter_pipeline.judge import prompt as judge_prompt
 from filter_pipeline.judge.resource import judge_from_env
 from filter_pipeline.rules import filtering, report
@@ -60,7 +61,9 @@ def judge_batch(data_root, judge, run_id: str = "r1", previous=None, log=None):
 def test_missing_or_broken_trajectory_json_is_recorded_on_the_verdict_counted_and_warned(data_root, caplog):
     write_batch(data_root, "r1", [task("a"), task("b"), task("c")], [attempt("a"), attempt("b"), attempt("c")])
     (data_root / "runs/r/traj/a/1").mkdir(parents=True)
-    (data_root / "runs/r/traj/a/1/trajectory.json").write_text(json.dumps({"steps": [], "final": {"url": "u", "observation": "o"}}))
+    (data_root / "runs/r/traj/a/1/trajectory.json").write_text(
+        json.dumps({"steps": [], "final": {"url": "u", "observation": "o"}})
+    )
     (data_root / "runs/r/traj/c/1").mkdir(parents=True)
     (data_root / "runs/r/traj/c/1/trajectory.json").write_text("{truncated")  # b has none at all
     with FakeOpenAI() as server, caplog.at_level(logging.WARNING):

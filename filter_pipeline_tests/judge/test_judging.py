@@ -38,7 +38,13 @@ def model_that_fails(*failing: str, faults: bool = False):
 
 def sample_batch(data_root: Path, run_id: str = "r1") -> None:
     tasks = [task("a", key=["k1"]), task("b", key=["k1"]), task("c", key=["k2"]), task("d", site="s2"), task("e")]
-    attempts = [attempt("a"), attempt("b"), attempt("c"), attempt("d"), attempt("e", ok=False, error="action refused: x")]
+    attempts = [
+        attempt("a"),
+        attempt("b"),
+        attempt("c"),
+        attempt("d"),
+        attempt("e", ok=False, error="action refused: x"),
+    ]
     write_batch(data_root, run_id, tasks, attempts)
 
 
@@ -96,7 +102,9 @@ def test_llm_verdicts_flow_through_the_same_rules_as_the_gate_even_under_faults(
 
 def test_outage_leaves_tasks_unjudged_and_the_next_materialization_judges_only_those(pipeline):
     sample_batch(pipeline.data_root)
-    with FakeOpenAI(lambda call, n: Reply(status=503, body="down") if "do a" in call.prompt else Reply(content=PASS)) as server:
+    with FakeOpenAI(
+        lambda call, n: Reply(status=503, body="down") if "do a" in call.prompt else Reply(content=PASS)
+    ) as server:
         first = pipeline.run(llm(server, task_budget_seconds=0.5))
     v = pipeline.output("judge_verdicts")
     assert rows(v, "task_id", "status") == [["a", "error"], ["b", "judged"], ["c", "judged"], ["d", "judged"]]
@@ -116,12 +124,17 @@ def test_a_refusing_endpoint_fails_the_step_in_one_line_within_ten_requests(pipe
     sample_batch(pipeline.data_root)
     pipeline.instance.add_dynamic_partitions("run_id", ["r1"])
     with FakeOpenAI(lambda call, n: Reply(status=401, body='{"error": {"message": "bad key sk-SECRET-1"}}')) as server:
-        job = build_defs(str(pipeline.data_root), llm(server, api_key="sk-SECRET-1", concurrency=64), caps={}).resolve_job_def("filter_job")
+        job = build_defs(
+            str(pipeline.data_root), llm(server, api_key="sk-SECRET-1", concurrency=64), caps={}
+        ).resolve_job_def("filter_job")
         result = job.execute_in_process(instance=pipeline.instance, partition_key="r1", raise_on_error=False)
     assert not result.success and len(server.calls) <= 10
     [failure] = [e for e in result.all_events if e.event_type_value == "STEP_FAILURE"]
     message = str(failure.step_failure_data.error.to_string())
-    assert f"the judge endpoint {server.base_url}/chat/completions refused the request" in message and "HTTP 401" in message
+    assert (
+        f"the judge endpoint {server.base_url}/chat/completions refused the request" in message
+        and "HTTP 401" in message
+    )
     assert "sk-SECRET-1" not in message
     assert not (pipeline.data_root / "warehouse" / "kept" / "r1.parquet").exists()
 
@@ -147,7 +160,13 @@ def test_verdict_records_and_metadata(pipeline):
     with FakeOpenAI(model_that_fails("c")) as server:
         result = pipeline.run(llm(server))
     v = pipeline.output("judge_verdicts").set_index("task_id")
-    assert v.loc["a", ["judge", "model", "prompt_version", "status", "votes"]].tolist() == ["llm", "judge-test", "v2", "judged", "1/1"]
+    assert v.loc["a", ["judge", "model", "prompt_version", "status", "votes"]].tolist() == [
+        "llm",
+        "judge-test",
+        "v2",
+        "judged",
+        "1/1",
+    ]
     assert v.loc["a", "prompt_tokens"] == 100 and v.loc["a", "completion_tokens"] == 10
     assert json.loads(v.loc["c", "raw_replies"]) == [FAIL]
     assert len(v.loc["a", "cache_key"]) == 64
@@ -217,8 +236,13 @@ def test_on_s3_the_llm_judge_reads_each_attempts_trajectory_from_the_bucket(s3_b
     from filter_pipeline.shell.warehouse import DataRoot
 
     root = DataRoot(path=f"s3://{s3_bucket}/data").root
-    write_batch(root, "r1", [task("a"), task("b")], [attempt("a", dir="runs/r1/traj/a/1"), attempt("b", dir="runs/r1/traj/b/1")])
-    trajectory = {"steps": [{"action": "type", "text": "blue shoes"}], "final": {"url": "https://shop/a", "observation": "Order 77 placed"}}
+    write_batch(
+        root, "r1", [task("a"), task("b")], [attempt("a", dir="runs/r1/traj/a/1"), attempt("b", dir="runs/r1/traj/b/1")]
+    )
+    trajectory = {
+        "steps": [{"action": "type", "text": "blue shoes"}],
+        "final": {"url": "https://shop/a", "observation": "Order 77 placed"},
+    }
     (root / "runs/r1/traj/a/1/trajectory.json").write_text(json.dumps(trajectory))  # b has none: its record's steps
 
     with dg.instance_for_test() as instance, FakeOpenAI(model_that_fails("b")) as server:

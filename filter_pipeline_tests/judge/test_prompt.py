@@ -52,7 +52,12 @@ def test_instruction_and_criteria_are_outside_the_fence_and_the_agents_words_ins
                       "macro: add_to_cart (kind: cart", "started from: url"):  # fmt: skip
         assert criterion in outside, criterion
     inside = "\n".join(fenced_parts(text))
-    for evidence_text in ('"selector": "#add-to-cart"', "https://shop.example/cart", "Cart: blue mug (1)", "I added it"):
+    for evidence_text in (
+        '"selector": "#add-to-cart"',
+        "https://shop.example/cart",
+        "Cart: blue mug (1)",
+        "I added it",
+    ):
         assert evidence_text in inside and evidence_text not in outside
     assert REQUEST["instruction"] not in inside
     assert evidence == "trajectory"
@@ -87,7 +92,9 @@ def test_long_page_text_keeps_head_and_tail_and_marks_the_cut_within_the_budget(
     page = "HEAD-OF-PAGE " + "z" * 50_000 + " END-OF-PAGE"
     evidence = p.Evidence(steps=[{"action": "click"}] * 3, final_url="https://x/done", page_text=page,
                           agent_output=None, screenshots=(), evidence="trajectory")  # fmt: skip
-    messages = p.build_messages("do it", p.success_criteria("m", "s", '["s","#a",1]', "url"), evidence, PromptSettings(max_prompt_chars=4000))
+    messages = p.build_messages(
+        "do it", p.success_criteria("m", "s", '["s","#a",1]', "url"), evidence, PromptSettings(max_prompt_chars=4000)
+    )
     text = user_text(messages)
     assert "HEAD-OF-PAGE" in text and "END-OF-PAGE" in text
     assert "characters cut ...]" in text
@@ -118,12 +125,17 @@ def test_screenshots_are_the_first_and_the_last_by_natural_order_and_only_when_a
     "make, evidence",
     [
         (lambda root: folder(root), "record_steps: trajectory.json missing"),
-        (lambda root: folder(root, raw=b"{not json"), "record_steps: trajectory.json not JSON (Expecting property name"),
+        (
+            lambda root: folder(root, raw=b"{not json"),
+            "record_steps: trajectory.json not JSON (Expecting property name",
+        ),
         (lambda root: folder(root, raw=b"\xff\xfe"), "record_steps: trajectory.json not JSON ("),
         (lambda root: folder(root, trajectory=[1, 2]), "record_steps: trajectory.json not an object"),
         (lambda root: (folder(root) / "trajectory.json").mkdir(), "record_steps: trajectory.json unreadable ("),
-        (lambda root: folder(root, trajectory={"final": {"observation": "page"}}),
-         "trajectory, record_steps: trajectory.json has no steps list"),
+        (
+            lambda root: folder(root, trajectory={"final": {"observation": "page"}}),
+            "trajectory, record_steps: trajectory.json has no steps list",
+        ),
     ],
 )
 def test_unusable_trajectory_json_falls_back_to_the_record_steps_and_says_why(tmp_path, make, evidence):
@@ -140,7 +152,9 @@ def test_a_trajectory_outside_the_data_root_is_never_read(tmp_path):
     root = tmp_path / "data"
     (root / "runs").mkdir(parents=True)
     (root / "runs" / "link").symlink_to(outside)
-    messages, evidence = p.messages_for_attempt(UPath(root), {**REQUEST, "dir": "runs/link"}, lambda: [{"from": "record"}], PromptSettings())
+    messages, evidence = p.messages_for_attempt(
+        UPath(root), {**REQUEST, "dir": "runs/link"}, lambda: [{"from": "record"}], PromptSettings()
+    )
     assert "SECRET" not in user_text(messages) and '{"from": "record"}' in user_text(messages)
     assert evidence == "record_steps: trajectory.json outside the data root"
 
@@ -151,5 +165,7 @@ def test_the_cache_key_changes_with_the_prompt_version_the_judge_and_the_message
     assert key == p.cache_key(messages, PromptSettings(), ["m", 1, 0.0])
     assert key != p.cache_key(messages, PromptSettings(prompt_version="v1"), ["m", 1, 0.0])
     assert key != p.cache_key(messages, PromptSettings(), ["other", 1, 0.0])
-    other, _ = p.messages_for_attempt(UPath(tmp_path), {**REQUEST, "site": "market.example"}, lambda: [], PromptSettings())
+    other, _ = p.messages_for_attempt(
+        UPath(tmp_path), {**REQUEST, "site": "market.example"}, lambda: [], PromptSettings()
+    )
     assert key != p.cache_key(other, PromptSettings(), ["m", 1, 0.0])

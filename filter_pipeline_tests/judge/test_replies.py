@@ -1,7 +1,7 @@
 """Reading replies: the verdict in a model's reply (examples and properties), completions, retry hints."""
 
 import json
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
 
 import pytest
@@ -9,7 +9,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from filter_pipeline.judge.replies import (
-    Choice, Usage, Verdict, duration_seconds, error_message, parse_reply, read_completion, retry_hint, strip_reasoning,
+    Choice,
+    Usage,
+    Verdict,
+    duration_seconds,
+    error_message,
+    parse_reply,
+    read_completion,
+    retry_hint,
+    strip_reasoning,
 )  # fmt: skip
 
 # --- examples ---------------------------------------------------------------------------------------
@@ -19,15 +27,27 @@ from filter_pipeline.judge.replies import (
     "text, expected",
     [
         ('{"passed": true, "why": "ok"}', Verdict(True, "ok")),
-        ('Sure! Here is my verdict:\n```json\n{"passed": false, "why": "no banner"}\n```\nThanks.', Verdict(False, "no banner")),
+        (
+            'Sure! Here is my verdict:\n```json\n{"passed": false, "why": "no banner"}\n```\nThanks.',
+            Verdict(False, "no banner"),
+        ),
         ('I think {"passed": true, "why": "cart has it"} is right.', Verdict(True, "cart has it")),
         ('```\n{"passed": false, "why": "x"}\n```', Verdict(False, "x")),
         ('{"passed": true}', Verdict(True, "")),  # why is optional
-        ('{"criteria": [{"name": "site", "passed": true}], "reasoning": "r", "passed": false, "why": "w"}', Verdict(False, "w")),
-        ('{"passed": true, "why": "first"} on second thought {"passed": false, "why": "second"}', Verdict(False, "second")),
+        (
+            '{"criteria": [{"name": "site", "passed": true}], "reasoning": "r", "passed": false, "why": "w"}',
+            Verdict(False, "w"),
+        ),
+        (
+            '{"passed": true, "why": "first"} on second thought {"passed": false, "why": "second"}',
+            Verdict(False, "second"),
+        ),
         ('{"verdict": {"passed": true, "why": "wrapped"}}', Verdict(True, "wrapped")),
         ('{"passed": true, "why": 3}', Verdict(True, "3")),
-        ('<think>the format is {"passed": true, "why": "x"}</think> {"passed": false, "why": "no order"}', Verdict(False, "no order")),
+        (
+            '<think>the format is {"passed": true, "why": "x"}</think> {"passed": false, "why": "no order"}',
+            Verdict(False, "no order"),
+        ),
         ('<reasoning>{"passed": false}</reasoning>\n{"passed": true, "why": "done"}', Verdict(True, "done")),
         ('template opened it {"passed": true} </think>{"passed": false, "why": "after"}', Verdict(False, "after")),
         ('<think>still thinking, maybe {"passed": true, "why": "decoy"}', None),  # cut off inside its thinking
@@ -58,7 +78,9 @@ words = st.text(st.characters(blacklist_characters="<>", blacklist_categories=("
 verdicts = st.builds(Verdict, st.booleans(), words)
 extra_fields = st.dictionaries(
     st.sampled_from(["reasoning", "criteria", "confidence", "notes"]),
-    st.one_of(words, st.lists(st.fixed_dictionaries({"name": words, "passed": st.booleans()}), max_size=3), st.floats(0, 1)),
+    st.one_of(
+        words, st.lists(st.fixed_dictionaries({"name": words, "passed": st.booleans()}), max_size=3), st.floats(0, 1)
+    ),
     max_size=3,
 )
 
@@ -70,7 +92,9 @@ def verdict_objects(draw) -> tuple[Verdict, str]:
     if v.why or draw(st.booleans()):
         fields["why"] = v.why
     order = draw(st.permutations(list(fields)))
-    text = json.dumps({k: fields[k] for k in order}, ensure_ascii=draw(st.booleans()), indent=draw(st.sampled_from([None, 2])))
+    text = json.dumps(
+        {k: fields[k] for k in order}, ensure_ascii=draw(st.booleans()), indent=draw(st.sampled_from([None, 2]))
+    )
     return v, text
 
 
@@ -84,7 +108,10 @@ tags = st.sampled_from(["think", "thinking", "reasoning", "THINK"])
 
 @settings(max_examples=120, deadline=None, database=None)
 @given(
-    st.lists(verdict_objects(), min_size=1, max_size=3), st.lists(wrappers, min_size=3, max_size=3), prose, prose,
+    st.lists(verdict_objects(), min_size=1, max_size=3),
+    st.lists(wrappers, min_size=3, max_size=3),
+    prose,
+    prose,
     st.lists(st.tuples(tags, verdict_objects(), prose), max_size=2),
 )
 def test_the_last_verdict_object_outside_reasoning_wins(objects, hows, before, after, thoughts):
@@ -109,8 +136,16 @@ def test_a_verdict_inside_a_reasoning_block_never_wins(thoughts, answer, closed)
 def test_read_completion_takes_content_never_the_reasoning_field():
     payload = {
         "choices": [
-            {"index": 1, "message": {"role": "assistant", "content": "b", "reasoning_content": "x"}, "finish_reason": "length"},
-            {"index": 0, "message": {"role": "assistant", "content": [{"type": "text", "text": "a"}], "reasoning": "y"}, "finish_reason": "stop"},
+            {
+                "index": 1,
+                "message": {"role": "assistant", "content": "b", "reasoning_content": "x"},
+                "finish_reason": "length",
+            },
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": [{"type": "text", "text": "a"}], "reasoning": "y"},
+                "finish_reason": "stop",
+            },
         ],
         "usage": {"prompt_tokens": 10, "completion_tokens": 4, "prompt_tokens_details": {"cached_tokens": 8}},
     }
@@ -131,7 +166,7 @@ def test_error_message_is_the_servers_short_line():
 
 # --- retry hints ------------------------------------------------------------------------------------
 
-NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
+NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
 
 
 @pytest.mark.parametrize(
@@ -156,7 +191,8 @@ def test_retry_hint_reads_every_form(headers, seconds):
 
 
 @pytest.mark.parametrize(
-    "text, seconds", [("1s", 1.0), ("6m0s", 360.0), ("20ms", 0.02), ("1h2m3.5s", 3723.5), ("7", 7.0), ("x1s", None), ("-1", None)]
+    "text, seconds",
+    [("1s", 1.0), ("6m0s", 360.0), ("20ms", 0.02), ("1h2m3.5s", 3723.5), ("7", 7.0), ("x1s", None), ("-1", None)],
 )
 def test_duration_seconds(text, seconds):
     assert duration_seconds(text) == pytest.approx(seconds) if seconds is not None else duration_seconds(text) is None

@@ -12,10 +12,14 @@ from filter_pipeline_tests.builders import RAW_KEYS, attempt, jsonl, parse, rows
 
 
 def test_tasks_and_attempts_parse_with_canonical_keys(tmp_path):
-    b = parse(tmp_path, [task("a", key=["s", "#x", 1.0, True, None, "é"], extra_field={"x": 1})], [attempt("a", steps=3)])
+    b = parse(
+        tmp_path, [task("a", key=["s", "#x", 1.0, True, None, "é"], extra_field={"x": 1})], [attempt("a", steps=3)]
+    )
     assert b.tasks["dedup_key"].tolist() == ['["s","#x",1.0,true,null,"é"]']
     assert b.tasks["start_kind"].tolist() == ["url"]
-    assert b.attempts[["task_id", "attempt", "ok", "n_actions", "backend_ok"]].values.tolist() == [["a", 1, True, 3, True]]
+    assert b.attempts[["task_id", "attempt", "ok", "n_actions", "backend_ok"]].values.tolist() == [
+        ["a", 1, True, 3, True]
+    ]
     assert b.rejects.empty
 
 
@@ -51,7 +55,10 @@ def test_non_utf8_and_overlong_lines_are_rejected(tmp_path, monkeypatch):
         f.write(json.dumps(task("long", instruction="x" * 5000)).encode() + b"\n")
     b = read_batch(UPath(run), "r")
     assert b.tasks["task_id"].tolist() == ["a"]
-    assert [m.split(": ", 1)[1][:22] for m in b.rejects["message"]] == ["line is not UTF-8 (inv", "line is 5,126 bytes, l"]
+    assert [m.split(": ", 1)[1][:22] for m in b.rejects["message"]] == [
+        "line is not UTF-8 (inv",
+        "line is 5,126 bytes, l",
+    ]
     assert b.rejects["raw"].str.len().max() <= 4096
 
 
@@ -139,7 +146,6 @@ def test_dir_resolving_outside_the_data_root_through_a_symlink_is_rejected(tmp_p
     assert "resolves outside the data root" in b.rejects["message"].item()
 
 
-
 def test_dirs_under_other_top_folders_are_checked_too(tmp_path):
     data = tmp_path / "data"
     outside = tmp_path / "elsewhere"
@@ -182,14 +188,18 @@ def test_fast_task_path_takes_compact_keys_as_written_only_where_that_is_their_c
     (run / "tasks.jsonl").write_text("\n".join(line.format(i=i, key=key) for i, key in enumerate(RAW_KEYS)) + "\n")
     assert batch_module._fast_tasks((run / "tasks.jsonl").read_bytes()) is not None
     fast = read_batch(UPath(run), "r").tasks
-    careful = parse(tmp_path / "careful", [*(json.loads(line.format(i=i, key=k)) for i, k in enumerate(RAW_KEYS)), "not json"], []).tasks
+    careful = parse(
+        tmp_path / "careful", [*(json.loads(line.format(i=i, key=k)) for i, k in enumerate(RAW_KEYS)), "not json"], []
+    ).tasks
     assert fast.equals(careful)
-    assert fast["dedup_key"].tolist() == [json.dumps(json.loads(k), ensure_ascii=False, separators=(",", ":")) for k in RAW_KEYS]
+    assert fast["dedup_key"].tolist() == [
+        json.dumps(json.loads(k), ensure_ascii=False, separators=(",", ":")) for k in RAW_KEYS
+    ]
 
 
 def test_fast_task_path_finds_the_key_after_nested_objects_and_brackets_in_strings(tmp_path):
     def nested_first(t: dict) -> dict:  # fields in another order: objects and an array of them before the key
-        noise = {"text": "} ] { [ \\\" \"dedup_key\": [1] {"}
+        noise = {"text": '} ] { [ \\" "dedup_key": [1] {'}
         deep = {"a": {"b": {"c": {"d": [{"e": "{"}]}}}}  # deeper than the fast match follows: the exact check
         return {"start": t["start"], "meta": [noise, deep], "task_id": t["task_id"], "macro": "m",
                 "site": "s", "instruction": "}{", "dedup_key": t["dedup_key"]}  # fmt: skip
@@ -230,7 +240,10 @@ def test_a_dedup_key_inside_another_field_is_not_the_tasks_key(tmp_path):
     assert parsed.rejects[["line", "field"]].values.tolist() == [[2, "dedup_key"]]
 
 
-@pytest.mark.parametrize("text, records", [("a\nb\n", 2), ("a\nb", 2), ("a\n\nb\n", 2), ("\na\n", 1), ("a\n  \nb", 2), ("a\n \t", 1), ("", 0)])
+@pytest.mark.parametrize(
+    "text, records",
+    [("a\nb\n", 2), ("a\nb", 2), ("a\n\nb\n", 2), ("\na\n", 1), ("a\n  \nb", 2), ("a\n \t", 1), ("", 0)],
+)
 def test_count_records_counts_non_blank_lines(tmp_path, text, records):
     (tmp_path / "executions.jsonl").write_text(text)
     assert batch_module.count_records(UPath(tmp_path)) == records
@@ -331,28 +344,61 @@ def outputs_are_writable(b) -> None:
 @pytest.mark.parametrize(
     "line, field, message",
     [
-        (task_line(task_id=f'"b{SURROGATE}"'), "task_id", r"field 'task_id' holds a lone surrogate (\ud800), which is not text"),
+        (
+            task_line(task_id=f'"b{SURROGATE}"'),
+            "task_id",
+            r"field 'task_id' holds a lone surrogate (\ud800), which is not text",
+        ),
         (task_line(macro=f'"{SURROGATE}"'), "macro", r"field 'macro' holds a lone surrogate (\ud800)"),
         (task_line(site='"s\\udfff"'), "site", r"field 'site' holds a lone surrogate (\udfff)"),
-        (task_line(instruction=f'"do {SURROGATE} b"'), "instruction", r"field 'instruction' holds a lone surrogate (\ud800), which is not text"),
+        (
+            task_line(instruction=f'"do {SURROGATE} b"'),
+            "instruction",
+            r"field 'instruction' holds a lone surrogate (\ud800), which is not text",
+        ),
         (task_line(instruction='"pair reversed \\ude00\\ud83d"'), "instruction", r"lone surrogate (\ude00)"),
-        (task_line(dedup_key=f'["s", "#{SURROGATE}el", 1]'), "dedup_key[1]", r"field 'dedup_key[1]' holds a lone surrogate"),
+        (
+            task_line(dedup_key=f'["s", "#{SURROGATE}el", 1]'),
+            "dedup_key[1]",
+            r"field 'dedup_key[1]' holds a lone surrogate",
+        ),
         (task_line(start=f'{{"kind": "url{SURROGATE}"}}'), "start.kind", "field 'start.kind' holds a lone surrogate"),
-        (task_line(extra=f'{{"note": ["{SURROGATE}"]}}'), "extra.note[0]", "field 'extra.note[0]' holds a lone surrogate"),
-        (task_line(dedup_key=f'["s", {LONG}]'), "dedup_key[1]", "field 'dedup_key[1]' holds an integer of 5,001 digits, more than the 4,300 Python converts"),
+        (
+            task_line(extra=f'{{"note": ["{SURROGATE}"]}}'),
+            "extra.note[0]",
+            "field 'extra.note[0]' holds a lone surrogate",
+        ),
+        (
+            task_line(dedup_key=f'["s", {LONG}]'),
+            "dedup_key[1]",
+            "field 'dedup_key[1]' holds an integer of 5,001 digits, more than the 4,300 Python converts",
+        ),
         (task_line(dedup_key=f'["s",-{LONG}]'), "dedup_key[1]", "holds an integer of 5,001 digits"),
         (task_line(extra=LONG), "extra", "field 'extra' holds an integer of 5,001 digits"),
-        (task_line(dedup_key='["s", 1e400]'), "dedup_key", "field 'dedup_key' holds NaN or Infinity (or a number too large for a float, such as 1e400)"),
+        (
+            task_line(dedup_key='["s", 1e400]'),
+            "dedup_key",
+            "field 'dedup_key' holds NaN or Infinity (or a number too large for a float, such as 1e400)",
+        ),
         (task_line(dedup_key='["s",1e400]'), "dedup_key", "holds NaN or Infinity"),
         (task_line(dedup_key='["s", NaN]'), "dedup_key", "holds NaN or Infinity"),
         (task_line(dedup_key='["s",-Infinity]'), "dedup_key", "holds NaN or Infinity"),
-        (task_line(dedup_key="[" * 100_000 + "]" * 100_000), None, "line nests arrays or objects deeper than a JSON reader follows"),
+        (
+            task_line(dedup_key="[" * 100_000 + "]" * 100_000),
+            None,
+            "line nests arrays or objects deeper than a JSON reader follows",
+        ),
         (task_line(task_id='"b\xed\xa0\x80"'), None, "line is not UTF-8"),  # a surrogate as UTF-8-style bytes (CESU-8)
     ],
 )
 def test_a_task_that_is_json_but_not_data_is_one_reject_and_the_rest_is_kept(tmp_path, line, field, message):
     run = write_batch(tmp_path, "r", [task("a"), task("c")], [attempt("a"), attempt("c")])
-    (run / "tasks.jsonl").write_bytes(jsonl([task("a")]).encode() + line.encode("latin-1" if "\xed" in line else "utf-8") + b"\n" + jsonl([task("c")]).encode())
+    (run / "tasks.jsonl").write_bytes(
+        jsonl([task("a")]).encode()
+        + line.encode("latin-1" if "\xed" in line else "utf-8")
+        + b"\n"
+        + jsonl([task("c")]).encode()
+    )
     b = read_batch(UPath(run), "r")
     assert b.tasks["task_id"].tolist() == ["a", "c"]
     assert b.tasks["dedup_key"].tolist() == ['["s","#el","a"]', '["s","#el","c"]']
@@ -367,23 +413,53 @@ def test_a_task_that_is_json_but_not_data_is_one_reject_and_the_rest_is_kept(tmp
 @pytest.mark.parametrize(
     "line, field, message",
     [
-        (attempt_line(task_id=f'"b{SURROGATE}"'), "task_id", r"field 'task_id' holds a lone surrogate (\ud800), which is not text"),
-        (attempt_line(error=f'"assertion failed: {SURROGATE}"'), "error", r"field 'error' holds a lone surrogate (\ud800), which is not text"),
+        (
+            attempt_line(task_id=f'"b{SURROGATE}"'),
+            "task_id",
+            r"field 'task_id' holds a lone surrogate (\ud800), which is not text",
+        ),
+        (
+            attempt_line(error=f'"assertion failed: {SURROGATE}"'),
+            "error",
+            r"field 'error' holds a lone surrogate (\ud800), which is not text",
+        ),
         (attempt_line(dir=f'"runs/r/traj/{SURROGATE}"'), "dir", "field 'dir' holds a lone surrogate"),
-        (attempt_line(backend=f'{{"ok": false, "detail": "{SURROGATE}"}}'), "backend.detail", "field 'backend.detail' holds a lone surrogate"),
-        (attempt_line(steps=f'[{{"action": "type", "text": "{SURROGATE}"}}]'), "steps[0].text", "field 'steps[0].text' holds a lone surrogate"),
+        (
+            attempt_line(backend=f'{{"ok": false, "detail": "{SURROGATE}"}}'),
+            "backend.detail",
+            "field 'backend.detail' holds a lone surrogate",
+        ),
+        (
+            attempt_line(steps=f'[{{"action": "type", "text": "{SURROGATE}"}}]'),
+            "steps[0].text",
+            "field 'steps[0].text' holds a lone surrogate",
+        ),
         (attempt_line(extra=f'{{"{SURROGATE}": 1}}'), r"extra.\ud800", "holds a lone surrogate"),  # in a name
-        (attempt_line(attempt=LONG), "attempt", "field 'attempt' holds an integer of 5,001 digits, more than the 4,300 Python converts"),
+        (
+            attempt_line(attempt=LONG),
+            "attempt",
+            "field 'attempt' holds an integer of 5,001 digits, more than the 4,300 Python converts",
+        ),
         (attempt_line(steps=f'[{{"x": {LONG}}}]'), "steps[0].x", "field 'steps[0].x' holds an integer of 5,001 digits"),
         (attempt_line(extra=LONG), "extra", "holds an integer of 5,001 digits"),
-        (attempt_line(attempt="1" + "0" * 25), "attempt", "field 'attempt' is a int (10000000000000000000000000), expected an integer within 64 bits"),
+        (
+            attempt_line(attempt="1" + "0" * 25),
+            "attempt",
+            "field 'attempt' is a int (10000000000000000000000000), expected an integer within 64 bits",
+        ),
         (attempt_line(attempt="1e400"), "attempt", "field 'attempt' is a float (Infinity), expected an integer"),
-        (attempt_line(steps="[" * 100_000 + "]" * 100_000), None, "line nests arrays or objects deeper than a JSON reader follows"),
+        (
+            attempt_line(steps="[" * 100_000 + "]" * 100_000),
+            None,
+            "line nests arrays or objects deeper than a JSON reader follows",
+        ),
         (attempt_line(dir='"runs/r/traj/b\xff"'), None, "line is not UTF-8"),
     ],
 )
 def test_an_attempt_that_is_json_but_not_data_is_one_reject_and_the_rest_is_kept(tmp_path, line, field, message):
-    run = write_batch(tmp_path, "r", [task("a"), task("b")], [attempt("a"), line, attempt("b", 2, ok=False, error="e2")])
+    run = write_batch(
+        tmp_path, "r", [task("a"), task("b")], [attempt("a"), line, attempt("b", 2, ok=False, error="e2")]
+    )
     raw = (run / "executions.jsonl").read_bytes()
     (run / "executions.jsonl").write_bytes(raw.replace("\xff".encode(), b"\xff"))  # the byte itself, not UTF-8
     b = read_batch(UPath(run), "r")
@@ -439,7 +515,12 @@ def test_a_run_of_more_digits_than_python_converts_is_found_wherever_it_sits(int
 def test_the_fast_paths_decline_a_long_integer_that_pyarrow_would_take(tmp_path):
     run = write_batch(tmp_path, "r", [task("a"), task("b", extra=1)], [attempt("a"), attempt("b", extra=1)])
     for name in ("tasks.jsonl", "executions.jsonl"):
-        assert batch_module._read_jsonl((run / name).read_bytes(), batch_module._ATTEMPT_ARROW if "exec" in name else batch_module._TASK_ARROW) is not None
+        assert (
+            batch_module._read_jsonl(
+                (run / name).read_bytes(), batch_module._ATTEMPT_ARROW if "exec" in name else batch_module._TASK_ARROW
+            )
+            is not None
+        )
         (run / name).write_text((run / name).read_text().replace('"extra": 1', f'"extra": {LONG}'))
     assert batch_module._fast_tasks((run / "tasks.jsonl").read_bytes()) is None
     assert batch_module._fast_attempts((run / "executions.jsonl").read_bytes()) is None

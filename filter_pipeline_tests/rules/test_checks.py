@@ -3,10 +3,9 @@
 import dagster as dg
 import pandas as pd
 
-from filter_pipeline.rules import checks
-from filter_pipeline.rules import filtering
 from filter_pipeline.definitions import build_defs
 from filter_pipeline.judge.resource import JudgeResource
+from filter_pipeline.rules import checks, filtering
 from filter_pipeline.rules.filtering import Caps, MacroLimits
 from filter_pipeline.rules.schemas import conform
 from filter_pipeline_tests.builders import attempt, counts, parse, task, verdicts, write_batch
@@ -40,11 +39,18 @@ def test_execute_rows_must_equal_failed_attempts(tmp_path):
 
 def test_execute_rows_of_the_right_count_but_one_doubled_and_one_missing_are_caught():
     failed = pd.DataFrame({"task_id": ["a", "b", "c"], "attempt": [1, 1, 2], "ok": [False, False, False]})
-    pool = lambda *ids: pd.DataFrame({"task_id": [t for t, _ in ids], "attempt": [n for _, n in ids], "stage": "execute"})  # noqa: E731
+
+    def pool(*ids):
+        return pd.DataFrame({"task_id": [t for t, _ in ids], "attempt": [n for _, n in ids], "stage": "execute"})
+
     assert checks.execute_rows_match_failed_attempts(pool(("c", 2), ("a", 1), ("b", 1)), failed).passed  # any order
     swapped = checks.execute_rows_match_failed_attempts(pool(("a", 1), ("a", 1), ("c", 2)), failed)
     assert not swapped.passed
-    assert {k: swapped.metadata[k] for k in ("missing", "unexpected", "duplicated")} == {"missing": 1, "unexpected": 0, "duplicated": 1}
+    assert {k: swapped.metadata[k] for k in ("missing", "unexpected", "duplicated")} == {
+        "missing": 1,
+        "unexpected": 0,
+        "duplicated": 1,
+    }
     wrong_attempt = checks.execute_rows_match_failed_attempts(pool(("a", 1), ("b", 1), ("c", 1)), failed)
     assert not wrong_attempt.passed and wrong_attempt.metadata["unexpected"] == 1
 

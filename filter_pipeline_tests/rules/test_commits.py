@@ -36,7 +36,10 @@ def test_a_written_record_reads_back_equal_with_the_same_digest(tmp_path):
 @pytest.mark.parametrize(
     "content, message",
     [
-        ("{", r"^warehouse/_commits/r1.json is not a commit record \(not JSON: .*\): delete it and re-filter r1 with `filter-pipeline materialize r1`$"),
+        (
+            "{",
+            r"^warehouse/_commits/r1.json is not a commit record \(not JSON: .*\): delete it and re-filter r1 with `filter-pipeline materialize r1`$",
+        ),
         ('{"run_id": "r1"}', r"^warehouse/_commits/r1.json is not a commit record \(its fields differ\)"),
     ],
 )

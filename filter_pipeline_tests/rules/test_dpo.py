@@ -10,7 +10,8 @@ from filter_pipeline_tests.builders import attempt, parse, rows, task, verdicts
 def pool_and_kept(tmp_path, attempts, judge_rows=()):
     b = parse(tmp_path, [task("a"), task("b"), task("c")], attempts)
     pool = pd.concat(
-        [filtering.execute_failures(b.tasks, b.attempts), filtering.judge_failures(verdicts(*judge_rows))], ignore_index=True
+        [filtering.execute_failures(b.tasks, b.attempts), filtering.judge_failures(verdicts(*judge_rows))],
+        ignore_index=True,
     )
     kept = verdicts({"task_id": "a", "n_actions": 3}, {"task_id": "b", "n_actions": 2})
     return kept.assign(dir=["runs/r/traj/a/9", "runs/r/traj/b/9"], run_id="r"), pool
@@ -23,7 +24,15 @@ def test_each_kept_task_pairs_with_its_clean_failed_attempts(tmp_path):
          attempt("c", 1, ok=False, error="e")],
     )  # fmt: skip
     result = dpo_pairs(kept, pool)
-    assert rows(result.pairs, "task_id", "chosen_dir", "rejected_attempt", "rejected_reason", "rejected_n_actions", "chosen_n_actions") == [
+    assert rows(
+        result.pairs,
+        "task_id",
+        "chosen_dir",
+        "rejected_attempt",
+        "rejected_reason",
+        "rejected_n_actions",
+        "chosen_n_actions",
+    ) == [
         ["a", "runs/r/traj/a/9", 1, "policy_violation", 5, 3],
         ["a", "runs/r/traj/a/9", 2, "action_refused", 2, 3],
     ]
@@ -43,7 +52,9 @@ def test_a_rejected_side_is_never_backend_ok(tmp_path):
 
 
 def test_judge_failures_are_paired_only_when_asked(tmp_path):
-    kept, pool = pool_and_kept(tmp_path, [], judge_rows=[{"task_id": "a", "passed": False, "why": "wrong", "votes": "1/3"}])
+    kept, pool = pool_and_kept(
+        tmp_path, [], judge_rows=[{"task_id": "a", "passed": False, "why": "wrong", "votes": "1/3"}]
+    )
     assert dpo_pairs(kept, pool).pairs.empty
     assert dpo_pairs(kept, pool).excluded["judge_fail_gate_passed"] == 1
     paired = dpo_pairs(kept, pool, include_judge_failures=True).pairs
@@ -57,5 +68,10 @@ def test_pairs_follow_kept_order_then_pool_order(tmp_path):
          attempt("b", 2, ok=False, error="e3"), attempt("a", 2, ok=False, error="e4")],
     )  # fmt: skip
     result = dpo_pairs(kept, pool)
-    assert rows(result.pairs, "task_id", "rejected_attempt", "chosen_n_actions") == [["a", 1, 3], ["a", 2, 3], ["b", 1, 2], ["b", 2, 2]]
+    assert rows(result.pairs, "task_id", "rejected_attempt", "chosen_n_actions") == [
+        ["a", 1, 3],
+        ["a", 2, 3],
+        ["b", 1, 2],
+        ["b", 2, 2],
+    ]
     assert result.kept_without_negative == 0

@@ -18,7 +18,12 @@ from filter_pipeline_tests.builders import commit_files, write_kept, write_legac
 
 def index(data, run_id="now", batch_keys=(), retired=None):
     texts = [canonical_key(k) for k in batch_keys]
-    keys = pd.DataFrame({"dedup_key": pd.Series(texts, dtype=object), "key_hash": pd.Series([key_hash(t) for t in texts], dtype="int64")})
+    keys = pd.DataFrame(
+        {
+            "dedup_key": pd.Series(texts, dtype=object),
+            "key_hash": pd.Series([key_hash(t) for t in texts], dtype="int64"),
+        }
+    )
     root = UPath(data)
     return build_prior_index(root, run_id, keys, retired or load_retired(root))
 
@@ -31,7 +36,10 @@ def test_keys_and_counts_of_other_runs(tmp_path):
     write_kept(tmp_path, "r1", ("a", ["k", 1], "m", "s1"), ("b", ["k", 2], "m", "s2"))
     write_kept(tmp_path, "r2", ("c", ["k", 3], "m", "s1"))
     idx = index(tmp_path, batch_keys=[["k", 1], ["k", 3], ["k", 99]])
-    assert idx.keys[["dedup_key", "run_id", "task_id"]].values.tolist() == [['["k",1]', "r1", "a"], ['["k",3]', "r2", "c"]]
+    assert idx.keys[["dedup_key", "run_id", "task_id"]].values.tolist() == [
+        ['["k",1]', "r1", "a"],
+        ['["k",3]', "r2", "c"],
+    ]
     assert counts_of(idx) == {("m", "s1"): 2, ("m", "s2"): 1}  # counts cover every row, not just matching keys
 
 
@@ -50,7 +58,10 @@ def test_a_history_row_with_a_batch_keys_hash_but_other_text_is_no_match(tmp_pat
     write_kept_with_hash(tmp_path, "r1", shared, ("a", ["k", 1], "m", "s"), ("b", ["k", 2], "m", "s"))
     write_kept_with_hash(tmp_path, "r2", shared, ("c", ["k", 2], "m", "s"), ("d", ["k", 1], "m", "s"))
     idx = index(tmp_path, batch_keys=[["k", 1], ["k", 3]])
-    assert idx.keys[["dedup_key", "run_id", "task_id"]].values.tolist() == [['["k",1]', "r1", "a"], ['["k",1]', "r2", "d"]]
+    assert idx.keys[["dedup_key", "run_id", "task_id"]].values.tolist() == [
+        ['["k",1]', "r1", "a"],
+        ['["k",1]', "r2", "d"],
+    ]
 
 
 def test_the_run_itself_is_excluded_so_rematerializing_ignores_its_own_kept(tmp_path):
@@ -118,7 +129,9 @@ def files_opened(monkeypatch) -> list[str]:
     opened: list[str] = []
     real = history._read_warehouse
     monkeypatch.setattr(
-        history, "_read_warehouse", lambda root, run_id, entry, *args: opened.append(UPath(entry["path"]).name) or real(root, run_id, entry, *args)
+        history,
+        "_read_warehouse",
+        lambda root, run_id, entry, *args: opened.append(UPath(entry["path"]).name) or real(root, run_id, entry, *args),
     )
     return opened
 
@@ -208,9 +221,14 @@ def test_a_deleted_committed_kept_file_fails_with_one_line_naming_it(tmp_path):
 def test_a_kept_file_rewritten_by_another_tool_is_refused_never_read_as_new_keys(tmp_path):
     write_kept(tmp_path, "r1", ("a", ["k", 1], "m", "s"))
     # another tool: json.dumps defaults (", " separators), no key_hash column
-    table = pa.table({"task_id": ["a"], "macro": ["m"], "site": ["s"], "dedup_key": [json.dumps(["k", 1])], "run_id": ["r1"]})
+    table = pa.table(
+        {"task_id": ["a"], "macro": ["m"], "site": ["s"], "dedup_key": [json.dumps(["k", 1])], "run_id": ["r1"]}
+    )
     pq.write_table(table, kept_path(tmp_path, "r1").path)
-    with pytest.raises(HistoryIntegrityError, match=r"^warehouse/kept/r1.parquet changed since run r1 was committed \(sha256 [0-9a-f]{12}, \d+ bytes; committed [0-9a-f]{12}, \d+ bytes\): restore it, or re-filter r1 with `filter-pipeline materialize r1`$"):
+    with pytest.raises(
+        HistoryIntegrityError,
+        match=r"^warehouse/kept/r1.parquet changed since run r1 was committed \(sha256 [0-9a-f]{12}, \d+ bytes; committed [0-9a-f]{12}, \d+ bytes\): restore it, or re-filter r1 with `filter-pipeline materialize r1`$",
+    ):
         index(tmp_path, batch_keys=[["k", 1]])
 
 
@@ -219,7 +237,9 @@ def test_a_committed_file_that_is_not_parquet_or_not_a_kept_file_is_refused(tmp_
     path.parent.mkdir(parents=True)
     path.write_bytes(b"not parquet at all")
     commit_files(tmp_path, "r1", {"kept": path})
-    with pytest.raises(HistoryIntegrityError, match=r"^warehouse/kept/r1.parquet \(committed by run r1\) is not readable Parquet"):
+    with pytest.raises(
+        HistoryIntegrityError, match=r"^warehouse/kept/r1.parquet \(committed by run r1\) is not readable Parquet"
+    ):
         index(tmp_path)
     pq.write_table(pa.table({"task_id": ["a"], "macro": ["m"], "site": ["s"]}), path.path)
     commit_files(tmp_path, "r1", {"kept": path})
@@ -248,7 +268,8 @@ def test_legacy_keys_in_any_json_spelling_are_compared_as_canonical_text(tmp_pat
     run = tmp_path / "runs" / "old"
     run.mkdir(parents=True)
     (run / "kept.jsonl").write_text(
-        json.dumps({"task_id": "a", "macro": "m", "site": "s", "dedup_key": json.dumps(["k", "é", 1])}) + "\n"  # text, ", " and \\u00e9
+        json.dumps({"task_id": "a", "macro": "m", "site": "s", "dedup_key": json.dumps(["k", "é", 1])})
+        + "\n"  # text, ", " and \\u00e9
         + '{"task_id": "b", "macro": "m", "site": "s", "dedup_key": [ "k" , 2 ]}\n'
     )
     idx = index(tmp_path, batch_keys=[["k", "é", 1], ["k", 2]])

@@ -90,7 +90,9 @@ def s3_root(s3_server, bucket):
 def test_s3_lease_is_exclusive_renewed_while_held_and_deleted_at_the_end(s3_server, s3_bucket):
     root = s3_root(s3_server, s3_bucket)
     with ledger_lease(root, "run r1", ttl_seconds=1.2):
-        with pytest.raises(LedgerBusy, match=rf"^the ledger of s3://{s3_bucket}/data is held by run r1 \(host .*, pid \d+\) since 20"):
+        with pytest.raises(
+            LedgerBusy, match=rf"^the ledger of s3://{s3_bucket}/data is held by run r1 \(host .*, pid \d+\) since 20"
+        ):
             with ledger_lease(root, "run r2"):
                 pass
         time.sleep(2)  # past the first expiry: the heartbeat renewed it
@@ -104,7 +106,10 @@ def test_s3_lease_is_exclusive_renewed_while_held_and_deleted_at_the_end(s3_serv
 
 def expired_lease(root, holder="a dead walk") -> None:
     path = root / "warehouse" / LEASE_FILE
-    path.fs.pipe_file(path.path, json.dumps({"holder": holder, "host": "gone", "pid": 1, "since": "x", "expires": time.time() - 5}).encode())
+    path.fs.pipe_file(
+        path.path,
+        json.dumps({"holder": holder, "host": "gone", "pid": 1, "since": "x", "expires": time.time() - 5}).encode(),
+    )
 
 
 def test_an_expired_s3_lease_of_a_dead_holder_is_taken_over_without_hand_work(s3_server, s3_bucket):
@@ -117,7 +122,7 @@ def test_an_expired_s3_lease_of_a_dead_holder_is_taken_over_without_hand_work(s3
 
 def test_of_two_takers_of_an_expired_s3_lease_exactly_one_wins(s3_server, s3_bucket, monkeypatch):
     root = s3_root(s3_server, s3_bucket)
-    for attempt in range(3):
+    for _ in range(3):
         expired_lease(root)
         # both takers read the expired lease before either writes: only the conditional write decides
         barrier = threading.Barrier(2)

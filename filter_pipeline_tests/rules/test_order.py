@@ -56,7 +56,9 @@ def test_failure_records_are_written_read_and_cleared(tmp_path):
 
 
 def test_rejudging_backs_off_doubling_and_stops_at_the_cap():
-    due = lambda tries, now, **kw: rejudge_due("r", 2, tries, last_at=1000, now=now, backoff_seconds=300, max_tries=3, **kw)  # noqa: E731
+    def due(tries, now, **kw):
+        return rejudge_due("r", 2, tries, last_at=1000, now=now, backoff_seconds=300, max_tries=3, **kw)
+
     assert due(0, 1299) is None and due(0, 1300).try_number == 1
     assert due(1, 1599) is None and due(1, 1600).try_number == 2  # 600 s after the first try
     assert due(2, 2199) is None and due(2, 2200).try_number == 3

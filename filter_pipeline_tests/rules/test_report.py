@@ -3,9 +3,9 @@
 import dagster as dg
 import pandas as pd
 
-from filter_pipeline.rules import report
 from filter_pipeline.definitions import build_defs
 from filter_pipeline.judge.resource import JudgeResource
+from filter_pipeline.rules import report
 from filter_pipeline_tests.builders import attempt, chart_bars, task, write_batch
 
 
@@ -60,7 +60,13 @@ def test_charts_show_the_funnel_top_down_and_failure_reasons_of_the_busiest_site
     images = report.charts(f, top_sites=1)
     assert set(images) == {"funnel", "reasons_per_site"}
     [funnel] = chart_bars(images["funnel"]).values()
-    assert list(funnel.items()) == [("attempts", 4), ("ok attempts", 2), ("judged tasks", 2), ("passed", 2), ("kept", 1)]
+    assert list(funnel.items()) == [
+        ("attempts", 4),
+        ("ok attempts", 2),
+        ("judged tasks", 2),
+        ("passed", 2),
+        ("kept", 1),
+    ]
     assert chart_bars(images["reasons_per_site"]) == {"script_error": {"t": 1}, "unknown": {"t": 1}}  # t: 2 failures
 
 

@@ -4,10 +4,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from filter_pipeline.judge.resource import gate_verdicts
 from filter_pipeline.rules import filtering
 from filter_pipeline.rules.filtering import Caps, MacroLimits, walk_ledger
 from filter_pipeline.rules.schemas import DETAIL_MAX_CHARS, GATE_VOTES, GATE_WHY
-from filter_pipeline.judge.resource import gate_verdicts
 from filter_pipeline_tests.builders import attempt, counts, kept_history, parse, rows, task, verdicts
 
 NO_HISTORY = kept_history()
@@ -77,7 +77,11 @@ def test_every_failed_attempt_is_one_row_in_file_order(tmp_path):
     pool = failures(
         tmp_path,
         [task("a"), task("b")],
-        [attempt("b", 2, ok=False, error="e2"), attempt("a", 1, ok=False, error="e1"), attempt("b", 1, ok=False, error="e0")],
+        [
+            attempt("b", 2, ok=False, error="e2"),
+            attempt("a", 1, ok=False, error="e1"),
+            attempt("b", 1, ok=False, error="e0"),
+        ],
     )
     assert list(zip(pool["task_id"], pool["attempt"])) == [("b", 2), ("a", 1), ("b", 1)]
 
@@ -147,7 +151,12 @@ def walk(v, index=NO_HISTORY, prior=NO_COUNTS, caps=Caps(per_site_cap=3)):
 def test_keys_differing_only_by_json_type_are_different_arguments():
     v = verdicts(*({"task_id": f"t{i}", "key": ["s", "#el", arg]} for i, arg in enumerate([1, "1", 1.0, True])))
     result = walk(v, caps=Caps(per_site_cap=10))
-    assert result.kept["dedup_key"].tolist() == ['["s","#el",1]', '["s","#el","1"]', '["s","#el",1.0]', '["s","#el",true]']
+    assert result.kept["dedup_key"].tolist() == [
+        '["s","#el",1]',
+        '["s","#el","1"]',
+        '["s","#el",1.0]',
+        '["s","#el",true]',
+    ]
     assert result.surplus.empty
 
 
@@ -164,7 +173,9 @@ def test_duplicate_against_a_prior_run_names_that_run():
     v = verdicts({"task_id": "a", "key": ["s", "#x", 1]})
     result = walk(v, index=kept_history((["s", "#x", 1], "m", "s", "old", "t9")))
     assert result.kept.empty
-    assert result.surplus[["dropped", "dup_of_run_id", "dup_of_task_id"]].values.tolist() == [["duplicate", "old", "t9"]]
+    assert result.surplus[["dropped", "dup_of_run_id", "dup_of_task_id"]].values.tolist() == [
+        ["duplicate", "old", "t9"]
+    ]
 
 
 def test_site_cap_counts_history():
@@ -234,7 +245,12 @@ def one_by_one(v, index, prior, caps, run_id="now") -> tuple[list, list]:
         total[m] = total.get(m, 0) + n
     kept, surplus = [], []
     for row in v[(v["status"] == "judged") & (v["passed"] == True)].to_dict("records"):  # noqa: E712
-        key, pair, macro, target = row["dedup_key"], (row["macro"], row["site"]), row["macro"], caps.target(row["macro"])
+        key, pair, macro, target = (
+            row["dedup_key"],
+            (row["macro"], row["site"]),
+            row["macro"],
+            caps.target(row["macro"]),
+        )
         if key in kept_by:
             surplus.append([row["task_id"], "duplicate", *kept_by[key]])
         elif count.get(pair, 0) >= caps.site_cap(macro):

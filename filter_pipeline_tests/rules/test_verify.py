@@ -9,7 +9,15 @@ from upath import UPath
 from filter_pipeline.rules import commits
 from filter_pipeline.rules.schemas import to_arrow
 from filter_pipeline.rules.verify import audit
-from filter_pipeline_tests.builders import attempt, commit_files, task, verdicts, write_batch, write_kept, write_legacy_kept
+from filter_pipeline_tests.builders import (
+    attempt,
+    commit_files,
+    task,
+    verdicts,
+    write_batch,
+    write_kept,
+    write_legacy_kept,
+)
 
 
 def committed_run(data, run_id, kept_rows, n_verdicts=None, history=None, caps=None, inputs=None):
@@ -20,9 +28,14 @@ def committed_run(data, run_id, kept_rows, n_verdicts=None, history=None, caps=N
     frame = verdicts(*({"task_id": f"{run_id}-v{i}"} for i in range(n)))
     for folder in ("judge_verdicts", "surplus"):
         (root / "warehouse" / folder).mkdir(parents=True, exist_ok=True)
-    pq.write_table(to_arrow(frame, "judge_verdicts"), (root / "warehouse" / "judge_verdicts" / f"{run_id}.parquet").path)
+    pq.write_table(
+        to_arrow(frame, "judge_verdicts"), (root / "warehouse" / "judge_verdicts" / f"{run_id}.parquet").path
+    )
     pq.write_table(to_arrow(frame.iloc[0:0], "surplus"), (root / "warehouse" / "surplus" / f"{run_id}.parquet").path)
-    files = {"kept": root / "warehouse" / "kept" / f"{run_id}.parquet", "surplus": root / "warehouse" / "surplus" / f"{run_id}.parquet"}
+    files = {
+        "kept": root / "warehouse" / "kept" / f"{run_id}.parquet",
+        "surplus": root / "warehouse" / "surplus" / f"{run_id}.parquet",
+    }
     commit_files(data, run_id, files, history=history, caps=caps, kept_keys=len(kept_rows), inputs=inputs)
 
 
@@ -52,16 +65,26 @@ def test_a_missing_or_changed_committed_file_is_one_line_each(tmp_path):
 def test_a_key_kept_by_two_runs_is_found_unless_one_is_retired(tmp_path):
     committed_run(tmp_path, "r1", [("a", ["k", 1], "m", "s")])
     committed_run(tmp_path, "r2", [("b", ["k", 1], "m", "s2")])
-    assert lines(tmp_path) == ['key ["k",1] is kept 2 times (r1/a, r2/b): retire all but one in retired.json, or re-filter the later runs']
+    assert lines(tmp_path) == [
+        'key ["k",1] is kept 2 times (r1/a, r2/b): retire all but one in retired.json, or re-filter the later runs'
+    ]
     (tmp_path / "retired.json").write_text(json.dumps([{"run_id": "r2", "task_ids": ["b"], "reason": "dup"}]))
     assert lines(tmp_path) == []
 
 
 def test_a_cap_exceeded_with_the_history_a_run_read_is_found_with_its_recorded_caps(tmp_path):
     committed_run(tmp_path, "r1", [("a", ["k", 1], "m", "s")])
-    committed_run(tmp_path, "r2", [("b", ["k", 2], "m", "s")], history={"r1": "x"}, caps={"per_site_cap": 1, "caps": {}})
+    committed_run(
+        tmp_path, "r2", [("b", ["k", 2], "m", "s")], history={"r1": "x"}, caps={"per_site_cap": 1, "caps": {}}
+    )
     committed_run(tmp_path, "r3", [("c", ["k", 3], "m", "s")], caps={"per_site_cap": 1, "caps": {}})  # read no history
-    committed_run(tmp_path, "r4", [("d", ["k", 4], "n", "s")], history={"r1": "x"}, caps={"per_site_cap": 9, "caps": {"n": {"target": 0}}})
+    committed_run(
+        tmp_path,
+        "r4",
+        [("d", ["k", 4], "n", "s")],
+        history={"r1": "x"},
+        caps={"per_site_cap": 9, "caps": {"n": {"target": 0}}},
+    )
     assert lines(tmp_path) == [
         "run r2: m/s holds 2 kept rows with the history it read, over its site cap 1",
         "run r4: macro n holds 1 kept rows with the history it read, over its target 0",

@@ -8,13 +8,26 @@ import pandas as pd
 import pytest
 
 from filter_pipeline.definitions import build_defs
-from filter_pipeline.shell.jobs import ACROSS_RUNS_ASSETS
 from filter_pipeline.judge.resource import JudgeResource
+from filter_pipeline.shell.jobs import ACROSS_RUNS_ASSETS
 from filter_pipeline.shell.warehouse import DataRoot, read_parquet
 from filter_pipeline_tests.builders import attempt, rows, task, write_batch
 
-ASSETS = ["batch_tasks", "batch_attempts", "batch_rejects", "judge_verdicts", "failure_pool",
-          "prior_dedup_index", "prior_kept_counts", "kept", "surplus", "dpo_pairs", "coverage", "filter_report", "judge_calibration"]
+ASSETS = [
+    "batch_tasks",
+    "batch_attempts",
+    "batch_rejects",
+    "judge_verdicts",
+    "failure_pool",
+    "prior_dedup_index",
+    "prior_kept_counts",
+    "kept",
+    "surplus",
+    "dpo_pairs",
+    "coverage",
+    "filter_report",
+    "judge_calibration",
+]
 
 
 @pytest.fixture
@@ -125,7 +138,9 @@ def test_coverage_counts_every_non_retired_run(instance, data_root):
     assert materialize(instance, data_root, "r2").success
     (data_root / "retired.json").write_text('[{"run_id": "r2", "reason": "bad build"}]')
     job = build_defs(str(data_root), JudgeResource(), caps={}).resolve_job_def("across_runs_job")
-    result = job.execute_in_process(instance=instance, run_config={"ops": {"coverage": {"config": {"per_site_cap": 1}}}})
+    result = job.execute_in_process(
+        instance=instance, run_config={"ops": {"coverage": {"config": {"per_site_cap": 1}}}}
+    )
     table = pd.read_parquet(data_root / "warehouse" / "coverage.parquet")
     assert rows(table, "level", "macro", "site", "kept", "limit", "full") == [
         ["macro", "m", None, 2, None, None],
@@ -160,7 +175,11 @@ def test_bad_lines_in_labels_jsonl_are_reported_by_judge_calibration_without_fai
     assert meta["rejects"].count("- `labels.jsonl:") == 20 and "`labels.jsonl:2: not JSON" in meta["rejects"]
     logged = instance.all_logs(result.run_id)
     warnings = [e.user_message for e in logged if e.step_key == "judge_calibration" and e.level == logging.WARNING]
-    assert len(warnings) == 21 and warnings[0].startswith("labels.jsonl:2: not JSON") and "4 more line(s) rejected" in warnings[-1]
+    assert (
+        len(warnings) == 21
+        and warnings[0].startswith("labels.jsonl:2: not JSON")
+        and "4 more line(s) rejected" in warnings[-1]
+    )
     assert output(data_root, "kept", "r1")["task_id"].tolist() == ["a"]
 
 
@@ -184,8 +203,8 @@ def test_on_s3_with_only_the_endpoint_setting_every_asset_reaches_the_store(s3_s
 
 
 def test_checks_are_computed_while_the_outputs_are_handled_and_yielded_after_them():
-    from filter_pipeline.shell.assets import outputs_then_checks
     from filter_pipeline.rules.checks import CheckOutcome
+    from filter_pipeline.shell.assets import outputs_then_checks
 
     started, handled = threading.Event(), threading.Event()
 
@@ -194,8 +213,10 @@ def test_checks_are_computed_while_the_outputs_are_handled_and_yielded_after_the
         assert handled.wait(timeout=10)
         return CheckOutcome(True, {"n": 1}, "fine")
 
-    steps = outputs_then_checks([dg.Output(1, output_name="a")], {("c1", "x"): waits_for_the_output,
-                                                                   ("c2", "x"): lambda: CheckOutcome(False, {}, "no")})
+    steps = outputs_then_checks(
+        [dg.Output(1, output_name="a")],
+        {("c1", "x"): waits_for_the_output, ("c2", "x"): lambda: CheckOutcome(False, {}, "no")},
+    )
     assert next(steps).output_name == "a"
     assert started.wait(timeout=10)  # the check is under way while the output is being handled
     handled.set()

@@ -20,8 +20,12 @@ def ledger_job():
 )  # fmt: skip
 def test_what_parse_caps_accepts_dagster_accepts_as_run_config(ledger_job, caps):
     assert parse_caps(caps, "here") == {k: v for k, v in caps.items() if v is not None}  # null: not set
-    checked = dg.validate_run_config(ledger_job, {"ops": {"ledger": {"config": {k: v for k, v in caps.items() if v is not None}}}})
-    assert checked["ops"]["ledger"]["config"]["per_site_cap"] == (3 if caps.get("per_site_cap") is None else caps["per_site_cap"])
+    checked = dg.validate_run_config(
+        ledger_job, {"ops": {"ledger": {"config": {k: v for k, v in caps.items() if v is not None}}}}
+    )
+    assert checked["ops"]["ledger"]["config"]["per_site_cap"] == (
+        3 if caps.get("per_site_cap") is None else caps["per_site_cap"]
+    )
 
 
 @pytest.mark.parametrize(
@@ -54,8 +58,16 @@ def test_what_dagster_would_refuse_parse_caps_refuses_in_one_line(ledger_job, ca
         ("c.yaml", "per_site_cap: 2\nper_site_cap: 2\n", 'c.yaml:2:1: key "per_site_cap" appears twice'),
         ("c.yml", "caps:\n  m: {site_cap: 1, site_cap: 2}\n", 'c.yml:2:20: key "site_cap" appears twice'),
         ("c.json", '{"per_site_cap": 1, "per_site_cap": 2}', 'c.json: key "per_site_cap" appears twice'),
-        ("c.yaml", "per_site_cap: [\n", "c.yaml:2:1: not YAML or JSON: while parsing a flow node expected the node content, but found '<stream end>'"),
-        ("c.yaml", "\tper_site_cap: 2\n", "c.yaml:1:1: not YAML or JSON: while scanning for the next token found character '\\t' that cannot start any token"),
+        (
+            "c.yaml",
+            "per_site_cap: [\n",
+            "c.yaml:2:1: not YAML or JSON: while parsing a flow node expected the node content, but found '<stream end>'",
+        ),
+        (
+            "c.yaml",
+            "\tper_site_cap: 2\n",
+            "c.yaml:1:1: not YAML or JSON: while scanning for the next token found character '\\t' that cannot start any token",
+        ),
         ("c.json", '{"per_site_cap": 2', "c.json:1:19: not JSON: Expecting ',' delimiter"),
     ],
 )

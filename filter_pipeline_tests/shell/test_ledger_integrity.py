@@ -35,8 +35,10 @@ def materialize(instance, data_root, run_id, caps=None) -> dg.ExecuteInProcessRe
     if run_id not in instance.get_dynamic_partitions("run_id"):
         instance.add_dynamic_partitions("run_id", [run_id])
     run_config = {"ops": {"ledger": {"config": caps}}} if caps else {}
-    return build_defs(str(data_root), JudgeResource(), caps={}).resolve_job_def("filter_job").execute_in_process(
-        instance=instance, partition_key=run_id, run_config=run_config, raise_on_error=False
+    return (
+        build_defs(str(data_root), JudgeResource(), caps={})
+        .resolve_job_def("filter_job")
+        .execute_in_process(instance=instance, partition_key=run_id, run_config=run_config, raise_on_error=False)
     )
 
 
@@ -44,7 +46,9 @@ def failure(result) -> str:
     [event] = [e for e in result.all_events if e.event_type == dg.DagsterEventType.STEP_FAILURE]
     error = event.step_failure_data.error
     error = error.cause or error
-    return f"{event.step_key}: {error.message.strip().removeprefix(f'filter_pipeline.rules.commits.{error.cls_name}: ')}"
+    return (
+        f"{event.step_key}: {error.message.strip().removeprefix(f'filter_pipeline.rules.commits.{error.cls_name}: ')}"
+    )
 
 
 def same_keys_batches(data_root, *run_ids, n=3):
@@ -89,14 +93,21 @@ def test_the_asset_checks_still_run_and_coverage_carries_the_warehouse_audit(ins
     result = materialize(instance, data_root, "r1")
     evaluations = {(e.asset_check_evaluation_data.check_name, e.asset_check_evaluation_data.passed)
                    for e in result.all_events if e.event_type == dg.DagsterEventType.ASSET_CHECK_EVALUATION}  # fmt: skip
-    assert {("verdicts_conserved", True), ("no_key_kept_twice", True), ("caps_respected", True), ("warehouse_verified", True)} <= evaluations
+    assert {
+        ("verdicts_conserved", True),
+        ("no_key_kept_twice", True),
+        ("caps_respected", True),
+        ("warehouse_verified", True),
+    } <= evaluations
     (data_root / "warehouse" / "kept" / "r1.parquet").unlink()
     job = build_defs(str(data_root), JudgeResource(), caps={}).resolve_job_def("across_runs_job")
     with pytest.raises(Exception):  # coverage itself cannot count a missing committed file
         job.execute_in_process(instance=instance)
 
 
-def test_a_deleted_committed_kept_file_fails_the_next_walk_with_one_line_instead_of_keeping_its_keys_again(instance, data_root):
+def test_a_deleted_committed_kept_file_fails_the_next_walk_with_one_line_instead_of_keeping_its_keys_again(
+    instance, data_root
+):
     same_keys_batches(data_root, "r1", "r2")
     assert materialize(instance, data_root, "r1").success
     (data_root / "warehouse" / "kept" / "r1.parquet").unlink()
@@ -125,7 +136,9 @@ def test_a_kept_file_rewritten_by_another_tool_is_refused_and_its_keys_are_never
     assert not (data_root / "warehouse" / "kept" / "r2.parquet").exists()
 
 
-def test_a_walk_stopped_after_kept_but_before_its_commit_leaves_the_run_pending_and_the_next_walk_completes_it(instance, data_root):
+def test_a_walk_stopped_after_kept_but_before_its_commit_leaves_the_run_pending_and_the_next_walk_completes_it(
+    instance, data_root
+):
     same_keys_batches(data_root, "r1")
     assert materialize(instance, data_root, "r1").success
     before = {a: pd.read_parquet(data_root / "warehouse" / a / "r1.parquet") for a in LEDGER_FILES}
@@ -138,7 +151,9 @@ def test_a_walk_stopped_after_kept_but_before_its_commit_leaves_the_run_pending_
     assert materialize(instance, data_root, "r1").success
     assert filtered(data_root) == {"r1": True} and audit(UPath(data_root)) == []
     for asset in LEDGER_FILES:
-        pd.testing.assert_frame_equal(pd.read_parquet(data_root / "warehouse" / asset / "r1.parquet"), before[asset], obj=asset)
+        pd.testing.assert_frame_equal(
+            pd.read_parquet(data_root / "warehouse" / asset / "r1.parquet"), before[asset], obj=asset
+        )
 
 
 def test_an_uncommitted_kept_file_of_another_run_is_not_history(instance, data_root):

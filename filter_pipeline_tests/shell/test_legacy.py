@@ -3,11 +3,11 @@
 import dagster as dg
 import pytest
 
+from filter_pipeline.definitions import build_defs
+from filter_pipeline.judge.resource import JudgeResource
 from filter_pipeline.shell.assets import run_id_partitions
 from filter_pipeline.shell.sensors import PARTITIONED_ASSETS, build_batch_sensor
 from filter_pipeline.shell.warehouse import DataRoot
-from filter_pipeline.definitions import build_defs
-from filter_pipeline.judge.resource import JudgeResource
 from filter_pipeline_tests.builders import attempt, task, write_batch, write_legacy_kept
 
 
@@ -37,8 +37,12 @@ def test_a_legacy_run_is_materialized_with_its_row_count_once_and_not_missing(in
     for asset in PARTITIONED_ASSETS:
         status = instance.get_status_by_partition(dg.AssetKey(asset), ["legacy", "new"], run_id_partitions)
         assert status["legacy"] == dg.AssetPartitionStatus.MATERIALIZED, asset
-        assert status.get("new") != dg.AssetPartitionStatus.MATERIALIZED, asset  # "missing": what a missing selection targets
-    events = instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=dg.AssetKey("kept"), asset_partitions=["legacy"]), limit=10)
+        assert status.get("new") != dg.AssetPartitionStatus.MATERIALIZED, (
+            asset
+        )  # "missing": what a missing selection targets
+    events = instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=dg.AssetKey("kept"), asset_partitions=["legacy"]), limit=10
+    )
     [record] = events.records
     metadata = record.asset_materialization.metadata
     assert metadata["dagster/row_count"].value == 2 and metadata["source"].value == "legacy kept.jsonl"

@@ -12,7 +12,7 @@ import pytest
 from upath import UPath
 
 from filter_pipeline.cli.materialize import _failure_reason
-from filter_pipeline.definitions import build_defs, filter_job_from_env
+from filter_pipeline.definitions import build_defs
 from filter_pipeline.judge.resource import JudgeResource
 from filter_pipeline.rules.order import read_failures
 from filter_pipeline.settings import ORDER_MAX_WAIT_SECONDS_ENV, ORDER_RETRY_SECONDS_ENV
@@ -48,7 +48,9 @@ def defs_for(data_root):
 
 
 def run_job(defs, instance, name, run_id, **kw):
-    return defs.resolve_job_def(name).execute_in_process(instance=instance, partition_key=run_id, raise_on_error=False, **kw)
+    return defs.resolve_job_def(name).execute_in_process(
+        instance=instance, partition_key=run_id, raise_on_error=False, **kw
+    )
 
 
 def ledger_rows(data_root, run_ids) -> dict:
@@ -135,7 +137,9 @@ def test_a_ranged_ledger_step_walks_its_partitions_in_run_id_order(instance, dat
     assert_same(ledger_rows(data_root, REGISTERED), expected)
     walked = [e.user_message for e in instance.all_logs(result.run_id) if e.user_message.startswith("walking ")]
     assert [m.split()[1] for m in walked] == ["b0", "b1", "b2", "b3"]
-    status = instance.get_status_by_partition(dg.AssetKey("kept"), REGISTERED, defs.resolve_assets_def("kept").partitions_def)
+    status = instance.get_status_by_partition(
+        dg.AssetKey("kept"), REGISTERED, defs.resolve_assets_def("kept").partitions_def
+    )
     assert set(status.values()) == {dg.AssetPartitionStatus.MATERIALIZED}
 
 
@@ -157,7 +161,9 @@ def test_a_blocked_ledger_step_retries_without_the_pool_slot_and_walks_once_the_
     while time.time() < deadline and not instance.get_run_records(ledger_b1):
         time.sleep(0.2)
     [record] = instance.get_run_records(ledger_b1)
-    while time.time() < deadline and not steps(instance, record.dagster_run.run_id, dg.DagsterEventType.STEP_UP_FOR_RETRY):
+    while time.time() < deadline and not steps(
+        instance, record.dagster_run.run_id, dg.DagsterEventType.STEP_UP_FOR_RETRY
+    ):
         time.sleep(0.2)
     assert not (data_root / "warehouse" / "kept" / "b1.parquet").exists()  # it did not walk
     waits = [e.user_message for e in instance.all_logs(record.dagster_run.run_id) if "waits for" in e.user_message]
@@ -190,7 +196,9 @@ def test_when_the_wait_runs_out_the_step_fails_with_one_line_naming_the_run(inst
     assert not (data_root / "warehouse" / "kept" / "b1.parquet").exists()
 
 
-def test_a_batch_that_fails_validation_is_recorded_and_holds_later_ones_back_no_longer(instance, data_root, monkeypatch):
+def test_a_batch_that_fails_validation_is_recorded_and_holds_later_ones_back_no_longer(
+    instance, data_root, monkeypatch
+):
     monkeypatch.setenv(ORDER_MAX_WAIT_SECONDS_ENV, "0")  # any wait would fail the later run at once
     write_batch(data_root, "b0", [], [])
     overlapping(data_root, ["b1"])

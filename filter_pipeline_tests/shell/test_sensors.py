@@ -8,7 +8,7 @@ import pytest
 from filter_pipeline.rules.batch import BatchState, complete_batches
 from filter_pipeline.shell.sensors import build_batch_sensor, plan_tick
 from filter_pipeline.shell.warehouse import DataRoot
-from filter_pipeline_tests.builders import attempt, task, commit_files, write_batch, write_kept, write_legacy_kept
+from filter_pipeline_tests.builders import attempt, commit_files, task, write_batch, write_kept, write_legacy_kept
 
 
 @pytest.fixture
@@ -83,7 +83,9 @@ def test_already_filtered_batches_are_registered_never_rerun(instance, data_root
     write_legacy_kept(data_root, "legacy", ("a", ["k"], "m", "s"))
     result = tick(instance, data_root)
     assert added(result) == ["old"]
-    assert set(instance.get_dynamic_partitions("run_id")) == {"legacy"}  # registered at once, to record it as materialized
+    assert set(instance.get_dynamic_partitions("run_id")) == {
+        "legacy"
+    }  # registered at once, to record it as materialized
     assert requests(result) == []
 
 
@@ -198,7 +200,9 @@ def test_on_s3_a_batch_completed_after_the_first_listing_is_seen_by_the_same_pro
     assert [b.run_id for b in complete_batches(data.runs, data.warehouse)] == ["b1", "b2", "b3"]
 
 
-def test_a_filtered_run_with_unjudged_tasks_is_judged_again_after_a_backoff_under_a_cap(instance, data_root, monkeypatch):
+def test_a_filtered_run_with_unjudged_tasks_is_judged_again_after_a_backoff_under_a_cap(
+    instance, data_root, monkeypatch
+):
     from dagster._core.test_utils import create_run_for_test
 
     monkeypatch.setenv("FILTER_PIPELINE_REJUDGE_BACKOFF_SECONDS", "1000")
@@ -210,7 +214,9 @@ def test_a_filtered_run_with_unjudged_tasks_is_judged_again_after_a_backoff_unde
     kept_file = data_root / "warehouse" / "kept" / "b1.parquet"
     commit_files(data_root, "b1", {"kept": kept_file}, unjudged=2, walked_at="2001-01-01T00:00:00+00:00")  # long ago
 
-    rejudge = lambda result: [(r.job_name, r.run_key, r.tags) for r in result.run_requests if r.job_name == "rejudge_job"]  # noqa: E731
+    def rejudge(result):
+        return [(r.job_name, r.run_key, r.tags) for r in result.run_requests if r.job_name == "rejudge_job"]
+
     [(job, key, tags)] = rejudge(tick(instance, data_root))
     assert key == "b1:rejudge:1" and tags == {"filter_pipeline/rejudge_of": "b1", "filter_pipeline/rejudge_try": "1"}
 

@@ -14,10 +14,10 @@ import pytest
 from upath import UPath
 
 from filter_pipeline.definitions import build_defs
-from filter_pipeline.shell.jobs import ACROSS_RUNS_ASSETS
 from filter_pipeline.judge.resource import JudgeResource
 from filter_pipeline.rules.schemas import SCHEMAS, empty_frame, to_arrow
 from filter_pipeline.shell import warehouse
+from filter_pipeline.shell.jobs import ACROSS_RUNS_ASSETS
 from filter_pipeline.shell.warehouse import DataRoot, read_parquet, write_parquet
 from filter_pipeline_tests.builders import attempt, jsonl, task, write_batch, write_legacy_kept
 
@@ -63,7 +63,9 @@ def test_every_asset_file_has_its_fixed_schema_even_when_empty(tmp_path):
 
 def test_whole_asset_folder_reads_as_one_frame_with_real_nulls(tmp_path):
     folder = UPath(tmp_path) / "warehouse" / "failure_pool"
-    with_nulls = pd.DataFrame([{"task_id": "a", "reason": "unknown", "detail": None, "backend_ok": None, "run_id": "r1"}])
+    with_nulls = pd.DataFrame(
+        [{"task_id": "a", "reason": "unknown", "detail": None, "backend_ok": None, "run_id": "r1"}]
+    )
     write_parquet(to_arrow(with_nulls, "failure_pool"), folder / "r1.parquet")
     write_parquet(to_arrow(empty_frame("failure_pool"), "failure_pool"), folder / "r2.parquet")
     frame = pd.read_parquet(tmp_path / "warehouse" / "failure_pool")
@@ -101,7 +103,9 @@ def test_local_write_is_atomic_and_cleans_temp_files_of_a_killed_write(tmp_path,
 def test_whole_graph_on_an_s3_compatible_server_with_history_and_retired_found_there(s3_bucket):
     url = f"s3://{s3_bucket}/data"
     root = DataRoot(path=url).root
-    write_legacy_kept(root, "r0", ("old", ["s", "#el", "legacy"], "m", "s"), ("gone", ["s", "#el", "retired"], "m", "s"))
+    write_legacy_kept(
+        root, "r0", ("old", ["s", "#el", "legacy"], "m", "s"), ("gone", ["s", "#el", "retired"], "m", "s")
+    )
     (root / "retired.json").write_text(json.dumps([{"run_id": "r0", "task_ids": ["gone"], "reason": "bad"}]))
     write_batch(
         root, "r1",
@@ -222,7 +226,9 @@ def verdict_frame() -> pd.DataFrame:
     """judge_verdicts rows with every kind of column: text, nullable bool and int, float with a null."""
     from filter_pipeline_tests.builders import verdicts
 
-    return verdicts({"task_id": "a"}, {"task_id": "b", "passed": None, "status": "error"}).assign(latency_ms=[1.5, None])
+    return verdicts({"task_id": "a"}, {"task_id": "b", "passed": None, "status": "error"}).assign(
+        latency_ms=[1.5, None]
+    )
 
 
 def test_a_step_loads_what_the_run_just_wrote_exactly_as_the_file_reads(tmp_path, monkeypatch):
@@ -233,7 +239,9 @@ def test_a_step_loads_what_the_run_just_wrote_exactly_as_the_file_reads(tmp_path
     monkeypatch.setattr(warehouse, "read_parquet", lambda *a, **k: pytest.fail("read the file back"))
     loaded = manager.load_from_path(dg.build_input_context(), path)
     pd.testing.assert_frame_equal(loaded, from_file)
-    narrow = manager.load_from_path(dg.build_input_context(definition_metadata={"columns": ["task_id", "passed"]}), path)
+    narrow = manager.load_from_path(
+        dg.build_input_context(definition_metadata={"columns": ["task_id", "passed"]}), path
+    )
     pd.testing.assert_frame_equal(narrow, from_file[["task_id", "passed"]])
 
 
