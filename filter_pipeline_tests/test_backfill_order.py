@@ -52,10 +52,10 @@ def order_sensitive_batch(data: Path, run_id: str, seed: int, n_tasks: int = 60)
     write_batch(data, run_id, tasks, attempts)
 
 
-def write_batches(data: Path, n: int) -> list[str]:
+def write_batches(data: Path, n: int, n_tasks: int = 60) -> list[str]:
     ids = run_ids(n)
     for i, run_id in enumerate(ids):
-        order_sensitive_batch(data, run_id, seed=1000 + i)
+        order_sensitive_batch(data, run_id, seed=1000 + i, n_tasks=n_tasks)
     return ids
 
 
@@ -138,7 +138,9 @@ def assert_same_ledger_as_cli(warehouse: Path, reference: Path, ids: list[str]) 
 
 @pytest.fixture(scope="module")
 def judge():
-    responder = SlowForLowRunIds(n=4, step=4.0)
+    # the backfill daemon starts a backfill's runs several seconds apart, in partition order: each run_id's
+    # judging must outlast that spacing for the finish order to be the reverse of the run_id order
+    responder = SlowForLowRunIds(n=4, step=15.0)
     with FakeOpenAI(responder) as server:
         server.responder_state = responder
         yield server
