@@ -6,7 +6,7 @@ Copies the sample batches (`data/runs`, `data/labels.jsonl`) to a temp data root
 it (temp DAGSTER_HOME, free loopback port), lets the batch sensor filter them, then photographs three
 pages with headless Chromium:
 
-- `asset-graph.png`: the code location's asset lineage (batch -> judging -> ledger -> training, reports);
+- `asset-graph.png`: the lineage around `kept`, by group: batch -> judging -> ledger -> training, reports;
 - `kept-partitions.png`: the `kept` asset's partitions (one per run_id);
 - `filter-report.png`: the latest `filter_report` materialization, with its funnel chart.
 
@@ -101,13 +101,18 @@ def main(argv: list[str] | None = None) -> int:
                 if time.time() > deadline:
                     raise SystemExit(f"the sensor did not filter {new_runs} within {FILTER_SECONDS} s:\n{server.log_tail(1500)}")
                 time.sleep(3)
+            server.dismiss_community_dialog()
             time.sleep(5)  # the asset health badges catch up on the last materializations
             last = new_runs[-1]
             pages = {
-                "asset-graph.png": f"{server.url}/asset-groups",
-                "kept-partitions.png": f"{server.url}/assets/kept?view=partitions",
+                "asset-graph.png": f"{server.url}/assets/kept?view=lineage&lineageScope=neighbors&lineageDepth=4",
+                "kept-partitions.png": f"{server.url}/assets/kept?view=partitions&partition={last}",
                 "filter-report.png": f"{server.url}/assets/filter_report?view=events&partition={last}",
             }
+            # a first visit warms the webserver's caches (the workspace, the asset graph): it can take longer
+            # than any budget on a busy machine and photograph a spinner, so it is thrown away
+            for name, url in pages.items():
+                screenshot(chromium, url, work / f"warm-{name}", work / f"profile-warm-{name}")
             for name, url in pages.items():
                 target = args.out / name
                 screenshot(chromium, url, target, work / f"profile-{name}")
