@@ -101,8 +101,12 @@ def main() -> None:
                 server.__exit__(None, None, None)
         print(f"{args.batches} batches x {args.tasks} tasks, judge {args.judge}"
               + (f" ({args.latency} s per answer)" if args.judge == "llm" else ""))  # fmt: skip
-        print(f"asset backfill (Materialize all): {b_wall:7.1f} s wall, {b_runs} runs, kept written {' '.join(walk_order(b_warehouse, ids))}")
-        print(f"batch sensor:                     {s_wall:7.1f} s wall, {s_runs} runs, kept written {' '.join(walk_order(s_warehouse, ids))}")
+        print(
+            f"asset backfill (Materialize all): {b_wall:7.1f} s wall, {b_runs} runs, kept written {' '.join(walk_order(b_warehouse, ids))}"
+        )
+        print(
+            f"batch sensor:                     {s_wall:7.1f} s wall, {s_runs} runs, kept written {' '.join(walk_order(s_warehouse, ids))}"
+        )
         print(f"ratio backfill / sensor: {b_wall / s_wall:.2f}")
         print(f"kept/surplus rows that differ between the two: {differing_rows(b_warehouse, s_warehouse, ids)}")
     finally:

@@ -10,7 +10,8 @@ started from a background shell may ignore SIGINT). Its methods are the UI's own
   partitions), a job backfill (`launchPartitionBackfill` with a partition-set selector);
 - `launch_asset_backfill`: "Materialize all" / "Materialize selected" on the asset graph, an asset
   backfill (`launchPartitionBackfill` with an asset selection and partition names, no selector);
-- `start_sensor` / `stop_sensor`: the sensor's switch; plus queries for backfills, runs and sensors.
+- `start_sensor` / `stop_sensor`: the sensor's switch; `dismiss_community_dialog`: the first visit's "Skip";
+  plus queries for backfills, runs and sensors.
 
 Used by the backfill tests, `benchmarks/backfill_order.py` and `scripts/screenshots.py`.
 """
@@ -178,7 +179,7 @@ class DagsterDev:
 
     # --- process --------------------------------------------------------------------------------------
 
-    def start(self, seconds: float = START_SECONDS) -> "DagsterDev":
+    def start(self, seconds: float = START_SECONDS) -> DagsterDev:
         self.home.mkdir(parents=True, exist_ok=True)
         if not (self.home / "dagster.yaml").exists():
             shutil.copy(REPO / "instance" / "dagster.yaml", self.home / "dagster.yaml")
@@ -204,10 +205,20 @@ class DagsterDev:
                 raise RuntimeError(f"dagster dev exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
                 entries = self.graphql(_LOCATIONS)["workspaceOrError"]["locationEntries"]
-                loaded = [e for e in entries if e["locationOrLoadError"] and e["locationOrLoadError"]["__typename"] == "RepositoryLocation"]
-                errors = [e for e in entries if e["locationOrLoadError"] and e["locationOrLoadError"]["__typename"] == "PythonError"]
+                loaded = [
+                    e
+                    for e in entries
+                    if e["locationOrLoadError"] and e["locationOrLoadError"]["__typename"] == "RepositoryLocation"
+                ]
+                errors = [
+                    e
+                    for e in entries
+                    if e["locationOrLoadError"] and e["locationOrLoadError"]["__typename"] == "PythonError"
+                ]
                 if errors:
-                    raise RuntimeError(f"code location {errors[0]['name']} failed to load: {errors[0]['locationOrLoadError']['message']}")
+                    raise RuntimeError(
+                        f"code location {errors[0]['name']} failed to load: {errors[0]['locationOrLoadError']['message']}"
+                    )
                 if loaded:
                     self.location = loaded[0]["name"]
                     self.repository = loaded[0]["locationOrLoadError"]["repositories"][0]["name"]
@@ -216,7 +227,9 @@ class DagsterDev:
             except (OSError, GraphQLError) as exc:
                 last = str(exc)
             time.sleep(1)
-        raise TimeoutError(f"dagster dev did not load the code location within {seconds:.0f} s ({last}):\n{self.log_tail()}")
+        raise TimeoutError(
+            f"dagster dev did not load the code location within {seconds:.0f} s ({last}):\n{self.log_tail()}"
+        )
 
     def stop(self) -> None:
         if self.proc is not None:
@@ -224,7 +237,7 @@ class DagsterDev:
             self._log.close()
             self.proc = None
 
-    def __enter__(self) -> "DagsterDev":
+    def __enter__(self) -> DagsterDev:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -290,11 +303,16 @@ class DagsterDev:
         return self._launch(params)
 
     def launch_asset_backfill(self, partitions: list[str], assets: list[list[str]] | None = None) -> str:
-        """"Materialize all" (assets None) or "Materialize selected" on the asset graph, with partitions
+        """ "Materialize all" (assets None) or "Materialize selected" on the asset graph, with partitions
         chosen in the dialog: an asset backfill that plans runs by the assets' backfill policies."""
         keys = assets if assets is not None else self.asset_keys()
         return self._launch(
-            {"tags": UI_TAGS, "assetSelection": [{"path": k} for k in keys], "partitionNames": partitions, "fromFailure": False}
+            {
+                "tags": UI_TAGS,
+                "assetSelection": [{"path": k} for k in keys],
+                "partitionNames": partitions,
+                "fromFailure": False,
+            }
         )
 
     def _launch(self, params: dict) -> str:
@@ -302,7 +320,9 @@ class DagsterDev:
         return self._expect(result, "LaunchBackfillSuccess")["backfillId"]
 
     def sensor(self, name: str = SENSOR) -> dict:
-        return self._expect(self.graphql(_SENSOR, {"sensorSelector": self.sensor_selector(name)})["sensorOrError"], "Sensor")
+        return self._expect(
+            self.graphql(_SENSOR, {"sensorSelector": self.sensor_selector(name)})["sensorOrError"], "Sensor"
+        )
 
     def sensor_status(self, name: str = SENSOR) -> str:
         return self.sensor(name)["sensorState"]["status"]
@@ -317,8 +337,14 @@ class DagsterDev:
         if state["status"] != "STOPPED":
             raise GraphQLError(f"sensor {name} is {state['status']} after stopSensor")
         deadline = time.time() + 60  # a tick that began before the stop still runs to its end
-        while time.time() < deadline and any(t["status"] == "STARTED" for t in self.sensor(name)["sensorState"]["ticks"]):
+        while time.time() < deadline and any(
+            t["status"] == "STARTED" for t in self.sensor(name)["sensorState"]["ticks"]
+        ):
             time.sleep(0.5)
+
+    def dismiss_community_dialog(self) -> None:
+        """The "Skip" of the UI's first-visit community dialog (`setNuxSeen`, stored in DAGSTER_HOME)."""
+        self.graphql("mutation SetNuxSeen { setNuxSeen }")
 
     # --- queries --------------------------------------------------------------------------------------
 
@@ -351,7 +377,15 @@ class DagsterDev:
             run_filter["pipelineName"] = job
         result = self._expect(self.graphql(_RUNS, {"filter": run_filter, "limit": 1000})["runsOrError"], "Runs")
         return [
-            Run(r["runId"], r["jobName"], r["status"], {t["key"]: t["value"] for t in r["tags"]}, r["startTime"], r["endTime"], r["creationTime"])
+            Run(
+                r["runId"],
+                r["jobName"],
+                r["status"],
+                {t["key"]: t["value"] for t in r["tags"]},
+                r["startTime"],
+                r["endTime"],
+                r["creationTime"],
+            )
             for r in result["results"]
         ]
 
@@ -382,12 +416,16 @@ class DagsterDev:
             if runs and all(r.status in RUN_DONE for r in runs) and done(runs):
                 return runs
             if time.time() > deadline:
-                raise TimeoutError(f"runs not done after {seconds:.0f} s: {[(r.job, r.partition, r.status) for r in runs]}\n{self.log_tail()}")
+                raise TimeoutError(
+                    f"runs not done after {seconds:.0f} s: {[(r.job, r.partition, r.status) for r in runs]}\n{self.log_tail()}"
+                )
             time.sleep(poll)
 
 
 @contextmanager
-def dagster_dev(data: Path, home: Path | None = None, env: dict | None = None, sensor: bool = True) -> Iterator[DagsterDev]:
+def dagster_dev(
+    data: Path, home: Path | None = None, env: dict | None = None, sensor: bool = True
+) -> Iterator[DagsterDev]:
     """`dagster dev` over `data` in a fresh DAGSTER_HOME (a temp dir unless `home` is given); with
     `sensor=False` the batch sensor is stopped (through the UI's mutation) before this yields. The sensor
     starts RUNNING with the code location: write batches only once it is stopped, or it registers them."""

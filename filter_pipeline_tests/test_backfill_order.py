@@ -8,10 +8,11 @@ The judge is the LLM judge on a loopback chat-completions server that answers th
 order; the batches share keys and sites, so the order of walks changes what is kept."""
 
 import json
+import os
 import random
 import re
 import shutil
-import threading
+import subprocess
 from pathlib import Path
 
 import pandas as pd
@@ -45,7 +46,9 @@ def order_sensitive_batch(data: Path, run_id: str, seed: int, n_tasks: int = 60)
         site = f"s{rng.randrange(6)}"
         tasks.append(task(tid, macro=f"m{rng.randrange(3)}", site=site, key=[site, "#el", rng.randrange(12)]))
         if rng.random() < 0.25:
-            attempts.append(attempt(tid, 1, ok=False, error=rng.choice(["assertion failed: x", "policy violation", "boom"])))
+            attempts.append(
+                attempt(tid, 1, ok=False, error=rng.choice(["assertion failed: x", "policy violation", "boom"]))
+            )
         if rng.random() < 0.9:
             attempts.append(attempt(tid, 2, ok=True))
     rng.shuffle(attempts)  # attempts of several tasks interleaved, as a harness writes them
@@ -66,7 +69,6 @@ class SlowForLowRunIds:
 
     def __init__(self, n: int, step: float):
         self.n, self.step, self.fast = n, step, False
-        self.lock = threading.Lock()
 
     def __call__(self, call: Call, _: int) -> Reply:
         match = re.search(r"do r(\d+)-t(\d+)", call.prompt)
@@ -87,9 +89,6 @@ def judge_env(server: FakeOpenAI) -> dict:
 def cli_reference(tmp: Path, batches: Path, env: dict) -> Path:
     """`filter-pipeline materialize` (every batch, run_id order) on a copy of `batches`, own DAGSTER_HOME;
     returns the copy's warehouse."""
-    import os
-    import subprocess
-
     data, home = tmp / "cli_data", tmp / "cli_home"
     shutil.copytree(batches, data)
     home.mkdir()
@@ -111,7 +110,12 @@ def outcome(warehouse: Path, run_id: str) -> pd.DataFrame:
 
 def differing_rows(warehouse: Path, reference: Path, ids: list[str]) -> int:
     """How many passing verdicts land elsewhere (kept / surplus reason) than in the reference."""
-    both = [outcome(warehouse, r).merge(outcome(reference, r), on=["task_id", "dedup_key"], how="outer", suffixes=("", "_ref")) for r in ids]
+    both = [
+        outcome(warehouse, r).merge(
+            outcome(reference, r), on=["task_id", "dedup_key"], how="outer", suffixes=("", "_ref")
+        )
+        for r in ids
+    ]
     merged = pd.concat(both, ignore_index=True)
     return int((merged["dropped"] != merged["dropped_ref"]).sum())
 
@@ -140,9 +144,7 @@ def assert_same_ledger_as_cli(warehouse: Path, reference: Path, ids: list[str]) 
 def judge():
     # the backfill daemon starts a backfill's runs several seconds apart, in partition order: each run_id's
     # judging must outlast that spacing for the finish order to be the reverse of the run_id order
-    responder = SlowForLowRunIds(n=4, step=15.0)
-    with FakeOpenAI(responder) as server:
-        server.responder_state = responder
+    with FakeOpenAI(SlowForLowRunIds(n=4, step=15.0)) as server:
         yield server
 
 
@@ -152,11 +154,11 @@ def four_batches(tmp_path_factory, judge):
     root = tmp_path_factory.mktemp("four")
     batches = root / "batches"
     ids = write_batches(batches, 4)
-    judge.responder_state.fast = True
+    judge.responder.fast = True
     try:
         reference = cli_reference(root, batches, judge_env(judge))
     finally:
-        judge.responder_state.fast = False
+        judge.responder.fast = False
     # the batches are order-sensitive: every later run loses keys to earlier runs, and caps bite
     surplus = pd.read_parquet(reference / "surplus")
     cross_run = surplus[(surplus["dropped"] == "duplicate") & (surplus["dup_of_run_id"] != surplus["run_id"])]

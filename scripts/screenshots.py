@@ -99,7 +99,9 @@ def main(argv: list[str] | None = None) -> int:
             deadline = time.time() + FILTER_SECONDS
             while not filtered(server, new_runs):
                 if time.time() > deadline:
-                    raise SystemExit(f"the sensor did not filter {new_runs} within {FILTER_SECONDS} s:\n{server.log_tail(1500)}")
+                    raise SystemExit(
+                        f"the sensor did not filter {new_runs} within {FILTER_SECONDS} s:\n{server.log_tail(1500)}"
+                    )
                 time.sleep(3)
             server.dismiss_community_dialog()
             time.sleep(5)  # the asset health badges catch up on the last materializations
