@@ -1,0 +1,207 @@
+"""UI backfills under a real `dagster dev`, launched through GraphQL as the UI launches them, with the
+partitions registered out of order (2, 0, 3, 1): kept and surplus of every run must equal, row by row,
+what `filter-pipeline materialize` gives on a copy of the same batches, walked in run_id order
+(CONTRACT §3.6: the ledger's order holds whoever launches the run).
+
+The judge is the LLM judge on a loopback chat-completions server that answers the lowest run_ids last
+(as a slow batch would), so a ledger that walks in the order the judge steps finish walks them out of
+order; the batches share keys and sites, so the order of walks changes what is kept."""
+
+import json
+import os
+import random
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from filter_pipeline_tests.builders import attempt, task, write_batch
+from filter_pipeline_tests.conftest import CLI, REPO
+from filter_pipeline_tests.dagster_dev import dagster_dev
+from filter_pipeline_tests.openai_server import Call, FakeOpenAI, Reply
+
+pytestmark = pytest.mark.slow
+
+BACKFILL_SECONDS = 900
+REGISTRATION_ORDER = [2, 0, 3, 1]
+# columns that measure the judge call, not its outcome
+MEASUREMENTS = ["latency_ms", "calls"]
+
+
+def run_ids(n: int) -> list[str]:
+    return [f"r{i:02d}" for i in range(n)]
+
+
+def order_sensitive_batch(data: Path, run_id: str, seed: int, n_tasks: int = 60) -> None:
+    """One batch whose tasks share keys and (macro, site) cells with every other batch built here: which
+    batch is walked first decides which of them keeps a key or a cap slot. Some attempts fail, some tasks
+    have a failed attempt before an ok one."""
+    rng = random.Random(seed)
+    tasks, attempts = [], []
+    for i in range(n_tasks):
+        tid = f"{run_id}-t{i:02d}"
+        site = f"s{rng.randrange(6)}"
+        tasks.append(task(tid, macro=f"m{rng.randrange(3)}", site=site, key=[site, "#el", rng.randrange(12)]))
+        if rng.random() < 0.25:
+            attempts.append(
+                attempt(tid, 1, ok=False, error=rng.choice(["assertion failed: x", "policy violation", "boom"]))
+            )
+        if rng.random() < 0.9:
+            attempts.append(attempt(tid, 2, ok=True))
+    rng.shuffle(attempts)  # attempts of several tasks interleaved, as a harness writes them
+    write_batch(data, run_id, tasks, attempts)
+
+
+def write_batches(data: Path, n: int, n_tasks: int = 60) -> list[str]:
+    ids = run_ids(n)
+    for i, run_id in enumerate(ids):
+        order_sensitive_batch(data, run_id, seed=1000 + i, n_tasks=n_tasks)
+    return ids
+
+
+class SlowForLowRunIds:
+    """Judge replies: pass unless the task number is a multiple of 7; replies for run r<k> of n wait
+    (n - 1 - k) * `step` seconds, so the judge steps of lower run_ids finish later. `fast` turns the
+    waits off (the reference CLI run: the verdicts do not depend on them)."""
+
+    def __init__(self, n: int, step: float):
+        self.n, self.step, self.fast = n, step, False
+
+    def __call__(self, call: Call, _: int) -> Reply:
+        match = re.search(r"do r(\d+)-t(\d+)", call.prompt)
+        run, number = (int(match.group(1)), int(match.group(2))) if match else (0, 1)
+        passed = number % 7 != 0
+        content = json.dumps({"passed": passed, "why": "reached the goal" if passed else "wrong element"})
+        return Reply(content=content, delay=0.0 if self.fast else (self.n - 1 - run) * self.step)
+
+
+def judge_env(server: FakeOpenAI) -> dict:
+    # one vote per task and every request of a batch in flight at once: a batch's judging takes one delay
+    return {
+        "FILTER_JUDGE_KIND": "llm", "FILTER_JUDGE_BASE_URL": server.base_url, "FILTER_JUDGE_MODEL": "judge-test",
+        "FILTER_JUDGE_VOTES": "1", "FILTER_JUDGE_CONCURRENCY": "64",
+    }  # fmt: skip
+
+
+def cli_reference(tmp: Path, batches: Path, env: dict) -> Path:
+    """`filter-pipeline materialize` (every batch, run_id order) on a copy of `batches`, own DAGSTER_HOME;
+    returns the copy's warehouse."""
+    data, home = tmp / "cli_data", tmp / "cli_home"
+    shutil.copytree(batches, data)
+    home.mkdir()
+    shutil.copy(REPO / "instance" / "dagster.yaml", home / "dagster.yaml")
+    result = subprocess.run(
+        [*CLI, "materialize"], cwd=REPO, capture_output=True, text=True, timeout=600,
+        env={**os.environ, **env, "DAGSTER_HOME": str(home), "FILTER_PIPELINE_DATA": str(data)},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    return data / "warehouse"
+
+
+def outcome(warehouse: Path, run_id: str) -> pd.DataFrame:
+    """Every passing verdict of the run with where the walk put it: `kept`, or surplus by its reason."""
+    kept = pd.read_parquet(warehouse / "kept" / f"{run_id}.parquet").assign(dropped="kept")
+    surplus = pd.read_parquet(warehouse / "surplus" / f"{run_id}.parquet")
+    return pd.concat([kept, surplus], ignore_index=True)[["task_id", "dedup_key", "dropped"]]
+
+
+def differing_rows(warehouse: Path, reference: Path, ids: list[str]) -> int:
+    """How many passing verdicts land elsewhere (kept / surplus reason) than in the reference."""
+    both = [
+        outcome(warehouse, r).merge(
+            outcome(reference, r), on=["task_id", "dedup_key"], how="outer", suffixes=("", "_ref")
+        )
+        for r in ids
+    ]
+    merged = pd.concat(both, ignore_index=True)
+    return int((merged["dropped"] != merged["dropped_ref"]).sum())
+
+
+def walk_order(warehouse: Path, ids: list[str]) -> list[str]:
+    """The order the kept files were written in: the order of the walks."""
+    return sorted(ids, key=lambda r: (warehouse / "kept" / f"{r}.parquet").stat().st_mtime_ns)
+
+
+def assert_same_ledger_as_cli(warehouse: Path, reference: Path, ids: list[str]) -> None:
+    missing = [f"{a}/{r}" for a in ("kept", "surplus") for r in ids if not (warehouse / a / f"{r}.parquet").exists()]
+    assert not missing, f"no output for {missing}"
+    differ = differing_rows(warehouse, reference, ids)
+    assert differ == 0, (
+        f"{differ} kept/surplus rows differ from the CLI's run_id order; the ledger walked {walk_order(warehouse, ids)}"
+    )
+    for asset in ("kept", "surplus"):
+        for run_id in ids:
+            name = f"{asset}/{run_id}.parquet"
+            got = pd.read_parquet(warehouse / name).drop(columns=MEASUREMENTS, errors="ignore")
+            want = pd.read_parquet(reference / name).drop(columns=MEASUREMENTS, errors="ignore")
+            pd.testing.assert_frame_equal(got, want, obj=name)
+
+
+@pytest.fixture(scope="module")
+def judge():
+    # the backfill daemon starts a backfill's runs several seconds apart, in partition order: each run_id's
+    # judging must outlast that spacing for the finish order to be the reverse of the run_id order
+    with FakeOpenAI(SlowForLowRunIds(n=4, step=15.0)) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def four_batches(tmp_path_factory, judge):
+    """Four order-sensitive batches and the CLI's warehouse over a copy of them (run_id order)."""
+    root = tmp_path_factory.mktemp("four")
+    batches = root / "batches"
+    ids = write_batches(batches, 4)
+    judge.responder.fast = True
+    try:
+        reference = cli_reference(root, batches, judge_env(judge))
+    finally:
+        judge.responder.fast = False
+    # the batches are order-sensitive: every later run loses keys to earlier runs, and caps bite
+    surplus = pd.read_parquet(reference / "surplus")
+    cross_run = surplus[(surplus["dropped"] == "duplicate") & (surplus["dup_of_run_id"] != surplus["run_id"])]
+    assert set(cross_run["run_id"]) == set(ids[1:]), surplus.groupby(["run_id", "dropped"]).size()
+    assert (surplus["dropped"] == "site_cap").any() and len(pd.read_parquet(reference / "kept")) > 0
+    return batches, ids, reference
+
+
+def registered_out_of_order(server, batches: Path, data: Path, ids: list[str]) -> list[str]:
+    """With the sensor stopped, drop the batches into the data root and register them through the UI's
+    mutation in the order 2, 0, 3, 1."""
+    order = [ids[i] for i in REGISTRATION_ORDER]
+    assert server.sensor_status() == "STOPPED"
+    shutil.copytree(batches / "runs", data / "runs", dirs_exist_ok=True)
+    for run_id in order:
+        server.add_dynamic_partition(run_id)
+    assert server.partition_keys() == order
+    return order
+
+
+def test_a_partition_backfill_of_filter_job_in_registration_order_gives_the_clis_results(tmp_path, four_batches, judge):
+    batches, ids, reference = four_batches
+    data = tmp_path / "data"
+    (data / "runs").mkdir(parents=True)
+    with dagster_dev(data, home=tmp_path / "home", env=judge_env(judge), sensor=False) as server:
+        order = registered_out_of_order(server, batches, data, ids)
+        backfill = server.launch_job_backfill("filter_job", order)  # the job page's partition picker: all four
+        state = server.wait_for_backfill(backfill, BACKFILL_SECONDS)
+        runs = server.backfill_runs(backfill)
+    assert state["status"] == "COMPLETED_SUCCESS", state
+    assert sorted(r.partition for r in runs if r.status == "SUCCESS") == ids, [(r.partition, r.status) for r in runs]
+    assert_same_ledger_as_cli(data / "warehouse", reference, ids)
+
+
+def test_an_asset_backfill_materialize_all_gives_the_clis_results(tmp_path, four_batches, judge):
+    batches, ids, reference = four_batches
+    data = tmp_path / "data"
+    (data / "runs").mkdir(parents=True)
+    with dagster_dev(data, home=tmp_path / "home", env=judge_env(judge), sensor=False) as server:
+        order = registered_out_of_order(server, batches, data, ids)
+        backfill = server.launch_asset_backfill(order)  # "Materialize all" on the asset graph, all four partitions
+        state = server.wait_for_backfill(backfill, BACKFILL_SECONDS)
+        runs = server.backfill_runs(backfill)
+    assert state["status"] == "COMPLETED_SUCCESS", (state, [(r.job, r.partition, r.status) for r in runs])
+    assert runs and all(r.status == "SUCCESS" for r in runs), [(r.job, r.partition, r.status) for r in runs]
+    assert_same_ledger_as_cli(data / "warehouse", reference, ids)
