@@ -129,13 +129,15 @@ def build_ledger(deployment_caps: dict) -> dg.AssetsDefinition:
             frames if isinstance(frames, dict) else {run_ids[0]: frames}
             for frames in (judge_verdicts, failure_pool, batch_attempts)
         ]
-        wait_for_lower_runs(context, data, run_ids)
         source = caps_source(config, deployment_caps)
         if source != "deployment":
             context.log.info(f"caps from the run config, not the deployment's: {config.model_dump()}")
         holder = f"the ledger walk of {', '.join(run_ids)} (Dagster run {context.run.run_id})"
         try:
             with ledger_lease(data.root, holder) as lease:
+                # under the lease: no other walk is half done, so which runs are committed cannot change
+                # meanwhile (a re-walk of a lower run is pending while it writes)
+                wait_for_lower_runs(context, data, run_ids)
                 if len(run_ids) == 1:
                     walk = _walk_the_ledger(
                         context, config, data, run_ids[0], *(f[run_ids[0]] for f in inputs), source, lease
