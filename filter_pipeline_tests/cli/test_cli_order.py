@@ -50,7 +50,7 @@ def test_unjudged_tasks_exit_3_and_a_later_materialize_judges_only_those_again(c
 
     with FakeOpenAI(responder) as server:
         env = {"FILTER_JUDGE_BASE_URL": server.base_url, "FILTER_JUDGE_MODEL": "m", "FILTER_JUDGE_VOTES": "1",
-               "FILTER_JUDGE_MAX_ATTEMPTS": "1", "FILTER_PIPELINE_REJUDGE_MAX_TRIES": "2"}  # fmt: skip
+               "FILTER_JUDGE_TASK_BUDGET": "1", "FILTER_PIPELINE_REJUDGE_MAX_TRIES": "2"}  # fmt: skip
         first = cli("--judge", "llm", env=env)
         assert first.returncode == 3, first.stderr
         assert "b1: judged 1, unjudged 1" in first.stdout
@@ -74,7 +74,7 @@ def test_the_cap_on_tries_is_respected(cli, data_root):
     write_batch(data_root, "b1", [task("a")], [attempt("a")])
     with FakeOpenAI(lambda call, n: Reply(status=500, body='{"error": "down"}')) as server:
         env = {"FILTER_JUDGE_BASE_URL": server.base_url, "FILTER_JUDGE_MODEL": "m", "FILTER_JUDGE_VOTES": "1",
-               "FILTER_JUDGE_MAX_ATTEMPTS": "1", "FILTER_PIPELINE_REJUDGE_MAX_TRIES": "1"}  # fmt: skip
+               "FILTER_JUDGE_TASK_BUDGET": "1", "FILTER_PIPELINE_REJUDGE_MAX_TRIES": "1"}  # fmt: skip
         assert cli("--judge", "llm", env=env).returncode == 3
         assert "try 1" in cli("--judge", "llm", env=env).stdout
         assert "nothing to materialize" in cli("--judge", "llm", env=env).stdout  # the cap is reached
