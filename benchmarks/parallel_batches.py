@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import dagster as dg
-from dagster._core.events import DagsterEventType
 
 from benchmarks.judge_throughput import server_process, stop
 
@@ -74,9 +73,9 @@ def step_spans(instance: dg.DagsterInstance, job: str, step: str) -> list[Span]:
             event = entry.dagster_event
             if event is None or event.step_key != step:
                 continue
-            if event.event_type == DagsterEventType.STEP_START:
+            if event.event_type == dg.DagsterEventType.STEP_START:
                 start, pid = entry.timestamp, event.pid
-            elif event.event_type == DagsterEventType.STEP_SUCCESS:
+            elif event.event_type == dg.DagsterEventType.STEP_SUCCESS:
                 end = entry.timestamp
         if start is not None and end is not None:
             spans.append(Span(run.tags["dagster/partition"], step, start, end, pid))

@@ -85,3 +85,14 @@ def postgres_server():
         pytest.skip(f"PostgreSQL server unavailable: {exc}")
     yield cluster
     cluster.stop()
+
+
+def assert_verified(data_root) -> None:
+    """What `filter-pipeline verify` audits holds on the warehouse under `data_root` (a path or UPath): every
+    committed file present and unchanged, no key kept twice, caps held with history, every run conserved."""
+    from upath import UPath
+
+    from filter_pipeline.rules.verify import audit
+
+    findings = audit(data_root if isinstance(data_root, UPath) else UPath(str(data_root)))
+    assert not findings, "\n".join(f.line for f in findings)

@@ -19,7 +19,7 @@ import pandas as pd
 import pytest
 
 from filter_pipeline_tests.builders import attempt, task, write_batch
-from filter_pipeline_tests.conftest import CLI, REPO
+from filter_pipeline_tests.conftest import CLI, REPO, assert_verified
 from filter_pipeline_tests.dagster_dev import dagster_dev
 from filter_pipeline_tests.openai_server import Call, FakeOpenAI, Reply
 
@@ -191,6 +191,7 @@ def test_a_partition_backfill_of_filter_job_in_registration_order_gives_the_clis
     assert state["status"] == "COMPLETED_SUCCESS", state
     assert sorted(r.partition for r in runs if r.status == "SUCCESS") == ids, [(r.partition, r.status) for r in runs]
     assert_same_ledger_as_cli(data / "warehouse", reference, ids)
+    assert_verified(data)
 
 
 def test_an_asset_backfill_materialize_all_gives_the_clis_results(tmp_path, four_batches, judge):
@@ -205,3 +206,4 @@ def test_an_asset_backfill_materialize_all_gives_the_clis_results(tmp_path, four
     assert state["status"] == "COMPLETED_SUCCESS", (state, [(r.job, r.partition, r.status) for r in runs])
     assert runs and all(r.status == "SUCCESS" for r in runs), [(r.job, r.partition, r.status) for r in runs]
     assert_same_ledger_as_cli(data / "warehouse", reference, ids)
+    assert_verified(data)

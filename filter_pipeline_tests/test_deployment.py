@@ -13,13 +13,12 @@ from pathlib import Path
 import dagster as dg
 import pandas as pd
 import pytest
-from dagster._core.events import DagsterEventType
 
 from filter_pipeline.rules.schemas import SCHEMAS
 from filter_pipeline.shell.jobs import ACROSS_RUNS_ASSETS
 from filter_pipeline.shell.sensors import kept_fingerprint
 from filter_pipeline.shell.warehouse import DataRoot
-from filter_pipeline_tests.conftest import REPO
+from filter_pipeline_tests.conftest import REPO, assert_verified
 from filter_pipeline_tests.servers import stop_process_group
 
 pytestmark = pytest.mark.slow
@@ -128,8 +127,8 @@ def test_two_batches_on_s3_through_the_daemon_on_postgres_equal_the_local_run(
     # multiprocess executor: each step ran in a process of its own, not in the run worker
     judge_run = by_job("judge_job")[0].dagster_run.run_id
     events = [e.dagster_event for e in instance.all_logs(judge_run) if e.is_dagster_event]
-    step_pids = {e.step_key: e.pid for e in events if e.event_type == DagsterEventType.STEP_START}
-    worker_pids = {e.pid for e in events if e.event_type == DagsterEventType.RUN_START}
+    step_pids = {e.step_key: e.pid for e in events if e.event_type == dg.DagsterEventType.STEP_START}
+    worker_pids = {e.pid for e in events if e.event_type == dg.DagsterEventType.RUN_START}
     assert len(step_pids) >= 3 and len(set(step_pids.values())) == len(step_pids)
     assert not set(step_pids.values()) & worker_pids
     instance.dispose()
@@ -148,4 +147,5 @@ def test_two_batches_on_s3_through_the_daemon_on_postgres_equal_the_local_run(
             pd.testing.assert_frame_equal(remote, local, check_like=False, obj=name)
             compared += 1
     assert compared == 2 * (len(SCHEMAS) - len(ACROSS_RUNS_ASSETS)) + len(ACROSS_RUNS_ASSETS)
+    assert_verified(data.root)
     assert len(pd.read_parquet(local_warehouse / "kept")) > 0

@@ -16,7 +16,7 @@ import pytest
 
 from filter_pipeline.shell.jobs import ACROSS_RUNS_ASSETS
 from filter_pipeline_tests.builders import attempt, task, write_batch
-from filter_pipeline_tests.conftest import REPO
+from filter_pipeline_tests.conftest import REPO, assert_verified
 from filter_pipeline_tests.servers import free_port, stop_process_group
 
 pytestmark = pytest.mark.slow
@@ -143,6 +143,7 @@ def test_a_dropped_batch_is_filtered_with_no_clicks_and_lineage_is_visible(dagst
     )["repositoriesOrError"]["nodes"]
     sensors = [(s["name"], s["sensorState"]["status"]) for repo in repos for s in repo["sensors"]]
     assert sensors == [("batch_sensor", "RUNNING")]
+    assert_verified(dagster_dev.data)
 
 
 def test_eight_batches_at_once_are_walked_one_at_a_time_in_run_id_order(dagster_dev):
@@ -166,3 +167,4 @@ def test_eight_batches_at_once_are_walked_one_at_a_time_in_run_id_order(dagster_
     assert [p for _, p in walked if p.startswith("c")] == run_ids
     spans = sorted((r.start_time, r.end_time) for r in ledger_runs)
     assert all(end <= next_start for (_, end), (next_start, _) in zip(spans, spans[1:]))
+    assert_verified(dagster_dev.data)

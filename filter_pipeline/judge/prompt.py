@@ -369,4 +369,7 @@ def cache_key(messages: list[dict], settings: PromptSettings, judge: Sequence) -
     """Hash of everything that decides a verdict: the prompt version, the judge's identity (`judge`: model,
     votes, sampling), the exact messages. A new prompt version never reuses an older one's verdicts."""
     material = [settings.prompt_version, *judge, messages]
-    return hashlib.sha256(json.dumps(material, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
+    # (surrogatepass: a lone surrogate escape in a trajectory.json is text json reads, not UTF-8)
+    return hashlib.sha256(
+        json.dumps(material, sort_keys=True, ensure_ascii=False).encode("utf-8", "surrogatepass")
+    ).hexdigest()

@@ -169,3 +169,15 @@ def test_the_cache_key_changes_with_the_prompt_version_the_judge_and_the_message
         UPath(tmp_path), {**REQUEST, "site": "market.example"}, lambda: [], PromptSettings()
     )
     assert key != p.cache_key(other, PromptSettings(), ["m", 1, 0.0])
+
+
+def test_a_lone_surrogate_in_trajectory_json_is_shown_and_keyed_not_a_crash(tmp_path):
+    # valid JSON and valid UTF-8 as text: json reads "\ud800" as a lone surrogate, which has no UTF-8 form
+    folder(
+        tmp_path, raw=b'{"steps": [{"action": "type", "text": "\\ud800"}], "final": {"observation": "page \\udfff"}}'
+    )
+    messages, evidence = p.messages_for_attempt(UPath(tmp_path), REQUEST, lambda: [], PromptSettings())
+    assert evidence == "trajectory"
+    assert "page \udfff" in user_text(messages)
+    key = p.cache_key(messages, PromptSettings(), ["m", 1, 0.0])
+    assert len(key) == 64 and key != p.cache_key(messages, PromptSettings(), ["m", 2, 0.5])
