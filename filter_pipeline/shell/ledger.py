@@ -144,10 +144,11 @@ def build_ledger(deployment_caps: dict) -> dg.AssetsDefinition:
                     )
                 else:
                     walk = _walk_in_order(context, config, data, run_ids, inputs, source, lease)
-                events = list(walk)  # every walk of the step written and committed before Dagster hears of any
+                # yielded under the lease: the walk's materializations and check results are recorded before
+                # another walker can start
+                yield from walk
         except LedgerBusy as exc:
             _retry_later(context, f"another walker holds the data root's lease ({exc})", honour_tag=False)
-        yield from events
 
     return ledger
 
