@@ -358,8 +358,26 @@ class _Driver:
 
     # --- the result ---------------------------------------------------------------------------------
 
+    def _first_tasks_lead(self) -> None:
+        """Make the first task (in request order) of each group of identical prompts the one that carries the
+        request and its cost, whichever reader thread happened to build its prompt first: the same batch gives
+        the same rows every time."""
+        groups: dict[int, list[int]] = {}
+        for i in np.flatnonzero(self.source == 2).tolist():
+            groups.setdefault(int(self.ref[i]), []).append(i)
+        for leader, followers in groups.items():
+            first = min(followers)
+            if first > leader:
+                continue
+            for name in VERDICT_FIELDS:
+                self.fresh[name][first] = self.fresh[name][leader]
+            self.source[first], self.source[leader] = 0, 2
+            for i in [leader, *followers]:
+                self.ref[i] = first
+
     def frame(self) -> pd.DataFrame:
         """One row per request: the verdict fields, asked, reused or copied, with cache_key and evidence."""
+        self._first_tasks_lead()
         reused = np.flatnonzero(self.source == 1)
         copies = np.flatnonzero(self.source == 2)
         out = {"cache_key": self.keys, "evidence": self.evidence,
