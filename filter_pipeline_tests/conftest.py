@@ -7,6 +7,10 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+
+# A ledger step waiting for a lower run retries for hours by default; a test that left a lower batch unwalked by
+# mistake fails within minutes instead (tests of the wait set their own, shorter, value; subprocesses inherit it)
+os.environ.setdefault("FILTER_PIPELINE_ORDER_MAX_WAIT_SECONDS", "300")
 CLI = [sys.executable, "-m", "filter_pipeline.cli.main"]
 
 
