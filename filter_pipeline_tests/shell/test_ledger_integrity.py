@@ -186,7 +186,7 @@ def test_a_batch_changed_since_it_was_filtered_is_reported_by_the_sensor_and_not
     context = dg.build_sensor_context(instance=instance, resources={"data": data})
     collected = Collect()
     context.log.addHandler(collected)
-    result = build_batch_sensor({})(context)
+    result = build_batch_sensor()(context)
     assert [line for line in collected.lines if "changed" in line] == [
         "runs/r1 changed since it was filtered (tasks.jsonl or executions.jsonl differ from its commit record): "
         "re-filter it with `filter-pipeline materialize r1`; it is not re-filtered unless named"
