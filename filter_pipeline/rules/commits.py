@@ -132,7 +132,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _remove_stale_temps(folder: str, prefix: str) -> None:
+def remove_stale_temps(folder: str, prefix: str) -> None:
     """Temp files a killed earlier write of the same target left: its writer ran on this host and is gone,
     or nobody touched the file for STALE_TEMP_SECONDS (a live writer's file is left alone)."""
     for name in os.listdir(folder):
@@ -160,7 +160,7 @@ def atomic_write(path: UPath, data) -> None:
     folder = os.path.dirname(target)
     os.makedirs(folder, exist_ok=True)
     prefix = f".{os.path.basename(target)}."
-    _remove_stale_temps(folder, prefix)
+    remove_stale_temps(folder, prefix)
     tmp = os.path.join(folder, f"{prefix}{HOST}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
     try:
         with open(tmp, "wb") as f:

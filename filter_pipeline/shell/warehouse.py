@@ -5,9 +5,7 @@ Both take the data root from the same `DataRoot` resource, so the ledger step, w
 """
 
 import os
-import socket
 import threading
-import time
 import uuid
 from collections import OrderedDict
 
@@ -21,6 +19,7 @@ from pydantic import Field
 from upath import UPath
 
 from filter_pipeline.rules.batch import LOCAL_PROTOCOLS, local_signature
+from filter_pipeline.rules.commits import HOST, remove_stale_temps
 from filter_pipeline.rules.schemas import SCHEMAS, dictionary_columns, statistics_columns, to_arrow, to_pandas
 from filter_pipeline.settings import DATA_ENV, DEFAULT_DATA, ENDPOINT_ENV, data_path
 
@@ -98,7 +97,7 @@ def write_atomically(path: UPath, write) -> tuple[int, int] | None:
     place, so another process's write right after cannot be mistaken for it); None on object stores.
 
     On local disk: a hidden temp file beside the target, fsynced, then renamed over it; temp files a killed
-    earlier write left are removed first (see `_stale`). Object stores make a single PUT visible atomically.
+    earlier write left are removed first (`commits.remove_stale_temps`). Object stores make a single PUT visible atomically.
     """
     if not isinstance(path.fs, LocalFileSystem):  # (also: object stores have no rename)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -109,16 +108,7 @@ def write_atomically(path: UPath, write) -> tuple[int, int] | None:
     folder = os.path.dirname(target)
     os.makedirs(folder, exist_ok=True)
     stale_prefix = f".{os.path.basename(target)}."
-    for name in os.listdir(folder):
-        if (
-            name.startswith(stale_prefix)
-            and name.endswith(".tmp")
-            and _stale(os.path.join(folder, name), name[len(stale_prefix) :].removesuffix(".tmp"))
-        ):
-            try:
-                os.unlink(os.path.join(folder, name))
-            except FileNotFoundError:
-                pass  # its writer renamed or removed it meanwhile
+    remove_stale_temps(folder, stale_prefix)
     # the writer's host and pid in the name: a later write can tell a dead writer's file from a live one's
     tmp = os.path.join(folder, f"{stale_prefix}{HOST}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
     try:
@@ -132,34 +122,6 @@ def write_atomically(path: UPath, write) -> tuple[int, int] | None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-
-
-HOST = socket.gethostname()
-STALE_TEMP_SECONDS = 3600
-
-
-def process_alive(pid: int) -> bool:
-    """Whether a process with this pid runs on this host."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _stale(path: str, writer: str) -> bool:
-    """Whether a temp file (`writer`: the `<host>.<pid>.<hex>` part of its name) is left over: its writer ran
-    on this host and is gone, or nobody has touched it for STALE_TEMP_SECONDS. Another process's write in
-    progress (two runs refreshing coverage at once) is neither, and removing it would fail its rename."""
-    parts = writer.rsplit(".", 2)
-    if len(parts) == 3 and parts[0] == HOST and parts[1].isdigit() and not process_alive(int(parts[1])):
-        return True
-    try:
-        return time.time() - os.stat(path).st_mtime > STALE_TEMP_SECONDS
-    except FileNotFoundError:
-        return False
 
 
 def read_parquet(path: UPath, columns: list[str] | None = None) -> pd.DataFrame:

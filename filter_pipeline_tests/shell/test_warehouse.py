@@ -15,6 +15,7 @@ from upath import UPath
 
 from filter_pipeline.definitions import build_defs
 from filter_pipeline.judge.resource import JudgeResource
+from filter_pipeline.rules import commits
 from filter_pipeline.rules.schemas import SCHEMAS, empty_frame, to_arrow
 from filter_pipeline.shell import warehouse
 from filter_pipeline.shell.jobs import ACROSS_RUNS_ASSETS
@@ -79,7 +80,7 @@ def test_local_write_is_atomic_and_cleans_temp_files_of_a_killed_write(tmp_path,
     write_parquet(to_arrow(empty_frame("kept"), "kept"), target)
     stale = tmp_path / "kept" / ".r1.parquet.deadbeef.tmp"
     stale.write_bytes(b"half a parquet file")
-    old = time.time() - warehouse.STALE_TEMP_SECONDS - 60
+    old = time.time() - commits.STALE_TEMP_SECONDS - 60
     os.utime(stale, (old, old))  # left by a write killed over an hour ago
 
     def dies_midway(table, where, **options):
@@ -148,8 +149,8 @@ def test_a_dead_writers_temp_file_goes_at_once_and_a_live_ones_stays(tmp_path):
     (tmp_path / "kept").mkdir()
     finished = subprocess.Popen(["true"])
     finished.wait()  # its pid no longer runs
-    dead = tmp_path / "kept" / f".r1.parquet.{warehouse.HOST}.{finished.pid}.00ff.tmp"
-    live = tmp_path / "kept" / f".r1.parquet.{warehouse.HOST}.{os.getpid()}.00ee.tmp"
+    dead = tmp_path / "kept" / f".r1.parquet.{commits.HOST}.{finished.pid}.00ff.tmp"
+    live = tmp_path / "kept" / f".r1.parquet.{commits.HOST}.{os.getpid()}.00ee.tmp"
     dead.write_bytes(b"half a file")
     live.write_bytes(b"half a file")
     write_parquet(to_arrow(empty_frame("kept"), "kept"), target)
