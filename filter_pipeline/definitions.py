@@ -13,6 +13,7 @@ from filter_pipeline.shell.assets import (
     failure_pool,
     judge_calibration,
     judge_verdicts,
+    warehouse_verified,
 )
 from filter_pipeline.shell.config import CAPS_ENV, load_caps_file
 from filter_pipeline.shell.jobs import across_runs_job, filter_job, judge_job, ledger_job, rejudge_job
@@ -46,6 +47,7 @@ def build_defs(
             build_coverage(caps),
             judge_calibration,
         ],
+        asset_checks=[warehouse_verified],
         jobs=[judge_job, ledger_job, filter_job, across_runs_job, rejudge_job],
         sensors=[build_batch_sensor()],
         resources={"data": data, "judge": judge, "io_manager": WarehouseIOManager(data=data)},

@@ -28,12 +28,17 @@ def data_path(path: str | None = None) -> str:
 
 
 # The ledger's order (CONTRACT §3.6): a first walk blocked by a lower complete batch that is not yet committed
-# is retried by Dagster every ORDER_RETRY_SECONDS (the step gives its pool slot back while it waits), for at
+# is retried by Dagster every ORDER_RETRY_SECONDS (the step holds no concurrency slot while it waits), for at
 # most ORDER_MAX_WAIT_SECONDS; then it fails with one line naming the run it waited for.
 ORDER_RETRY_SECONDS_ENV = "FILTER_PIPELINE_ORDER_RETRY_SECONDS"
 DEFAULT_ORDER_RETRY_SECONDS = 15
 ORDER_MAX_WAIT_SECONDS_ENV = "FILTER_PIPELINE_ORDER_MAX_WAIT_SECONDS"
 DEFAULT_ORDER_MAX_WAIT_SECONDS = 4 * 3600
+# A waiting run holds a run slot (max_concurrent_runs). When a run it waits for has sat in the run queue for
+# ORDER_QUEUED_SECONDS, the slots are taken (perhaps by runs waiting like this one): the step stops, so that
+# the queued run can start, and the batch sensor walks this batch in run_id order once the lower ones are.
+ORDER_QUEUED_SECONDS_ENV = "FILTER_PIPELINE_ORDER_QUEUED_SECONDS"
+DEFAULT_ORDER_QUEUED_SECONDS = 60
 
 # Runs whose walk left unjudged tasks are judged and walked again (by the sensor, and by a `materialize`
 # naming no run): at most REJUDGE_MAX_TRIES times, the sensor waiting REJUDGE_BACKOFF_SECONDS after the

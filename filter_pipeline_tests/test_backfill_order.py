@@ -207,3 +207,50 @@ def test_an_asset_backfill_materialize_all_gives_the_clis_results(tmp_path, four
     assert runs and all(r.status == "SUCCESS" for r in runs), [(r.job, r.partition, r.status) for r in runs]
     assert_same_ledger_as_cli(data / "warehouse", reference, ids)
     assert_verified(data)
+
+
+# A job backfill of more partitions than run slots, registered highest first: the queue starts the highest
+# runs first, their ledger steps wait for lower runs queued behind them, and every slot is held by a waiting
+# run. The waiting steps must let go, and the batch sensor walk the rest in order, with nobody acting.
+SLOTS = 2
+MANY = 10
+GATE_ENV = {
+    "FILTER_JUDGE_KIND": "gate",
+    "FILTER_PIPELINE_ORDER_RETRY_SECONDS": "3",
+    "FILTER_PIPELINE_ORDER_QUEUED_SECONDS": "10",
+    "FILTER_PIPELINE_ORDER_MAX_WAIT_SECONDS": "600",  # well past the test's wait: giving up that way fails it
+}
+
+
+def instance_with_run_slots(home: Path, slots: int) -> None:
+    home.mkdir(parents=True)
+    config = (REPO / "instance" / "dagster.yaml").read_text()
+    assert "max_concurrent_runs: 8" in config
+    (home / "dagster.yaml").write_text(config.replace("max_concurrent_runs: 8", f"max_concurrent_runs: {slots}"))
+
+
+def test_a_job_backfill_wider_than_the_run_slots_registered_highest_first_finishes_with_the_clis_results(tmp_path):
+    batches = tmp_path / "batches"
+    ids = write_batches(batches, MANY, n_tasks=30)
+    reference = cli_reference(tmp_path, batches, GATE_ENV)
+    data, home = tmp_path / "data", tmp_path / "home"
+    (data / "runs").mkdir(parents=True)
+    instance_with_run_slots(home, SLOTS)
+    with dagster_dev(data, home=home, env=GATE_ENV, sensor=False) as server:
+        shutil.copytree(batches / "runs", data / "runs", dirs_exist_ok=True)
+        highest_first = ids[::-1]
+        for run_id in highest_first:
+            server.add_dynamic_partition(run_id)
+        backfill = server.launch_job_backfill("filter_job", highest_first)
+        server.start_sensor()  # as it runs in a deployment: on
+        committed = lambda _: all((data / "warehouse" / "_commits" / f"{r}.json").exists() for r in ids)  # noqa: E731
+        runs = server.wait_for_runs(committed, BACKFILL_SECONDS)
+        stopped = [r for r in server.backfill_runs(backfill) if r.status == "FAILURE"]
+    assert stopped, "no waiting run had to let its slot go: the test did not build the jam it is about"
+    walked_by_sensor = {r.partition for r in runs if r.job == "ledger_job" and r.status == "SUCCESS"}
+    assert {r.partition for r in stopped} <= walked_by_sensor, (stopped, walked_by_sensor)
+    assert not [r for r in runs if r.status == "FAILURE" and r.job != "filter_job"], [
+        (r.job, r.partition, r.status) for r in runs
+    ]
+    assert_same_ledger_as_cli(data / "warehouse", reference, ids)
+    assert_verified(data)

@@ -138,7 +138,7 @@ def test_every_env_the_helm_values_set_is_a_setting_the_code_reads():
     assert judging.ENV["api_key"] not in names  # the key comes from a Secret, never from the values file
 
 
-def test_the_pool_limits_match_the_local_instance_everywhere():
+def test_the_run_queue_matches_the_local_instance_everywhere_and_no_pool_is_left_configured():
     local = yaml.safe_load((REPO / "instance" / "dagster.yaml").read_text())["concurrency"]
     postgres = yaml.safe_load((DEPLOY / "dagster-postgres.yaml").read_text())
     helm = helm_values()["concurrency"]
@@ -147,11 +147,7 @@ def test_the_pool_limits_match_the_local_instance_everywhere():
     assert helm["runs"] == {"maxConcurrentRuns": local["runs"]["max_concurrent_runs"]}
     defs = defs_from_env()
     pools = {defs.resolve_assets_def(s.key).op.pool for s in defs.resolve_all_asset_specs()} - {None}
-    if pools:  # the pools the assets name get the same limit on every instance
-        assert helm["pools"] == {
-            "granularity": local["pools"]["granularity"],
-            "defaultLimit": local["pools"]["default_limit"],
-        }
+    assert pools == set() and "pools" not in local and "pools" not in helm  # the ledger's exclusion is its lease
 
 
 def test_the_stored_log_level_matches_the_local_instance_everywhere():

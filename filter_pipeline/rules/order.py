@@ -58,6 +58,29 @@ def describe_wait(run_id: str, blockers: list[str], limit: int = 5) -> str:
     )
 
 
+def stuck_in_queue(queued: list[tuple[str, float]], now: float, limit: float) -> dict[str, float]:
+    """Of queued runs given as (run_id, queued at, in seconds since the epoch), the run_ids queued for
+    `limit` seconds or more, each with its longest time in the queue, in run_id order.
+
+    Why it matters: a waiting ledger step holds a run slot. A run it waits for that sits in the queue that
+    long means the slots are all taken, perhaps by runs waiting like this one, none of which can move."""
+    stuck: dict[str, float] = {}
+    for run_id, queued_at in queued:
+        if now - queued_at >= limit:
+            stuck[run_id] = max(now - queued_at, stuck.get(run_id, 0.0))
+    return dict(sorted(stuck.items()))
+
+
+def describe_stuck(why: str, run_id: str, stuck: dict[str, float]) -> str:
+    """One line: why a waiting step stopped instead of waiting (`stuck`: blocker -> seconds queued)."""
+    queued = ", ".join(f"{r} (queued {seconds:.0f} s)" for r, seconds in stuck.items())
+    return (
+        f"{why}; stopped instead of waiting: the run of {queued} is waiting for a run slot, which this run "
+        f"would hold. The batch sensor walks {run_id} in run_id order once the lower runs are walked (with the "
+        f"sensor off, materialize {run_id} again then)"
+    )
+
+
 # --- validation failures ----------------------------------------------------------------------------------
 
 

@@ -23,6 +23,8 @@ LEDGER_GROUP = "ledger"
 # assets over every run at once (not partitioned): refreshed by their own job
 ACROSS_RUNS_ASSETS = ("coverage", "judge_calibration")
 ACROSS_RUNS = dg.AssetSelection.assets(*ACROSS_RUNS_ASSETS)
+# the audit of the whole warehouse: its cost grows with the warehouse, so it is not part of a batch's run
+WAREHOUSE_AUDIT = dg.AssetSelection.checks(dg.AssetCheckKey(dg.AssetKey("coverage"), "warehouse_verified"))
 
 judge_job = dg.define_asset_job(
     "judge_job",
@@ -40,8 +42,9 @@ ledger_job = dg.define_asset_job(
 across_runs_job = dg.define_asset_job(
     "across_runs_job",
     selection=ACROSS_RUNS,
-    description="Coverage (kept rows of every non-retired run against caps and targets) and judge calibration "
-    "(against labels.jsonl). The sensor runs it whenever the set of kept files changes.",
+    description="Coverage (kept rows of every non-retired run against caps and targets), judge calibration "
+    "(against labels.jsonl) and the audit of the whole warehouse (warehouse_verified, as `filter-pipeline "
+    "verify`). The sensor runs it whenever the set of kept files changes.",
 )
 # the across-runs assets ride along in the batch's run: a run of its own costs about half a second of
 # bookkeeping (planned events, start, resources, end), which the CLI would pay after every call
@@ -54,8 +57,8 @@ rejudge_job = dg.define_asset_job(
 )
 filter_job = dg.define_asset_job(
     "filter_job",
-    selection=dg.AssetSelection.all(),
+    selection=dg.AssetSelection.all() - WAREHOUSE_AUDIT,
     description="The whole filter stage for one batch: parse, judge, failure pool, prior index, kept, surplus, "
     "DPO pairs, report; then coverage and judge calibration over every run (the CLI refreshes those in the "
-    "last batch's run only).",
+    "last batch's run only). The audit of the whole warehouse (warehouse_verified) runs in across_runs_job.",
 )

@@ -35,7 +35,7 @@ from filter_pipeline.rules.schemas import (
 )
 from filter_pipeline.shell.assets import blocking_check, check_result, column_schema, count_by, run_id_partitions
 from filter_pipeline.shell.config import CapsConfig, LedgerConfig, caps_source, deployment_caps_config
-from filter_pipeline.shell.jobs import PRIORITY_TAG
+from filter_pipeline.shell.jobs import PARTITION_TAG, PRIORITY_TAG
 from filter_pipeline.shell.warehouse import DataRoot
 
 # run tag: the most seconds this run's ledger step waits for lower runs (the CLI sets 0: it orders its own runs)
@@ -179,7 +179,8 @@ def _retry_later(context: dg.AssetExecutionContext, why: str, honour_tag: bool =
 
 
 def wait_for_lower_runs(context: dg.AssetExecutionContext, data: DataRoot, run_ids: list[str]) -> None:
-    """Return when every run in `run_ids` may be walked now, in that order; else retry the step later."""
+    """Return when every run in `run_ids` may be walked now, in that order; else retry the step later, or
+    fail it at once when a run it waits for is stuck in the run queue (`_stuck_in_queue`)."""
     batches = complete_batches(data.runs, data.warehouse, log=None)
     committed = set(read_commits(data.warehouse)) | {b.run_id for b in batches if b.filtered}
     failed = order.read_failures(data.warehouse)
@@ -188,7 +189,21 @@ def wait_for_lower_runs(context: dg.AssetExecutionContext, data: DataRoot, run_i
     for position, run_id in enumerate(run_ids):
         blockers = order.blocking_runs(run_id, complete, committed, failed, retired, walked_before=run_ids[:position])
         if blockers:
-            _retry_later(context, order.describe_wait(run_id, blockers))
+            why = order.describe_wait(run_id, blockers)
+            stuck = _stuck_in_queue(context.instance, blockers)
+            if stuck:
+                raise dg.Failure(description=order.describe_stuck(why, run_id, stuck))
+            _retry_later(context, why)
+
+
+def _stuck_in_queue(instance: dg.DagsterInstance, blockers: list[str]) -> dict[str, float]:
+    """Blockers with a run queued for ORDER_QUEUED_SECONDS or more (`order.stuck_in_queue`)."""
+    limit = settings.int_setting(settings.ORDER_QUEUED_SECONDS_ENV, settings.DEFAULT_ORDER_QUEUED_SECONDS)
+    records = instance.get_run_records(
+        dg.RunsFilter(statuses=[dg.DagsterRunStatus.QUEUED], tags={PARTITION_TAG: list(blockers)})
+    )
+    queued = [(r.dagster_run.tags[PARTITION_TAG], r.create_timestamp.timestamp()) for r in records]
+    return order.stuck_in_queue(queued, time.time(), limit)
 
 
 # --- the walk -----------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from upath import UPath
 
+from filter_pipeline.rules import order
 from filter_pipeline.rules.order import (
     blocking_runs,
     clear_failure,
@@ -66,3 +67,15 @@ def test_rejudging_backs_off_doubling_and_stops_at_the_cap():
     assert due(1, 1001, wait=False).try_number == 2  # a user's materialize does not wait ...
     assert due(3, 10**9, wait=False) is None  # ... but the cap holds
     assert rejudge_due("r", 0, 0, 0, 10**9, 300, 3) is None  # nothing unjudged
+
+
+def test_a_blocker_queued_past_the_limit_is_stuck_with_its_longest_time_in_the_queue():
+    now = 10_000.0
+    queued = [("r3", now - 90), ("r1", now - 5), ("r3", now - 200), ("r2", now - 60)]
+    assert order.stuck_in_queue(queued, now, limit=60) == {"r2": 60.0, "r3": 200.0}
+    assert order.stuck_in_queue(queued, now, limit=300) == {}
+
+
+def test_a_stopped_wait_names_the_queued_runs_and_who_walks_the_batch_later():
+    line = order.describe_stuck(order.describe_wait("r5", ["r2"]), "r5", {"r2": 75.4})
+    assert "r2 (queued 75 s)" in line and "batch sensor walks r5" in line and "\n" not in line
