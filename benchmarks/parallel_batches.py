@@ -7,7 +7,7 @@ Drops N complete batches into a fresh data root at once and lets `dagster-daemon
 queue, the `ledger` pool of instance/dagster.yaml) do the rest, with the LLM judge talking to the local
 OpenAI-compatible test server (one vote per task, fixed latency, in its own process; loopback only). Then
 reads the step timings back from the instance's event log and prints:
-- each batch's judge_verdicts step and ledger step (start, end, seconds, process id);
+- each batch's judge_batch step and ledger step (start, end, seconds, process id);
 - judging: the sum of the judge steps against the wall time they spanned (the speed-up over one at a time);
 - the ledger: whether its steps ran in run_id order and whether any two overlapped.
 """
@@ -135,7 +135,7 @@ def main() -> None:
                         )
                     time.sleep(1)
                 wall = time.time() - started
-                judge = step_spans(instance, "judge_job", "judge_verdicts")
+                judge = step_spans(instance, "judge_job", "judge_batch")
                 ledger = step_spans(instance, "ledger_job", "ledger")
                 failed = instance.get_run_records(dg.RunsFilter(statuses=[dg.DagsterRunStatus.FAILURE]))
         finally:
@@ -143,7 +143,7 @@ def main() -> None:
 
     origin = min(s.start for s in judge + ledger)
     print(f"{'batch':<12} {'step':<15} {'start':>6} {'end':>6} {'seconds':>8} {'pid':>7}")
-    for span in sorted(judge + ledger, key=lambda s: (s.step != "judge_verdicts", s.start)):
+    for span in sorted(judge + ledger, key=lambda s: (s.step != "judge_batch", s.start)):
         print(f"{span.run_id:<12} {span.step:<15} {span.start - origin:>6.1f} {span.end - origin:>6.1f} "
               f"{span.seconds:>8.1f} {span.pid:>7}")  # fmt: skip
     judge_sum = sum(s.seconds for s in judge)

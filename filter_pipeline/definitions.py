@@ -9,10 +9,8 @@ from filter_pipeline.judge.resource import JudgeResource, judge_from_env
 from filter_pipeline.settings import DEFAULT_EXECUTOR, EXECUTOR_ENV
 from filter_pipeline.shell.assets import (
     build_coverage,
-    execution_batch,
-    failure_pool,
+    judge_batch,
     judge_calibration,
-    judge_verdicts,
     warehouse_verified,
 )
 from filter_pipeline.shell.config import CAPS_ENV, load_caps_file
@@ -40,9 +38,7 @@ def build_defs(
     data = data if isinstance(data, DataRoot) else DataRoot(path=data)
     return dg.Definitions(
         assets=[
-            execution_batch,
-            judge_verdicts,
-            failure_pool,
+            judge_batch,
             build_ledger(caps),
             build_coverage(caps),
             judge_calibration,

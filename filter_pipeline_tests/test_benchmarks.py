@@ -24,7 +24,7 @@ def test_filter_scale_agrees_with_the_baseline_at_a_small_size(tmp_path):
     )  # fmt: skip
     assert out.count("same kept rows as the baseline: True") == 2
     assert "median of 2: filter-pipeline" in out and "ratio" in out
-    assert "split: execution_batch" in out and "ledger" in out
+    assert "split: judge_batch" in out and "ledger" in out
     assert out.count("k page faults") == 4  # each timed process's system time and faults, both sides
     phases = next(line for line in out.splitlines() if line.strip().startswith("phases:"))
     assert [part.split()[0] for part in phases.split(":", 1)[1].split(",")] == ["parse", "index", "walk", "write"]

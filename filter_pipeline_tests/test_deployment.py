@@ -129,7 +129,7 @@ def test_two_batches_on_s3_through_the_daemon_on_postgres_equal_the_local_run(
     events = [e.dagster_event for e in instance.all_logs(judge_run) if e.is_dagster_event]
     step_pids = {e.step_key: e.pid for e in events if e.event_type == dg.DagsterEventType.STEP_START}
     worker_pids = {e.pid for e in events if e.event_type == dg.DagsterEventType.RUN_START}
-    assert len(step_pids) >= 3 and len(set(step_pids.values())) == len(step_pids)
+    assert step_pids and len(set(step_pids.values())) == len(step_pids)
     assert not set(step_pids.values()) & worker_pids
     instance.dispose()
 

@@ -4,7 +4,7 @@ Lineage: execution batch -> judge_verdicts -> failure_pool; judge_verdicts + pri
 (No `from __future__ import annotations` here: Dagster reads the `context` annotation at runtime.)
 """
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 import dagster as dg
@@ -55,32 +55,141 @@ def refuse_invalid_run_caps(context: dg.AssetExecutionContext) -> None:
         raise dg.Failure(description=f"{problem}; nothing was written or judged")
 
 
+JUDGE_PROGRESS_FOLDER = "_judge_progress"  # warehouse/_judge_progress/<run_id>/: verdicts saved as they arrive
+BATCH_KEYS = [dg.AssetKey(k) for k in ("batch_tasks", "batch_attempts", "batch_rejects")]
+
+
+def blocking_check(name: str, asset: str, description: str) -> dg.AssetCheckSpec:
+    return dg.AssetCheckSpec(name, asset=asset, blocking=True, description=description)
+
+
+def check_result(check: str, asset: str, outcome: checks.CheckOutcome) -> dg.AssetCheckResult:
+    return dg.AssetCheckResult(
+        check_name=check,
+        asset_key=asset,
+        passed=outcome.passed,
+        description=outcome.description,
+        metadata=outcome.metadata,
+    )
+
+
 @dg.multi_asset(
+    name="judge_batch",
     partitions_def=run_id_partitions,
-    group_name="batch",
+    # one step, five assets: the batch's tables go to the judge and the failure pool in memory, not through
+    # the warehouse, and the failure pool is built while the others are written
     outs={
         "batch_tasks": dg.AssetOut(
+            group_name="batch",
             description="Tasks of the execution batch `runs/<run_id>/tasks.jsonl` that passed validation, "
             "in file order, with the dedup key as canonical JSON text.",
             metadata=column_schema("batch_tasks"),
         ),
         "batch_attempts": dg.AssetOut(
+            group_name="batch",
             description="Attempts of `runs/<run_id>/executions.jsonl` that passed validation, in file order: "
             "ok flag, error, trajectory dir, number of actions, backend gate result.",
             metadata=column_schema("batch_attempts"),
         ),
         "batch_rejects": dg.AssetOut(
+            group_name="batch",
             description="One row per record of the batch that could not be used (not JSON, mistyped or missing "
             "field, second task_id or (task_id, attempt), attempt of an unknown task): file, line, message.",
             metadata=column_schema("batch_rejects"),
         ),
+        "judge_verdicts": dg.AssetOut(
+            group_name="judging",
+            description="The verdict on each task's ok attempt with the highest number (tasks.jsonl order), from "
+            "the judge resource. status 'error' marks a task that could not be judged: neither kept nor a failure. "
+            "The LLM judge saves verdicts as they arrive (warehouse/_judge_progress/<run_id>/), so a killed run "
+            "asks again only what was not saved; evidence says what each verdict was judged from.",
+            metadata=column_schema("judge_verdicts"),
+        ),
+        "failure_pool": dg.AssetOut(
+            group_name="judging",
+            description="Every failed attempt (stage execute, reason from the error prefix) and every verdict that "
+            "did not pass (stage judge, reason judge_fail): candidate DPO negatives. backend_ok rows reached the "
+            "goal although the script failed, so they are not clean negatives.",
+            metadata=column_schema("failure_pool"),
+        ),
     },
+    internal_asset_deps={
+        "batch_tasks": set(),
+        "batch_attempts": set(),
+        "batch_rejects": set(),
+        "judge_verdicts": {dg.AssetKey("batch_tasks"), dg.AssetKey("batch_attempts")},
+        "failure_pool": {*BATCH_KEYS, dg.AssetKey("judge_verdicts")},
+    },
+    check_specs=[
+        dg.AssetCheckSpec(
+            "all_tasks_judged",
+            asset="judge_verdicts",
+            description="Every task with an ok attempt got a verdict. A WARN failure: that many tasks could not be "
+            "judged (endpoint down, no parseable answer); the batch sensor and `materialize` judge them again "
+            "later, with a backoff and a cap on tries.",
+        ),
+        blocking_check("attempts_conserved", "failure_pool", checks.attempts_conserved.__doc__),
+        blocking_check(
+            "execute_rows_match_failed_attempts", "failure_pool", checks.execute_rows_match_failed_attempts.__doc__
+        ),
+    ],
 )
-def execution_batch(context: dg.AssetExecutionContext, data: DataRoot):
-    """Parse one execution batch; bad records are set aside as rejects, never dropped silently."""
+def judge_batch(context: dg.AssetExecutionContext, judge: JudgeResource, data: DataRoot):
+    """Parse one execution batch (bad records are set aside as rejects, never dropped silently), judge its
+    tasks, and pool its failures."""
     run_id = context.partition_key
     refuse_invalid_run_caps(context)
-    load_retired(data.root)  # a broken retired.json fails the run here, before anything is written
+    load_retired(data.root)  # a broken retired.json fails the run here, before anything is written or judged
+    batch = _parse(context, data, run_id)
+    run_dir = data.run_dir(run_id)
+    # pure computations in a second thread beside the writes (Parquet encoding runs without the GIL) and the
+    # judge; every event is yielded from this one
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="failure-pool") as alongside:
+        executed = alongside.submit(filtering.execute_failures, batch.tasks, batch.attempts)
+        yield from _batch_outputs(batch)  # in the warehouse before judging starts, however long it takes
+        judgement, requests = _judge(context, judge, data, run_id, batch)
+        verdicts = judgement.verdicts.assign(backend=judgement.verdicts["backend_detail"], run_id=run_id)
+        conserved = alongside.submit(
+            lambda: checks.attempts_conserved(count_records(run_dir), batch.attempts, batch.rejects, verdicts)
+        )
+        judged = verdicts[verdicts["status"] == STATUS_JUDGED]
+        unjudged = int((verdicts["status"] == STATUS_ERROR).sum())
+        yield dg.Output(
+            verdicts,
+            output_name="judge_verdicts",
+            metadata={
+                "judged": len(judged),
+                "passed": int((judged["passed"] == True).sum()),  # noqa: E712
+                "unjudged": unjudged,
+                "superseded_ok_attempts": filtering.superseded_ok_attempts(batch.attempts, requests),
+                **judgement.metadata,
+            },
+        )
+        # resumed after the IO manager has written the partition: the saved progress is in it now
+        judgement.written()
+        yield dg.AssetCheckResult(
+            check_name="all_tasks_judged",
+            asset_key="judge_verdicts",
+            passed=unjudged == 0,
+            severity=dg.AssetCheckSeverity.WARN,
+            description=f"{unjudged} tasks wait to be judged again" if unjudged else "every task was judged",
+            metadata={"unjudged": unjudged},
+        )
+        failures = pd.concat([executed.result(), filtering.judge_failures(verdicts)], ignore_index=True)
+        matched = alongside.submit(checks.execute_rows_match_failed_attempts, failures, batch.attempts)
+        yield dg.Output(
+            failures,
+            output_name="failure_pool",
+            metadata={
+                **count_by(failures["reason"], FAILURE_REASONS, "reason/"),
+                "backend_ok": int(failures["backend_ok"].sum()),
+            },
+        )
+        yield check_result("attempts_conserved", "failure_pool", conserved.result())
+        yield check_result("execute_rows_match_failed_attempts", "failure_pool", matched.result())
+
+
+def _parse(context: dg.AssetExecutionContext, data: DataRoot, run_id: str):
     try:
         batch = read_batch(data.run_dir(run_id), run_id)
     except BatchError as exc:
@@ -95,52 +204,12 @@ def execution_batch(context: dg.AssetExecutionContext, data: DataRoot):
     )
     for message in batch.rejects["message"].head(20):
         context.log.warning(message)
-    ok = int((batch.attempts["ok"] == True).sum())  # noqa: E712
-    yield dg.Output(batch.tasks, output_name="batch_tasks")
-    yield dg.Output(
-        batch.attempts, output_name="batch_attempts", metadata={"ok": ok, "failed": len(batch.attempts) - ok}
-    )
-    yield dg.Output(
-        batch.rejects,
-        output_name="batch_rejects",
-        metadata=count_by(batch.rejects["file"], [TASKS_FILE, EXECUTIONS_FILE], "file/"),
-    )
+    return batch
 
 
-# --- judging ----------------------------------------------------------------------------------------
-
-
-JUDGE_PROGRESS_FOLDER = "_judge_progress"  # warehouse/_judge_progress/<run_id>/: verdicts saved as they arrive
-
-
-@dg.asset(
-    partitions_def=run_id_partitions,
-    group_name="judging",
-    description="The verdict on each task's ok attempt with the highest number (tasks.jsonl order), from the "
-    "judge resource. status 'error' marks a task that could not be judged: neither kept nor a failure. The LLM "
-    "judge saves verdicts as they arrive (warehouse/_judge_progress/<run_id>/), so a killed run asks again only "
-    "what was not saved; evidence says what each verdict was judged from.",
-    metadata=column_schema("judge_verdicts"),
-    check_specs=[
-        dg.AssetCheckSpec(
-            "all_tasks_judged",
-            asset="judge_verdicts",
-            description="Every task with an ok attempt got a verdict. A WARN failure: that many tasks could not be "
-            "judged (endpoint down, no parseable answer); the batch sensor and `materialize` judge them again "
-            "later, with a backoff and a cap on tries.",
-        )
-    ],
-)
-def judge_verdicts(
-    context: dg.AssetExecutionContext,
-    batch_tasks: pd.DataFrame,
-    batch_attempts: pd.DataFrame,
-    judge: JudgeResource,
-    data: DataRoot,
-):
-    run_id = context.partition_key
-    refuse_invalid_run_caps(context)
-    requests = filtering.attempts_to_judge(batch_tasks, batch_attempts)
+def _judge(context: dg.AssetExecutionContext, judge: JudgeResource, data: DataRoot, run_id: str, batch):
+    """(the judgement, the judge's requests): the verdict on each task's last ok attempt."""
+    requests = filtering.attempts_to_judge(batch.tasks, batch.attempts)
     previous_file = data.asset_file("judge_verdicts", run_id)
     progress = ProgressStore(data.warehouse / JUDGE_PROGRESS_FOLDER / run_id, write=write_parquet)
     try:
@@ -154,97 +223,19 @@ def judge_verdicts(
         )
     except EndpointRefused as exc:  # one line, no traceback: the endpoint refuses, retrying cannot help
         raise dg.Failure(description=str(exc), allow_retries=False) from None
-    verdicts = judgement.verdicts.assign(backend=judgement.verdicts["backend_detail"], run_id=run_id)
-    judged = verdicts[verdicts["status"] == STATUS_JUDGED]
-    unjudged = int((verdicts["status"] == STATUS_ERROR).sum())
+    return judgement, requests
+
+
+def _batch_outputs(batch) -> Iterable[dg.Output]:
+    ok = int((batch.attempts["ok"] == True).sum())  # noqa: E712
+    yield dg.Output(batch.tasks, output_name="batch_tasks")
     yield dg.Output(
-        verdicts,
-        metadata={
-            "judged": len(judged),
-            "passed": int((judged["passed"] == True).sum()),  # noqa: E712
-            "unjudged": unjudged,
-            "superseded_ok_attempts": filtering.superseded_ok_attempts(batch_attempts, requests),
-            **judgement.metadata,
-        },
+        batch.attempts, output_name="batch_attempts", metadata={"ok": ok, "failed": len(batch.attempts) - ok}
     )
-    # resumed after the IO manager has written the partition: the saved progress is in it now
-    judgement.written()
-    yield dg.AssetCheckResult(
-        check_name="all_tasks_judged",
-        asset_key="judge_verdicts",
-        passed=unjudged == 0,
-        severity=dg.AssetCheckSeverity.WARN,
-        description=f"{unjudged} tasks wait to be judged again" if unjudged else "every task was judged",
-        metadata={"unjudged": unjudged},
-    )
-
-
-def check_result(check: str, asset: str, outcome: checks.CheckOutcome) -> dg.AssetCheckResult:
-    return dg.AssetCheckResult(
-        check_name=check,
-        asset_key=asset,
-        passed=outcome.passed,
-        description=outcome.description,
-        metadata=outcome.metadata,
-    )
-
-
-def outputs_then_checks(outputs: list[dg.Output], checks_of: dict[tuple[str, str], Callable[[], checks.CheckOutcome]]):
-    """Yield the outputs, then the result of each (check, asset) in `checks_of`. The checks are computed in a
-    second thread while the IO manager writes the outputs: Parquet encoding runs without the GIL, so on two
-    cores the checks add little wall time. (They read the in-memory frames, the same ones written.)"""
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="checks") as alongside:
-        pending = {key: alongside.submit(compute) for key, compute in checks_of.items()}
-        yield from outputs
-        for (check, asset), outcome in pending.items():
-            yield check_result(check, asset, outcome.result())
-
-
-def blocking_check(name: str, asset: str, description: str) -> dg.AssetCheckSpec:
-    return dg.AssetCheckSpec(name, asset=asset, blocking=True, description=description)
-
-
-@dg.asset(
-    partitions_def=run_id_partitions,
-    group_name="judging",
-    description="Every failed attempt (stage execute, reason from the error prefix) and every verdict that did not "
-    "pass (stage judge, reason judge_fail): candidate DPO negatives. backend_ok rows reached the goal although "
-    "the script failed, so they are not clean negatives.",
-    metadata=column_schema("failure_pool"),
-    check_specs=[
-        blocking_check("attempts_conserved", "failure_pool", checks.attempts_conserved.__doc__),
-        blocking_check(
-            "execute_rows_match_failed_attempts", "failure_pool", checks.execute_rows_match_failed_attempts.__doc__
-        ),
-    ],
-)
-def failure_pool(
-    context: dg.AssetExecutionContext,
-    batch_tasks: pd.DataFrame,
-    batch_attempts: pd.DataFrame,
-    batch_rejects: pd.DataFrame,
-    judge_verdicts: pd.DataFrame,
-    data: DataRoot,
-):
-    pool = pd.concat(
-        [filtering.execute_failures(batch_tasks, batch_attempts), filtering.judge_failures(judge_verdicts)],
-        ignore_index=True,
-    )
-    run_dir = data.run_dir(context.partition_key)
-    metadata = {
-        **count_by(pool["reason"], FAILURE_REASONS, "reason/"),
-        "backend_ok": int(pool["backend_ok"].sum()),
-    }
-    yield from outputs_then_checks(
-        [dg.Output(pool, metadata=metadata)],
-        {
-            ("attempts_conserved", "failure_pool"): lambda: checks.attempts_conserved(
-                count_records(run_dir), batch_attempts, batch_rejects, judge_verdicts
-            ),
-            ("execute_rows_match_failed_attempts", "failure_pool"): lambda: checks.execute_rows_match_failed_attempts(
-                pool, batch_attempts
-            ),
-        },
+    yield dg.Output(
+        batch.rejects,
+        output_name="batch_rejects",
+        metadata=count_by(batch.rejects["file"], [TASKS_FILE, EXECUTIONS_FILE], "file/"),
     )
 
 

@@ -121,7 +121,7 @@ def test_when_the_last_batch_fails_coverage_is_refreshed_in_a_run_of_its_own(cli
     done = cli("fine", "z_empty")
     assert done.returncode == 1
     assert done.stdout.splitlines()[1].startswith(
-        "z_empty: FAILED (step execution_batch: runs/z_empty/tasks.jsonl holds no valid task; full log: run "
+        "z_empty: FAILED (step judge_batch: runs/z_empty/tasks.jsonl holds no valid task; full log: run "
     )
     assert done.stdout.splitlines()[2:] == ["coverage: 1 kept rows over 1 (macro, site) pairs, 0 full"]
     assert across_runs_materialized_by_run(dagster_home) == {
@@ -135,7 +135,7 @@ def test_a_batch_without_tasks_fails_its_run_with_the_reason_and_writes_nothing(
     done = cli("empty", "fine")
     assert done.returncode == 1
     assert done.stdout.splitlines()[0].startswith(
-        "empty: FAILED (step execution_batch: runs/empty/tasks.jsonl holds no valid task; full log: run "
+        "empty: FAILED (step judge_batch: runs/empty/tasks.jsonl holds no valid task; full log: run "
     )
     assert done.stdout.splitlines()[1].startswith("fine: judged 1")
     assert sorted(p.name for p in (data_root / "warehouse").rglob("*.parquet") if p.stem == "empty") == []

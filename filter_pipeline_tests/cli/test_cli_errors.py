@@ -266,12 +266,12 @@ def test_a_failed_step_is_one_line_with_its_reason_and_where_the_full_log_is(cli
         run_id = record.dagster_run.run_id
         failures = instance.all_logs(run_id, of_type=dg.DagsterEventType.STEP_FAILURE)
     assert failed == (
-        f"empty: FAILED (step execution_batch: runs/empty/tasks.jsonl holds no valid task; full log: run {run_id} on the "
+        f"empty: FAILED (step judge_batch: runs/empty/tasks.jsonl holds no valid task; full log: run {run_id} on the "
         f"instance at $DAGSTER_HOME ({dagster_home}): `dagster dev` shows it at /runs/{run_id}, "
         f"`dagster debug export {run_id} run.gz` saves it)"
     )
     assert "Traceback" not in done.stderr and "Stack Trace" not in done.stderr and 'File "' not in done.stderr
-    assert 'STEP_FAILURE - Execution of step "execution_batch" failed.' in done.stderr  # the INFO/ERROR lines stay
+    assert 'STEP_FAILURE - Execution of step "judge_batch" failed.' in done.stderr  # the INFO/ERROR lines stay
     # the full trace is in the run's event log
     error = failures[0].get_dagster_event().step_failure_data.error
     assert "holds no valid task" in error.to_string() and (error.stack or (error.cause and error.cause.stack))

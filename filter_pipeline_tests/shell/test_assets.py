@@ -1,7 +1,6 @@
 """The assets under Dagster: lineage, metadata, and the ledger over several runs."""
 
 import logging
-import threading
 
 import dagster as dg
 import pandas as pd
@@ -90,12 +89,28 @@ def test_whole_graph_for_one_partition_with_counts_in_metadata(instance, data_ro
     assert output(data_root, "kept", "r1")["run_id"].tolist() == ["r1"]
 
 
-def test_the_ledger_starts_first_of_the_steps_ready_after_the_failure_pool(instance, data_root):
+def test_the_ledger_starts_first_of_the_steps_ready_after_the_batch_is_judged(instance, data_root):
     write_batch(data_root, "r1", [task("a")], [attempt("a")])
     result = materialize(instance, data_root, "r1")
     started = [e.step_key for e in result.all_events if e.event_type == dg.DagsterEventType.STEP_START]
-    assert started[started.index("failure_pool") + 1] == "ledger"
-    assert started.index("judge_verdicts") < started.index("judge_calibration")
+    assert started[:2] == ["judge_batch", "ledger"]
+
+
+def test_one_step_materializes_the_batch_its_verdicts_and_its_failures_each_before_its_checks(instance, data_root):
+    write_batch(data_root, "r1", [task("a"), task("b")], [attempt("a"), attempt("b", ok=False, error="x")])
+    result = materialize(instance, data_root, "r1")
+    events = [
+        e.asset_key.path[-1] if e.event_type == dg.DagsterEventType.ASSET_MATERIALIZATION
+        else e.asset_check_evaluation_data.check_name
+        for e in result.all_events
+        if e.step_key == "judge_batch" and e.event_type in (
+            dg.DagsterEventType.ASSET_MATERIALIZATION, dg.DagsterEventType.ASSET_CHECK_EVALUATION
+        )
+    ]  # fmt: skip
+    assert events == [
+        "batch_tasks", "batch_attempts", "batch_rejects", "judge_verdicts", "all_tasks_judged",
+        "failure_pool", "attempts_conserved", "execute_rows_match_failed_attempts",
+    ]  # fmt: skip
 
 
 def test_rematerializing_a_run_ignores_its_own_earlier_kept_rows(instance, data_root):
@@ -200,37 +215,3 @@ def test_on_s3_with_only_the_endpoint_setting_every_asset_reaches_the_store(s3_s
     gate = table[(table["predictor"] == "gate") & (table["site"] == "(all)")]
     assert gate[["n", "tp"]].values.tolist() == [[1, 1]]
     assert read_parquet(data.warehouse / "coverage.parquet")["kept"].max() == 1
-
-
-def test_checks_are_computed_while_the_outputs_are_handled_and_yielded_after_them():
-    from filter_pipeline.rules.checks import CheckOutcome
-    from filter_pipeline.shell.assets import outputs_then_checks
-
-    started, handled = threading.Event(), threading.Event()
-
-    def waits_for_the_output() -> CheckOutcome:
-        started.set()
-        assert handled.wait(timeout=10)
-        return CheckOutcome(True, {"n": 1}, "fine")
-
-    steps = outputs_then_checks(
-        [dg.Output(1, output_name="a")],
-        {("c1", "x"): waits_for_the_output, ("c2", "x"): lambda: CheckOutcome(False, {}, "no")},
-    )
-    assert next(steps).output_name == "a"
-    assert started.wait(timeout=10)  # the check is under way while the output is being handled
-    handled.set()
-    results = list(steps)
-    assert [(r.check_name, r.passed, r.description) for r in results] == [("c1", True, "fine"), ("c2", False, "no")]
-
-
-def test_a_check_that_raises_fails_the_step_after_the_outputs():
-    from filter_pipeline.shell.assets import outputs_then_checks
-
-    def broken():
-        raise ValueError("check broke")
-
-    steps = outputs_then_checks([dg.Output(1, output_name="a")], {("c", "x"): broken})
-    assert next(steps).output_name == "a"
-    with pytest.raises(ValueError, match="check broke"):
-        next(steps)

@@ -65,7 +65,7 @@ def test_a_negative_cap_in_the_run_config_is_refused_before_any_step_writes_or_j
     )
     assert not result.success
     started = [e.step_key for e in result.all_events if e.event_type == dg.DagsterEventType.STEP_START]
-    assert started == ["execution_batch"]  # the judge never ran
+    assert started == ["judge_batch"]  # refused at its start: nothing parsed, written or judged
     [failure] = [e for e in result.all_events if e.event_type == dg.DagsterEventType.STEP_FAILURE]
     assert "must be 0 or more" in failure.step_failure_data.error.message
     assert not (data_root / "warehouse").exists()
