@@ -19,6 +19,7 @@ import dagster as dg
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
+from upath import UPath
 
 from filter_pipeline import settings
 from filter_pipeline.rules import checks, commits, dpo, filtering, order, report
@@ -228,6 +229,13 @@ def _parquet_bytes(frame: pd.DataFrame, asset: str) -> tuple[pa.Buffer, int]:
     return sink.getvalue(), table.num_rows
 
 
+def _encoded(data: DataRoot, run_id: str, asset: str, frame: pd.DataFrame) -> tuple[UPath, pa.Buffer, dict]:
+    """(where the asset's file of this run goes, its Parquet bytes, its commit entry)."""
+    path = data.asset_file(asset, run_id)
+    content, rows = _parquet_bytes(frame, asset)
+    return path, content, file_entry(data.root, path, content, rows)
+
+
 def _walk_in_order(context, config, data: DataRoot, run_ids: list[str], inputs: list[dict], source: str, lease: Lease):
     """A ranged step: each run walked on its own, lowest run_id first, written and committed before the next
     run reads history; then one materialization per asset for the whole range, and each check's result over
@@ -296,6 +304,13 @@ def _walk_the_ledger(
             ("no_key_kept_twice", "kept"): alongside.submit(checks.no_key_kept_twice, result.kept, index.keys),
             ("caps_respected", "kept"): alongside.submit(checks.caps_respected, result.kept, index.counts, caps),
         }
+        # the walk's own files encoded and hashed beside the DPO pairs and the report (into memory: nothing
+        # touches the warehouse until the commit is withdrawn below)
+        encoded = {
+            asset: alongside.submit(_encoded, data, run_id, asset, frame)
+            for asset, frame in (("prior_dedup_index", index.keys), ("prior_kept_counts", index.counts),
+                                 ("kept", result.kept), ("surplus", result.surplus))
+        }  # fmt: skip
         pairs = dpo.dpo_pairs(result.kept, failure_pool, include_judge_failures=config.include_judge_failures)
         figures = report.figures(batch_attempts, judge_verdicts, failure_pool, result.kept, result.surplus)
         images = report.charts(figures)
@@ -319,20 +334,20 @@ def _walk_the_ledger(
                 },
             ),  # fmt: skip
         }
-        files: dict[str, dict] = {}
         writing = time.perf_counter()
+        for asset in ("dpo_pairs", "filter_report"):
+            encoded[asset] = alongside.submit(_encoded, data, run_id, asset, frames[asset][0])
+        page = data.warehouse / "filter_report_html" / f"{run_id}.html"
+        html = report.html(figures, images, run_id).encode()
+        contents = {asset: future.result() for asset, future in encoded.items()}
+        contents["filter_report_html"] = (page, html, file_entry(data.root, page, html, 0))
         # pending from the first write until committed again (not before: a walk that fails on history leaves
         # an already filtered run's commit, and so its place in everyone's history, as it was)
         delete_commit(data.warehouse, run_id)
-        for asset, (frame, _) in frames.items():
-            path = data.asset_file(asset, run_id)
-            encoded, rows = _parquet_bytes(frame, asset)
-            atomic_write(path, encoded)
-            files[asset] = file_entry(data.root, path, encoded, rows)
-        page = data.warehouse / "filter_report_html" / f"{run_id}.html"
-        html = report.html(figures, images, run_id).encode()
-        atomic_write(page, html)
-        files["filter_report_html"] = file_entry(data.root, page, html, 0)
+        # two at a time: each write waits on its fsyncs, not on the GIL
+        for done in [alongside.submit(atomic_write, path, content) for path, content, _ in contents.values()]:
+            done.result()
+        files = {asset: entry for asset, (_, _, entry) in contents.items()}
         context.log.info(f"wrote {len(files)} files in {time.perf_counter() - writing:.2f} s")
         frames["filter_report"][1]["html"] = dg.MetadataValue.path(str(page))
         outcomes = {key: future.result() for key, future in pending.items()}
