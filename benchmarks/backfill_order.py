@@ -1,6 +1,7 @@
-"""A UI asset backfill of N partitions against the batch sensor doing the same N batches, under `dagster dev`.
+"""UI backfills of N partitions against the batch sensor doing the same N batches, under `dagster dev`.
 
     .venv/bin/python -m benchmarks.backfill_order [--batches 10] [--tasks 60] [--judge gate|llm] [--latency 0.5]
+                                                  [--run-slots 2]
 
 Both sides start a fresh `dagster dev` (temp DAGSTER_HOME, instance/dagster.yaml) over a fresh copy of the
 same N order-sensitive batches (shared keys and sites, built as in the backfill tests):
@@ -8,7 +9,12 @@ same N order-sensitive batches (shared keys and sites, built as in the backfill 
   mutation, and "Materialize all" is launched as an asset backfill over all N; timed from the launch until
   the backfill and all its runs are over;
 - sensor: the batches are dropped into the data root with the sensor running; timed from the drop until
-  every run is over and every batch has its kept file.
+  every run is over and every batch has its kept file;
+- job backfill: the same shuffled registration, then the partition picker of `filter_job` over all N on an
+  instance with only --run-slots run slots (max_concurrent_runs) and the sensor on; timed from the launch
+  until every batch is committed and no run is in flight. Runs whose ledger step would wait for a run stuck
+  in the queue let their slot go (FILTER_PIPELINE_ORDER_QUEUED_SECONDS, default 60 s) and the sensor walks
+  their batches in order: it prints how many did.
 Prints each side's wall time, its number of runs, the order in which the kept files were written, and how
 many kept/surplus rows differ between the two sides (0 when both walk in run_id order). With `--judge llm`
 the judge is the loopback test server (one vote per task, fixed latency, its own process).
@@ -25,7 +31,7 @@ from pathlib import Path
 
 from benchmarks.judge_throughput import server_process
 from filter_pipeline_tests.dagster_dev import RUN_DONE, dagster_dev
-from filter_pipeline_tests.test_backfill_order import differing_rows, walk_order, write_batches
+from filter_pipeline_tests.test_backfill_order import differing_rows, instance_with_run_slots, walk_order, write_batches
 
 SECONDS = 1800
 
@@ -59,6 +65,26 @@ def backfill_side(work: Path, batches: Path, ids: list[str], env: dict, seed: in
     return wall, len(runs), data / "warehouse"
 
 
+def job_backfill_side(
+    work: Path, batches: Path, ids: list[str], env: dict, seed: int, slots: int
+) -> tuple[float, int, int, Path]:
+    data, home = fresh_root(work, "job"), work / "job" / "home"
+    instance_with_run_slots(home, slots)
+    committed = lambda _: all((data / "warehouse" / "_commits" / f"{r}.json").exists() for r in ids)  # noqa: E731
+    with dagster_dev(data, home=home, env=env, sensor=False) as server:
+        shutil.copytree(batches / "runs", data / "runs", dirs_exist_ok=True)
+        order = random.Random(seed).sample(ids, len(ids))
+        for run_id in order:
+            server.add_dynamic_partition(run_id)
+        start = time.perf_counter()
+        backfill = server.launch_job_backfill("filter_job", order)
+        server.start_sensor()
+        runs = server.wait_for_runs(committed, SECONDS)
+        wall = time.perf_counter() - start
+        stopped = sum(r.status == "FAILURE" for r in server.backfill_runs(backfill))
+    return wall, len(runs), stopped, data / "warehouse"
+
+
 def sensor_side(work: Path, batches: Path, ids: list[str], env: dict) -> tuple[float, int, Path]:
     data = fresh_root(work, "sensor")
     kept = lambda: all((data / "warehouse" / "kept" / f"{r}.parquet").exists() for r in ids)  # noqa: E731
@@ -84,6 +110,7 @@ def main() -> None:
     parser.add_argument("--judge", choices=["gate", "llm"], default="gate")
     parser.add_argument("--latency", type=float, default=0.5, help="seconds the llm test server waits per answer")
     parser.add_argument("--seed", type=int, default=7, help="seed of the registration order")
+    parser.add_argument("--run-slots", type=int, default=2, help="max_concurrent_runs for the job backfill")
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="filter-backfill-bench-"))
@@ -96,6 +123,9 @@ def main() -> None:
             env = judge_env(args.judge, base_url)
             b_wall, b_runs, b_warehouse = backfill_side(work, batches, ids, env, args.seed)
             s_wall, s_runs, s_warehouse = sensor_side(work, batches, ids, env)
+            j_wall, j_runs, j_stopped, j_warehouse = job_backfill_side(
+                work, batches, ids, env, args.seed, args.run_slots
+            )
         finally:
             if server:
                 server.__exit__(None, None, None)
@@ -107,8 +137,15 @@ def main() -> None:
         print(
             f"batch sensor:                     {s_wall:7.1f} s wall, {s_runs} runs, kept written {' '.join(walk_order(s_warehouse, ids))}"
         )
-        print(f"ratio backfill / sensor: {b_wall / s_wall:.2f}")
-        print(f"kept/surplus rows that differ between the two: {differing_rows(b_warehouse, s_warehouse, ids)}")
+        print(
+            f"job backfill (filter_job, {args.run_slots} run slots): {j_wall:7.1f} s wall, {j_runs} runs ({j_stopped} "
+            f"let their slot go), kept written {' '.join(walk_order(j_warehouse, ids))}"
+        )
+        print(f"ratio backfill / sensor: {b_wall / s_wall:.2f}; job backfill / sensor: {j_wall / s_wall:.2f}")
+        print(
+            "kept/surplus rows that differ from the sensor's: asset backfill "
+            f"{differing_rows(b_warehouse, s_warehouse, ids)}, job backfill {differing_rows(j_warehouse, s_warehouse, ids)}"
+        )
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
