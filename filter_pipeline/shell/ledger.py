@@ -283,7 +283,8 @@ def _walk_the_ledger(
     results. `source`: where the caps came from ("deployment" or "run config"), recorded in the commit;
     `lease`: the held lease, checked just before committing (on object storage a holder that stalled past its
     expiry may have lost it: it must not commit)."""
-    # two threads beside the walk: the inputs' hashes (hashlib and Arrow run without the GIL), and the checks
+    # two threads beside the walk (hashlib, Arrow and fsync run without the GIL): the inputs' hashes, the checks,
+    # then the encoding and writing of the files
     with ThreadPoolExecutor(max_workers=2, thread_name_prefix="ledger") as alongside:
         # the inputs' hashes, for telling later whether the batch changed since it was filtered
         inputs = alongside.submit(commits.input_fingerprints, data.run_dir(run_id))
