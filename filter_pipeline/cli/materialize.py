@@ -272,18 +272,25 @@ def _unjudged(data: DataRoot, run_id: str) -> int:
     return int((verdicts["status"] == STATUS_ERROR).sum())
 
 
+REGISTER_TRIES = 5
+
+
 def _register(instance: dg.DagsterInstance, run_ids: list[str]) -> None:
-    """Register `run_ids` as partitions. Another launcher registering the same run at the same moment is
-    fine (the storage refuses the second insert of a key: what matters is that it is registered)."""
-    known = set(instance.get_dynamic_partitions(run_id_partitions.name))
-    new = [r for r in dict.fromkeys(run_ids) if r not in known]
-    if not new:
-        return
-    try:
-        instance.add_dynamic_partitions(run_id_partitions.name, new)
-    except Exception:
-        if not set(new) <= set(instance.get_dynamic_partitions(run_id_partitions.name)):
-            raise
+    """Register `run_ids` as partitions. Another launcher registering some of them at the same moment is
+    fine: the storage refuses a batch of keys holding one it already has, whole, so the keys still missing
+    are added again, until all are registered (what matters is that they are)."""
+    wanted = list(dict.fromkeys(run_ids))
+    for attempt in range(1, REGISTER_TRIES + 1):
+        known = set(instance.get_dynamic_partitions(run_id_partitions.name))
+        new = [r for r in wanted if r not in known]
+        if not new:
+            return
+        try:
+            instance.add_dynamic_partitions(run_id_partitions.name, new)
+            return
+        except Exception:  # noqa: BLE001 - the storage's own error for a key inserted meanwhile; checked below
+            if attempt == REGISTER_TRIES:
+                raise
 
 
 def _register_legacy_runs(instance: dg.DagsterInstance, data: DataRoot) -> None:
