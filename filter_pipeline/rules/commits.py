@@ -150,13 +150,21 @@ def remove_stale_temps(folder: str, prefix: str) -> None:
 
 
 def atomic_write(path: UPath, data) -> None:
-    """Write `data` to `path` so that readers see the old content or the new, never a part. Local disk: a
-    hidden temp file beside the target (named after its host and pid), fsynced, renamed over it, and the
-    folder fsynced so the rename survives a crash. Object stores make a single PUT visible atomically."""
+    """Write `data` to `path` so that readers see the old content or the new, never a part. Local disk:
+    `replace_locally`, the folder fsynced too so the rename survives a crash. Object stores make a single PUT
+    visible atomically."""
     if not isinstance(path.fs, LocalFileSystem):  # (`data`: bytes or any buffer, e.g. an Arrow buffer)
         path.fs.pipe_file(path.path, data if isinstance(data, bytes) else memoryview(data).tobytes())
         return
-    target = path.path
+    replace_locally(path.path, lambda f: f.write(data), sync_folder=True)
+
+
+def replace_locally(target: str, write, sync_folder: bool) -> os.stat_result:
+    """Call `write(file)` on a hidden temp file beside the local file `target` (named after this host and
+    pid, so a later write can tell a dead writer's file from a live one's; temp files a killed earlier write
+    left are removed first), fsync it and rename it over `target`; with `sync_folder`, fsync the folder as
+    well. Returns the temp file's stat, taken before the rename (which keeps size and mtime), so another
+    process's write right after cannot be mistaken for this one."""
     folder = os.path.dirname(target)
     os.makedirs(folder, exist_ok=True)
     prefix = f".{os.path.basename(target)}."
@@ -164,15 +172,18 @@ def atomic_write(path: UPath, data) -> None:
     tmp = os.path.join(folder, f"{prefix}{HOST}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
     try:
         with open(tmp, "wb") as f:
-            f.write(data)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
+        written = os.stat(tmp)
         os.replace(tmp, target)
-        descriptor = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(descriptor)
-        finally:
-            os.close(descriptor)
+        if sync_folder:
+            descriptor = os.open(folder, os.O_RDONLY)
+            try:
+                os.fsync(descriptor)
+            finally:
+                os.close(descriptor)
+        return written
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

@@ -6,7 +6,6 @@ Both take the data root from the same `DataRoot` resource, so the ledger step, w
 
 import os
 import threading
-import uuid
 from collections import OrderedDict
 
 import dagster as dg
@@ -19,7 +18,7 @@ from pydantic import Field
 from upath import UPath
 
 from filter_pipeline.rules.batch import LOCAL_PROTOCOLS, local_signature
-from filter_pipeline.rules.commits import HOST, remove_stale_temps
+from filter_pipeline.rules.commits import replace_locally
 from filter_pipeline.rules.schemas import SCHEMAS, dictionary_columns, statistics_columns, to_arrow, to_pandas
 from filter_pipeline.settings import DATA_ENV, DEFAULT_DATA, ENDPOINT_ENV, data_path
 
@@ -93,35 +92,15 @@ def write_parquet(
 
 def write_atomically(path: UPath, write) -> tuple[int, int] | None:
     """Call `write(file)` so that readers of `path` see the old file or the new one, never a partial one.
-    Returns the (size, mtime_ns) of the file as written on local disk (taken before it is renamed into
-    place, so another process's write right after cannot be mistaken for it); None on object stores.
-
-    On local disk: a hidden temp file beside the target, fsynced, then renamed over it; temp files a killed
-    earlier write left are removed first (`commits.remove_stale_temps`). Object stores make a single PUT visible atomically.
-    """
+    Returns the (size, mtime_ns) of the file as written on local disk (`commits.replace_locally`); None on
+    object stores, which make a single PUT visible atomically."""
     if not isinstance(path.fs, LocalFileSystem):  # (also: object stores have no rename)
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("wb") as f:
             write(f)
         return None
-    target = path.path
-    folder = os.path.dirname(target)
-    os.makedirs(folder, exist_ok=True)
-    stale_prefix = f".{os.path.basename(target)}."
-    remove_stale_temps(folder, stale_prefix)
-    # the writer's host and pid in the name: a later write can tell a dead writer's file from a live one's
-    tmp = os.path.join(folder, f"{stale_prefix}{HOST}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        written = os.stat(tmp)  # a rename keeps size and mtime
-        os.replace(tmp, target)
-        return written.st_size, written.st_mtime_ns
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    written = replace_locally(path.path, write, sync_folder=False)
+    return written.st_size, written.st_mtime_ns
 
 
 def read_parquet(path: UPath, columns: list[str] | None = None) -> pd.DataFrame:
