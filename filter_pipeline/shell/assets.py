@@ -275,9 +275,13 @@ def build_coverage(deployment_caps: dict) -> dg.AssetsDefinition:
     return coverage
 
 
+# the audit of the whole warehouse, a check on coverage (jobs.py leaves it out of a batch's runs)
+WAREHOUSE_VERIFIED = dg.AssetCheckKey(dg.AssetKey("coverage"), "warehouse_verified")
+
+
 @dg.asset_check(
-    asset="coverage",
-    name="warehouse_verified",
+    asset=WAREHOUSE_VERIFIED.asset_key,
+    name=WAREHOUSE_VERIFIED.name,
     description=verify.audit.__doc__ + " " + (verify.__doc__ or "").split("\n\n")[1],
 )
 def warehouse_verified(data: DataRoot) -> dg.AssetCheckResult:

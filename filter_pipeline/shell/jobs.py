@@ -8,6 +8,8 @@ the ledger step itself waits for lower runs (CONTRACT §3.6).
 
 import dagster as dg
 
+from filter_pipeline.shell.assets import WAREHOUSE_VERIFIED
+
 # Dagster's documented run tags
 PARTITION_TAG = "dagster/partition"
 RUN_KEY_TAG = "dagster/run_key"
@@ -24,7 +26,7 @@ LEDGER_GROUP = "ledger"
 ACROSS_RUNS_ASSETS = ("coverage", "judge_calibration")
 ACROSS_RUNS = dg.AssetSelection.assets(*ACROSS_RUNS_ASSETS)
 # the audit of the whole warehouse: its cost grows with the warehouse, so it is not part of a batch's run
-WAREHOUSE_AUDIT = dg.AssetSelection.checks(dg.AssetCheckKey(dg.AssetKey("coverage"), "warehouse_verified"))
+WAREHOUSE_AUDIT = dg.AssetSelection.checks(WAREHOUSE_VERIFIED)
 
 judge_job = dg.define_asset_job(
     "judge_job",
