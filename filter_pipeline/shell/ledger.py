@@ -331,6 +331,7 @@ def _walk_the_ledger(
                 report.long_form(figures).assign(run_id=run_id),
                 {
                     "report": dg.MetadataValue.md(report.markdown(figures, images, run_id)),
+                    "caps_source": source,  # "run config": this run's caps are not the deployment's
                     **{f"funnel/{s}": int(c) for s, c in zip(figures.funnel["step"], figures.funnel["count"])},
                 },
             ),  # fmt: skip

@@ -53,6 +53,8 @@ def test_a_run_without_caps_config_walks_with_the_deployments_caps(instance, dat
     )
     kept = [m for m in again.get_asset_materialization_events() if m.asset_key.path[-1] == "kept"][0]
     assert kept.materialization.metadata["caps_source"].value == "run config"
+    [run_report] = [m for m in again.get_asset_materialization_events() if m.asset_key.path[-1] == "filter_report"]
+    assert run_report.materialization.metadata["caps_source"].value == "run config"
 
 
 @pytest.mark.parametrize("caps", [{"per_site_cap": -1}, {"caps": {"m": {"site_cap": -3}}}])
