@@ -237,20 +237,22 @@ def materialize(args: argparse.Namespace) -> int:
         if run_id in rejudge:
             tags.update(rejudge_tags(rejudge[run_id]))
             print(f"{run_id}: judging its unjudged tasks again (try {rejudge[run_id].try_number})", flush=True)
-        with dg.execute_job(
+        # (not opened as a context manager: that initializes the resources again, to load outputs, which the
+        # summary reads from the warehouse instead)
+        result = dg.execute_job(
             job,
             instance,
             run_config=_run_config(caps, ops_with_caps=["ledger", "coverage"] if last else ["ledger"]),
             tags=tags,
             asset_selection=None if last else batch_only,
-        ) as result:
-            if result.success:
-                print(summarize(data, run_id), flush=True)
-                unjudged += _unjudged(data, run_id) > 0
-                refreshed = last
-            else:
-                failed += 1
-                print(f"{run_id}: FAILED ({_failure_reason(result)})", flush=True)
+        )
+        if result.success:
+            print(summarize(data, run_id), flush=True)
+            unjudged += _unjudged(data, run_id) > 0
+            refreshed = last
+        else:
+            failed += 1
+            print(f"{run_id}: FAILED ({_failure_reason(result)})", flush=True)
     if failed < len(run_ids) and not refreshed:  # the last batch's run failed, an earlier one did not
         refreshed = _refresh_across_runs(instance, caps)
         failed += not refreshed
@@ -312,12 +314,12 @@ def _run_config(caps: dict, ops_with_caps: list[str]) -> dict:
 
 def _refresh_across_runs(instance: dg.DagsterInstance, caps: dict) -> bool:
     """Materialize coverage and judge calibration over every run in a run of their own."""
-    with dg.execute_job(
+    result = dg.execute_job(
         dg.reconstructable(cli_across_runs_job), instance, run_config=_run_config(caps, ops_with_caps=["coverage"])
-    ) as result:
-        if not result.success:
-            print(f"coverage / judge_calibration: FAILED ({_failure_reason(result)})", flush=True)
-        return result.success
+    )
+    if not result.success:
+        print(f"coverage / judge_calibration: FAILED ({_failure_reason(result)})", flush=True)
+    return result.success
 
 
 def _print_across_runs(data: DataRoot) -> None:

@@ -165,7 +165,9 @@ def key_hash(text: str) -> int:
 
 # --- Arrow schemas ----------------------------------------------------------------------------------
 
-STR = pa.string()
+# large_string: the type behind pandas' default string dtype, so tables convert to and from pandas without
+# copying their texts (in Parquet both are the same UTF-8 column; readers see text either way)
+STR = pa.large_string()
 INT = pa.int64()
 BOOL = pa.bool_()
 
@@ -352,9 +354,14 @@ def dictionary_columns(asset: str) -> list[str]:
 STATISTICS_TEXT_COLUMNS = frozenset({"run_id", "task_id", "dir", "dup_of_run_id", "dup_of_task_id", "rejected_dir"})
 
 
+def type_name(arrow_type: pa.DataType) -> str:
+    """A column's type as users meet it: text is "string" (whichever Arrow string type holds it)."""
+    return "string" if arrow_type == STR else str(arrow_type)
+
+
 def statistics_columns(asset: str) -> list[str]:
     """The asset's columns that Parquet writes min/max statistics for."""
-    return [f.name for f in SCHEMAS[asset] if f.name in STATISTICS_TEXT_COLUMNS or not pa.types.is_string(f.type)]
+    return [f.name for f in SCHEMAS[asset] if f.name in STATISTICS_TEXT_COLUMNS or f.type != STR]
 
 
 def columns(asset: str) -> list[str]:
@@ -396,9 +403,7 @@ def isin(values: pd.Series, allowed) -> np.ndarray:
 def positions(values: pd.Series, keys: pd.Series) -> np.ndarray:
     """For each value, the position of its first equal in `keys`, or -1: a lookup by Arrow's hash table
     (a pandas merge on text columns factorizes both sides first, several times slower)."""
-    found = pc.index_in(
-        pa.array(values.astype("str"), type=pa.string()), value_set=pa.array(keys.astype("str"), type=pa.string())
-    )
+    found = pc.index_in(pa.array(values.astype("str"), type=STR), value_set=pa.array(keys.astype("str"), type=STR))
     return found.fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)
 
 

@@ -17,7 +17,14 @@ from filter_pipeline.rules import calibration, checks, filtering, order, report,
 from filter_pipeline.rules.batch import EXECUTIONS_FILE, TASKS_FILE, BatchError, count_records, read_batch
 from filter_pipeline.rules.coverage import coverage_chart, coverage_markdown, coverage_table
 from filter_pipeline.rules.history import build_prior_index, load_retired
-from filter_pipeline.rules.schemas import COLUMN_DESCRIPTIONS, FAILURE_REASONS, SCHEMAS, STATUS_ERROR, STATUS_JUDGED
+from filter_pipeline.rules.schemas import (
+    COLUMN_DESCRIPTIONS,
+    FAILURE_REASONS,
+    SCHEMAS,
+    STATUS_ERROR,
+    STATUS_JUDGED,
+    type_name,
+)
 from filter_pipeline.shell.config import deployment_caps_config, run_caps_problem
 from filter_pipeline.shell.warehouse import DataRoot, read_folder, read_parquet, write_parquet
 
@@ -30,7 +37,7 @@ def column_schema(asset: str) -> dict:
     return {
         "dagster/column_schema": dg.TableSchema(
             columns=[
-                dg.TableColumn(name=f.name, type=str(f.type), description=COLUMN_DESCRIPTIONS.get(f.name))
+                dg.TableColumn(name=f.name, type=type_name(f.type), description=COLUMN_DESCRIPTIONS.get(f.name))
                 for f in schema
             ]
         )
@@ -142,12 +149,14 @@ def judge_batch(context: dg.AssetExecutionContext, judge: JudgeResource, data: D
     load_retired(data.root)  # a broken retired.json fails the run here, before anything is written or judged
     batch = _parse(context, data, run_id)
     run_dir = data.run_dir(run_id)
-    # pure computations in a second thread beside the writes (Parquet encoding runs without the GIL) and the
+    # pure computations in other threads beside the writes (Parquet encoding runs without the GIL) and the
     # judge; every event is yielded from this one
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="failure-pool") as alongside:
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="judge-batch") as alongside:
         executed = alongside.submit(filtering.execute_failures, batch.tasks, batch.attempts)
+        to_judge = alongside.submit(filtering.attempts_to_judge, batch.tasks, batch.attempts)
         yield from _batch_outputs(batch)  # in the warehouse before judging starts, however long it takes
-        judgement, requests = _judge(context, judge, data, run_id, batch)
+        requests = to_judge.result()
+        judgement = _judge(context, judge, data, run_id, requests)
         verdicts = judgement.verdicts.assign(backend=judgement.verdicts["backend_detail"], run_id=run_id)
         conserved = alongside.submit(
             lambda: checks.attempts_conserved(count_records(run_dir), batch.attempts, batch.rejects, verdicts)
@@ -207,9 +216,8 @@ def _parse(context: dg.AssetExecutionContext, data: DataRoot, run_id: str):
     return batch
 
 
-def _judge(context: dg.AssetExecutionContext, judge: JudgeResource, data: DataRoot, run_id: str, batch):
-    """(the judgement, the judge's requests): the verdict on each task's last ok attempt."""
-    requests = filtering.attempts_to_judge(batch.tasks, batch.attempts)
+def _judge(context: dg.AssetExecutionContext, judge: JudgeResource, data: DataRoot, run_id: str, requests):
+    """The judgement of `requests` (rows of `filtering.attempts_to_judge`: each task's last ok attempt)."""
     previous_file = data.asset_file("judge_verdicts", run_id)
     progress = ProgressStore(data.warehouse / JUDGE_PROGRESS_FOLDER / run_id, write=write_parquet)
     try:
@@ -223,7 +231,7 @@ def _judge(context: dg.AssetExecutionContext, judge: JudgeResource, data: DataRo
         )
     except EndpointRefused as exc:  # one line, no traceback: the endpoint refuses, retrying cannot help
         raise dg.Failure(description=str(exc), allow_retries=False) from None
-    return judgement, requests
+    return judgement
 
 
 def _batch_outputs(batch) -> Iterable[dg.Output]:

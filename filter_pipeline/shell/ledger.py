@@ -19,7 +19,6 @@ import dagster as dg
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
-from upath import UPath
 
 from filter_pipeline import settings
 from filter_pipeline.rules import checks, commits, dpo, filtering, order, report
@@ -229,11 +228,13 @@ def _parquet_bytes(frame: pd.DataFrame, asset: str) -> tuple[pa.Buffer, int]:
     return sink.getvalue(), table.num_rows
 
 
-def _encoded(data: DataRoot, run_id: str, asset: str, frame: pd.DataFrame) -> tuple[UPath, pa.Buffer, dict]:
-    """(where the asset's file of this run goes, its Parquet bytes, its commit entry)."""
+def _write(data: DataRoot, run_id: str, asset: str, frame: pd.DataFrame) -> dict:
+    """Write the asset's file of this run atomically, from bytes encoded and hashed in memory (so the hash is of
+    what was written); returns its commit entry."""
     path = data.asset_file(asset, run_id)
     content, rows = _parquet_bytes(frame, asset)
-    return path, content, file_entry(data.root, path, content, rows)
+    atomic_write(path, content)
+    return file_entry(data.root, path, content, rows)
 
 
 def _walk_in_order(context, config, data: DataRoot, run_ids: list[str], inputs: list[dict], source: str, lease: Lease):
@@ -305,10 +306,14 @@ def _walk_the_ledger(
             ("no_key_kept_twice", "kept"): alongside.submit(checks.no_key_kept_twice, result.kept, index.keys),
             ("caps_respected", "kept"): alongside.submit(checks.caps_respected, result.kept, index.counts, caps),
         }
-        # the walk's own files encoded and hashed beside the DPO pairs and the report (into memory: nothing
-        # touches the warehouse until the commit is withdrawn below)
-        encoded = {
-            asset: alongside.submit(_encoded, data, run_id, asset, frame)
+        # from here on the run is pending until committed again (not before: a walk that fails on history
+        # leaves an already filtered run's commit, and so its place in everyone's history, as it was)
+        delete_commit(data.warehouse, run_id)
+        writing = time.perf_counter()
+        # the walk's own files encoded, hashed and written beside the DPO pairs and the report (each write
+        # waits on its fsyncs, not on the GIL)
+        written = {
+            asset: alongside.submit(_write, data, run_id, asset, frame)
             for asset, frame in (("prior_dedup_index", index.keys), ("prior_kept_counts", index.counts),
                                  ("kept", result.kept), ("surplus", result.surplus))
         }  # fmt: skip
@@ -336,20 +341,13 @@ def _walk_the_ledger(
                 },
             ),  # fmt: skip
         }
-        writing = time.perf_counter()
         for asset in ("dpo_pairs", "filter_report"):
-            encoded[asset] = alongside.submit(_encoded, data, run_id, asset, frames[asset][0])
+            written[asset] = alongside.submit(_write, data, run_id, asset, frames[asset][0])
         page = data.warehouse / "filter_report_html" / f"{run_id}.html"
         html = report.html(figures, images, run_id).encode()
-        contents = {asset: future.result() for asset, future in encoded.items()}
-        contents["filter_report_html"] = (page, html, file_entry(data.root, page, html, 0))
-        # pending from the first write until committed again (not before: a walk that fails on history leaves
-        # an already filtered run's commit, and so its place in everyone's history, as it was)
-        delete_commit(data.warehouse, run_id)
-        # two at a time: each write waits on its fsyncs, not on the GIL
-        for done in [alongside.submit(atomic_write, path, content) for path, content, _ in contents.values()]:
-            done.result()
-        files = {asset: entry for asset, (_, _, entry) in contents.items()}
+        atomic_write(page, html)
+        files = {asset: future.result() for asset, future in written.items()}
+        files["filter_report_html"] = file_entry(data.root, page, html, 0)
         context.log.info(f"wrote {len(files)} files in {time.perf_counter() - writing:.2f} s")
         frames["filter_report"][1]["html"] = dg.MetadataValue.path(str(page))
         outcomes = {key: future.result() for key, future in pending.items()}

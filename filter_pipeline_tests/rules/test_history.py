@@ -53,6 +53,26 @@ def write_kept_with_hash(data, run_id: str, stored_hash: int, *rows: tuple) -> N
     commit_files(data, run_id, {"kept": path})
 
 
+def rewrite_text_as_arrow_string(data, run_id: str) -> None:
+    """The run's kept file as earlier versions wrote it: text columns of Arrow `string`, not `large_string`."""
+    path = UPath(data) / "warehouse" / "kept" / f"{run_id}.parquet"
+    table = pq.read_table(path.path)
+    narrow = pa.schema([(f.name, pa.string() if f.type == pa.large_string() else f.type) for f in table.schema])
+    pq.write_table(table.cast(narrow), path.path)
+    commit_files(data, run_id, {"kept": path})
+
+
+def test_kept_files_with_arrow_string_text_are_history_as_before_and_read_with_new_ones_as_one_table(tmp_path):
+    write_kept(tmp_path, "r1", ("a", ["k", 1], "m", "s1"))
+    rewrite_text_as_arrow_string(tmp_path, "r1")
+    write_kept(tmp_path, "r2", ("b", ["k", 2], "m", "s1"))
+    idx = index(tmp_path, batch_keys=[["k", 1], ["k", 2]])
+    assert idx.keys[["dedup_key", "run_id"]].values.tolist() == [['["k",1]', "r1"], ['["k",2]', "r2"]]
+    assert counts_of(idx) == {("m", "s1"): 2}
+    folder = pd.read_parquet(tmp_path / "warehouse" / "kept")
+    assert sorted(folder["task_id"]) == ["a", "b"] and folder["task_id"].dtype == "str"
+
+
 def test_a_history_row_with_a_batch_keys_hash_but_other_text_is_no_match(tmp_path):
     shared = key_hash(canonical_key(["k", 1]))
     write_kept_with_hash(tmp_path, "r1", shared, ("a", ["k", 1], "m", "s"), ("b", ["k", 2], "m", "s"))
