@@ -86,6 +86,9 @@ class Batch:
     rejects: pd.DataFrame  # columns of schemas.SCHEMAS["batch_rejects"]
     seconds: float = 0.0  # how long the parse took
     read_ahead: bool = False  # parsed in the background before its step asked (`read_ahead`)
+    # the row in `tasks` of each attempt's task, as the parse found it (the rules take it rather than look
+    # every task_id up again)
+    task_at: np.ndarray | None = None
 
 
 # --- field checks -----------------------------------------------------------------------------------
@@ -842,7 +845,7 @@ def _parse_batch(run_dir: UPath, run_id: str) -> Batch:
         "attempt",
         "attempt of task_id {} appears earlier with the same number",
     )
-    attempts = attempts[~twice]
+    attempts, task_at = attempts[~twice], task_at[~twice]
     escaping = isin(attempts["dir"], list(dirs_outside_root(run_dir, attempts["dir"])))
     rejects += _rejects_for(
         attempts[escaping],
@@ -851,7 +854,7 @@ def _parse_batch(run_dir: UPath, run_id: str) -> Batch:
         "dir",
         "attempt of task_id {} has a dir that resolves outside the data root",
     )
-    attempts = attempts[~escaping]
+    attempts, task_at = attempts[~escaping], task_at[~escaping]
 
     rejects_frame = pd.DataFrame(rejects) if rejects else empty_frame("batch_rejects")
     return Batch(
@@ -861,6 +864,7 @@ def _parse_batch(run_dir: UPath, run_id: str) -> Batch:
             rejects_frame.assign(run_id=run_id).sort_values(["file", "line"], kind="stable"), "batch_rejects"
         ),
         seconds=time.perf_counter() - started,
+        task_at=task_at,
     )
 
 

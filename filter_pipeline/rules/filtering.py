@@ -29,11 +29,21 @@ from filter_pipeline.rules.schemas import (
 # --- §3.1 execute failures --------------------------------------------------------------------------
 
 
-def execute_failures(tasks: pd.DataFrame, attempts: pd.DataFrame) -> pd.DataFrame:
+def _task_rows(tasks: pd.DataFrame, attempts: pd.DataFrame, task_at: np.ndarray | None, rows: np.ndarray):
+    """The row in `tasks` of the task of each attempt picked by the boolean mask `rows` (-1: not a task);
+    `task_at`: the row of every attempt's task, as the parse found it, or None to look them up."""
+    if task_at is not None:
+        return task_at[rows]
+    return positions(attempts["task_id"][rows], tasks["task_id"])
+
+
+def execute_failures(tasks: pd.DataFrame, attempts: pd.DataFrame, task_at: np.ndarray | None = None) -> pd.DataFrame:
     """One failure-pool row per attempt with `ok` false, in executions.jsonl order; `detail` is the error cut
-    to DETAIL_MAX_CHARS, "" when the error is empty, null or absent (never null: CONTRACT §3.1)."""
-    failed = attempts[attempts["ok"] == False].reset_index(drop=True)  # noqa: E712 - nullable bool column
-    at = positions(failed["task_id"], tasks["task_id"])
+    to DETAIL_MAX_CHARS, "" when the error is empty, null or absent (never null: CONTRACT §3.1). `task_at`:
+    the row in `tasks` of each attempt's task (`Batch.task_at`), looked up when not given."""
+    is_failed = (attempts["ok"] == False).to_numpy(dtype=bool, na_value=False)  # noqa: E712 - nullable bool
+    failed = attempts[is_failed].reset_index(drop=True)
+    at = _task_rows(tasks, attempts, task_at, is_failed)
     task_columns = tasks[["macro", "site", "instruction", "dedup_key"]].iloc[np.maximum(at, 0)].reset_index(drop=True)
     if (at < 0).any():  # an attempt of an unknown task (read_batch rejects those): no task columns
         task_columns.loc[at < 0, :] = None
@@ -62,14 +72,16 @@ def failure_reasons(errors: pd.Series) -> np.ndarray:
 # --- §3.2 what gets judged --------------------------------------------------------------------------
 
 
-def attempts_to_judge(tasks: pd.DataFrame, attempts: pd.DataFrame) -> pd.DataFrame:
+def attempts_to_judge(tasks: pd.DataFrame, attempts: pd.DataFrame, task_at: np.ndarray | None = None) -> pd.DataFrame:
     """For each task (tasks.jsonl order) with an ok attempt, the ok attempt with the highest number.
 
     Columns: the task's (task_id, macro, site, dedup_key, start_kind, instruction) and the attempt's
     (attempt, dir, n_actions, backend_ok, backend_detail, attempt_line: its line in executions.jsonl).
+    `task_at`: the row in `tasks` of each attempt's task (`Batch.task_at`), looked up when not given.
     """
-    ok = attempts[attempts["ok"] == True].rename(columns={"line": "attempt_line"})  # noqa: E712 - nullable bool
-    task_at = positions(ok["task_id"], tasks["task_id"])
+    is_ok = (attempts["ok"] == True).to_numpy(dtype=bool, na_value=False)  # noqa: E712 - nullable bool
+    ok = attempts[is_ok].rename(columns={"line": "attempt_line"})
+    task_at = _task_rows(tasks, attempts, task_at, is_ok)
     # by (task position, attempt number), stable: the last row of each task is its highest ok attempt (the
     # later line if a number repeats), and tasks come out in tasks.jsonl order
     order = np.lexsort((ok["attempt"].to_numpy(dtype=np.int64), task_at))

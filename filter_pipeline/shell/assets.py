@@ -152,8 +152,8 @@ def judge_batch(context: dg.AssetExecutionContext, judge: JudgeResource, data: D
     # pure computations in other threads beside the writes (Parquet encoding runs without the GIL) and the
     # judge; every event is yielded from this one
     with ThreadPoolExecutor(max_workers=2, thread_name_prefix="judge-batch") as alongside:
-        executed = alongside.submit(filtering.execute_failures, batch.tasks, batch.attempts)
-        to_judge = alongside.submit(filtering.attempts_to_judge, batch.tasks, batch.attempts)
+        executed = alongside.submit(filtering.execute_failures, batch.tasks, batch.attempts, batch.task_at)
+        to_judge = alongside.submit(filtering.attempts_to_judge, batch.tasks, batch.attempts, batch.task_at)
         yield from _batch_outputs(batch)  # in the warehouse before judging starts, however long it takes
         requests = to_judge.result()
         judgement = _judge(context, judge, data, run_id, requests)

@@ -119,6 +119,21 @@ def test_judged_in_tasks_file_order_and_tasks_without_ok_attempt_skipped(tmp_pat
     assert judged["task_id"].tolist() == ["z", "a"]
 
 
+def test_the_task_rows_the_parse_found_give_what_looking_each_task_up_gives(tmp_path):
+    # a repeated task, an attempt of an unknown task and a repeated attempt number: rows the parse drops
+    batch = parse(
+        tmp_path,
+        [task("z"), task("a"), task("z", instruction="again"), task("b")],
+        [attempt("ghost"), attempt("b", ok=False, error="e"), attempt("a", 2), attempt("a", 2, ok=False),
+         attempt("z", ok=False, error="x"), attempt("a", 1), attempt("z", 3)],
+    )  # fmt: skip
+    assert batch.task_at.tolist() == [2, 1, 0, 1, 0]  # b, a, z, a, z in tasks' rows z, a, b
+    for rule in (filtering.execute_failures, filtering.attempts_to_judge):
+        given = rule(batch.tasks, batch.attempts, batch.task_at)
+        pd.testing.assert_frame_equal(given, rule(batch.tasks, batch.attempts))
+        assert len(given) == 2
+
+
 def test_gate_judge_passes_with_fixed_why_and_votes(tmp_path):
     batch = parse(tmp_path, [task("a")], [attempt("a")])
     verdict = gate_verdicts(filtering.attempts_to_judge(batch.tasks, batch.attempts))
