@@ -392,14 +392,14 @@ def _reject_row(file: str, line: int, field: str | None, message: str, raw: byte
 
 _ATTEMPT_ARROW = pa.schema(
     [
-        ("task_id", pa.string()),
+        ("task_id", pa.large_string()),
         ("attempt", pa.int64()),
         ("ok", pa.bool_()),
-        ("error", pa.string()),
-        ("dir", pa.string()),
+        ("error", pa.large_string()),
+        ("dir", pa.large_string()),
         # steps are objects of any shape; only their number matters here
         ("steps", pa.list_(pa.struct([]))),
-        ("backend", pa.struct([("ok", pa.bool_()), ("detail", pa.string())])),
+        ("backend", pa.struct([("ok", pa.bool_()), ("detail", pa.large_string())])),
     ]
 )
 
@@ -585,11 +585,11 @@ def _by_top(paths: pa.Array) -> list[tuple[str, pa.Array]]:
 
 _TASK_ARROW = pa.schema(
     [
-        ("task_id", pa.string()),
-        ("macro", pa.string()),
-        ("site", pa.string()),
-        ("instruction", pa.string()),
-        ("start", pa.struct([("kind", pa.string())])),
+        ("task_id", pa.large_string()),
+        ("macro", pa.large_string()),
+        ("site", pa.large_string()),
+        ("instruction", pa.large_string()),
+        ("start", pa.struct([("kind", pa.large_string())])),
     ]
 )
 _STRING = r'"(?:[^"\\]|\\.)*"'
