@@ -4,6 +4,7 @@ Every asset's Parquet file is written with the schema below, so an empty partiti
 types as a full one and `pd.read_parquet(<warehouse>/<asset>/)` over every run at once works.
 """
 
+import functools
 import hashlib
 import json
 import math
@@ -372,6 +373,24 @@ def columns(asset: str) -> list[str]:
 def empty_frame(asset: str) -> pd.DataFrame:
     """A zero-row frame with the asset's columns and dtypes."""
     return to_pandas(SCHEMAS[asset].empty_table())
+
+
+@functools.cache
+def _pandas_dtypes(asset: str) -> pd.Series:
+    return empty_frame(asset).dtypes
+
+
+def conforms(df: pd.DataFrame, asset: str) -> bool:
+    """Whether `df` is already what reading the asset's file gives: its columns in order, their dtypes and a
+    default row index (0, 1, ...)."""
+    index = df.index
+    return (
+        isinstance(index, pd.RangeIndex)
+        and index.start == 0
+        and index.step == 1
+        and list(df.columns) == SCHEMAS[asset].names
+        and bool((df.dtypes == _pandas_dtypes(asset)).all())
+    )
 
 
 def conform(df: pd.DataFrame, asset: str) -> pd.DataFrame:

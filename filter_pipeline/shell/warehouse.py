@@ -19,7 +19,14 @@ from upath import UPath
 
 from filter_pipeline.rules.batch import LOCAL_PROTOCOLS, local_signature
 from filter_pipeline.rules.commits import replace_locally
-from filter_pipeline.rules.schemas import SCHEMAS, dictionary_columns, statistics_columns, to_arrow, to_pandas
+from filter_pipeline.rules.schemas import (
+    SCHEMAS,
+    conforms,
+    dictionary_columns,
+    statistics_columns,
+    to_arrow,
+    to_pandas,
+)
 from filter_pipeline.settings import DATA_ENV, DEFAULT_DATA, ENDPOINT_ENV, data_path
 
 
@@ -122,7 +129,10 @@ class ParquetWarehouseIOManager(dg.UPathIOManager):
 
     In one process (the in-process executor runs a whole run in one), the tables it last wrote
     to local disk, up to RECENT_BYTES, are handed to the steps that load them next instead of being read
-    back, as long as the file on disk is still the one written (same size and modification time).
+    back, as long as the file on disk is still the one written (same size and modification time). A step
+    loads exactly what reading the file gives: the frame that was written when it already had the file's
+    columns, dtypes and row index (as a copy, so the writer's changes never reach it), else its table
+    converted.
     """
 
     extension = ".parquet"
@@ -130,7 +140,8 @@ class ParquetWarehouseIOManager(dg.UPathIOManager):
     def __init__(self, base_path: UPath, recent_bytes: int = RECENT_BYTES):
         super().__init__(base_path=base_path)
         self.recent_bytes = recent_bytes
-        self._recent: OrderedDict[str, tuple[tuple[int, int], pa.Table, int]] = OrderedDict()  # signature, table, bytes
+        # path -> (signature, what was written: the conforming frame or the Arrow table, Arrow bytes)
+        self._recent: OrderedDict[str, tuple[tuple[int, int], pd.DataFrame | pa.Table, int]] = OrderedDict()
         self._recent_lock = threading.Lock()  # a step's checks run in a thread beside its writes
 
     def dump_to_path(self, context: dg.OutputContext, obj: pd.DataFrame, path: UPath) -> None:
@@ -138,28 +149,34 @@ class ParquetWarehouseIOManager(dg.UPathIOManager):
         if asset not in SCHEMAS:
             raise KeyError(f"asset {asset!r} has no Arrow schema in filter_pipeline.rules.schemas.SCHEMAS")
         table = to_arrow(obj, asset)
-        self._remember(path, table, write_parquet(table, path, dictionary_columns(asset), statistics_columns(asset)))
+        signature = write_parquet(table, path, dictionary_columns(asset), statistics_columns(asset))
+        self._remember(path, table, signature, obj.copy(deep=False) if conforms(obj, asset) else None)
 
     def load_from_path(self, context: dg.InputContext, path: UPath) -> pd.DataFrame:
         """The partition's frame; only the columns an input names in its `columns` metadata, if it does."""
         columns = (context.definition_metadata or {}).get("columns")
-        table = self._recall(path)
-        if table is None:
+        written = self._recall(path)
+        if written is None:
             return read_parquet(path, columns=columns)
-        return to_pandas(table.select(columns) if columns else table)
+        if isinstance(written, pd.DataFrame):
+            return written[columns] if columns else written.copy(deep=False)
+        return to_pandas(written.select(columns) if columns else written)
 
-    def _remember(self, path: UPath, table: pa.Table, signature: tuple[int, int] | None) -> None:
-        """Keep `table` as the content of the file with `signature` (None: an object store, not kept)."""
+    def _remember(
+        self, path: UPath, table: pa.Table, signature: tuple[int, int] | None, frame: pd.DataFrame | None = None
+    ) -> None:
+        """Keep what was written as the content of the file with `signature` (None: an object store, not
+        kept): `frame`, when it is what reading the file gives, else `table`."""
         size = table.nbytes  # measured once: it walks every column's buffers
         with self._recent_lock:
             self._recent.pop(str(path), None)
             if signature is None or size > self.recent_bytes:
                 return
-            self._recent[str(path)] = (signature, table, size)
+            self._recent[str(path)] = (signature, table if frame is None else frame, size)
             while sum(entry[2] for entry in self._recent.values()) > self.recent_bytes:
                 self._recent.popitem(last=False)  # the oldest write goes first
 
-    def _recall(self, path: UPath) -> pa.Table | None:
+    def _recall(self, path: UPath) -> pd.DataFrame | pa.Table | None:
         with self._recent_lock:
             entry = self._recent.get(str(path))
         if entry is None:

@@ -16,7 +16,7 @@ from upath import UPath
 from filter_pipeline.definitions import build_defs
 from filter_pipeline.judge.resource import JudgeResource
 from filter_pipeline.rules import commits
-from filter_pipeline.rules.schemas import SCHEMAS, empty_frame, to_arrow
+from filter_pipeline.rules.schemas import SCHEMAS, conform, empty_frame, to_arrow
 from filter_pipeline.shell import warehouse
 from filter_pipeline.shell.jobs import ACROSS_RUNS_ASSETS
 from filter_pipeline.shell.warehouse import DataRoot, read_parquet, write_parquet
@@ -244,6 +244,22 @@ def test_a_step_loads_what_the_run_just_wrote_exactly_as_the_file_reads(tmp_path
         dg.build_input_context(definition_metadata={"columns": ["task_id", "passed"]}), path
     )
     pd.testing.assert_frame_equal(narrow, from_file[["task_id", "passed"]])
+
+
+def test_a_frame_that_already_reads_as_its_file_is_handed_over_unconverted_and_unchanged_by_its_writer(
+    tmp_path, monkeypatch
+):
+    manager = warehouse.ParquetWarehouseIOManager(base_path=UPath(tmp_path))
+    path = UPath(tmp_path) / "judge_verdicts" / "r1.parquet"
+    written = conform(verdict_frame(), "judge_verdicts")
+    manager.dump_to_path(dg.build_output_context(asset_key="judge_verdicts"), written, path)
+    written.loc[0, "task_id"] = "changed by the writer after the write"
+    monkeypatch.setattr(warehouse, "to_pandas", lambda *a, **k: pytest.fail("converted the table"))
+    monkeypatch.setattr(warehouse, "read_parquet", lambda *a, **k: pytest.fail("read the file back"))
+    loaded = manager.load_from_path(dg.build_input_context(), path)
+    monkeypatch.undo()
+    pd.testing.assert_frame_equal(loaded, read_parquet(path))
+    assert loaded["task_id"].tolist() == ["a", "b"]
 
 
 def test_a_file_replaced_since_the_write_is_read_from_disk(tmp_path):
