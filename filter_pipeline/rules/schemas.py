@@ -151,8 +151,14 @@ def _not_json(constant: str):
 
 def key_hashes(texts: list[str]) -> np.ndarray:
     """`key_hash` of each text, as int64 (the digests are joined and read as one little-endian array)."""
-    digests = b"".join(hashlib.blake2b(text.encode(), digest_size=8).digest() for text in texts)
-    return np.frombuffer(digests, dtype="<i8").astype(np.int64)
+    # copying one configured hasher is cheaper than constructing one per text (same digests)
+    empty = hashlib.blake2b(digest_size=8)
+    digests = []
+    for text in texts:
+        hasher = empty.copy()
+        hasher.update(text.encode())
+        digests.append(hasher.digest())
+    return np.frombuffer(b"".join(digests), dtype="<i8").astype(np.int64)
 
 
 def key_hash(text: str) -> int:
