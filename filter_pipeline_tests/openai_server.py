@@ -23,6 +23,7 @@ class Reply:
     content: str | None = '{"passed": true, "why": "looks done"}'
     status: int = 200
     delay: float = 0.0
+    body_delay: float = 0.0  # seconds between the headers and the body (a slow proxy streaming it through)
     headers: dict = field(default_factory=dict)
     body: str | None = None  # raw body instead of a chat completion
     choices: list[str] | None = None  # contents of the n choices; default: `content` n times
@@ -131,7 +132,13 @@ class FakeOpenAI:
                 for k, v in reply.headers.items():
                     self.send_header(k, v)
                 self.end_headers()
-                self.wfile.write(data)
+                try:
+                    if reply.body_delay:
+                        self.wfile.flush()
+                        time.sleep(reply.body_delay)
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):
+                    self.close_connection = True  # the client hung up (its timeout): a real server moves on
 
             def log_message(self, *args):
                 pass

@@ -491,26 +491,33 @@ class JudgeClient:
         aiohttp = self._aiohttp
         s = self.settings
         tries = 0
+        problem = ""
         while True:
             epoch = await self.rate.acquire(task)
             body = make_body()
             task.requests += 1
             tries += 1
-            status, headers, text, problem = None, {}, "", ""
+            status, headers, text, before, problem = None, {}, "", problem, ""
             start = time.perf_counter()
             try:
                 timeout = max(min(s.timeout_seconds, task.deadline - time.monotonic()), 0.001)
                 async with self.session.post(
                     self.url, json=body, headers=self.headers, timeout=aiohttp.ClientTimeout(total=timeout)
                 ) as response:
+                    # The status counts only with its whole body: a body cut off by the timeout is a
+                    # timeout, not an empty answer from the server.
+                    data = await response.read()
                     status, headers = response.status, dict(response.headers)
-                    text = (await response.read()).decode("utf-8", errors="replace")
+                    text = data.decode("utf-8", errors="replace")
             except self.transport_errors as exc:
-                problem = (
-                    f"timeout ({timeout:.0f} s) waiting for the judge endpoint"
-                    if isinstance(exc, asyncio.TimeoutError)
-                    else f"{type(exc).__name__} talking to the judge endpoint"
-                )
+                if isinstance(exc, asyncio.TimeoutError) and timeout < s.timeout_seconds and before:
+                    # Cut short by the task's budget, this timeout says nothing about the endpoint; what it
+                    # answered before does.
+                    problem = f"{before}; the task budget ran out during the next request"
+                elif isinstance(exc, asyncio.TimeoutError):
+                    problem = f"timeout ({timeout:.1f} s) waiting for the judge endpoint"
+                else:
+                    problem = f"{type(exc).__name__} talking to the judge endpoint"
             finally:
                 task.latencies_ms.append((time.perf_counter() - start) * 1000)
                 self.rate.release()

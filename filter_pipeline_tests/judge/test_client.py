@@ -5,6 +5,7 @@ import asyncio
 import json
 import threading
 import time
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
 
@@ -282,6 +283,22 @@ def test_a_timed_out_request_is_retried():
     with FakeOpenAI(sequence(Reply(delay=1.5), Reply(content=PASS))) as server:
         [v] = judge_prompts([prompt("a")], settings(server, timeout_seconds=0.5))
     assert v.passed is True and v.requests == len(server.calls) >= 2
+
+
+def test_a_body_cut_off_by_the_timeout_is_a_timeout_not_the_status_with_an_empty_body():
+    slow_body = Reply(status=503, body=error_body("upstream down", "server_error"), body_delay=1.0)
+    with FakeOpenAI(lambda call, n: slow_body) as server:
+        [v] = judge_prompts([prompt("a")], settings(server, timeout_seconds=0.3, task_budget_seconds=1.0))
+    assert v.status == "error" and v.requests == len(server.calls) >= 2
+    assert "timeout" in v.why and "HTTP 503" not in v.why and "(empty body)" not in v.why, v.why
+
+
+def test_a_request_cut_short_by_the_task_budget_reports_what_the_endpoint_said_before():
+    down = Reply(status=503, body=error_body("upstream down", "server_error"))
+    with FakeOpenAI(sequence(down, replace(down, body_delay=3.0))) as server:
+        [v] = judge_prompts([prompt("a")], settings(server, timeout_seconds=10.0, task_budget_seconds=0.5))
+    assert v.status == "error" and v.requests == 2
+    assert v.why.startswith("HTTP 503 from the judge endpoint: upstream down; the task budget ran out"), v.why
 
 
 def test_an_outage_leaves_tasks_unjudged_and_later_tasks_are_not_even_asked():
