@@ -24,12 +24,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 import pyarrow as pa
-import pyarrow.parquet as pq
 from upath import UPath
 
 from filter_pipeline.judge import prompt as judge_prompt
 from filter_pipeline.rules.batch import EXECUTIONS_FILE
-from filter_pipeline.rules.schemas import JUDGE_PROGRESS_SCHEMA, STATUS_JUDGED, pylist
+from filter_pipeline.rules.schemas import JUDGE_PROGRESS_SCHEMA, STATUS_JUDGED, pylist, read_parquet_file
 
 # the verdict fields a fresh answer fills, reused verdicts carry and deduplicated copies share
 VERDICT_FIELDS = ("passed", "why", "votes", "status", "requests", "prompt_tokens", "completion_tokens",
@@ -123,7 +122,7 @@ class ProgressStore:
         for path in paths:
             try:
                 with path.open("rb") as f:
-                    frames.append(pq.read_table(f).to_pandas())
+                    frames.append(read_parquet_file(f).to_pandas())
                 self.loaded.append(path)
             except (OSError, ValueError, pa.ArrowException) as exc:
                 log.warning(f"judge progress part {path} skipped: it cannot be read ({type(exc).__name__})")

@@ -14,6 +14,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 # --- reasons ----------------------------------------------------------------------------------------
 
@@ -413,6 +414,15 @@ def to_arrow(df: pd.DataFrame, asset: str) -> pa.Table:
 
 # Nullable pandas dtypes, so a null bool is <NA> (never NaN, which is truthy) and ints stay ints.
 _PANDAS_TYPES = {BOOL: pd.BooleanDtype(), INT: pd.Int64Dtype()}
+
+
+def read_parquet_file(source, columns: list[str] | None = None, read_dictionary: list[str] | None = None) -> pa.Table:
+    """One Parquet file (a path, file object or buffer) as an Arrow table, read to the end before it returns.
+
+    Not `pq.read_table`: that goes through Arrow's dataset scanner, whose background read-ahead can still be
+    winding down when the call returns; a process that exits then aborts with "terminate called without an
+    active exception" (apache/arrow#34314, #39862). `ParquetFile.read` reads synchronously."""
+    return pq.ParquetFile(source, read_dictionary=read_dictionary).read(columns=columns)
 
 
 def to_pandas(table: pa.Table) -> pd.DataFrame:

@@ -17,7 +17,6 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 from upath import UPath
 
 from filter_pipeline.rules.commits import COMMITS_DIR, CommitRecord, HistoryIntegrityError, inputs_changed, parse_commit
@@ -33,7 +32,7 @@ from filter_pipeline.rules.history import (
     load_retired,
     verified_bytes,
 )  # fmt: skip
-from filter_pipeline.rules.schemas import DEFAULT_PER_SITE_CAP, STATUS_ERROR, STATUS_JUDGED
+from filter_pipeline.rules.schemas import DEFAULT_PER_SITE_CAP, STATUS_ERROR, STATUS_JUDGED, read_parquet_file
 
 FINDING_KINDS = ("commit", "file", "duplicate", "cap", "conservation", "uncommitted", "changed")
 MAX_LINES_PER_KIND = 20  # beyond this, one line says how many more of the same kind were found
@@ -81,7 +80,7 @@ def _kept_rows(
     try:
         data = verified_bytes(data_root, run_id, entry)
         dictionary = [c for c in ("macro", "site") if c in columns]  # counted by code, not by text
-        return pq.read_table(pa.BufferReader(data), columns=columns, read_dictionary=dictionary)
+        return read_parquet_file(pa.BufferReader(data), columns=columns, read_dictionary=dictionary)
     except HistoryIntegrityError as exc:
         findings.append(Finding("file", str(exc)))
     except (pa.ArrowException, OSError, KeyError) as exc:
@@ -255,7 +254,7 @@ def _conservation(data_root: UPath, records: dict[str, CommitRecord]) -> list[Fi
         path = data_root / "warehouse" / "judge_verdicts" / f"{run_id}.parquet"
         try:
             with path.open("rb") as f:
-                verdicts = pq.read_table(f, columns=["status", "passed"])
+                verdicts = read_parquet_file(f, columns=["status", "passed"])
         except (FileNotFoundError, pa.ArrowException, OSError):
             findings.append(Finding("conservation", f"warehouse/judge_verdicts/{run_id}.parquet is missing or unreadable: "
                                                     f"re-filter {run_id} with `filter-pipeline materialize {run_id}`"))  # fmt: skip

@@ -23,6 +23,7 @@ from filter_pipeline.rules.schemas import (
     SCHEMAS,
     conforms,
     dictionary_columns,
+    read_parquet_file,
     statistics_columns,
     to_arrow,
     to_pandas,
@@ -112,7 +113,7 @@ def write_atomically(path: UPath, write) -> tuple[int, int] | None:
 
 def read_parquet(path: UPath, columns: list[str] | None = None) -> pd.DataFrame:
     with path.open("rb") as f:
-        return to_pandas(pq.read_table(f, columns=columns))
+        return to_pandas(read_parquet_file(f, columns=columns))
 
 
 def read_folder(folder: UPath, columns: list[str], filters=None) -> pd.DataFrame:
