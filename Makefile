@@ -26,7 +26,10 @@ $(DAGSTER_HOME)/dagster.yaml: instance/dagster.yaml
 	mkdir -p $(DAGSTER_HOME)
 	cp instance/dagster.yaml $@
 
+# The package is installed editable, so pip never compiles it; where PYTHONDONTWRITEBYTECODE is set, every
+# process would compile its modules again at start (compileall only rewrites files whose source changed).
 setup: $(VENV)/.installed $(DAGSTER_HOME)/dagster.yaml
+	@$(VENV)/bin/python -m compileall -q filter_pipeline
 
 run: setup
 	$(VENV)/bin/filter-pipeline materialize

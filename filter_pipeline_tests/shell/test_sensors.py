@@ -39,6 +39,22 @@ def coverage_keys(result) -> list[str]:
     return [r.run_key for r in result.run_requests if r.job_name == "across_runs_job"]
 
 
+@dg.op
+def _nothing():
+    pass
+
+
+@dg.job
+def some_job():
+    _nothing()
+
+
+def run_in_instance(instance, tags: dict, status: dg.DagsterRunStatus) -> dg.DagsterRun:
+    """A run in the instance's run storage with `tags` and `status`, as a launched run leaves it; the sensor
+    reads runs only by status and tags."""
+    return instance.create_run_for_job(some_job, tags=tags, status=status)
+
+
 def added(result) -> list[str]:
     return [k for req in result.dynamic_partitions_requests for k in req.partition_keys]
 
@@ -135,15 +151,13 @@ def test_plan_waits_for_a_batch_judged_in_this_very_tick():
 
 
 def test_sensor_sees_runs_in_flight_and_failed_ledger_runs_in_the_instance(instance, data_root):
-    from dagster._core.test_utils import create_run_for_test
-
     for run_id in ("b1", "b2", "b3"):
         write_batch(data_root, run_id, [task("a")], [attempt("a")])
     judged(data_root, "b2")
     judged(data_root, "b3")
     instance.add_dynamic_partitions("run_id", ["b1", "b2", "b3"])
 
-    judging_b1 = create_run_for_test(instance, tags={"dagster/partition": "b1"}, status=dg.DagsterRunStatus.STARTED)
+    judging_b1 = run_in_instance(instance, tags={"dagster/partition": "b1"}, status=dg.DagsterRunStatus.STARTED)
     assert requests(tick(instance, data_root)) == []  # b2 must wait for b1
 
     instance.report_run_failed(judging_b1)
@@ -151,7 +165,7 @@ def test_sensor_sees_runs_in_flight_and_failed_ledger_runs_in_the_instance(insta
     (data_root / "retired.json").write_text('[{"run_id": "b1", "reason": "broken build"}]')
     assert requests(tick(instance, data_root)) == [("ledger_job", "b2", "b2:ledger")]
 
-    create_run_for_test(
+    run_in_instance(
         instance, tags={"dagster/partition": "b2", "dagster/run_key": "b2:ledger"}, status=dg.DagsterRunStatus.FAILURE
     )
     assert requests(tick(instance, data_root)) == []
@@ -160,13 +174,11 @@ def test_sensor_sees_runs_in_flight_and_failed_ledger_runs_in_the_instance(insta
 
 
 def test_a_ranged_run_in_flight_makes_every_partition_of_its_range_busy(instance, data_root):
-    from dagster._core.test_utils import create_run_for_test
-
     for run_id in ("b1", "b2", "b3"):
         write_batch(data_root, run_id, [task("a")], [attempt("a")])
         judged(data_root, run_id)
     instance.add_dynamic_partitions("run_id", ["b2", "b1", "b3"])
-    create_run_for_test(
+    run_in_instance(
         instance,
         tags={"dagster/asset_partition_range_start": "b2", "dagster/asset_partition_range_end": "b1"},
         status=dg.DagsterRunStatus.STARTED,
@@ -203,8 +215,6 @@ def test_on_s3_a_batch_completed_after_the_first_listing_is_seen_by_the_same_pro
 def test_a_filtered_run_with_unjudged_tasks_is_judged_again_after_a_backoff_under_a_cap(
     instance, data_root, monkeypatch
 ):
-    from dagster._core.test_utils import create_run_for_test
-
     monkeypatch.setenv("FILTER_PIPELINE_REJUDGE_BACKOFF_SECONDS", "1000")
     monkeypatch.setenv("FILTER_PIPELINE_REJUDGE_MAX_TRIES", "2")
     write_batch(data_root, "b1", [task("a")], [attempt("a")])
@@ -220,11 +230,11 @@ def test_a_filtered_run_with_unjudged_tasks_is_judged_again_after_a_backoff_unde
     [(job, key, tags)] = rejudge(tick(instance, data_root))
     assert key == "b1:rejudge:1" and tags == {"filter_pipeline/rejudge_of": "b1", "filter_pipeline/rejudge_try": "1"}
 
-    create_run_for_test(instance, tags=tags, status=dg.DagsterRunStatus.SUCCESS)  # that try just ended
+    run_in_instance(instance, tags=tags, status=dg.DagsterRunStatus.SUCCESS)  # that try just ended
     assert rejudge(tick(instance, data_root)) == []  # the backoff: 2000 s after the first try
     monkeypatch.setenv("FILTER_PIPELINE_REJUDGE_BACKOFF_SECONDS", "0")
     [(_, key, _)] = rejudge(tick(instance, data_root))
     assert key == "b1:rejudge:2"
-    create_run_for_test(instance, tags={"filter_pipeline/rejudge_of": "b1", "filter_pipeline/rejudge_try": "2"},
+    run_in_instance(instance, tags={"filter_pipeline/rejudge_of": "b1", "filter_pipeline/rejudge_try": "2"},
                         status=dg.DagsterRunStatus.SUCCESS)  # fmt: skip
     assert rejudge(tick(instance, data_root)) == []  # the cap: 2 tries
