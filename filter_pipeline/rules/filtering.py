@@ -18,6 +18,7 @@ from filter_pipeline.rules.schemas import (
     REASON_JUDGE_FAIL,
     REASON_SCRIPT_ERROR,
     REASON_UNKNOWN,
+    SCHEMAS,
     STAGE_EXECUTE,
     STAGE_JUDGE,
     STATUS_JUDGED,
@@ -42,7 +43,9 @@ def execute_failures(tasks: pd.DataFrame, attempts: pd.DataFrame, task_at: np.nd
     to DETAIL_MAX_CHARS, "" when the error is empty, null or absent (never null: CONTRACT §3.1). `task_at`:
     the row in `tasks` of each attempt's task (`Batch.task_at`), looked up when not given."""
     is_failed = (attempts["ok"] == False).to_numpy(dtype=bool, na_value=False)  # noqa: E712 - nullable bool
-    failed = attempts[is_failed].reset_index(drop=True)
+    # only the attempt columns a failure-pool row carries, and the error its reason and detail come from
+    wanted = [c for c in attempts.columns if c in SCHEMAS["failure_pool"].names or c == "error"]
+    failed = attempts[wanted][is_failed].reset_index(drop=True)
     at = _task_rows(tasks, attempts, task_at, is_failed)
     task_columns = tasks[["macro", "site", "instruction", "dedup_key"]].iloc[np.maximum(at, 0)].reset_index(drop=True)
     if (at < 0).any():  # an attempt of an unknown task (read_batch rejects those): no task columns
@@ -80,16 +83,21 @@ def attempts_to_judge(tasks: pd.DataFrame, attempts: pd.DataFrame, task_at: np.n
     `task_at`: the row in `tasks` of each attempt's task (`Batch.task_at`), looked up when not given.
     """
     is_ok = (attempts["ok"] == True).to_numpy(dtype=bool, na_value=False)  # noqa: E712 - nullable bool
-    ok = attempts[is_ok].rename(columns={"line": "attempt_line"})
+    ok_rows = np.flatnonzero(is_ok)
     task_at = _task_rows(tasks, attempts, task_at, is_ok)
     # by (task position, attempt number), stable: the last row of each task is its highest ok attempt (the
     # later line if a number repeats), and tasks come out in tasks.jsonl order
-    order = np.lexsort((ok["attempt"].to_numpy(dtype=np.int64), task_at))
+    order = np.lexsort((attempts["attempt"].iloc[ok_rows].to_numpy(dtype=np.int64), task_at))
     order = order[task_at[order] >= 0]  # an attempt of an unknown task is judged for nobody
     last = order[np.append(task_at[order][1:] != task_at[order][:-1], True)] if len(order) else order
     picked_tasks = tasks.drop(columns=["line"], errors="ignore").iloc[task_at[last]].reset_index(drop=True)
-    picked_attempts = ok[["attempt", "dir", "n_actions", "backend_ok", "backend_detail", "attempt_line"]].iloc[last]
-    return pd.concat([picked_tasks, picked_attempts.reset_index(drop=True)], axis=1)
+    # the picked rows taken once, and only the columns wanted (not every ok attempt's every column first)
+    picked_attempts = attempts[["attempt", "dir", "n_actions", "backend_ok", "backend_detail", "line"]].iloc[
+        ok_rows[last]
+    ]
+    return pd.concat(
+        [picked_tasks, picked_attempts.rename(columns={"line": "attempt_line"}).reset_index(drop=True)], axis=1
+    )
 
 
 def superseded_ok_attempts(attempts: pd.DataFrame, judged: pd.DataFrame) -> int:
