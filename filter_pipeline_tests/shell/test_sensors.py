@@ -236,5 +236,5 @@ def test_a_filtered_run_with_unjudged_tasks_is_judged_again_after_a_backoff_unde
     [(_, key, _)] = rejudge(tick(instance, data_root))
     assert key == "b1:rejudge:2"
     run_in_instance(instance, tags={"filter_pipeline/rejudge_of": "b1", "filter_pipeline/rejudge_try": "2"},
-                        status=dg.DagsterRunStatus.SUCCESS)  # fmt: skip
+                    status=dg.DagsterRunStatus.SUCCESS)  # fmt: skip
     assert rejudge(tick(instance, data_root)) == []  # the cap: 2 tries
