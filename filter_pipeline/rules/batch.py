@@ -670,7 +670,7 @@ def _fast_tasks(data: bytes) -> pd.DataFrame | None:
             "task_id": table["task_id"].to_pandas(),
             "macro": table["macro"].to_pandas(),
             "site": table["site"].to_pandas(),
-            "dedup_key": pd.array(texts, dtype="str"),
+            "dedup_key": texts.to_pandas(),
             "key_hash": key_hashes(texts),
             "start_kind": kind.to_pandas(),
             "instruction": table["instruction"].to_pandas(),

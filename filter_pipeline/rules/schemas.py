@@ -128,38 +128,54 @@ _CANONICAL_SCALAR = r'(?:"(?:[^"\\\x00-\x1f]|\\["\\bfnrt])*"|0|-?[1-9][0-9]*|tru
 CANONICAL_ARRAY = rf"^\[(?:{_CANONICAL_SCALAR}(?:,{_CANONICAL_SCALAR})*)?\]$"
 
 
-def canonical_texts(arrays: pa.Array) -> list[str]:
-    """`canonical_key` of each JSON array text (each an array of scalars). Texts already in canonical form
-    (what a generator writing compact JSON produces) are taken as they are, found by one vectorised match;
-    only the others are parsed and encoded again. Raises ValueError on text that is not JSON, NaN and
-    Infinity included (and a number too large for a float, such as 1e400, which would read as Infinity)."""
-    texts = arrays.to_pylist()
+def canonical_texts(arrays: pa.Array) -> pa.Array:
+    """`canonical_key` of each JSON array text (each an array of scalars), as an Arrow string array. Texts
+    already in canonical form (what a generator writing compact JSON produces) are taken as they are, found by
+    one vectorised match, with no Python string made for them when all are; only the others are parsed and
+    encoded again. Raises ValueError on text that is not JSON, NaN and Infinity included (and a number too large
+    for a float, such as 1e400, which would read as Infinity)."""
     redo = np.flatnonzero(~pc.match_substring_regex(arrays, CANONICAL_ARRAY).to_numpy(zero_copy_only=False))
-    if len(redo):
-        keys = json.loads("[" + ",".join(texts[i] for i in redo) + "]", parse_constant=_not_json)
-        if len(keys) != len(redo):
-            raise ValueError("a key text holds more than one JSON array")
-        for i, key, text in zip(redo.tolist(), keys, canonical_keys(keys)):
-            if "Infinity" in text and not all(math.isfinite(part) for part in key if type(part) is float):
-                raise ValueError(f"key {texts[i][:60]} holds a number too large for a float")
-            texts[i] = text
-    return texts
+    if not len(redo):
+        return arrays
+    texts = arrays.to_pylist()
+    keys = json.loads("[" + ",".join(texts[i] for i in redo) + "]", parse_constant=_not_json)
+    if len(keys) != len(redo):
+        raise ValueError("a key text holds more than one JSON array")
+    for i, key, text in zip(redo.tolist(), keys, canonical_keys(keys)):
+        if "Infinity" in text and not all(math.isfinite(part) for part in key if type(part) is float):
+            raise ValueError(f"key {texts[i][:60]} holds a number too large for a float")
+        texts[i] = text
+    return pa.array(texts, type=arrays.type)
 
 
 def _not_json(constant: str):
     raise ValueError(f"{constant} is not JSON")
 
 
-def key_hashes(texts: list[str]) -> np.ndarray:
-    """`key_hash` of each text, as int64 (the digests are joined and read as one little-endian array)."""
+def key_hashes(texts: list[str] | pa.Array) -> np.ndarray:
+    """`key_hash` of each text, as int64 (the digests are joined and read as one little-endian array). An
+    Arrow string array is hashed from its UTF-8 bytes where they lie, with no Python string made per text."""
     # copying one configured hasher is cheaper than constructing one per text (same digests)
     empty = hashlib.blake2b(digest_size=8)
     digests = []
-    for text in texts:
+    for data in _utf8_of_each(texts):
         hasher = empty.copy()
-        hasher.update(text.encode())
+        hasher.update(data)
         digests.append(hasher.digest())
     return np.frombuffer(b"".join(digests), dtype="<i8").astype(np.int64)
+
+
+def _utf8_of_each(texts: list[str] | pa.Array):
+    if not isinstance(texts, pa.Array):
+        return (text.encode() for text in texts)
+    if texts.null_count:
+        raise ValueError("a key text is null")
+    wide = pa.types.is_large_string(texts.type)
+    _, offsets, data = texts.buffers()
+    ends = np.frombuffer(offsets, dtype=np.int64 if wide else np.int32)[texts.offset : texts.offset + len(texts) + 1]
+    view = memoryview(data if data is not None else b"")
+    ends = ends.tolist()
+    return (view[start:end] for start, end in zip(ends, ends[1:]))
 
 
 def key_hash(text: str) -> int:
@@ -406,10 +422,21 @@ def conform(df: pd.DataFrame, asset: str) -> pd.DataFrame:
 
 
 def to_arrow(df: pd.DataFrame, asset: str) -> pa.Table:
-    """The frame as an Arrow table of the asset's fixed schema (extra columns are dropped)."""
+    """The frame as an Arrow table of the asset's fixed schema (extra columns are dropped, missing ones null)."""
     schema = SCHEMAS[asset]
-    df = df.reindex(columns=schema.names)
-    return pa.Table.from_pandas(df, schema=schema, preserve_index=False)
+    present = [name for name in schema.names if name in df.columns]
+    # nthreads=1: the columns are mostly Arrow already, so converting is cheap, while a pool of its own (what
+    # pyarrow starts per call otherwise) waits on the GIL whenever a step's other threads hold it
+    table = pa.Table.from_pandas(
+        df[present], schema=pa.schema([schema.field(name) for name in present]), preserve_index=False, nthreads=1
+    )
+    if len(present) == len(schema):
+        return table
+    # missing columns as Arrow nulls of their type: a pandas reindex would fill a float block with NaN
+    # for each and cast it, touching as much fresh memory as all of them
+    nulls = {field.name: pa.nulls(len(df), field.type) for field in schema if field.name not in table.column_names}
+    columns = [nulls[name] if name in nulls else table[name] for name in schema.names]
+    return pa.Table.from_arrays(columns, schema=schema.with_metadata(table.schema.metadata))
 
 
 # Nullable pandas dtypes, so a null bool is <NA> (never NaN, which is truthy) and ints stay ints.

@@ -534,7 +534,8 @@ def test_canonical_texts_refuses_numbers_json_has_no_text_for(text):
 
     with pytest.raises(ValueError):
         canonical_texts(pa.array(['["s",1]', text]))
-    assert canonical_texts(pa.array(['["NaN","Infinity"]', '["s", 1e308]'])) == ['["NaN","Infinity"]', '["s",1e+308]']
+    texts = canonical_texts(pa.array(['["NaN","Infinity"]', '["s", 1e308]'])).to_pylist()
+    assert texts == ['["NaN","Infinity"]', '["s",1e+308]']
 
 
 def test_a_record_nested_deeper_than_json_loads_follows_is_kept_by_both_paths(tmp_path):

@@ -5,6 +5,7 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
+import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -18,13 +19,17 @@ from filter_pipeline.rules.schemas import (
     canonical_texts,
     key_hash,
     key_hashes,
+    to_arrow,
+    to_pandas,
 )
 from filter_pipeline_tests.builders import CANONICAL_KEY_TEXTS, OTHER_KEY_TEXTS, RAW_KEYS
 from filter_pipeline_tests.conftest import REPO
 
 
 def test_canonical_texts_equal_canonical_key_of_each_parsed_key():
-    assert canonical_texts(pa.array(RAW_KEYS)) == [canonical_key(json.loads(raw)) for raw in RAW_KEYS]
+    assert canonical_texts(pa.array(RAW_KEYS)).to_pylist() == [canonical_key(json.loads(raw)) for raw in RAW_KEYS]
+    canonical = pa.array(CANONICAL_KEY_TEXTS)
+    assert canonical_texts(canonical) is canonical  # all canonical: the array itself, no text made again
 
 
 def test_only_texts_json_dumps_writes_unchanged_are_taken_as_written():
@@ -38,6 +43,29 @@ def test_key_hashes_equal_key_hash_one_by_one():
     texts = [canonical_key(json.loads(raw)) for raw in RAW_KEYS]
     assert key_hashes(texts).tolist() == [key_hash(t) for t in texts]
     assert key_hashes([]).tolist() == []
+    for texts_type in (pa.string(), pa.large_string()):  # from the Arrow bytes, sliced arrays included
+        arrow = pa.array(["pad", *texts], type=texts_type)[1:]
+        assert key_hashes(arrow).tolist() == key_hashes(texts).tolist()
+    assert key_hashes(pa.array([], type=pa.string())).tolist() == []
+    with pytest.raises(ValueError):
+        key_hashes(pa.array(["[1]", None]))
+
+
+def test_to_arrow_gives_the_schema_with_missing_columns_null_and_extra_ones_dropped():
+    frame = pd.DataFrame({"extra": [1, 2], "attempt": pd.array([3, None], dtype="Int64"), "task_id": ["t1", "t2"]})
+    table = to_arrow(frame, "judge_verdicts")
+    assert table.schema.remove_metadata() == SCHEMAS["judge_verdicts"]
+    assert table["task_id"].to_pylist() == ["t1", "t2"] and table["attempt"].to_pylist() == [3, None]
+    assert all(table[name].null_count == 2 for name in SCHEMAS["judge_verdicts"].names if name not in frame)
+    read = pd.read_parquet(_written(table))  # plain pandas: nullable ints stay nullable, texts are text
+    assert read["attempt"].dtype == "Int64" and read["task_id"].tolist() == ["t1", "t2"]
+    assert to_pandas(table).equals(to_pandas(to_arrow(to_pandas(table), "judge_verdicts")))
+
+
+def _written(table: pa.Table) -> pa.BufferReader:
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    return pa.BufferReader(sink.getvalue())
 
 
 def test_every_column_of_every_schema_has_a_description():
