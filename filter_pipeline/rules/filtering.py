@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from filter_pipeline.rules.schemas import (
     DETAIL_MAX_CHARS,
@@ -22,6 +24,7 @@ from filter_pipeline.rules.schemas import (
     STAGE_EXECUTE,
     STAGE_JUDGE,
     STATUS_JUDGED,
+    STR,
     conform,
     positions,
     pylist,
@@ -62,14 +65,16 @@ def execute_failures(tasks: pd.DataFrame, attempts: pd.DataFrame, task_at: np.nd
     )
 
 
-def failure_reasons(errors: pd.Series) -> np.ndarray:
-    """The failure-pool reason of each error text: its case-sensitive prefix (ERROR_PREFIX_REASONS),
-    script_error for any other non-empty text, unknown for empty or missing."""
+def failure_reasons(errors: pd.Series) -> pd.Series:
+    """The failure-pool reason of each error text (same index): its case-sensitive prefix
+    (ERROR_PREFIX_REASONS), script_error for any other non-empty text, unknown for empty or missing."""
     errors = errors.astype("str")  # nulls stay missing
     empty = errors.isna() | (errors == "")
     conditions = [empty] + [errors.str.startswith(prefix).fillna(False) for prefix, _ in ERROR_PREFIX_REASONS]
-    choices = [REASON_UNKNOWN] + [reason for _, reason in ERROR_PREFIX_REASONS]
-    return np.select([c.to_numpy(dtype=bool) for c in conditions], choices, default=REASON_SCRIPT_ERROR)
+    reasons = pa.array([REASON_UNKNOWN, *(reason for _, reason in ERROR_PREFIX_REASONS), REASON_SCRIPT_ERROR], STR)
+    # each row's reason as a position in `reasons`, taken by Arrow: no Python or numpy text per row
+    codes = np.select([c.to_numpy(dtype=bool) for c in conditions], range(len(conditions)), default=len(conditions))
+    return pd.Series(pc.take(reasons, pa.array(codes, pa.int8())).to_pandas().array, index=errors.index)
 
 
 # --- §3.2 what gets judged --------------------------------------------------------------------------
@@ -175,7 +180,10 @@ def walk_ledger(
     as earlier keepers of their keys (a bulk keep is its key's first use, so it comes first). The result is
     the one-by-one walk's over all verdicts; each verdict costs O(1).
     """
-    passing = verdicts[(verdicts["status"] == STATUS_JUDGED) & (verdicts["passed"] == True)]  # noqa: E712
+    is_passing = (verdicts["status"] == STATUS_JUDGED) & (verdicts["passed"] == True)  # noqa: E712
+    passing_at = np.flatnonzero(is_passing.to_numpy(dtype=bool, na_value=False))  # verdict rows, in order
+    # only the columns the walk reads; the kept and surplus rows are taken from `verdicts` once, at the end
+    passing = verdicts[["task_id", "macro", "site", "dedup_key"]].iloc[passing_at]
     n = len(passing)
     keys = passing["dedup_key"]
     first_kept = prior_index.drop_duplicates("dedup_key", keep="first")  # provenance: the earliest keeper
@@ -226,12 +234,14 @@ def walk_ledger(
     dropped_at = [i for i, _, _ in drops]
     keep_mask = np.ones(n, dtype=bool)
     keep_mask[dropped_at] = False
-    surplus = passing.iloc[dropped_at].assign(
+    surplus = verdicts.iloc[passing_at[dropped_at]].assign(
         dropped=[reason for _, reason, _ in drops],
         dup_of_run_id=[r for _, _, (r, _) in drops],
         dup_of_task_id=[t for _, _, (_, t) in drops],
     )
-    return LedgerResult(kept=conform(passing[keep_mask], "kept"), surplus=conform(surplus, "surplus"))
+    kept_columns = [c for c in SCHEMAS["kept"].names if c in verdicts.columns]  # (conform adds any missing)
+    kept = verdicts[kept_columns].iloc[passing_at[keep_mask]].reset_index(drop=True)
+    return LedgerResult(kept=conform(kept, "kept"), surplus=conform(surplus, "surplus"))
 
 
 def _prior_totals(prior_counts: pd.DataFrame, macros, sites, pairs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -57,12 +57,13 @@ def figures(
     attempts: pd.DataFrame, verdicts: pd.DataFrame, pool: pd.DataFrame, kept: pd.DataFrame, surplus: pd.DataFrame
 ) -> Figures:
     """Every figure of the report from one run's outputs."""
-    judged = verdicts[verdicts["status"] == STATUS_JUDGED]
-    passed = judged[judged["passed"] == True]  # noqa: E712
+    is_judged = (verdicts["status"] == STATUS_JUDGED).to_numpy(dtype=bool)
+    judged = verdicts.loc[is_judged, ["macro", "site"]]  # (only what the tables group by: no copy of every column)
+    passed = int((verdicts["passed"][is_judged] == True).sum())  # noqa: E712
     funnel = pd.DataFrame(
         {
             "step": FUNNEL_STEPS,
-            "count": [len(attempts), int((attempts["ok"] == True).sum()), len(judged), len(passed), len(kept)],  # noqa: E712
+            "count": [len(attempts), int((attempts["ok"] == True).sum()), len(judged), passed, len(kept)],  # noqa: E712
         }
     )
     return Figures(
@@ -73,7 +74,7 @@ def figures(
             {"dropped": DROPPED_REASONS, "count": [int((surplus["dropped"] == r).sum()) for r in DROPPED_REASONS]}
         ),
         agreement_by_site=agreement(verdicts, "site"),
-        cost=judge_cost(verdicts, len(passed), len(judged)),
+        cost=judge_cost(verdicts, passed, len(judged)),
     )
 
 
@@ -118,7 +119,7 @@ def agreement(verdicts: pd.DataFrame, by: str) -> pd.DataFrame:
 
     The gate passed every attempt the judge saw, so agreement is the judge's pass rate among judged verdicts.
     """
-    judged = verdicts[verdicts["status"] == STATUS_JUDGED]
+    judged = verdicts.loc[(verdicts["status"] == STATUS_JUDGED).to_numpy(dtype=bool), [by, "passed"]]
     grouped = judged.assign(agreed=(judged["passed"] == True).astype(int)).groupby(by)["agreed"]  # noqa: E712
     return (
         pd.DataFrame({"judged": grouped.size(), "agreed": grouped.sum()})

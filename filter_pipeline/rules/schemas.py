@@ -418,6 +418,8 @@ def conforms(df: pd.DataFrame, asset: str) -> bool:
 
 def conform(df: pd.DataFrame, asset: str) -> pd.DataFrame:
     """The frame with exactly the asset's columns, in order, with its dtypes (missing columns are null)."""
+    if conforms(df, asset):
+        return df.copy(deep=False)  # (copy-on-write: the caller's later changes stay its own)
     return to_pandas(to_arrow(df, asset))
 
 
@@ -448,7 +450,16 @@ def read_parquet_file(source, columns: list[str] | None = None, read_dictionary:
 
     Not `pq.read_table`: that goes through Arrow's dataset scanner, whose background read-ahead can still be
     winding down when the call returns; a process that exits then aborts with "terminate called without an
-    active exception" (apache/arrow#34314, #39862). `ParquetFile.read` reads synchronously."""
+    active exception" (apache/arrow#34314, #39862). `ParquetFile.read` reads synchronously.
+
+    A Python file object (what fsspec opens) is first copied whole into memory Arrow owns, and parsed from
+    there: given the file object itself, Arrow reads it ahead on its IO threads, and a read still finishing
+    when the process exits releases a Python buffer without the interpreter, which aborts the process
+    ("terminate called without an active exception", apache/arrow#50482; seen in this project's CI)."""
+    if not isinstance(source, (pa.NativeFile, str)):
+        with pa.BufferOutputStream() as owned:  # (a copy: no Python object is left for Arrow's threads to release)
+            owned.write(source.read())
+            source = pa.BufferReader(owned.getvalue())
     return pq.ParquetFile(source, read_dictionary=read_dictionary).read(columns=columns)
 
 

@@ -161,14 +161,14 @@ def judge_batch(context: dg.AssetExecutionContext, judge: JudgeResource, data: D
         conserved = alongside.submit(
             lambda: checks.attempts_conserved(count_records(run_dir), batch.attempts, batch.rejects, verdicts)
         )
-        judged = verdicts[verdicts["status"] == STATUS_JUDGED]
+        judged = (verdicts["status"] == STATUS_JUDGED).to_numpy(dtype=bool)  # (a mask: no copy of the frame)
         unjudged = int((verdicts["status"] == STATUS_ERROR).sum())
         yield dg.Output(
             verdicts,
             output_name="judge_verdicts",
             metadata={
-                "judged": len(judged),
-                "passed": int((judged["passed"] == True).sum()),  # noqa: E712
+                "judged": int(judged.sum()),
+                "passed": int((verdicts["passed"][judged] == True).sum()),  # noqa: E712
                 "unjudged": unjudged,
                 "superseded_ok_attempts": filtering.superseded_ok_attempts(batch.attempts, requests),
                 **judgement.metadata,

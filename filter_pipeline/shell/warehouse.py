@@ -117,9 +117,21 @@ def read_parquet(path: UPath, columns: list[str] | None = None) -> pd.DataFrame:
 
 
 def read_folder(folder: UPath, columns: list[str], filters=None) -> pd.DataFrame:
-    """Every partition file of an asset folder as one frame, through the folder's own filesystem (so an
-    endpoint set on the data root applies, not only one in the environment)."""
-    return pd.read_parquet(folder.path, filesystem=folder.fs, columns=columns, filters=filters)
+    """Every partition file of an asset folder as one frame (files in name order), through the folder's own
+    filesystem (so an endpoint set on the data root applies, not only one in the environment); `filters`: rows
+    to keep: (column, op, value) conditions that must all hold, as `pd.read_parquet` takes them. Each file is read by
+    `read_parquet_file`, not by Arrow's dataset scanner: see there why."""
+    expression = pq.filters_to_expression(filters) if filters else None
+    wanted = list(dict.fromkeys([*columns, *(name for name, _, _ in (filters or []))]))
+    tables = []
+    for path in sorted(folder.iterdir(), key=lambda p: p.name):
+        if path.name.endswith(".parquet") and not path.name.startswith("."):
+            with path.open("rb") as f:
+                table = read_parquet_file(f, columns=wanted)
+            tables.append(table.filter(expression).select(columns) if expression is not None else table)
+    if not tables:
+        return pd.DataFrame({name: pd.Series(dtype=object) for name in columns})
+    return to_pandas(pa.concat_tables(tables, promote_options="default"))
 
 
 RECENT_BYTES = 256 << 20  # Arrow bytes of recently written outputs an IO manager keeps for the steps after

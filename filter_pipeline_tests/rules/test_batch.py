@@ -257,6 +257,16 @@ def test_lines_are_counted_whatever_slice_of_the_data_each_scan_takes(monkeypatc
     assert batch_module._newline_positions(text).tolist() == [i for i, byte in enumerate(text) if byte == ord("\n")]
 
 
+@pytest.mark.parametrize("scan", [1, 2, 3, 7, 1 << 20])
+@pytest.mark.parametrize(
+    "lines", [b"", b"\n", b"a\n", b"ab\ncd\n", b"ab\n\ncd\n", b"ab\n \ncd\n", b" ab\n", b"ab\n\tcd\n", b"a\nb\n\x0b\n"]
+)
+def test_non_blank_lines_are_counted_whatever_slice_of_the_data_each_scan_takes(monkeypatch, scan, lines):
+    monkeypatch.setattr(batch_module, "NEWLINE_SCAN_BYTES", scan)
+    expected = sum(1 for line in lines.split(b"\n")[:-1] if line.strip())
+    assert batch_module._non_blank_lines(memoryview(lines)) == expected
+
+
 @pytest.mark.parametrize("chunk", [1, 2, 3, 5])
 def test_count_records_reads_in_chunks_that_split_lines_anywhere(tmp_path, monkeypatch, chunk):
     monkeypatch.setattr(batch_module, "COUNT_CHUNK_BYTES", chunk)

@@ -75,6 +75,17 @@ def test_whole_asset_folder_reads_as_one_frame_with_real_nulls(tmp_path):
     assert read_parquet(folder / "r1.parquet")["backend_ok"].dtype == "boolean"
 
 
+def test_read_folder_gives_every_partition_file_with_the_rows_the_filters_keep(tmp_path):
+    folder = UPath(tmp_path) / "warehouse" / "failure_pool"
+    for run_id, dirs in (("r2", ["d3"]), ("r1", ["d1", "d2"])):
+        rows = pd.DataFrame({"task_id": [f"{run_id}-{d}" for d in dirs], "dir": dirs, "run_id": run_id})
+        write_parquet(to_arrow(rows, "failure_pool"), folder / f"{run_id}.parquet")
+    (folder / ".r3.parquet.host.1.tmp").write_bytes(b"half written")  # a temp file: not a partition
+    frame = warehouse.read_folder(folder, ["task_id", "run_id"], filters=[("dir", "in", ["d1", "d3"])])
+    assert frame.to_dict("records") == [{"task_id": "r1-d1", "run_id": "r1"}, {"task_id": "r2-d3", "run_id": "r2"}]
+    assert warehouse.read_folder(folder, ["dir"])["dir"].tolist() == ["d1", "d2", "d3"]
+
+
 def test_local_write_is_atomic_and_cleans_temp_files_of_a_killed_write(tmp_path, monkeypatch):
     target = UPath(tmp_path) / "kept" / "r1.parquet"
     write_parquet(to_arrow(empty_frame("kept"), "kept"), target)
