@@ -172,9 +172,9 @@ def _utf8_of_each(texts: list[str] | pa.Array):
         raise ValueError("a key text is null")
     wide = pa.types.is_large_string(texts.type)
     _, offsets, data = texts.buffers()
-    ends = np.frombuffer(offsets, dtype=np.int64 if wide else np.int32)[texts.offset : texts.offset + len(texts) + 1]
+    width = np.int64 if wide else np.int32
+    ends = np.frombuffer(offsets, dtype=width)[texts.offset : texts.offset + len(texts) + 1].tolist()
     view = memoryview(data if data is not None else b"")
-    ends = ends.tolist()
     return (view[start:end] for start, end in zip(ends, ends[1:]))
 
 
