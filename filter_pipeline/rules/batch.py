@@ -404,7 +404,7 @@ _ATTEMPT_ARROW = pa.schema(
 )
 
 
-NEWLINE_SCAN_BYTES = 1 << 20  # _newline_slices compares this much of the data at a time, into one reused buffer
+NEWLINE_SCAN_BYTES = 16 << 20  # _newline_slices compares this much of the data at a time, into one reused buffer
 
 
 def _newline_slices(data: bytes) -> Iterator[tuple[int, np.ndarray]]:
@@ -658,7 +658,8 @@ def _fast_tasks(data: bytes) -> pd.DataFrame | None:
         return None
     raw = pc.struct_field(pc.extract_regex(lines, _KEY_FIELD), "key")
     # every line names "dedup_key" at least once (the regex matched) and the file n_lines times: so each once
-    if raw.null_count or data.count(b'"dedup_key"') != n_lines or not _keys_are_top_level(lines):
+    named = pc.sum(pc.count_substring(lines, '"dedup_key"')).as_py()  # (bytes.count would hold the GIL)
+    if raw.null_count or named != n_lines or not _keys_are_top_level(lines):
         return None
     try:
         texts = canonical_texts(raw)
@@ -807,11 +808,11 @@ def _parse_batch(run_dir: UPath, run_id: str) -> Batch:
     if tasks is None:
         task_rows, rejects = _parse_lines(tasks_data, TASKS_FILE, _task_row, _fast_task_row, _deep_task_row)
         tasks = _frame(task_rows, TASK_FIELDS, "batch_tasks")
-    duplicated = tasks["task_id"].duplicated(keep="first")
+    duplicated = tasks["task_id"].duplicated(keep="first").to_numpy()
     rejects += _rejects_for(
         tasks[duplicated], tasks_data, TASKS_FILE, "task_id", "task_id {} appears earlier in the file"
     )
-    tasks = tasks[~duplicated]
+    (tasks,) = _without(duplicated, tasks)
     if tasks.empty:
         detail = f" ({len(rejects)} line(s) rejected, first: {rejects[0]['message']})" if rejects else ""
         raise BatchError(f"runs/{run_id}/{TASKS_FILE} holds no valid task{detail}")
@@ -834,7 +835,7 @@ def _parse_batch(run_dir: UPath, run_id: str) -> Batch:
         "task_id",
         "attempt of task_id {} which is not in tasks.jsonl",
     )
-    attempts, task_at = attempts[~orphan], task_at[~orphan]
+    attempts, task_at = _without(orphan, attempts, task_at)
     # (task, attempt) as two integers: far cheaper to compare than the task_id text
     numbers = pd.DataFrame({"task": task_at, "attempt": attempts["attempt"].to_numpy(dtype=np.int64)})
     twice = numbers.duplicated(keep="first").to_numpy()
@@ -845,7 +846,7 @@ def _parse_batch(run_dir: UPath, run_id: str) -> Batch:
         "attempt",
         "attempt of task_id {} appears earlier with the same number",
     )
-    attempts, task_at = attempts[~twice], task_at[~twice]
+    attempts, task_at = _without(twice, attempts, task_at)
     escaping = isin(attempts["dir"], list(dirs_outside_root(run_dir, attempts["dir"])))
     rejects += _rejects_for(
         attempts[escaping],
@@ -854,7 +855,7 @@ def _parse_batch(run_dir: UPath, run_id: str) -> Batch:
         "dir",
         "attempt of task_id {} has a dir that resolves outside the data root",
     )
-    attempts, task_at = attempts[~escaping], task_at[~escaping]
+    attempts, task_at = _without(escaping, attempts, task_at)
 
     rejects_frame = pd.DataFrame(rejects) if rejects else empty_frame("batch_rejects")
     return Batch(
@@ -866,6 +867,15 @@ def _parse_batch(run_dir: UPath, run_id: str) -> Batch:
         seconds=time.perf_counter() - started,
         task_at=task_at,
     )
+
+
+def _without(dropped: np.ndarray, frame: pd.DataFrame, *aligned: np.ndarray) -> tuple:
+    """`frame`, and the arrays aligned with its rows, without the rows `dropped` marks: as they are when it
+    marks none (the usual case, where a copy of every column of a large batch would buy nothing)."""
+    if not dropped.any():
+        return (frame, *aligned)
+    keep = ~dropped
+    return (frame[keep], *(array[keep] for array in aligned))
 
 
 def _rejects_for(rows: pd.DataFrame, data: bytes, file: str, field: str, template: str) -> list[dict]:

@@ -154,7 +154,7 @@ def _not_json(constant: str):
 
 def key_hashes(texts: list[str] | pa.Array) -> np.ndarray:
     """`key_hash` of each text, as int64 (the digests are joined and read as one little-endian array). An
-    Arrow string array is hashed from its UTF-8 bytes where they lie, with no Python string made per text."""
+    Arrow string array is hashed from its UTF-8 bytes, with no Python string made per text."""
     # copying one configured hasher is cheaper than constructing one per text (same digests)
     empty = hashlib.blake2b(digest_size=8)
     digests = []
@@ -170,12 +170,14 @@ def _utf8_of_each(texts: list[str] | pa.Array):
         return (text.encode() for text in texts)
     if texts.null_count:
         raise ValueError("a key text is null")
-    wide = pa.types.is_large_string(texts.type)
+    width = np.int64 if pa.types.is_large_string(texts.type) else np.int32
     _, offsets, data = texts.buffers()
-    width = np.int64 if wide else np.int32
-    ends = np.frombuffer(offsets, dtype=width)[texts.offset : texts.offset + len(texts) + 1].tolist()
-    view = memoryview(data if data is not None else b"")
-    return (view[start:end] for start, end in zip(ends, ends[1:]))
+    ends = np.frombuffer(offsets, dtype=width)[texts.offset : texts.offset + len(texts) + 1].astype(np.int64)
+    # the texts' bytes copied once, then sliced: a bytes slice is not an object the garbage collector
+    # tracks, a memoryview slice is (one per key would start a collection every few hundred keys)
+    utf8 = memoryview(data)[ends[0] : ends[-1]].tobytes() if data is not None else b""
+    ends = (ends - ends[0]).tolist()
+    return (utf8[start:end] for start, end in zip(ends, ends[1:]))
 
 
 def key_hash(text: str) -> int:
@@ -439,6 +441,14 @@ def to_arrow(df: pd.DataFrame, asset: str) -> pa.Table:
     nulls = {field.name: pa.nulls(len(df), field.type) for field in schema if field.name not in table.column_names}
     columns = [nulls[name] if name in nulls else table[name] for name in schema.names]
     return pa.Table.from_arrays(columns, schema=schema.with_metadata(table.schema.metadata))
+
+
+def parquet_bytes(table: pa.Table, asset: str) -> pa.Buffer:
+    """The asset's Parquet file holding `table`, encoded in Arrow's memory (the asset's dictionary and
+    statistics columns; Arrow's default compression)."""
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink, use_dictionary=dictionary_columns(asset), write_statistics=statistics_columns(asset))
+    return sink.getvalue()
 
 
 # Nullable pandas dtypes, so a null bool is <NA> (never NaN, which is truthy) and ints stay ints.

@@ -26,7 +26,7 @@ from filter_pipeline.rules.schemas import (
     type_name,
 )
 from filter_pipeline.shell.config import deployment_caps_config, run_caps_problem
-from filter_pipeline.shell.warehouse import DataRoot, read_folder, read_parquet, write_parquet
+from filter_pipeline.shell.warehouse import DataRoot, Encoding, encode_ahead, read_folder, read_parquet, write_parquet
 
 run_id_partitions = dg.DynamicPartitionsDefinition(name="run_id")
 
@@ -149,22 +149,29 @@ def judge_batch(context: dg.AssetExecutionContext, judge: JudgeResource, data: D
     load_retired(data.root)  # a broken retired.json fails the run here, before anything is written or judged
     batch = _parse(context, data, run_id)
     run_dir = data.run_dir(run_id)
-    # pure computations in other threads beside the writes (Parquet encoding runs without the GIL) and the
-    # judge; every event is yielded from this one
+    # in two threads beside this one, which yields every event: each output's Parquet encoding (Arrow, without
+    # the GIL), started before the outputs ahead of it are written, and the pure computations
     with ThreadPoolExecutor(max_workers=2, thread_name_prefix="judge-batch") as alongside:
-        executed = alongside.submit(filtering.execute_failures, batch.tasks, batch.attempts, batch.task_at)
+        tasks = encode_ahead(alongside, batch.tasks, "batch_tasks")
         to_judge = alongside.submit(filtering.attempts_to_judge, batch.tasks, batch.attempts, batch.task_at)
-        yield from _batch_outputs(batch)  # in the warehouse before judging starts, however long it takes
+        attempts = encode_ahead(alongside, batch.attempts, "batch_attempts")
+        executed = alongside.submit(filtering.execute_failures, batch.tasks, batch.attempts, batch.task_at)
+        # in the warehouse before judging starts, however long it takes
+        yield from _batch_outputs(batch, tasks, attempts)
         requests = to_judge.result()
         judgement = _judge(context, judge, data, run_id, requests)
         verdicts = judgement.verdicts.assign(backend=judgement.verdicts["backend_detail"], run_id=run_id)
+        verdicts_file = encode_ahead(alongside, verdicts, "judge_verdicts")
+        failures = pd.concat([executed.result(), filtering.judge_failures(verdicts)], ignore_index=True)
+        failures_file = encode_ahead(alongside, failures, "failure_pool")
         conserved = alongside.submit(
             lambda: checks.attempts_conserved(count_records(run_dir), batch.attempts, batch.rejects, verdicts)
         )
+        matched = alongside.submit(checks.execute_rows_match_failed_attempts, failures, batch.attempts)
         judged = (verdicts["status"] == STATUS_JUDGED).to_numpy(dtype=bool)  # (a mask: no copy of the frame)
         unjudged = int((verdicts["status"] == STATUS_ERROR).sum())
         yield dg.Output(
-            verdicts,
+            verdicts_file,
             output_name="judge_verdicts",
             metadata={
                 "judged": int(judged.sum()),
@@ -184,10 +191,8 @@ def judge_batch(context: dg.AssetExecutionContext, judge: JudgeResource, data: D
             description=f"{unjudged} tasks wait to be judged again" if unjudged else "every task was judged",
             metadata={"unjudged": unjudged},
         )
-        failures = pd.concat([executed.result(), filtering.judge_failures(verdicts)], ignore_index=True)
-        matched = alongside.submit(checks.execute_rows_match_failed_attempts, failures, batch.attempts)
         yield dg.Output(
-            failures,
+            failures_file,
             output_name="failure_pool",
             metadata={
                 **count_by(failures["reason"], FAILURE_REASONS, "reason/"),
@@ -234,12 +239,10 @@ def _judge(context: dg.AssetExecutionContext, judge: JudgeResource, data: DataRo
     return judgement
 
 
-def _batch_outputs(batch) -> Iterable[dg.Output]:
+def _batch_outputs(batch, tasks: Encoding, attempts: Encoding) -> Iterable[dg.Output]:
     ok = int((batch.attempts["ok"] == True).sum())  # noqa: E712
-    yield dg.Output(batch.tasks, output_name="batch_tasks")
-    yield dg.Output(
-        batch.attempts, output_name="batch_attempts", metadata={"ok": ok, "failed": len(batch.attempts) - ok}
-    )
+    yield dg.Output(tasks, output_name="batch_tasks")
+    yield dg.Output(attempts, output_name="batch_attempts", metadata={"ok": ok, "failed": len(batch.attempts) - ok})
     yield dg.Output(
         batch.rejects,
         output_name="batch_rejects",

@@ -18,7 +18,6 @@ from typing import Any
 import dagster as dg
 import pandas as pd
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from filter_pipeline import settings
 from filter_pipeline.rules import checks, commits, dpo, filtering, order, report
@@ -29,8 +28,7 @@ from filter_pipeline.rules.lease import Lease, LedgerBusy, ledger_lease
 from filter_pipeline.rules.schemas import (
     DROPPED_REASONS,
     STATUS_ERROR,
-    dictionary_columns,
-    statistics_columns,
+    parquet_bytes,
     to_arrow,
 )
 from filter_pipeline.shell.assets import blocking_check, check_result, column_schema, count_by, run_id_partitions
@@ -223,9 +221,7 @@ def judge_settings(verdicts: pd.DataFrame) -> dict:
 
 def _parquet_bytes(frame: pd.DataFrame, asset: str) -> tuple[pa.Buffer, int]:
     table = to_arrow(frame, asset)
-    sink = pa.BufferOutputStream()
-    pq.write_table(table, sink, use_dictionary=dictionary_columns(asset), write_statistics=statistics_columns(asset))
-    return sink.getvalue(), table.num_rows
+    return parquet_bytes(table, asset), table.num_rows
 
 
 def _write(data: DataRoot, run_id: str, asset: str, frame: pd.DataFrame) -> dict:

@@ -7,6 +7,8 @@ Both take the data root from the same `DataRoot` resource, so the ledger step, w
 import os
 import threading
 from collections import OrderedDict
+from concurrent.futures import Executor, Future
+from dataclasses import dataclass
 
 import dagster as dg
 import fsspec.utils
@@ -22,9 +24,8 @@ from filter_pipeline.rules.commits import replace_locally
 from filter_pipeline.rules.schemas import (
     SCHEMAS,
     conforms,
-    dictionary_columns,
+    parquet_bytes,
     read_parquet_file,
-    statistics_columns,
     to_arrow,
     to_pandas,
 )
@@ -92,10 +93,39 @@ def write_parquet(
     table, path: UPath, dictionary: list[str] | bool = True, statistics: list[str] | bool = True
 ) -> tuple[int, int] | None:
     """Write `table` to `path` atomically (see `write_atomically`, which says what it returns);
-    `dictionary`, `statistics`: which columns to dictionary-encode and to write statistics for (all by default)."""
-    return write_atomically(
-        path, lambda f: pq.write_table(table, f, use_dictionary=dictionary, write_statistics=statistics)
-    )
+    `dictionary`, `statistics`: which columns to dictionary-encode and to write statistics for (all by default).
+
+    The file is encoded in Arrow's memory and written in one call: Arrow writing to a Python file object takes
+    the GIL for every chunk it writes, and beside a step's other threads each of those waits its turn."""
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink, use_dictionary=dictionary, write_statistics=statistics)
+    return write_bytes(sink.getvalue(), path)
+
+
+def write_bytes(content, path: UPath) -> tuple[int, int] | None:
+    """Write `content` (bytes or an Arrow buffer) to `path` atomically (see `write_atomically`)."""
+    return write_atomically(path, lambda f: f.write(content))
+
+
+@dataclass(frozen=True)
+class Encoding:
+    """An asset's output whose Parquet file is being encoded in another thread (`encode_ahead`): the IO
+    manager writes those bytes once they are ready instead of encoding `frame` itself. A step that yields
+    several large outputs thus encodes them side by side while Dagster records the ones before."""
+
+    frame: pd.DataFrame
+    encoded: Future  # of (the Arrow table, its Parquet bytes)
+
+
+def encode_ahead(pool: Executor, frame: pd.DataFrame, asset: str) -> Encoding:
+    """Start encoding `frame` as the asset's Parquet file in `pool`; yield the result as the output's value.
+    `frame` must not change afterwards (what is written is what it held when encoded)."""
+    return Encoding(frame, pool.submit(_encode, frame, asset))
+
+
+def _encode(frame: pd.DataFrame, asset: str) -> tuple[pa.Table, pa.Buffer]:
+    table = to_arrow(frame, asset)
+    return table, parquet_bytes(table, asset)
 
 
 def write_atomically(path: UPath, write) -> tuple[int, int] | None:
@@ -161,9 +191,11 @@ class ParquetWarehouseIOManager(dg.UPathIOManager):
         asset = context.asset_key.path[-1]
         if asset not in SCHEMAS:
             raise KeyError(f"asset {asset!r} has no Arrow schema in filter_pipeline.rules.schemas.SCHEMAS")
-        table = to_arrow(obj, asset)
-        signature = write_parquet(table, path, dictionary_columns(asset), statistics_columns(asset))
-        self._remember(path, table, signature, obj.copy(deep=False) if conforms(obj, asset) else None)
+        frame, (table, content) = (
+            (obj.frame, obj.encoded.result()) if isinstance(obj, Encoding) else (obj, _encode(obj, asset))
+        )
+        signature = write_bytes(content, path)
+        self._remember(path, table, signature, frame.copy(deep=False) if conforms(frame, asset) else None)
 
     def load_from_path(self, context: dg.InputContext, path: UPath) -> pd.DataFrame:
         """The partition's frame; only the columns an input names in its `columns` metadata, if it does."""
@@ -204,8 +236,8 @@ class ParquetWarehouseIOManager(dg.UPathIOManager):
                 del self._recent[str(path)]
         return None
 
-    def get_metadata(self, context: dg.OutputContext, obj: pd.DataFrame) -> dict:
-        return {"dagster/row_count": len(obj)}
+    def get_metadata(self, context: dg.OutputContext, obj: pd.DataFrame | Encoding) -> dict:
+        return {"dagster/row_count": len(obj.frame if isinstance(obj, Encoding) else obj)}
 
 
 class WarehouseIOManager(dg.ConfigurableIOManagerFactory):

@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import dagster as dg
 import pandas as pd
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from upath import UPath
@@ -94,16 +95,24 @@ def test_local_write_is_atomic_and_cleans_temp_files_of_a_killed_write(tmp_path,
     old = time.time() - commits.STALE_TEMP_SECONDS - 60
     os.utime(stale, (old, old))  # left by a write killed over an hour ago
 
-    def dies_midway(table, where, **options):
-        where.write(b"PAR1 half a file")
+    def dies_midway(f):
+        f.write(b"PAR1 half a file")
         raise OSError("disk full")
 
-    monkeypatch.setattr(warehouse.pq, "write_table", dies_midway)
     with pytest.raises(OSError, match="disk full"):
+        warehouse.write_atomically(target, dies_midway)
+    assert sorted(p.name for p in (tmp_path / "kept").iterdir()) == ["r1.parquet"]
+    assert pq.read_table(target).num_rows == 0  # the old file is intact
+
+    def cannot_encode(table, where, **options):
+        raise pa.ArrowInvalid("cannot encode")
+
+    monkeypatch.setattr(warehouse.pq, "write_table", cannot_encode)
+    with pytest.raises(pa.ArrowInvalid):
         write_parquet(to_arrow(empty_frame("kept"), "kept"), target)
     monkeypatch.undo()
     assert sorted(p.name for p in (tmp_path / "kept").iterdir()) == ["r1.parquet"]
-    assert pq.read_table(target).num_rows == 0  # the old file is intact
+    assert pq.read_table(target).num_rows == 0
 
     rows = pd.DataFrame([{"task_id": "a", "run_id": "r1"}])
     written = write_parquet(to_arrow(rows, "kept"), target)
@@ -271,6 +280,25 @@ def test_a_frame_that_already_reads_as_its_file_is_handed_over_unconverted_and_u
     monkeypatch.undo()
     pd.testing.assert_frame_equal(loaded, read_parquet(path))
     assert loaded["task_id"].tolist() == ["a", "b"]
+
+
+def test_an_output_encoded_ahead_is_written_as_encoded_without_encoding_again(tmp_path, monkeypatch):
+    manager = warehouse.ParquetWarehouseIOManager(base_path=UPath(tmp_path))
+    context = dg.build_output_context(asset_key="judge_verdicts")
+    frame = verdict_frame()
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        ahead = warehouse.encode_ahead(pool, frame, "judge_verdicts")
+        ahead.encoded.result()
+    monkeypatch.setattr(warehouse, "_encode", lambda *a: pytest.fail("encoded again"))
+    encoded_ahead, encoded_here = (UPath(tmp_path) / "judge_verdicts" / f"{r}.parquet" for r in ("r1", "r2"))
+    manager.dump_to_path(context, ahead, encoded_ahead)
+    assert manager.get_metadata(context, ahead) == {"dagster/row_count": 2}
+    monkeypatch.undo()
+    manager.dump_to_path(context, frame, encoded_here)
+    assert encoded_ahead.read_bytes() == encoded_here.read_bytes()
+    pd.testing.assert_frame_equal(
+        manager.load_from_path(dg.build_input_context(), encoded_ahead), read_parquet(encoded_here)
+    )
 
 
 def test_a_file_replaced_since_the_write_is_read_from_disk(tmp_path):
