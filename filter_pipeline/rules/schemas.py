@@ -443,11 +443,17 @@ def to_arrow(df: pd.DataFrame, asset: str) -> pa.Table:
     return pa.Table.from_arrays(columns, schema=schema.with_metadata(table.schema.metadata))
 
 
-def parquet_bytes(table: pa.Table, asset: str) -> pa.Buffer:
-    """The asset's Parquet file holding `table`, encoded in Arrow's memory (the asset's dictionary and
-    statistics columns; Arrow's default compression)."""
+def parquet_bytes(table: pa.Table, asset: str | None = None) -> pa.Buffer:
+    """A Parquet file holding `table`, encoded in Arrow's memory with Arrow's default compression: an asset's
+    file (its dictionary and statistics columns), or with no asset every column dictionary-encoded and with
+    statistics."""
     sink = pa.BufferOutputStream()
-    pq.write_table(table, sink, use_dictionary=dictionary_columns(asset), write_statistics=statistics_columns(asset))
+    columns = (
+        {}
+        if asset is None
+        else {"use_dictionary": dictionary_columns(asset), "write_statistics": statistics_columns(asset)}
+    )
+    pq.write_table(table, sink, **columns)
     return sink.getvalue()
 
 

@@ -89,17 +89,13 @@ def storage_options(path: str, endpoint_url: str | None) -> dict:
     return options
 
 
-def write_parquet(
-    table, path: UPath, dictionary: list[str] | bool = True, statistics: list[str] | bool = True
-) -> tuple[int, int] | None:
-    """Write `table` to `path` atomically (see `write_atomically`, which says what it returns);
-    `dictionary`, `statistics`: which columns to dictionary-encode and to write statistics for (all by default).
+def write_parquet(table: pa.Table, path: UPath) -> tuple[int, int] | None:
+    """Write `table` to `path` atomically (see `write_atomically`, which says what it returns), every column
+    dictionary-encoded and with statistics (`schemas.parquet_bytes`).
 
     The file is encoded in Arrow's memory and written in one call: Arrow writing to a Python file object takes
     the GIL for every chunk it writes, and beside a step's other threads each of those waits its turn."""
-    sink = pa.BufferOutputStream()
-    pq.write_table(table, sink, use_dictionary=dictionary, write_statistics=statistics)
-    return write_bytes(sink.getvalue(), path)
+    return write_bytes(parquet_bytes(table), path)
 
 
 def write_bytes(content, path: UPath) -> tuple[int, int] | None:
