@@ -17,7 +17,6 @@ from typing import Any
 
 import dagster as dg
 import pandas as pd
-import pyarrow as pa
 
 from filter_pipeline import settings
 from filter_pipeline.rules import checks, commits, dpo, filtering, order, report
@@ -25,16 +24,11 @@ from filter_pipeline.rules.batch import complete_batches
 from filter_pipeline.rules.commits import atomic_write, delete_commit, file_entry, read_commits, write_commit
 from filter_pipeline.rules.history import build_prior_index, load_retired
 from filter_pipeline.rules.lease import Lease, LedgerBusy, ledger_lease
-from filter_pipeline.rules.schemas import (
-    DROPPED_REASONS,
-    STATUS_ERROR,
-    parquet_bytes,
-    to_arrow,
-)
+from filter_pipeline.rules.schemas import DROPPED_REASONS, STATUS_ERROR
 from filter_pipeline.shell.assets import blocking_check, check_result, column_schema, count_by, run_id_partitions
 from filter_pipeline.shell.config import CapsConfig, LedgerConfig, caps_source, deployment_caps_config
 from filter_pipeline.shell.jobs import PARTITION_TAG, PRIORITY_TAG
-from filter_pipeline.shell.warehouse import DataRoot
+from filter_pipeline.shell.warehouse import DataRoot, encode
 
 # run tag: the most seconds this run's ledger step waits for lower runs (the CLI sets 0: it orders its own runs)
 ORDER_MAX_WAIT_TAG = "filter_pipeline/order_max_wait_seconds"
@@ -219,18 +213,13 @@ def judge_settings(verdicts: pd.DataFrame) -> dict:
             "votes": votes.partition("/")[2] or votes if votes else None}  # fmt: skip
 
 
-def _parquet_bytes(frame: pd.DataFrame, asset: str) -> tuple[pa.Buffer, int]:
-    table = to_arrow(frame, asset)
-    return parquet_bytes(table, asset), table.num_rows
-
-
 def _write(data: DataRoot, run_id: str, asset: str, frame: pd.DataFrame) -> dict:
     """Write the asset's file of this run atomically, from bytes encoded and hashed in memory (so the hash is of
     what was written); returns its commit entry."""
     path = data.asset_file(asset, run_id)
-    content, rows = _parquet_bytes(frame, asset)
+    table, content = encode(frame, asset)
     atomic_write(path, content)
-    return file_entry(data.root, path, content, rows)
+    return file_entry(data.root, path, content, table.num_rows)
 
 
 def _walk_in_order(context, config, data: DataRoot, run_ids: list[str], inputs: list[dict], source: str, lease: Lease):

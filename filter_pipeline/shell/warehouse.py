@@ -116,10 +116,11 @@ class Encoding:
 def encode_ahead(pool: Executor, frame: pd.DataFrame, asset: str) -> Encoding:
     """Start encoding `frame` as the asset's Parquet file in `pool`; yield the result as the output's value.
     `frame` must not change afterwards (what is written is what it held when encoded)."""
-    return Encoding(frame, pool.submit(_encode, frame, asset))
+    return Encoding(frame, pool.submit(encode, frame, asset))
 
 
-def _encode(frame: pd.DataFrame, asset: str) -> tuple[pa.Table, pa.Buffer]:
+def encode(frame: pd.DataFrame, asset: str) -> tuple[pa.Table, pa.Buffer]:
+    """`frame` as the asset's Arrow table and the bytes of its Parquet file."""
     table = to_arrow(frame, asset)
     return table, parquet_bytes(table, asset)
 
@@ -188,7 +189,7 @@ class ParquetWarehouseIOManager(dg.UPathIOManager):
         if asset not in SCHEMAS:
             raise KeyError(f"asset {asset!r} has no Arrow schema in filter_pipeline.rules.schemas.SCHEMAS")
         frame, (table, content) = (
-            (obj.frame, obj.encoded.result()) if isinstance(obj, Encoding) else (obj, _encode(obj, asset))
+            (obj.frame, obj.encoded.result()) if isinstance(obj, Encoding) else (obj, encode(obj, asset))
         )
         signature = write_bytes(content, path)
         self._remember(path, table, signature, frame.copy(deep=False) if conforms(frame, asset) else None)

@@ -289,7 +289,7 @@ def test_an_output_encoded_ahead_is_written_as_encoded_without_encoding_again(tm
     with ThreadPoolExecutor(max_workers=1) as pool:
         ahead = warehouse.encode_ahead(pool, frame, "judge_verdicts")
         ahead.encoded.result()
-    monkeypatch.setattr(warehouse, "_encode", lambda *a: pytest.fail("encoded again"))
+    monkeypatch.setattr(warehouse, "encode", lambda *a: pytest.fail("encoded again"))
     encoded_ahead, encoded_here = (UPath(tmp_path) / "judge_verdicts" / f"{r}.parquet" for r in ("r1", "r2"))
     manager.dump_to_path(context, ahead, encoded_ahead)
     assert manager.get_metadata(context, ahead) == {"dagster/row_count": 2}
