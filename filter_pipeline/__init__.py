@@ -6,4 +6,6 @@
 - `shell/`: the Dagster shell: assets, jobs, the sensor, the warehouse IO manager, run config.
 - `cli/`: `filter-pipeline materialize` and `filter-pipeline verify`.
 - `definitions.py` wires the shell into the code location Dagster loads.
+
+`CONTRACT §n` in comments and docstrings names section n of docs/contract.md.
 """

@@ -27,7 +27,7 @@ def data_path(path: str | None = None) -> str:
     return path or os.environ.get(DATA_ENV, DEFAULT_DATA)
 
 
-# The ledger's order (CONTRACT §3.6): a first walk blocked by a lower complete batch that is not yet committed
+# The ledger's order (CONTRACT §4): a first walk blocked by a lower complete batch that is not yet committed
 # is retried by Dagster every ORDER_RETRY_SECONDS (the step holds no concurrency slot while it waits), for at
 # most ORDER_MAX_WAIT_SECONDS; then it fails with one line naming the run it waited for.
 ORDER_RETRY_SECONDS_ENV = "FILTER_PIPELINE_ORDER_RETRY_SECONDS"

@@ -1,7 +1,7 @@
 """UI backfills under a real `dagster dev`, launched through GraphQL as the UI launches them, with the
 partitions registered out of order (2, 0, 3, 1): kept and surplus of every run must equal, row by row,
 what `filter-pipeline materialize` gives on a copy of the same batches, walked in run_id order
-(CONTRACT §3.6: the ledger's order holds whoever launches the run).
+(CONTRACT §4: the ledger's order holds whoever launches the run).
 
 The judge is the LLM judge on a loopback chat-completions server that answers the lowest run_ids last
 (as a slow batch would), so a ledger that walks in the order the judge steps finish walks them out of

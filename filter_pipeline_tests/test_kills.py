@@ -1,4 +1,4 @@
-"""Kills at every write boundary (CONTRACT §3.6: a kill at any point leaves the run pending, and any launcher
+"""Kills at every write boundary (CONTRACT §4: a kill at any point leaves the run pending, and any launcher
 completes it): the CLI SIGKILLed at random moments many times, then completed; `verify` is clean and every
 output equals an uninterrupted run's, row by row."""
 

@@ -1,4 +1,4 @@
-"""Two Dagster instances over one warehouse (CONTRACT §3.6: walks never overlap on one warehouse): two CLI
+"""Two Dagster instances over one warehouse (CONTRACT §4: walks never overlap on one warehouse): two CLI
 processes with different DAGSTER_HOMEs on the same data root, two batches carrying the same 30 new keys."""
 
 import os

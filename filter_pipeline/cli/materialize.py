@@ -122,7 +122,7 @@ def _instance(home: str) -> dg.DagsterInstance:
 
 
 def _in_ledger_order(data: DataRoot, run_ids: list[str], named: bool) -> list[str]:
-    """`run_ids` in the order the ledger accepts (CONTRACT §3.6): first walks in run_id order (one line when
+    """`run_ids` in the order the ledger accepts (CONTRACT §4): first walks in run_id order (one line when
     that differs from the order given). Raises CliError when a named run's first walk would wait for a lower
     complete batch that is neither named, filtered, retired, nor recorded as failed."""
     batches = complete_batches(data.runs, data.warehouse, log=None)

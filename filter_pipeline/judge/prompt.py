@@ -5,7 +5,7 @@ kind of task, the answer format), so endpoints that cache prompt prefixes reuse 
 holds what comes from our own generator outside the fence (the instruction, success criteria from the
 task's dedup key, macro and start kind) and, inside the fence, what comes from web pages and from the
 agent (its actions, the final URL and page text, its output). The answer format asks for the reasoning
-before the verdict; any reply whose last JSON object has a boolean `passed` is a verdict (CONTRACT §5).
+before the verdict; any reply whose last JSON object has a boolean `passed` is a verdict (CONTRACT §3.3).
 """
 
 import base64

@@ -30,7 +30,7 @@ from filter_pipeline.rules.schemas import (
 )
 from filter_pipeline.settings import JUDGE_KIND_ENV, JUDGE_KINDS
 
-# CONTRACT §5 environment settings of the LLM judge (plus the ones after VOTES, this project's own).
+# CONTRACT §8 environment settings of the LLM judge (plus the ones after VOTES, this project's own).
 ENV = {
     "kind": JUDGE_KIND_ENV,
     "base_url": "FILTER_JUDGE_BASE_URL",

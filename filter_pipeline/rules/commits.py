@@ -1,4 +1,4 @@
-"""Commit records: what one walk of one run wrote, so that history is what was committed (CONTRACT §3.6).
+"""Commit records: what one walk of one run wrote, so that history is what was committed (CONTRACT §4).
 
 After the ledger step has written every output of a run's walk (kept, surplus, the prior index and counts,
 DPO pairs, the report), it writes `<data>/warehouse/_commits/<run_id>.json` in one atomic write. A run is

@@ -111,7 +111,7 @@ def superseded_ok_attempts(attempts: pd.DataFrame, judged: pd.DataFrame) -> int:
     return int((attempts["ok"] == True).sum()) - len(judged)  # noqa: E712
 
 
-# --- §3.3 judge failures ----------------------------------------------------------------------------
+# --- §3.4 judge failures ----------------------------------------------------------------------------
 
 
 def judge_failures(verdicts: pd.DataFrame) -> pd.DataFrame:
@@ -126,7 +126,7 @@ def judge_failures(verdicts: pd.DataFrame) -> pd.DataFrame:
     )
 
 
-# --- §3.5 the ledger walk ---------------------------------------------------------------------------
+# --- §3.6 the ledger walk ---------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -167,7 +167,7 @@ def walk_ledger(
     caps: Caps,
     run_id: str,
 ) -> LedgerResult:
-    """The greedy walk of CONTRACT §3.5 over the passing verdicts, in task order.
+    """The greedy walk of CONTRACT §3.6 over the passing verdicts, in task order.
 
     `prior_index` holds (dedup_key, run_id, task_id) of keys kept by other runs (at least every such key
     that appears in `verdicts`); `prior_counts` holds (macro, site, n_kept) over all of history. A verdict

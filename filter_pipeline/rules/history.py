@@ -1,4 +1,4 @@
-"""History for the ledger walk: what earlier runs kept (CONTRACT §2 retired.json, §3.4 the prior index, §3.6).
+"""History for the ledger walk: what earlier runs kept (CONTRACT §2 retired.json, §3.5 the prior index, §4).
 
 The record is what was committed: the `kept` file each commit record (`warehouse/_commits/<run>.json`)
 names, verified against the size and SHA-256 the commit recorded, plus the legacy `runs/<run>/kept.jsonl`
@@ -377,7 +377,7 @@ def build_prior_index(
     retired: Retired,
     commits: dict[str, CommitRecord] | None = None,
 ) -> PriorIndex:
-    """The prior-run dedup index for `run_id` (CONTRACT §3.4, §3.6): every other committed run's kept rows,
+    """The prior-run dedup index for `run_id` (CONTRACT §3.5, §4): every other committed run's kept rows,
     plus legacy kept.jsonl, minus retired. Raises HistoryIntegrityError (one line: the file, what is wrong,
     what to do) when a committed kept file is missing, changed, unreadable or not a kept file.
 

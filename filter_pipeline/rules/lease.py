@@ -1,5 +1,5 @@
 """Exclusion of ledger walks that lives with the warehouse: one walk at a time per data root, whichever
-process, Dagster instance or machine runs it (CONTRACT §3.6 "walks never overlap on one warehouse").
+process, Dagster instance or machine runs it (CONTRACT §4 "walks never overlap on one warehouse").
 
 - Local disk: an OS lock (`flock`) on `<data>/warehouse/_ledger.lock`. The OS drops it when its holder
   exits or is killed, so a dead holder never needs hand work. `_ledger.holder.json` beside it names the

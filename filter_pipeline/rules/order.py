@@ -1,4 +1,4 @@
-"""The ledger's order (CONTRACT §3.6), as pure decisions, and the records of batches that failed validation.
+"""The ledger's order (CONTRACT §4), as pure decisions, and the records of batches that failed validation.
 
 A run's first walk waits until every complete batch with a lower run_id is committed, retired as a whole, or
 has a recorded validation failure (`warehouse/_failed/<run_id>.json`). Walking an already committed run again

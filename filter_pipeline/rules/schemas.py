@@ -83,7 +83,7 @@ _CANONICAL = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 
 
 def canonical_key(key: list[Any]) -> str:
-    """The dedup key as the canonical JSON text every comparison uses (CONTRACT §4).
+    """The dedup key as the canonical JSON text every comparison uses (CONTRACT §3.7).
 
     `1`, `"1"`, `1.0` and `true` give four different texts, so they are four different arguments.
     """

@@ -207,7 +207,7 @@ def _parse(context: dg.AssetExecutionContext, data: DataRoot, run_id: str):
     try:
         batch = read_batch(data.run_dir(run_id), run_id)
     except BatchError as exc:
-        # recorded, so that later batches stop waiting for this one (CONTRACT §3.6); its walk, once the batch
+        # recorded, so that later batches stop waiting for this one (CONTRACT §4); its walk, once the batch
         # is fixed, removes the record
         order.record_failure(data.warehouse, run_id, str(exc))
         raise

@@ -1,4 +1,4 @@
-"""Run config of the ledger step: per-site caps and per-macro targets (CONTRACT §3.5, §5 `--caps`).
+"""Run config of the ledger step: per-site caps and per-macro targets (CONTRACT §3.6, §6 `--caps`).
 
 `parse_caps` / `load_caps_file` are the one validation of a caps document, for the CLI, the sensor and
 FILTER_PIPELINE_CAPS alike: strict (2, not "2", 2.0 or true), so that what passes them also passes Dagster's

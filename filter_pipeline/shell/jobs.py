@@ -3,7 +3,7 @@
 The sensor launches `judge_job` for every new batch at once and `ledger_job` one run at a time in
 run_id order, and `rejudge_job` for filtered runs that left tasks unjudged; the CLI runs `filter_job` (both
 halves) run by run, first walks in run_id order, the across-runs assets only in the last. Whoever launches,
-the ledger step itself waits for lower runs (CONTRACT §3.6).
+the ledger step itself waits for lower runs (CONTRACT §4).
 """
 
 import dagster as dg

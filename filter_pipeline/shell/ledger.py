@@ -2,7 +2,7 @@
 then the run's commit record, for one run or (a single-run backfill) several in run_id order.
 
 Whoever launches it (the sensor, the CLI, a UI backfill in any order, another instance over the same warehouse),
-the step itself guarantees CONTRACT §3.6: a run's first walk waits until every lower complete batch is walked,
+the step itself guarantees CONTRACT §4: a run's first walk waits until every lower complete batch is walked,
 retired or recorded as failed (the step asks Dagster to retry it later and walks nothing meanwhile); walks on
 one data root never overlap (the lease in `rules/lease.py`); and a run counts as filtered only once its commit
 record is written, after every file the walk derives.

@@ -3,7 +3,7 @@ run_id order, re-judges filtered runs that left tasks unjudged, and records lega
 
 Judging (slow, costly) starts as soon as a batch is complete, for many batches at once. The ledger step,
 whose result depends on which runs were walked before, is requested for one run at a time, lowest run_id
-first. That is an optimisation: the ledger step itself waits for lower runs (CONTRACT §3.6), whoever
+first. That is an optimisation: the ledger step itself waits for lower runs (CONTRACT §4), whoever
 launched it, so a UI backfill or another instance cannot walk out of order either.
 """
 

@@ -1,4 +1,4 @@
-"""Commit records (CONTRACT §3.6): written atomically, read back exactly, refused when they are not one."""
+"""Commit records (CONTRACT §4): written atomically, read back exactly, refused when they are not one."""
 
 import os
 import subprocess

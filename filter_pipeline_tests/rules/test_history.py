@@ -1,4 +1,4 @@
-"""CONTRACT §2 retired.json and §3.4 the prior-run dedup index."""
+"""CONTRACT §2 retired.json and §3.5 the prior-run dedup index."""
 
 import hashlib
 import json
@@ -212,7 +212,7 @@ def test_history_off_local_disk_is_always_read(monkeypatch):
     assert opened == ["r1.parquet"]
 
 
-# --- history is what was committed, verified (CONTRACT §3.6) ----------------------------------------
+# --- history is what was committed, verified (CONTRACT §4) ----------------------------------------
 
 
 def kept_path(data, run_id):

@@ -1,4 +1,4 @@
-"""The ledger lease on the data root (CONTRACT §3.6: walks never overlap on one warehouse): local disk and S3."""
+"""The ledger lease on the data root (CONTRACT §4: walks never overlap on one warehouse): local disk and S3."""
 
 import json
 import subprocess

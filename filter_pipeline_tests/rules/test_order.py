@@ -1,4 +1,4 @@
-"""The ledger's order rule (CONTRACT §3.6), the records of validation failures, and the re-judging schedule."""
+"""The ledger's order rule (CONTRACT §4), the records of validation failures, and the re-judging schedule."""
 
 from upath import UPath
 

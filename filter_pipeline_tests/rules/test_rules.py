@@ -140,7 +140,7 @@ def test_gate_judge_passes_with_fixed_why_and_votes(tmp_path):
     assert verdict[["passed", "why", "votes"]].values.tolist() == [[True, GATE_WHY, GATE_VOTES]]
 
 
-# --- §3.3 judge failures ----------------------------------------------------------------------------
+# --- §3.4 judge failures ----------------------------------------------------------------------------
 
 
 def test_failed_verdict_is_judge_fail_row_with_why_and_votes_unjudged_is_not():
@@ -156,7 +156,7 @@ def test_failed_verdict_is_judge_fail_row_with_why_and_votes_unjudged_is_not():
     assert pool["backend_ok"].isna().all()
 
 
-# --- §3.5 the walk ----------------------------------------------------------------------------------
+# --- §3.6 the walk ----------------------------------------------------------------------------------
 
 
 def walk(v, index=NO_HISTORY, prior=NO_COUNTS, caps=Caps(per_site_cap=3)):
@@ -250,7 +250,7 @@ def test_dropped_verdicts_do_not_count_towards_caps():
 
 
 def one_by_one(v, index, prior, caps, run_id="now") -> tuple[list, list]:
-    """CONTRACT §3.5 read literally: every passing verdict in order, one at a time."""
+    """CONTRACT §3.6 read literally: every passing verdict in order, one at a time."""
     kept_by = {}
     for key, run, tid in zip(index["dedup_key"], index["run_id"], index["task_id"]):
         kept_by.setdefault(key, (run, tid))

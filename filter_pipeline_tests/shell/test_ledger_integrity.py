@@ -1,4 +1,4 @@
-"""The ledger step under Dagster (CONTRACT §3.6): it commits what it wrote, reads only verified committed
+"""The ledger step under Dagster (CONTRACT §4): it commits what it wrote, reads only verified committed
 history, and a run is filtered only once committed."""
 
 import json

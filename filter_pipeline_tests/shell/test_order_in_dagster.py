@@ -1,4 +1,4 @@
-"""The ledger keeps run_id order whoever launches it (CONTRACT §3.6), without `dagster dev`: runs launched
+"""The ledger keeps run_id order whoever launches it (CONTRACT §4), without `dagster dev`: runs launched
 out of order on one instance, a ranged (single-run backfill) step, a blocked step that retries without
 holding the pool slot, and one that gives up with one line."""
 
