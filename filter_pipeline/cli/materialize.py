@@ -14,6 +14,7 @@ import sys
 import dagster as dg
 
 from filter_pipeline.definitions import defs_from_env
+from filter_pipeline.judge.client import ssl_context
 from filter_pipeline.judge.resource import ENV, judge_from_env
 from filter_pipeline.rules import calibration as calibration_rules
 from filter_pipeline.rules import order
@@ -206,6 +207,7 @@ def materialize(args: argparse.Namespace) -> int:
     judge = judge_from_env(args.judge)
     if judge.kind == "llm":
         judge.settings()  # missing FILTER_JUDGE_BASE_URL / MODEL: say so before any run starts
+        ssl_context()  # an unreadable SSL_CERT_FILE too
     load_retired(data.root)  # a broken retired.json fails here, before anything is written
     refused: list[str] = []
     run_ids = _in_ledger_order(data, _runs_to_materialize(data, args.run_ids, refused), named=bool(args.run_ids))

@@ -112,6 +112,10 @@ class LLMSettings:
             raise ValueError("judge task_budget_seconds and timeout_seconds must be above 0")
 
 
+class JudgeSetupError(ValueError):
+    """A judge setting the client cannot work with (an unreadable SSL_CERT_FILE): one line naming it."""
+
+
 class EndpointRefused(Exception):
     """401, 403, 404 or an unknown model: retrying cannot help. str() is one line naming the endpoint URL
     (no credentials) and the HTTP status and the server's short message; never the API key."""
@@ -189,14 +193,16 @@ def combine_parts(votes: list[Vote], passed: bool | None) -> dict:
 
 def ssl_context() -> ssl.SSLContext:
     """The system's trusted certificates, plus the CA bundle that SSL_CERT_FILE names (a corporate proxy's CA,
-    say), as curl and the OpenAI SDK honour it. Raises ValueError (one line) when that file cannot be read."""
+    say), as curl and the OpenAI SDK honour it. Raises JudgeSetupError (one line) when that file cannot be read."""
     context = ssl.create_default_context()
     bundle = os.environ.get("SSL_CERT_FILE")
     if bundle:
         try:
             context.load_verify_locations(cafile=bundle)
         except (OSError, ssl.SSLError) as exc:
-            raise ValueError(f"SSL_CERT_FILE={bundle}: not a readable CA bundle ({exc.__class__.__name__})") from None
+            raise JudgeSetupError(
+                f"SSL_CERT_FILE={bundle}: not a readable CA bundle ({exc.__class__.__name__})"
+            ) from None
     return context
 
 

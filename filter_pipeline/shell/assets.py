@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import dagster as dg
 import pandas as pd
 
-from filter_pipeline.judge.client import EndpointRefused
+from filter_pipeline.judge.client import EndpointRefused, JudgeSetupError
 from filter_pipeline.judge.driver import ProgressStore, RecordSteps
 from filter_pipeline.judge.resource import JudgeResource
 from filter_pipeline.rules import calibration, checks, filtering, order, report, verify
@@ -234,7 +234,7 @@ def _judge(context: dg.AssetExecutionContext, judge: JudgeResource, data: DataRo
             log=context.log,
             progress=progress,
         )
-    except EndpointRefused as exc:  # one line, no traceback: the endpoint refuses, retrying cannot help
+    except (EndpointRefused, JudgeSetupError) as exc:  # one line, no traceback: retrying cannot help
         raise dg.Failure(description=str(exc), allow_retries=False) from None
     return judgement
 
