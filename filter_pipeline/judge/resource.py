@@ -233,9 +233,9 @@ _ENV_TYPES = {"votes": int, "concurrency": int, "timeout_seconds": float, "tempe
               "price_per_million_completion_tokens": float, "price_per_million_cached_tokens": float}  # fmt: skip
 
 
-def judge_from_env(kind: str | None = None) -> JudgeResource:
-    """The judge resource configured by FILTER_JUDGE_* variables; the API key is wired as an EnvVar so
-    Dagster shows its name, never its value."""
+def judge_from_env(kind: str | None = None, overrides: dict | None = None) -> JudgeResource:
+    """The judge resource configured by FILTER_JUDGE_* variables, `overrides` in their place; the API key is
+    wired as an EnvVar so Dagster shows its name, never its value."""
     values: dict = {"kind": kind or os.environ.get(ENV["kind"], "gate")}
     for name, env in ENV.items():
         if name in ("kind", "api_key") or env not in os.environ:
@@ -247,7 +247,7 @@ def judge_from_env(kind: str | None = None) -> JudgeResource:
             raise ValueError(f"{env}={os.environ[env]!r} is not a valid {parse.__name__}") from None
     if os.environ.get(ENV["api_key"]):
         values["api_key"] = dg.EnvVar(ENV["api_key"])
-    return JudgeResource(**values)
+    return JudgeResource(**{**values, **(overrides or {})})
 
 
 # --- the LLM path -----------------------------------------------------------------------------------

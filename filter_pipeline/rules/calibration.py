@@ -70,11 +70,13 @@ def _label(raw: bytes) -> dict:
     return row
 
 
-def resolve(labels: pd.DataFrame, attempts: pd.DataFrame, verdicts: pd.DataFrame, tasks: pd.DataFrame) -> pd.DataFrame:
-    """Each labelled attempt's latest label with what the gate and the judge said: (site, success, gate, judge,
-    model, prompt_version); judge is <NA> where the judge did not see that attempt. Labels matching nothing
-    and unsure labels (success null, the latest of their attempt) are dropped."""
-    verdicts = verdicts.reindex(columns=["run_id", "task_id", "dir", "passed", "status", "model", "prompt_version"])
+def latest_labels(
+    labels: pd.DataFrame, attempts: pd.DataFrame, verdicts: pd.DataFrame, tasks: pd.DataFrame
+) -> pd.DataFrame:
+    """The latest label of each labelled attempt, unsure ones (success null) dropped: (run_id, task_id, dir,
+    success, gate). A task label names the task's judged attempt (dir null when the task has none); the gate
+    passed an attempt it let through (`ok`), a task if it had an ok attempt, i.e. a verdict. Labels matching
+    nothing are dropped."""
     by_dir = labels[labels["dir"].notna()][["dir", "success", "line"]].merge(
         attempts[["run_id", "task_id", "dir", "ok"]], on="dir", how="inner"
     )
@@ -82,14 +84,21 @@ def resolve(labels: pd.DataFrame, attempts: pd.DataFrame, verdicts: pd.DataFrame
     by_task = labels[labels["dir"].isna()][["run_id", "task_id", "success", "line"]].merge(
         tasks[["run_id", "task_id"]], on=["run_id", "task_id"], how="inner"
     )
-    # a task's judged attempt is its verdict's; the gate passed a task if it had an ok attempt, i.e. a verdict
     with_verdict = verdicts[["run_id", "task_id", "dir"]].assign(gate=True)
     by_task = by_task.merge(with_verdict, on=["run_id", "task_id"], how="left")
     by_task["gate"] = by_task["gate"].astype(object).fillna(False)
     both = pd.concat([by_dir, by_task], ignore_index=True)
-    both["attempt"] = both["dir"].astype(object).where(both["dir"].notna(), both["run_id"] + "\0" + both["task_id"])
-    both = both.sort_values("line", kind="stable").drop_duplicates("attempt", keep="last")
+    attempt = both["dir"].astype(object).where(both["dir"].notna(), both["run_id"] + "\0" + both["task_id"])
+    both = both.assign(attempt=attempt).sort_values("line", kind="stable").drop_duplicates("attempt", keep="last")
     both = both[both["success"].notna()]
+    return both[["run_id", "task_id", "dir", "success", "gate"]].reset_index(drop=True)
+
+
+def resolve(labels: pd.DataFrame, attempts: pd.DataFrame, verdicts: pd.DataFrame, tasks: pd.DataFrame) -> pd.DataFrame:
+    """Each labelled attempt's latest label with what the gate and the judge said: (site, success, gate, judge,
+    model, prompt_version); judge is <NA> where the judge did not see that attempt."""
+    verdicts = verdicts.reindex(columns=["run_id", "task_id", "dir", "passed", "status", "model", "prompt_version"])
+    both = latest_labels(labels, attempts, verdicts, tasks)
     judged = verdicts[verdicts["status"] == STATUS_JUDGED][["dir", "passed", "model", "prompt_version"]]
     both = both.merge(judged, on="dir", how="left").rename(columns={"passed": "judge"})
     both = both.merge(tasks[["run_id", "task_id", "site"]], on=["run_id", "task_id"], how="left")
