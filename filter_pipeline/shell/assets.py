@@ -109,14 +109,17 @@ def check_result(check: str, asset: str, outcome: checks.CheckOutcome) -> dg.Ass
             description="The verdict on each task's ok attempt with the highest number (tasks.jsonl order), from "
             "the judge resource. status 'error' marks a task that could not be judged: neither kept nor a failure. "
             "The LLM judge saves verdicts as they arrive (warehouse/_judge_progress/<run_id>/), so a killed run "
-            "asks again only what was not saved; evidence says what each verdict was judged from.",
+            "asks again only what was not saved; evidence says what each verdict was judged from. With prompt v3 "
+            "each verdict carries its parts (success, side_effects, looping, blocked, score), key_points and the "
+            "judge's reasoning.",
             metadata=column_schema("judge_verdicts"),
         ),
         "failure_pool": dg.AssetOut(
             group_name="judging",
             description="Every failed attempt (stage execute, reason from the error prefix) and every verdict that "
             "did not pass (stage judge, reason judge_fail): candidate DPO negatives. backend_ok rows reached the "
-            "goal although the script failed, so they are not clean negatives.",
+            "goal although the script failed, and blocked judge rows failed because of the site (CAPTCHA, bot "
+            "wall, site down), so neither is a clean negative.",
             metadata=column_schema("failure_pool"),
         ),
     },
@@ -197,6 +200,7 @@ def judge_batch(context: dg.AssetExecutionContext, judge: JudgeResource, data: D
             metadata={
                 **count_by(failures["reason"], FAILURE_REASONS, "reason/"),
                 "backend_ok": int(failures["backend_ok"].sum()),
+                "blocked": int(failures["blocked"].fillna(False).sum()),
             },
         )
         yield check_result("attempts_conserved", "failure_pool", conserved.result())

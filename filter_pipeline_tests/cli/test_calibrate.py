@@ -9,6 +9,7 @@ import pandas as pd
 import pytest
 
 from filter_pipeline.cli.main import main
+from filter_pipeline_tests.builders import attempt, task, write_batch
 from filter_pipeline_tests.judge.test_judging import Pipeline, llm, sample_batch
 from filter_pipeline_tests.judge.test_verdict_parts import v3
 from filter_pipeline_tests.openai_server import FakeOpenAI, Reply
@@ -95,3 +96,23 @@ def test_calibrate_without_labels_or_endpoint_says_so_in_one_line(data_root, mon
     monkeypatch.delenv("FILTER_JUDGE_BASE_URL", raising=False)
     assert main(["calibrate", "--data", str(data_root)]) == 2
     assert "the llm judge needs FILTER_JUDGE_BASE_URL and FILTER_JUDGE_MODEL" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_materialize_naming_no_run_refreshes_judge_calibration_when_labels_changed(cli, data_root):
+    write_batch(data_root, "r1", [task("a"), task("b")], [attempt("a"), attempt("b")])
+    first = cli()
+    assert first.returncode == 0, first.stderr
+    assert "labels.jsonl changed" not in first.stdout
+    (data_root / "labels.jsonl").write_text(
+        '{"run_id": "r1", "task_id": "a", "success": true}\n{"run_id": "r1", "task_id": "b", "success": false}\n'
+    )
+    refreshed = cli()
+    assert refreshed.returncode == 0, refreshed.stderr
+    assert "nothing to materialize" in refreshed.stdout
+    assert "labels.jsonl changed since judge_calibration was built: refreshing it" in refreshed.stdout
+    assert "judge_calibration: gate: precision 0.50 [0.09, 0.91], recall 1.00" in refreshed.stdout
+    again = cli()  # up to date now: nothing run
+    assert again.returncode == 0 and "refreshing" not in again.stdout
+    table = pd.read_parquet(data_root / "warehouse" / "judge_calibration.parquet")
+    assert table[table["site"] == "(all)"]["n"].tolist() == [2, 2]
