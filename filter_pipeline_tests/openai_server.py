@@ -9,6 +9,7 @@ rate limit answering 429 with the retry headers a test chooses; OpenAI-shaped er
 
 import hashlib
 import json
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -99,6 +100,7 @@ class FakeOpenAI:
         n: str = "honour",
         response_format: str = "accept",
         rate: RateLimit | None = None,
+        tls: ssl.SSLContext | None = None,
     ):
         assert n in N_MODES and response_format in ("accept", "reject")
         self.responder = responder
@@ -145,6 +147,10 @@ class FakeOpenAI:
 
         self.n_mode, self.response_format, self.rate = n, response_format, rate
         self._server = _Server(("127.0.0.1", 0), Handler)
+        self.scheme = "http"
+        if tls is not None:  # HTTPS, with the context's certificate
+            self._server.socket = tls.wrap_socket(self._server.socket, server_side=True)
+            self.scheme = "https"
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
 
     def _answer(self, call: Call, count: int) -> Reply:
@@ -184,7 +190,7 @@ class FakeOpenAI:
 
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self._server.server_address[1]}/v1"
+        return f"{self.scheme}://127.0.0.1:{self._server.server_address[1]}/v1"
 
     def __enter__(self) -> "FakeOpenAI":
         self._thread.start()

@@ -62,6 +62,20 @@ def _parser() -> argparse.ArgumentParser:
         "no batch changed since it was filtered. Exit 0 when clean, 1 with one line per finding.",
     )
     v.add_argument("--data", default=None, help=f"data root (default: ${DATA_ENV} or '{DEFAULT_DATA}')")
+    c = commands.add_parser(
+        "calibrate",
+        help="score a candidate judge on the labelled attempts, beside the judge in production",
+        description="Judge only the attempts labels.jsonl labels with a candidate judge (the production "
+        "judge's FILTER_JUDGE_* settings, the options given in their place), write its verdicts to "
+        "warehouse/judge_eval/<candidate>.parquet, and print precision (95%% interval), recall, kappa and cost "
+        "beside the judge in production. Verdicts already on file for the candidate are reused (a second run "
+        "asks nothing). Never changes kept, surplus, judge_verdicts or the commit records.",
+    )
+    c.add_argument("--data", default=None, help=f"data root (default: ${DATA_ENV} or '{DEFAULT_DATA}')")
+    c.add_argument("--model", default=None, help="the candidate's model (default: FILTER_JUDGE_MODEL)")
+    c.add_argument("--base-url", default=None, help="the candidate's endpoint (default: FILTER_JUDGE_BASE_URL)")
+    c.add_argument("--prompt-version", default=None, help="the candidate's prompt version (default: the current)")
+    c.add_argument("--votes", type=int, default=None, help="votes per task (default: FILTER_JUDGE_VOTES)")
     return parser
 
 
@@ -113,6 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "verify":
         return verify(args)
+    if args.command == "calibrate":
+        from filter_pipeline.cli.calibrate import run as calibrate
+
+        return calibrate(args)
     read_first_batch_ahead(args)
     try:
         # Dagster loads while the batch is read; so does the code location, which reads its settings

@@ -14,7 +14,9 @@ import sys
 import dagster as dg
 
 from filter_pipeline.definitions import defs_from_env
+from filter_pipeline.judge.client import ssl_context
 from filter_pipeline.judge.resource import ENV, judge_from_env
+from filter_pipeline.rules import calibration as calibration_rules
 from filter_pipeline.rules import order
 from filter_pipeline.rules.batch import SUCCESS_FILE, check_run_id, complete_batches
 from filter_pipeline.rules.commits import read_commits
@@ -25,7 +27,9 @@ from filter_pipeline.shell.config import CAPS_ENV, load_caps_file, parse_caps
 from filter_pipeline.shell.jobs import ACROSS_RUNS_ASSETS, PARTITION_TAG, across_runs_job, filter_job
 from filter_pipeline.shell.ledger import ORDER_MAX_WAIT_TAG
 from filter_pipeline.shell.sensors import (
+    CALIBRATION,
     changed_warning,
+    labels_changed,
     legacy_run_ids,
     record_legacy_runs,
     rejudge_tags,
@@ -203,6 +207,7 @@ def materialize(args: argparse.Namespace) -> int:
     judge = judge_from_env(args.judge)
     if judge.kind == "llm":
         judge.settings()  # missing FILTER_JUDGE_BASE_URL / MODEL: say so before any run starts
+        ssl_context()  # an unreadable SSL_CERT_FILE too
     load_retired(data.root)  # a broken retired.json fails here, before anything is written
     refused: list[str] = []
     run_ids = _in_ledger_order(data, _runs_to_materialize(data, args.run_ids, refused), named=bool(args.run_ids))
@@ -220,6 +225,11 @@ def materialize(args: argparse.Namespace) -> int:
         if refused:
             return EXIT_RUN_FAILED  # something complete was not filtered
         print("nothing to materialize: every complete batch is already filtered")
+        if not args.run_ids and labels_changed(instance, data) is not None:
+            print("labels.jsonl changed since judge_calibration was built: refreshing it", flush=True)
+            if not _refresh_across_runs(instance, caps, only=[CALIBRATION]):
+                return EXIT_RUN_FAILED
+            _print_calibration(data)
         return 0
     _register(instance, run_ids)
     # the job is rebuilt from the environment (see cli_filter_job), so the settings travel through it
@@ -312,13 +322,18 @@ def _run_config(caps: dict, ops_with_caps: list[str]) -> dict:
     return config
 
 
-def _refresh_across_runs(instance: dg.DagsterInstance, caps: dict) -> bool:
-    """Materialize coverage and judge calibration over every run in a run of their own."""
+def _refresh_across_runs(instance: dg.DagsterInstance, caps: dict, only: list[dg.AssetKey] | None = None) -> bool:
+    """Materialize coverage and judge calibration (or `only` those assets) over every run in a run of their own."""
+    with_coverage = only is None or dg.AssetKey("coverage") in only
     result = dg.execute_job(
-        dg.reconstructable(cli_across_runs_job), instance, run_config=_run_config(caps, ops_with_caps=["coverage"])
+        dg.reconstructable(cli_across_runs_job),
+        instance,
+        run_config=_run_config(caps, ops_with_caps=["coverage"] if with_coverage else []),
+        asset_selection=only,
     )
     if not result.success:
-        print(f"coverage / judge_calibration: FAILED ({_failure_reason(result)})", flush=True)
+        names = " / ".join(k.path[-1] for k in only) if only else "coverage / judge_calibration"
+        print(f"{names}: FAILED ({_failure_reason(result)})", flush=True)
     return result.success
 
 
@@ -331,13 +346,14 @@ def _print_across_runs(data: DataRoot) -> None:
         f"{int(sites['full'].sum())} full",
         flush=True,
     )
+    _print_calibration(data)
+
+
+def _print_calibration(data: DataRoot) -> None:
+    """One line per judge calibration predictor (overall), precision and its interval first."""
     calibration = read_parquet(data.warehouse / "judge_calibration.parquet")
-    for row in calibration[calibration["site"] == "(all)"].to_dict("records"):
-        print(
-            f"judge_calibration: {row['predictor']} on {row['n']} labels: precision {row['precision']:.2f}, "
-            f"recall {row['recall']:.2f}, agreement {row['agreement']:.2f}",
-            flush=True,
-        )
+    for row in calibration[calibration["site"] == calibration_rules.ALL_SITES].to_dict("records"):
+        print(f"judge_calibration: {calibration_rules.who(row)}: {calibration_rules.summary(row)}", flush=True)
 
 
 # --- the console of the CLI's runs ------------------------------------------------------------------

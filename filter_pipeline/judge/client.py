@@ -21,8 +21,11 @@ import asyncio
 import hashlib
 import json
 import math
+import os
 import random
 import re
+import ssl
+import statistics
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
@@ -30,9 +33,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
-from filter_pipeline.judge.prompt import ANSWER_SCHEMA, PROMPT_VERSION
+from filter_pipeline.judge.prompt import PROMPT_VERSION, prompt_of
 from filter_pipeline.judge.replies import (
+    PART_FLAGS,
     Choice,
+    Parts,
     Usage,
     error_message,
     parse_reply,
@@ -40,7 +45,7 @@ from filter_pipeline.judge.replies import (
     retry_hint,
     strip_reasoning,
 )  # fmt: skip
-from filter_pipeline.rules.schemas import STATUS_ERROR, STATUS_JUDGED
+from filter_pipeline.rules.schemas import REASONING_MAX_CHARS, STATUS_ERROR, STATUS_JUDGED
 
 if TYPE_CHECKING:  # aiohttp itself is imported when a client opens: gate-judged runs never load it
     import aiohttp
@@ -107,6 +112,10 @@ class LLMSettings:
             raise ValueError("judge task_budget_seconds and timeout_seconds must be above 0")
 
 
+class JudgeSetupError(ValueError):
+    """A judge setting the client cannot work with (an unreadable SSL_CERT_FILE): one line naming it."""
+
+
 class EndpointRefused(Exception):
     """401, 403, 404 or an unknown model: retrying cannot help. str() is one line naming the endpoint URL
     (no credentials) and the HTTP status and the server's short message; never the API key."""
@@ -117,6 +126,7 @@ class Vote:
     passed: bool | None = None  # None: no valid vote within the task's budget
     why: str = ""
     error: str | None = None
+    parts: Parts = field(default_factory=Parts)
 
 
 @dataclass
@@ -133,6 +143,14 @@ class TaskVerdict:
     call_latencies_ms: list[float]
     raw_replies: str  # JSON list of the replies, each cut to RAW_REPLY_MAX_CHARS
     replies_sha256: str
+    # the verdict's parts (prompt v3; None where the votes do not say): see combine_parts
+    success: bool | None = None
+    side_effects: bool | None = None
+    looping: bool | None = None
+    blocked: bool | None = None
+    score: int | None = None
+    key_points: str | None = None  # JSON list of texts
+    reasoning: str | None = None  # cut to REASONING_MAX_CHARS
 
 
 def majority(votes: list[Vote], n: int) -> tuple[bool | None, str, str | None, str]:
@@ -150,6 +168,42 @@ def majority(votes: list[Vote], n: int) -> tuple[bool | None, str, str | None, s
     unanswered = n - len(passes) - len(fails)
     reason = f"no majority of {n} votes: {len(passes)} pass, {len(fails)} fail, {unanswered} without an answer"
     return None, f"{reason} ({errors[0]})" if errors else reason, None, STATUS_ERROR
+
+
+def combine_parts(votes: list[Vote], passed: bool | None) -> dict:
+    """The parts of a verdict reached by `votes`: each boolean part is the majority of the answered votes
+    that give it (a tie, or no vote giving it: None), `score` the median of the scores given (the lower
+    middle one of an even count, so always a score a vote gave); `key_points` and `reasoning` are those of
+    the vote whose `why` the verdict carries (the first vote on the winning side). All None when unjudged."""
+    if passed is None:
+        return {name: None for name in (*PART_FLAGS, "score", "key_points", "reasoning")}
+    answered = [v.parts for v in votes if v.passed is not None]
+    out: dict = {}
+    for name in PART_FLAGS:
+        said = [getattr(p, name) for p in answered if getattr(p, name) is not None]
+        yes, no = sum(said), len(said) - sum(said)
+        out[name] = True if yes > no else False if no > yes else None
+    scores = [p.score for p in answered if p.score is not None]
+    out["score"] = statistics.median_low(scores) if scores else None
+    lead = next(v.parts for v in votes if v.passed is passed)
+    out["key_points"] = json.dumps(lead.key_points, ensure_ascii=False) if lead.key_points is not None else None
+    out["reasoning"] = lead.reasoning[:REASONING_MAX_CHARS] if lead.reasoning is not None else None
+    return out
+
+
+def ssl_context() -> ssl.SSLContext:
+    """The system's trusted certificates, plus the CA bundle that SSL_CERT_FILE names (a corporate proxy's CA,
+    say), as curl and the OpenAI SDK honour it. Raises JudgeSetupError (one line) when that file cannot be read."""
+    context = ssl.create_default_context()
+    bundle = os.environ.get("SSL_CERT_FILE")
+    if bundle:
+        try:
+            context.load_verify_locations(cafile=bundle)
+        except (OSError, ssl.SSLError) as exc:
+            raise JudgeSetupError(
+                f"SSL_CERT_FILE={bundle}: not a readable CA bundle ({exc.__class__.__name__})"
+            ) from None
+    return context
 
 
 # --- one task's accounting ----------------------------------------------------------------------------
@@ -330,11 +384,11 @@ class JudgeClient:
     """One per endpoint and materialization: one aiohttp session, one rate controller shared by every request.
 
     `async with JudgeClient(settings) as client: verdict = await client.judge(messages)`; `verdict_schema`
-    replaces prompt.ANSWER_SCHEMA in structured-output requests (a prompt asking for other reasoning fields)."""
+    replaces the prompt version's answer schema in structured-output requests (a prompt asking for other reasoning fields)."""
 
     def __init__(self, settings: LLMSettings, verdict_schema: dict | None = None):
         self.settings = settings
-        self.schema = verdict_schema or ANSWER_SCHEMA
+        self.schema = verdict_schema or prompt_of(settings.prompt_version)[1]
         self.url = settings.base_url.rstrip("/") + "/chat/completions"
         self.public_url = public_url(self.url)
         if settings.api_key and urlsplit(self.url).password is not None:
@@ -350,9 +404,11 @@ class JudgeClient:
 
         self._aiohttp = aiohttp
         self.transport_errors = (aiohttp.ClientError, asyncio.TimeoutError)
+        # trust_env: HTTPS_PROXY / HTTP_PROXY / NO_PROXY (and ~/.netrc), as curl and the OpenAI SDK honour them
         self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=self.settings.concurrency),
+            connector=aiohttp.TCPConnector(limit=self.settings.concurrency, ssl=ssl_context()),
             timeout=aiohttp.ClientTimeout(total=self.settings.timeout_seconds),
+            trust_env=True,
         )
         return self
 
@@ -368,6 +424,9 @@ class JudgeClient:
         task = _Task(self.settings.task_budget_seconds)
         votes = await self._votes(messages, task)
         passed, why, tally, status = majority(votes, self.settings.votes)
+        parts = combine_parts(votes, passed)
+        for name in ("key_points", "reasoning"):
+            parts[name] = self._redact(parts[name])
         replies = task.replies
         return TaskVerdict(
             passed=passed, why=self._redact(why), votes=tally, status=status, requests=task.requests,
@@ -377,7 +436,7 @@ class JudgeClient:
             latency_ms=(time.monotonic() - task.started) * 1000 if task.started is not None else 0.0,
             call_latencies_ms=task.latencies_ms,
             raw_replies=self._redact(json.dumps([r[:RAW_REPLY_MAX_CHARS] for r in replies], ensure_ascii=False)),
-            replies_sha256=hashlib.sha256(json.dumps(replies, ensure_ascii=False).encode()).hexdigest(),
+            replies_sha256=hashlib.sha256(json.dumps(replies, ensure_ascii=False).encode()).hexdigest(), **parts,
         )  # fmt: skip
 
     # --- votes ------------------------------------------------------------------------------------------
@@ -410,7 +469,7 @@ class JudgeClient:
         task.replies.append(choice.text or "")
         verdict = parse_reply(choice.text)
         if verdict is not None:
-            return Vote(verdict.passed, verdict.why)
+            return Vote(verdict.passed, verdict.why, parts=verdict.parts)
         said = strip_reasoning(choice.text or "").strip()
         follow_up = [*messages, *([{"role": "assistant", "content": said}] if said else [])]
         follow_up.append({"role": "user", "content": REPAIR_PROMPT})
@@ -426,7 +485,7 @@ class JudgeClient:
         task.replies.append(repaired.text or "")
         verdict = parse_reply(repaired.text)
         if verdict is not None:
-            return Vote(verdict.passed, verdict.why)
+            return Vote(verdict.passed, verdict.why, parts=verdict.parts)
         again = "was cut off too" if repaired.cut_off else "held none either"
         return Vote(error=f"{trouble}; the repair request {again}")
 

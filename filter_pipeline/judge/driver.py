@@ -13,6 +13,7 @@ No Dagster here: the resource passes in the client, the progress store and a log
 
 import asyncio
 import logging
+import re
 import threading
 import time
 import uuid
@@ -32,7 +33,8 @@ from filter_pipeline.rules.schemas import JUDGE_PROGRESS_SCHEMA, STATUS_JUDGED, 
 
 # the verdict fields a fresh answer fills, reused verdicts carry and deduplicated copies share
 VERDICT_FIELDS = ("passed", "why", "votes", "status", "requests", "prompt_tokens", "completion_tokens",
-                  "cached_tokens", "latency_ms", "raw_replies", "replies_sha256")  # fmt: skip
+                  "cached_tokens", "latency_ms", "raw_replies", "replies_sha256", "success", "side_effects",
+                  "looping", "blocked", "score", "key_points", "reasoning")  # fmt: skip
 SPEND_FIELDS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens", "latency_ms")  # 0 on copies
 REQUEST_COLUMNS = ("instruction", "macro", "site", "dedup_key", "start_kind", "dir", "attempt_line")
 MAX_READERS = 8  # threads building prompts (reading trajectory files)
@@ -172,6 +174,50 @@ class DriveResult:
     stats: DriveStats
 
 
+# A verdict the model passed with a score below FILTER_JUDGE_MIN_SCORE fails, its why saying so: the model's own
+# verdict is recovered from it when the verdict is reused, so the threshold can change without a new request.
+BELOW_MIN_SCORE = "score {score} is below the minimum score {min_score} (FILTER_JUDGE_MIN_SCORE); the judge: {why}"
+_BELOW_MIN_SCORE = re.compile(
+    re.escape(BELOW_MIN_SCORE)
+    .replace(r"\{score\}", r"\d+")
+    .replace(r"\{min_score\}", r"\d+")
+    .replace(r"\{why\}", "(.*)"),
+    re.DOTALL,
+)
+
+
+def apply_min_score(frame: pd.DataFrame, min_score: int | None) -> tuple[pd.DataFrame, int]:
+    """(`frame` with each passing verdict whose score is below `min_score` failed, its why saying so; how many).
+    A verdict without a score is left as it is."""
+    if min_score is None or frame.empty:
+        return frame, 0
+    score = pd.to_numeric(frame["score"], errors="coerce")
+    below = ((frame["passed"] == True) & (score < min_score)).fillna(False).to_numpy(dtype=bool)  # noqa: E712
+    if not below.any():
+        return frame, 0
+    frame = frame.copy()
+    frame["passed"] = frame["passed"].astype(object)
+    frame.loc[below, "passed"] = False
+    frame.loc[below, "why"] = [
+        BELOW_MIN_SCORE.format(score=int(s), min_score=min_score, why=w)
+        for s, w in zip(score[below], frame.loc[below, "why"])
+    ]
+    return frame, int(below.sum())
+
+
+def model_verdicts(frame: pd.DataFrame) -> pd.DataFrame:
+    """`frame` with the model's own verdict in place of one failed by apply_min_score."""
+    found = [_BELOW_MIN_SCORE.fullmatch(w) if isinstance(w, str) else None for w in frame["why"].tolist()]
+    hit = np.array([m is not None for m in found], dtype=bool)
+    if not hit.any():
+        return frame
+    frame = frame.copy()
+    frame["passed"] = frame["passed"].astype(object)
+    frame.loc[hit, "passed"] = True
+    frame.loc[hit, "why"] = [m.group(1) for m in found if m is not None]
+    return frame
+
+
 def reusable_verdicts(previous: pd.DataFrame | None, progress: pd.DataFrame | None) -> tuple[pd.DataFrame, int]:
     """(judged verdicts by cache_key, from the previous judge_verdicts and the saved progress parts; how many
     of them only the progress holds). Unjudged ones are asked again; a task that was asked wins over a copy."""
@@ -186,7 +232,7 @@ def reusable_verdicts(previous: pd.DataFrame | None, progress: pd.DataFrame | No
     if not frames:
         return pd.DataFrame(columns=["cache_key", *VERDICT_FIELDS, "_source"]), 0
     every = pd.concat(frames, ignore_index=True).sort_values("_copy", kind="stable")
-    every = every.drop_duplicates("cache_key").drop(columns="_copy").reset_index(drop=True)
+    every = model_verdicts(every.drop_duplicates("cache_key").drop(columns="_copy").reset_index(drop=True))
     return every, int((every["_source"] == "progress").sum())
 
 

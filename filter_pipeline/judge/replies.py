@@ -6,7 +6,7 @@ import json
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from typing import Any
@@ -18,10 +18,29 @@ _CLOSE_TAG = re.compile(r"</(?:think|thinking|reasoning)\s*>", re.IGNORECASE)
 _OPEN_TAG = re.compile(r"<(?:think|thinking|reasoning)\b[^>]*>", re.IGNORECASE)
 
 
+PART_FLAGS = ("success", "side_effects", "looping", "blocked")  # prompt v3's booleans beside `passed`
+SCORE_RANGE = (1, 5)
+
+
+@dataclass(frozen=True)
+class Parts:
+    """What a v3 reply says beside its verdict; None where the reply does not say it (a v2-shaped reply, a
+    value of the wrong type, a score outside SCORE_RANGE)."""
+
+    success: bool | None = None
+    side_effects: bool | None = None
+    looping: bool | None = None
+    blocked: bool | None = None
+    score: int | None = None
+    key_points: list[str] | None = None
+    reasoning: str | None = None  # the reply's `reasoning`, else its own text before the verdict
+
+
 @dataclass(frozen=True)
 class Verdict:
     passed: bool
     why: str
+    parts: Parts = field(default_factory=Parts, compare=False)
 
 
 def strip_reasoning(text: str) -> str:
@@ -43,9 +62,10 @@ def parse_reply(text: str | None) -> Verdict | None:
     other fields are allowed. None when the reply holds no such object."""
     if not text:
         return None
+    thinking = _reasoning_blocks(text)
     text = strip_reasoning(text)
     decoder = json.JSONDecoder()
-    found: Verdict | None = None
+    found: tuple[dict, int] | None = None
     i = text.find("{")
     while i != -1:
         try:
@@ -54,11 +74,40 @@ def parse_reply(text: str | None) -> Verdict | None:
             i = text.find("{", i + 1)
             continue
         if isinstance(value, dict) and isinstance(value.get("passed"), bool):
-            found = Verdict(value["passed"], _why(value.get("why")))
+            found = (value, i)
             i = text.find("{", end)  # objects nested in the verdict (criteria) are not verdicts
         else:
             i = text.find("{", i + 1)  # a wrapper object may hold the verdict
-    return found
+    if found is None:
+        return None
+    value, start = found
+    before = "\n\n".join(part for part in (thinking, text[:start].strip()) if part)
+    return Verdict(value["passed"], _why(value.get("why")), read_parts(value, before))
+
+
+def read_parts(value: dict, before: str = "") -> Parts:
+    """The parts of a verdict object; `before`: the reply's text ahead of it, the reasoning when the object
+    has no `reasoning` text of its own."""
+    flags = {name: value.get(name) if isinstance(value.get(name), bool) else None for name in PART_FLAGS}
+    score = value.get("score")
+    if isinstance(score, float) and score.is_integer():
+        score = int(score)
+    if not (isinstance(score, int) and not isinstance(score, bool) and SCORE_RANGE[0] <= score <= SCORE_RANGE[1]):
+        score = None
+    points = value.get("key_points")
+    points = [_why(p) for p in points] if isinstance(points, list) else None
+    reasoning = value.get("reasoning")
+    reasoning = reasoning if isinstance(reasoning, str) and reasoning.strip() else before or None
+    return Parts(**flags, score=score, key_points=points, reasoning=reasoning)
+
+
+def _reasoning_blocks(text: str) -> str:
+    """The text of the reply's closed reasoning blocks, without their tags."""
+    return "\n\n".join(
+        inner.strip()
+        for inner in (_OPEN_TAG.sub("", _CLOSE_TAG.sub("", m.group(0))) for m in _CLOSED_BLOCK.finditer(text))
+        if inner.strip()
+    )
 
 
 def _why(value: Any) -> str:

@@ -45,6 +45,7 @@ ENV = {
     "reasoning_model": "FILTER_JUDGE_REASONING_MODEL",
     "structured_output": "FILTER_JUDGE_STRUCTURED_OUTPUT",
     "prompt_version": "FILTER_JUDGE_PROMPT_VERSION",
+    "min_score": "FILTER_JUDGE_MIN_SCORE",
     "include_screenshot": "FILTER_JUDGE_SCREENSHOT",
     "save_every_verdicts": "FILTER_JUDGE_SAVE_EVERY",
     "save_every_seconds": "FILTER_JUDGE_SAVE_SECONDS",
@@ -125,6 +126,14 @@ class JudgeResource(dg.ConfigurableResource):
     include_screenshot: bool = Field(
         default=False,
         description="Send the attempt's first and last screenshots, by natural order (multimodal models).",
+    )
+    min_score: int | None = Field(
+        default=None,
+        ge=1,
+        le=5,
+        description="A verdict passes only if the model passed it and its score (1-5, when it gave one) is at "
+        "least this; unset: the model's verdict alone. Not part of the verdict cache key: changing it and "
+        "materializing again asks nothing. Env FILTER_JUDGE_MIN_SCORE.",
     )
     # (the per-batch driver's settings: resume and cost)
     save_every_verdicts: int = Field(
@@ -218,15 +227,15 @@ def _flag(text: str) -> bool:
 
 _flag.__name__ = "flag (true/false)"
 _ENV_TYPES = {"votes": int, "concurrency": int, "timeout_seconds": float, "temperature": float,
-              "max_tokens": int, "include_screenshot": _flag,
+              "max_tokens": int, "include_screenshot": _flag, "min_score": int,
               "task_budget_seconds": float, "reasoning_model": _flag, "structured_output": _flag,
               "save_every_verdicts": int, "save_every_seconds": float, "price_per_million_prompt_tokens": float,
               "price_per_million_completion_tokens": float, "price_per_million_cached_tokens": float}  # fmt: skip
 
 
-def judge_from_env(kind: str | None = None) -> JudgeResource:
-    """The judge resource configured by FILTER_JUDGE_* variables; the API key is wired as an EnvVar so
-    Dagster shows its name, never its value."""
+def judge_from_env(kind: str | None = None, overrides: dict | None = None) -> JudgeResource:
+    """The judge resource configured by FILTER_JUDGE_* variables, `overrides` in their place; the API key is
+    wired as an EnvVar so Dagster shows its name, never its value."""
     values: dict = {"kind": kind or os.environ.get(ENV["kind"], "gate")}
     for name, env in ENV.items():
         if name in ("kind", "api_key") or env not in os.environ:
@@ -238,7 +247,7 @@ def judge_from_env(kind: str | None = None) -> JudgeResource:
             raise ValueError(f"{env}={os.environ[env]!r} is not a valid {parse.__name__}") from None
     if os.environ.get(ENV["api_key"]):
         values["api_key"] = dg.EnvVar(ENV["api_key"])
-    return JudgeResource(**values)
+    return JudgeResource(**{**values, **(overrides or {})})
 
 
 # --- the LLM path -----------------------------------------------------------------------------------
@@ -275,13 +284,14 @@ def _llm_judgement(
         redact=lambda text: _redact(text, settings),
         log=log,
     )
-    frame = result.frame
+    frame, below_min_score = driver.apply_min_score(result.frame, resource.min_score)
     cost = prices.cost(_ints(frame["prompt_tokens"]), _ints(frame["completion_tokens"]), _ints(frame["cached_tokens"]))
     verdicts = requests.reset_index(drop=True).assign(
         **frame, cost=cost, judge="llm", model=settings.model, prompt_version=prompt_settings.prompt_version
     )
     _warn_missing_evidence(verdicts, log)
     metadata = _llm_metadata(verdicts, result.stats, settings, prompt_settings, prices)
+    metadata.update(min_score=resource.min_score or "not set", below_min_score=below_min_score)
     return Judgement(verdicts, metadata, written=progress.remove if progress is not None else lambda: 0)
 
 

@@ -1,25 +1,37 @@
 """Judge calibration: the judge and the gate against human labels (`<data>/labels.jsonl`). Pure pandas.
 
 A label line is `{"dir": "<trajectory dir>", "success": true}` or `{"run_id": ..., "task_id": ..., "success":
-false}`: by dir it labels that attempt; by task it labels the task's judged attempt.
+false}`: by dir it labels that attempt; by task it labels the task's judged attempt. `success` null means
+unsure: the line stays in the file and is never counted. A later line for the same attempt replaces an earlier
+one (file order); other fields (`note`, `labeler`, `labeled_at`) are allowed and ignored here.
 """
 
+import hashlib
 import json
+import math
 
 import pandas as pd
 
-from filter_pipeline.rules.schemas import STATUS_JUDGED, conform
+from filter_pipeline.rules.schemas import CALIBRATION_MIN_LABELS, STATUS_JUDGED, conform
 
 LABELS_FILE = "labels.jsonl"
 ALL_SITES = "(all)"
+PREDICTORS = ("judge", "gate")
 
 
 MAX_REJECTS_SHOWN = 20  # bad label lines listed in judge_calibration's metadata and log
+LABEL_COLUMNS = ["dir", "run_id", "task_id", "success", "line"]
+
+
+def labels_fingerprint(data: bytes | None) -> str | None:
+    """A hash of the labels file's bytes (None: no file): calibration is stale exactly when it changes."""
+    return None if data is None else hashlib.sha256(data).hexdigest()[:16]
 
 
 def parse_labels(data: bytes | str) -> tuple[pd.DataFrame, list[str]]:
-    """(labels, rejects): rows (dir, run_id, task_id, success) of every valid line, and one message per
-    line that is not a label ("labels.jsonl:N: why"), in file order. Never raises on content."""
+    """(labels, rejects): rows (dir, run_id, task_id, success, line) of every valid line (success None:
+    unsure), and one message per line that is not a label ("labels.jsonl:N: why"), in file order. Never
+    raises on content."""
     if isinstance(data, str):
         data = data.encode("utf-8", "surrogatepass")
     rows, rejects = [], []
@@ -27,10 +39,10 @@ def parse_labels(data: bytes | str) -> tuple[pd.DataFrame, list[str]]:
         if not raw.strip():
             continue
         try:
-            rows.append(_label(raw))
+            rows.append({**_label(raw), "line": number})
         except ValueError as exc:
             rejects.append(f"{LABELS_FILE}:{number}: {exc}")
-    return pd.DataFrame(rows, columns=["dir", "run_id", "task_id", "success"]), rejects
+    return pd.DataFrame(rows, columns=LABEL_COLUMNS), rejects
 
 
 def _label(raw: bytes) -> dict:
@@ -47,8 +59,8 @@ def _label(raw: bytes) -> dict:
     by_task = (
         isinstance(record, dict) and isinstance(record.get("run_id"), str) and isinstance(record.get("task_id"), str)
     )
-    if not (by_dir or by_task) or not isinstance(record.get("success"), bool):
-        raise ValueError("expected {dir | run_id + task_id, success: bool}")
+    if not (by_dir or by_task) or "success" not in record or not isinstance(record["success"], (bool, type(None))):
+        raise ValueError("expected {dir | run_id + task_id, success: true | false | null}")
     row = {"dir": record["dir"] if by_dir else None, "run_id": None if by_dir else record["run_id"],
            "task_id": None if by_dir else record["task_id"], "success": record["success"]}  # fmt: skip
     try:
@@ -58,46 +70,152 @@ def _label(raw: bytes) -> dict:
     return row
 
 
-def resolve(labels: pd.DataFrame, attempts: pd.DataFrame, verdicts: pd.DataFrame, tasks: pd.DataFrame) -> pd.DataFrame:
-    """Each label with what the gate and the judge said: (site, success, gate, judge); judge is <NA> where the
-    judge did not see that attempt, and labels matching nothing are dropped."""
-    judged = verdicts[verdicts["status"] == STATUS_JUDGED][["run_id", "task_id", "dir", "passed"]]
-    by_dir = labels[labels["dir"].notna()][["dir", "success"]].merge(
+def latest_labels(
+    labels: pd.DataFrame, attempts: pd.DataFrame, verdicts: pd.DataFrame, tasks: pd.DataFrame
+) -> pd.DataFrame:
+    """The latest label of each labelled attempt, unsure ones (success null) dropped: (run_id, task_id, dir,
+    success, gate). A task label names the task's judged attempt (dir null when the task has none); the gate
+    passed an attempt it let through (`ok`), a task if it had an ok attempt, i.e. a verdict. Labels matching
+    nothing are dropped."""
+    by_dir = labels[labels["dir"].notna()][["dir", "success", "line"]].merge(
         attempts[["run_id", "task_id", "dir", "ok"]], on="dir", how="inner"
     )
-    by_dir = by_dir.merge(judged[["dir", "passed"]], on="dir", how="left").rename(
-        columns={"ok": "gate", "passed": "judge"}
-    )
-    by_task = labels[labels["dir"].isna()][["run_id", "task_id", "success"]].merge(
+    by_dir = by_dir.rename(columns={"ok": "gate"})
+    by_task = labels[labels["dir"].isna()][["run_id", "task_id", "success", "line"]].merge(
         tasks[["run_id", "task_id"]], on=["run_id", "task_id"], how="inner"
     )
-    by_task = by_task.merge(judged[["run_id", "task_id", "passed"]], on=["run_id", "task_id"], how="left")
-    # the gate passed a task if it had an ok attempt, i.e. a verdict
-    with_verdict = verdicts[["run_id", "task_id"]].assign(gate=True)
-    by_task = by_task.merge(with_verdict, on=["run_id", "task_id"], how="left").rename(columns={"passed": "judge"})
-    by_task["gate"] = by_task["gate"].fillna(False)
+    with_verdict = verdicts[["run_id", "task_id", "dir"]].assign(gate=True)
+    by_task = by_task.merge(with_verdict, on=["run_id", "task_id"], how="left")
+    by_task["gate"] = by_task["gate"].astype(object).fillna(False)
     both = pd.concat([by_dir, by_task], ignore_index=True)
+    attempt = both["dir"].astype(object).where(both["dir"].notna(), both["run_id"] + "\0" + both["task_id"])
+    both = both.assign(attempt=attempt).sort_values("line", kind="stable").drop_duplicates("attempt", keep="last")
+    both = both[both["success"].notna()]
+    return both[["run_id", "task_id", "dir", "success", "gate"]].reset_index(drop=True)
+
+
+def resolve(labels: pd.DataFrame, attempts: pd.DataFrame, verdicts: pd.DataFrame, tasks: pd.DataFrame) -> pd.DataFrame:
+    """Each labelled attempt's latest label with what the gate and the judge said: (site, success, gate, judge,
+    model, prompt_version); judge is <NA> where the judge did not see that attempt."""
+    verdicts = verdicts.reindex(columns=["run_id", "task_id", "dir", "passed", "status", "model", "prompt_version"])
+    both = latest_labels(labels, attempts, verdicts, tasks)
+    judged = verdicts[verdicts["status"] == STATUS_JUDGED][["dir", "passed", "model", "prompt_version"]]
+    both = both.merge(judged, on="dir", how="left").rename(columns={"passed": "judge"})
     both = both.merge(tasks[["run_id", "task_id", "site"]], on=["run_id", "task_id"], how="left")
-    return both[["site", "success", "gate", "judge"]].astype(
+    out = both[["site", "success", "gate", "judge", "model", "prompt_version"]].astype(
         {"success": "boolean", "gate": "boolean", "judge": "boolean"}
     )
+    return out.reset_index(drop=True)
+
+
+def scores(tp: int, fp: int, fn: int, tn: int) -> dict:
+    """The calibration figures of one confusion matrix (null where a figure has no denominator)."""
+    n = tp + fp + fn + tn
+    precision_low, precision_high = wilson_interval(tp, tp + fp)
+    recall_low, recall_high = wilson_interval(tp, tp + fn)
+    chance = ((tp + fp) * (tp + fn) + (fn + tn) * (fp + tn)) / (n * n) if n else math.nan
+    return {
+        "n": n, "tp": tp, "fp": fp, "fn": fn, "tn": tn,
+        "precision": tp / (tp + fp) if tp + fp else None,
+        "precision_low": _number(precision_low), "precision_high": _number(precision_high),
+        "recall": tp / (tp + fn) if tp + fn else None,
+        "recall_low": _number(recall_low), "recall_high": _number(recall_high),
+        "f1": 2 * tp / (2 * tp + fp + fn) if tp + fp + fn else None,
+        "kappa": ((tp + tn) / n - chance) / (1 - chance) if n and chance < 1 else None,
+        "pass_rate_gap": (fp - fn) / n if n else None,
+        "agreement": (tp + tn) / n if n else None,
+    }  # fmt: skip
+
+
+def _number(value: float) -> float | None:
+    return None if math.isnan(value) else value
+
+
+def _confusion(predicted: pd.Series, truth: pd.Series) -> tuple[int, int, int, int]:
+    pred, truth = predicted.astype(bool), truth.astype(bool)
+    return (
+        int((pred & truth).sum()),
+        int((pred & ~truth).sum()),
+        int((~pred & truth).sum()),
+        int((~pred & ~truth).sum()),
+    )
+
+
+def _judges(seen: pd.DataFrame, predictor: str) -> list[tuple[str | None, str | None, pd.DataFrame]]:
+    """(model, prompt_version, rows) per judge: the judge by model and prompt version, the gate as one."""
+    if predictor == "gate":
+        return [(None, None, seen)]
+    keys = seen[["model", "prompt_version"]].astype(object).fillna("\0")  # (the gate judge: no model)
+    return [
+        (None if model == "\0" else model, None if version == "\0" else version, part)
+        for (model, version), part in seen.groupby([keys["model"], keys["prompt_version"]], sort=True)
+    ]
 
 
 def calibration(resolved: pd.DataFrame) -> pd.DataFrame:
-    """Precision, recall and agreement of the judge and of the gate against the labels, per site and overall."""
+    """The calibration figures of the judge (per model and prompt version) and of the gate against the labels,
+    overall (site "(all)") and per site."""
     rows = []
-    if resolved.empty:
-        return conform(pd.DataFrame(rows), "judge_calibration")
-    for predictor in ("judge", "gate"):
-        seen = resolved[resolved[predictor].notna()]
-        groups = [(ALL_SITES, seen)] + list(seen.groupby("site")) if len(seen) else []
-        for site, part in groups:
-            pred, truth = part[predictor].astype(bool), part["success"].astype(bool)
-            tp, fp = int((pred & truth).sum()), int((pred & ~truth).sum())
-            fn, tn = int((~pred & truth).sum()), int((~pred & ~truth).sum())
-            rows.append({
-                "predictor": predictor, "site": site, "n": len(part), "tp": tp, "fp": fp, "fn": fn, "tn": tn,
-                "precision": tp / (tp + fp) if tp + fp else None, "recall": tp / (tp + fn) if tp + fn else None,
-                "agreement": (tp + tn) / len(part),
-            })  # fmt: skip
+    for predictor in PREDICTORS:
+        seen = resolved[resolved[predictor].notna()] if len(resolved) else resolved
+        for model, version, part in _judges(seen, predictor) if len(seen) else []:
+            for site, sub in [(ALL_SITES, part), *part.groupby("site")]:
+                figures = scores(*_confusion(sub[predictor], sub["success"]))
+                rows.append(
+                    {"predictor": predictor, "model": model, "prompt_version": version, "site": site, **figures}
+                )
     return conform(pd.DataFrame(rows), "judge_calibration")
+
+
+def _share(value, low=None, high=None) -> str:
+    if value is None or pd.isna(value):
+        return "-"
+    interval = f" [{low:.2f}, {high:.2f}]" if low is not None and not pd.isna(low) else ""
+    return f"{value:.2f}{interval}"
+
+
+def summary(row: dict) -> str:
+    """One calibration row in words: precision and its interval first (the figure a kept row's worth rests
+    on), recall, kappa, then n, with a warning under CALIBRATION_MIN_LABELS labels."""
+    few = f" (under {CALIBRATION_MIN_LABELS} labels: read the intervals)" if row["n"] < CALIBRATION_MIN_LABELS else ""
+    return (
+        f"precision {_share(row['precision'], row['precision_low'], row['precision_high'])}, recall "
+        f"{_share(row['recall'], row['recall_low'], row['recall_high'])}, kappa {_share(row['kappa'])} "
+        f"on {row['n']} labels{few}"
+    )
+
+
+def who(row: dict) -> str:
+    """The predictor of a calibration row: `gate`, or `judge <model> <prompt_version>`."""
+    if row["predictor"] == "gate":
+        return "gate"
+    return " ".join(str(v) for v in ("judge", row["model"], row["prompt_version"]) if v is not None and not pd.isna(v))
+
+
+def markdown(table: pd.DataFrame) -> str:
+    """The calibration as a markdown table, precision (95% Wilson interval) first, each row on fewer than
+    CALIBRATION_MIN_LABELS labels marked."""
+    lines = [
+        "| predictor | site | precision [95%] | recall [95%] | kappa | f1 | pass rate gap | n |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in table.to_dict("records"):
+        warn = " ⚠" if row["n"] < CALIBRATION_MIN_LABELS else ""
+        lines.append(
+            f"| {who(row)} | {row['site']} | {_share(row['precision'], row['precision_low'], row['precision_high'])} "
+            f"| {_share(row['recall'], row['recall_low'], row['recall_high'])} | {_share(row['kappa'])} "
+            f"| {_share(row['f1'])} | {_share(row['pass_rate_gap'])} | {row['n']}{warn} |"
+        )
+    note = f"⚠: fewer than {CALIBRATION_MIN_LABELS} labels; the interval says how far the figure can be off."
+    return "\n".join(lines) + ("\n\n" + note if (table["n"] < CALIBRATION_MIN_LABELS).any() else "")
+
+
+def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval of the proportion successes / n (z = 1.96: 95%); (nan, nan) when n is 0."""
+    if n == 0:
+        return (math.nan, math.nan)
+    p = successes / n
+    denominator = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denominator
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denominator
+    return (max(0.0, centre - half), min(1.0, centre + half))

@@ -9,12 +9,13 @@ import pandas as pd
 from filter_pipeline.rules.schemas import STAGE_JUDGE, conform, positions
 
 EXCLUDED_BACKEND_OK = "backend_ok"  # reached the goal state although the script failed
+EXCLUDED_BLOCKED = "blocked"  # the judge said the site, not the agent, prevented the task
 EXCLUDED_JUDGE_GATE_PASSED = "judge_fail_gate_passed"  # the judge failed it but the backend gate passed it
-EXCLUSION_REASONS = (EXCLUDED_BACKEND_OK, EXCLUDED_JUDGE_GATE_PASSED)
+EXCLUSION_REASONS = (EXCLUDED_BACKEND_OK, EXCLUDED_BLOCKED, EXCLUDED_JUDGE_GATE_PASSED)
 _CHOSEN = ["task_id", "macro", "site", "instruction", "dir", "attempt", "n_actions", "run_id"]
 _REJECTED = ["task_id", "dir", "attempt", "n_actions", "stage", "reason", "detail"]
 # The columns `dpo_pairs` reads from each input (the asset loads only these).
-INPUT_COLUMNS = {"kept": _CHOSEN, "failure_pool": [*_REJECTED, "backend_ok"]}
+INPUT_COLUMNS = {"kept": _CHOSEN, "failure_pool": [*_REJECTED, "backend_ok", "blocked"]}
 
 
 @dataclass(frozen=True)
@@ -27,16 +28,22 @@ class Pairs:
 def dpo_pairs(kept: pd.DataFrame, failure_pool: pd.DataFrame, include_judge_failures: bool = False) -> Pairs:
     """One pair per (kept task, clean failed attempt of that task).
 
-    A failure-pool row is not a clean negative when its backend gate passed (`backend_ok`), or when it is a
-    judge failure (its attempt was ok, so the gate passed it) unless `include_judge_failures`. Unjudged
-    tasks are never in the pool, so never a negative.
+    A failure-pool row is not a clean negative when its backend gate passed (`backend_ok`), when the judge
+    found it `blocked` (the site prevented the task: the agent did nothing wrong; never paired, whatever the
+    config), or when it is a judge failure (its attempt was ok, so the gate passed it) unless
+    `include_judge_failures`. Unjudged tasks are never in the pool, so never a negative.
     """
     kept_at = positions(failure_pool["task_id"], kept["task_id"])
     of_kept = kept_at >= 0
     backend_ok = (failure_pool["backend_ok"] == True).fillna(False).to_numpy(dtype=bool) & of_kept  # noqa: E712
-    judge_row = (failure_pool["stage"] == STAGE_JUDGE).to_numpy(dtype=bool) & of_kept
+    blocked = (
+        (failure_pool["blocked"] == True).fillna(False).to_numpy(dtype=bool) & of_kept & ~backend_ok  # noqa: E712
+        if "blocked" in failure_pool  # (a pool written before the judge said so)
+        else np.zeros(len(failure_pool), dtype=bool)
+    )
+    judge_row = (failure_pool["stage"] == STAGE_JUDGE).to_numpy(dtype=bool) & of_kept & ~blocked
     gate_passed_judge = judge_row & (not include_judge_failures)
-    clean = np.flatnonzero(of_kept & ~backend_ok & ~gate_passed_judge)  # pool rows, in pool order
+    clean = np.flatnonzero(of_kept & ~backend_ok & ~blocked & ~gate_passed_judge)  # pool rows, in pool order
     clean_at = kept_at[clean]  # the kept row of each
     # pairs in kept (task) order, then pool order: each clean row beside the kept row of its task (rows are
     # picked by position, one take per column: filtering the frames first would copy every column again)
@@ -59,5 +66,9 @@ def dpo_pairs(kept: pd.DataFrame, failure_pool: pd.DataFrame, include_judge_fail
     return Pairs(
         pairs=conform(pairs, "dpo_pairs"),
         kept_without_negative=int((~has_negative).sum()),
-        excluded={EXCLUDED_BACKEND_OK: int(backend_ok.sum()), EXCLUDED_JUDGE_GATE_PASSED: int(gate_passed_judge.sum())},
+        excluded={
+            EXCLUDED_BACKEND_OK: int(backend_ok.sum()),
+            EXCLUDED_BLOCKED: int(blocked.sum()),
+            EXCLUDED_JUDGE_GATE_PASSED: int(gate_passed_judge.sum()),
+        },
     )

@@ -20,6 +20,7 @@ from filter_pipeline.rules.schemas import (
     STATUS_JUDGED,
 )
 
+BLOCKED = "blocked"  # the per-site and per-macro column of judge failures the judge found blocked by the site
 FUNNEL_STEPS = ("attempts", "ok attempts", "judged tasks", "passed", "kept")
 COST_COLUMNS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens", "cost")
 # The columns `figures` reads from each input: the report asset loads only these (a large batch's frames
@@ -37,7 +38,7 @@ INPUT_COLUMNS = {
         *COST_COLUMNS,
         "evidence",
     ],
-    "failure_pool": ["site", "macro", "reason"],
+    "failure_pool": ["site", "macro", "reason", "blocked"],
     "kept": ["site", "macro"],
     "surplus": ["dropped"],
 }
@@ -46,7 +47,7 @@ INPUT_COLUMNS = {
 @dataclass(frozen=True)
 class Figures:
     funnel: pd.DataFrame  # step, count
-    by_site: pd.DataFrame  # site, judged, kept, keep_rate, <failure reasons...>
+    by_site: pd.DataFrame  # site, judged, kept, keep_rate, <failure reasons...>, blocked
     by_macro: pd.DataFrame  # macro, same columns
     surplus: pd.DataFrame  # dropped, count
     agreement_by_site: pd.DataFrame
@@ -111,6 +112,9 @@ def _by(judged: pd.DataFrame, kept: pd.DataFrame, pool: pd.DataFrame, key: str) 
         table[reason] = (
             table[key].map(reasons[reason] if reason in reasons else pd.Series(dtype=int)).fillna(0).astype(int)
         )
+    # judge failures the judge put down to the site (CAPTCHA, bot wall, site down): a site problem, not the agent's
+    blocked = pool[(pool["blocked"] == True).fillna(False)] if "blocked" in pool else pool.iloc[:0]  # noqa: E712
+    table[BLOCKED] = table[key].map(blocked[key].value_counts()).fillna(0).astype(int)
     return table
 
 

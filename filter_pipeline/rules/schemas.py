@@ -37,6 +37,10 @@ FAILURE_REASONS: tuple[str, ...] = (
 STAGE_EXECUTE = "execute"
 STAGE_JUDGE = "judge"
 DETAIL_MAX_CHARS = 500
+# judge_verdicts.reasoning: the model's reasoning is kept up to this many characters (raw_replies keep 500)
+REASONING_MAX_CHARS = 8000
+# judge_calibration rows resting on fewer labels are flagged in its markdown
+CALIBRATION_MIN_LABELS = 50
 
 DROPPED_DUPLICATE = "duplicate"
 DROPPED_SITE_CAP = "site_cap"
@@ -226,6 +230,14 @@ _VERDICT_FIELDS = [
     ("cached_tokens", INT),
     ("cost", pa.float64()),
     ("evidence", STR),
+    # the verdict's parts (prompt v3; null for the gate and where the model did not say)
+    ("success", BOOL),
+    ("side_effects", BOOL),
+    ("looping", BOOL),
+    ("blocked", BOOL),
+    ("score", INT),
+    ("key_points", STR),  # JSON list of texts
+    ("reasoning", STR),  # cut to REASONING_MAX_CHARS
     ("latency_ms", pa.float64()),
     ("raw_replies", STR),  # JSON list of the model's replies, each cut to 500 characters
     ("replies_sha256", STR),  # hash of the full replies
@@ -284,6 +296,7 @@ SCHEMAS: dict[str, pa.Schema] = {
             ("n_actions", INT),
             ("instruction", STR),
             ("backend_ok", BOOL),
+            ("blocked", BOOL),
             ("votes", STR),
             ("dedup_key", STR),
             ("run_id", STR),
@@ -315,6 +328,8 @@ SCHEMAS: dict[str, pa.Schema] = {
     "judge_calibration": pa.schema(
         [
             ("predictor", STR),  # judge | gate
+            ("model", STR),
+            ("prompt_version", STR),
             ("site", STR),  # "(all)" for the overall row
             ("n", INT),
             ("tp", INT),
@@ -322,7 +337,14 @@ SCHEMAS: dict[str, pa.Schema] = {
             ("fn", INT),
             ("tn", INT),
             ("precision", pa.float64()),
+            ("precision_low", pa.float64()),
+            ("precision_high", pa.float64()),
             ("recall", pa.float64()),
+            ("recall_low", pa.float64()),
+            ("recall_high", pa.float64()),
+            ("f1", pa.float64()),
+            ("kappa", pa.float64()),
+            ("pass_rate_gap", pa.float64()),
             ("agreement", pa.float64()),
         ]
     ),
@@ -506,7 +528,8 @@ def pylist(values: pd.Series) -> list:
 JUDGE_PROGRESS_SCHEMA = pa.schema(
     [f for f in _VERDICT_FIELDS if f[0] in (
         "cache_key", "passed", "why", "votes", "status", "requests", "prompt_tokens", "completion_tokens",
-        "cached_tokens", "latency_ms", "raw_replies", "replies_sha256",
+        "cached_tokens", "latency_ms", "raw_replies", "replies_sha256", "success", "side_effects", "looping",
+        "blocked", "score", "key_points", "reasoning",
     )]
 )  # fmt: skip
 
@@ -551,8 +574,26 @@ COLUMN_DESCRIPTIONS: dict[str, str] = {
     "status": "judged (the verdict counts) or error (could not be judged: neither kept nor a failure, judged "
     "again later).",
     "judge": "Which judge decided: gate or llm.",
-    "model": "The LLM that judged (null for the gate).",
+    "model": "The LLM that judged (null for the gate; judge_calibration: the model whose verdicts a judge row scores).",
     "prompt_version": "Version of the judge prompt; part of the verdict cache key (null for the gate).",
+    # the verdict's parts
+    "success": "The judge's answer to 'is the task's goal reached?' (prompt v3); null for the gate, an unjudged "
+    "task, or a reply that did not say. With several votes: the majority of the votes that said (a tie: null).",
+    "side_effects": "The judge's answer to 'did the agent do something beyond the task?' (v3; null as for success).",
+    "looping": "The judge's answer to 'did the agent repeat actions without progress, or stop midway?' (v3; null "
+    "as for success).",
+    "blocked": "The site, not the agent, prevented the task (a CAPTCHA, a bot wall, the site down, an error page "
+    "the agent did not cause, a login it was not given): not the agent's mistake, so never a DPO negative. "
+    "judge_verdicts: the judge's answer (v3; null as for success); failure_pool: the judge row's, null on "
+    "execute rows.",
+    "score": "The judge's grade of the attempt, 1 (nothing or the wrong thing done) to 5 (done cleanly); with "
+    "several votes the median. With FILTER_JUDGE_MIN_SCORE set, a verdict whose score is below it does not pass. "
+    "Null for the gate and where the model gave none.",
+    "key_points": "JSON list of the key points the judge said the final state must show (v3), from the vote "
+    "whose why the verdict carries; null for the gate.",
+    "reasoning": f"The judge's reasoning in full, up to {REASONING_MAX_CHARS:,} characters: the reply's "
+    "`reasoning` field, else its text (reasoning blocks included) before the verdict; from the vote whose why "
+    "the verdict carries. Null for the gate.",
     "cache_key": "Hash of prompt version, model, votes, temperature and the exact messages shown: a verdict "
     "with the same key is reused, not asked again.",
     "cached": "Whether the verdict was reused from this partition's previous materialization (no call made).",
@@ -578,14 +619,25 @@ COLUMN_DESCRIPTIONS: dict[str, str] = {
     "remaining": "How many more kept rows the limit allows (null: no limit).",
     "full": "Whether the limit allows no more kept rows (null: no limit).",
     # judge calibration
-    "predictor": "Who is scored against the human labels: judge or gate.",
-    "n": "Labelled attempts scored.",
+    "predictor": "Who is scored against the human labels: judge (one row set per model and prompt_version) or gate.",
+    "n": "Labelled attempts scored (the latest label of each attempt; unsure labels, success null, not counted). "
+    f"Under {CALIBRATION_MIN_LABELS}, read the intervals rather than the figures.",
     "tp": "True positives: predicted pass, labelled success.",
     "fp": "False positives: predicted pass, labelled failure.",
     "fn": "False negatives: predicted fail, labelled success.",
     "tn": "True negatives: predicted fail, labelled failure.",
-    "precision": "tp / (tp + fp): of the predicted passes, the share labelled success.",
+    "precision": "tp / (tp + fp): of the predicted passes, the share labelled success (null without a predicted "
+    "pass). What a kept row is worth: read it first.",
+    "precision_low": "Lower end of precision's Wilson 95% interval.",
+    "precision_high": "Upper end of precision's Wilson 95% interval.",
     "recall": "tp / (tp + fn): of the labelled successes, the share predicted to pass.",
+    "recall_low": "Lower end of recall's Wilson 95% interval.",
+    "recall_high": "Upper end of recall's Wilson 95% interval.",
+    "f1": "2 tp / (2 tp + fp + fn): the harmonic mean of precision and recall (null when tp + fp + fn is 0).",
+    "kappa": "Cohen's kappa: agreement with the labels beyond what chance gives at the same pass rates (1 "
+    "perfect, 0 chance; null when chance alone explains every label).",
+    "pass_rate_gap": "The predictor's pass rate minus the labels' success rate, (fp - fn) / n: above 0 the "
+    "predictor passes more than it should.",
     "agreement": "(tp + tn) / n: the share of labels the predictor agrees with.",
     # report
     "section": "Part of the report: funnel, site, macro, surplus or cost.",

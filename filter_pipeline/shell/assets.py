@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import dagster as dg
 import pandas as pd
 
-from filter_pipeline.judge.client import EndpointRefused
+from filter_pipeline.judge.client import EndpointRefused, JudgeSetupError
 from filter_pipeline.judge.driver import ProgressStore, RecordSteps
 from filter_pipeline.judge.resource import JudgeResource
 from filter_pipeline.rules import calibration, checks, filtering, order, report, verify
@@ -109,14 +109,17 @@ def check_result(check: str, asset: str, outcome: checks.CheckOutcome) -> dg.Ass
             description="The verdict on each task's ok attempt with the highest number (tasks.jsonl order), from "
             "the judge resource. status 'error' marks a task that could not be judged: neither kept nor a failure. "
             "The LLM judge saves verdicts as they arrive (warehouse/_judge_progress/<run_id>/), so a killed run "
-            "asks again only what was not saved; evidence says what each verdict was judged from.",
+            "asks again only what was not saved; evidence says what each verdict was judged from. With prompt v3 "
+            "each verdict carries its parts (success, side_effects, looping, blocked, score), key_points and the "
+            "judge's reasoning.",
             metadata=column_schema("judge_verdicts"),
         ),
         "failure_pool": dg.AssetOut(
             group_name="judging",
             description="Every failed attempt (stage execute, reason from the error prefix) and every verdict that "
             "did not pass (stage judge, reason judge_fail): candidate DPO negatives. backend_ok rows reached the "
-            "goal although the script failed, so they are not clean negatives.",
+            "goal although the script failed, and blocked judge rows failed because of the site (CAPTCHA, bot "
+            "wall, site down), so neither is a clean negative.",
             metadata=column_schema("failure_pool"),
         ),
     },
@@ -197,6 +200,7 @@ def judge_batch(context: dg.AssetExecutionContext, judge: JudgeResource, data: D
             metadata={
                 **count_by(failures["reason"], FAILURE_REASONS, "reason/"),
                 "backend_ok": int(failures["backend_ok"].sum()),
+                "blocked": int(failures["blocked"].fillna(False).sum()),
             },
         )
         yield check_result("attempts_conserved", "failure_pool", conserved.result())
@@ -234,7 +238,7 @@ def _judge(context: dg.AssetExecutionContext, judge: JudgeResource, data: DataRo
             log=context.log,
             progress=progress,
         )
-    except EndpointRefused as exc:  # one line, no traceback: the endpoint refuses, retrying cannot help
+    except (EndpointRefused, JudgeSetupError) as exc:  # one line, no traceback: retrying cannot help
         raise dg.Failure(description=str(exc), allow_retries=False) from None
     return judgement
 
@@ -318,39 +322,60 @@ def warehouse_verified(data: DataRoot) -> dg.AssetCheckResult:
 # --- reports ----------------------------------------------------------------------------------------
 
 
+LABELS_FINGERPRINT = "labels_fingerprint"  # judge_calibration's metadata entry: the labels it was built from
+
+
+def labels_bytes(data: DataRoot) -> bytes | None:
+    """The labels file's content (None: there is none)."""
+    try:
+        return (data.root / calibration.LABELS_FILE).read_bytes()
+    except FileNotFoundError:
+        return None
+
+
 @dg.asset(
     group_name="reports",
     deps=[dg.AssetKey("judge_verdicts"), dg.AssetKey("batch_attempts"), dg.AssetKey("batch_tasks")],
-    description="When <data>/labels.jsonl holds human labels ({dir | run_id + task_id, success}), precision, "
-    "recall and agreement of the judge and of the gate against them, per site and overall, with counts: "
-    "whether to trust the judge before a large run.",
+    description="When <data>/labels.jsonl holds human labels ({dir | run_id + task_id, success}), the judge "
+    "(per model and prompt version) and the gate scored against them, per site and overall: precision with "
+    "its Wilson 95% interval first, recall (with its interval), F1, Cohen's kappa, the pass-rate gap, counts; "
+    "whether to trust the judge before a large run. The latest label of an attempt counts; unsure labels "
+    "(success null) do not. Refreshed when labels.jsonl changes (labels_sensor, `materialize` naming no run).",
     metadata=column_schema("judge_calibration"),
 )
 def judge_calibration(context: dg.AssetExecutionContext, data: DataRoot) -> dg.Output[pd.DataFrame]:
     """Lines of labels.jsonl that are not labels are reported (a count, the first lines, a warning each),
     never a failure: the batch's run stays a success."""
-    labels_path = data.root / calibration.LABELS_FILE
+    raw = labels_bytes(data)
     verdicts_dir = data.warehouse / "judge_verdicts"
-    if not labels_path.exists() or not verdicts_dir.exists():
+    fingerprint = {LABELS_FINGERPRINT: calibration.labels_fingerprint(raw) or "no labels file"}
+    if raw is None or not verdicts_dir.exists():
         return dg.Output(
-            calibration.calibration(pd.DataFrame()), metadata={"labels": 0, "matched": 0, "rejected_lines": 0}
+            calibration.calibration(pd.DataFrame()),
+            metadata={"labels": 0, "matched": 0, "rejected_lines": 0, **fingerprint},
         )
-    labels, rejects = calibration.parse_labels(labels_path.read_bytes())
+    labels, rejects = calibration.parse_labels(raw)
     shown = rejects[: calibration.MAX_REJECTS_SHOWN]
     for message in shown:
         context.log.warning(message)
     if len(rejects) > len(shown):
         context.log.warning(f"{calibration.LABELS_FILE}: {len(rejects) - len(shown)} more line(s) rejected")
-    read = lambda asset, columns, **kw: read_folder(data.warehouse / asset, columns, **kw)  # noqa: E731
-    dirs = labels["dir"].dropna().tolist() or [""]
-    resolved = calibration.resolve(
-        labels,
-        read("batch_attempts", ["run_id", "task_id", "dir", "ok"], filters=[("dir", "in", dirs)]),
-        read("judge_verdicts", ["run_id", "task_id", "dir", "passed", "status"]),
-        read("batch_tasks", ["run_id", "task_id", "site"]),
-    )
+    resolved = calibration.resolve(labels, *read_for_calibration(data, labels))
     table = calibration.calibration(resolved)
-    metadata = {"labels": len(labels), "matched": len(resolved), "rejected_lines": len(rejects)}
+    metadata = {"labels": len(labels), "matched": len(resolved), "rejected_lines": len(rejects), **fingerprint}
+    metadata["calibration"] = dg.MetadataValue.md(calibration.markdown(table))
     if rejects:
         metadata["rejects"] = dg.MetadataValue.md("\n".join(f"- `{m}`" for m in shown))
     return dg.Output(table, metadata=metadata)
+
+
+def read_for_calibration(data: DataRoot, labels: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """(attempts the labels name by dir, every verdict, every task) from the warehouse: what
+    calibration.resolve needs."""
+    read = lambda asset, columns, **kw: read_folder(data.warehouse / asset, columns, **kw)  # noqa: E731
+    dirs = labels["dir"].dropna().tolist() or [""]
+    return (
+        read("batch_attempts", ["run_id", "task_id", "dir", "ok"], filters=[("dir", "in", dirs)]),
+        read("judge_verdicts", ["run_id", "task_id", "dir", "passed", "status", "model", "prompt_version"]),
+        read("batch_tasks", ["run_id", "task_id", "site"]),
+    )

@@ -69,7 +69,7 @@ LEDGER_SPECS = [
     _spec(
         "dpo_pairs",
         "DPO pairs: chosen = a kept trajectory, rejected = a failed attempt of the same task that is a clean "
-        "negative (not backend_ok, not unjudged; judge failures only if configured).",
+        "negative (not backend_ok, not blocked by the site, not unjudged; judge failures only if configured).",
         ["failure_pool", "kept"],
         group="training",
     ),

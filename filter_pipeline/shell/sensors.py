@@ -17,9 +17,10 @@ import dagster as dg
 from filter_pipeline import settings
 from filter_pipeline.rules import order
 from filter_pipeline.rules.batch import LEGACY_KEPT_FILE, BatchState, complete_batches
+from filter_pipeline.rules.calibration import labels_fingerprint
 from filter_pipeline.rules.commits import CommitRecord, read_commits
 from filter_pipeline.rules.history import load_retired
-from filter_pipeline.shell.assets import run_id_partitions
+from filter_pipeline.shell.assets import LABELS_FINGERPRINT, labels_bytes, run_id_partitions
 from filter_pipeline.shell.jobs import (
     PARTITION_TAG,
     RANGE_END_TAG,
@@ -41,6 +42,7 @@ NOT_FINISHED_STATUSES = [
     dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.CANCELING,
 ]  # fmt: skip
 SENSOR_INTERVAL_SECONDS = 10
+LABELS_SENSOR_INTERVAL_SECONDS = 30
 IN_FLIGHT_RUNS_LIMIT = 10_000
 
 # every run_id-partitioned asset: what a legacy run (runs/<run>/kept.jsonl, filtered by the earlier script)
@@ -283,3 +285,54 @@ def build_batch_sensor() -> dg.SensorDefinition:
         )
 
     return batch_sensor
+
+
+# --- the labels sensor --------------------------------------------------------------------------------
+
+NO_LABELS = "no labels file"
+CALIBRATION = dg.AssetKey("judge_calibration")
+
+
+def labels_changed(instance: dg.DagsterInstance, data: DataRoot) -> tuple[str, str | None] | None:
+    """(the labels file's fingerprint now, the one judge_calibration was last built from) when they differ
+    and there are verdicts to score; None when the calibration is up to date (or there is nothing to score)."""
+    if not (data.warehouse / "judge_verdicts").exists():
+        return None
+    current = labels_fingerprint(labels_bytes(data)) or NO_LABELS
+    event = instance.get_latest_materialization_event(CALIBRATION)
+    entry = (
+        event.asset_materialization.metadata.get(LABELS_FINGERPRINT) if event and event.asset_materialization else None
+    )
+    recorded = entry.value if entry is not None else None
+    if recorded == current or (recorded is None and current == NO_LABELS):
+        return None
+    return current, recorded
+
+
+def build_labels_sensor() -> dg.SensorDefinition:
+    """The labels sensor: new labels show in judge_calibration without waiting for a new batch."""
+
+    @dg.sensor(
+        name="labels_sensor",
+        jobs=[across_runs_job],
+        minimum_interval_seconds=LABELS_SENSOR_INTERVAL_SECONDS,
+        default_status=dg.DefaultSensorStatus.RUNNING,
+        description="Refreshes judge_calibration (alone) when <data>/labels.jsonl changed since it was last "
+        "built (a fingerprint of the file's bytes, recorded on each materialization), so new labels show "
+        "without a new batch.",
+    )
+    def labels_sensor(context: dg.SensorEvaluationContext, data: DataRoot) -> dg.SensorResult:
+        changed = labels_changed(context.instance, data)
+        if changed is None:
+            return dg.SensorResult(skip_reason="judge_calibration is up to date with labels.jsonl")
+        current, recorded = changed
+        context.log.info(f"labels.jsonl changed ({recorded} -> {current}): refreshing judge_calibration")
+        return dg.SensorResult(
+            run_requests=[
+                dg.RunRequest(
+                    job_name=across_runs_job.name, asset_selection=[CALIBRATION], run_key=f"labels:{recorded}:{current}"
+                )
+            ]
+        )
+
+    return labels_sensor

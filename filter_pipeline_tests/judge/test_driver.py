@@ -206,10 +206,10 @@ def test_verdicts_of_the_previous_prompt_version_are_not_reused(data_root):
         v1 = judge_batch(data_root, llm(server, votes=1, prompt_version="v1")).verdicts
         same = judge_batch(data_root, llm(server, votes=1, prompt_version="v1"), previous=v1).verdicts
         assert len(server.calls) == 2 and same["cached"].tolist() == [True, True]
-        v2 = judge_batch(data_root, llm(server, votes=1), previous=v1)  # v2, the default
+        v2 = judge_batch(data_root, llm(server, votes=1), previous=v1)  # v3, the default
         assert len(server.calls) == 4
     assert v2.metadata["cache_hits"] == 0
-    assert v2.verdicts["prompt_version"].tolist() == ["v2", "v2"]
+    assert v2.verdicts["prompt_version"].tolist() == ["v3", "v3"]
 
 
 # --- edges ------------------------------------------------------------------------------------------

@@ -149,7 +149,7 @@ def test_rematerializing_costs_zero_calls_and_a_new_prompt_version_pays_again(pi
         meta = verdict_metadata(again)
         assert (meta["requests"], meta["cache_hits"]) == (0, 4)
         assert pipeline.output("judge_verdicts")["cached"].tolist() == [True] * 4
-        pipeline.run(llm(server, prompt_version="v3"))
+        pipeline.run(llm(server, prompt_version="v2"))
         assert len(server.calls) == 8
         pipeline.run(llm(server, model="other-model"))
         assert len(server.calls) == 12
@@ -163,7 +163,7 @@ def test_verdict_records_and_metadata(pipeline):
     assert v.loc["a", ["judge", "model", "prompt_version", "status", "votes"]].tolist() == [
         "llm",
         "judge-test",
-        "v2",
+        "v3",
         "judged",
         "1/1",
     ]

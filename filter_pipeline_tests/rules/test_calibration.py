@@ -1,9 +1,19 @@
 """Judge calibration against human labels, checked against a hand count."""
 
+import math
+
 import pandas as pd
 import pytest
 
-from filter_pipeline.rules.calibration import calibration, parse_labels, resolve
+from filter_pipeline.rules.calibration import (
+    calibration,
+    markdown,
+    parse_labels,
+    resolve,
+    scores,
+    summary,
+    wilson_interval,
+)
 from filter_pipeline_tests.builders import rows
 
 
@@ -52,7 +62,59 @@ def test_lines_that_are_not_labels_are_rejects_naming_their_line_and_the_rest_is
     labels, rejects = parse_labels(data)
     assert rows(labels, "dir", "run_id", "task_id", "success") == [["a", None, None, True], [None, "r", "t", False]]
     assert [m.split(": ", 1)[0] for m in rejects] == [f"labels.jsonl:{n}" for n in (2, 4, 5, 6, 7, 8)]
-    assert rejects[0] == "labels.jsonl:2: expected {dir | run_id + task_id, success: bool}"
+    assert rejects[0] == "labels.jsonl:2: expected {dir | run_id + task_id, success: true | false | null}"
     assert rejects[1].startswith("labels.jsonl:4: not JSON")
     assert rejects[2].startswith("labels.jsonl:5: not UTF-8")
     assert "lone surrogate" in rejects[3]
+
+
+def test_wilson_interval_and_kappa_match_hand_computed_values():
+    # 8 of 10: p 0.8, z^2 = 3.8416; centre (0.8 + 0.19208) / 1.38416 = 0.716738,
+    # half 1.96 * sqrt(0.016 + 0.009604) / 1.38416 = 0.226581
+    low, high = wilson_interval(8, 10)
+    assert (low, high) == (pytest.approx(0.490157, abs=1e-6), pytest.approx(0.943319, abs=1e-6))
+    assert wilson_interval(0, 5)[0] == 0.0 and wilson_interval(5, 5)[1] == 1.0
+    assert all(math.isnan(x) for x in wilson_interval(0, 0))
+    # tp 8, fp 2, fn 1, tn 4 (n 15): observed 12/15 = 0.8; chance (10*9 + 5*6) / 225 = 0.5333...;
+    # kappa (0.8 - 8/15) / (1 - 8/15) = 4/7
+    s = scores(8, 2, 1, 4)
+    assert s["precision"] == 0.8 and (s["precision_low"], s["precision_high"]) == (low, high)
+    assert s["recall"] == pytest.approx(8 / 9) and s["recall_low"] == pytest.approx(wilson_interval(8, 9)[0])
+    assert s["kappa"] == pytest.approx(4 / 7)
+    assert s["f1"] == pytest.approx(16 / 19)
+    assert s["pass_rate_gap"] == pytest.approx((2 - 1) / 15)  # passes 10/15, successes 9/15
+    assert scores(3, 0, 0, 0)["kappa"] is None  # every label and prediction a pass: chance explains it all
+    assert scores(0, 0, 2, 1)["precision"] is None and scores(0, 0, 2, 1)["precision_low"] is None
+
+
+def test_a_later_label_replaces_an_earlier_one_and_unsure_labels_are_not_counted():
+    labels, rejects = parse_labels(
+        '{"dir": "da", "success": false, "labeler": "x", "note": "first look"}\n'
+        '{"run_id": "r", "task_id": "a", "success": true, "labeled_at": "2026-12-03T21:00:00Z"}\n'  # the same attempt
+        '{"dir": "db", "success": true}\n'
+        '{"dir": "db", "success": null}\n'  # unsure now: db is not counted
+        '{"dir": "dc", "success": null}\n'
+    )
+    assert rejects == []
+    tasks, attempts, verdicts = frames()
+    resolved = resolve(labels, attempts, verdicts, tasks)
+    assert resolved[["success", "judge"]].astype(object).values.tolist() == [[True, True]]
+
+
+def test_judge_rows_are_per_model_and_prompt_version_beside_the_gate_and_markdown_puts_precision_first():
+    tasks, attempts, verdicts = frames()
+    verdicts = verdicts.assign(model=["m1", "m1", "m2", "m2"], prompt_version="v3")
+    labels, _ = parse_labels("\n".join(f'{{"dir": "{d}", "success": true}}' for d in ("da", "db", "dc", "dd2")))
+    table = calibration(resolve(labels, attempts, verdicts, tasks))
+    overall = table[table["site"] == "(all)"]
+    assert rows(overall, "predictor", "model", "prompt_version", "n", "tp", "fn") == [
+        ["judge", "m1", "v3", 2, 2, 0],
+        ["judge", "m2", "v3", 2, 0, 2],
+        ["gate", None, None, 4, 4, 0],
+    ]
+    text = markdown(table)
+    header = text.splitlines()[0]
+    assert header.index("precision") < header.index("recall") < header.index("kappa")
+    assert "| judge m1 v3 | (all) | 1.00 [0.34, 1.00] |" in text and "fewer than 50 labels" in text
+    gate = overall[overall["predictor"] == "gate"].iloc[0].to_dict()
+    assert summary(gate).startswith("precision 1.00 [0.51, 1.00], recall 1.00") and "under 50 labels" in summary(gate)

@@ -47,7 +47,7 @@ def test_a_rejected_side_is_never_backend_ok(tmp_path):
     )  # fmt: skip
     result = dpo_pairs(kept, pool)
     assert result.pairs["task_id"].tolist() == ["b"]
-    assert result.excluded == {"backend_ok": 1, "judge_fail_gate_passed": 0}
+    assert result.excluded == {"backend_ok": 1, "blocked": 0, "judge_fail_gate_passed": 0}
     assert result.kept_without_negative == 1
 
 
@@ -59,6 +59,24 @@ def test_judge_failures_are_paired_only_when_asked(tmp_path):
     assert dpo_pairs(kept, pool).excluded["judge_fail_gate_passed"] == 1
     paired = dpo_pairs(kept, pool, include_judge_failures=True).pairs
     assert rows(paired, "task_id", "rejected_stage", "rejected_detail") == [["a", "judge", "wrong"]]
+
+
+def test_a_blocked_attempt_is_never_a_negative_even_with_judge_failures_included(tmp_path):
+    kept, pool = pool_and_kept(
+        tmp_path,
+        [],
+        judge_rows=[
+            {"task_id": "a", "passed": False, "why": "captcha", "votes": "1/1", "blocked": True},
+            {"task_id": "b", "passed": False, "why": "wrong item", "votes": "1/1", "blocked": False},
+        ],
+    )
+    assert pool[pool["stage"] == "judge"]["blocked"].tolist() == [True, False]
+    result = dpo_pairs(kept, pool, include_judge_failures=True)
+    assert rows(result.pairs, "task_id", "rejected_detail") == [["b", "wrong item"]]
+    assert result.excluded == {"backend_ok": 0, "blocked": 1, "judge_fail_gate_passed": 0}
+    assert dpo_pairs(kept, pool).excluded == {"backend_ok": 0, "blocked": 1, "judge_fail_gate_passed": 1}
+    older_pool = pool.drop(columns="blocked")  # a pool written before verdicts said blocked
+    assert len(dpo_pairs(kept, older_pool, include_judge_failures=True).pairs) == 2
 
 
 def test_pairs_follow_kept_order_then_pool_order(tmp_path):

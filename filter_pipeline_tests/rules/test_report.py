@@ -83,3 +83,20 @@ def test_the_html_page_holds_every_table_cell_escaped_with_missing_values_blank(
     assert "<td>&lt;b&gt;x&lt;/b&gt;</td><td>0.5</td>" in page
     assert "<tr><td>y</td><td></td></tr>" in page
     assert "<th>site</th><th>keep_rate</th>" in page
+
+
+def test_blocked_judge_failures_show_per_site_so_a_site_that_keeps_blocking_stands_out():
+    verdicts = pd.DataFrame({"site": ["s1", "s1", "s2"], "macro": ["m"] * 3, "status": ["judged"] * 3,
+                             "passed": [False, False, False]})  # fmt: skip
+    pool = pd.DataFrame({"site": ["s1", "s1", "s2", "s2"], "macro": ["m"] * 4,
+                         "reason": ["judge_fail", "judge_fail", "judge_fail", "script_error"],
+                         "blocked": pd.array([True, True, False, None], dtype="boolean")})  # fmt: skip
+    empty = pd.DataFrame({"site": [], "macro": [], "dropped": []})
+    f = report.figures(pd.DataFrame({"ok": [True] * 3}), verdicts, pool, empty, empty)
+    assert f.by_site.set_index("site")[["judge_fail", "blocked"]].to_dict("index") == {
+        "s1": {"judge_fail": 2, "blocked": 2},
+        "s2": {"judge_fail": 1, "blocked": 0},
+    }
+    assert f.by_macro["blocked"].tolist() == [2]
+    long = report.long_form(f)
+    assert long[(long["section"] == "site") & (long["metric"] == "blocked")]["value"].tolist() == [2, 0]

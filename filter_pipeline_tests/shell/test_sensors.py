@@ -3,6 +3,7 @@
 import logging
 
 import dagster as dg
+import pandas as pd
 import pytest
 
 from filter_pipeline.rules.batch import BatchState, complete_batches
@@ -238,3 +239,40 @@ def test_a_filtered_run_with_unjudged_tasks_is_judged_again_after_a_backoff_unde
     run_in_instance(instance, tags={"filter_pipeline/rejudge_of": "b1", "filter_pipeline/rejudge_try": "2"},
                     status=dg.DagsterRunStatus.SUCCESS)  # fmt: skip
     assert rejudge(tick(instance, data_root)) == []  # the cap: 2 tries
+
+
+# --- the labels sensor ---------------------------------------------------------------------------------
+
+
+def labels_tick(instance, data_root) -> dg.SensorResult:
+    from filter_pipeline.shell.sensors import build_labels_sensor
+
+    context = dg.build_sensor_context(instance=instance, resources={"data": DataRoot(path=str(data_root))})
+    return build_labels_sensor()(context)
+
+
+def test_the_labels_sensor_refreshes_judge_calibration_alone_when_labels_change(instance, data_root):
+    from filter_pipeline.definitions import build_defs
+    from filter_pipeline.judge.resource import JudgeResource
+
+    write_batch(data_root, "r1", [task("a"), task("b")], [attempt("a"), attempt("b", ok=False, error="x")])
+    assert labels_tick(instance, data_root).run_requests == []  # no verdicts yet: nothing to score
+    instance.add_dynamic_partitions("run_id", ["r1"])
+    defs = build_defs(str(data_root), JudgeResource(), caps={})
+    assert defs.resolve_job_def("filter_job").execute_in_process(instance=instance, partition_key="r1").success
+    assert labels_tick(instance, data_root).run_requests == []  # no labels file, none scored
+
+    (data_root / "labels.jsonl").write_text('{"run_id": "r1", "task_id": "a", "success": true}\n')
+    [request] = labels_tick(instance, data_root).run_requests
+    assert (request.job_name, request.asset_selection) == ("across_runs_job", [dg.AssetKey("judge_calibration")])
+    assert request.run_key.startswith("labels:")
+    across = defs.resolve_job_def("across_runs_job")
+    assert across.execute_in_process(instance=instance, asset_selection=request.asset_selection).success
+    assert labels_tick(instance, data_root).run_requests == []  # up to date
+    calibration = pd.read_parquet(data_root / "warehouse" / "judge_calibration.parquet")
+    assert calibration[calibration["site"] == "(all)"]["n"].tolist() == [1, 1]
+
+    with (data_root / "labels.jsonl").open("a") as f:
+        f.write('{"run_id": "r1", "task_id": "b", "success": false}\n')
+    [again] = labels_tick(instance, data_root).run_requests
+    assert again.run_key != request.run_key

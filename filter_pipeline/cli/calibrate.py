@@ -1,0 +1,155 @@
+"""`filter-pipeline calibrate`: a candidate judge (another model, endpoint, prompt version or number of votes)
+on the labelled attempts only, scored against the labels side by side with the judge in production.
+
+The candidate is the production judge's settings (FILTER_JUDGE_*) with the options given in their place. Its
+verdicts go to `warehouse/judge_eval/<candidate>.parquet` (the judge_verdicts columns), and are reused by cache
+key the next time: a second run of the same candidate asks nothing. Nothing else in the warehouse is written:
+kept, surplus, the commit records and judge_verdicts stay as they are.
+"""
+
+import argparse
+import logging
+import os
+import re
+import sys
+
+import pandas as pd
+
+from filter_pipeline.judge.client import EndpointRefused, JudgeSetupError, ssl_context
+from filter_pipeline.judge.driver import RecordSteps
+from filter_pipeline.judge.resource import ENV, JudgeResource, judge_from_env
+from filter_pipeline.rules import calibration
+from filter_pipeline.rules.schemas import conform
+from filter_pipeline.shell.warehouse import DataRoot, encode, read_folder, read_parquet, write_bytes
+
+JUDGE_EVAL_FOLDER = "judge_eval"  # warehouse/judge_eval/<candidate>.parquet
+TASK_COLUMNS = ["run_id", "task_id", "macro", "site", "dedup_key", "start_kind", "instruction"]
+ATTEMPT_COLUMNS = ["run_id", "task_id", "attempt", "dir", "n_actions", "ok", "backend_ok", "backend_detail", "line"]
+VERDICT_COLUMNS = ["run_id", "task_id", "dir", "passed", "status", "model", "prompt_version",
+                   "requests", "prompt_tokens", "completion_tokens", "cost"]  # fmt: skip
+
+
+class CalibrateError(Exception):
+    """A one-line reason to stop before asking the candidate anything."""
+
+
+def candidate_judge(args: argparse.Namespace) -> JudgeResource:
+    """The production judge's settings with the options in their place (the API key as its value: this
+    process asks the endpoint itself, outside Dagster)."""
+    overrides = {"model": args.model, "base_url": args.base_url, "prompt_version": args.prompt_version,
+                 "votes": args.votes, "api_key": os.environ.get(ENV["api_key"]) or None}  # fmt: skip
+    judge = judge_from_env("llm", overrides={k: v for k, v in overrides.items() if v is not None})
+    judge.settings()  # a missing model or endpoint: one line
+    ssl_context()
+    return judge
+
+
+def candidate_name(judge: JudgeResource) -> str:
+    """The candidate's key: its model, prompt version and votes, as a file name."""
+    settings = judge.settings()
+    name = f"{settings.model}_{settings.prompt_version}_votes{settings.votes}"
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-")
+
+
+def labelled_requests(data: DataRoot, labels: pd.DataFrame) -> tuple[pd.DataFrame, tuple]:
+    """(one judge request per labelled attempt the candidate can see, with its run_id; the warehouse frames
+    calibration.resolve needs: attempts, production verdicts, tasks)."""
+    read = lambda asset, columns, **kw: read_folder(data.warehouse / asset, columns, **kw)  # noqa: E731
+    tasks = read("batch_tasks", TASK_COLUMNS)
+    verdicts = read("judge_verdicts", VERDICT_COLUMNS)
+    attempts = read("batch_attempts", ATTEMPT_COLUMNS)
+    latest = calibration.latest_labels(labels, attempts, verdicts, tasks)
+    latest = latest[latest["dir"].notna()]
+    picked = attempts.merge(latest[["dir"]], on="dir", how="inner")
+    requests = (
+        picked.drop(columns=["ok"])
+        .rename(columns={"line": "attempt_line"})
+        .merge(tasks, on=["run_id", "task_id"], how="left")
+    )
+    return requests.reset_index(drop=True), (attempts, verdicts, tasks)
+
+
+def judge_candidate(judge: JudgeResource, data: DataRoot, requests: pd.DataFrame, file) -> tuple[pd.DataFrame, dict]:
+    """The candidate's verdicts on `requests` (run by run: each run's records give steps where a trajectory.json
+    cannot be used), reusing those already in `file`; (verdicts, requests and cost paid now)."""
+    log = logging.getLogger("filter_pipeline.calibrate")
+    previous = read_parquet(file) if file.exists() else None
+    frames, spent = [], {"requests": 0, "cost": 0.0, "priced": judge.prices().priced}
+    for run_id, part in requests.groupby("run_id", sort=True):
+        judgement = judge.judge(
+            part.reset_index(drop=True), data.root, RecordSteps(data.run_dir(run_id)), previous, log
+        )
+        frames.append(judgement.verdicts.assign(run_id=run_id))
+        spent["requests"] += int(judgement.metadata.get("requests", 0))
+        cost = judgement.metadata.get("cost")
+        spent["cost"] += cost if isinstance(cost, float) else 0.0
+    verdicts = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=VERDICT_COLUMNS)
+    return conform(verdicts.assign(backend=verdicts.get("backend_detail")), "judge_verdicts"), spent
+
+
+def _cost(verdicts: pd.DataFrame) -> str:
+    requests = int(pd.to_numeric(verdicts["requests"], errors="coerce").fillna(0).sum())
+    tokens = int(pd.to_numeric(verdicts["prompt_tokens"], errors="coerce").fillna(0).sum()) + int(
+        pd.to_numeric(verdicts["completion_tokens"], errors="coerce").fillna(0).sum()
+    )
+    cost = pd.to_numeric(verdicts["cost"], errors="coerce")
+    priced = f"cost {cost.sum():.4f}" if cost.notna().any() else "not priced"
+    return f"{requests} requests, {tokens} tokens, {priced}"
+
+
+def side_by_side(labels: pd.DataFrame, frames: tuple, candidate: pd.DataFrame, name: str) -> list[str]:
+    """One line per production predictor and one for the candidate: precision first, recall, kappa, cost."""
+    attempts, production, tasks = frames
+    lines = []
+    for label, verdicts in (("production", production), (f"candidate {name}", candidate)):
+        table = calibration.calibration(calibration.resolve(labels, attempts, verdicts, tasks))
+        overall = table[table["site"] == calibration.ALL_SITES]
+        if label != "production":
+            overall = overall[overall["predictor"] == "judge"]
+        labelled = verdicts.merge(candidate[["dir"]], on="dir", how="inner")  # the same attempts' verdicts
+        for row in overall.to_dict("records"):
+            cost = "" if row["predictor"] == "gate" else f"; {_cost(labelled)}"
+            lines.append(f"{label}: {calibration.who(row)}: {calibration.summary(row)}{cost}")
+        if overall.empty:
+            lines.append(f"{label}: no labelled attempt judged")
+    return lines
+
+
+def calibrate(args: argparse.Namespace) -> int:
+    """Exit status 0 when the candidate was scored; 1 when it could not judge (endpoint refused); 2 bad input."""
+    data = DataRoot.from_env(args.data)
+    raw = (data.root / calibration.LABELS_FILE).read_bytes() if (data.root / calibration.LABELS_FILE).exists() else None
+    if raw is None:
+        raise CalibrateError(f"{data.path}: no {calibration.LABELS_FILE}: label some attempts first")
+    if not (data.warehouse / "judge_verdicts").exists():
+        raise CalibrateError(f"{data.path}: no judge_verdicts in the warehouse: materialize a batch first")
+    judge = candidate_judge(args)
+    labels, rejects = calibration.parse_labels(raw)
+    for message in rejects[: calibration.MAX_REJECTS_SHOWN]:
+        print(f"filter-pipeline: warning: {message}", file=sys.stderr)
+    requests, frames = labelled_requests(data, labels)
+    name = candidate_name(judge)
+    file = data.warehouse / JUDGE_EVAL_FOLDER / f"{name}.parquet"
+    print(f"judging {len(requests)} labelled attempts with the candidate {name}", flush=True)
+    try:
+        verdicts, spent = judge_candidate(judge, data, requests, file)
+    except EndpointRefused as exc:
+        print(f"filter-pipeline: {exc}", file=sys.stderr)
+        return 1
+    write_bytes(encode(verdicts, "judge_verdicts")[1], file)
+    paid = f", cost {spent['cost']:.4f}" if spent["priced"] else ""
+    print(f"asked {spent['requests']} requests now{paid}; verdicts in {file}", flush=True)
+    for line in side_by_side(labels, frames, verdicts, name):
+        print(line, flush=True)
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """`calibrate` with its errors as one line (exit 2)."""
+    try:
+        return calibrate(args)
+    except (CalibrateError, JudgeSetupError, ValueError) as exc:
+        from filter_pipeline.cli.main import one_line
+
+        print(f"filter-pipeline: {one_line(exc)}", file=sys.stderr)
+        return 2

@@ -1,0 +1,118 @@
+"""`filter-pipeline calibrate`: a candidate judge on the labelled attempts only, against a real loopback
+OpenAI-compatible server; its verdicts reused the second time; the warehouse's commits and outputs untouched."""
+
+import hashlib
+import json
+
+import dagster as dg
+import pandas as pd
+import pytest
+
+from filter_pipeline.cli.main import main
+from filter_pipeline_tests.builders import attempt, task, write_batch
+from filter_pipeline_tests.judge.test_judging import Pipeline, llm, sample_batch
+from filter_pipeline_tests.judge.test_verdict_parts import v3
+from filter_pipeline_tests.openai_server import FakeOpenAI, Reply
+
+LABELS = [
+    {"dir": "runs/r/traj/a/1", "success": True, "labeler": "ann"},
+    {"run_id": "r1", "task_id": "b", "success": False},  # the task's judged attempt
+    {"dir": "runs/r/traj/e/1", "success": False},  # a failed attempt: the candidate judges it too
+    {"dir": "runs/r/traj/c/1", "success": True},
+    {"dir": "runs/r/traj/c/1", "success": None, "note": "not sure after all"},  # unsure: not judged
+]
+
+
+def fingerprint(warehouse) -> dict[str, str]:
+    """Each file of the warehouse but the candidate's own, by its hash."""
+    return {
+        str(p.relative_to(warehouse)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(warehouse.rglob("*"))
+        if p.is_file() and "judge_eval" not in p.parts
+    }
+
+
+@pytest.fixture
+def labelled(data_root):
+    """A filtered batch judged by the production model (it passes everything) and labels of some attempts."""
+    sample_batch(data_root)
+    with dg.instance_for_test() as instance, FakeOpenAI() as production:
+        Pipeline(data_root, instance).run(llm(production, price_per_million_prompt_tokens=1.0))
+    (data_root / "labels.jsonl").write_text("".join(json.dumps(label) + "\n" for label in LABELS))
+    return data_root
+
+
+def candidate(call, n) -> Reply:
+    """A stricter model: passes a only."""
+    return Reply(content=v3("do a" in call.prompt))
+
+
+def test_calibrate_asks_once_per_labelled_attempt_then_never_and_leaves_the_warehouse_alone(
+    labelled, monkeypatch, capsys
+):
+    before = fingerprint(labelled / "warehouse")
+    with FakeOpenAI(candidate) as server:
+        monkeypatch.setenv("FILTER_JUDGE_BASE_URL", "http://127.0.0.1:9/v1")  # production's; replaced below
+        monkeypatch.setenv("FILTER_JUDGE_MODEL", "judge-test")
+        args = ["calibrate", "--data", str(labelled), "--model", "strict-model", "--base-url", server.base_url]
+        assert main(args) == 0
+        first = capsys.readouterr().out
+        assert len(server.calls) == 3  # a, b and e: c's latest label is unsure
+        assert main(args) == 0
+        second = capsys.readouterr().out
+        assert len(server.calls) == 3  # every verdict reused by cache key
+    assert fingerprint(labelled / "warehouse") == before  # kept, surplus, verdicts, commits: untouched
+    eval_file = labelled / "warehouse" / "judge_eval" / "strict-model_v3_votes1.parquet"
+    verdicts = pd.read_parquet(eval_file).set_index("dir")
+    assert verdicts.loc[["runs/r/traj/a/1", "runs/r/traj/b/1", "runs/r/traj/e/1"], "passed"].tolist() == [
+        True,
+        False,
+        False,
+    ]
+    assert verdicts["model"].unique().tolist() == ["strict-model"]
+    assert "judging 3 labelled attempts" in first and "asked 3 requests now" in first
+    assert "asked 0 requests now" in second
+    # production judged a and b and passed both (precision 1/2, on 2 labels); the candidate judged e too and
+    # passes a only (precision 1/1, on 3 labels)
+    lines = {line.split(": ")[0] + ": " + line.split(": ")[1]: line for line in second.splitlines() if ": " in line}
+    assert lines["production: judge judge-test v3"].startswith(
+        "production: judge judge-test v3: precision 0.50 [0.09, 0.91], recall 1.00"
+    )
+    assert (
+        lines["candidate strict-model_v3_votes1: judge strict-model v3"]
+        .split(": ", 2)[2]
+        .startswith("precision 1.00 [0.21, 1.00], recall 1.00 [0.21, 1.00], kappa 1.00 on 3 labels")
+    )
+    assert "2 requests" in lines["production: judge judge-test v3"]  # what production paid for those attempts
+
+
+def test_calibrate_without_labels_or_endpoint_says_so_in_one_line(data_root, monkeypatch, capsys):
+    assert main(["calibrate", "--data", str(data_root)]) == 2
+    assert capsys.readouterr().err.startswith(f"filter-pipeline: {data_root}: no labels.jsonl")
+    sample_batch(data_root)
+    (data_root / "labels.jsonl").write_text('{"dir": "runs/r/traj/a/1", "success": true}\n')
+    (data_root / "warehouse" / "judge_verdicts").mkdir(parents=True)
+    monkeypatch.delenv("FILTER_JUDGE_MODEL", raising=False)
+    monkeypatch.delenv("FILTER_JUDGE_BASE_URL", raising=False)
+    assert main(["calibrate", "--data", str(data_root)]) == 2
+    assert "the llm judge needs FILTER_JUDGE_BASE_URL and FILTER_JUDGE_MODEL" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_materialize_naming_no_run_refreshes_judge_calibration_when_labels_changed(cli, data_root):
+    write_batch(data_root, "r1", [task("a"), task("b")], [attempt("a"), attempt("b")])
+    first = cli()
+    assert first.returncode == 0, first.stderr
+    assert "labels.jsonl changed" not in first.stdout
+    (data_root / "labels.jsonl").write_text(
+        '{"run_id": "r1", "task_id": "a", "success": true}\n{"run_id": "r1", "task_id": "b", "success": false}\n'
+    )
+    refreshed = cli()
+    assert refreshed.returncode == 0, refreshed.stderr
+    assert "nothing to materialize" in refreshed.stdout
+    assert "labels.jsonl changed since judge_calibration was built: refreshing it" in refreshed.stdout
+    assert "judge_calibration: gate: precision 0.50 [0.09, 0.91], recall 1.00" in refreshed.stdout
+    again = cli()  # up to date now: nothing run
+    assert again.returncode == 0 and "refreshing" not in again.stdout
+    table = pd.read_parquet(data_root / "warehouse" / "judge_calibration.parquet")
+    assert table[table["site"] == "(all)"]["n"].tolist() == [2, 2]

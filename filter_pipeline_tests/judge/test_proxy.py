@@ -1,0 +1,61 @@
+"""The judge behind a proxy: HTTP_PROXY / HTTPS_PROXY / NO_PROXY and SSL_CERT_FILE honoured, as curl and the
+OpenAI SDK honour them, through a real proxy on 127.0.0.1 in front of the loopback OpenAI-compatible server."""
+
+import ssl
+
+import pytest
+
+from filter_pipeline.judge.client import judge_prompts, ssl_context
+from filter_pipeline_tests.judge.test_client import prompt, settings
+from filter_pipeline_tests.openai_server import FakeOpenAI
+from filter_pipeline_tests.proxy_server import LoopbackProxy, self_signed_certificate
+
+
+@pytest.fixture(autouse=True)
+def no_proxy_settings(monkeypatch):
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "ALL_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(name.lower(), raising=False)
+
+
+def test_requests_go_through_the_proxy_http_proxy_names(monkeypatch):
+    with FakeOpenAI() as server, LoopbackProxy() as proxy:
+        monkeypatch.setenv("HTTP_PROXY", proxy.url)
+        verdicts = judge_prompts([prompt("a"), prompt("b")], settings(server))
+    assert [v.passed for v in verdicts] == [True, True]
+    assert proxy.seen == [f"POST {server.base_url}/chat/completions"] * 2
+    assert len(server.calls) == 2
+
+
+def test_no_proxy_bypasses_it(monkeypatch):
+    with FakeOpenAI() as server, LoopbackProxy() as proxy:
+        monkeypatch.setenv("HTTP_PROXY", proxy.url)
+        monkeypatch.setenv("NO_PROXY", "localhost,127.0.0.1")
+        [verdict] = judge_prompts([prompt("a")], settings(server))
+    assert verdict.passed is True and len(server.calls) == 1
+    assert proxy.seen == []
+
+
+def test_an_https_endpoint_through_the_proxy_tunnel_is_trusted_by_the_ca_bundle_ssl_cert_file_names(
+    monkeypatch, tmp_path
+):
+    cert, key = self_signed_certificate(tmp_path)
+    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    tls.load_cert_chain(cert, key)
+    with FakeOpenAI(tls=tls) as server, LoopbackProxy() as proxy:
+        monkeypatch.setenv("HTTPS_PROXY", proxy.url)
+        monkeypatch.setenv("SSL_CERT_FILE", str(cert))
+        [verdict] = judge_prompts([prompt("a")], settings(server))
+        assert (verdict.passed, verdict.status) == (True, "judged")
+        assert proxy.seen == [f"CONNECT 127.0.0.1:{server.base_url.split(':')[2].split('/')[0]}"]
+
+        monkeypatch.delenv("SSL_CERT_FILE")  # the system's CAs alone do not trust the proxy's certificate
+        [untrusted] = judge_prompts([prompt("b")], settings(server, task_budget_seconds=0.5))
+    assert untrusted.status == "error" and "ClientConnectorCertificateError" in untrusted.why
+    assert len(server.calls) == 1
+
+
+def test_an_unreadable_ca_bundle_is_one_line_naming_the_variable(monkeypatch, tmp_path):
+    monkeypatch.setenv("SSL_CERT_FILE", str(tmp_path / "missing.pem"))
+    with pytest.raises(ValueError, match=r"^SSL_CERT_FILE=.*missing.pem: not a readable CA bundle"):
+        ssl_context()
