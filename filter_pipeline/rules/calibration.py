@@ -5,6 +5,7 @@ false}`: by dir it labels that attempt; by task it labels the task's judged atte
 """
 
 import json
+import math
 
 import pandas as pd
 
@@ -101,3 +102,14 @@ def calibration(resolved: pd.DataFrame) -> pd.DataFrame:
                 "agreement": (tp + tn) / len(part),
             })  # fmt: skip
     return conform(pd.DataFrame(rows), "judge_calibration")
+
+
+def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval of the proportion successes / n (z = 1.96: 95%); (nan, nan) when n is 0."""
+    if n == 0:
+        return (math.nan, math.nan)
+    p = successes / n
+    denominator = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denominator
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denominator
+    return (max(0.0, centre - half), min(1.0, centre + half))
