@@ -12,6 +12,7 @@ import sys
 
 from upath import UPath
 
+from filter_pipeline.cli import explain, review
 from filter_pipeline.rules.batch import LOCAL_PROTOCOLS, SUCCESS_FILE, check_run_id, complete_batches, read_ahead
 from filter_pipeline.rules.history import HistoryError
 from filter_pipeline.settings import (
@@ -62,6 +63,8 @@ def _parser() -> argparse.ArgumentParser:
         "no batch changed since it was filtered. Exit 0 when clean, 1 with one line per finding.",
     )
     v.add_argument("--data", default=None, help=f"data root (default: ${DATA_ENV} or '{DEFAULT_DATA}')")
+    review.add_parser(commands)
+    explain.add_parser(commands)
     return parser
 
 
@@ -113,6 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "verify":
         return verify(args)
+    if args.command == "review":
+        return review.review(args)
+    if args.command == "explain":
+        return explain.explain(args)
     read_first_batch_ahead(args)
     try:
         # Dagster loads while the batch is read; so does the code location, which reads its settings

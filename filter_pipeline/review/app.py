@@ -170,7 +170,9 @@ def api_tasks(request: Request) -> Response:
 
 def api_task(request: Request) -> Response:
     review = request.app.state.review
-    found = story(review.warehouse, request.path_params["run_id"], request.path_params["task_id"], review.labels.frame())
+    found = story(
+        review.warehouse, request.path_params["run_id"], request.path_params["task_id"], review.labels.frame()
+    )
     return JSONResponse(found)
 
 

@@ -172,16 +172,31 @@ def load_run(run_id: str, files: dict[str, UPath]) -> RunTables:
         run_id=run_id,
         commit=commit,
         tasks=frame(files["batch_tasks"], ["task_id", "site", "macro", "instruction", "dedup_key"]),
-        attempts=frame(files["batch_attempts"], ["task_id", "attempt", "ok", "error", "dir", "n_actions",
-                                                   "backend_ok", "backend_detail"]),  # fmt: skip
-        verdicts=read_table(files["judge_verdicts"]) if files["judge_verdicts"].exists() else frame(
-            files["judge_verdicts"], ["task_id", "status", "passed", "dir", "attempt", "votes", "cost"]),
+        attempts=frame(
+            files["batch_attempts"],
+            ["task_id", "attempt", "ok", "error", "dir", "n_actions", "backend_ok", "backend_detail"],
+        ),  # fmt: skip
+        verdicts=read_table(files["judge_verdicts"])
+        if files["judge_verdicts"].exists()
+        else frame(files["judge_verdicts"], ["task_id", "status", "passed", "dir", "attempt", "votes", "cost"]),
         surplus=frame(files["surplus"], ["task_id", "dropped", "dup_of_run_id", "dup_of_task_id"]),
-        failure_pool=frame(files["failure_pool"], ["task_id", "stage", "reason", "detail", "attempt", "dir",
-                                                    "backend_ok", "votes", "blocked"]),  # fmt: skip
+        failure_pool=frame(
+            files["failure_pool"],
+            ["task_id", "stage", "reason", "detail", "attempt", "dir", "backend_ok", "votes", "blocked"],
+        ),  # fmt: skip
         rejects=frame(files["batch_rejects"], ["file", "line", "field", "message", "raw"]),
-        dpo_pairs=frame(files["dpo_pairs"], ["task_id", "chosen_dir", "chosen_attempt", "rejected_dir",
-                                              "rejected_attempt", "rejected_stage", "rejected_reason"]),  # fmt: skip
+        dpo_pairs=frame(
+            files["dpo_pairs"],
+            [
+                "task_id",
+                "chosen_dir",
+                "chosen_attempt",
+                "rejected_dir",
+                "rejected_attempt",
+                "rejected_stage",
+                "rejected_reason",
+            ],
+        ),  # fmt: skip
         legacy=files["legacy"] if files["legacy"].exists() else None,
     )
     kept_ids = frame(files["kept"], ["task_id"])["task_id"]
@@ -308,3 +323,12 @@ def page(tasks: pd.DataFrame, filters: dict, offset: int, limit: int) -> tuple[i
             mask &= (tasks[column] == value).to_numpy(bool)
     matching = tasks[mask] if not mask.all() else tasks
     return int(len(matching)), matching.iloc[offset : offset + limit][TASK_COLUMNS].to_dict("records")
+
+
+def open_root(path: str, endpoint_url: str | None = None) -> UPath:
+    """The data root at `path` (a folder or s3:// URL) for a long-lived reader: on object storage without
+    fsspec's listings cache, so runs and labels written after the first listing are seen."""
+    root = UPath(path)
+    if root.protocol in ("", "file", "local"):
+        return root
+    return UPath(path, use_listings_cache=False, **({"endpoint_url": endpoint_url} if endpoint_url else {}))
