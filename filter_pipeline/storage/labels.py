@@ -79,7 +79,8 @@ def _append_conditionally(fs, path: str, line: bytes) -> None:
             fs.invalidate_cache(path)
             return
         except (FileExistsError, FileNotFoundError, OSError) as exc:
-            if not _lost_race(exc):
+            # (creating: a missing folder or bucket is not a race; rewriting: the object deleted meanwhile is)
+            if not _lost_race(exc) or (info is None and isinstance(exc, FileNotFoundError)):
                 raise LabelWriteError(f"{path}: the label could not be written ({exc})") from None
         time.sleep(random.uniform(0.01, 0.05) * (attempt + 1))  # another writer won: read again
     raise LabelWriteError(f"{path}: the label lost {MAX_TRIES} conditional writes to other writers; try again")

@@ -177,3 +177,29 @@ def test_the_api_never_shows_the_judge_api_key(served, monkeypatch):
     monkeypatch.setenv("FILTER_JUDGE_API_KEY", "sk-never-shown")
     for path in ["/", "/api/runs", "/api/runs/2026-11-28/tasks/2026-11-28-t001", "/queue"]:
         assert "sk-never-shown" not in get(served, path)[2]
+
+
+def test_over_s3_pages_answer_and_concurrent_label_posts_lose_none(filtered_sample, s3_server, s3_bucket):
+    from upath import UPath
+
+    from filter_pipeline.review.data import open_root
+    from filter_pipeline_tests.review.conftest import Served
+
+    fs = s3_server.filesystem()
+    for name in ("runs", "warehouse"):
+        fs.put(f"{filtered_sample / name}/", f"{s3_bucket}/filter/{name}/", recursive=True)
+    fs.put(str(filtered_sample / "labels.jsonl"), f"{s3_bucket}/filter/labels.jsonl")
+    app = Served(open_root(f"s3://{s3_bucket}/filter", s3_server.endpoint))
+    try:
+        status, _, body = get(app, "/api/runs/2026-11-29/tasks?fate=kept")
+        assert status == 200 and json.loads(body)["total"] == 1
+        assert get(app, "/runs/2026-11-29/tasks/2026-11-29-t004")[0] == 200
+        with ThreadPoolExecutor(8) as pool:
+            statuses = list(pool.map(lambda i: post(app, {"dir": "runs/2026-11-28/traj/2026-11-28-t001/2",
+                                                          "success": True, "note": f"s{i}"})[0], range(24)))  # fmt: skip
+    finally:
+        app.stop()
+    assert statuses == [201] * 24
+    text = UPath(f"s3://{s3_bucket}/filter/labels.jsonl", endpoint_url=s3_server.endpoint).read_text()
+    notes = [json.loads(line).get("note") for line in text.splitlines()]
+    assert sorted(n for n in notes if n) == sorted(f"s{i}" for i in range(24)) and len(notes) == 16 + 24
