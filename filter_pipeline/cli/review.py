@@ -36,5 +36,7 @@ def review(args: argparse.Namespace) -> int:
         print(f"filter-pipeline: --port {args.port}: expected 1 to 65535", file=sys.stderr)
         return 2
     print(f"review app for {root}: http://{args.host}:{args.port}/ (Ctrl-C to stop)", flush=True)
-    uvicorn.run(create_app(root), host=args.host, port=args.port, log_level="warning")
+    app = create_app(root)
+    app.state.review.warehouse.warm_in_background()  # the newest runs' pages answer at once
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0

@@ -149,6 +149,20 @@ class Warehouse:
                 self._cache.popitem(last=False)
         return tables
 
+    def warm_in_background(self) -> threading.Thread:
+        """Read the newest runs' tables in a background thread, so their first pages answer at once."""
+
+        def warm() -> None:
+            for run_id in reversed(self.run_ids()[-CACHED_RUNS:]):
+                try:
+                    self.run(run_id)
+                except (OSError, ValueError, ReviewError):
+                    pass  # (the page will say what is wrong when asked)
+
+        thread = threading.Thread(target=warm, name="review-warm", daemon=True)
+        thread.start()
+        return thread
+
     def runs(self) -> list[dict]:
         """One summary per run (state, funnel, rates, cost), newest first."""
         return [self.run(run_id).summary for run_id in reversed(self.run_ids())]
