@@ -51,7 +51,7 @@ def templates() -> Environment:
     env.filters["pct"] = lambda value: "–" if value is None else f"{value:.0%}"
     env.filters["money"] = lambda value: "–" if value is None else f"${value:,.4f}"
     env.filters["yesno"] = lambda value: {True: "yes", False: "no"}.get(value, "–")
-    env.filters["pretty"] = lambda value: json.dumps(value, ensure_ascii=False, indent=1)
+    env.filters["json"] = lambda value: json.dumps(value, ensure_ascii=False)
     return env
 
 
