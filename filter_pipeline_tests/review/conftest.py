@@ -20,6 +20,7 @@ from filter_pipeline_tests.servers import free_port
 HOSTILE_TASK = "2026-11-28-t004"  # its judged attempt's page text carries a script
 SCRIPT = "<script>document.title='owned'</script>"
 PNG = b"\x89PNG\r\n\x1a\n" + b"\x00" * 16  # enough for a content check
+REVIEW_URL = "http://review.test:8765/"  # filter_report's materializations link there
 SECRET_FILE = "secret.txt"  # outside the data root: the path-traversal attempts aim at it
 
 
@@ -45,7 +46,8 @@ def filtered_sample(tmp_path_factory) -> Path:
     home = base / "dagster_home"
     home.mkdir()
     shutil.copy(REPO / "instance" / "dagster.yaml", home / "dagster.yaml")
-    env = {**os.environ, "DAGSTER_HOME": str(home), "FILTER_PIPELINE_DATA": str(root)}
+    env = {**os.environ, "DAGSTER_HOME": str(home), "FILTER_PIPELINE_DATA": str(root),
+           "FILTER_PIPELINE_REVIEW_URL": REVIEW_URL}  # fmt: skip
     done = subprocess.run([*CLI, "materialize"], env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     return root

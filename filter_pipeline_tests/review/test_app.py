@@ -203,3 +203,23 @@ def test_over_s3_pages_answer_and_concurrent_label_posts_lose_none(filtered_samp
     text = UPath(f"s3://{s3_bucket}/filter/labels.jsonl", endpoint_url=s3_server.endpoint).read_text()
     notes = [json.loads(line).get("note") for line in text.splitlines()]
     assert sorted(n for n in notes if n) == sorted(f"s{i}" for i in range(24)) and len(notes) == 16 + 24
+
+
+def test_filter_reports_materialization_links_to_the_runs_review_page(filtered_sample):
+    import dagster as dg
+
+    home = filtered_sample.parent / "dagster_home"
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        event = instance.get_latest_materialization_event(dg.AssetKey("filter_report"))
+    materialization = event.asset_materialization
+    assert materialization.metadata["review"].url == f"http://review.test:8765/runs/{materialization.partition}"
+
+
+def test_the_review_link_is_set_only_with_its_url(monkeypatch):
+    from filter_pipeline.settings import REVIEW_URL_ENV, review_run_url
+
+    monkeypatch.delenv(REVIEW_URL_ENV, raising=False)
+    assert review_run_url("r1") is None
+    monkeypatch.setenv(REVIEW_URL_ENV, "https://review.example/team/")
+    assert review_run_url("2026-11-28") == "https://review.example/team/runs/2026-11-28"
+    assert review_run_url("a b/c") == "https://review.example/team/runs/a%20b%2Fc"
