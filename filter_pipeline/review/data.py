@@ -77,7 +77,7 @@ def signature(path: UPath) -> tuple | None:
     return (info.get("ETag") or info.get("mtime") or info.get("LastModified"), info.get("size"))
 
 
-def read_table(path: UPath, columns: list[str] | None = None) -> pd.DataFrame | None:
+def read_table(path: UPath, columns: list[str] | None = None, exclude: tuple = ()) -> pd.DataFrame | None:
     """The Parquet file's columns that exist among `columns` (all when None); None when the file is absent.
     Columns another version of the stage added or has not added yet are simply absent."""
     try:
@@ -86,7 +86,7 @@ def read_table(path: UPath, columns: list[str] | None = None) -> pd.DataFrame | 
         return None
     parquet = pq.ParquetFile(pa.BufferReader(data))
     names = parquet.schema_arrow.names
-    wanted = names if columns is None else [c for c in columns if c in names]
+    wanted = [c for c in (names if columns is None else columns) if c in names and c not in exclude]
     return to_pandas(parquet.read(columns=wanted))
 
 
@@ -103,6 +103,7 @@ class Warehouse:
         self.root = root
         self.warehouse = root / "warehouse"
         self._cache: OrderedDict[str, tuple[tuple, RunTables]] = OrderedDict()
+        self._light: dict[str, tuple[tuple, dict, pd.DataFrame]] = {}  # run_id -> (key, summary, judged attempts)
         self._lock = threading.Lock()
 
     def asset_file(self, asset: str, run_id: str) -> UPath:
@@ -131,23 +132,37 @@ class Warehouse:
         files["legacy"] = self.root / "runs" / run_id / "kept.jsonl"
         return files
 
+    def _key(self, run_id: str) -> tuple:
+        return tuple((name, str(path), signature(path)) for name, path in self._files(run_id).items())
+
     def run(self, run_id: str) -> RunTables:
         """The run's tables, from the cache when no file changed since they were read."""
         self.check_run(run_id)
-        files = self._files(run_id)
-        key = tuple((name, str(path), signature(path)) for name, path in files.items())
+        key = self._key(run_id)
         with self._lock:
             cached = self._cache.get(run_id)
             if cached and cached[0] == key:
                 self._cache.move_to_end(run_id)
                 return cached[1]
-        tables = load_run(run_id, files)
+        tables = load_run(run_id, self._files(run_id))
         with self._lock:
             self._cache[run_id] = (key, tables)
             self._cache.move_to_end(run_id)
             while len(self._cache) > CACHED_RUNS:
                 self._cache.popitem(last=False)
+            self._light[run_id] = (key, tables.summary, judged_attempts(tables))
         return tables
+
+    def light(self, run_id: str) -> tuple[dict, pd.DataFrame]:
+        """(the run's summary, its judged attempts): kept for every run, not only the CACHED_RUNS whose
+        tables are in memory, so the runs page and the queue over many runs read each run once."""
+        key = self._key(run_id)
+        with self._lock:
+            cached = self._light.get(run_id)
+        if cached and cached[0] == key:
+            return cached[1], cached[2]
+        tables = self.run(run_id)
+        return tables.summary, judged_attempts(tables)
 
     def warm_in_background(self) -> threading.Thread:
         """Read the newest runs' tables in a background thread, so their first pages answer at once."""
@@ -165,11 +180,19 @@ class Warehouse:
 
     def runs(self) -> list[dict]:
         """One summary per run (state, funnel, rates, cost), newest first."""
-        return [self.run(run_id).summary for run_id in reversed(self.run_ids())]
+        return [self.light(run_id)[0] for run_id in reversed(self.run_ids())]
 
 
 ASSETS = ("batch_tasks", "batch_attempts", "judge_verdicts", "kept", "surplus", "failure_pool", "batch_rejects",
           "dpo_pairs")  # fmt: skip
+
+
+def _verdicts(path: UPath) -> pd.DataFrame:
+    """judge_verdicts, every column this version of the stage or a newer one wrote (the raw replies left out:
+    nothing shows them); an empty frame of the basic columns when the run has no verdicts."""
+    found = read_table(path, exclude=("raw_replies",))
+    basic = ["task_id", "site", "status", "passed", "dir", "attempt", "votes", "cost"]
+    return found if found is not None else pd.DataFrame({c: pd.Series(dtype="object") for c in basic})
 
 
 def load_run(run_id: str, files: dict[str, UPath]) -> RunTables:
@@ -190,9 +213,7 @@ def load_run(run_id: str, files: dict[str, UPath]) -> RunTables:
             files["batch_attempts"],
             ["task_id", "attempt", "ok", "error", "dir", "n_actions", "backend_ok", "backend_detail"],
         ),  # fmt: skip
-        verdicts=read_table(files["judge_verdicts"])
-        if files["judge_verdicts"].exists()
-        else frame(files["judge_verdicts"], ["task_id", "status", "passed", "dir", "attempt", "votes", "cost"]),
+        verdicts=_verdicts(files["judge_verdicts"]),
         surplus=frame(files["surplus"], ["task_id", "dropped", "dup_of_run_id", "dup_of_task_id"]),
         failure_pool=frame(
             files["failure_pool"],
@@ -337,6 +358,19 @@ def page(tasks: pd.DataFrame, filters: dict, offset: int, limit: int) -> tuple[i
             mask &= (tasks[column] == value).to_numpy(bool)
     matching = tasks[mask] if not mask.all() else tasks
     return int(len(matching)), matching.iloc[offset : offset + limit][TASK_COLUMNS].to_dict("records")
+
+
+JUDGED_COLUMNS = ["run_id", "task_id", "dir", "site", "votes", "passed"]
+
+
+def judged_attempts(t: RunTables) -> pd.DataFrame:
+    """The run's judged attempts (what the labelling queue serves): JUDGED_COLUMNS."""
+    v = t.verdicts
+    if v.empty or "status" not in v:
+        return pd.DataFrame(columns=JUDGED_COLUMNS)
+    v = v[v["status"] == STATUS_JUDGED]
+    return pd.DataFrame({"run_id": t.run_id, "task_id": v["task_id"], "dir": v["dir"], "site": v["site"],
+                         "votes": v["votes"], "passed": v["passed"]})[JUDGED_COLUMNS]  # fmt: skip
 
 
 def open_root(path: str, endpoint_url: str | None = None) -> UPath:

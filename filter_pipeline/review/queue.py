@@ -11,9 +11,8 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from filter_pipeline.review.data import Warehouse
+from filter_pipeline.review.data import JUDGED_COLUMNS, Warehouse
 from filter_pipeline.rules.calibration import wilson_interval
-from filter_pipeline.rules.schemas import STATUS_JUDGED
 
 SAMPLE_SIZE = 200  # attempts in the uniform random sample served first
 SEED = 33
@@ -35,16 +34,9 @@ class QueueItem:
 
 def judged_attempts(warehouse: Warehouse) -> pd.DataFrame:
     """Every judged attempt of every run: run_id, task_id, dir, site, votes, passed."""
-    frames = []
-    for run_id in warehouse.run_ids():
-        v = warehouse.run(run_id).verdicts
-        if v.empty or "status" not in v:
-            continue
-        v = v[v["status"] == STATUS_JUDGED]
-        frames.append(pd.DataFrame({"run_id": run_id, "task_id": v["task_id"], "dir": v["dir"], "site": v["site"],
-                                    "votes": v["votes"], "passed": v["passed"]}))  # fmt: skip
-    columns = ["run_id", "task_id", "dir", "site", "votes", "passed"]
-    return pd.concat(frames, ignore_index=True)[columns] if frames else pd.DataFrame(columns=columns)
+    frames = [warehouse.light(run_id)[1] for run_id in warehouse.run_ids()]
+    frames = [f for f in frames if len(f)]
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=JUDGED_COLUMNS)
 
 
 def split_votes(votes) -> bool:

@@ -133,3 +133,19 @@ def test_the_task_page_shows_the_parts_escaped_and_hides_them_when_blind(warehou
     blind = review.html("queue.html", s=found, item=item, figures=figures, blind=True, pos=0, total=1, next_pos=1,
                         remaining=1).body.decode()  # fmt: skip
     assert "Blind:" in blind and "Task jf" in blind and "CAPTCHA" not in blind and "judge_fail" not in blind
+
+
+def test_the_runs_page_and_the_queue_read_each_of_many_runs_once(tmp_path, monkeypatch):
+    from filter_pipeline.review import data
+    from filter_pipeline.review.queue import judged_attempts
+
+    for i in range(5):
+        write_run(tmp_path, f"r{i}")
+    monkeypatch.setattr(data, "CACHED_RUNS", 2)  # fewer run tables in memory than runs
+    loads = []
+    real = data.load_run
+    monkeypatch.setattr(data, "load_run", lambda run_id, files: loads.append(run_id) or real(run_id, files))
+    warehouse = Warehouse(UPath(str(tmp_path)))
+    assert len(warehouse.runs()) == 5 and sorted(loads) == [f"r{i}" for i in range(5)]
+    assert len(judged_attempts(warehouse)) == 5 * 4 and len(warehouse.runs()) == 5
+    assert len(loads) == 5
