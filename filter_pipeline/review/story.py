@@ -115,9 +115,18 @@ def story(warehouse: Warehouse, run_id: str, task_id: str, labels: pd.DataFrame 
         "judge_failure": failures.get((verdict.get("attempt") if verdict else None, "judge")),
         "decision": decision(t, task),
         "dpo_pairs": rows_of(t.dpo_pairs, task_id),
-        "rejects": [r for r in plain(t.rejects.to_dict("records")) if f'"{task_id}"' in (r.get("raw") or "")][:20],
+        "rejects": task_rejects(t.rejects, task_id),
         "labels": task_labels(labels, run_id, task_id, [a.get("dir") for a in attempts], judged_dir),
     }
+
+
+def task_rejects(rejects: pd.DataFrame, task_id: str, most: int = 20) -> list[dict]:
+    """The batch_rejects rows about the task: lines naming its task_id, or the rejected line it is."""
+    if rejects.empty:
+        return []
+    raw, message = rejects["raw"].fillna("").astype(str), rejects["message"].fillna("").astype(str)
+    mine = raw.str.contains(f'"{task_id}"', regex=False) | message.str.startswith(f"{task_id}:")
+    return plain(rejects[mine.to_numpy(bool)].head(most).to_dict("records"))
 
 
 def screenshot(warehouse: Warehouse, run_id: str, task_id: str, attempt: int, name: str) -> bytes:

@@ -101,6 +101,8 @@ def test_a_story_shows_the_judges_parts_when_the_file_has_them_and_does_without(
     assert duplicate["duplicate_of"] == {"run_id": "r0", "task_id": "t0"}
     cap = story(warehouse, "r1", "c")["decision"]["cap"]
     assert cap["per_site_cap"] == 3 and cap["macro_caps"] == {"site_cap": 1}
+    rejected = story(warehouse, "r1", "tasks.jsonl:9")
+    assert rejected["decision"]["fate"] == "reject" and [r["line"] for r in rejected["rejects"]] == [9]
     with pytest.raises(ReviewError, match="no task 'zz' in run 'r1'"):
         story(warehouse, "r1", "zz")
     with pytest.raises(ReviewError, match="no run 'r9'"):
