@@ -100,7 +100,7 @@ def main() -> None:
         print(f"first request of the run's page (its files read, fates derived): {first:.2f} s")
         paths = [f"/runs/{RUN_ID}", f"/runs/{RUN_ID}?fate=surplus&offset=1000", f"/runs/{RUN_ID}?site=site7.example",
                  f"/api/runs/{RUN_ID}/tasks?fate=execute_fail&limit=500", f"/api/runs/{RUN_ID}/tasks?macro=macro3&offset=9000",
-                 f"/runs/{RUN_ID}/tasks/t{args.tasks // 2 + 1:07}"]  # fmt: skip
+                 f"/runs/{RUN_ID}/tasks/t{args.tasks // 2 + 1:07}", "/queue"]  # fmt: skip
         times = {
             path: [timed_get(base + path)[0] for _ in range(max(1, args.requests // len(paths)))] for path in paths
         }

@@ -12,6 +12,7 @@ from math import ceil
 from pathlib import Path
 from urllib.parse import quote, urlencode
 
+import numpy as np
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -23,7 +24,7 @@ from starlette.staticfiles import StaticFiles
 from upath import UPath
 
 from filter_pipeline.review.data import FATES, ReviewError, Warehouse, page
-from filter_pipeline.review.queue import queue_state
+from filter_pipeline.review.queue import QueueMemo, item
 from filter_pipeline.review.story import Labels, inside_run, screenshot, story
 from filter_pipeline.settings import DAGSTER_URL_ENV
 from filter_pipeline.storage.labels import LabelWriteError, append_label, now_iso
@@ -61,6 +62,7 @@ class Review:
     def __init__(self, root: UPath, labeler: str | None = None):
         self.warehouse = Warehouse(root)
         self.labels = Labels(root)
+        self.queue = QueueMemo()
         self.labeler = labeler or os.environ.get(LABELER_ENV) or _user()
         self.env = templates()
         self.dagster_url = os.environ.get(DAGSTER_URL_ENV, "").strip().rstrip("/") or None
@@ -138,18 +140,18 @@ def task_page(request: Request) -> Response:
 
 def queue_page(request: Request) -> Response:
     review = request.app.state.review
-    items, done, figures = queue_state(review.warehouse, review.labels.frame())
-    if not items:
+    queue, done, figures = review.queue.state(review.warehouse, review.labels.frame())
+    if queue.empty:
         return review.html("queue.html", item=None, figures=figures, pos=0, total=0, s=None, blind=True)
-    first_open = next((i for i, item in enumerate(items) if item.dir not in done), len(items) - 1)
-    pos = _int(request, "pos", first_open, 0, len(items) - 1)
-    item = items[pos]
-    blind = request.query_params.get("blind", "1") != "0" and item.dir not in done
-    found = story(review.warehouse, item.run_id, item.task_id, review.labels.frame())
-    next_pos = next((i for i in range(pos + 1, len(items)) if items[i].dir not in done), pos + 1)
-    return review.html("queue.html", item=item, figures=figures, pos=pos, total=len(items), s=found, blind=blind,
-                       labelled=item.dir in done, remaining=len(items) - len(done), next_pos=next_pos,
-                       after_label=f"/queue?pos={pos}")  # fmt: skip
+    still_open = np.flatnonzero(~done)
+    pos = _int(request, "pos", int(still_open[0]) if len(still_open) else len(queue) - 1, 0, len(queue) - 1)
+    current = item(queue, pos)
+    blind = request.query_params.get("blind", "1") != "0" and not done[pos]
+    found = story(review.warehouse, current.run_id, current.task_id, review.labels.frame())
+    later = still_open[still_open > pos]
+    return review.html("queue.html", item=current, figures=figures, pos=pos, total=len(queue), s=found, blind=blind,
+                       labelled=bool(done[pos]), remaining=len(still_open), after_label=f"/queue?pos={pos}",
+                       next_pos=int(later[0]) if len(later) else pos + 1)  # fmt: skip
 
 
 def screenshot_file(request: Request) -> Response:
@@ -186,14 +188,19 @@ async def api_labels(request: Request) -> Response:
     try:
         await run_in_threadpool(append_label, review.warehouse.root, record)
     except LabelWriteError as exc:
-        return PlainTextResponse(f"{exc}\n", status_code=503)
+        return _error(request, 503, _one_line(exc))
     return JSONResponse({"label": record}, status_code=201)
+
+
+def _label_value(value) -> bool:
+    """true, false or null (unsure): never 1 or 0, which equal True and False in Python."""
+    return value is None or isinstance(value, bool)
 
 
 def label_record(review: Review, body) -> dict:
     """The labels.jsonl line a POST asks for, in the dir form; BadRequest or ReviewError when it names no
     attempt or is malformed."""
-    if not isinstance(body, dict) or "success" not in body or body["success"] not in (True, False, None):
+    if not isinstance(body, dict) or "success" not in body or not _label_value(body["success"]):
         raise BadRequest('expected {"dir" | "run_id" + "task_id", "success": true | false | null, "note"}')
     note = body.get("note")
     if note is not None and (not isinstance(note, str) or len(note) > MAX_NOTE_CHARS):

@@ -161,8 +161,9 @@ class Warehouse:
             cached = self._light.get(run_id)
         if cached and cached[0] == key:
             return cached[1], cached[2]
-        tables = self.run(run_id)
-        return tables.summary, judged_attempts(tables)
+        self.run(run_id)  # (reads the run when its files changed, and keeps its light entry)
+        with self._lock:
+            return self._light[run_id][1], self._light[run_id][2]
 
     def warm_in_background(self) -> threading.Thread:
         """Read the newest runs' tables in a background thread, so their first pages answer at once."""

@@ -6,9 +6,10 @@ itself hesitated), then attempts of sites with no label yet, then the rest, in r
 fixed by a seed, so positions stay the same between requests while the warehouse does not change.
 """
 
-import random
+import threading
 from dataclasses import dataclass
 
+import numpy as np
 import pandas as pd
 
 from filter_pipeline.review.data import JUDGED_COLUMNS, Warehouse
@@ -32,13 +33,6 @@ class QueueItem:
     phase: str
 
 
-def judged_attempts(warehouse: Warehouse) -> pd.DataFrame:
-    """Every judged attempt of every run: run_id, task_id, dir, site, votes, passed."""
-    frames = [warehouse.light(run_id)[1] for run_id in warehouse.run_ids()]
-    frames = [f for f in frames if len(f)]
-    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=JUDGED_COLUMNS)
-
-
 def split_votes(votes) -> bool:
     """`P/N` with both sides non-zero: the judge's votes disagreed."""
     if not isinstance(votes, str) or "/" not in votes:
@@ -58,25 +52,33 @@ def latest_labels(labels: pd.DataFrame, attempts: pd.DataFrame) -> pd.DataFrame:
     return both.sort_values("line", kind="stable").drop_duplicates("dir", keep="last")[["dir", "success"]]
 
 
-def order(attempts: pd.DataFrame, labelled_sites: set) -> list[QueueItem]:
-    """Every judged attempt once, in queue order (see the module's docstring)."""
-    records = attempts.sort_values(["run_id", "task_id"]).to_dict("records")
-    rng = random.Random(SEED)
-    rng.shuffle(records)
-    seen, items = set(), []
+QUEUE_COLUMNS = ["run_id", "task_id", "dir", "site", "phase"]
+PHASES = (PHASE_SAMPLE, PHASE_SPLIT, PHASE_UNLABELLED_SITE, PHASE_REST)
 
-    def add(rows, phase):
-        for r in rows:
-            if r["dir"] not in seen:
-                seen.add(r["dir"])
-                site = r["site"] if isinstance(r["site"], str) else None
-                items.append(QueueItem(r["run_id"], r["task_id"], r["dir"], site, phase))
 
-    add(records[:SAMPLE_SIZE], PHASE_SAMPLE)
-    add([r for r in records if split_votes(r["votes"])], PHASE_SPLIT)
-    add([r for r in records if r["site"] not in labelled_sites], PHASE_UNLABELLED_SITE)
-    add(records, PHASE_REST)
-    return items
+def split_mask(votes: pd.Series) -> np.ndarray:
+    """`split_votes` of each value, vectorised."""
+    parts = votes.astype("object").where(votes.notna(), "").astype(str).str.extract(r"^(\d+)/(\d+)$")
+    return ((pd.to_numeric(parts[0]) > 0) & (pd.to_numeric(parts[1]) > 0)).to_numpy(bool)
+
+
+def order(attempts: pd.DataFrame, labelled_sites: set) -> pd.DataFrame:
+    """Every judged attempt once, in queue order (see the module's docstring): QUEUE_COLUMNS."""
+    unique = attempts.drop_duplicates("dir").reset_index(drop=True)
+    shuffled = unique.iloc[np.random.default_rng(SEED).permutation(len(unique))].reset_index(drop=True)
+    rank = np.full(len(shuffled), PHASES.index(PHASE_REST))
+    rank[~shuffled["site"].isin(labelled_sites).to_numpy(bool)] = PHASES.index(PHASE_UNLABELLED_SITE)
+    rank[split_mask(shuffled["votes"])] = PHASES.index(PHASE_SPLIT)
+    rank[: min(SAMPLE_SIZE, len(rank))] = PHASES.index(PHASE_SAMPLE)
+    queued = shuffled.iloc[np.argsort(rank, kind="stable")]
+    phase = np.asarray(PHASES, dtype=object)[np.sort(rank, kind="stable")]
+    return queued.assign(phase=phase)[QUEUE_COLUMNS].reset_index(drop=True)
+
+
+def item(queue: pd.DataFrame, position: int) -> QueueItem:
+    row = queue.iloc[position]
+    site = row["site"] if isinstance(row["site"], str) else None
+    return QueueItem(row["run_id"], row["task_id"], row["dir"], site, row["phase"])
 
 
 def precision(labelled: pd.DataFrame) -> dict:
@@ -90,10 +92,33 @@ def precision(labelled: pd.DataFrame) -> dict:
             "precision": tp / n if n else None, "low": None if n == 0 else low, "high": None if n == 0 else high}  # fmt: skip
 
 
-def queue_state(warehouse: Warehouse, labels: pd.DataFrame) -> tuple[list[QueueItem], set, dict]:
-    """(the queue, the dirs already labelled, precision figures)."""
-    attempts = judged_attempts(warehouse)
+def queue_state(attempts: pd.DataFrame, labels: pd.DataFrame) -> tuple[pd.DataFrame, np.ndarray, dict]:
+    """(the queue over `attempts`, which of its attempts are labelled already, precision figures)."""
     latest = latest_labels(labels, attempts)
     labelled = attempts.merge(latest, on="dir")
-    items = order(attempts, set(labelled["site"].dropna()))
-    return items, set(latest["dir"]), {**precision(labelled), "label_lines": len(labels), "attempts": len(items)}
+    queue = order(attempts, set(labelled["site"].dropna()))
+    done = queue["dir"].isin(set(latest["dir"])).to_numpy(bool)
+    return queue, done, {**precision(labelled), "label_lines": len(labels), "attempts": len(queue)}
+
+
+class QueueMemo:
+    """The last queue computed, reused while no run's judged attempts and no label changed (the warehouse
+    and the labels hand out the same frame objects until their files change)."""
+
+    def __init__(self):
+        self._inputs: list = []
+        self._state: tuple | None = None
+        self._lock = threading.Lock()
+
+    def state(self, warehouse: Warehouse, labels: pd.DataFrame) -> tuple[pd.DataFrame, np.ndarray, dict]:
+        frames = [warehouse.light(run_id)[1] for run_id in warehouse.run_ids()]
+        inputs = [labels, *frames]
+        with self._lock:
+            if self._state and len(inputs) == len(self._inputs) and all(a is b for a, b in zip(inputs, self._inputs)):
+                return self._state
+        frames = [f for f in frames if len(f)]
+        attempts = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=JUDGED_COLUMNS)
+        state = queue_state(attempts, labels)
+        with self._lock:
+            self._inputs, self._state = inputs, state
+        return state

@@ -175,9 +175,9 @@ def parse_label_lines(data: bytes) -> pd.DataFrame:
             record = json.loads(raw)
         except ValueError:
             continue
-        if not isinstance(record, dict) or record.get("success") not in (True, False, None):
+        if not isinstance(record, dict) or "success" not in record:
             continue
-        if "success" not in record:
+        if not (record["success"] is None or isinstance(record["success"], bool)):
             continue
         by_dir = isinstance(record.get("dir"), str)
         if not by_dir and not (isinstance(record.get("run_id"), str) and isinstance(record.get("task_id"), str)):

@@ -120,7 +120,8 @@ def test_bad_ids_and_requests_get_one_line_4xx(served):
     for body, raw in [(None, b"not json"), ({"success": True}, None), ({"dir": "runs/2026-11-28/x", "success": True}, None),
                       ({"dir": "runs/../../etc", "success": True}, None), ({"run_id": "nope", "task_id": "t", "success": True}, None),
                       ({"run_id": "2026-11-28", "task_id": "2026-11-28-t013", "success": True}, None),
-                      ({"dir": "runs/2026-11-28/traj/2026-11-28-t001/1", "success": "yes"}, None), ([1], None)]:  # fmt: skip
+                      ({"dir": "runs/2026-11-28/traj/2026-11-28-t001/1", "success": "yes"}, None), ([1], None),
+                      ({"dir": "runs/2026-11-28/traj/2026-11-28-t001/1", "success": 1}, None)]:  # fmt: skip
         status, text = post(served, body, raw)
         assert 400 <= status < 500 and len(text.strip().splitlines()) == 1 and "Traceback" not in text, (body, text)
 

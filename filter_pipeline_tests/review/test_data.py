@@ -139,7 +139,7 @@ def test_the_task_page_shows_the_parts_escaped_and_hides_them_when_blind(warehou
 
 def test_the_runs_page_and_the_queue_read_each_of_many_runs_once(tmp_path, monkeypatch):
     from filter_pipeline.review import data
-    from filter_pipeline.review.queue import judged_attempts
+    from filter_pipeline.review.queue import QueueMemo
 
     for i in range(5):
         write_run(tmp_path, f"r{i}")
@@ -149,5 +149,7 @@ def test_the_runs_page_and_the_queue_read_each_of_many_runs_once(tmp_path, monke
     monkeypatch.setattr(data, "load_run", lambda run_id, files: loads.append(run_id) or real(run_id, files))
     warehouse = Warehouse(UPath(str(tmp_path)))
     assert len(warehouse.runs()) == 5 and sorted(loads) == [f"r{i}" for i in range(5)]
-    assert len(judged_attempts(warehouse)) == 5 * 4 and len(warehouse.runs()) == 5
+    memo, labels = QueueMemo(), pd.DataFrame(columns=["dir", "run_id", "task_id", "success", "line"])
+    queue = memo.state(warehouse, labels)[0]
+    assert len(queue) == 5 * 4 and len(warehouse.runs()) == 5 and memo.state(warehouse, labels)[0] is queue
     assert len(loads) == 5

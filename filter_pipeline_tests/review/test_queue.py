@@ -9,6 +9,7 @@ from filter_pipeline.review.queue import (
     PHASE_SAMPLE,
     PHASE_SPLIT,
     PHASE_UNLABELLED_SITE,
+    item,
     latest_labels,
     order,
     precision,
@@ -34,17 +35,21 @@ def test_the_queue_serves_a_uniform_sample_then_split_votes_then_unlabelled_site
 
     monkeypatch.setattr(queue, "SAMPLE_SIZE", 10)
     frame = attempts(60, votes=lambda i: "2/1" if i % 10 == 7 else "3/0", site=lambda i: "new" if i >= 55 else "old")
-    items = order(frame, labelled_sites={"old"})
-    phases = [item.phase for item in items]
-    assert len(items) == 60 and len({item.dir for item in items}) == 60
+    queue = order(frame, labelled_sites={"old"})
+    items = [item(queue, i) for i in range(len(queue))]
+    phases = [it.phase for it in items]
+    assert len(items) == 60 and len({it.dir for it in items}) == 60
     assert phases[:10] == [PHASE_SAMPLE] * 10
-    split = [item for item in items if item.phase == PHASE_SPLIT]
-    assert split and all(int(item.task_id[1:]) % 10 == 7 for item in split)
-    assert {item.site for item in items if item.phase == PHASE_UNLABELLED_SITE} <= {"new"}
+    split = [it for it in items if it.phase == PHASE_SPLIT]
+    assert split and all(int(it.task_id[1:]) % 10 == 7 for it in split)
+    assert all(split_votes(v) for v in frame.set_index("task_id").loc[[it.task_id for it in split], "votes"])
+    earlier = {it.task_id for it in items[:10] + split}
+    new_site = {it.task_id for it in items if it.phase == PHASE_UNLABELLED_SITE}
+    assert new_site and new_site == {f"t{i:03}" for i in range(55, 60)} - earlier
     assert phases == sorted(phases, key=[PHASE_SAMPLE, PHASE_SPLIT, PHASE_UNLABELLED_SITE, PHASE_REST].index)
     # the sample is drawn uniformly (a shuffle), not the first rows, and the same on every request
-    assert [item.task_id for item in items[:10]] != [f"t{i:03}" for i in range(10)]
-    assert order(frame, {"old"}) == items
+    assert [it.task_id for it in items[:10]] != [f"t{i:03}" for i in range(10)]
+    assert order(frame, {"old"}).equals(queue)
 
 
 def test_a_later_label_of_the_same_attempt_replaces_the_earlier_and_unsure_is_not_counted():
