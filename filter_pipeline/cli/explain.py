@@ -57,8 +57,8 @@ def story_lines(s: dict) -> list[str]:
         lines.append(f"  duplicate of task {dup['task_id']} of run {dup['run_id']}, which kept the key first")
     if decision.get("cap"):
         cap = decision["cap"]
-        lines.append(f"  cap met ({cap['reason']}): per_site_cap {cap['per_site_cap']}, macro caps "
-                     f"{json.dumps(cap['macro_caps'])} ({cap['caps_source']})")  # fmt: skip
+        lines.append(f"  cap met ({cap['reason']}): limit {cap['limit']}, reached by {cap['kept_before']} kept rows in "
+                     f"history and {cap['kept_in_run']} in this run ({cap['caps_source']} caps)")  # fmt: skip
     lines.append("attempts:")
     for a in s["attempts"]:
         failure = f", reason {a['failure']['reason']}" if a.get("failure") else ""

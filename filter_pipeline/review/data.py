@@ -60,6 +60,7 @@ class RunTables:
     failure_pool: pd.DataFrame
     rejects: pd.DataFrame
     dpo_pairs: pd.DataFrame
+    prior_counts: pd.DataFrame  # prior_kept_counts: history's kept rows per (macro, site) when the run was walked
     legacy: UPath | None = None  # kept.jsonl of a run filtered by the earlier script
     summary: dict = field(default_factory=dict)
 
@@ -185,7 +186,7 @@ class Warehouse:
 
 
 ASSETS = ("batch_tasks", "batch_attempts", "judge_verdicts", "kept", "surplus", "failure_pool", "batch_rejects",
-          "dpo_pairs")  # fmt: skip
+          "dpo_pairs", "prior_kept_counts")  # fmt: skip
 
 
 def _verdicts(path: UPath) -> pd.DataFrame:
@@ -221,6 +222,7 @@ def load_run(run_id: str, files: dict[str, UPath]) -> RunTables:
             ["task_id", "stage", "reason", "detail", "attempt", "dir", "backend_ok", "votes", "blocked"],
         ),  # fmt: skip
         rejects=frame(files["batch_rejects"], ["file", "line", "field", "message", "raw"]),
+        prior_counts=frame(files["prior_kept_counts"], ["macro", "site", "n_kept"]),
         dpo_pairs=frame(
             files["dpo_pairs"],
             [

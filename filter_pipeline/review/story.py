@@ -7,8 +7,8 @@ import re
 import pandas as pd
 from upath import UPath
 
-from filter_pipeline.review.data import FATE_SURPLUS, ReviewError, RunTables, Warehouse, signature
-from filter_pipeline.rules.schemas import DROPPED_DUPLICATE
+from filter_pipeline.review.data import FATE_KEPT, FATE_SURPLUS, ReviewError, RunTables, Warehouse, signature
+from filter_pipeline.rules.schemas import DROPPED_DUPLICATE, DROPPED_SITE_CAP
 from filter_pipeline.storage.labels import LABELS_FILE
 
 SCREENSHOT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}\.png$")
@@ -74,19 +74,31 @@ def trajectory(root: UPath, run_id: str, dir_: str | None) -> dict:
 
 
 def decision(t: RunTables, task: dict) -> dict:
-    """The walk's decision about the task: its fate and reason, and for a duplicate who kept the key first,
-    for a cap the cap the walk applied."""
+    """The walk's decision about the task: its fate and reason; for a duplicate, who kept the key first; for a
+    cap, the cap the walk applied and the count it met (history's kept rows plus the run's own)."""
     found = {"fate": task["fate"], "reason": task["reason"]}
-    if task["fate"] == FATE_SURPLUS:
-        row = rows_of(t.surplus, task["task_id"])[-1:]
-        if row and task["reason"] == DROPPED_DUPLICATE:
-            found["duplicate_of"] = {"run_id": row[0].get("dup_of_run_id"), "task_id": row[0].get("dup_of_task_id")}
-        elif t.commit and isinstance(t.commit.get("caps"), dict):
-            caps = t.commit["caps"]
-            per_macro = (caps.get("caps") or {}).get(task.get("macro") or "", {})
-            found["cap"] = {"reason": task["reason"], "per_site_cap": caps.get("per_site_cap"), "macro_caps": per_macro,
-                            "caps_source": t.commit.get("caps_source")}  # fmt: skip
+    if task["fate"] != FATE_SURPLUS:
+        return found
+    row = rows_of(t.surplus, task["task_id"])[-1:]
+    if row and task["reason"] == DROPPED_DUPLICATE:
+        found["duplicate_of"] = {"run_id": row[0].get("dup_of_run_id"), "task_id": row[0].get("dup_of_task_id")}
+    elif t.commit and isinstance(t.commit.get("caps"), dict):
+        found["cap"] = cap_met(t, task)
     return found
+
+
+def cap_met(t: RunTables, task: dict) -> dict:
+    """The cap a surplus row met: for `site_cap` the (macro, site)'s cap and kept rows, for `target` the macro's.
+    Once a cap is met no later task of that group is kept, so the run's kept rows of the group are all counted."""
+    caps = t.commit["caps"]
+    per_macro = (caps.get("caps") or {}).get(task.get("macro") or "", {}) or {}
+    by_site = task["reason"] == DROPPED_SITE_CAP
+    prior, kept = t.prior_counts, t.tasks[t.tasks["fate"] == FATE_KEPT]
+    same = (prior["macro"] == task["macro"]) & ((prior["site"] == task["site"]) if by_site else True)
+    run_same = (kept["macro"] == task["macro"]) & ((kept["site"] == task["site"]) if by_site else True)
+    limit = per_macro.get("site_cap", caps.get("per_site_cap")) if by_site else per_macro.get("target")
+    return {"reason": task["reason"], "limit": limit, "kept_before": int(prior.loc[same, "n_kept"].sum()),
+            "kept_in_run": int(run_same.sum()), "caps_source": t.commit.get("caps_source")}  # fmt: skip
 
 
 def story(warehouse: Warehouse, run_id: str, task_id: str, labels: pd.DataFrame | None = None) -> dict:

@@ -26,6 +26,14 @@ def test_explain_tells_a_duplicates_story(filtered_sample):  # noqa: F811
     assert "verdict: passed (votes gate, judge gate)" in lines
 
 
+def test_explain_tells_the_cap_a_surplus_task_met(filtered_sample):  # noqa: F811
+    done = explain(filtered_sample, "2026-11-29", "2026-11-29-t000")
+    assert done.returncode == 0 and done.stdout.startswith("task 2026-11-29-t000 of run 2026-11-29: surplus (site_cap)")
+    assert "  cap met (site_cap): limit 3, reached by 3 kept rows in history and 0 in this run (deployment caps)" in (
+        done.stdout.splitlines()
+    )
+
+
 def test_explain_tells_execute_failures_with_their_reasons_and_labels(filtered_sample):  # noqa: F811
     done = explain(filtered_sample, "2026-11-28", "2026-11-28-t013")
     assert done.returncode == 0 and done.stdout.startswith("task 2026-11-28-t013 of run 2026-11-28: execute_fail")

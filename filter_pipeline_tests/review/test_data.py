@@ -52,6 +52,7 @@ def write_run(root: Path, run_id: str, committed: bool = True, newer_columns: bo
     _write(root, "kept", run_id, verdicts[:1], schema_of="judge_verdicts")
     _write(root, "surplus", run_id, [verdicts[1] | {"dropped": "duplicate", "dup_of_run_id": "r0", "dup_of_task_id": "t0"},
                                      verdicts[2] | {"dropped": "site_cap"}])  # fmt: skip
+    _write(root, "prior_kept_counts", run_id, [{"macro": "m", "site": "s-c", "n_kept": 1}])
     write_commit(UPath(str(root / "warehouse")), CommitRecord(
         run_id=run_id, walked_at="2026-12-01T00:00:00+00:00", files={}, kept_keys=1,
         caps={"per_site_cap": 3, "caps": {"m": {"site_cap": 1}}}, caps_source="deployment", judge={"kind": "gate"},
@@ -100,7 +101,7 @@ def test_a_story_shows_the_judges_parts_when_the_file_has_them_and_does_without(
     duplicate = story(warehouse, "r1", "d")["decision"]
     assert duplicate["duplicate_of"] == {"run_id": "r0", "task_id": "t0"}
     cap = story(warehouse, "r1", "c")["decision"]["cap"]
-    assert cap["per_site_cap"] == 3 and cap["macro_caps"] == {"site_cap": 1}
+    assert (cap["reason"], cap["limit"], cap["kept_before"], cap["kept_in_run"]) == ("site_cap", 1, 1, 0)
     rejected = story(warehouse, "r1", "tasks.jsonl:9")
     assert rejected["decision"]["fate"] == "reject" and [r["line"] for r in rejected["rejects"]] == [9]
     with pytest.raises(ReviewError, match="no task 'zz' in run 'r1'"):
