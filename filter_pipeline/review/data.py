@@ -25,6 +25,8 @@ from filter_pipeline.rules.schemas import (
     STAGE_JUDGE,
     STATUS_ERROR,
     STATUS_JUDGED,
+    isin,
+    positions,
     to_pandas,
 )
 
@@ -247,8 +249,10 @@ def _by_task(table: pd.DataFrame, column: str, ids: pd.Series) -> pd.Series:
     """`table[column]` looked up by task_id for each of `ids` (the last row of a task wins), <NA> when none."""
     if table.empty or column not in table.columns:
         return pd.Series([pd.NA] * len(ids), index=ids.index, dtype="object")
-    last = table.drop_duplicates("task_id", keep="last").set_index("task_id")[column]
-    return pd.Series(last.reindex(ids.to_numpy()).to_numpy(), index=ids.index)
+    last = table.drop_duplicates("task_id", keep="last")
+    found = positions(ids, last["task_id"])  # (an Arrow hash lookup: a pandas reindex on text is slower)
+    values = last[column].astype("object").to_numpy()
+    return pd.Series(np.where(found >= 0, values[np.maximum(found, 0)], None), index=ids.index, dtype="object")
 
 
 def task_table(t: RunTables, kept_ids: pd.Series) -> pd.DataFrame:
@@ -262,7 +266,7 @@ def task_table(t: RunTables, kept_ids: pd.Series) -> pd.DataFrame:
     judge_rows = pool[pool["stage"] == STAGE_JUDGE] if "stage" in pool else pool.iloc[:0]
     execute_rows = pool[pool["stage"] == STAGE_EXECUTE] if "stage" in pool else pool.iloc[:0]
     judge_failed = _by_task(judge_rows, "reason", ids).notna().to_numpy()
-    kept = ids.isin(set(kept_ids)).to_numpy() if committed else np.zeros(len(ids), bool)
+    kept = isin(ids, kept_ids) if committed else np.zeros(len(ids), bool)
     in_surplus = dropped.notna().to_numpy() & committed
     conditions = [kept, in_surplus, judge_failed, (status == STATUS_ERROR).fillna(False).to_numpy(bool),
                   status.notna().to_numpy()]  # fmt: skip
