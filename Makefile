@@ -2,6 +2,7 @@
 #   make run    set up .venv and the local Dagster instance, then filter the sample batches in data/
 #   make test   the whole test suite (what CI runs)
 # and for development:
+#   make review      the review app: every run's and task's fate, labelling (http://127.0.0.1:8765)
 #   make test-fast   the tests that start no server or process (`-m "not slow"`): the quick loop
 #   make lint        ruff check + ruff format --check (CI runs it before the tests)
 #   make test-oldest the fast tests in .venv-oldest, on the oldest Dagster supported (constraints/dagster-1.12.txt)
@@ -14,7 +15,7 @@ OLDEST := constraints/dagster-1.12.txt
 DAGSTER_HOME ?= $(CURDIR)/.dagster_home
 export DAGSTER_HOME
 
-.PHONY: setup run dev test test-fast test-oldest lint constraints sample-data
+.PHONY: setup run dev review test test-fast test-oldest lint constraints sample-data
 
 $(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +40,10 @@ run: setup
 
 dev: setup
 	$(VENV)/bin/dagster dev -w workspace.yaml -h 127.0.0.1 -p 3000
+
+# the review app over the same data root (beside `make dev`): http://127.0.0.1:8765
+review: setup
+	$(VENV)/bin/filter-pipeline review
 
 # pytest exits 5 when it collects no test: reported, not treated as a broken build.
 test: setup

@@ -61,3 +61,17 @@ def int_setting(env: str, default: int) -> int:
     if value < 0:
         raise ValueError(f"{env}={raw!r}: expected a whole number of 0 or more")
     return value
+
+
+# The review app (`filter-pipeline review`): where users browse it, so that filter_report's materialization links
+# to a run's review page; and where the Dagster UI is, so that the review app links to a run's partition.
+REVIEW_URL_ENV = "FILTER_PIPELINE_REVIEW_URL"
+DAGSTER_URL_ENV = "FILTER_PIPELINE_DAGSTER_URL"
+
+
+def review_run_url(run_id: str) -> str | None:
+    """The run's page in the review app, when FILTER_PIPELINE_REVIEW_URL is set; else None."""
+    from urllib.parse import quote
+
+    base = os.environ.get(REVIEW_URL_ENV, "").strip().rstrip("/")
+    return f"{base}/runs/{quote(run_id, safe='')}" if base else None

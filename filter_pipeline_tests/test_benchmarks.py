@@ -80,3 +80,9 @@ def test_a_helper_process_that_ignores_sigterm_is_killed_after_the_grace_period(
     assert proc.stdout.readline().strip() == "ready"
     stop(proc, seconds=0.5)
     assert proc.returncode == -9  # SIGKILL, not a minute's sleep
+
+
+def test_review_page_runs_at_a_small_size():
+    out = run("benchmarks.review_page", "--tasks", "2000", "--requests", "14")
+    assert "wrote a committed run of 2,000 tasks" in out and "first request of the run's page" in out
+    assert "cached pages: median" in out and "over 14 requests" in out and "/queue: median" in out

@@ -12,6 +12,7 @@ import sys
 
 from upath import UPath
 
+from filter_pipeline.cli import explain, review
 from filter_pipeline.rules.batch import LOCAL_PROTOCOLS, SUCCESS_FILE, check_run_id, complete_batches, read_ahead
 from filter_pipeline.rules.history import HistoryError
 from filter_pipeline.settings import (
@@ -76,6 +77,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--base-url", default=None, help="the candidate's endpoint (default: FILTER_JUDGE_BASE_URL)")
     c.add_argument("--prompt-version", default=None, help="the candidate's prompt version (default: the current)")
     c.add_argument("--votes", type=int, default=None, help="votes per task (default: FILTER_JUDGE_VOTES)")
+    review.add_parser(commands)
+    explain.add_parser(commands)
     return parser
 
 
@@ -131,6 +134,10 @@ def main(argv: list[str] | None = None) -> int:
         from filter_pipeline.cli.calibrate import run as calibrate
 
         return calibrate(args)
+    if args.command == "review":
+        return review.review(args)
+    if args.command == "explain":
+        return explain.explain(args)
     read_first_batch_ahead(args)
     try:
         # Dagster loads while the batch is read; so does the code location, which reads its settings

@@ -322,6 +322,7 @@ def _walk_the_ledger(
                 {
                     "report": dg.MetadataValue.md(report.markdown(figures, images, run_id)),
                     "caps_source": source,  # "run config": this run's caps are not the deployment's
+                    **({"review": dg.MetadataValue.url(url)} if (url := settings.review_run_url(run_id)) else {}),
                     **{f"funnel/{s}": int(c) for s, c in zip(figures.funnel["step"], figures.funnel["count"])},
                 },
             ),  # fmt: skip

@@ -1,0 +1,106 @@
+"""`filter-pipeline explain RUN_ID TASK_ID`: a task's whole story as text (what the review app's task page shows)."""
+
+import argparse
+import json
+import os
+import sys
+
+from filter_pipeline.settings import DATA_ENV, DEFAULT_DATA, ENDPOINT_ENV, data_path
+
+PAGE_TEXT_CHARS = 1200  # of the final page text printed (the review page shows it all)
+
+
+def add_parser(commands) -> None:
+    e = commands.add_parser(
+        "explain",
+        help="why a task was kept or dropped: its whole story as text",
+        description="Print a task's story: every attempt, the judged attempt's trajectory, the verdict, the "
+        "walk's decision (kept, surplus and why, judge_fail, unjudged, execute failures only, reject), its DPO "
+        "pair and labels. Exit 1 when the run or task does not exist.",
+    )
+    e.add_argument("run_id", metavar="RUN_ID")
+    e.add_argument("task_id", metavar="TASK_ID")
+    e.add_argument("--data", default=None, help=f"data root (default: ${DATA_ENV} or '{DEFAULT_DATA}')")
+
+
+def explain(args: argparse.Namespace) -> int:
+    from filter_pipeline.review.data import ReviewError, Warehouse, open_root
+    from filter_pipeline.review.story import Labels, story
+
+    root = open_root(data_path(args.data), os.environ.get(ENDPOINT_ENV))
+    if not root.exists():
+        print(f"filter-pipeline: data root {root} does not exist (--data or ${DATA_ENV})", file=sys.stderr)
+        return 2
+    warehouse = Warehouse(root)
+    try:
+        found = story(warehouse, args.run_id, args.task_id, Labels(root).frame())
+    except ReviewError as exc:
+        print(f"filter-pipeline: {exc}", file=sys.stderr)
+        return 1
+    print("\n".join(story_lines(found)))
+    return 0
+
+
+def _yes(value) -> str:
+    return {True: "yes", False: "no"}.get(value, "-")
+
+
+def story_lines(s: dict) -> list[str]:
+    """The story as lines of text."""
+    task, decision = s["task"], s["decision"]
+    lines = [f"task {task['task_id']} of run {s['run_id']}: {decision['fate']}"
+             + (f" ({decision['reason']})" if decision.get("reason") else ""),
+             f"  site {task['site']}, macro {task['macro']}", f"  instruction: {task['instruction']}",
+             f"  dedup key: {task['dedup_key']}"]  # fmt: skip
+    if decision.get("duplicate_of"):
+        dup = decision["duplicate_of"]
+        lines.append(f"  duplicate of task {dup['task_id']} of run {dup['run_id']}, which kept the key first")
+    if decision.get("cap"):
+        cap = decision["cap"]
+        lines.append(f"  cap met ({cap['reason']}): limit {cap['limit']}, reached by {cap['kept_before']} kept rows in "
+                     f"history and {cap['kept_in_run']} in this run ({cap['caps_source']} caps)")  # fmt: skip
+    lines.append("attempts:")
+    for a in s["attempts"]:
+        failure = f", reason {a['failure']['reason']}" if a.get("failure") else ""
+        lines.append(f"  {a['attempt']}{' (judged)' if a['judged'] else ''}: ok {_yes(a['ok'])}, error "
+                     f"{a['error'] or '-'}{failure}, backend {_yes(a['backend_ok'])} {a['backend_detail'] or ''}, "
+                     f"{a['n_actions']} steps, {a['dir']}")  # fmt: skip
+    lines += [f"  reject: {r['message']}" for r in s["rejects"]]
+    lines += _trajectory_lines(s.get("trajectory")) + _verdict_lines(s.get("verdict"))
+    for p in s["dpo_pairs"]:
+        lines.append(f"DPO pair: chosen attempt {p['chosen_attempt']}, rejected attempt {p['rejected_attempt']} "
+                     f"({p['rejected_stage']}: {p['rejected_reason']})")  # fmt: skip
+    for label in s["labels"]:
+        said = {True: "success", False: "failure"}.get(label["success"], "unsure")
+        lines.append(f"label: {said} by {label['labeler'] or '?'} at {label['labeled_at'] or '?'}"
+                     + (f": {label['note']}" if label.get("note") else ""))  # fmt: skip
+    return lines
+
+
+def _trajectory_lines(t: dict | None) -> list[str]:
+    if not t:
+        return []
+    lines = ["judged trajectory:"] + ([f"  ({t['problem']})"] if t.get("problem") else [])
+    lines += [f"  step {i}: {json.dumps(step, ensure_ascii=False)}" for i, step in enumerate(t["steps"], 1)]
+    lines += [f"  screenshot: {name}" for name in t["screenshots"]]
+    text = str(t.get("page_text") or "")
+    cut = f" … ({len(text)} characters)" if len(text) > PAGE_TEXT_CHARS else ""
+    return lines + [f"  final URL: {t.get('final_url') or '-'}", f"  page text: {text[:PAGE_TEXT_CHARS]}{cut}"]
+
+
+def _verdict_lines(v: dict | None) -> list[str]:
+    if not v:
+        return []
+    outcome = {True: "passed", False: "failed"}.get(v.get("passed"), v.get("status"))
+    judge = " ".join(str(v[k]) for k in ("judge", "model", "prompt_version") if v.get(k)) or "-"
+    lines = [f"verdict: {outcome} (votes {v.get('votes') or '-'}, judge {judge})", f"  why: {v.get('why') or '-'}"]
+    parts = [f"{p} {_yes(v[p])}" for p in ("success", "side_effects", "looping", "blocked") if v.get(p) is not None]
+    if v.get("score") is not None:
+        parts.append(f"score {v['score']}/5")
+    if parts:
+        lines.append("  parts: " + ", ".join(parts))
+    if v.get("reasoning"):
+        lines.append(f"  reasoning: {v['reasoning']}")
+    lines.append(f"  tokens: {v.get('prompt_tokens') or 0} prompt ({v.get('cached_tokens') or 0} cached), "
+                 f"{v.get('completion_tokens') or 0} completion; cost {v.get('cost') if v.get('cost') is not None else '-'}")  # fmt: skip
+    return lines

@@ -1,0 +1,45 @@
+"""`filter-pipeline review`: the review web app over the data root (pages, JSON API, labelling)."""
+
+import argparse
+import os
+import sys
+
+from filter_pipeline.settings import DATA_ENV, DEFAULT_DATA, ENDPOINT_ENV, data_path
+
+DEFAULT_HOST = "127.0.0.1"  # loopback: the app has no login, so it is reachable from this machine only unless told
+DEFAULT_PORT = 8765
+
+
+def add_parser(commands) -> None:
+    r = commands.add_parser(
+        "review",
+        help="browse every run's and task's fate and label trajectories in a local web app",
+        description="Serve the review app: runs, each run's tasks with their fate, a task's whole story, the "
+        "labelling queue and a JSON API. Read-only except for labels, appended to <data>/labels.jsonl.",
+    )
+    r.add_argument("--data", default=None, help=f"data root (default: ${DATA_ENV} or '{DEFAULT_DATA}')")
+    r.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default {DEFAULT_HOST}: this machine only)")
+    r.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
+
+
+def review(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from filter_pipeline.review.app import create_app
+    from filter_pipeline.review.data import open_root
+
+    root = open_root(data_path(args.data), os.environ.get(ENDPOINT_ENV))
+    if not root.exists():
+        print(f"filter-pipeline: data root {root} does not exist (--data or ${DATA_ENV})", file=sys.stderr)
+        return 2
+    if not 0 < args.port < 65536:
+        print(f"filter-pipeline: --port {args.port}: expected 1 to 65535", file=sys.stderr)
+        return 2
+    print(f"review app for {root}: http://{args.host}:{args.port}/ (Ctrl-C to stop)", flush=True)
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"filter-pipeline: the review app has no login: anyone who reaches {args.host}:{args.port} can read "
+              "the trajectories and write labels", file=sys.stderr, flush=True)  # fmt: skip
+    app = create_app(root)
+    app.state.review.warehouse.warm_in_background()  # the newest runs' pages answer at once
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0

@@ -1,0 +1,289 @@
+"""The review app: Starlette pages and a JSON API over the data root, read-only except for labels.
+
+Everything shown from a trajectory is untrusted web content: templates autoescape, every response carries a
+strict Content-Security-Policy (scripts only from this app's own static files, no inline script or style),
+and screenshots are read only from inside the run's trajectory folders.
+"""
+
+import getpass
+import json
+import os
+from math import ceil
+from pathlib import Path
+from urllib.parse import quote, urlencode
+
+import numpy as np
+from jinja2 import Environment, FileSystemLoader, select_autoescape
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, RedirectResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+from upath import UPath
+
+from filter_pipeline.review.data import FATES, ReviewError, Warehouse, page
+from filter_pipeline.review.queue import QueueMemo, item
+from filter_pipeline.review.story import Labels, inside_run, screenshot, story
+from filter_pipeline.settings import DAGSTER_URL_ENV
+from filter_pipeline.storage.labels import LabelWriteError, append_label, now_iso
+
+HERE = Path(__file__).parent
+LABELER_ENV = "FILTER_PIPELINE_LABELER"
+DEFAULT_LIMIT, MAX_LIMIT = 100, 1000
+MAX_NOTE_CHARS = 2000
+SECURITY_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
+    "connect-src 'self'; form-action 'self'; base-uri 'none'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "X-Frame-Options": "DENY",
+}
+
+
+class BadRequest(ValueError):
+    """A request the app cannot answer: one line, sent with a 400."""
+
+
+def templates() -> Environment:
+    env = Environment(loader=FileSystemLoader(HERE / "templates"), autoescape=select_autoescape(default=True))
+    env.filters["q"] = lambda value: quote(str(value), safe="")
+    env.filters["pct"] = lambda value: "–" if value is None else f"{value:.0%}"
+    env.filters["money"] = lambda value: "–" if value is None else f"${value:,.4f}"
+    env.filters["yesno"] = lambda value: {True: "yes", False: "no"}.get(value, "–")
+    env.filters["json"] = lambda value: json.dumps(value, ensure_ascii=False)
+    return env
+
+
+class Review:
+    """The app's state: the warehouse it reads, its labels, who labels."""
+
+    def __init__(self, root: UPath, labeler: str | None = None):
+        self.warehouse = Warehouse(root)
+        self.labels = Labels(root)
+        self.queue = QueueMemo()
+        self.labeler = labeler or os.environ.get(LABELER_ENV) or _user()
+        self.env = templates()
+        self.dagster_url = os.environ.get(DAGSTER_URL_ENV, "").strip().rstrip("/") or None
+
+    def html(self, name: str, status: int = 200, **context) -> HTMLResponse:
+        content = self.env.get_template(name).render(dagster_url=self.dagster_url, fates=FATES, **context)
+        return HTMLResponse(content, status_code=status)
+
+
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return "unknown"
+
+
+def _int(request: Request, name: str, default: int, low: int, high: int) -> int:
+    raw = request.query_params.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise BadRequest(f"{name}={raw!r}: expected a whole number") from None
+    if not low <= value <= high:
+        raise BadRequest(f"{name}={value}: expected {low} to {high}")
+    return value
+
+
+def _filters(request: Request) -> dict:
+    found = {k: request.query_params.get(k) or None for k in ("fate", "site", "macro", "reason")}
+    if found["fate"] and found["fate"] not in FATES:
+        raise BadRequest(f"fate={found['fate']!r}: expected one of {', '.join(FATES)}")
+    return found
+
+
+def _tasks_page(review: Review, request: Request) -> dict:
+    run_id = request.path_params["run_id"]
+    tables = review.warehouse.run(run_id)
+    filters = _filters(request)
+    offset = _int(request, "offset", 0, 0, 10**9)
+    limit = _int(request, "limit", DEFAULT_LIMIT, 1, MAX_LIMIT)
+    total, rows = page(tables.tasks, filters, offset, limit)
+    return {"run_id": run_id, "total": total, "offset": offset, "limit": limit, "filters": filters, "tasks": rows}
+
+
+def runs_page(request: Request) -> Response:
+    review = request.app.state.review
+    return review.html("runs.html", runs=review.warehouse.runs())
+
+
+def run_page(request: Request) -> Response:
+    review = request.app.state.review
+    found = _tasks_page(review, request)
+    tables = review.warehouse.run(found["run_id"])
+    choices = {c: sorted(v for v in tables.tasks[c].dropna().unique()) for c in ("site", "macro", "reason")}
+    query = {k: v for k, v in found["filters"].items() if v}
+    pages = {"prev": max(0, found["offset"] - found["limit"]) if found["offset"] else None,
+             "next": found["offset"] + found["limit"] if found["offset"] + found["limit"] < found["total"] else None}  # fmt: skip
+    links = {k: None if v is None else "?" + urlencode({**query, "offset": v, "limit": found["limit"]})
+             for k, v in pages.items()}  # fmt: skip
+    return review.html("run.html", summary=tables.summary, choices=choices, links=links,
+                       page_count=max(1, ceil(found["total"] / found["limit"])), **found)  # fmt: skip
+
+
+def task_page(request: Request) -> Response:
+    review = request.app.state.review
+    run_id, task_id = request.path_params["run_id"], request.path_params["task_id"]
+    found = story(review.warehouse, run_id, task_id, review.labels.frame())
+    tasks = review.warehouse.run(run_id).tasks["task_id"]
+    at = int(tasks.index[tasks == task_id][0])
+    near = {"prev": tasks.iloc[at - 1] if at > 0 else None, "next": tasks.iloc[at + 1] if at + 1 < len(tasks) else None}
+    return review.html("task.html", s=found, near=near, blind=False)
+
+
+def queue_page(request: Request) -> Response:
+    review = request.app.state.review
+    queue, done, figures = review.queue.state(review.warehouse, review.labels.frame())
+    if queue.empty:
+        return review.html("queue.html", item=None, figures=figures, pos=0, total=0, s=None, blind=True)
+    still_open = np.flatnonzero(~done)
+    pos = _int(request, "pos", int(still_open[0]) if len(still_open) else len(queue) - 1, 0, len(queue) - 1)
+    current = item(queue, pos)
+    blind = request.query_params.get("blind", "1") != "0" and not done[pos]
+    found = story(review.warehouse, current.run_id, current.task_id, review.labels.frame())
+    later = still_open[still_open > pos]
+    return review.html("queue.html", item=current, figures=figures, pos=pos, total=len(queue), s=found, blind=blind,
+                       labelled=bool(done[pos]), remaining=len(still_open), after_label=f"/queue?pos={pos}",
+                       next_pos=int(later[0]) if len(later) else pos + 1)  # fmt: skip
+
+
+def screenshot_file(request: Request) -> Response:
+    review = request.app.state.review
+    attempt = _int(request, "attempt", -1, 0, 10**9)
+    content = screenshot(review.warehouse, request.path_params["run_id"], request.query_params.get("task_id", ""),
+                         attempt, request.query_params.get("name", ""))  # fmt: skip
+    return Response(content, media_type="image/png", headers={"Cache-Control": "private, max-age=300"})
+
+
+def api_runs(request: Request) -> Response:
+    return JSONResponse({"runs": request.app.state.review.warehouse.runs()})
+
+
+def api_tasks(request: Request) -> Response:
+    return JSONResponse(_tasks_page(request.app.state.review, request))
+
+
+def api_task(request: Request) -> Response:
+    review = request.app.state.review
+    found = story(
+        review.warehouse, request.path_params["run_id"], request.path_params["task_id"], review.labels.frame()
+    )
+    return JSONResponse(found)
+
+
+async def api_labels(request: Request) -> Response:
+    review = request.app.state.review
+    try:
+        body = json.loads(await request.body())
+    except (ValueError, UnicodeDecodeError):
+        raise BadRequest("the body is not JSON: expected {dir | run_id + task_id, success, note}") from None
+    record = await run_in_threadpool(label_record, review, body)
+    try:
+        await run_in_threadpool(append_label, review.warehouse.root, record)
+    except LabelWriteError as exc:
+        return _error(request, 503, _one_line(exc))
+    return JSONResponse({"label": record}, status_code=201)
+
+
+def _label_value(value) -> bool:
+    """true, false or null (unsure): never 1 or 0, which equal True and False in Python."""
+    return value is None or isinstance(value, bool)
+
+
+def label_record(review: Review, body) -> dict:
+    """The labels.jsonl line a POST asks for, in the dir form; BadRequest or ReviewError when it names no
+    attempt or is malformed."""
+    if not isinstance(body, dict) or "success" not in body or not _label_value(body["success"]):
+        raise BadRequest('expected {"dir" | "run_id" + "task_id", "success": true | false | null, "note"}')
+    note = body.get("note")
+    if note is not None and (not isinstance(note, str) or len(note) > MAX_NOTE_CHARS):
+        raise BadRequest(f"note: expected text of at most {MAX_NOTE_CHARS} characters")
+    if isinstance(body.get("dir"), str):
+        dir_ = body["dir"]
+        run_id = dir_.split("/")[1] if dir_.count("/") >= 2 else ""
+        attempts = review.warehouse.run(run_id).attempts if inside_run(run_id, dir_) else None
+        if attempts is None or not (attempts["dir"] == dir_).any():
+            raise ReviewError(f"no attempt with dir {dir_!r}")
+    elif isinstance(body.get("run_id"), str) and isinstance(body.get("task_id"), str):
+        dir_ = story(review.warehouse, body["run_id"], body["task_id"])["judged_dir"]
+        if dir_ is None:
+            raise ReviewError(f"task {body['task_id']!r} of run {body['run_id']!r} has no judged attempt")
+    else:
+        raise BadRequest('expected "dir", or "run_id" and "task_id", as text')
+    labeler = body.get("labeler") if isinstance(body.get("labeler"), str) and body["labeler"] else review.labeler
+    record = {"dir": dir_, "success": body["success"]}
+    return record | ({"note": note} if note else {}) | {"labeler": labeler[:200], "labeled_at": now_iso()}
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())[:500]
+
+
+async def on_review_error(request: Request, exc: ReviewError) -> Response:
+    return _error(request, 404, _one_line(exc.args[0] if exc.args else "not found"))
+
+
+async def on_bad_request(request: Request, exc: BadRequest) -> Response:
+    return _error(request, 400, _one_line(exc))
+
+
+async def on_http_error(request: Request, exc: HTTPException) -> Response:
+    return _error(request, exc.status_code, _one_line(exc.detail))
+
+
+async def on_any_error(request: Request, exc: Exception) -> Response:
+    return _error(request, 500, f"internal error ({type(exc).__name__}); the server's log has the details")
+
+
+def _error(request: Request, status: int, line: str) -> Response:
+    if request.url.path.startswith("/api/"):
+        return JSONResponse({"error": line}, status_code=status, headers=SECURITY_HEADERS)
+    return PlainTextResponse(line + "\n", status_code=status, headers=SECURITY_HEADERS)
+
+
+class SecurityHeaders:
+    """Pure ASGI middleware adding SECURITY_HEADERS to every response."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        async def sending(message):
+            if message["type"] == "http.response.start":
+                present = {k.lower() for k, _ in message.get("headers", [])}
+                extra = [(k.lower().encode(), v.encode()) for k, v in SECURITY_HEADERS.items()
+                         if k.lower().encode() not in present]  # fmt: skip
+                message = {**message, "headers": [*message.get("headers", []), *extra]}
+            await send(message)
+
+        await self.app(scope, receive, sending)
+
+
+def create_app(root: UPath, labeler: str | None = None) -> Starlette:
+    """The review app over the data root `root`."""
+    routes = [
+        Route("/", runs_page),
+        Route("/queue", queue_page),
+        Route("/runs/{run_id}", run_page),
+        Route("/runs/{run_id}/screenshot", screenshot_file),
+        Route("/runs/{run_id}/tasks/{task_id:path}", task_page),
+        Route("/api/runs", api_runs),
+        Route("/api/runs/{run_id}/tasks", api_tasks),
+        Route("/api/runs/{run_id}/tasks/{task_id:path}", api_task),
+        Route("/api/labels", api_labels, methods=["POST"]),
+        Route("/runs", lambda request: RedirectResponse("/")),
+        Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
+    ]
+    handlers = {ReviewError: on_review_error, BadRequest: on_bad_request, HTTPException: on_http_error,
+                Exception: on_any_error}  # fmt: skip
+    app = Starlette(routes=routes, exception_handlers=handlers)
+    app.state.review = Review(root, labeler)
+    app.add_middleware(SecurityHeaders)
+    return app

@@ -1,0 +1,389 @@
+"""What the review app and `explain` read: the runs of a data root and each run's task table with its fate.
+
+Pure reads over the data root (local or s3:// through UPath). A run's tables are read once and kept, keyed by
+the path and signature (size and mtime on local disk, ETag on object storage) of every file they come from,
+so a page of a 300k-task run is a filter over frames in memory; a rewritten file is read again.
+"""
+
+import json
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+from upath import UPath
+
+# The one module of the review package that reads commit state (kept in one place for the storage move).
+from filter_pipeline.rules.commits import COMMITS_DIR, parse_commit
+from filter_pipeline.rules.schemas import (
+    DROPPED_REASONS,
+    REASON_JUDGE_FAIL,
+    STAGE_EXECUTE,
+    STAGE_JUDGE,
+    STATUS_ERROR,
+    STATUS_JUDGED,
+    isin,
+    positions,
+    to_pandas,
+)
+
+# A task's fate, in the words of the outputs
+FATE_KEPT = "kept"
+FATE_SURPLUS = "surplus"  # reason: duplicate / site_cap / target
+FATE_JUDGE_FAIL = REASON_JUDGE_FAIL
+FATE_UNJUDGED = "unjudged"  # the judge could not judge it (judge_verdicts status error)
+FATE_EXECUTE_FAIL = "execute_fail"  # every attempt failed: execute failures only, never judged
+FATE_REJECT = "reject"  # its line in tasks.jsonl was unusable (batch_rejects)
+FATE_PENDING = "pending"  # judged and passed, in a run whose walk is not committed yet
+FATES = (FATE_KEPT, FATE_SURPLUS, FATE_JUDGE_FAIL, FATE_UNJUDGED, FATE_EXECUTE_FAIL, FATE_REJECT, FATE_PENDING)
+
+STATE_COMMITTED = "committed"
+STATE_UNJUDGED = "unjudged"  # committed, with tasks left unjudged (judged again later)
+STATE_PENDING = "pending"  # complete batch not committed yet
+STATE_LEGACY = "legacy"  # filtered by the earlier script (kept.jsonl)
+
+TASK_COLUMNS = ["task_id", "fate", "reason", "site", "macro", "instruction"]
+CACHED_RUNS = 8  # run tables kept in memory (least recently used dropped first)
+
+
+@dataclass
+class RunTables:
+    """Everything the warehouse holds about one run, read once."""
+
+    run_id: str
+    commit: dict | None  # the commit record as JSON, None when the run is not committed
+    tasks: pd.DataFrame  # TASK_COLUMNS + dedup_key, plus reject rows
+    attempts: pd.DataFrame
+    verdicts: pd.DataFrame
+    surplus: pd.DataFrame
+    failure_pool: pd.DataFrame
+    rejects: pd.DataFrame
+    dpo_pairs: pd.DataFrame
+    prior_counts: pd.DataFrame  # prior_kept_counts: history's kept rows per (macro, site) when the run was walked
+    legacy: UPath | None = None  # kept.jsonl of a run filtered by the earlier script
+    summary: dict = field(default_factory=dict)
+
+
+class ReviewError(LookupError):
+    """A run or task that does not exist, or a request that cannot be answered: one line for the user."""
+
+
+def signature(path: UPath) -> tuple | None:
+    """What changes when the file at `path` is rewritten; None when it does not exist."""
+    try:
+        info = path.fs.info(path.path)
+    except (FileNotFoundError, OSError):
+        return None
+    return (info.get("ETag") or info.get("mtime") or info.get("LastModified"), info.get("size"))
+
+
+def read_table(path: UPath, columns: list[str] | None = None, exclude: tuple = ()) -> pd.DataFrame | None:
+    """The Parquet file's columns that exist among `columns` (all when None); None when the file is absent.
+    Columns another version of the stage added or has not added yet are simply absent."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    parquet = pq.ParquetFile(pa.BufferReader(data))
+    names = parquet.schema_arrow.names
+    wanted = [c for c in (names if columns is None else columns) if c in names and c not in exclude]
+    return to_pandas(parquet.read(columns=wanted))
+
+
+def frame(path: UPath, columns: list[str]) -> pd.DataFrame:
+    """`read_table`, with an empty frame of `columns` for an absent file."""
+    found = read_table(path, columns)
+    return found if found is not None else pd.DataFrame({c: pd.Series(dtype="object") for c in columns})
+
+
+class Warehouse:
+    """The data root as the review app sees it; thread-safe, with a small cache of run tables."""
+
+    def __init__(self, root: UPath):
+        self.root = root
+        self.warehouse = root / "warehouse"
+        self._cache: OrderedDict[str, tuple[tuple, RunTables]] = OrderedDict()
+        self._light: dict[str, tuple[tuple, dict, pd.DataFrame]] = {}  # run_id -> (key, summary, judged attempts)
+        self._lock = threading.Lock()
+
+    def asset_file(self, asset: str, run_id: str) -> UPath:
+        return self.warehouse / asset / f"{run_id}.parquet"
+
+    def run_ids(self) -> list[str]:
+        """Every run the data root knows: batch folders, commit records and judged runs, in run_id order."""
+        found = set()
+        for folder, suffix in ((self.root / "runs", ""), (self.warehouse / COMMITS_DIR, ".json"),
+                               (self.warehouse / "judge_verdicts", ".parquet")):  # fmt: skip
+            try:
+                names = [p.name for p in folder.iterdir()]
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            found.update(n.removesuffix(suffix) for n in names if n.endswith(suffix) and not n.startswith("."))
+        return sorted(found)
+
+    def check_run(self, run_id: str) -> str:
+        if not isinstance(run_id, str) or run_id not in self.run_ids():
+            raise ReviewError(f"no run {run_id!r} in {self.root}")
+        return run_id
+
+    def _files(self, run_id: str) -> dict[str, UPath]:
+        files = {a: self.asset_file(a, run_id) for a in ASSETS}
+        files["commit"] = self.warehouse / COMMITS_DIR / f"{run_id}.json"
+        files["legacy"] = self.root / "runs" / run_id / "kept.jsonl"
+        return files
+
+    def _key(self, run_id: str) -> tuple:
+        return tuple((name, str(path), signature(path)) for name, path in self._files(run_id).items())
+
+    def run(self, run_id: str) -> RunTables:
+        """The run's tables, from the cache when no file changed since they were read."""
+        self.check_run(run_id)
+        key = self._key(run_id)
+        with self._lock:
+            cached = self._cache.get(run_id)
+            if cached and cached[0] == key:
+                self._cache.move_to_end(run_id)
+                return cached[1]
+        tables = load_run(run_id, self._files(run_id))
+        with self._lock:
+            self._cache[run_id] = (key, tables)
+            self._cache.move_to_end(run_id)
+            while len(self._cache) > CACHED_RUNS:
+                self._cache.popitem(last=False)
+            self._light[run_id] = (key, tables.summary, judged_attempts(tables))
+        return tables
+
+    def light(self, run_id: str) -> tuple[dict, pd.DataFrame]:
+        """(the run's summary, its judged attempts): kept for every run, not only the CACHED_RUNS whose
+        tables are in memory, so the runs page and the queue over many runs read each run once."""
+        key = self._key(run_id)
+        with self._lock:
+            cached = self._light.get(run_id)
+        if cached and cached[0] == key:
+            return cached[1], cached[2]
+        self.run(run_id)  # (reads the run when its files changed, and keeps its light entry)
+        with self._lock:
+            return self._light[run_id][1], self._light[run_id][2]
+
+    def warm_in_background(self) -> threading.Thread:
+        """Read the newest runs' tables in a background thread, so their first pages answer at once."""
+
+        def warm() -> None:
+            for run_id in reversed(self.run_ids()[-CACHED_RUNS:]):
+                try:
+                    self.run(run_id)
+                except (OSError, ValueError, ReviewError):
+                    pass  # (the page will say what is wrong when asked)
+
+        thread = threading.Thread(target=warm, name="review-warm", daemon=True)
+        thread.start()
+        return thread
+
+    def runs(self) -> list[dict]:
+        """One summary per run (state, funnel, rates, cost), newest first."""
+        return [self.light(run_id)[0] for run_id in reversed(self.run_ids())]
+
+
+ASSETS = ("batch_tasks", "batch_attempts", "judge_verdicts", "kept", "surplus", "failure_pool", "batch_rejects",
+          "dpo_pairs", "prior_kept_counts")  # fmt: skip
+
+
+def _verdicts(path: UPath) -> pd.DataFrame:
+    """judge_verdicts, every column this version of the stage or a newer one wrote (the raw replies left out:
+    nothing shows them); an empty frame of the basic columns when the run has no verdicts."""
+    found = read_table(path, exclude=("raw_replies",))
+    basic = ["task_id", "site", "status", "passed", "dir", "attempt", "votes", "cost"]
+    return found if found is not None else pd.DataFrame({c: pd.Series(dtype="object") for c in basic})
+
+
+def load_run(run_id: str, files: dict[str, UPath]) -> RunTables:
+    """Read the run's files and derive each task's fate."""
+    commit = None
+    try:
+        raw = files["commit"].read_bytes()
+        commit = json.loads(parse_commit(raw, f"warehouse/{COMMITS_DIR}/{run_id}.json", run_id).to_json())
+    except FileNotFoundError:
+        pass
+    except ValueError as exc:
+        commit = {"error": str(exc)}
+    tables = RunTables(
+        run_id=run_id,
+        commit=commit,
+        tasks=frame(files["batch_tasks"], ["task_id", "site", "macro", "instruction", "dedup_key"]),
+        attempts=frame(
+            files["batch_attempts"],
+            ["task_id", "attempt", "ok", "error", "dir", "n_actions", "backend_ok", "backend_detail"],
+        ),  # fmt: skip
+        verdicts=_verdicts(files["judge_verdicts"]),
+        surplus=frame(files["surplus"], ["task_id", "dropped", "dup_of_run_id", "dup_of_task_id"]),
+        failure_pool=frame(
+            files["failure_pool"],
+            ["task_id", "stage", "reason", "detail", "attempt", "dir", "backend_ok", "votes", "blocked"],
+        ),  # fmt: skip
+        rejects=frame(files["batch_rejects"], ["file", "line", "field", "message", "raw"]),
+        prior_counts=frame(files["prior_kept_counts"], ["macro", "site", "n_kept"]),
+        dpo_pairs=frame(
+            files["dpo_pairs"],
+            [
+                "task_id",
+                "chosen_dir",
+                "chosen_attempt",
+                "rejected_dir",
+                "rejected_attempt",
+                "rejected_stage",
+                "rejected_reason",
+            ],
+        ),  # fmt: skip
+        legacy=files["legacy"] if files["legacy"].exists() else None,
+    )
+    kept_ids = frame(files["kept"], ["task_id"])["task_id"]
+    tables.tasks = task_table(tables, kept_ids)
+    tables.summary = summarize(tables)
+    return tables
+
+
+def _by_task(table: pd.DataFrame, column: str, ids: pd.Series) -> pd.Series:
+    """`table[column]` looked up by task_id for each of `ids` (the last row of a task wins), <NA> when none."""
+    if table.empty or column not in table.columns:
+        return pd.Series([pd.NA] * len(ids), index=ids.index, dtype="object")
+    last = table.drop_duplicates("task_id", keep="last")
+    found = positions(ids, last["task_id"])  # (an Arrow hash lookup: a pandas reindex on text is slower)
+    values = last[column].astype("object").to_numpy()
+    return pd.Series(np.where(found >= 0, values[np.maximum(found, 0)], None), index=ids.index, dtype="object")
+
+
+def task_table(t: RunTables, kept_ids: pd.Series) -> pd.DataFrame:
+    """One row per task: TASK_COLUMNS + dedup_key; tasks.jsonl rejects appended with fate `reject`."""
+    tasks = t.tasks.reset_index(drop=True)
+    ids = tasks["task_id"]
+    committed = t.commit is not None and "error" not in t.commit
+    status = _by_task(t.verdicts, "status", ids)
+    dropped = _by_task(t.surplus, "dropped", ids)
+    pool = t.failure_pool
+    judge_rows = pool[pool["stage"] == STAGE_JUDGE] if "stage" in pool else pool.iloc[:0]
+    execute_rows = pool[pool["stage"] == STAGE_EXECUTE] if "stage" in pool else pool.iloc[:0]
+    judge_failed = _by_task(judge_rows, "reason", ids).notna().to_numpy()
+    kept = isin(ids, kept_ids) if committed else np.zeros(len(ids), bool)
+    in_surplus = dropped.notna().to_numpy() & committed
+    conditions = [kept, in_surplus, judge_failed, (status == STATUS_ERROR).fillna(False).to_numpy(bool),
+                  status.notna().to_numpy()]  # fmt: skip
+    fate = np.select(conditions, [FATE_KEPT, FATE_SURPLUS, FATE_JUDGE_FAIL, FATE_UNJUDGED, FATE_PENDING],
+                     default=FATE_EXECUTE_FAIL)  # fmt: skip
+    reason = np.where(in_surplus, dropped.astype("object").to_numpy(), None)
+    reason = np.where(judge_failed & ~in_surplus & ~kept, REASON_JUDGE_FAIL, reason)
+    reason = np.where(fate == FATE_EXECUTE_FAIL, _by_task(execute_rows, "reason", ids).to_numpy(), reason)
+    table = tasks.assign(fate=fate, reason=reason)
+    parts = [table, _rejected_tasks(t.rejects)]
+    if t.legacy and tasks.empty:
+        parts.append(read_legacy_kept(t.legacy))
+    table = pd.concat([p for p in parts if len(p)] or [table], ignore_index=True)
+    return table[[*TASK_COLUMNS, "dedup_key"]].astype("object").where(lambda f: f.notna(), None)
+
+
+def _rejected_tasks(rejects: pd.DataFrame) -> pd.DataFrame:
+    """The unusable lines of tasks.jsonl as task rows (fate reject), with what the raw line says of the task."""
+    rows = []
+    for record in rejects[rejects["file"] == "tasks.jsonl"].to_dict("records") if "file" in rejects else []:
+        try:
+            raw = json.loads(record.get("raw") or "")
+        except ValueError:
+            raw = None
+        raw = raw if isinstance(raw, dict) else {}
+        named = raw.get("task_id") if isinstance(raw.get("task_id"), str) else None
+        rows.append({"task_id": named or f"tasks.jsonl:{record['line']}", "fate": FATE_REJECT,
+                     "reason": record.get("message"), "site": _text(raw.get("site")),
+                     "macro": _text(raw.get("macro")), "instruction": _text(raw.get("instruction"))})  # fmt: skip
+    return pd.DataFrame(rows, columns=TASK_COLUMNS)
+
+
+def read_legacy_kept(path: UPath) -> pd.DataFrame:
+    """A run filtered by the earlier script has only its kept rows (kept.jsonl): each is a kept task."""
+    rows = []
+    for raw in path.read_bytes().splitlines():
+        try:
+            record = json.loads(raw)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("task_id"), str):
+            key = record.get("dedup_key")
+            rows.append({"task_id": record["task_id"], "fate": FATE_KEPT, "reason": None,
+                         "site": _text(record.get("site")), "macro": _text(record.get("macro")),
+                         "instruction": _text(record.get("instruction")),
+                         "dedup_key": key if isinstance(key, str) else json.dumps(key, ensure_ascii=False)})  # fmt: skip
+    return pd.DataFrame(rows, columns=[*TASK_COLUMNS, "dedup_key"])
+
+
+def _text(value) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def summarize(t: RunTables) -> dict:
+    """The run's line on the runs page: state, funnel, rates, blocked attempts and cost."""
+    fates = t.tasks["fate"].value_counts().to_dict()
+    verdicts = t.verdicts
+    judged = verdicts[verdicts["status"] == STATUS_JUDGED] if "status" in verdicts else verdicts.iloc[:0]
+    passed = int(judged["passed"].fillna(False).astype(bool).sum()) if "passed" in judged else 0
+    n_tasks = int(len(t.tasks) - fates.get(FATE_REJECT, 0))
+    blocked = int(verdicts["blocked"].fillna(False).astype(bool).sum()) if "blocked" in verdicts else None
+    cost = verdicts["cost"].dropna() if "cost" in verdicts else pd.Series(dtype=float)
+    return {
+        "run_id": t.run_id,
+        "state": run_state(t, fates),
+        "walked_at": (t.commit or {}).get("walked_at"),
+        "tasks": n_tasks,
+        "attempts": int(len(t.attempts)),
+        "rejects": int(len(t.rejects)),
+        "with_ok_attempt": int(len(verdicts)),
+        "judged": int(len(judged)),
+        "passed": passed,
+        **{fate: int(fates.get(fate, 0)) for fate in FATES},
+        "surplus_by_reason": {r: int((t.surplus.get("dropped") == r).sum()) for r in DROPPED_REASONS},
+        "keep_rate": fates.get(FATE_KEPT, 0) / n_tasks if n_tasks else None,
+        "judge_pass_rate": passed / len(judged) if len(judged) else None,
+        "blocked": blocked,
+        "cost": float(cost.sum()) if len(cost) else None,
+    }
+
+
+def run_state(t: RunTables, fates: dict) -> str:
+    if t.commit is None:
+        return STATE_LEGACY if t.legacy else STATE_PENDING
+    if "error" in t.commit:
+        return f"{STATE_PENDING} (unreadable commit record)"
+    return STATE_UNJUDGED if fates.get(FATE_UNJUDGED, 0) else STATE_COMMITTED
+
+
+def page(tasks: pd.DataFrame, filters: dict, offset: int, limit: int) -> tuple[int, list[dict]]:
+    """(rows matching, the rows at offset..offset+limit) of the task table under `filters` (column -> value,
+    for fate, site, macro, reason)."""
+    mask = np.ones(len(tasks), bool)
+    for column, value in filters.items():
+        if value:
+            mask &= (tasks[column] == value).to_numpy(bool)
+    matching = tasks[mask] if not mask.all() else tasks
+    return int(len(matching)), matching.iloc[offset : offset + limit][TASK_COLUMNS].to_dict("records")
+
+
+JUDGED_COLUMNS = ["run_id", "task_id", "dir", "site", "votes", "passed"]
+
+
+def judged_attempts(t: RunTables) -> pd.DataFrame:
+    """The run's judged attempts (what the labelling queue serves): JUDGED_COLUMNS."""
+    v = t.verdicts
+    if v.empty or "status" not in v:
+        return pd.DataFrame(columns=JUDGED_COLUMNS)
+    v = v[v["status"] == STATUS_JUDGED]
+    return pd.DataFrame({"run_id": t.run_id, "task_id": v["task_id"], "dir": v["dir"], "site": v["site"],
+                         "votes": v["votes"], "passed": v["passed"]})[JUDGED_COLUMNS]  # fmt: skip
+
+
+def open_root(path: str, endpoint_url: str | None = None) -> UPath:
+    """The data root at `path` (a folder or s3:// URL) for a long-lived reader: on object storage without
+    fsspec's listings cache, so runs and labels written after the first listing are seen."""
+    root = UPath(path)
+    if root.protocol in ("", "file", "local"):
+        return root
+    return UPath(path, use_listings_cache=False, **({"endpoint_url": endpoint_url} if endpoint_url else {}))

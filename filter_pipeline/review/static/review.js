@@ -1,0 +1,52 @@
+// The review app's only script (served from the package, so the Content-Security-Policy allows no other):
+// label buttons and keys y / n / u, and j / k to the next / previous item.
+"use strict";
+
+function labelForm() {
+  return document.querySelector("form.label-form");
+}
+
+async function sendLabel(success) {
+  const form = labelForm();
+  if (!form) return;
+  const status = form.querySelector(".label-status");
+  const note = form.querySelector("input[name=note]").value;
+  const body = { dir: form.dataset.dir, success: success };
+  if (note) body.note = note;
+  status.textContent = "saving…";
+  const response = await fetch("/api/labels", {
+    method: "POST",
+    headers: { "Content-Type": "application/json" },
+    body: JSON.stringify(body),
+  });
+  if (response.status === 201) {
+    status.textContent = "saved";
+    if (form.dataset.after) window.location.href = form.dataset.after;
+    else window.location.reload();
+  } else {
+    status.textContent = "not saved: " + (await response.text());
+  }
+}
+
+function parseSuccess(text) {
+  return text === "true" ? true : text === "false" ? false : null;
+}
+
+document.addEventListener("click", (event) => {
+  const button = event.target.closest("form.label-form button[data-success]");
+  if (button) sendLabel(parseSuccess(button.dataset.success));
+});
+
+document.addEventListener("keydown", (event) => {
+  if (event.ctrlKey || event.metaKey || event.altKey) return;
+  const tag = (event.target.tagName || "").toLowerCase();
+  if (tag === "input" || tag === "textarea" || tag === "select") return;
+  const keys = { y: true, n: false, u: null };
+  if (event.key in keys) {
+    event.preventDefault();
+    sendLabel(keys[event.key]);
+  } else if (event.key === "j" || event.key === "k") {
+    const link = document.getElementById(event.key === "j" ? "next" : "prev");
+    if (link) window.location.href = link.href;
+  }
+});

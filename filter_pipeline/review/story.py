@@ -1,0 +1,210 @@
+"""A task's whole story (every attempt, the judged attempt's trajectory, the verdict, the walk's decision, its
+DPO pair, its labels) and the labels of the data root, read for the review app and `explain`."""
+
+import json
+import re
+
+import pandas as pd
+from upath import UPath
+
+from filter_pipeline.review.data import FATE_KEPT, FATE_SURPLUS, ReviewError, RunTables, Warehouse, signature
+from filter_pipeline.rules.schemas import DROPPED_DUPLICATE, DROPPED_SITE_CAP
+from filter_pipeline.storage.labels import LABELS_FILE
+
+SCREENSHOT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}\.png$")
+# The parts of a verdict the judge may give beside passed / why (shown when the file has them)
+VERDICT_PARTS = ("success", "side_effects", "looping", "blocked", "score")
+VERDICT_FIELDS = ("status", "passed", "why", "votes", "judge", "model", "prompt_version", *VERDICT_PARTS,
+                  "key_points", "reasoning", "requests", "prompt_tokens", "completion_tokens", "cached_tokens",
+                  "cost", "latency_ms", "evidence", "cached")  # fmt: skip
+
+
+def plain(records: list[dict]) -> list[dict]:
+    """Records with pandas' missing values as None and numpy scalars as Python ones (JSON-ready)."""
+    out = []
+    for record in records:
+        out.append({k: (None if _missing(v) else v.item() if hasattr(v, "item") else v) for k, v in record.items()})
+    return out
+
+
+def _missing(value) -> bool:
+    try:
+        return bool(pd.isna(value))
+    except (TypeError, ValueError):
+        return False
+
+
+def rows_of(table: pd.DataFrame, task_id: str) -> list[dict]:
+    if table.empty or "task_id" not in table:
+        return []
+    return plain(table[table["task_id"] == task_id].to_dict("records"))
+
+
+def inside_run(run_id: str, dir_: str | None) -> bool:
+    """Whether a trajectory dir (relative to the data root) lies inside the run's folder, with no step out."""
+    if not isinstance(dir_, str) or not dir_.startswith(f"runs/{run_id}/"):
+        return False
+    parts = dir_.split("/")
+    return all(part not in ("", ".", "..") for part in parts) and "\\" not in dir_
+
+
+def trajectory(root: UPath, run_id: str, dir_: str | None) -> dict:
+    """The attempt's trajectory.json (instruction, steps, final url and page text) and its screenshots'
+    names; `problem` says what could not be read."""
+    if not inside_run(run_id, dir_):
+        return {"problem": "no trajectory folder inside the run", "steps": [], "screenshots": []}
+    folder = root / dir_
+    found: dict = {"steps": [], "screenshots": []}
+    try:
+        found["screenshots"] = sorted(p.name for p in folder.iterdir() if SCREENSHOT_NAME.match(p.name))
+    except (FileNotFoundError, NotADirectoryError, OSError):
+        pass
+    try:
+        record = json.loads((folder / "trajectory.json").read_bytes())
+    except FileNotFoundError:
+        return {**found, "problem": "trajectory.json missing"}
+    except (OSError, ValueError) as exc:
+        return {**found, "problem": f"trajectory.json unreadable ({type(exc).__name__})"}
+    if not isinstance(record, dict):
+        return {**found, "problem": "trajectory.json not an object"}
+    final = record.get("final") if isinstance(record.get("final"), dict) else {}
+    steps = record.get("steps") if isinstance(record.get("steps"), list) else []
+    return {**found, "instruction": record.get("instruction"), "steps": steps,
+            "final_url": final.get("url"), "page_text": final.get("observation"), "output": record.get("output")}  # fmt: skip
+
+
+def decision(t: RunTables, task: dict) -> dict:
+    """The walk's decision about the task: its fate and reason; for a duplicate, who kept the key first; for a
+    cap, the cap the walk applied and the count it met (history's kept rows plus the run's own)."""
+    found = {"fate": task["fate"], "reason": task["reason"]}
+    if task["fate"] != FATE_SURPLUS:
+        return found
+    row = rows_of(t.surplus, task["task_id"])[-1:]
+    if row and task["reason"] == DROPPED_DUPLICATE:
+        found["duplicate_of"] = {"run_id": row[0].get("dup_of_run_id"), "task_id": row[0].get("dup_of_task_id")}
+    elif t.commit and isinstance(t.commit.get("caps"), dict):
+        found["cap"] = cap_met(t, task)
+    return found
+
+
+def cap_met(t: RunTables, task: dict) -> dict:
+    """The cap a surplus row met: for `site_cap` the (macro, site)'s cap and kept rows, for `target` the macro's.
+    Once a cap is met no later task of that group is kept, so the run's kept rows of the group are all counted."""
+    caps = t.commit["caps"]
+    per_macro = (caps.get("caps") or {}).get(task.get("macro") or "", {}) or {}
+    by_site = task["reason"] == DROPPED_SITE_CAP
+    prior, kept = t.prior_counts, t.tasks[t.tasks["fate"] == FATE_KEPT]
+    same = (prior["macro"] == task["macro"]) & ((prior["site"] == task["site"]) if by_site else True)
+    run_same = (kept["macro"] == task["macro"]) & ((kept["site"] == task["site"]) if by_site else True)
+    limit = per_macro.get("site_cap", caps.get("per_site_cap")) if by_site else per_macro.get("target")
+    return {"reason": task["reason"], "limit": limit, "kept_before": int(prior.loc[same, "n_kept"].sum()),
+            "kept_in_run": int(run_same.sum()), "caps_source": t.commit.get("caps_source")}  # fmt: skip
+
+
+def story(warehouse: Warehouse, run_id: str, task_id: str, labels: pd.DataFrame | None = None) -> dict:
+    """Everything about one task; ReviewError when the run or task does not exist."""
+    t = warehouse.run(run_id)
+    match = t.tasks[t.tasks["task_id"] == task_id] if isinstance(task_id, str) else t.tasks.iloc[:0]
+    if match.empty:
+        raise ReviewError(f"no task {task_id!r} in run {run_id!r}")
+    task = plain(match.iloc[:1].to_dict("records"))[0]
+    verdict_rows = rows_of(t.verdicts, task_id)
+    verdict = verdict_rows[-1] if verdict_rows else None
+    judged_dir = verdict.get("dir") if verdict else None
+    attempts = rows_of(t.attempts, task_id)
+    failures = {(r.get("attempt"), r.get("stage")): r for r in rows_of(t.failure_pool, task_id)}
+    for a in attempts:
+        a["failure"] = failures.get((a.get("attempt"), "execute"))
+        a["judged"] = a.get("dir") == judged_dir and judged_dir is not None
+    return {
+        "run_id": run_id,
+        "task": task,
+        "attempts": attempts,
+        "judged_attempt": verdict.get("attempt") if verdict else None,
+        "judged_dir": judged_dir,
+        "trajectory": trajectory(warehouse.root, run_id, judged_dir) if judged_dir else None,
+        "verdict": verdict and {k: verdict.get(k) for k in VERDICT_FIELDS if k in verdict},
+        "judge_failure": failures.get((verdict.get("attempt") if verdict else None, "judge")),
+        "decision": decision(t, task),
+        "dpo_pairs": rows_of(t.dpo_pairs, task_id),
+        "rejects": task_rejects(t.rejects, task_id),
+        "labels": task_labels(labels, run_id, task_id, [a.get("dir") for a in attempts], judged_dir),
+    }
+
+
+def task_rejects(rejects: pd.DataFrame, task_id: str, most: int = 20) -> list[dict]:
+    """The batch_rejects rows about the task: lines naming its task_id, or the rejected line it is."""
+    if rejects.empty:
+        return []
+    raw, message = rejects["raw"].fillna("").astype(str), rejects["message"].fillna("").astype(str)
+    mine = raw.str.contains(f'"{task_id}"', regex=False) | message.str.startswith(f"{task_id}:")
+    return plain(rejects[mine.to_numpy(bool)].head(most).to_dict("records"))
+
+
+def screenshot(warehouse: Warehouse, run_id: str, task_id: str, attempt: int, name: str) -> bytes:
+    """A screenshot of one attempt, read only from inside the run's trajectory folders; ReviewError else."""
+    t = warehouse.run(run_id)
+    rows = [a for a in rows_of(t.attempts, task_id) if a.get("attempt") == attempt]
+    if not rows or not SCREENSHOT_NAME.match(name or "") or not inside_run(run_id, rows[0].get("dir")):
+        raise ReviewError("no such screenshot")
+    path = warehouse.root / rows[0]["dir"] / name
+    if path.protocol in ("", "file", "local"):
+        real, run_folder = UPath(path.path).resolve(), (warehouse.root / "runs" / run_id).resolve()
+        if run_folder.path not in [str(p) for p in real.parents]:
+            raise ReviewError("no such screenshot")  # a symlink out of the run's folder
+    try:
+        return path.read_bytes()
+    except (FileNotFoundError, IsADirectoryError, OSError):
+        raise ReviewError("no such screenshot") from None
+
+
+# --- labels ------------------------------------------------------------------------------------------
+
+LABEL_COLUMNS = ["dir", "run_id", "task_id", "success", "note", "labeler", "labeled_at", "line"]
+
+
+class Labels:
+    """labels.jsonl as a frame of every valid line (file order), re-read when the file changes."""
+
+    def __init__(self, root: UPath):
+        self.path = root / LABELS_FILE
+        self._seen: tuple | None = None
+        self._frame = pd.DataFrame(columns=LABEL_COLUMNS)
+
+    def frame(self) -> pd.DataFrame:
+        current = signature(self.path)
+        if current != self._seen:
+            data = self.path.read_bytes() if current is not None else b""
+            self._frame, self._seen = parse_label_lines(data), current
+        return self._frame
+
+
+def parse_label_lines(data: bytes) -> pd.DataFrame:
+    """Every line that is a label (coordination format; success true, false or null), in file order."""
+    rows = []
+    for number, raw in enumerate(data.split(b"\n"), start=1):
+        try:
+            record = json.loads(raw)
+        except ValueError:
+            continue
+        if not isinstance(record, dict) or "success" not in record:
+            continue
+        if not (record["success"] is None or isinstance(record["success"], bool)):
+            continue
+        by_dir = isinstance(record.get("dir"), str)
+        if not by_dir and not (isinstance(record.get("run_id"), str) and isinstance(record.get("task_id"), str)):
+            continue
+        rows.append({c: record.get(c) if isinstance(record.get(c), (str, bool)) else None for c in LABEL_COLUMNS}
+                    | {"line": number, "dir": record["dir"] if by_dir else None})  # fmt: skip
+    return pd.DataFrame(rows, columns=LABEL_COLUMNS)
+
+
+def task_labels(labels: pd.DataFrame | None, run_id: str, task_id: str, dirs: list, judged_dir) -> list[dict]:
+    """The task's labels in file order: by dir of any of its attempts, or by run and task."""
+    if labels is None or labels.empty:
+        return []
+    mine = labels["dir"].isin([d for d in dirs if d]) | ((labels["run_id"] == run_id) & (labels["task_id"] == task_id))
+    found = plain(labels[mine.fillna(False).astype(bool)].to_dict("records"))
+    for label in found:
+        label["dir"] = label["dir"] or judged_dir
+    return found

@@ -1,0 +1,50 @@
+"""`filter-pipeline explain RUN_ID TASK_ID` as a user runs it, over the filtered sample."""
+
+import os
+import subprocess
+
+import pytest
+
+from filter_pipeline_tests.conftest import CLI, REPO
+from filter_pipeline_tests.review.conftest import filtered_sample  # noqa: F401 (the session fixture)
+
+pytestmark = pytest.mark.slow
+
+
+def explain(root, *args) -> subprocess.CompletedProcess:
+    env = {**os.environ, "FILTER_PIPELINE_DATA": str(root)}
+    return subprocess.run([*CLI, "explain", *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+def test_explain_tells_a_duplicates_story(filtered_sample):  # noqa: F811
+    done = explain(filtered_sample, "2026-11-29", "2026-11-29-t004")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "task 2026-11-29-t004 of run 2026-11-29: surplus (duplicate)"
+    assert "  duplicate of task 2026-11-28-t000 of run 2026-11-28, which kept the key first" in lines
+    assert "  final URL: https://maps.example/done" in lines
+    assert "verdict: passed (votes gate, judge gate)" in lines
+
+
+def test_explain_tells_the_cap_a_surplus_task_met(filtered_sample):  # noqa: F811
+    done = explain(filtered_sample, "2026-11-29", "2026-11-29-t000")
+    assert done.returncode == 0 and done.stdout.startswith("task 2026-11-29-t000 of run 2026-11-29: surplus (site_cap)")
+    assert "  cap met (site_cap): limit 3, reached by 3 kept rows in history and 0 in this run (deployment caps)" in (
+        done.stdout.splitlines()
+    )
+
+
+def test_explain_tells_execute_failures_with_their_reasons_and_labels(filtered_sample):  # noqa: F811
+    done = explain(filtered_sample, "2026-11-28", "2026-11-28-t013")
+    assert done.returncode == 0 and done.stdout.startswith("task 2026-11-28-t013 of run 2026-11-28: execute_fail")
+    assert "reason action_refused" in done.stdout and "reason backend_fail" in done.stdout
+    assert done.stdout.count("label: failure") == 2
+
+
+def test_explain_of_a_missing_run_or_task_exits_1_with_one_line(filtered_sample, tmp_path):  # noqa: F811
+    for args in [("nope", "t"), ("2026-11-28", "nope")]:
+        done = explain(filtered_sample, *args)
+        assert done.returncode == 1 and done.stdout == "" and len(done.stderr.splitlines()) == 1, done.stderr
+        assert "nope" in done.stderr
+    done = explain(tmp_path / "missing", "r", "t")
+    assert done.returncode == 2 and len(done.stderr.splitlines()) == 1

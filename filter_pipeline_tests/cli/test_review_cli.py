@@ -1,0 +1,41 @@
+"""`filter-pipeline review` as a user starts it: a process serving the app on loopback, and its one-line errors."""
+
+import os
+import subprocess
+import time
+import urllib.request
+
+import pytest
+
+from filter_pipeline_tests.conftest import CLI, REPO
+from filter_pipeline_tests.review.conftest import filtered_sample  # noqa: F401 (the session fixture)
+from filter_pipeline_tests.servers import free_port, stop_process_group
+
+pytestmark = pytest.mark.slow
+
+
+def test_review_serves_the_data_root_on_loopback(filtered_sample):  # noqa: F811
+    port = free_port()
+    env = {**os.environ, "FILTER_PIPELINE_DATA": str(filtered_sample)}
+    proc = subprocess.Popen([*CLI, "review", "--port", str(port)], env=env, cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+    try:
+        first = proc.stdout.readline()
+        assert first.startswith(f"review app for {filtered_sample}: http://127.0.0.1:{port}/"), first
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/runs", timeout=5) as response:
+                    assert b'"2026-11-29"' in response.read()
+                    break
+            except OSError:
+                assert time.monotonic() < deadline and proc.poll() is None, "the review app did not answer"
+                time.sleep(0.2)
+    finally:
+        stop_process_group(proc, grace_seconds=10)
+
+
+def test_review_refuses_a_missing_data_root_and_a_bad_port_in_one_line(tmp_path, filtered_sample):  # noqa: F811
+    for args in [("--data", str(tmp_path / "missing")), ("--data", str(filtered_sample), "--port", "70000")]:
+        done = subprocess.run([*CLI, "review", *args], cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr

@@ -1,0 +1,226 @@
+"""The review app over HTTP, served by a real uvicorn on loopback over the filtered sample."""
+
+import json
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from urllib.parse import quote
+
+import pytest
+
+from filter_pipeline.rules.calibration import parse_labels
+from filter_pipeline_tests.review.conftest import HOSTILE_TASK, PNG, SCRIPT
+
+pytestmark = pytest.mark.slow
+
+
+def get(served, path: str) -> tuple[int, dict, str]:
+    try:
+        with urllib.request.urlopen(served.url + path, timeout=30) as response:
+            return response.status, dict(response.headers), response.read().decode("utf-8", "replace")
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), exc.read().decode("utf-8", "replace")
+
+
+def post(served, body, raw: bytes | None = None) -> tuple[int, str]:
+    data = raw if raw is not None else json.dumps(body).encode()
+    request = urllib.request.Request(served.url + "/api/labels", data=data, method="POST",
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def test_every_page_answers_with_a_strict_content_security_policy(served):
+    for path in ["/", "/runs/2026-11-28", "/runs/2026-11-29?fate=surplus&site=maps.example",
+                 f"/runs/2026-11-28/tasks/{HOSTILE_TASK}", "/queue", "/queue?pos=3&blind=0", "/runs/2026-11-27",
+                 "/static/review.js", "/static/review.css"]:  # fmt: skip
+        status, headers, body = get(served, path)
+        assert status == 200, (path, body)
+        csp = headers["content-security-policy"]
+        assert "script-src 'self'" in csp and "default-src 'none'" in csp and "unsafe-inline" not in csp
+        assert headers["x-content-type-options"] == "nosniff"
+        if path.startswith("/static"):
+            continue
+        assert "<script>" not in body.replace('<script src="/static/review.js" defer></script>', ""), path
+
+
+def test_runs_page_and_api_show_state_funnel_and_rates(served):
+    status, _, body = get(served, "/api/runs")
+    runs = {r["run_id"]: r for r in json.loads(body)["runs"]}
+    assert status == 200 and set(runs) == {"2026-11-27", "2026-11-28", "2026-11-29"}
+    r29 = runs["2026-11-29"]
+    assert (r29["state"], r29["tasks"], r29["kept"], r29["surplus"], r29["execute_fail"]) == ("committed", 14, 1, 9, 4)
+    assert r29["surplus_by_reason"] == {"duplicate": 6, "site_cap": 3, "target": 0}
+    assert r29["judge_pass_rate"] == 1.0 and abs(r29["keep_rate"] - 1 / 14) < 1e-9
+    assert runs["2026-11-27"]["state"] == "legacy"
+    _, _, html = get(served, "/")
+    assert '<a href="/runs/2026-11-29">2026-11-29</a>' in html and "committed" in html
+
+
+def test_task_table_is_filtered_and_paged_on_the_server(served):
+    _, _, body = get(served, "/api/runs/2026-11-29/tasks?fate=surplus&limit=4")
+    found = json.loads(body)
+    assert found["total"] == 9 and len(found["tasks"]) == 4 and {t["fate"] for t in found["tasks"]} == {"surplus"}
+    _, _, rest = get(served, "/api/runs/2026-11-29/tasks?fate=surplus&limit=4&offset=8")
+    assert len(json.loads(rest)["tasks"]) == 1
+    _, _, dup = get(served, "/api/runs/2026-11-29/tasks?reason=duplicate&site=maps.example")
+    assert {(t["reason"], t["site"]) for t in json.loads(dup)["tasks"]} == {("duplicate", "maps.example")}
+    _, _, html = get(served, "/runs/2026-11-29?fate=surplus&limit=4")
+    assert "9 tasks match" in html and 'id="next"' in html
+
+
+def test_task_story_has_attempts_verdict_decision_and_labels(served):
+    status, _, body = get(served, "/api/runs/2026-11-29/tasks/2026-11-29-t004")
+    story = json.loads(body)
+    assert status == 200 and story["decision"]["duplicate_of"] == {"run_id": "2026-11-28", "task_id": "2026-11-28-t000"}
+    assert story["verdict"]["passed"] is True and story["trajectory"]["final_url"] == "https://maps.example/done"
+    _, _, html = get(served, "/runs/2026-11-29/tasks/2026-11-29-t004")
+    assert 'href="/runs/2026-11-28/tasks/2026-11-28-t000"' in html and "Duplicate of" in html
+    _, _, failed = get(served, "/api/runs/2026-11-28/tasks/2026-11-28-t013")
+    failed = json.loads(failed)
+    assert failed["task"]["fate"] == "execute_fail" and [a["failure"]["reason"] for a in failed["attempts"]] == [
+        "action_refused", "backend_fail"]  # fmt: skip
+    assert [label["success"] for label in failed["labels"]] == [False, False]
+
+
+def test_page_text_with_a_script_is_shown_as_text(served):
+    _, _, html = get(served, f"/runs/2026-11-28/tasks/{HOSTILE_TASK}")
+    assert SCRIPT not in html
+    assert "&lt;script&gt;document.title=&#39;owned&#39;&lt;/script&gt;" in html
+
+
+def test_screenshots_are_served_only_from_the_runs_trajectory_folders(served):
+    base = f"/runs/2026-11-28/screenshot?task_id={HOSTILE_TASK}&attempt=1"
+    status, headers, _ = get(served, base + "&name=step-1.png")
+    assert status == 200 and headers["content-type"] == "image/png"
+    with urllib.request.urlopen(served.url + base + "&name=step-1.png") as response:
+        assert response.read() == PNG
+    _, _, html = get(served, f"/runs/2026-11-28/tasks/{HOSTILE_TASK}")
+    assert "name=step-1.png" in html
+    for name in ["../../../../../secret.txt", quote("../../../../../secret.txt", safe=""), "leak.png",
+                 "..%2F..%2Flabels.jsonl", "/etc/passwd", "trajectory.json"]:  # fmt: skip
+        status, _, body = get(served, base + f"&name={name}")
+        assert status == 404 and "do not serve me" not in body and len(body.splitlines()) == 1, name
+    status, _, body = get(served, "/runs/..%2F..%2F/screenshot?task_id=x&attempt=1&name=a.png")
+    assert status == 404 and len(body.splitlines()) == 1
+    status, _, _ = get(served, "/static/..%2F..%2Fdata.py")
+    assert status == 404
+
+
+def test_bad_ids_and_requests_get_one_line_4xx(served):
+    for path, code in [("/runs/nope", 404), ("/runs/2026-11-28/tasks/nope", 404), ("/api/runs/nope/tasks", 404),
+                       ("/api/runs/2026-11-28/tasks/nope", 404), ("/api/runs/2026-11-28/tasks?offset=-1", 400),
+                       ("/api/runs/2026-11-28/tasks?limit=abc", 400), ("/api/runs/2026-11-28/tasks?fate=lost", 400),
+                       ("/queue?pos=99999", 400), ("/no/such/page", 404)]:  # fmt: skip
+        status, _, body = get(served, path)
+        assert status == code and len(body.strip().splitlines()) == 1 and "Traceback" not in body, (path, body)
+    for body, raw in [(None, b"not json"), ({"success": True}, None), ({"dir": "runs/2026-11-28/x", "success": True}, None),
+                      ({"dir": "runs/../../etc", "success": True}, None), ({"run_id": "nope", "task_id": "t", "success": True}, None),
+                      ({"run_id": "2026-11-28", "task_id": "2026-11-28-t013", "success": True}, None),
+                      ({"dir": "runs/2026-11-28/traj/2026-11-28-t001/1", "success": "yes"}, None), ([1], None),
+                      ({"dir": "runs/2026-11-28/traj/2026-11-28-t001/1", "success": 1}, None)]:  # fmt: skip
+        status, text = post(served, body, raw)
+        assert 400 <= status < 500 and len(text.strip().splitlines()) == 1 and "Traceback" not in text, (body, text)
+
+
+def test_labels_are_appended_in_the_coordination_format_and_counted_by_calibration(served, sample_root):
+    before = (sample_root / "labels.jsonl").read_bytes()
+    assert post(served, {"run_id": "2026-11-29", "task_id": "2026-11-29-t004", "success": True, "note": "ok"})[0] == 201
+    assert post(served, {"dir": "runs/2026-11-28/traj/2026-11-28-t001/2", "success": None})[0] == 201
+    added = (sample_root / "labels.jsonl").read_bytes()[len(before) :].decode().splitlines()
+    first, second = (json.loads(line) for line in added)
+    assert first["dir"] == "runs/2026-11-29/traj/2026-11-29-t004/1" and first["success"] is True
+    assert first["note"] == "ok" and first["labeler"] == "tester" and first["labeled_at"].endswith("Z")
+    assert second["success"] is None
+    labels, rejects = parse_labels((sample_root / "labels.jsonl").read_bytes())
+    assert "runs/2026-11-29/traj/2026-11-29-t004/1" in set(labels["dir"])
+
+
+def test_concurrent_label_posts_lose_none(served, sample_root):
+    dirs = [f"runs/2026-11-28/traj/2026-11-28-t00{i}/1" for i in (1, 2, 4, 5)]
+    with ThreadPoolExecutor(16) as pool:
+        statuses = list(pool.map(lambda i: post(served, {"dir": dirs[i % 4], "success": i % 2 == 0,
+                                                         "note": f"n{i}"})[0], range(80)))  # fmt: skip
+    assert statuses == [201] * 80
+    lines = [json.loads(line) for line in (sample_root / "labels.jsonl").read_text().splitlines() if '"note"' in line]
+    assert sorted(line["note"] for line in lines) == sorted(f"n{i}" for i in range(80))
+
+
+def test_the_queue_is_blind_until_labelled_and_shows_the_precision_interval(served):
+    _, _, html = get(served, "/queue")
+    assert "Blind:" in html and "Verdict:" not in html and "The walk&#39;s decision" not in html
+    assert "95% interval" in html and "16 label lines" in html
+    position = int(html.split("Item ", 1)[1].split(" ", 1)[0]) - 1
+    form_dir = html.split('data-dir="', 1)[1].split('"', 1)[0]
+    assert post(served, {"dir": form_dir, "success": True})[0] == 201
+    _, _, after = get(served, f"/queue?pos={position}")
+    assert "Verdict:" in after and "Blind:" not in after and "17 label lines" in after
+
+
+def test_run_page_links_to_dagster_when_its_url_is_set(monkeypatch, sample_root):
+    from upath import UPath
+
+    from filter_pipeline_tests.review.conftest import Served
+
+    monkeypatch.setenv("FILTER_PIPELINE_DAGSTER_URL", "http://127.0.0.1:3000/")
+    app = Served(UPath(str(sample_root)))
+    try:
+        _, _, html = get(app, "/runs/2026-11-29")
+    finally:
+        app.stop()
+    assert 'href="http://127.0.0.1:3000/assets/kept?view=partitions&amp;partition=2026-11-29"' in html
+
+
+def test_the_api_never_shows_the_judge_api_key(served, monkeypatch):
+    monkeypatch.setenv("FILTER_JUDGE_API_KEY", "sk-never-shown")
+    for path in ["/", "/api/runs", "/api/runs/2026-11-28/tasks/2026-11-28-t001", "/queue"]:
+        assert "sk-never-shown" not in get(served, path)[2]
+
+
+def test_over_s3_pages_answer_and_concurrent_label_posts_lose_none(filtered_sample, s3_server, s3_bucket):
+    from upath import UPath
+
+    from filter_pipeline.review.data import open_root
+    from filter_pipeline_tests.review.conftest import Served
+
+    fs = s3_server.filesystem()
+    for name in ("runs", "warehouse"):
+        fs.put(f"{filtered_sample / name}/", f"{s3_bucket}/filter/{name}/", recursive=True)
+    fs.put(str(filtered_sample / "labels.jsonl"), f"{s3_bucket}/filter/labels.jsonl")
+    app = Served(open_root(f"s3://{s3_bucket}/filter", s3_server.endpoint))
+    try:
+        status, _, body = get(app, "/api/runs/2026-11-29/tasks?fate=kept")
+        assert status == 200 and json.loads(body)["total"] == 1
+        assert get(app, "/runs/2026-11-29/tasks/2026-11-29-t004")[0] == 200
+        with ThreadPoolExecutor(8) as pool:
+            statuses = list(pool.map(lambda i: post(app, {"dir": "runs/2026-11-28/traj/2026-11-28-t001/2",
+                                                          "success": True, "note": f"s{i}"})[0], range(24)))  # fmt: skip
+    finally:
+        app.stop()
+    assert statuses == [201] * 24
+    text = UPath(f"s3://{s3_bucket}/filter/labels.jsonl", endpoint_url=s3_server.endpoint).read_text()
+    notes = [json.loads(line).get("note") for line in text.splitlines()]
+    assert sorted(n for n in notes if n) == sorted(f"s{i}" for i in range(24)) and len(notes) == 16 + 24
+
+
+def test_filter_reports_materialization_links_to_the_runs_review_page(filtered_sample):
+    import dagster as dg
+
+    home = filtered_sample.parent / "dagster_home"
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        event = instance.get_latest_materialization_event(dg.AssetKey("filter_report"))
+    materialization = event.asset_materialization
+    assert materialization.metadata["review"].url == f"http://review.test:8765/runs/{materialization.partition}"
+
+
+def test_the_review_link_is_set_only_with_its_url(monkeypatch):
+    from filter_pipeline.settings import REVIEW_URL_ENV, review_run_url
+
+    monkeypatch.delenv(REVIEW_URL_ENV, raising=False)
+    assert review_run_url("r1") is None
+    monkeypatch.setenv(REVIEW_URL_ENV, "https://review.example/team/")
+    assert review_run_url("2026-11-28") == "https://review.example/team/runs/2026-11-28"
+    assert review_run_url("a b/c") == "https://review.example/team/runs/a%20b%2Fc"

@@ -1,0 +1,156 @@
+"""The review data layer over a small warehouse written here: every fate, a run not committed yet, verdict
+files with and without the judge's newer columns, and the cache that notices a rewritten file."""
+
+import json
+import os
+from pathlib import Path
+
+import pandas as pd
+import pyarrow as pa
+import pytest
+from upath import UPath
+
+from filter_pipeline.review.data import ReviewError, Warehouse, page
+from filter_pipeline.review.story import story
+from filter_pipeline.rules.commits import CommitRecord, write_commit
+from filter_pipeline.rules.schemas import SCHEMAS, parquet_bytes, to_arrow
+
+TASKS = ["k", "d", "c", "jf", "u", "ef"]  # kept, duplicate, site_cap, judge_fail, unjudged, execute failures only
+
+
+def _write(
+    root: Path, asset: str, run_id: str, rows: list[dict], schema_of: str | None = None, extra: dict | None = None
+):
+    frame = pd.DataFrame({c: [r.get(c) for r in rows] for c in SCHEMAS[schema_of or asset].names})
+    table = to_arrow(frame, schema_of or asset)
+    for name, (values, arrow_type) in (extra or {}).items():
+        table = table.append_column(name, pa.array(values, type=arrow_type))
+    path = root / "warehouse" / asset / f"{run_id}.parquet"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(parquet_bytes(table).to_pybytes())
+
+
+def write_run(root: Path, run_id: str, committed: bool = True, newer_columns: bool = False) -> None:
+    (root / "runs" / run_id).mkdir(parents=True, exist_ok=True)
+    task = lambda t: {"task_id": t, "site": f"s-{t}", "macro": "m", "instruction": f"do {t}", "run_id": run_id}  # noqa: E731
+    _write(root, "batch_tasks", run_id, [task(t) | {"dedup_key": f'["s","#x","{t}"]'} for t in TASKS])
+    _write(root, "batch_attempts", run_id, [{"task_id": t, "attempt": 1, "ok": t != "ef", "run_id": run_id,
+                                              "dir": f"runs/{run_id}/traj/{t}/1", "n_actions": 2} for t in TASKS])  # fmt: skip
+    judged = [t for t in TASKS if t != "ef"]
+    verdicts = [task(t) | {"attempt": 1, "dir": f"runs/{run_id}/traj/{t}/1", "status": "error" if t == "u" else "judged",
+                           "passed": None if t == "u" else t != "jf", "votes": "2/1", "cost": 0.5} for t in judged]  # fmt: skip
+    extra = {"blocked": ([False, False, False, True, None], pa.bool_()), "score": ([5, 4, 4, 1, None], pa.int64()),
+             "reasoning": (["fine", "fine", "fine", "a CAPTCHA <b>wall</b>", None], pa.large_string())}  # fmt: skip
+    _write(root, "judge_verdicts", run_id, verdicts, extra=extra if newer_columns else None)
+    _write(root, "failure_pool", run_id, [
+        {"task_id": "ef", "stage": "execute", "reason": "backend_fail", "attempt": 1, "run_id": run_id},
+        {"task_id": "jf", "stage": "judge", "reason": "judge_fail", "attempt": 1, "run_id": run_id}])  # fmt: skip
+    _write(root, "batch_rejects", run_id, [{"file": "tasks.jsonl", "line": 9, "message": "tasks.jsonl:9: not JSON",
+                                            "raw": "{oops", "run_id": run_id}])  # fmt: skip
+    if not committed:
+        return
+    _write(root, "kept", run_id, verdicts[:1], schema_of="judge_verdicts")
+    _write(root, "surplus", run_id, [verdicts[1] | {"dropped": "duplicate", "dup_of_run_id": "r0", "dup_of_task_id": "t0"},
+                                     verdicts[2] | {"dropped": "site_cap"}])  # fmt: skip
+    _write(root, "prior_kept_counts", run_id, [{"macro": "m", "site": "s-c", "n_kept": 1}])
+    write_commit(UPath(str(root / "warehouse")), CommitRecord(
+        run_id=run_id, walked_at="2026-12-01T00:00:00+00:00", files={}, kept_keys=1,
+        caps={"per_site_cap": 3, "caps": {"m": {"site_cap": 1}}}, caps_source="deployment", judge={"kind": "gate"},
+        history={}, inputs={}, unjudged=1))  # fmt: skip
+
+
+@pytest.fixture
+def warehouse(tmp_path) -> Warehouse:
+    write_run(tmp_path, "r1", newer_columns=True)
+    write_run(tmp_path, "r2", committed=False)
+    return Warehouse(UPath(str(tmp_path)))
+
+
+def test_every_fate_and_its_reason(warehouse):
+    tasks = warehouse.run("r1").tasks
+    assert dict(zip(tasks["task_id"], zip(tasks["fate"], tasks["reason"]))) == {
+        "k": ("kept", None), "d": ("surplus", "duplicate"), "c": ("surplus", "site_cap"),
+        "jf": ("judge_fail", "judge_fail"), "u": ("unjudged", None), "ef": ("execute_fail", "backend_fail"),
+        "tasks.jsonl:9": ("reject", "tasks.jsonl:9: not JSON")}  # fmt: skip
+    pending = warehouse.run("r2").tasks.set_index("task_id")["fate"].to_dict()
+    assert pending["k"] == pending["d"] == "pending" and pending["jf"] == "judge_fail"
+
+
+def test_run_summaries_give_state_funnel_rates_blocked_and_cost(warehouse):
+    r1, r2 = sorted(warehouse.runs(), key=lambda r: r["run_id"])
+    assert (r1["state"], r2["state"]) == ("unjudged", "pending")
+    assert (r1["tasks"], r1["judged"], r1["passed"], r1["kept"], r1["reject"]) == (6, 4, 3, 1, 1)
+    assert r1["judge_pass_rate"] == 0.75 and r1["keep_rate"] == 1 / 6 and r1["cost"] == 2.5
+    assert r1["blocked"] == 1 and r2["blocked"] is None  # the newer column counted where the file has it
+
+
+def test_a_page_is_filtered_and_sliced(warehouse):
+    tasks = warehouse.run("r1").tasks
+    assert page(tasks, {"fate": "surplus"}, 0, 10)[0] == 2
+    total, rows = page(tasks, {"fate": None, "site": "s-d"}, 0, 10)
+    assert total == 1 and rows[0]["task_id"] == "d"
+    total, rows = page(tasks, {}, 5, 10)
+    assert total == 7 and [r["task_id"] for r in rows] == ["ef", "tasks.jsonl:9"] and "dedup_key" not in rows[0]
+
+
+def test_a_story_shows_the_judges_parts_when_the_file_has_them_and_does_without(warehouse):
+    newer = story(warehouse, "r1", "jf")["verdict"]
+    assert (newer["blocked"], newer["score"], newer["reasoning"]) == (True, 1, "a CAPTCHA <b>wall</b>")
+    older = story(warehouse, "r2", "jf")["verdict"]
+    assert older["passed"] is False and "blocked" not in older and "score" not in older
+    duplicate = story(warehouse, "r1", "d")["decision"]
+    assert duplicate["duplicate_of"] == {"run_id": "r0", "task_id": "t0"}
+    cap = story(warehouse, "r1", "c")["decision"]["cap"]
+    assert (cap["reason"], cap["limit"], cap["kept_before"], cap["kept_in_run"]) == ("site_cap", 1, 1, 0)
+    rejected = story(warehouse, "r1", "tasks.jsonl:9")
+    assert rejected["decision"]["fate"] == "reject" and [r["line"] for r in rejected["rejects"]] == [9]
+    with pytest.raises(ReviewError, match="no task 'zz' in run 'r1'"):
+        story(warehouse, "r1", "zz")
+    with pytest.raises(ReviewError, match="no run 'r9'"):
+        warehouse.run("r9")
+
+
+def test_a_rewritten_file_is_read_again_and_an_unchanged_one_is_not(warehouse, tmp_path):
+    first = warehouse.run("r2")
+    assert warehouse.run("r2") is first
+    write_run(tmp_path, "r2", committed=True)
+    path = tmp_path / "warehouse" / "kept" / "r2.parquet"
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
+    again = warehouse.run("r2")
+    assert again is not first and again.summary["state"] == "unjudged"
+    assert json.loads(json.dumps(again.summary))["kept"] == 1
+
+
+def test_the_task_page_shows_the_parts_escaped_and_hides_them_when_blind(warehouse):
+    from filter_pipeline.review.app import Review
+
+    review = Review(warehouse.root)
+    found = story(warehouse, "r1", "jf")
+    html = review.html("task.html", s=found, near={"prev": None, "next": None}, blind=False).body.decode()
+    assert "<dt>blocked</dt><dd>yes</dd>" in html and "1 / 5" in html
+    assert "a CAPTCHA &lt;b&gt;wall&lt;/b&gt;" in html and "<b>wall" not in html
+    from filter_pipeline.review.queue import QueueItem
+
+    figures = {"labelled": 0, "unsure": 0, "label_lines": 0, "precision": None}
+    item = QueueItem("r1", "jf", "runs/r1/traj/jf/1", "s-jf", "random sample")
+    blind = review.html("queue.html", s=found, item=item, figures=figures, blind=True, pos=0, total=1, next_pos=1,
+                        remaining=1).body.decode()  # fmt: skip
+    assert "Blind:" in blind and "Task jf" in blind and "CAPTCHA" not in blind and "judge_fail" not in blind
+
+
+def test_the_runs_page_and_the_queue_read_each_of_many_runs_once(tmp_path, monkeypatch):
+    from filter_pipeline.review import data
+    from filter_pipeline.review.queue import QueueMemo
+
+    for i in range(5):
+        write_run(tmp_path, f"r{i}")
+    monkeypatch.setattr(data, "CACHED_RUNS", 2)  # fewer run tables in memory than runs
+    loads = []
+    real = data.load_run
+    monkeypatch.setattr(data, "load_run", lambda run_id, files: loads.append(run_id) or real(run_id, files))
+    warehouse = Warehouse(UPath(str(tmp_path)))
+    assert len(warehouse.runs()) == 5 and sorted(loads) == [f"r{i}" for i in range(5)]
+    memo, labels = QueueMemo(), pd.DataFrame(columns=["dir", "run_id", "task_id", "success", "line"])
+    queue = memo.state(warehouse, labels)[0]
+    assert len(queue) == 5 * 4 and len(warehouse.runs()) == 5 and memo.state(warehouse, labels)[0] is queue
+    assert len(loads) == 5

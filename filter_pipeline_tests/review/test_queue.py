@@ -1,0 +1,81 @@
+"""The labelling queue's order and the judge's precision interval; label lines as the review app reads them."""
+
+import math
+
+import pandas as pd
+
+from filter_pipeline.review.queue import (
+    PHASE_REST,
+    PHASE_SAMPLE,
+    PHASE_SPLIT,
+    PHASE_UNLABELLED_SITE,
+    item,
+    latest_labels,
+    order,
+    precision,
+    split_votes,
+)
+from filter_pipeline.review.story import inside_run, parse_label_lines
+from filter_pipeline.rules.calibration import wilson_interval
+
+
+def attempts(n: int, votes=lambda i: "3/0", site=lambda i: f"s{i % 3}") -> pd.DataFrame:
+    return pd.DataFrame({"run_id": "r", "task_id": [f"t{i:03}" for i in range(n)],
+                         "dir": [f"runs/r/traj/t{i:03}/1" for i in range(n)], "site": [site(i) for i in range(n)],
+                         "votes": [votes(i) for i in range(n)], "passed": True})  # fmt: skip
+
+
+def test_split_votes_are_both_sides_non_zero():
+    assert [split_votes(v) for v in ["2/1", "1/2", "3/0", "0/3", "gate", None, "a/b"]] == [
+        True, True, False, False, False, False, False]  # fmt: skip
+
+
+def test_the_queue_serves_a_uniform_sample_then_split_votes_then_unlabelled_sites(monkeypatch):
+    from filter_pipeline.review import queue
+
+    monkeypatch.setattr(queue, "SAMPLE_SIZE", 10)
+    frame = attempts(60, votes=lambda i: "2/1" if i % 10 == 7 else "3/0", site=lambda i: "new" if i >= 55 else "old")
+    queue = order(frame, labelled_sites={"old"})
+    items = [item(queue, i) for i in range(len(queue))]
+    phases = [it.phase for it in items]
+    assert len(items) == 60 and len({it.dir for it in items}) == 60
+    assert phases[:10] == [PHASE_SAMPLE] * 10
+    split = [it for it in items if it.phase == PHASE_SPLIT]
+    assert split and all(int(it.task_id[1:]) % 10 == 7 for it in split)
+    assert all(split_votes(v) for v in frame.set_index("task_id").loc[[it.task_id for it in split], "votes"])
+    earlier = {it.task_id for it in items[:10] + split}
+    new_site = {it.task_id for it in items if it.phase == PHASE_UNLABELLED_SITE}
+    assert new_site and new_site == {f"t{i:03}" for i in range(55, 60)} - earlier
+    assert phases == sorted(phases, key=[PHASE_SAMPLE, PHASE_SPLIT, PHASE_UNLABELLED_SITE, PHASE_REST].index)
+    # the sample is drawn uniformly (a shuffle), not the first rows, and the same on every request
+    assert [it.task_id for it in items[:10]] != [f"t{i:03}" for i in range(10)]
+    assert order(frame, {"old"}).equals(queue)
+
+
+def test_a_later_label_of_the_same_attempt_replaces_the_earlier_and_unsure_is_not_counted():
+    frame = attempts(4)
+    lines = (b'{"dir": "runs/r/traj/t000/1", "success": false}\n'
+             b'{"dir": "runs/r/traj/t000/1", "success": true, "labeler": "a"}\n'
+             b'{"run_id": "r", "task_id": "t001", "success": false}\n'
+             b'{"dir": "runs/r/traj/t002/1", "success": null}\nnot json\n{"dir": 3, "success": true}\n')  # fmt: skip
+    labels = parse_label_lines(lines)
+    assert len(labels) == 4 and labels["labeler"].tolist()[1] == "a"
+    latest = latest_labels(labels, frame)
+    assert dict(zip(latest["dir"], latest["success"])) == {
+        "runs/r/traj/t000/1": True, "runs/r/traj/t001/1": False, "runs/r/traj/t002/1": None}  # fmt: skip
+    figures = precision(frame.merge(latest, on="dir"))
+    low, high = wilson_interval(1, 2)
+    assert (figures["labelled"], figures["unsure"], figures["judge_passed_labelled"]) == (2, 1, 2)
+    assert figures["precision"] == 0.5 and math.isclose(figures["low"], low) and math.isclose(figures["high"], high)
+
+
+def test_wilson_interval_matches_hand_computed_values():
+    low, high = wilson_interval(4, 7)
+    assert round(low, 4) == 0.2505 and round(high, 4) == 0.8418
+    assert all(math.isnan(x) for x in wilson_interval(0, 0))
+
+
+def test_a_trajectory_dir_must_stay_inside_its_run():
+    assert inside_run("r", "runs/r/traj/t/1")
+    for bad in ["runs/r/../s/traj/t/1", "runs/r//t", "runs/s/traj/t/1", "/etc", "runs/r/./x", None, "runs/r\\..\\x"]:
+        assert not inside_run("r", bad), bad
