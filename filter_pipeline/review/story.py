@@ -8,6 +8,7 @@ import pandas as pd
 from upath import UPath
 
 from filter_pipeline.review.data import FATE_KEPT, FATE_SURPLUS, ReviewError, RunTables, Warehouse, signature
+from filter_pipeline.rules.calibration import LABEL_COLUMNS, parse_labels
 from filter_pipeline.rules.schemas import DROPPED_DUPLICATE, DROPPED_SITE_CAP
 from filter_pipeline.storage.labels import LABELS_FILE
 
@@ -160,8 +161,6 @@ def screenshot(warehouse: Warehouse, run_id: str, task_id: str, attempt: int, na
 
 # --- labels ------------------------------------------------------------------------------------------
 
-LABEL_COLUMNS = ["dir", "run_id", "task_id", "success", "note", "labeler", "labeled_at", "line"]
-
 
 class Labels:
     """labels.jsonl as a frame of every valid line (file order), re-read when the file changes."""
@@ -175,28 +174,8 @@ class Labels:
         current = signature(self.path)
         if current != self._seen:
             data = self.path.read_bytes() if current is not None else b""
-            self._frame, self._seen = parse_label_lines(data), current
+            self._frame, self._seen = parse_labels(data)[0], current
         return self._frame
-
-
-def parse_label_lines(data: bytes) -> pd.DataFrame:
-    """Every line that is a label (coordination format; success true, false or null), in file order."""
-    rows = []
-    for number, raw in enumerate(data.split(b"\n"), start=1):
-        try:
-            record = json.loads(raw)
-        except ValueError:
-            continue
-        if not isinstance(record, dict) or "success" not in record:
-            continue
-        if not (record["success"] is None or isinstance(record["success"], bool)):
-            continue
-        by_dir = isinstance(record.get("dir"), str)
-        if not by_dir and not (isinstance(record.get("run_id"), str) and isinstance(record.get("task_id"), str)):
-            continue
-        rows.append({c: record.get(c) if isinstance(record.get(c), (str, bool)) else None for c in LABEL_COLUMNS}
-                    | {"line": number, "dir": record["dir"] if by_dir else None})  # fmt: skip
-    return pd.DataFrame(rows, columns=LABEL_COLUMNS)
 
 
 def task_labels(labels: pd.DataFrame | None, run_id: str, task_id: str, dirs: list, judged_dir) -> list[dict]:

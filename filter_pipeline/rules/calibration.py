@@ -20,7 +20,8 @@ PREDICTORS = ("judge", "gate")
 
 
 MAX_REJECTS_SHOWN = 20  # bad label lines listed in judge_calibration's metadata and log
-LABEL_COLUMNS = ["dir", "run_id", "task_id", "success", "line"]
+LABEL_NOTES = ("note", "labeler", "labeled_at")  # optional text a label may carry: shown, never counted
+LABEL_COLUMNS = ["dir", "run_id", "task_id", "success", *LABEL_NOTES, "line"]
 
 
 def labels_fingerprint(data: bytes | None) -> str | None:
@@ -63,6 +64,7 @@ def _label(raw: bytes) -> dict:
         raise ValueError("expected {dir | run_id + task_id, success: true | false | null}")
     row = {"dir": record["dir"] if by_dir else None, "run_id": None if by_dir else record["run_id"],
            "task_id": None if by_dir else record["task_id"], "success": record["success"]}  # fmt: skip
+    row.update({name: record[name] if isinstance(record.get(name), str) else None for name in LABEL_NOTES})
     try:
         json.dumps(row, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:

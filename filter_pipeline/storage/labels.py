@@ -21,7 +21,8 @@ from datetime import UTC, datetime
 from fsspec.implementations.local import LocalFileSystem
 from upath import UPath
 
-LABELS_FILE = "labels.jsonl"
+from filter_pipeline.rules.calibration import LABELS_FILE
+
 MAX_TRIES = 50  # conditional writes lost to other writers before giving up on object storage
 
 

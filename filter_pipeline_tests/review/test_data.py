@@ -18,12 +18,19 @@ from filter_pipeline.rules.schemas import SCHEMAS, parquet_bytes, to_arrow
 TASKS = ["k", "d", "c", "jf", "u", "ef"]  # kept, duplicate, site_cap, judge_fail, unjudged, execute failures only
 
 
+# the columns an older version of the stage (judge prompt v2) did not write
+OLDER_VERSION_LACKS = ("success", "side_effects", "looping", "blocked", "score", "key_points", "reasoning")
+
+
 def _write(
     root: Path, asset: str, run_id: str, rows: list[dict], schema_of: str | None = None, extra: dict | None = None
 ):
     frame = pd.DataFrame({c: [r.get(c) for r in rows] for c in SCHEMAS[schema_of or asset].names})
     table = to_arrow(frame, schema_of or asset)
-    for name, (values, arrow_type) in (extra or {}).items():
+    if extra is None:  # a file as the older version wrote it
+        table = table.drop_columns([c for c in OLDER_VERSION_LACKS if c in table.column_names])
+    for name, (values, arrow_type) in (extra or {}).items():  # (replacing the column where the schema has it)
+        table = table.drop_columns([name]) if name in table.column_names else table
         table = table.append_column(name, pa.array(values, type=arrow_type))
     path = root / "warehouse" / asset / f"{run_id}.parquet"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -15,8 +15,8 @@ from filter_pipeline.review.queue import (
     precision,
     split_votes,
 )
-from filter_pipeline.review.story import inside_run, parse_label_lines
-from filter_pipeline.rules.calibration import wilson_interval
+from filter_pipeline.review.story import inside_run
+from filter_pipeline.rules.calibration import parse_labels, wilson_interval
 
 
 def attempts(n: int, votes=lambda i: "3/0", site=lambda i: f"s{i % 3}") -> pd.DataFrame:
@@ -58,7 +58,7 @@ def test_a_later_label_of_the_same_attempt_replaces_the_earlier_and_unsure_is_no
              b'{"dir": "runs/r/traj/t000/1", "success": true, "labeler": "a"}\n'
              b'{"run_id": "r", "task_id": "t001", "success": false}\n'
              b'{"dir": "runs/r/traj/t002/1", "success": null}\nnot json\n{"dir": 3, "success": true}\n')  # fmt: skip
-    labels = parse_label_lines(lines)
+    labels = parse_labels(lines)[0]
     assert len(labels) == 4 and labels["labeler"].tolist()[1] == "a"
     latest = latest_labels(labels, frame)
     assert dict(zip(latest["dir"], latest["success"])) == {
