@@ -23,7 +23,7 @@ from filter_pipeline.rules.schemas import DROPPED_REASONS, FAILURE_REASONS, STAT
 from filter_pipeline.shell.assets import run_id_partitions
 from filter_pipeline.shell.config import CAPS_ENV, load_caps_file, parse_caps
 from filter_pipeline.shell.jobs import ACROSS_RUNS_ASSETS, PARTITION_TAG, across_runs_job, filter_job
-from filter_pipeline.shell.ledger import ORDER_MAX_WAIT_TAG
+from filter_pipeline.shell.ledger import FIRST_WALK_TAG, ORDER_MAX_WAIT_TAG
 from filter_pipeline.shell.sensors import (
     changed_warning,
     legacy_run_ids,
@@ -222,6 +222,7 @@ def materialize(args: argparse.Namespace) -> int:
         print("nothing to materialize: every complete batch is already filtered")
         return 0
     _register(instance, run_ids)
+    committed = set(read_commits(data.warehouse))  # a run not committed now is asked for its first walk
     # the job is rebuilt from the environment (see cli_filter_job), so the settings travel through it
     os.environ[DATA_ENV], os.environ[ENV["kind"]] = data.path, judge.kind
     job = dg.reconstructable(cli_filter_job)
@@ -233,7 +234,7 @@ def materialize(args: argparse.Namespace) -> int:
         last = position == len(run_ids)  # coverage and calibration once, in the last batch's run
         # this call orders its own runs, so a ledger step that would wait can only be behind a run of this call
         # that failed: it fails at once, naming that run, rather than wait for the order's whole timeout
-        tags = {PARTITION_TAG: run_id, ORDER_MAX_WAIT_TAG: "0"}
+        tags = {PARTITION_TAG: run_id, ORDER_MAX_WAIT_TAG: "0", FIRST_WALK_TAG: "" if run_id in committed else run_id}
         if run_id in rejudge:
             tags.update(rejudge_tags(rejudge[run_id]))
             print(f"{run_id}: judging its unjudged tasks again (try {rejudge[run_id].try_number})", flush=True)
@@ -247,7 +248,7 @@ def materialize(args: argparse.Namespace) -> int:
             asset_selection=None if last else batch_only,
         )
         if result.success:
-            print(summarize(data, run_id), flush=True)
+            print(_already_filtered(result) or summarize(data, run_id), flush=True)
             unjudged += _unjudged(data, run_id) > 0
             refreshed = last
         else:
@@ -267,6 +268,15 @@ def materialize(args: argparse.Namespace) -> int:
         )
         return EXIT_UNJUDGED
     return 0
+
+
+def _already_filtered(result) -> str | None:
+    """The line of a run another walk committed while this one waited (not walked again), else None."""
+    for event in result.get_asset_materialization_events():
+        said = event.asset_materialization.metadata.get("already_filtered")
+        if said is not None:
+            return str(said.value)
+    return None
 
 
 def _unjudged(data: DataRoot, run_id: str) -> int:

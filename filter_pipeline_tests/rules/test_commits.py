@@ -7,8 +7,9 @@ import sys
 import pytest
 from upath import UPath
 
-from filter_pipeline.rules import commits
-from filter_pipeline.rules.commits import CommitRecord, HistoryIntegrityError, read_commits, write_commit
+from filter_pipeline.rules.commits import CommitRecord, HistoryIntegrityError, read_commits
+from filter_pipeline.storage import files as commits
+from filter_pipeline.storage.publish import write_commit
 
 
 def record(run_id="r1", **changes) -> CommitRecord:
@@ -63,7 +64,7 @@ def test_a_writer_killed_midway_leaves_the_old_file_and_its_temp_file_is_removed
     target = UPath(tmp_path) / "f.json"
     commits.atomic_write(target, b"old")
     script = (
-        "import os, sys; from upath import UPath; from filter_pipeline.rules import commits\n"
+        "import os, sys; from upath import UPath; from filter_pipeline.storage import files as commits\n"
         "real = os.replace\n"
         "os.replace = lambda *a: os._exit(9)  # killed between the temp file and the rename\n"
         f"commits.atomic_write(UPath({str(target)!r}), b'new')\n"
