@@ -32,6 +32,8 @@ from filter_pipeline.shell.sensors import (
     rejudging_due,
 )
 from filter_pipeline.shell.warehouse import DATA_ENV, DataRoot, read_parquet
+from filter_pipeline.storage.lease import LedgerBusy, ledger_lease
+from filter_pipeline.storage.publish import complete_published
 
 EXIT_RUN_FAILED = 1
 EXIT_BAD_INPUT = 2  # (main.py maps CliError, ValueError and HistoryError to it)
@@ -204,6 +206,7 @@ def materialize(args: argparse.Namespace) -> int:
     if judge.kind == "llm":
         judge.settings()  # missing FILTER_JUDGE_BASE_URL / MODEL: say so before any run starts
     load_retired(data.root)  # a broken retired.json fails here, before anything is written
+    _complete_publishes(data)
     refused: list[str] = []
     run_ids = _in_ledger_order(data, _runs_to_materialize(data, args.run_ids, refused), named=bool(args.run_ids))
     instance = _instance(home)
@@ -273,10 +276,20 @@ def materialize(args: argparse.Namespace) -> int:
 def _already_filtered(result) -> str | None:
     """The line of a run another walk committed while this one waited (not walked again), else None."""
     for event in result.get_asset_materialization_events():
-        said = event.asset_materialization.metadata.get("already_filtered")
+        said = event.step_materialization_data.materialization.metadata.get("already_filtered")
         if said is not None:
             return str(said.value)
     return None
+
+
+def _complete_publishes(data: DataRoot) -> None:
+    """Move into place the files of a walk killed after its commit was published (each said in one line), so
+    that what this call plans from, and what users read, is whole; the walk holding the lease does it otherwise."""
+    try:
+        with ledger_lease(data.root, "filter-pipeline materialize (completing published walks)"):
+            complete_published(data.root, lambda line: print(line, file=sys.stderr, flush=True))
+    except LedgerBusy:
+        pass
 
 
 def _unjudged(data: DataRoot, run_id: str) -> int:
