@@ -149,3 +149,29 @@ def test_two_launchers_over_the_same_runs_walk_each_run_once(cli_env, data_root,
         # each run walked by exactly one launcher; the other one (if it asked) says it was already filtered
         assert len(walked) == 1 and len(walked) + len(skipped) <= 2, outs
     assert audit(UPath(data_root)) == []
+
+
+def test_a_first_walk_committed_by_another_walk_while_waiting_is_reported_not_walked_again(
+    cli_env, data_root, tmp_path, started
+):
+    tasks = [task(f"r1-{i}", site=f"site{i % 3}", key=["s", "#el", i]) for i in range(9)]
+    write_batch(data_root, "r1", tasks, [attempt(t["task_id"]) for t in tasks])
+    env = {**cli_env, "FILTER_PIPELINE_ORDER_RETRY_SECONDS": "1"}
+    home_a, home_b = homes(tmp_path)
+    # A holds the data root's lock, stopped just before publishing r1
+    walk_a, pid = paused(["r1"], env, home_a, "before_publish", tmp_path / "paused.pid", started)
+    walk_b = subprocess.Popen([*CLI, "materialize", "r1", "--per-site-cap", "1"], env={**env, "DAGSTER_HOME": home_b},
+                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    started.append(walk_b)
+    for line in walk_b.stderr:  # B asked for r1's first walk, and waits for the lease
+        if "another walker holds the data root's lease" in line:
+            break
+    os.kill(pid, signal.SIGCONT)
+    out_a, err_a = walk_a.communicate(timeout=300)
+    assert walk_a.returncode == 0 and "r1: judged 9, unjudged 0, kept 9" in out_a, err_a[-3000:]
+    committed = (data_root / "warehouse" / "_commits" / "r1.json").read_bytes()
+    out_b, _ = walk_b.communicate(timeout=300)
+    assert walk_b.returncode == 0, out_b
+    assert "r1: already filtered by another walk" in out_b and "r1: judged" not in out_b
+    assert (data_root / "warehouse" / "_commits" / "r1.json").read_bytes() == committed  # A's walk, cap 3, stands
+    assert audit(UPath(data_root)) == []

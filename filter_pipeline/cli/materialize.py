@@ -22,8 +22,14 @@ from filter_pipeline.rules.history import load_retired
 from filter_pipeline.rules.schemas import DROPPED_REASONS, FAILURE_REASONS, STATUS_ERROR
 from filter_pipeline.shell.assets import run_id_partitions
 from filter_pipeline.shell.config import CAPS_ENV, load_caps_file, parse_caps
-from filter_pipeline.shell.jobs import ACROSS_RUNS_ASSETS, PARTITION_TAG, across_runs_job, filter_job
-from filter_pipeline.shell.ledger import FIRST_WALK_TAG, ORDER_MAX_WAIT_TAG
+from filter_pipeline.shell.jobs import (
+    ACROSS_RUNS_ASSETS,
+    FIRST_WALK_TAG,
+    PARTITION_TAG,
+    across_runs_job,
+    filter_job,
+)
+from filter_pipeline.shell.ledger import ORDER_MAX_WAIT_TAG
 from filter_pipeline.shell.sensors import (
     changed_warning,
     legacy_run_ids,

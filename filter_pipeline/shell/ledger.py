@@ -28,7 +28,7 @@ from filter_pipeline.rules.history import build_prior_index, load_retired
 from filter_pipeline.rules.schemas import DROPPED_REASONS, STATUS_ERROR
 from filter_pipeline.shell.assets import blocking_check, check_result, column_schema, count_by, run_id_partitions
 from filter_pipeline.shell.config import CapsConfig, LedgerConfig, caps_source, deployment_caps_config
-from filter_pipeline.shell.jobs import PARTITION_TAG, PRIORITY_TAG
+from filter_pipeline.shell.jobs import FIRST_WALK_TAG, PARTITION_TAG, PRIORITY_TAG
 from filter_pipeline.shell.warehouse import DataRoot, encode
 from filter_pipeline.storage.files import input_fingerprints
 from filter_pipeline.storage.lease import Lease, LedgerBusy, ledger_lease
@@ -43,9 +43,6 @@ from filter_pipeline.storage.publish import (
 
 # run tag: the most seconds this run's ledger step waits for lower runs (the CLI sets 0: it orders its own runs)
 ORDER_MAX_WAIT_TAG = "filter_pipeline/order_max_wait_seconds"
-# run tag: the runs this Dagster run was asked to walk for the first time (not committed when it was launched);
-# one that another walk commits while this run waits is reported as already filtered, not walked again
-FIRST_WALK_TAG = "filter_pipeline/first_walk"
 
 _WALK_INPUTS = [dg.AssetKey("judge_verdicts"), dg.AssetKey("prior_dedup_index"), dg.AssetKey("prior_kept_counts")]
 
