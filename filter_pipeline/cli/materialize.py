@@ -13,6 +13,7 @@ import sys
 
 import dagster as dg
 
+from filter_pipeline.cli.interrupts import Interrupted, Signals, saved_line, was_interrupted
 from filter_pipeline.definitions import defs_from_env
 from filter_pipeline.judge.resource import ENV, judge_from_env
 from filter_pipeline.rules import order
@@ -39,7 +40,7 @@ from filter_pipeline.shell.sensors import (
 )
 from filter_pipeline.shell.warehouse import DATA_ENV, DataRoot, read_parquet
 from filter_pipeline.storage.lease import LedgerBusy, ledger_lease
-from filter_pipeline.storage.publish import complete_published
+from filter_pipeline.storage.publish import commit_state, complete_published
 
 EXIT_RUN_FAILED = 1
 EXIT_BAD_INPUT = 2  # (main.py maps CliError, ValueError and HistoryError to it)
@@ -202,7 +203,8 @@ def _failed_step(result) -> str:
     return "run failed"
 
 
-def materialize(args: argparse.Namespace) -> int:
+def materialize(args: argparse.Namespace, signals: Signals | None = None) -> int:
+    signals = signals or Signals()
     # every argument and setting is checked before anything is registered, written or judged
     data = _data_root(args.data)
     caps = _caps(args)
@@ -249,13 +251,22 @@ def materialize(args: argparse.Namespace) -> int:
             print(f"{run_id}: judging its unjudged tasks again (try {rejudge[run_id].try_number})", flush=True)
         # (not opened as a context manager: that initializes the resources again, to load outputs, which the
         # summary reads from the warehouse instead)
-        result = dg.execute_job(
-            job,
-            instance,
-            run_config=_run_config(caps, ops_with_caps=["ledger", "coverage"] if last else ["ledger"]),
-            tags=tags,
-            asset_selection=None if last else batch_only,
-        )
+        before = commit_state(data.warehouse, run_id)
+        try:
+            result = dg.execute_job(
+                job,
+                instance,
+                run_config=_run_config(caps, ops_with_caps=["ledger", "coverage"] if last else ["ledger"]),
+                tags=tags,
+                asset_selection=None if last else batch_only,
+            )
+        except KeyboardInterrupt:
+            result = None
+        if result is None or (not result.success and was_interrupted(result)):
+            committed = commit_state(data.warehouse, run_id) != before
+            raise Interrupted(
+                saved_line(signals, data, run_id, committed, run_ids[: position - 1]), signals.exit_status
+            )
         if result.success:
             print(_already_filtered(result) or summarize(data, run_id), flush=True)
             unjudged += _unjudged(data, run_id) > 0
