@@ -39,17 +39,6 @@ def s3_data(s3_server, s3_bucket, tmp_path):
     return root, env
 
 
-@pytest.fixture
-def started():
-    """Processes a test started; any still running (a stopped walk after a failed assertion) is killed."""
-    procs: list[subprocess.Popen] = []
-    yield procs
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-
-
 def snapshot(root: UPath) -> dict[str, bytes]:
     """Every file of the warehouse (the lease aside) and its bytes."""
     fs, base = root.fs, (root / "warehouse").path

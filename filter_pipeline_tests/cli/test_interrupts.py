@@ -10,7 +10,7 @@ import pytest
 from filter_pipeline.storage.publish import STAGING_DIR
 from filter_pipeline_tests.builders import attempt, task, write_batch
 from filter_pipeline_tests.conftest import assert_verified
-from filter_pipeline_tests.test_fenced_walks import paused, started  # noqa: F401 - a fixture
+from filter_pipeline_tests.test_fenced_walks import paused
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +23,7 @@ def test_an_interrupted_walk_says_what_was_saved_and_exits_with_the_signals_stat
     tmp_path,
     started,
     signum,
-    status,  # noqa: F811 - the fixture
+    status,
 ):
     tasks = [task(f"r1-{i}", site=f"site{i % 3}", key=["s", "#el", i]) for i in range(9)]
     write_batch(data_root, "r1", tasks, [attempt(t["task_id"]) for t in tasks])
