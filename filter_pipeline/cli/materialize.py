@@ -243,6 +243,8 @@ def materialize(args: argparse.Namespace, signals: Signals | None = None) -> int
     failed, unjudged, refreshed = 0, 0, False
     for position, run_id in enumerate(run_ids, start=1):
         last = position == len(run_ids)  # coverage and calibration once, in the last batch's run
+        # (--caps / --per-site-cap are this call's walks' caps only: coverage is the warehouse's, at the
+        # deployment's caps, so a one-off cap does not rewrite everyone's coverage; the run's report says so)
         # this call orders its own runs, so a ledger step that would wait can only be behind a run of this call
         # that failed: it fails at once, naming that run, rather than wait for the order's whole timeout
         tags = {PARTITION_TAG: run_id, ORDER_MAX_WAIT_TAG: "0", FIRST_WALK_TAG: "" if run_id in committed else run_id}
@@ -256,7 +258,7 @@ def materialize(args: argparse.Namespace, signals: Signals | None = None) -> int
             result = dg.execute_job(
                 job,
                 instance,
-                run_config=_run_config(caps, ops_with_caps=["ledger", "coverage"] if last else ["ledger"]),
+                run_config=_run_config(caps, ops_with_caps=["ledger"]),
                 tags=tags,
                 asset_selection=None if last else batch_only,
             )
@@ -275,7 +277,7 @@ def materialize(args: argparse.Namespace, signals: Signals | None = None) -> int
             failed += 1
             print(f"{run_id}: FAILED ({_failure_reason(result)})", flush=True)
     if failed < len(run_ids) and not refreshed:  # the last batch's run failed, an earlier one did not
-        refreshed = _refresh_across_runs(instance, caps)
+        refreshed = _refresh_across_runs(instance)
         failed += not refreshed
     if refreshed:
         _print_across_runs(data)
@@ -352,11 +354,9 @@ def _run_config(caps: dict, ops_with_caps: list[str]) -> dict:
     return config
 
 
-def _refresh_across_runs(instance: dg.DagsterInstance, caps: dict) -> bool:
-    """Materialize coverage and judge calibration over every run in a run of their own."""
-    result = dg.execute_job(
-        dg.reconstructable(cli_across_runs_job), instance, run_config=_run_config(caps, ops_with_caps=["coverage"])
-    )
+def _refresh_across_runs(instance: dg.DagsterInstance) -> bool:
+    """Materialize coverage (at the deployment's caps) and judge calibration over every run in a run of their own."""
+    result = dg.execute_job(dg.reconstructable(cli_across_runs_job), instance, run_config=_run_config({}, []))
     if not result.success:
         print(f"coverage / judge_calibration: FAILED ({_failure_reason(result)})", flush=True)
     return result.success
