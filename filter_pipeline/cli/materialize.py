@@ -40,7 +40,7 @@ from filter_pipeline.shell.sensors import (
 )
 from filter_pipeline.shell.warehouse import DATA_ENV, DataRoot, read_parquet
 from filter_pipeline.storage.lease import LedgerBusy, ledger_lease
-from filter_pipeline.storage.publish import commit_state, complete_published
+from filter_pipeline.storage.publish import STAGING_DIR, commit_state, complete_published
 
 EXIT_RUN_FAILED = 1
 EXIT_BAD_INPUT = 2  # (main.py maps CliError, ValueError and HistoryError to it)
@@ -214,10 +214,10 @@ def materialize(args: argparse.Namespace, signals: Signals | None = None) -> int
     if judge.kind == "llm":
         judge.settings()  # missing FILTER_JUDGE_BASE_URL / MODEL: say so before any run starts
     load_retired(data.root)  # a broken retired.json fails here, before anything is written
-    _complete_publishes(data)
     refused: list[str] = []
     run_ids = _in_ledger_order(data, _runs_to_materialize(data, args.run_ids, refused), named=bool(args.run_ids))
     instance = _instance(home)
+    _complete_publishes(data)
     for line in refused:
         print(line, file=sys.stderr, flush=True)
     _register_legacy_runs(instance, data)
@@ -304,6 +304,8 @@ def _already_filtered(result) -> str | None:
 def _complete_publishes(data: DataRoot) -> None:
     """Move into place the files of a walk killed after its commit was published (each said in one line), so
     that what this call plans from, and what users read, is whole; the walk holding the lease does it otherwise."""
+    if not (data.warehouse / STAGING_DIR).exists():
+        return  # (no walk staged anything that was left: nothing to take the lease for)
     try:
         with ledger_lease(data.root, "filter-pipeline materialize (completing published walks)"):
             complete_published(data.root, lambda line: print(line, file=sys.stderr, flush=True))
