@@ -210,8 +210,9 @@ def step_split(home: Path) -> tuple[dict[str, float], dict[str, float]]:
             phases["parse"] = float(re.search(r" in ([0-9.]+) s", event.user_message).group(1))
         elif kind is None and event.user_message.startswith("prior index:"):
             phases["index"], marks["index"] = event.timestamp - marks[event.step_key], event.timestamp
-        elif kind is None and event.user_message.startswith("wrote ") and " files in " in event.user_message:
-            phases["write"] += float(re.search(r" in ([0-9.]+) s", event.user_message).group(1))  # the ledger's own
+        elif kind is None and event.user_message.startswith(("staged ", "committed ")) and " s" in event.user_message:
+            # the ledger's own: its files staged, then published and moved into place
+            phases["write"] += float(re.search(r" in ([0-9.]+) s", event.user_message).group(1))
         elif kind is None and event.user_message.startswith("walk:"):
             phases["walk"] = event.timestamp - marks["index"]
     return split, {name: phases[name] for name in ("parse", "index", "walk", "write")}

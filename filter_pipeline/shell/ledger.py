@@ -47,8 +47,20 @@ ORDER_MAX_WAIT_TAG = "filter_pipeline/order_max_wait_seconds"
 _WALK_INPUTS = [dg.AssetKey("judge_verdicts"), dg.AssetKey("prior_dedup_index"), dg.AssetKey("prior_kept_counts")]
 
 
+# run tag: why this run's ledger step deferred its walk to the batch sensor (shown on the run in the UI)
+DEFERRED_TAG = "filter_pipeline/deferred"
+
+
+class Deferred(Exception):
+    """The step leaves its walk to the batch sensor (the runs it waits for are stuck in the run queue behind
+    it); str(): why, in one line."""
+
+
 def _spec(name: str, description: str, deps: list, group: str = "ledger") -> dg.AssetSpec:
-    return dg.AssetSpec(name, description=description, deps=deps, group_name=group, metadata=column_schema(name))
+    # skippable: a deferred walk materializes nothing, and its run still succeeds
+    return dg.AssetSpec(
+        name, description=description, deps=deps, group_name=group, metadata=column_schema(name), skippable=True
+    )
 
 
 LEDGER_SPECS = [
@@ -158,6 +170,8 @@ def build_ledger(deployment_caps: dict) -> dg.AssetsDefinition:
                 yield from walk
         except LedgerBusy as exc:
             _retry_later(context, f"another walker holds the data root's lease ({exc})", honour_tag=False)
+        except Deferred as exc:
+            yield from _deferred(context, str(exc))
         except PublishRefused as exc:
             raise dg.Failure(description=str(exc)) from None
 
@@ -191,7 +205,7 @@ def _retry_later(context: dg.AssetExecutionContext, why: str, honour_tag: bool =
 
 def wait_for_lower_runs(context: dg.AssetExecutionContext, data: DataRoot, run_ids: list[str]) -> None:
     """Return when every run in `run_ids` may be walked now, in that order; else retry the step later, or
-    fail it at once when a run it waits for is stuck in the run queue (`_stuck_in_queue`)."""
+    raise Deferred at once when a run it waits for is stuck in the run queue (`_stuck_in_queue`)."""
     batches = complete_batches(data.runs, data.warehouse, log=None)
     committed = set(read_commits(data.warehouse)) | {b.run_id for b in batches if b.filtered}
     failed = order.read_failures(data.warehouse)
@@ -203,8 +217,19 @@ def wait_for_lower_runs(context: dg.AssetExecutionContext, data: DataRoot, run_i
             why = order.describe_wait(run_id, blockers)
             stuck = _stuck_in_queue(context.instance, blockers)
             if stuck:
-                raise dg.Failure(description=order.describe_stuck(why, run_id, stuck))
+                raise Deferred(order.describe_stuck(why, run_id, stuck))
             _retry_later(context, why)
+
+
+def _deferred(context: dg.AssetExecutionContext, why: str):
+    """A walk left to the batch sensor: the run succeeds without materializing; the reason is on the run's tag
+    `filter_pipeline/deferred`, in its log and on each check (a warning: not walked here)."""
+    context.log.warning(why)
+    context.instance.add_run_tags(context.run.run_id, {DEFERRED_TAG: why[:1000]})
+    for check in ("verdicts_conserved", "no_key_kept_twice", "caps_respected"):
+        yield dg.AssetCheckResult(
+            check_name=check, asset_key="kept", passed=False, severity=dg.AssetCheckSeverity.WARN, description=why
+        )
 
 
 def _stuck_in_queue(instance: dg.DagsterInstance, blockers: list[str]) -> dict[str, float]:
@@ -421,8 +446,12 @@ def _walk_staged(context, config, data, run_id, judge_verdicts, failure_pool, ba
                 inputs=inputs.result(),
                 unjudged=int((judge_verdicts["status"] == STATUS_ERROR).sum()),
             )
+            publishing = time.perf_counter()
             staged.publish(record, lease.confirm)
-            context.log.info(f"committed {run_id}: warehouse/{commits.COMMITS_DIR}/{run_id}.json")
+            context.log.info(
+                f"committed {run_id}: warehouse/{commits.COMMITS_DIR}/{run_id}.json (published, its files moved "
+                f"into place in {time.perf_counter() - publishing:.2f} s)"
+            )
             if order.clear_failure(data.warehouse, run_id):
                 context.log.info(f"{run_id} was walked: its recorded validation failure is removed")
     for asset, (frame, metadata) in frames.items():
