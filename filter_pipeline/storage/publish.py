@@ -208,11 +208,13 @@ def _abandoned(name: str, folder: UPath) -> bool:
     if f".{HOST}.{pid}." in name and pid.isdigit() and not alive(int(pid)):
         return True
     try:
-        modified = folder.fs.info((folder / MANIFEST).path).get("LastModified") or folder.fs.modified(folder.path)
-        seconds = modified.timestamp() if hasattr(modified, "timestamp") else float(modified)
-    except (FileNotFoundError, NotImplementedError, OSError):
+        found = folder.fs.find(folder.path, detail=True).values()
+    except (FileNotFoundError, OSError):
         return False
-    return time.time() - seconds > STALE_TEMP_SECONDS
+    # the newest file's time (S3 "LastModified", local "mtime"): a folder nothing was written to for that long
+    stamps = [info.get("LastModified") or info.get("mtime") for info in found]
+    seconds = [s.timestamp() if hasattr(s, "timestamp") else float(s) for s in stamps if s is not None]
+    return bool(seconds) and time.time() - max(seconds) > STALE_TEMP_SECONDS
 
 
 def complete_published(data_root: UPath, log: Callable[[str], None]) -> list[str]:

@@ -3,6 +3,7 @@ write conditional on the record read at the lease; a refused walk removes its ow
 killed after publishing is completed by the next launcher."""
 
 import json
+import os
 
 import pytest
 from upath import UPath
@@ -97,3 +98,17 @@ def test_a_live_walks_unpublished_files_are_left_alone(tmp_path):
     root = UPath(tmp_path)
     live, _ = stage(root, "r1", b"being walked")  # this process: alive
     assert complete_published(root, print) == [] and live.folder.exists()
+
+
+def test_an_unpublished_staging_folder_nobody_wrote_to_for_an_hour_is_removed(tmp_path):
+    from filter_pipeline.storage.files import STALE_TEMP_SECONDS
+
+    root = UPath(tmp_path)
+    other_host = tmp_path / "warehouse" / STAGING_DIR / "r1.elsewhere.42.00aa"
+    (other_host / "warehouse" / "kept").mkdir(parents=True)
+    old = other_host / "warehouse" / "kept" / "r1.parquet"
+    old.write_bytes(b"never published")
+    assert complete_published(root, print) == [] and other_host.exists()  # recent: perhaps a walk still going
+    then = old.stat().st_mtime - STALE_TEMP_SECONDS - 60
+    os.utime(old, (then, then))
+    assert complete_published(root, print) == [] and not other_host.exists()
