@@ -47,6 +47,8 @@ ORDER_MAX_WAIT_TAG = "filter_pipeline/order_max_wait_seconds"
 _WALK_INPUTS = [dg.AssetKey("judge_verdicts"), dg.AssetKey("prior_dedup_index"), dg.AssetKey("prior_kept_counts")]
 
 
+# the walk's checks on `kept` (functions of rules/checks.py of the same names)
+KEPT_CHECKS = ("verdicts_conserved", "no_key_kept_twice", "caps_respected")
 # run tag: why this run's ledger step deferred its walk to the batch sensor (shown on the run in the UI)
 DEFERRED_TAG = "filter_pipeline/deferred"
 
@@ -123,9 +125,7 @@ def build_ledger(deployment_caps: dict) -> dg.AssetsDefinition:
         ins={"judge_verdicts": dg.AssetIn(), "failure_pool": dg.AssetIn(), "batch_attempts": dg.AssetIn()},
         specs=LEDGER_SPECS,
         check_specs=[
-            blocking_check("verdicts_conserved", "kept", checks.verdicts_conserved.__doc__),
-            blocking_check("no_key_kept_twice", "kept", checks.no_key_kept_twice.__doc__),
-            blocking_check("caps_respected", "kept", checks.caps_respected.__doc__),
+            *(blocking_check(name, "kept", getattr(checks, name).__doc__) for name in KEPT_CHECKS),
         ],
     )
     def ledger(
@@ -226,7 +226,7 @@ def _deferred(context: dg.AssetExecutionContext, why: str):
     `filter_pipeline/deferred`, in its log and on each check (a warning: not walked here)."""
     context.log.warning(why)
     context.instance.add_run_tags(context.run.run_id, {DEFERRED_TAG: why[:1000]})
-    for check in ("verdicts_conserved", "no_key_kept_twice", "caps_respected"):
+    for check in KEPT_CHECKS:
         yield dg.AssetCheckResult(
             check_name=check, asset_key="kept", passed=False, severity=dg.AssetCheckSeverity.WARN, description=why
         )
@@ -302,7 +302,7 @@ def _already_filtered(context: dg.AssetExecutionContext, record: CommitRecord):
             metadata={"already_filtered": why, "dagster/row_count": int(entry.get("rows") or 0),
                       "sha256": entry.get("sha256", ""), "caps_source": record.caps_source},
         )  # fmt: skip
-    for check in ("verdicts_conserved", "no_key_kept_twice", "caps_respected"):
+    for check in KEPT_CHECKS:
         yield dg.AssetCheckResult(
             check_name=check, asset_key="kept", passed=True, description=f"held in the committed walk; {why}"
         )
