@@ -34,6 +34,8 @@ from upath import UPath
 from filter_pipeline.rules import commits
 from filter_pipeline.rules.history import verified_bytes
 from filter_pipeline.rules.schemas import key_hash
+from filter_pipeline.storage.files import input_fingerprints
+from filter_pipeline.storage.publish import write_commit
 
 REPO = Path(__file__).resolve().parent.parent
 ELEMENTS = ["#add", "#buy", "#send", "input[name=q]", "#save"]
@@ -111,7 +113,7 @@ def commit_history_run(out: Path, run_id: str) -> None:
         kept_keys=0, caps={"per_site_cap": 40, "caps": {}}, caps_source="run config",
         judge={"kind": "gate", "model": None, "prompt_version": None, "votes": "gate"}, history={}, inputs={}, unjudged=0,
     )  # fmt: skip
-    commits.write_commit(root / "warehouse", record)
+    write_commit(root / "warehouse", record)
 
 
 def integrity_cost(data: Path) -> dict[str, float]:
@@ -125,10 +127,10 @@ def integrity_cost(data: Path) -> dict[str, float]:
             verified_bytes(root, run_id, record.files["kept"])
     verify = time.perf_counter() - start
     start = time.perf_counter()
-    inputs = commits.input_fingerprints(root / "runs" / "new")
+    inputs = input_fingerprints(root / "runs" / "new")
     fingerprint = time.perf_counter() - start
     start = time.perf_counter()
-    commits.write_commit(root / "warehouse", records["new"])
+    write_commit(root / "warehouse", records["new"])
     write = time.perf_counter() - start
     assert inputs == records["new"].inputs
     return {"verify history": verify, "fingerprint inputs": fingerprint, "write commit": write}
@@ -208,8 +210,9 @@ def step_split(home: Path) -> tuple[dict[str, float], dict[str, float]]:
             phases["parse"] = float(re.search(r" in ([0-9.]+) s", event.user_message).group(1))
         elif kind is None and event.user_message.startswith("prior index:"):
             phases["index"], marks["index"] = event.timestamp - marks[event.step_key], event.timestamp
-        elif kind is None and event.user_message.startswith("wrote ") and " files in " in event.user_message:
-            phases["write"] += float(re.search(r" in ([0-9.]+) s", event.user_message).group(1))  # the ledger's own
+        elif kind is None and event.user_message.startswith(("staged ", "committed ")) and " s" in event.user_message:
+            # the ledger's own: its files staged, then published and moved into place
+            phases["write"] += float(re.search(r" in ([0-9.]+) s", event.user_message).group(1))
         elif kind is None and event.user_message.startswith("walk:"):
             phases["walk"] = event.timestamp - marks["index"]
     return split, {name: phases[name] for name in ("parse", "index", "walk", "write")}

@@ -23,8 +23,9 @@ import uvicorn
 from upath import UPath
 
 from filter_pipeline.review.app import create_app
-from filter_pipeline.rules.commits import CommitRecord, write_commit
+from filter_pipeline.rules.commits import CommitRecord
 from filter_pipeline.rules.schemas import SCHEMAS, parquet_bytes, to_arrow
+from filter_pipeline.storage.publish import write_commit
 
 RUN_ID = "2026-12-01"
 

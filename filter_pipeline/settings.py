@@ -38,6 +38,10 @@ DEFAULT_ORDER_MAX_WAIT_SECONDS = 4 * 3600
 # ORDER_QUEUED_SECONDS, the slots are taken (perhaps by runs waiting like this one): the step stops, so that
 # the queued run can start, and the batch sensor walks this batch in run_id order once the lower ones are.
 ORDER_QUEUED_SECONDS_ENV = "FILTER_PIPELINE_ORDER_QUEUED_SECONDS"
+# The ledger's lease on object storage: a holder that stops renewing it (dead, paused, cut off) loses it after
+# LEASE_SECONDS, and another walk may take over; a stale holder's publish is then refused (storage/publish.py).
+LEASE_SECONDS_ENV = "FILTER_PIPELINE_LEASE_SECONDS"
+DEFAULT_LEASE_SECONDS = 120
 DEFAULT_ORDER_QUEUED_SECONDS = 60
 
 # Runs whose walk left unjudged tasks are judged and walked again (by the sensor, and by a `materialize`

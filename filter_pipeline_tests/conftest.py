@@ -53,6 +53,17 @@ def cli(cli_env):
     return run
 
 
+@pytest.fixture
+def started() -> list:
+    """Processes a test started; any still running (a stopped walk after a failed assertion) is killed."""
+    procs: list[subprocess.Popen] = []
+    yield procs
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
     """moto's S3-compatible server on loopback for the whole session (skips, with the reason, if it cannot start)."""

@@ -138,6 +138,20 @@ def main(argv: list[str] | None = None) -> int:
         return review.review(args)
     if args.command == "explain":
         return explain.explain(args)
+    from filter_pipeline.cli.interrupts import Interrupted, Signals, saved_line
+
+    signals = Signals()  # before Dagster loads: a SIGTERM from now on ends with one line and status 143
+    try:
+        return _materialize(args, signals)
+    except KeyboardInterrupt:  # (between runs, or before the first one started)
+        print(saved_line(signals, None, None, False, []), file=sys.stderr, flush=True)
+        return signals.exit_status
+    except Interrupted as exc:
+        print(str(exc), file=sys.stderr, flush=True)
+        return exc.status
+
+
+def _materialize(args: argparse.Namespace, signals) -> int:
     read_first_batch_ahead(args)
     try:
         # Dagster loads while the batch is read; so does the code location, which reads its settings
@@ -151,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"filter-pipeline: {named}{one_line(exc)}", file=sys.stderr)
         return 2
     try:
-        return materialize(args)
+        return materialize(args, signals)
     except (CliError, ValueError, HistoryError) as exc:
         print(f"filter-pipeline: {one_line(exc)}", file=sys.stderr)
         return 2

@@ -13,6 +13,7 @@ import sys
 
 import dagster as dg
 
+from filter_pipeline.cli.interrupts import Interrupted, Signals, saved_line, was_interrupted
 from filter_pipeline.definitions import defs_from_env
 from filter_pipeline.judge.client import ssl_context
 from filter_pipeline.judge.resource import ENV, judge_from_env
@@ -24,7 +25,13 @@ from filter_pipeline.rules.history import load_retired
 from filter_pipeline.rules.schemas import DROPPED_REASONS, FAILURE_REASONS, STATUS_ERROR
 from filter_pipeline.shell.assets import run_id_partitions
 from filter_pipeline.shell.config import CAPS_ENV, load_caps_file, parse_caps
-from filter_pipeline.shell.jobs import ACROSS_RUNS_ASSETS, PARTITION_TAG, across_runs_job, filter_job
+from filter_pipeline.shell.jobs import (
+    ACROSS_RUNS_ASSETS,
+    FIRST_WALK_TAG,
+    PARTITION_TAG,
+    across_runs_job,
+    filter_job,
+)
 from filter_pipeline.shell.ledger import ORDER_MAX_WAIT_TAG
 from filter_pipeline.shell.sensors import (
     CALIBRATION,
@@ -36,6 +43,8 @@ from filter_pipeline.shell.sensors import (
     rejudging_due,
 )
 from filter_pipeline.shell.warehouse import DATA_ENV, DataRoot, read_parquet
+from filter_pipeline.storage.lease import LedgerBusy, ledger_lease
+from filter_pipeline.storage.publish import STAGING_DIR, commit_state, complete_published
 
 EXIT_RUN_FAILED = 1
 EXIT_BAD_INPUT = 2  # (main.py maps CliError, ValueError and HistoryError to it)
@@ -198,7 +207,8 @@ def _failed_step(result) -> str:
     return "run failed"
 
 
-def materialize(args: argparse.Namespace) -> int:
+def materialize(args: argparse.Namespace, signals: Signals | None = None) -> int:
+    signals = signals or Signals()
     # every argument and setting is checked before anything is registered, written or judged
     data = _data_root(args.data)
     caps = _caps(args)
@@ -212,6 +222,7 @@ def materialize(args: argparse.Namespace) -> int:
     refused: list[str] = []
     run_ids = _in_ledger_order(data, _runs_to_materialize(data, args.run_ids, refused), named=bool(args.run_ids))
     instance = _instance(home)
+    _complete_publishes(data)
     for line in refused:
         print(line, file=sys.stderr, flush=True)
     _register_legacy_runs(instance, data)
@@ -227,11 +238,12 @@ def materialize(args: argparse.Namespace) -> int:
         print("nothing to materialize: every complete batch is already filtered")
         if not args.run_ids and labels_changed(instance, data) is not None:
             print("labels.jsonl changed since judge_calibration was built: refreshing it", flush=True)
-            if not _refresh_across_runs(instance, caps, only=[CALIBRATION]):
+            if not _refresh_across_runs(instance, only=[CALIBRATION]):
                 return EXIT_RUN_FAILED
             _print_calibration(data)
         return 0
     _register(instance, run_ids)
+    committed = set(read_commits(data.warehouse))  # a run not committed now is asked for its first walk
     # the job is rebuilt from the environment (see cli_filter_job), so the settings travel through it
     os.environ[DATA_ENV], os.environ[ENV["kind"]] = data.path, judge.kind
     job = dg.reconstructable(cli_filter_job)
@@ -241,30 +253,41 @@ def materialize(args: argparse.Namespace) -> int:
     failed, unjudged, refreshed = 0, 0, False
     for position, run_id in enumerate(run_ids, start=1):
         last = position == len(run_ids)  # coverage and calibration once, in the last batch's run
+        # (--caps / --per-site-cap are this call's walks' caps only: coverage is the warehouse's, at the
+        # deployment's caps, so a one-off cap does not rewrite everyone's coverage; the run's report says so)
         # this call orders its own runs, so a ledger step that would wait can only be behind a run of this call
         # that failed: it fails at once, naming that run, rather than wait for the order's whole timeout
-        tags = {PARTITION_TAG: run_id, ORDER_MAX_WAIT_TAG: "0"}
+        tags = {PARTITION_TAG: run_id, ORDER_MAX_WAIT_TAG: "0", FIRST_WALK_TAG: "" if run_id in committed else run_id}
         if run_id in rejudge:
             tags.update(rejudge_tags(rejudge[run_id]))
             print(f"{run_id}: judging its unjudged tasks again (try {rejudge[run_id].try_number})", flush=True)
         # (not opened as a context manager: that initializes the resources again, to load outputs, which the
         # summary reads from the warehouse instead)
-        result = dg.execute_job(
-            job,
-            instance,
-            run_config=_run_config(caps, ops_with_caps=["ledger", "coverage"] if last else ["ledger"]),
-            tags=tags,
-            asset_selection=None if last else batch_only,
-        )
+        before = commit_state(data.warehouse, run_id)
+        try:
+            result = dg.execute_job(
+                job,
+                instance,
+                run_config=_run_config(caps, ops_with_caps=["ledger"]),
+                tags=tags,
+                asset_selection=None if last else batch_only,
+            )
+        except KeyboardInterrupt:
+            result = None
+        if result is None or (not result.success and was_interrupted(result)):
+            committed = commit_state(data.warehouse, run_id) != before
+            raise Interrupted(
+                saved_line(signals, data, run_id, committed, run_ids[: position - 1]), signals.exit_status
+            )
         if result.success:
-            print(summarize(data, run_id), flush=True)
+            print(_already_filtered(result) or summarize(data, run_id), flush=True)
             unjudged += _unjudged(data, run_id) > 0
             refreshed = last
         else:
             failed += 1
             print(f"{run_id}: FAILED ({_failure_reason(result)})", flush=True)
     if failed < len(run_ids) and not refreshed:  # the last batch's run failed, an earlier one did not
-        refreshed = _refresh_across_runs(instance, caps)
+        refreshed = _refresh_across_runs(instance)
         failed += not refreshed
     if refreshed:
         _print_across_runs(data)
@@ -277,6 +300,27 @@ def materialize(args: argparse.Namespace) -> int:
         )
         return EXIT_UNJUDGED
     return 0
+
+
+def _already_filtered(result) -> str | None:
+    """The line of a run another walk committed while this one waited (not walked again), else None."""
+    for event in result.get_asset_materialization_events():
+        said = event.step_materialization_data.materialization.metadata.get("already_filtered")
+        if said is not None:
+            return str(said.value)
+    return None
+
+
+def _complete_publishes(data: DataRoot) -> None:
+    """Move into place the files of a walk killed after its commit was published (each said in one line), so
+    that what this call plans from, and what users read, is whole; the walk holding the lease does it otherwise."""
+    if not (data.warehouse / STAGING_DIR).exists():
+        return  # (no walk staged anything that was left: nothing to take the lease for)
+    try:
+        with ledger_lease(data.root, "filter-pipeline materialize (completing published walks)"):
+            complete_published(data.root, lambda line: print(line, file=sys.stderr, flush=True))
+    except LedgerBusy:
+        pass
 
 
 def _unjudged(data: DataRoot, run_id: str) -> int:
@@ -322,14 +366,11 @@ def _run_config(caps: dict, ops_with_caps: list[str]) -> dict:
     return config
 
 
-def _refresh_across_runs(instance: dg.DagsterInstance, caps: dict, only: list[dg.AssetKey] | None = None) -> bool:
-    """Materialize coverage and judge calibration (or `only` those assets) over every run in a run of their own."""
-    with_coverage = only is None or dg.AssetKey("coverage") in only
+def _refresh_across_runs(instance: dg.DagsterInstance, only: list[dg.AssetKey] | None = None) -> bool:
+    """Materialize coverage (at the deployment's caps) and judge calibration, or `only` those assets, over every
+    run in a run of their own."""
     result = dg.execute_job(
-        dg.reconstructable(cli_across_runs_job),
-        instance,
-        run_config=_run_config(caps, ops_with_caps=["coverage"] if with_coverage else []),
-        asset_selection=only,
+        dg.reconstructable(cli_across_runs_job), instance, run_config=_run_config({}, []), asset_selection=only
     )
     if not result.success:
         names = " / ".join(k.path[-1] for k in only) if only else "coverage / judge_calibration"

@@ -28,7 +28,7 @@ import pyarrow.compute as pc
 import pyarrow.json as pa_json
 from upath import UPath
 
-from filter_pipeline.rules.commits import inputs_changed, read_commits
+from filter_pipeline.rules.commits import read_commits
 from filter_pipeline.rules.schemas import (
     canonical_key,
     canonical_texts,
@@ -39,6 +39,7 @@ from filter_pipeline.rules.schemas import (
     key_hashes,
     positions,
 )
+from filter_pipeline.storage.files import inputs_changed
 
 # fsspec protocols of a local data root; anything else is object storage (no symlinks, no rename)
 LOCAL_PROTOCOLS = ("", "file", "local")

@@ -72,10 +72,10 @@ def stuck_in_queue(queued: list[tuple[str, float]], now: float, limit: float) ->
 
 
 def describe_stuck(why: str, run_id: str, stuck: dict[str, float]) -> str:
-    """One line: why a waiting step stopped instead of waiting (`stuck`: blocker -> seconds queued)."""
+    """One line: why a waiting step deferred its walk instead of waiting (`stuck`: blocker -> seconds queued)."""
     queued = ", ".join(f"{r} (queued {seconds:.0f} s)" for r, seconds in stuck.items())
     return (
-        f"{why}; stopped instead of waiting: the run of {queued} is waiting for a run slot, which this run "
+        f"{why}; deferred instead of waiting: the run of {queued} is waiting for a run slot, which this run "
         f"would hold. The batch sensor walks {run_id} in run_id order once the lower runs are walked (with the "
         f"sensor off, materialize {run_id} again then)"
     )

@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from upath import UPath
 
-from filter_pipeline.rules.commits import COMMITS_DIR, CommitRecord, HistoryIntegrityError, inputs_changed, parse_commit
+from filter_pipeline.rules.commits import COMMITS_DIR, CommitRecord, HistoryIntegrityError, parse_commit
 from filter_pipeline.rules.filtering import Caps, MacroLimits
 from filter_pipeline.rules.history import (
     HistoryError,
@@ -33,6 +33,7 @@ from filter_pipeline.rules.history import (
     verified_bytes,
 )  # fmt: skip
 from filter_pipeline.rules.schemas import DEFAULT_PER_SITE_CAP, STATUS_ERROR, STATUS_JUDGED, read_parquet_file
+from filter_pipeline.storage.files import inputs_changed
 
 FINDING_KINDS = ("commit", "file", "duplicate", "cap", "conservation", "uncommitted", "changed")
 MAX_LINES_PER_KIND = 20  # beyond this, one line says how many more of the same kind were found

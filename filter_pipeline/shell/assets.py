@@ -25,7 +25,7 @@ from filter_pipeline.rules.schemas import (
     STATUS_JUDGED,
     type_name,
 )
-from filter_pipeline.shell.config import deployment_caps_config, run_caps_problem
+from filter_pipeline.shell.config import caps_source, deployment_caps_config, run_caps_problem
 from filter_pipeline.shell.warehouse import DataRoot, Encoding, encode_ahead, read_folder, read_parquet, write_parquet
 
 run_id_partitions = dg.DynamicPartitionsDefinition(name="run_id")
@@ -258,7 +258,9 @@ def _batch_outputs(batch, tasks: Encoding, attempts: Encoding) -> Iterable[dg.Ou
 
 
 def build_coverage(deployment_caps: dict) -> dg.AssetsDefinition:
-    """The coverage asset; its caps config defaults to `deployment_caps`, as the ledger's does."""
+    """The coverage asset; its caps config defaults to `deployment_caps`, as the ledger's does. The CLI and the
+    sensor never change them: coverage is the warehouse's, at the deployment's caps (a run config that does says
+    so in `caps_source`)."""
     caps_config = deployment_caps_config(deployment_caps)
 
     @dg.asset(
@@ -279,6 +281,7 @@ def build_coverage(deployment_caps: dict) -> dg.AssetsDefinition:
             metadata={
                 "kept": int(sites["kept"].sum()),
                 "runs": index.runs_read,
+                "caps_source": caps_source(config, deployment_caps),
                 "full_sites": int(sites["full"].sum()),
                 "short_sites": int((~sites["full"].astype(bool)).sum()),
                 "coverage": dg.MetadataValue.md(

@@ -19,6 +19,9 @@ RANGE_END_TAG = "dagster/asset_partition_range_end"
 REJUDGE_OF_TAG = "filter_pipeline/rejudge_of"
 REJUDGE_TRY_TAG = "filter_pipeline/rejudge_try"
 PRIORITY_TAG = "dagster/priority"
+# run tag: the runs a Dagster run was asked to walk for the first time (not committed when it was launched); one
+# that another walk commits while this run waits for the ledger's lease is reported as already filtered
+FIRST_WALK_TAG = "filter_pipeline/first_walk"
 
 JUDGE_GROUPS = ("batch", "judging")
 LEDGER_GROUP = "ledger"

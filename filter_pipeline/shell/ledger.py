@@ -4,8 +4,10 @@ then the run's commit record, for one run or (a single-run backfill) several in 
 Whoever launches it (the sensor, the CLI, a UI backfill in any order, another instance over the same warehouse),
 the step itself guarantees CONTRACT §4: a run's first walk waits until every lower complete batch is walked,
 retired or recorded as failed (the step asks Dagster to retry it later and walks nothing meanwhile); walks on
-one data root never overlap (the lease in `rules/lease.py`); and a run counts as filtered only once its commit
-record is written, after every file the walk derives.
+one data root never overlap (the lease in `storage/lease.py`); a run counts as filtered only once its commit
+record is published, after every file the walk derives is staged, by a write conditional on the record the walk
+read when it took the lease (`storage/publish.py`); and a run asked for its first walk that another walk
+committed meanwhile is reported as already filtered, not walked again.
 (No `from __future__ import annotations` here: Dagster reads the `context` annotation at runtime.)
 """
 
@@ -21,14 +23,23 @@ import pandas as pd
 from filter_pipeline import settings
 from filter_pipeline.rules import checks, commits, dpo, filtering, order, report
 from filter_pipeline.rules.batch import complete_batches
-from filter_pipeline.rules.commits import atomic_write, delete_commit, file_entry, read_commits, write_commit
+from filter_pipeline.rules.commits import CommitRecord, parse_commit, read_commits
 from filter_pipeline.rules.history import build_prior_index, load_retired
-from filter_pipeline.rules.lease import Lease, LedgerBusy, ledger_lease
 from filter_pipeline.rules.schemas import DROPPED_REASONS, STATUS_ERROR
 from filter_pipeline.shell.assets import blocking_check, check_result, column_schema, count_by, run_id_partitions
 from filter_pipeline.shell.config import CapsConfig, LedgerConfig, caps_source, deployment_caps_config
-from filter_pipeline.shell.jobs import PARTITION_TAG, PRIORITY_TAG
+from filter_pipeline.shell.jobs import FIRST_WALK_TAG, PARTITION_TAG, PRIORITY_TAG
 from filter_pipeline.shell.warehouse import DataRoot, encode
+from filter_pipeline.storage.files import input_fingerprints
+from filter_pipeline.storage.lease import Lease, LedgerBusy, ledger_lease
+from filter_pipeline.storage.publish import (
+    CommitState,
+    PublishRefused,
+    StagedWalk,
+    commit_state,
+    complete_published,
+    pause_point,
+)
 
 # run tag: the most seconds this run's ledger step waits for lower runs (the CLI sets 0: it orders its own runs)
 ORDER_MAX_WAIT_TAG = "filter_pipeline/order_max_wait_seconds"
@@ -36,8 +47,22 @@ ORDER_MAX_WAIT_TAG = "filter_pipeline/order_max_wait_seconds"
 _WALK_INPUTS = [dg.AssetKey("judge_verdicts"), dg.AssetKey("prior_dedup_index"), dg.AssetKey("prior_kept_counts")]
 
 
+# the walk's checks on `kept` (functions of rules/checks.py of the same names)
+KEPT_CHECKS = ("verdicts_conserved", "no_key_kept_twice", "caps_respected")
+# run tag: why this run's ledger step deferred its walk to the batch sensor (shown on the run in the UI)
+DEFERRED_TAG = "filter_pipeline/deferred"
+
+
+class Deferred(Exception):
+    """The step leaves its walk to the batch sensor (the runs it waits for are stuck in the run queue behind
+    it); str(): why, in one line."""
+
+
 def _spec(name: str, description: str, deps: list, group: str = "ledger") -> dg.AssetSpec:
-    return dg.AssetSpec(name, description=description, deps=deps, group_name=group, metadata=column_schema(name))
+    # skippable: a deferred walk materializes nothing, and its run still succeeds
+    return dg.AssetSpec(
+        name, description=description, deps=deps, group_name=group, metadata=column_schema(name), skippable=True
+    )
 
 
 LEDGER_SPECS = [
@@ -100,9 +125,7 @@ def build_ledger(deployment_caps: dict) -> dg.AssetsDefinition:
         ins={"judge_verdicts": dg.AssetIn(), "failure_pool": dg.AssetIn(), "batch_attempts": dg.AssetIn()},
         specs=LEDGER_SPECS,
         check_specs=[
-            blocking_check("verdicts_conserved", "kept", checks.verdicts_conserved.__doc__),
-            blocking_check("no_key_kept_twice", "kept", checks.no_key_kept_twice.__doc__),
-            blocking_check("caps_respected", "kept", checks.caps_respected.__doc__),
+            *(blocking_check(name, "kept", getattr(checks, name).__doc__) for name in KEPT_CHECKS),
         ],
     )
     def ledger(
@@ -127,20 +150,30 @@ def build_ledger(deployment_caps: dict) -> dg.AssetsDefinition:
         holder = f"the ledger walk of {', '.join(run_ids)} (Dagster run {context.run.run_id})"
         try:
             with ledger_lease(data.root, holder) as lease:
+                complete_published(data.root, context.log.info)  # a walk killed after publishing, completed
+                # what each run's commit record is as this walk takes the lease: its publish is conditional on it
+                read = {run_id: commit_state(data.warehouse, run_id) for run_id in run_ids}
+                meanwhile = filtered_meanwhile(context, data, read)
                 # under the lease: no other walk is half done, so which runs are committed cannot change
                 # meanwhile (a re-walk of a lower run is pending while it writes)
-                wait_for_lower_runs(context, data, run_ids)
-                if len(run_ids) == 1:
-                    walk = _walk_the_ledger(
-                        context, config, data, run_ids[0], *(f[run_ids[0]] for f in inputs), source, lease
-                    )
-                else:
-                    walk = _walk_in_order(context, config, data, run_ids, inputs, source, lease)
+                wait_for_lower_runs(context, data, [r for r in run_ids if r not in meanwhile])
+
+                def walk_one(run_id: str):
+                    if run_id in meanwhile:
+                        return _already_filtered(context, meanwhile[run_id])
+                    frames = (f[run_id] for f in inputs)
+                    return _walk_the_ledger(context, config, data, run_id, *frames, source, lease, read[run_id])
+
+                walk = walk_one(run_ids[0]) if len(run_ids) == 1 else _walk_in_order(context, run_ids, walk_one)
                 # yielded under the lease: the walk's materializations and check results are recorded before
                 # another walker can start
                 yield from walk
         except LedgerBusy as exc:
             _retry_later(context, f"another walker holds the data root's lease ({exc})", honour_tag=False)
+        except Deferred as exc:
+            yield from _deferred(context, str(exc))
+        except PublishRefused as exc:
+            raise dg.Failure(description=str(exc)) from None
 
     return ledger
 
@@ -172,7 +205,7 @@ def _retry_later(context: dg.AssetExecutionContext, why: str, honour_tag: bool =
 
 def wait_for_lower_runs(context: dg.AssetExecutionContext, data: DataRoot, run_ids: list[str]) -> None:
     """Return when every run in `run_ids` may be walked now, in that order; else retry the step later, or
-    fail it at once when a run it waits for is stuck in the run queue (`_stuck_in_queue`)."""
+    raise Deferred at once when a run it waits for is stuck in the run queue (`_stuck_in_queue`)."""
     batches = complete_batches(data.runs, data.warehouse, log=None)
     committed = set(read_commits(data.warehouse)) | {b.run_id for b in batches if b.filtered}
     failed = order.read_failures(data.warehouse)
@@ -184,8 +217,19 @@ def wait_for_lower_runs(context: dg.AssetExecutionContext, data: DataRoot, run_i
             why = order.describe_wait(run_id, blockers)
             stuck = _stuck_in_queue(context.instance, blockers)
             if stuck:
-                raise dg.Failure(description=order.describe_stuck(why, run_id, stuck))
+                raise Deferred(order.describe_stuck(why, run_id, stuck))
             _retry_later(context, why)
+
+
+def _deferred(context: dg.AssetExecutionContext, why: str):
+    """A walk left to the batch sensor: the run succeeds without materializing; the reason is on the run's tag
+    `filter_pipeline/deferred`, in its log and on each check (a warning: not walked here)."""
+    context.log.warning(why)
+    context.instance.add_run_tags(context.run.run_id, {DEFERRED_TAG: why[:1000]})
+    for check in KEPT_CHECKS:
+        yield dg.AssetCheckResult(
+            check_name=check, asset_key="kept", passed=False, severity=dg.AssetCheckSeverity.WARN, description=why
+        )
 
 
 def _stuck_in_queue(instance: dg.DagsterInstance, blockers: list[str]) -> dict[str, float]:
@@ -213,16 +257,58 @@ def judge_settings(verdicts: pd.DataFrame) -> dict:
             "votes": votes.partition("/")[2] or votes if votes else None}  # fmt: skip
 
 
-def _write(data: DataRoot, run_id: str, asset: str, frame: pd.DataFrame) -> dict:
-    """Write the asset's file of this run atomically, from bytes encoded and hashed in memory (so the hash is of
-    what was written); returns its commit entry."""
-    path = data.asset_file(asset, run_id)
+def _write(data: DataRoot, staged: StagedWalk, run_id: str, asset: str, frame: pd.DataFrame) -> dict:
+    """Stage the asset's file of this run, from bytes encoded and hashed in memory (so the hash is of what was
+    written); returns its commit entry."""
     table, content = encode(frame, asset)
-    atomic_write(path, content)
-    return file_entry(data.root, path, content, table.num_rows)
+    return staged.write(data.asset_file(asset, run_id), content, table.num_rows)
 
 
-def _walk_in_order(context, config, data: DataRoot, run_ids: list[str], inputs: list[dict], source: str, lease: Lease):
+def filtered_meanwhile(
+    context: dg.AssetExecutionContext, data: DataRoot, read: dict[str, CommitState]
+) -> dict[str, CommitRecord]:
+    """The runs this Dagster run was asked to walk for the first time that another walk committed while it
+    waited (their records). Asked for a first walk: named in the FIRST_WALK_TAG tag; without the tag (a backfill,
+    the launchpad), a run whose commit was walked after this Dagster run was created."""
+    tagged = context.run.tags.get(FIRST_WALK_TAG)
+    created = None
+    if tagged is None:
+        record = context.instance.get_run_record_by_id(context.run.run_id)
+        created = record.create_timestamp.astimezone(UTC).replace(microsecond=0) if record else None
+    found = {}
+    for run_id, state in read.items():
+        if not state.exists or (tagged is not None and run_id not in tagged.split()):
+            continue
+        path = data.warehouse / commits.COMMITS_DIR / f"{run_id}.json"
+        committed = parse_commit(path.read_bytes(), f"warehouse/{commits.COMMITS_DIR}/{run_id}.json", run_id)
+        if tagged is not None or (created is not None and datetime.fromisoformat(committed.walked_at) >= created):
+            found[run_id] = committed
+    return found
+
+
+def _already_filtered(context: dg.AssetExecutionContext, record: CommitRecord):
+    """A run committed by another walk while this one waited: said in one line, and its assets reported as that
+    walk committed them (a commit stands only when its walk's checks passed)."""
+    why = (
+        f"{record.run_id}: already filtered by another walk (committed, walked at {record.walked_at}) while this "
+        "one waited for the lease: not walked again"
+    )
+    context.log.info(why)
+    for spec in LEDGER_SPECS:
+        name = spec.key.path[-1]
+        entry = record.files.get(name, {})
+        yield dg.MaterializeResult(
+            asset_key=name,
+            metadata={"already_filtered": why, "dagster/row_count": int(entry.get("rows") or 0),
+                      "sha256": entry.get("sha256", ""), "caps_source": record.caps_source},
+        )  # fmt: skip
+    for check in KEPT_CHECKS:
+        yield dg.AssetCheckResult(
+            check_name=check, asset_key="kept", passed=True, description=f"held in the committed walk; {why}"
+        )
+
+
+def _walk_in_order(context, run_ids: list[str], walk_one):
     """A ranged step: each run walked on its own, lowest run_id first, written and committed before the next
     run reads history; then one materialization per asset for the whole range, and each check's result over
     all runs."""
@@ -230,7 +316,7 @@ def _walk_in_order(context, config, data: DataRoot, run_ids: list[str], inputs: 
     outcomes: dict[tuple[str, str], list[tuple[str, dg.AssetCheckResult]]] = {}
     for position, run_id in enumerate(run_ids, start=1):
         context.log.info(f"walking {run_id} ({position} of {len(run_ids)} in run_id order)")
-        for event in _walk_the_ledger(context, config, data, run_id, *(f[run_id] for f in inputs), source, lease):
+        for event in walk_one(run_id):
             if isinstance(event, dg.MaterializeResult):
                 row_count = (event.metadata or {}).get("dagster/row_count")
                 rows.setdefault(event.asset_key.path[-1], {})[run_id] = int(getattr(row_count, "value", row_count) or 0)
@@ -262,24 +348,36 @@ def _walk_the_ledger(
     failure_pool: pd.DataFrame,
     batch_attempts: pd.DataFrame,
     source: str,
-    lease: Lease | None = None,
+    lease: Lease,
+    read: CommitState,
 ):
-    """One run's walk (the caller holds the lease): history, the walk, every file derived from it written
-    atomically, their checks, then the commit record, then one materialization per asset and the checks'
-    results. `source`: where the caps came from ("deployment" or "run config"), recorded in the commit;
-    `lease`: the held lease, checked just before committing (on object storage a holder that stalled past its
-    expiry may have lost it: it must not commit)."""
+    """One run's walk (the caller holds the lease): history, the walk, every file derived from it staged, their
+    checks, then the commit record published, then one materialization per asset and the checks' results.
+    `source`: where the caps came from ("deployment" or "run config"), recorded in the commit; `read`: the run's
+    commit record as read when the lease was taken, which the publish is conditional on (on object storage a
+    holder that stalled past its lease may have lost it to a walk that committed: it must not publish)."""
+    staged = StagedWalk(data.root, read)
+    try:
+        yield from _walk_staged(context, config, data, run_id, judge_verdicts, failure_pool, batch_attempts, source,
+                                lease, staged)  # fmt: skip
+    finally:
+        staged.discard()  # (nothing left once published; a walk that failed or was refused leaves nothing either)
+
+
+def _walk_staged(context, config, data, run_id, judge_verdicts, failure_pool, batch_attempts, source, lease, staged):
+    """`_walk_the_ledger`'s body: its files written to `staged`."""
     # two threads beside the walk (hashlib, Arrow and fsync run without the GIL): the inputs' hashes, the checks,
     # then the encoding and writing of the files
     with ThreadPoolExecutor(max_workers=2, thread_name_prefix="ledger") as alongside:
         # the inputs' hashes, for telling later whether the batch changed since it was filtered
-        inputs = alongside.submit(commits.input_fingerprints, data.run_dir(run_id))
+        inputs = alongside.submit(input_fingerprints, data.run_dir(run_id))
         retired = load_retired(data.root)
         index = build_prior_index(data.root, run_id, judge_verdicts[["dedup_key", "key_hash"]], retired)
         context.log.info(
             f"prior index: {index.rows_read} kept rows of {index.runs_read} other runs; "
             f"{len(index.keys)} of them share a key with this batch"
         )
+        pause_point("history_read")
         caps = config.to_caps()
         result = filtering.walk_ledger(judge_verdicts, index.keys, index.counts, caps, run_id)
         context.log.info(f"walk: kept {len(result.kept)}, surplus {len(result.surplus)}")
@@ -291,17 +389,16 @@ def _walk_the_ledger(
             ("no_key_kept_twice", "kept"): alongside.submit(checks.no_key_kept_twice, result.kept, index.keys),
             ("caps_respected", "kept"): alongside.submit(checks.caps_respected, result.kept, index.counts, caps),
         }
-        # from here on the run is pending until committed again (not before: a walk that fails on history
-        # leaves an already filtered run's commit, and so its place in everyone's history, as it was)
-        delete_commit(data.warehouse, run_id)
+        # staged: the committed files and record of the run, if any, stay as they are until the publish
         writing = time.perf_counter()
         # the walk's own files encoded, hashed and written beside the DPO pairs and the report (each write
         # waits on its fsyncs, not on the GIL)
         written = {
-            asset: alongside.submit(_write, data, run_id, asset, frame)
+            asset: alongside.submit(_write, data, staged, run_id, asset, frame)
             for asset, frame in (("prior_dedup_index", index.keys), ("prior_kept_counts", index.counts),
                                  ("kept", result.kept), ("surplus", result.surplus))
         }  # fmt: skip
+        written["kept"].add_done_callback(lambda _: pause_point("files_staged"))
         pairs = dpo.dpo_pairs(result.kept, failure_pool, include_judge_failures=config.include_judge_failures)
         figures = report.figures(batch_attempts, judge_verdicts, failure_pool, result.kept, result.surplus)
         images = report.charts(figures)
@@ -328,13 +425,12 @@ def _walk_the_ledger(
             ),  # fmt: skip
         }
         for asset in ("dpo_pairs", "filter_report"):
-            written[asset] = alongside.submit(_write, data, run_id, asset, frames[asset][0])
+            written[asset] = alongside.submit(_write, data, staged, run_id, asset, frames[asset][0])
         page = data.warehouse / "filter_report_html" / f"{run_id}.html"
         html = report.html(figures, images, run_id).encode()
-        atomic_write(page, html)
-        files = {asset: future.result() for asset, future in written.items()}
-        files["filter_report_html"] = file_entry(data.root, page, html, 0)
-        context.log.info(f"wrote {len(files)} files in {time.perf_counter() - writing:.2f} s")
+        files = {"filter_report_html": staged.write(page, html, 0)}
+        files.update({asset: future.result() for asset, future in written.items()})
+        context.log.info(f"staged {len(files)} files in {time.perf_counter() - writing:.2f} s")
         frames["filter_report"][1]["html"] = dg.MetadataValue.path(str(page))
         outcomes = {key: future.result() for key, future in pending.items()}
         if all(outcome.passed for outcome in outcomes.values()):
@@ -351,10 +447,12 @@ def _walk_the_ledger(
                 inputs=inputs.result(),
                 unjudged=int((judge_verdicts["status"] == STATUS_ERROR).sum()),
             )
-            if lease is not None:
-                lease.check()
-            write_commit(data.warehouse, record)
-            context.log.info(f"committed {run_id}: warehouse/{commits.COMMITS_DIR}/{run_id}.json")
+            publishing = time.perf_counter()
+            staged.publish(record, lease.confirm)
+            context.log.info(
+                f"committed {run_id}: warehouse/{commits.COMMITS_DIR}/{run_id}.json (published, its files moved "
+                f"into place in {time.perf_counter() - publishing:.2f} s)"
+            )
             if order.clear_failure(data.warehouse, run_id):
                 context.log.info(f"{run_id} was walked: its recorded validation failure is removed")
     for asset, (frame, metadata) in frames.items():

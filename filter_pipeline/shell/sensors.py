@@ -22,6 +22,7 @@ from filter_pipeline.rules.commits import CommitRecord, read_commits
 from filter_pipeline.rules.history import load_retired
 from filter_pipeline.shell.assets import LABELS_FINGERPRINT, labels_bytes, run_id_partitions
 from filter_pipeline.shell.jobs import (
+    FIRST_WALK_TAG,
     PARTITION_TAG,
     RANGE_END_TAG,
     RANGE_START_TAG,
@@ -259,7 +260,14 @@ def build_batch_sensor() -> dg.SensorDefinition:
         to_register, to_judge, to_walk, why = plan_tick(batches, registered, busy, failed_ledger, failed, retired)
         requests = [dg.RunRequest(job_name=JUDGE_JOB, partition_key=r, run_key=r) for r in to_judge]
         if to_walk is not None:
-            requests.append(dg.RunRequest(job_name=LEDGER_JOB, partition_key=to_walk, run_key=ledger_run_key(to_walk)))
+            requests.append(
+                dg.RunRequest(
+                    job_name=LEDGER_JOB,
+                    partition_key=to_walk,
+                    run_key=ledger_run_key(to_walk),
+                    tags={FIRST_WALK_TAG: to_walk},  # (plan_tick walks only batches not yet filtered)
+                )
+            )
         for item in rejudging_due(instance, commits, busy | {to_walk} | set(to_judge)):
             context.log.info(
                 f"{item.run_id}: {commits[item.run_id].unjudged} unjudged tasks, judging again (try {item.try_number})"

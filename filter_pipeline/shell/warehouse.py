@@ -20,7 +20,6 @@ from pydantic import Field
 from upath import UPath
 
 from filter_pipeline.rules.batch import LOCAL_PROTOCOLS, local_signature
-from filter_pipeline.rules.commits import replace_locally
 from filter_pipeline.rules.schemas import (
     SCHEMAS,
     conforms,
@@ -30,6 +29,7 @@ from filter_pipeline.rules.schemas import (
     to_pandas,
 )
 from filter_pipeline.settings import DATA_ENV, DEFAULT_DATA, ENDPOINT_ENV, data_path
+from filter_pipeline.storage.files import replace_locally
 
 
 class DataRoot(dg.ConfigurableResource):
@@ -127,7 +127,7 @@ def encode(frame: pd.DataFrame, asset: str) -> tuple[pa.Table, pa.Buffer]:
 
 def write_atomically(path: UPath, write) -> tuple[int, int] | None:
     """Call `write(file)` so that readers of `path` see the old file or the new one, never a partial one.
-    Returns the (size, mtime_ns) of the file as written on local disk (`commits.replace_locally`); None on
+    Returns the (size, mtime_ns) of the file as written on local disk (`storage.files.replace_locally`); None on
     object stores, which make a single PUT visible atomically."""
     if not isinstance(path.fs, LocalFileSystem):  # (also: object stores have no rename)
         path.parent.mkdir(parents=True, exist_ok=True)

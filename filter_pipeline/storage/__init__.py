@@ -1,2 +1,4 @@
-"""The storage room: how the stage writes to the data root safely (locks, leases, commit records, atomic and
-conditional writes, appends to shared files such as labels.jsonl), on local disk and on object storage."""
+"""The storage room: the one place that touches the data root's files. It holds the lease (one walk at a time per
+data root), atomic writes, commit records written conditionally, the staged publish of a walk's files (nothing a walk
+writes is visible in the folders users read until its commit record stands) and the appends to shared files such as
+labels.jsonl; local disk and object storage are told apart here, once."""

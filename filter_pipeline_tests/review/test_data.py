@@ -12,8 +12,9 @@ from upath import UPath
 
 from filter_pipeline.review.data import ReviewError, Warehouse, page
 from filter_pipeline.review.story import story
-from filter_pipeline.rules.commits import CommitRecord, write_commit
+from filter_pipeline.rules.commits import CommitRecord
 from filter_pipeline.rules.schemas import SCHEMAS, parquet_bytes, to_arrow
+from filter_pipeline.storage.publish import write_commit
 
 TASKS = ["k", "d", "c", "jf", "u", "ef"]  # kept, duplicate, site_cap, judge_fail, unjudged, execute failures only
 

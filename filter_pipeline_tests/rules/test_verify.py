@@ -6,9 +6,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from upath import UPath
 
-from filter_pipeline.rules import commits
 from filter_pipeline.rules.schemas import to_arrow
 from filter_pipeline.rules.verify import audit
+from filter_pipeline.storage.files import input_fingerprints
 from filter_pipeline_tests.builders import (
     attempt,
     commit_files,
@@ -113,7 +113,7 @@ def test_an_uncommitted_kept_file_and_an_unreadable_commit_are_found(tmp_path):
 
 def test_a_batch_changed_since_it_was_filtered_is_found(tmp_path):
     run = write_batch(tmp_path, "r1", [task("a")], [attempt("a")])
-    committed_run(tmp_path, "r1", [("a", ["k", 1], "m", "s")], inputs=commits.input_fingerprints(run))
+    committed_run(tmp_path, "r1", [("a", ["k", 1], "m", "s")], inputs=input_fingerprints(run))
     assert lines(tmp_path) == []
     write_batch(tmp_path, "r1", [task("a"), task("b")], [attempt("a")])
     assert lines(tmp_path) == [

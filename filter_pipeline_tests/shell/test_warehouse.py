@@ -16,11 +16,11 @@ from upath import UPath
 
 from filter_pipeline.definitions import build_defs
 from filter_pipeline.judge.resource import JudgeResource
-from filter_pipeline.rules import commits
 from filter_pipeline.rules.schemas import SCHEMAS, conform, empty_frame, to_arrow
 from filter_pipeline.shell import warehouse
 from filter_pipeline.shell.jobs import ACROSS_RUNS_ASSETS
 from filter_pipeline.shell.warehouse import DataRoot, read_parquet, write_parquet
+from filter_pipeline.storage import files
 from filter_pipeline_tests.builders import attempt, jsonl, task, write_batch, write_legacy_kept
 
 
@@ -92,7 +92,7 @@ def test_local_write_is_atomic_and_cleans_temp_files_of_a_killed_write(tmp_path,
     write_parquet(to_arrow(empty_frame("kept"), "kept"), target)
     stale = tmp_path / "kept" / ".r1.parquet.deadbeef.tmp"
     stale.write_bytes(b"half a parquet file")
-    old = time.time() - commits.STALE_TEMP_SECONDS - 60
+    old = time.time() - files.STALE_TEMP_SECONDS - 60
     os.utime(stale, (old, old))  # left by a write killed over an hour ago
 
     def dies_midway(f):
@@ -169,8 +169,8 @@ def test_a_dead_writers_temp_file_goes_at_once_and_a_live_ones_stays(tmp_path):
     (tmp_path / "kept").mkdir()
     finished = subprocess.Popen(["true"])
     finished.wait()  # its pid no longer runs
-    dead = tmp_path / "kept" / f".r1.parquet.{commits.HOST}.{finished.pid}.00ff.tmp"
-    live = tmp_path / "kept" / f".r1.parquet.{commits.HOST}.{os.getpid()}.00ee.tmp"
+    dead = tmp_path / "kept" / f".r1.parquet.{files.HOST}.{finished.pid}.00ff.tmp"
+    live = tmp_path / "kept" / f".r1.parquet.{files.HOST}.{os.getpid()}.00ee.tmp"
     dead.write_bytes(b"half a file")
     live.write_bytes(b"half a file")
     write_parquet(to_arrow(empty_frame("kept"), "kept"), target)

@@ -9,6 +9,8 @@ process, Dagster instance or machine runs it (CONTRACT §4 "walks never overlap 
   `If-None-Match: *`), naming its holder and an expiry; a heartbeat thread renews it (`If-Match` its own
   ETag) well before it expires. A lease past its expiry (its holder died or lost its network) is taken
   over with a write conditional on the old ETag, so of two takers exactly one wins. It is deleted at the end.
+  A lease alone cannot stop a holder that was paused past its expiry: what it writes is fenced by the
+  conditional publish of `storage/publish.py`.
 
 Pure: no Dagster.
 """
@@ -27,12 +29,12 @@ from datetime import UTC, datetime
 from fsspec.implementations.local import LocalFileSystem
 from upath import UPath
 
-from filter_pipeline.rules.commits import atomic_write
+from filter_pipeline import settings
+from filter_pipeline.storage.files import atomic_write
 
 LOCK_FILE = "_ledger.lock"
 HOLDER_FILE = "_ledger.holder.json"
 LEASE_FILE = "_ledger.lease"
-DEFAULT_TTL_SECONDS = 120.0  # a dead holder's lease on object storage blocks walks for at most this long
 DEFAULT_WAIT_SECONDS = 3600.0
 POLL_SECONDS = 1.0
 
@@ -64,24 +66,38 @@ def _describe(where: str, record: dict | None) -> str:
     )
 
 
-class Lease:
-    """A held ledger lease. `check()` raises LeaseLost if it was lost meanwhile (object storage only)."""
+def default_ttl_seconds() -> float:
+    """How long a lease on object storage lasts unless renewed (FILTER_PIPELINE_LEASE_SECONDS)."""
+    return float(max(1, settings.int_setting(settings.LEASE_SECONDS_ENV, settings.DEFAULT_LEASE_SECONDS)))
 
-    def __init__(self):
+
+class Lease:
+    """A held ledger lease. `check()` raises LeaseLost if it is known lost (object storage only); `confirm()`
+    reads the lease again from the store first."""
+
+    def __init__(self, still_ours: Callable[[], bool] | None = None):
         self.lost: str | None = None
+        self._still_ours = still_ours
 
     def check(self) -> None:
         if self.lost:
             raise LeaseLost(self.lost)
 
+    def confirm(self) -> None:
+        self.check()
+        if self._still_ours is not None and not self._still_ours():
+            self.lost = "the ledger lease was taken over by another walk after it expired"
+            self.check()
+
 
 @contextmanager
-def ledger_lease(data_root: UPath, holder: str, ttl_seconds: float = DEFAULT_TTL_SECONDS) -> Iterator[Lease]:
+def ledger_lease(data_root: UPath, holder: str, ttl_seconds: float | None = None) -> Iterator[Lease]:
     """Exclusive across processes, instances and machines on one data root; raises LedgerBusy at once if held.
 
     `holder`: who walks (e.g. "run r1 (dagster run 1a2b...)"), shown to whoever finds the ledger busy.
     """
     warehouse = data_root / "warehouse"
+    ttl_seconds = ttl_seconds or default_ttl_seconds()
     if isinstance(warehouse.fs, LocalFileSystem):
         with _local_lock(warehouse, holder) as lease:
             yield lease
@@ -103,7 +119,7 @@ def acquire_or_wait(
     holder: str,
     wait_seconds: float = DEFAULT_WAIT_SECONDS,
     log: Callable[[str], None] | None = None,
-    ttl_seconds: float = DEFAULT_TTL_SECONDS,
+    ttl_seconds: float | None = None,
     poll_seconds: float = POLL_SECONDS,
 ) -> Iterator[Lease]:
     """`ledger_lease`, waiting up to `wait_seconds` while another walk holds it (said once to `log`);
@@ -228,8 +244,15 @@ def _object_lease(warehouse: UPath, holder: str, ttl_seconds: float) -> Iterator
     fs, path, where = warehouse.fs, (warehouse / LEASE_FILE).path, _object_where(warehouse)
     etag = _take(fs, path, holder, ttl_seconds, where)
     since = _now_iso()
-    lease = Lease()
     state = {"etag": etag}
+
+    def still_ours() -> bool:
+        try:
+            return _etag(fs.info(path, refresh=True)) == state["etag"]
+        except FileNotFoundError:
+            return False
+
+    lease = Lease(still_ours)
     stop = threading.Event()
 
     def heartbeat() -> None:

@@ -9,13 +9,13 @@ import time
 import pytest
 from upath import UPath
 
-from filter_pipeline.rules import lease
-from filter_pipeline.rules.lease import LEASE_FILE, LedgerBusy, acquire_or_wait, ledger_lease
+from filter_pipeline.storage import lease
+from filter_pipeline.storage.lease import LEASE_FILE, LedgerBusy, acquire_or_wait, ledger_lease
 
 HOLD = """
 import sys, time
 from upath import UPath
-from filter_pipeline.rules.lease import ledger_lease
+from filter_pipeline.storage.lease import ledger_lease
 with ledger_lease(UPath(sys.argv[1]), "run r1 (test holder)"):
     print("held", flush=True)
     time.sleep(600)

@@ -1,0 +1,103 @@
+"""Ctrl-C and SIGTERM during `filter-pipeline materialize`: one line saying what was saved and that a rerun
+resumes, and the shell's exit status for the signal (130 for SIGINT, 143 for SIGTERM).
+
+Dagster's execution turns SIGINT into an interrupt of the running step; SIGTERM is turned into SIGINT here so that
+both stop a run the same way (the judge's saved verdicts stay, a walk never half-published).
+"""
+
+import os
+import signal
+
+# (nothing heavier here: main.py installs the handler before Dagster is imported)
+
+INTERRUPT_ERRORS = ("DagsterExecutionInterruptedError", "KeyboardInterrupt")
+
+
+class Interrupted(Exception):
+    """A run of this call was interrupted: the one line to print, and the exit status."""
+
+    def __init__(self, line: str, status: int):
+        super().__init__(line)
+        self.status = status
+
+
+class Signals:
+    """Which signal stopped this process. SIGTERM is delivered as SIGINT, which Dagster's execution handles
+    (Dagster itself points SIGTERM at its SIGINT handler while it runs); the signal's number is told by the
+    wakeup file descriptor, which the interpreter writes whichever Python handler is installed."""
+
+    def __init__(self):
+        self.received: int | None = None
+        self._read, write = os.pipe()
+        for descriptor in (self._read, write):
+            os.set_blocking(descriptor, False)
+        signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        signal.signal(signal.SIGTERM, self._terminate)
+
+    def _terminate(self, signum: int, _frame) -> None:
+        self.received = signum
+        os.kill(os.getpid(), signal.SIGINT)
+
+    @property
+    def signum(self) -> int:
+        try:
+            seen = os.read(self._read, 1024)
+        except BlockingIOError:
+            seen = b""
+        if signal.SIGTERM in seen:
+            self.received = signal.SIGTERM
+        return self.received or signal.SIGINT
+
+    @property
+    def exit_status(self) -> int:
+        """The shell's status for death by this signal: 128 + its number."""
+        return 128 + self.signum
+
+    def name(self) -> str:
+        return signal.Signals(self.signum).name
+
+
+def was_interrupted(result) -> bool:
+    """Whether an execute_job result failed because its run was interrupted."""
+    for event in result.all_events:
+        if event.event_type_value != "STEP_FAILURE":
+            continue
+        error = event.step_failure_data.error
+        while error is not None:
+            if error.cls_name in INTERRUPT_ERRORS:
+                return True
+            error = error.cause
+    return False
+
+
+def verdicts_saved(data, run_id: str) -> int:
+    """The judge's verdicts of `run_id` on disk (`data`: the DataRoot): its judge_verdicts file, else the parts saved as they arrived."""
+    done = data.asset_file("judge_verdicts", run_id)
+    if done.exists():
+        return _rows(done)
+    progress = data.warehouse / "_judge_progress" / run_id
+    return sum(_rows(p) for p in progress.glob("*.parquet")) if progress.exists() else 0
+
+
+def _rows(path) -> int:
+    import pyarrow.parquet as pq
+
+    try:
+        with path.open("rb") as f:
+            return pq.ParquetFile(f).metadata.num_rows
+    except (OSError, ValueError):
+        return 0
+
+
+def saved_line(signals: Signals, data, run_id: str | None, committed: bool, done: list[str]) -> str:
+    """The one line for an interrupt while `run_id` was materialized (None: between runs)."""
+    earlier = f"; {', '.join(done)} finished before it" if done else ""
+    if run_id is None:
+        what = f"interrupted by {signals.name()} before a run started{earlier}"
+    else:
+        walk = "its walk committed" if committed else "its walk not committed (nothing of it published)"
+        what = (
+            f"interrupted by {signals.name()} during {run_id}: {verdicts_saved(data, run_id)} judge verdicts saved, "
+            f"{walk}{earlier}"
+        )
+    return f"filter-pipeline: {what}; run `filter-pipeline materialize` again to resume from what was saved"

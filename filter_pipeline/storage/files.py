@@ -1,0 +1,137 @@
+"""Files on the data root written so that readers never see a part: atomic writes (a temp file renamed over
+the target on local disk, fsynced; one PUT on object storage), temp files a killed writer left, and the
+fingerprints that tell whether a batch's input files changed since its commit (CONTRACT §4)."""
+
+import hashlib
+import os
+import socket
+import time
+import uuid
+
+from fsspec.implementations.local import LocalFileSystem
+from upath import UPath
+
+from filter_pipeline.rules.commits import HASH_CHUNK, INPUT_FILES
+
+HOST = socket.gethostname()
+STALE_TEMP_SECONDS = 3600
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_temps(folder: str, prefix: str) -> None:
+    """Temp files a killed earlier write of the same target left: its writer ran on this host and is gone,
+    or nobody touched the file for STALE_TEMP_SECONDS (a live writer's file is left alone)."""
+    for name in os.listdir(folder):
+        if not (name.startswith(prefix) and name.endswith(".tmp")):
+            continue
+        host, _, rest = name[len(prefix) :].partition(".")
+        pid = rest.partition(".")[0]
+        path = os.path.join(folder, name)
+        try:
+            dead = host == HOST and pid.isdigit() and not alive(int(pid))
+            if dead or time.time() - os.stat(path).st_mtime > STALE_TEMP_SECONDS:
+                os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+def atomic_write(path: UPath, data) -> None:
+    """Write `data` to `path` so that readers see the old content or the new, never a part. Local disk:
+    `replace_locally`, the folder fsynced too so the rename survives a crash. Object stores make a single PUT
+    visible atomically."""
+    if not isinstance(path.fs, LocalFileSystem):  # (`data`: bytes or any buffer, e.g. an Arrow buffer)
+        path.fs.pipe_file(path.path, data if isinstance(data, bytes) else memoryview(data).tobytes())
+        return
+    replace_locally(path.path, lambda f: f.write(data), sync_folder=True)
+
+
+def replace_locally(target: str, write, sync_folder: bool) -> os.stat_result:
+    """Call `write(file)` on a hidden temp file beside the local file `target` (named after this host and
+    pid, so a later write can tell a dead writer's file from a live one's; temp files a killed earlier write
+    left are removed first), fsync it and rename it over `target`; with `sync_folder`, fsync the folder as
+    well. Returns the temp file's stat, taken before the rename (which keeps size and mtime), so another
+    process's write right after cannot be mistaken for this one."""
+    folder = os.path.dirname(target)
+    os.makedirs(folder, exist_ok=True)
+    prefix = f".{os.path.basename(target)}."
+    remove_stale_temps(folder, prefix)
+    tmp = os.path.join(folder, f"{prefix}{HOST}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        written = os.stat(tmp)
+        os.replace(tmp, target)
+        if sync_folder:
+            descriptor = os.open(folder, os.O_RDONLY)
+            try:
+                os.fsync(descriptor)
+            finally:
+                os.close(descriptor)
+        return written
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def sha256_of(path: UPath) -> str:
+    """SHA-256 of a file's bytes, read in chunks."""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def input_fingerprint(path: UPath) -> dict:
+    """What tells a later reader whether an input file changed: size and SHA-256 (and mtime_ns, so an
+    unchanged file need not be hashed again) on local disk; size and ETag on object storage."""
+    if isinstance(path.fs, LocalFileSystem):
+        stat = os.stat(path.path)
+        return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": sha256_of(path)}
+    info = path.fs.info(path.path)
+    return {"size": int(info.get("size") or 0), "etag": str(info.get("ETag") or info.get("etag") or "").strip('"')}
+
+
+def input_fingerprints(run_dir: UPath) -> dict[str, dict]:
+    """`input_fingerprint` of each input file of the batch that exists."""
+    return {name: input_fingerprint(run_dir / name) for name in INPUT_FILES if (run_dir / name).exists()}
+
+
+def inputs_changed(run_dir: UPath, recorded: dict[str, dict]) -> list[str]:
+    """The input files of a batch that differ from what its commit recorded (missing ones included). On local
+    disk a file with the recorded size and mtime is taken as unchanged; one whose mtime moved is hashed."""
+    changed = []
+    for name in sorted(set(INPUT_FILES) | set(recorded)):
+        path, then = run_dir / name, recorded.get(name)
+        if then is None:
+            continue  # (a file the commit did not know of: a producer's extra, not an input)
+        if not path.exists():
+            changed.append(name)
+            continue
+        if isinstance(path.fs, LocalFileSystem):
+            stat = os.stat(path.path)
+            if stat.st_size != then.get("size"):
+                changed.append(name)
+            elif stat.st_mtime_ns != then.get("mtime_ns") and sha256_of(path) != then.get("sha256"):
+                changed.append(name)
+            continue
+        now = input_fingerprint(path)
+        if now["size"] != then.get("size") or (then.get("etag") and now["etag"] != then.get("etag")):
+            changed.append(name)
+    return changed
+
+
+def is_local(path: UPath) -> bool:
+    """Whether `path` is on local disk (renames, fsync and flock), not an object store."""
+    return isinstance(path.fs, LocalFileSystem)

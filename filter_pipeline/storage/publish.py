@@ -1,0 +1,245 @@
+"""A walk's files staged, then published by one conditional write of its commit record (CONTRACT §4).
+
+A walk writes each file under a folder of its own, `warehouse/_staging/<run_id>.<walk>/`, mirroring where the
+file belongs (`warehouse/kept/<run_id>.parquet` is staged as `.../warehouse/kept/<run_id>.parquet`). Nothing in
+the folders users read changes while it walks. It then writes, next to its staged files, a manifest naming the
+record it publishes and the moves, and publishes: the commit record `warehouse/_commits/<run_id>.json` is
+written only if it is still what the walk read when it took the lease.
+
+- Object storage: one PUT with `If-None-Match: *` (the run had no record) or `If-Match: <ETag read>` (a re-walk).
+  A walk that stalled past its lease while another committed the run is refused by the store itself, however
+  long it stalled and wherever it stalled.
+- Local disk (and fsspec's memory store): the lease is an OS lock held for the whole walk, so no other walk
+  writes meanwhile; the record read back is compared with the one read at the start, then replaced atomically.
+
+Once the record stands, the staged files are moved into place (a rename on local disk, a server-side copy on
+object storage) and the staging folder is removed. A kill between the publish and the last move is completed by
+the next walk (`complete_published`, run under the lease before anything else). A walk whose publish is refused
+removes its own staging folder only. A commit record is never deleted: a re-walk replaces it.
+"""
+
+import hashlib
+import json
+import os
+import signal
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from upath import UPath
+
+from filter_pipeline.rules.commits import CommitRecord, commit_path, file_entry, relative
+from filter_pipeline.storage.files import HOST, STALE_TEMP_SECONDS, alive, atomic_write, is_local
+
+STAGING_DIR = "_staging"  # warehouse/_staging/<run_id>.<host>.<pid>.<uuid>/
+MANIFEST = "_publish.json"
+# fault injection for the tests of stalls and kills: "<point>:<file>" makes the walk write its pid to <file> and
+# stop itself (SIGSTOP) at <point>; the test resumes it (SIGCONT) or kills it
+PAUSE_ENV = "FILTER_PIPELINE_PAUSE_AT"
+PAUSE_POINTS = ("history_read", "files_staged", "before_publish", "published")
+
+
+class PublishRefused(Exception):
+    """The walk's commit was not published (another walk committed the run meanwhile, or its lease was lost);
+    str(): one line saying so and that its staged files were removed."""
+
+
+def pause_point(point: str) -> None:
+    """Stop this process here when PAUSE_ENV names `point` (tests reproduce a stalled or killed walk with it)."""
+    named, _, marker = os.environ.get(PAUSE_ENV, "").partition(":")
+    if named != point:
+        return
+    with open(marker, "w") as f:
+        f.write(str(os.getpid()))
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+@dataclass(frozen=True)
+class CommitState:
+    """A run's commit record as a walk read it when it took the lease: absent (version None), or its version
+    (its ETag on object storage, the SHA-256 of its bytes elsewhere)."""
+
+    run_id: str
+    version: str | None
+
+    @property
+    def exists(self) -> bool:
+        return self.version is not None
+
+
+def _object_store(path: UPath) -> bool:
+    return path.protocol in ("s3", "s3a")
+
+
+def commit_state(warehouse: UPath, run_id: str) -> CommitState:
+    """What `warehouse/_commits/<run_id>.json` is now (read fresh, no listing cache)."""
+    path = commit_path(warehouse, run_id)
+    try:
+        if _object_store(path):
+            path.fs.invalidate_cache(path.path)
+            info = path.fs.info(path.path)
+            return CommitState(run_id, str(info.get("ETag") or info.get("etag") or "").strip('"'))
+        return CommitState(run_id, hashlib.sha256(path.read_bytes()).hexdigest())
+    except FileNotFoundError:
+        return CommitState(run_id, None)
+
+
+def write_commit(warehouse: UPath, record: CommitRecord) -> None:
+    """Write a record unconditionally (atomically): for building warehouses by hand, as tests and benchmarks do.
+    A walk publishes through `StagedWalk.publish`."""
+    atomic_write(commit_path(warehouse, record.run_id), record.to_json())
+
+
+def _precondition_failed(exc: OSError) -> bool:
+    text = str(exc)
+    return isinstance(exc, FileExistsError) or "PreconditionFailed" in text or "412" in text
+
+
+def _put_commit(warehouse: UPath, record: CommitRecord, read: CommitState) -> str | None:
+    """Write the record if the run's record is still `read`; None when written, else why not."""
+    path, data = commit_path(warehouse, record.run_id), record.to_json()
+    if not _object_store(path):
+        # under the OS lock (or the process lock): nobody else writes between this read and the rename
+        if commit_state(warehouse, record.run_id) != read:
+            return "its commit record changed since this walk took the lease"
+        atomic_write(path, data)
+        return None
+    condition = {"IfMatch": read.version} if read.exists else {"mode": "create"}
+    try:
+        path.fs.pipe_file(path.path, data, **condition)
+    except OSError as exc:
+        try:
+            if path.fs.cat_file(path.path) == data:
+                return None  # written, its reply lost (a retried PUT finds its own record)
+        except FileNotFoundError:
+            pass
+        if not _precondition_failed(exc):
+            raise
+        return "another walk committed it after this walk took the lease (the store refused the conditional write)"
+    finally:
+        path.fs.invalidate_cache(path.path)
+    return None
+
+
+class StagedWalk:
+    """The files of one run's walk, staged under a folder of its own until `publish`."""
+
+    def __init__(self, data_root: UPath, read: CommitState):
+        self.data_root, self.read = data_root, read
+        self.folder = data_root / "warehouse" / STAGING_DIR / f"{read.run_id}.{HOST}.{os.getpid()}.{uuid.uuid4().hex}"
+        self.moves: dict[str, str] = {}  # staged path -> final path, both relative to the data root
+        self.published = False
+
+    def write(self, final: UPath, data, rows: int) -> dict:
+        """Stage `data` for the file `final`; its commit entry (which names `final`, where it will be)."""
+        where = relative(self.data_root, final)
+        staged = self.folder / where
+        atomic_write(staged, data)
+        self.moves[relative(self.data_root, staged)] = where
+        return file_entry(self.data_root, final, data, rows)
+
+    def publish(self, record: CommitRecord, still_held: Callable[[], None]) -> None:
+        """Publish `record` (conditional on the record read at the lease), then move the staged files into
+        place. `still_held` raises when the lease is known lost. Raises PublishRefused (its staged files removed)
+        when the record is not written."""
+        manifest = {"run_id": record.run_id, "digest": record.digest, "moves": self.moves}
+        atomic_write(self.folder / MANIFEST, json.dumps(manifest, sort_keys=True).encode())
+        try:
+            still_held()
+            pause_point("before_publish")
+            why = _put_commit(self.data_root / "warehouse", record, self.read)
+        except Exception as exc:
+            self.discard()
+            if type(exc).__name__ != "LeaseLost":
+                raise
+            why = str(exc)
+        if why is not None:
+            self.discard()
+            raise PublishRefused(
+                f"{record.run_id}: this walk was not published ({why}); it removed its own staged files only, "
+                "the commit that stands and its files are untouched"
+            )
+        self.published = True
+        pause_point("published")
+        _move_all(self.data_root, self.folder, self.moves)
+
+    def discard(self) -> None:
+        """Remove this walk's staging folder (and nothing else), unless it was published: then what its moves
+        left is the next launcher's to complete."""
+        if not self.published:
+            _remove(self.folder)
+
+
+def _remove(folder: UPath) -> None:
+    try:
+        folder.fs.rm(folder.path, recursive=True)
+    except FileNotFoundError:
+        pass
+
+
+def _move_all(data_root: UPath, folder: UPath, moves: dict[str, str]) -> None:
+    """Move each staged file into place (a file already moved is skipped), then remove the staging folder."""
+    for staged, final in moves.items():
+        _move(data_root / staged, data_root / final)
+    _remove(folder)
+
+
+def _move(staged: UPath, final: UPath) -> None:
+    if not staged.exists():
+        return  # moved already (by the walk itself, or by the launcher completing it)
+    if is_local(staged):
+        os.makedirs(os.path.dirname(final.path), exist_ok=True)
+        os.replace(staged.path, final.path)
+        descriptor = os.open(os.path.dirname(final.path), os.O_RDONLY)
+        try:
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
+        return
+    staged.fs.copy(staged.path, final.path)  # server-side on object storage; a PUT a reader sees whole
+    staged.fs.rm(staged.path)
+
+
+def _abandoned(name: str, folder: UPath) -> bool:
+    """Whether an unpublished staging folder's walk is gone: its process on this host is dead, or the folder
+    is older than STALE_TEMP_SECONDS (a walk paused past its lease may still resume and must find its files)."""
+    pid = name.rsplit(".", 2)[-2] if name.count(".") >= 3 else ""
+    if f".{HOST}.{pid}." in name and pid.isdigit() and not alive(int(pid)):
+        return True
+    try:
+        found = folder.fs.find(folder.path, detail=True).values()
+    except (FileNotFoundError, OSError):
+        return False
+    # the newest file's time (S3 "LastModified", local "mtime"): a folder nothing was written to for that long
+    stamps = [info.get("LastModified") or info.get("mtime") for info in found]
+    seconds = [s.timestamp() if hasattr(s, "timestamp") else float(s) for s in stamps if s is not None]
+    return bool(seconds) and time.time() - max(seconds) > STALE_TEMP_SECONDS
+
+
+def complete_published(data_root: UPath, log: Callable[[str], None]) -> list[str]:
+    """Under the lease: finish the moves of every walk whose commit record stands but whose files were not all
+    moved (it was killed after publishing), and remove staging folders of walks that are gone unpublished.
+    Returns the runs whose publish was completed; says each in one line to `log`."""
+    staging = data_root / "warehouse" / STAGING_DIR
+    if not staging.exists():
+        return []
+    completed = []
+    for folder in sorted(staging.iterdir(), key=lambda p: p.name):
+        try:
+            manifest = json.loads((folder / MANIFEST).read_bytes())
+        except (FileNotFoundError, ValueError):
+            manifest = None
+        run_id = manifest["run_id"] if manifest else folder.name.partition(".")[0]
+        standing = commit_path(data_root / "warehouse", run_id)
+        try:
+            published = manifest is not None and hashlib.sha256(standing.read_bytes()).hexdigest() == manifest["digest"]
+        except FileNotFoundError:
+            published = False
+        if published:
+            _move_all(data_root, folder, manifest["moves"])
+            log(f"{run_id}: completed the publish of its committed walk (its files moved into place)")
+            completed.append(run_id)
+        elif _abandoned(folder.name, folder):
+            _remove(folder)
+    return completed

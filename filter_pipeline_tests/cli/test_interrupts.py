@@ -1,0 +1,47 @@
+"""Ctrl-C and SIGTERM during `filter-pipeline materialize`: one line saying what was saved and that a rerun
+resumes, exit 130 (SIGINT) or 143 (SIGTERM); nothing of the interrupted walk is published, and a rerun
+finishes the run."""
+
+import os
+import signal
+
+import pytest
+
+from filter_pipeline.storage.publish import STAGING_DIR
+from filter_pipeline_tests.builders import attempt, task, write_batch
+from filter_pipeline_tests.conftest import assert_verified
+from filter_pipeline_tests.test_fenced_walks import paused
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("signum, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_an_interrupted_walk_says_what_was_saved_and_exits_with_the_signals_status(
+    cli,
+    cli_env,
+    data_root,
+    tmp_path,
+    started,
+    signum,
+    status,
+):
+    tasks = [task(f"r1-{i}", site=f"site{i % 3}", key=["s", "#el", i]) for i in range(9)]
+    write_batch(data_root, "r1", tasks, [attempt(t["task_id"]) for t in tasks])
+    walk, pid = paused(["r1"], cli_env, cli_env["DAGSTER_HOME"], "history_read", tmp_path / "paused.pid", started)
+    os.kill(pid, signum)  # delivered when it resumes: in the middle of the ledger's walk
+    os.kill(pid, signal.SIGCONT)
+    out, err = walk.communicate(timeout=300)
+    assert walk.returncode == status, err[-3000:]
+    said = [line for line in err.splitlines() if line.startswith("filter-pipeline: interrupted")]
+    name = signal.Signals(signum).name
+    assert said == [
+        f"filter-pipeline: interrupted by {name} during r1: 9 judge verdicts saved, its walk not committed (nothing "
+        "of it published); run `filter-pipeline materialize` again to resume from what was saved"
+    ], err[-3000:]
+    assert "FAILED" not in out and "Traceback" not in err
+    warehouse = data_root / "warehouse"
+    assert not (warehouse / "_commits" / "r1.json").exists() and not (warehouse / "kept" / "r1.parquet").exists()
+    assert not list((warehouse / STAGING_DIR).glob("*")) if (warehouse / STAGING_DIR).exists() else True
+    again = cli()
+    assert again.returncode == 0 and "r1: judged 9, unjudged 0, kept 9" in again.stdout, again.stderr[-3000:]
+    assert_verified(data_root)

@@ -1,0 +1,52 @@
+"""Files on the data root (CONTRACT §4): atomic writes that a kill cannot leave half done, and the fingerprints
+that tell whether a batch's inputs changed since its commit."""
+
+import os
+import subprocess
+import sys
+
+from upath import UPath
+
+from filter_pipeline.storage import files
+
+
+def test_a_writer_killed_midway_leaves_the_old_file_and_its_temp_file_is_removed_by_the_next_write(tmp_path):
+    target = UPath(tmp_path) / "f.json"
+    files.atomic_write(target, b"old")
+    script = (
+        "import os, sys; from upath import UPath; from filter_pipeline.storage import files\n"
+        "real = os.replace\n"
+        "os.replace = lambda *a: os._exit(9)  # killed between the temp file and the rename\n"
+        f"files.atomic_write(UPath({str(target)!r}), b'new')\n"
+    )
+    assert subprocess.run([sys.executable, "-c", script]).returncode == 9
+    assert target.read_bytes() == b"old"
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] != []
+    files.atomic_write(target, b"newer")
+    assert target.read_bytes() == b"newer"
+    assert [p.name for p in tmp_path.iterdir()] == ["f.json"]
+
+
+def test_changed_inputs_are_told_by_size_or_content_not_by_a_touch(tmp_path):
+    run = UPath(tmp_path) / "runs" / "r1"
+    run.mkdir(parents=True)
+    (run / "tasks.jsonl").write_text('{"task_id": "a"}\n')
+    (run / "executions.jsonl").write_text('{"task_id": "a", "attempt": 1}\n')
+    recorded = files.input_fingerprints(run)
+    assert files.inputs_changed(run, recorded) == []
+    os.utime((run / "tasks.jsonl").path, ns=(1, 1))  # touched, same bytes
+    assert files.inputs_changed(run, recorded) == []
+    (run / "tasks.jsonl").write_text('{"task_id": "b"}\n')  # same size, other bytes
+    assert files.inputs_changed(run, recorded) == ["tasks.jsonl"]
+    (run / "executions.jsonl").unlink()
+    assert files.inputs_changed(run, recorded) == ["executions.jsonl", "tasks.jsonl"]
+
+
+def test_changed_inputs_on_s3_are_told_by_etag(s3_server, s3_bucket):
+    run = UPath(f"s3://{s3_bucket}/data/runs/r1", endpoint_url=s3_server.endpoint, use_listings_cache=False)
+    (run / "tasks.jsonl").write_text('{"task_id": "a"}\n')
+    (run / "executions.jsonl").write_text("{}\n")
+    recorded = files.input_fingerprints(run)
+    assert recorded["tasks.jsonl"]["etag"] and files.inputs_changed(run, recorded) == []
+    (run / "tasks.jsonl").write_text('{"task_id": "b"}\n')
+    assert files.inputs_changed(run, recorded) == ["tasks.jsonl"]
