@@ -15,6 +15,7 @@ from filter_pipeline.definitions import build_defs
 from filter_pipeline.judge import client as llm_judge
 from filter_pipeline.judge import driver
 from filter_pipeline.judge import prompt as judge_prompt
+from filter_pipeline.judge.config import LLMJudgeConfig
 from filter_pipeline.judge.resource import judge_from_env
 from filter_pipeline.rules import filtering, report
 from filter_pipeline_tests.builders import attempt, parse, rows, task, write_batch
@@ -106,12 +107,13 @@ def test_prompts_are_built_as_request_slots_free_up(tmp_path):
                     excess.append((built[0], len(server.calls)))
             return judge_prompt.messages_for_attempt(*args)
 
-        settings = llm_judge.LLMSettings(base_url=server.base_url, model="judge-test", votes=1, concurrency=concurrency)
-        result = driver.drive(
-            requests, lambda: llm_judge.JudgeClient(settings), concurrency, UPath(tmp_path), lambda line: [],
-            judge_prompt.PromptSettings(), ["judge-test", 1, 0.0], driver.reusable_verdicts(None, None)[0],
+        config = LLMJudgeConfig(base_url=server.base_url, model="judge-test", votes=1, concurrency=concurrency)
+        job = driver.DriveJob(
+            requests=requests, config=config, data_root=UPath(tmp_path), record_steps=lambda line: [],
+            reusable=driver.reusable_verdicts(None, None)[0], client_factory=lambda: llm_judge.JudgeClient(config),
             build=counting_build,
         )  # fmt: skip
+        result = driver.drive(job)
     assert built[0] == n and len(server.calls) == n
     assert excess == []
     assert 0 < result.stats.peak_outstanding <= 2 * concurrency
