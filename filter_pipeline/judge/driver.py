@@ -4,7 +4,7 @@
   `2 x concurrency` prompts are built and not yet answered at any time: memory does not grow with the batch.
 - A prompt whose cache key was already answered (the previous materialization, saved progress) is not
   asked; identical prompts within the batch are asked once, the verdict copied (`deduplicated`).
-- Verdicts are saved as they arrive, every `save_every` verdicts or `save_every_seconds`, as Parquet parts
+- Verdicts are saved as they arrive, every `save_every_verdicts` or `save_every_seconds`, as Parquet parts
   in a progress folder; a killed run's next materialization reuses them by cache key.
 - `EndpointRefused` from the client stops everything: what was answered is saved, then it propagates.
 
