@@ -14,126 +14,113 @@ from filter_pipeline.judge.prompt import PROMPT_VERSION
 from filter_pipeline.settings import JUDGE_KIND_ENV
 
 
-def _env(name: str) -> dict:
-    return {"env": name}
+def _setting(default, description: str, env: str | None = None, **constraints):
+    """A field whose description names its environment variable, kept beside it for `config_from_env`."""
+    if env is None:
+        return Field(default=default, description=description, **constraints)
+    return Field(
+        default=default, description=f"{description} Env {env}.", json_schema_extra={"env": env}, **constraints
+    )
 
 
 class LLMJudgeConfig(dg.Config):
     """How the LLM judge is asked (CONTRACT §8 settings, plus this project's own after `votes`)."""
 
-    base_url: str | None = Field(
-        default=None,
-        description="OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1.",
-        json_schema_extra=_env("FILTER_JUDGE_BASE_URL"),
+    base_url: str | None = _setting(
+        None, "OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1.", env="FILTER_JUDGE_BASE_URL"
     )
-    model: str | None = Field(
-        default=None, description="Model name sent to the endpoint.", json_schema_extra=_env("FILTER_JUDGE_MODEL")
+    model: str | None = _setting(None, "Model name sent to the endpoint.", env="FILTER_JUDGE_MODEL")
+    api_key: str | None = _setting(
+        None,
+        "Bearer token, if the endpoint wants one. Set it with EnvVar: never shown in the UI.",
+        env="FILTER_JUDGE_API_KEY",
     )
-    api_key: str | None = Field(
-        default=None,
-        description="Bearer token, if the endpoint wants one. Set it with EnvVar: never shown in the UI.",
-        json_schema_extra=_env("FILTER_JUDGE_API_KEY"),
-    )
-    votes: int = Field(
-        default=1,
-        description="Votes per task; the majority wins and a tie fails. Above 1 needs a temperature "
+    votes: int = _setting(
+        1,
+        "Votes per task; the majority wins and a tie fails. Above 1 needs a temperature "
         "above 0; the votes are then n samples of one request where the server takes `n`.",
-        json_schema_extra=_env("FILTER_JUDGE_VOTES"),
+        env="FILTER_JUDGE_VOTES",
     )
-    concurrency: int = Field(
-        default=16, description="Most requests in flight at once.", json_schema_extra=_env("FILTER_JUDGE_CONCURRENCY")
+    concurrency: int = _setting(16, "Most requests in flight at once.", env="FILTER_JUDGE_CONCURRENCY")
+    timeout_seconds: float = _setting(60.0, "Timeout of one request.", env="FILTER_JUDGE_TIMEOUT")
+    temperature: float = _setting(
+        0.0, "Sampling temperature (not sent to a reasoning model).", env="FILTER_JUDGE_TEMPERATURE"
     )
-    timeout_seconds: float = Field(
-        default=60.0, description="Timeout of one request.", json_schema_extra=_env("FILTER_JUDGE_TIMEOUT")
+    max_tokens: int = _setting(
+        800,
+        "Most tokens in one reply (the answer reasons before its verdict); 0: not sent (the server's default).",
+        env="FILTER_JUDGE_MAX_TOKENS",
     )
-    temperature: float = Field(
-        default=0.0,
-        description="Sampling temperature (not sent to a reasoning model).",
-        json_schema_extra=_env("FILTER_JUDGE_TEMPERATURE"),
-    )
-    max_tokens: int = Field(
-        default=800,
-        description="Most tokens in one reply (the answer reasons before its verdict); 0: not sent (the "
-        "server's default).",
-        json_schema_extra=_env("FILTER_JUDGE_MAX_TOKENS"),
-    )
-    task_budget_seconds: float = Field(
-        default=600.0,
-        description="Seconds one task may spend on retries of 408/409/429/5xx/timeouts (honouring "
+    task_budget_seconds: float = _setting(
+        600.0,
+        "Seconds one task may spend on retries of 408/409/429/5xx/timeouts (honouring "
         "Retry-After and the x-ratelimit-reset headers); a task still unanswered is unjudged (status error).",
-        json_schema_extra=_env("FILTER_JUDGE_TASK_BUDGET"),
+        env="FILTER_JUDGE_TASK_BUDGET",
     )
-    reasoning_model: bool = Field(
-        default=False,
-        description="A reasoning model (o1-style): send max_completion_tokens instead of max_tokens, and no "
-        "temperature.",
-        json_schema_extra=_env("FILTER_JUDGE_REASONING_MODEL"),
+    reasoning_model: bool = _setting(
+        False,
+        "A reasoning model (o1-style): send max_completion_tokens instead of max_tokens, and no temperature.",
+        env="FILTER_JUDGE_REASONING_MODEL",
     )
-    structured_output: bool = Field(
-        default=True,
-        description="Ask for a JSON-schema reply (response_format); dropped by itself where the server rejects it.",
-        json_schema_extra=_env("FILTER_JUDGE_STRUCTURED_OUTPUT"),
+    structured_output: bool = _setting(
+        True,
+        "Ask for a JSON-schema reply (response_format); dropped by itself where the server rejects it.",
+        env="FILTER_JUDGE_STRUCTURED_OUTPUT",
     )
-    prompt_version: str = Field(
-        default=PROMPT_VERSION,
-        description="Part of the verdict cache key: change it to re-judge everything.",
-        json_schema_extra=_env("FILTER_JUDGE_PROMPT_VERSION"),
+    prompt_version: str = _setting(
+        PROMPT_VERSION,
+        "Part of the verdict cache key: change it to re-judge everything.",
+        env="FILTER_JUDGE_PROMPT_VERSION",
     )
-    min_score: int | None = Field(
-        default=None,
-        ge=1,
-        le=5,
-        description="A verdict passes only if the model passed it and its score (1-5, when it gave one) is at "
+    min_score: int | None = _setting(
+        None,
+        "A verdict passes only if the model passed it and its score (1-5, when it gave one) is at "
         "least this; unset: the model's verdict alone. Not part of the verdict cache key: changing it and "
         "materializing again asks nothing.",
-        json_schema_extra=_env("FILTER_JUDGE_MIN_SCORE"),
+        env="FILTER_JUDGE_MIN_SCORE",
+        ge=1,
+        le=5,
     )
-    include_screenshot: bool = Field(
-        default=False,
-        description="Send the attempt's first and last screenshots, by natural order (multimodal models).",
-        json_schema_extra=_env("FILTER_JUDGE_SCREENSHOT"),
+    include_screenshot: bool = _setting(
+        False,
+        "Send the attempt's first and last screenshots, by natural order (multimodal models).",
+        env="FILTER_JUDGE_SCREENSHOT",
     )
-    max_prompt_chars: int = Field(
-        default=24_000,
-        description="Budget of one prompt's task text in characters (the fixed system prompt aside); "
+    max_prompt_chars: int = _setting(
+        24_000,
+        "Budget of one prompt's task text in characters (the fixed system prompt aside); "
         "long actions and page text keep their head and tail, the cut marked.",
     )
-    save_every_verdicts: int = Field(
-        default=500,
-        ge=1,
-        description="Save verdicts as they arrive, every this many (warehouse/_judge_progress/<run_id>/): "
+    save_every_verdicts: int = _setting(
+        500,
+        "Save verdicts as they arrive, every this many (warehouse/_judge_progress/<run_id>/): "
         "a killed run's next materialization asks only what was not saved.",
-        json_schema_extra=_env("FILTER_JUDGE_SAVE_EVERY"),
+        env="FILTER_JUDGE_SAVE_EVERY",
+        ge=1,
     )
-    save_every_seconds: float = Field(
-        default=30.0,
-        ge=0,
-        description="... or every this many seconds, whichever comes first.",
-        json_schema_extra=_env("FILTER_JUDGE_SAVE_SECONDS"),
+    save_every_seconds: float = _setting(
+        30.0, "... or every this many seconds, whichever comes first.", env="FILTER_JUDGE_SAVE_SECONDS", ge=0
     )
-    price_per_million_prompt_tokens: float = Field(
-        default=0.0,
-        ge=0,
-        description="Price of a million prompt tokens, for the cost in the metadata and the report "
+    price_per_million_prompt_tokens: float = _setting(
+        0.0,
+        "Price of a million prompt tokens, for the cost in the metadata and the report "
         "(0 with the other prices: not priced).",
-        json_schema_extra=_env("FILTER_JUDGE_PRICE_PROMPT"),
-    )
-    price_per_million_completion_tokens: float = Field(
-        default=0.0,
+        env="FILTER_JUDGE_PRICE_PROMPT",
         ge=0,
-        description="Price of a million completion tokens.",
-        json_schema_extra=_env("FILTER_JUDGE_PRICE_COMPLETION"),
     )
-    price_per_million_cached_tokens: float | None = Field(
-        default=None,
+    price_per_million_completion_tokens: float = _setting(
+        0.0, "Price of a million completion tokens.", env="FILTER_JUDGE_PRICE_COMPLETION", ge=0
+    )
+    price_per_million_cached_tokens: float | None = _setting(
+        None,
+        "Price of a million prompt tokens the endpoint served from its cache (unset: the prompt price).",
+        env="FILTER_JUDGE_PRICE_CACHED",
         ge=0,
-        description="Price of a million prompt tokens the endpoint served from its cache (unset: the prompt price).",
-        json_schema_extra=_env("FILTER_JUDGE_PRICE_CACHED"),
     )
-    backoff_initial_seconds: float = Field(
-        default=0.5, gt=0, description="First wait before retrying a transient fault (doubled per retry)."
+    backoff_initial_seconds: float = _setting(
+        0.5, "First wait before retrying a transient fault (doubled per retry).", gt=0
     )
-    backoff_max_seconds: float = Field(default=8.0, gt=0, description="Longest wait between two retries.")
+    backoff_max_seconds: float = _setting(8.0, "Longest wait between two retries.", gt=0)
 
     def check(self) -> None:
         """Refuse, in one line, what the client cannot work with, before any request."""
