@@ -263,3 +263,18 @@ def test_a_killed_run_asks_again_only_what_was_not_saved():
     saved = int(line.split(" verdicts saved")[0].rsplit(" ", 1)[1])
     again = int(line.split("the resumed run made ")[1].split(" ")[0])
     assert 600 <= saved < 1200 and again == 1200 - saved, line
+
+
+def test_verdicts_saved_before_judge_passed_existed_are_reused_with_their_passed_as_the_models_verdict():
+    older = pd.DataFrame(
+        {"cache_key": ["k1", "k2"], "passed": [True, False], "why": ["ok", "no"], "status": ["judged", "judged"]}
+    )
+    newer = pd.DataFrame(
+        {"cache_key": ["k3"], "passed": [False], "judge_passed": [True], "why": ["ok"], "status": ["judged"]}
+    )
+    reusable, from_progress = driver.reusable_verdicts(older, newer)
+    got = reusable.set_index("cache_key")["judge_passed"].to_dict()
+    assert got == {"k1": True, "k2": False, "k3": True} and from_progress == 1
+    # passed is derived again: k3's model passed it, and no minimum score is set now
+    assert driver.passes(reusable.assign(score=[None, None, 2]), None).tolist() == [True, False, True]
+    assert driver.passes(reusable.assign(score=[None, None, 2]), 3).tolist() == [True, False, False]
