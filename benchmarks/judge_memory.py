@@ -131,9 +131,12 @@ def judge_child(data: str, base_url: str, concurrency: int) -> None:
     import dagster as dg
 
     from filter_pipeline.definitions import build_defs
+    from filter_pipeline.judge.config import LLMJudgeConfig
     from filter_pipeline.judge.resource import JudgeResource
 
-    judge = JudgeResource(kind="llm", base_url=base_url, model="bench", votes=1, concurrency=concurrency)
+    judge = JudgeResource(
+        kind="llm", llm=LLMJudgeConfig(base_url=base_url, model="bench", votes=1, concurrency=concurrency)
+    )
     start = time.perf_counter()
     with dg.DagsterInstance.ephemeral() as instance:
         instance.add_dynamic_partitions("run_id", [RUN_ID])

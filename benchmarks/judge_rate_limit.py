@@ -14,7 +14,8 @@ import time
 
 from benchmarks.judge_throughput import server_process
 from benchmarks.sample_prompts import task_messages
-from filter_pipeline.judge.client import LLMSettings, judge_prompts
+from filter_pipeline.judge.client import judge_prompts
+from filter_pipeline.judge.config import LLMJudgeConfig
 
 
 def main() -> None:
@@ -34,7 +35,7 @@ def main() -> None:
     for latency in args.latency:
         options = ["--rate", str(args.rate), "--retry-after", args.retry_after]
         with server_process(latency, *options) as base_url:
-            settings = LLMSettings(base_url=base_url, model="bench", concurrency=args.concurrency)
+            settings = LLMJudgeConfig(base_url=base_url, model="bench", concurrency=args.concurrency)
             start = time.perf_counter()
             verdicts = judge_prompts(prompts, settings)
             seconds = time.perf_counter() - start

@@ -25,7 +25,8 @@ from pathlib import Path
 
 from benchmarks.judge_throughput import server_process
 from benchmarks.sample_prompts import task_messages
-from filter_pipeline.judge.client import LLMSettings, judge_prompts
+from filter_pipeline.judge.client import judge_prompts
+from filter_pipeline.judge.config import LLMJudgeConfig
 
 REPO = Path(__file__).resolve().parent.parent
 OLD_COMMIT = "6e847e5"
@@ -84,7 +85,7 @@ def main() -> None:
                 cached = "n/a"
             else:
                 verdicts = judge_prompts(
-                    prompts, LLMSettings(base_url=base_url, model="bench", concurrency=args.concurrency)
+                    prompts, LLMJudgeConfig(base_url=base_url, model="bench", concurrency=args.concurrency)
                 )
                 requests = sum(v.requests for v in verdicts)
                 cached = f"{sum(v.cached_tokens for v in verdicts) / args.tasks:.0f}"

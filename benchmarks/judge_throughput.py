@@ -14,8 +14,9 @@ import sys
 import time
 from contextlib import contextmanager
 
-from filter_pipeline.judge.client import LLMSettings, judge_prompts
-from filter_pipeline.judge.prompt import Evidence, PromptSettings, build_messages, success_criteria
+from filter_pipeline.judge.client import judge_prompts
+from filter_pipeline.judge.config import LLMJudgeConfig
+from filter_pipeline.judge.prompt import Evidence, build_messages, success_criteria
 
 
 @contextmanager
@@ -56,14 +57,14 @@ def main() -> None:
     prompts = [
         build_messages(f"Add item {i} to the cart", success_criteria("add_to_cart", "shop.example", f'["shop.example","#add",{i}]', "url"),
                        Evidence([{"action": "click", "selector": f"#item-{i}"}] * 5, f"https://shop.example/cart/{i}",
-                                "Your cart: 1 item. " * 200, None, (), "trajectory"), PromptSettings())
+                                "Your cart: 1 item. " * 200, None, (), "trajectory"), LLMJudgeConfig())
         for i in range(args.tasks)
     ]  # fmt: skip
     print(f"{args.tasks} tasks, 1 vote each, server latency {args.latency * 1000:.0f} ms")
     print(f"{'concurrency':>11} {'seconds':>8} {'tasks/s':>8} {'ideal':>8} {'of ideal':>8}")
     with server_process(args.latency) as base_url:
         for concurrency in args.concurrency:
-            settings = LLMSettings(base_url=base_url, model="bench", votes=1, concurrency=concurrency)
+            settings = LLMJudgeConfig(base_url=base_url, model="bench", votes=1, concurrency=concurrency)
             start = time.perf_counter()
             verdicts = judge_prompts(prompts, settings)
             seconds = time.perf_counter() - start

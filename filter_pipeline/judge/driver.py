@@ -4,7 +4,7 @@
   `2 x concurrency` prompts are built and not yet answered at any time: memory does not grow with the batch.
 - A prompt whose cache key was already answered (the previous materialization, saved progress) is not
   asked; identical prompts within the batch are asked once, the verdict copied (`deduplicated`).
-- Verdicts are saved as they arrive, every `save_every` verdicts or `save_every_seconds`, as Parquet parts
+- Verdicts are saved as they arrive, every `save_every_verdicts` or `save_every_seconds`, as Parquet parts
   in a progress folder; a killed run's next materialization reuses them by cache key.
 - `EndpointRefused` from the client stops everything: what was answered is saved, then it propagates.
 
@@ -12,15 +12,16 @@ No Dagster here: the resource passes in the client, the progress store and a log
 """
 
 import asyncio
+import enum
 import logging
-import re
 import threading
 import time
 import uuid
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
@@ -31,8 +32,12 @@ from filter_pipeline.judge import prompt as judge_prompt
 from filter_pipeline.rules.batch import EXECUTIONS_FILE
 from filter_pipeline.rules.schemas import JUDGE_PROGRESS_SCHEMA, STATUS_JUDGED, pylist, read_parquet_file
 
-# the verdict fields a fresh answer fills, reused verdicts carry and deduplicated copies share
-VERDICT_FIELDS = ("passed", "why", "votes", "status", "requests", "prompt_tokens", "completion_tokens",
+if TYPE_CHECKING:
+    from filter_pipeline.judge.config import LLMJudgeConfig
+
+# the verdict fields a fresh answer fills, reused verdicts carry and deduplicated copies share (`judge_passed`:
+# the model's own verdict; `passed` is derived from it and the score by `passes`)
+VERDICT_FIELDS = ("judge_passed", "why", "votes", "status", "requests", "prompt_tokens", "completion_tokens",
                   "cached_tokens", "latency_ms", "raw_replies", "replies_sha256", "success", "side_effects",
                   "looping", "blocked", "score", "key_points", "reasoning")  # fmt: skip
 SPEND_FIELDS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens", "latency_ms")  # 0 on copies
@@ -174,48 +179,15 @@ class DriveResult:
     stats: DriveStats
 
 
-# A verdict the model passed with a score below FILTER_JUDGE_MIN_SCORE fails, its why saying so: the model's own
-# verdict is recovered from it when the verdict is reused, so the threshold can change without a new request.
-BELOW_MIN_SCORE = "score {score} is below the minimum score {min_score} (FILTER_JUDGE_MIN_SCORE); the judge: {why}"
-_BELOW_MIN_SCORE = re.compile(
-    re.escape(BELOW_MIN_SCORE)
-    .replace(r"\{score\}", r"\d+")
-    .replace(r"\{min_score\}", r"\d+")
-    .replace(r"\{why\}", "(.*)"),
-    re.DOTALL,
-)
-
-
-def apply_min_score(frame: pd.DataFrame, min_score: int | None) -> tuple[pd.DataFrame, int]:
-    """(`frame` with each passing verdict whose score is below `min_score` failed, its why saying so; how many).
-    A verdict without a score is left as it is."""
+def passes(frame: pd.DataFrame, min_score: int | None) -> pd.Series:
+    """`passed` of each verdict: the model's own (`judge_passed`), failed where its score (when given) is below
+    `min_score` (FILTER_JUDGE_MIN_SCORE). Derived at each materialization, so the threshold can change
+    without a request; null where the model gave no verdict."""
+    passed = frame["judge_passed"].astype(object)
     if min_score is None or frame.empty:
-        return frame, 0
-    score = pd.to_numeric(frame["score"], errors="coerce")
-    below = ((frame["passed"] == True) & (score < min_score)).fillna(False).to_numpy(dtype=bool)  # noqa: E712
-    if not below.any():
-        return frame, 0
-    frame = frame.copy()
-    frame["passed"] = frame["passed"].astype(object)
-    frame.loc[below, "passed"] = False
-    frame.loc[below, "why"] = [
-        BELOW_MIN_SCORE.format(score=int(s), min_score=min_score, why=w)
-        for s, w in zip(score[below], frame.loc[below, "why"])
-    ]
-    return frame, int(below.sum())
-
-
-def model_verdicts(frame: pd.DataFrame) -> pd.DataFrame:
-    """`frame` with the model's own verdict in place of one failed by apply_min_score."""
-    found = [_BELOW_MIN_SCORE.fullmatch(w) if isinstance(w, str) else None for w in frame["why"].tolist()]
-    hit = np.array([m is not None for m in found], dtype=bool)
-    if not hit.any():
-        return frame
-    frame = frame.copy()
-    frame["passed"] = frame["passed"].astype(object)
-    frame.loc[hit, "passed"] = True
-    frame.loc[hit, "why"] = [m.group(1) for m in found if m is not None]
-    return frame
+        return passed
+    below = (pd.to_numeric(frame["score"], errors="coerce") < min_score).fillna(False).to_numpy(dtype=bool)
+    return passed.where(~(below & (passed == True).to_numpy(dtype=bool)), False)  # noqa: E712
 
 
 def reusable_verdicts(previous: pd.DataFrame | None, progress: pd.DataFrame | None) -> tuple[pd.DataFrame, int]:
@@ -226,60 +198,69 @@ def reusable_verdicts(previous: pd.DataFrame | None, progress: pd.DataFrame | No
         if frame is None or frame.empty or "cache_key" not in frame:
             continue
         frame = frame.rename(columns={"calls": "requests"}) if "requests" not in frame else frame
+        # files written before judge_passed hold the model's verdict in passed
+        model = frame["judge_passed"] if "judge_passed" in frame else pd.Series(None, index=frame.index, dtype=object)
+        frame = frame.assign(judge_passed=model.astype(object).where(model.notna(), frame.get("passed")))
         judged = frame[(frame["status"] == STATUS_JUDGED) & frame["cache_key"].notna()]
         copy = judged["deduplicated"].fillna(False).astype(bool) if "deduplicated" in judged else False
         frames.append(judged.reindex(columns=["cache_key", *VERDICT_FIELDS]).assign(_source=source, _copy=copy))
     if not frames:
         return pd.DataFrame(columns=["cache_key", *VERDICT_FIELDS, "_source"]), 0
     every = pd.concat(frames, ignore_index=True).sort_values("_copy", kind="stable")
-    every = model_verdicts(every.drop_duplicates("cache_key").drop(columns="_copy").reset_index(drop=True))
+    every = every.drop_duplicates("cache_key").drop(columns="_copy").reset_index(drop=True)
     return every, int((every["_source"] == "progress").sum())
 
 
-def drive(
-    requests: pd.DataFrame,
-    client_factory: Callable[[], object],
-    concurrency: int,
-    data_root: UPath,
-    record_steps: Callable[[int], list],
-    prompt_settings: judge_prompt.PromptSettings,
-    judge_identity: Sequence,
-    reusable: pd.DataFrame,
-    progress: ProgressStore | None = None,
-    save_every: int = 500,
-    save_every_seconds: float = 30.0,
-    redact: Callable[[str | None], str | None] = lambda text: text,
-    log: logging.Logger | None = None,
-    build: Callable = judge_prompt.messages_for_attempt,
-) -> DriveResult:
-    """Verdicts for `requests` (rows of rules.attempts_to_judge), in order. `client_factory()` gives an async
-    context manager with `async judge(messages) -> TaskVerdict`. Raises EndpointRefused (after saving what
-    was answered); never raises for other endpoint trouble (those tasks get status error)."""
-    driver = _Driver(requests, concurrency, data_root, record_steps, prompt_settings, judge_identity, reusable,
-                     progress, save_every, save_every_seconds, redact, log or logging.getLogger(__name__), build)  # fmt: skip
-    asyncio.run(driver.run(client_factory))
+class Source(enum.IntEnum):
+    """Where a task's verdict comes from."""
+
+    ASKED = 0  # asked of the endpoint by this materialization
+    REUSED = 1  # on file (the previous judge_verdicts, saved progress) under the same cache key
+    COPY = 2  # the verdict of an identical prompt asked for another task of the batch
+
+
+@dataclass
+class DriveJob:
+    """What one drive needs. `client_factory()` gives an async context manager with
+    `async judge(messages) -> TaskVerdict`; `reusable` is reusable_verdicts' frame; `build` makes a task's
+    (messages, evidence)."""
+
+    requests: pd.DataFrame  # rows of rules.attempts_to_judge
+    config: "LLMJudgeConfig"
+    data_root: UPath
+    record_steps: Callable[[int], list]
+    reusable: pd.DataFrame
+    client_factory: Callable[[], object]
+    progress: ProgressStore | None = None
+    log: logging.Logger = field(default_factory=lambda: logging.getLogger(__name__))
+    build: Callable = judge_prompt.messages_for_attempt
+
+
+def drive(job: DriveJob) -> DriveResult:
+    """Verdicts for `job.requests`, in order. Raises EndpointRefused (after saving what was answered); never
+    raises for other endpoint trouble (those tasks get status error)."""
+    driver = _Driver(job)
+    asyncio.run(driver.run(job.client_factory))
     return DriveResult(driver.frame(), driver.stats)
 
 
 class _Driver:
-    def __init__(self, requests, concurrency, data_root, record_steps, prompt_settings, judge_identity, reusable,
-                 progress, save_every, save_every_seconds, redact, log, build):  # fmt: skip
-        self.n = n = len(requests)
-        self.columns = {c: pylist(requests[c]) if c in requests else [None] * n for c in REQUEST_COLUMNS}
-        self.concurrency = max(1, concurrency)
-        self.data_root, self.record_steps, self.build = data_root, record_steps, build
-        self.prompt_settings, self.judge_identity = prompt_settings, list(judge_identity)
-        self.reusable = reusable
-        self.reusable_at = {k: i for i, k in enumerate(reusable["cache_key"].tolist())}
+    def __init__(self, job: DriveJob):
+        self.job, self.config, self.log = job, job.config, job.log
+        self.n = n = len(job.requests)
+        self.columns = {c: pylist(job.requests[c]) if c in job.requests else [None] * n for c in REQUEST_COLUMNS}
+        self.concurrency = max(1, job.config.concurrency)
+        self.reusable = job.reusable
+        self.reusable_at = {k: i for i, k in enumerate(job.reusable["cache_key"].tolist())}
         self.from_progress = (
-            (reusable["_source"] == "progress").to_numpy() if "_source" in reusable else np.zeros(len(reusable), bool)
+            (job.reusable["_source"] == "progress").to_numpy()
+            if "_source" in job.reusable
+            else np.zeros(len(job.reusable), bool)
         )
-        self.progress, self.save_every, self.save_every_seconds = progress, max(1, save_every), save_every_seconds
-        self.redact, self.log = redact, log
         self.keys: list = [None] * n
         self.evidence: list = [None] * n
-        self.source = np.zeros(n, dtype=np.int8)  # 0 asked, 1 reused (ref: reusable row), 2 copy (ref: task)
-        self.ref = np.full(n, -1, dtype=np.int64)
+        self.source = np.full(n, Source.ASKED, dtype=np.int8)
+        self.ref = np.full(n, -1, dtype=np.int64)  # REUSED: the reusable row; COPY: the task asked
         self.fresh = {f: [None] * n for f in VERDICT_FIELDS}
         self.stats = DriveStats()
         self.leaders: dict[str, int] = {}
@@ -322,11 +303,11 @@ class _Driver:
     def _prepare(self, i: int) -> tuple[list[dict], str, str]:
         """In a reader thread: the prompt of task i, its evidence, its cache key."""
         row = {c: values[i] for c, values in self.columns.items()}
-        line = row["attempt_line"]
-        messages, evidence = self.build(
-            self.data_root, row, lambda: self.record_steps(int(line)) if line is not None else [], self.prompt_settings
+        line, job = row["attempt_line"], self.job
+        messages, evidence = job.build(
+            job.data_root, row, lambda: job.record_steps(int(line)) if line is not None else [], self.config
         )
-        return messages, evidence, judge_prompt.cache_key(messages, self.prompt_settings, self.judge_identity)
+        return messages, evidence, judge_prompt.cache_key(messages, self.config)
 
     async def _reader(self) -> None:
         for i in self.next_task:  # one iterator shared by the readers: each task is taken once
@@ -339,11 +320,11 @@ class _Driver:
                 raise
             self.keys[i], self.evidence[i] = key, evidence
             if key in self.reusable_at:
-                self.source[i], self.ref[i] = 1, self.reusable_at[key]
+                self.source[i], self.ref[i] = Source.REUSED, self.reusable_at[key]
                 self.stats.reused += 1
                 self.stats.resumed += int(self.from_progress[self.ref[i]])
             elif key in self.leaders:  # the same prompt is (being) asked for another task: copy its verdict
-                self.source[i], self.ref[i] = 2, self.leaders[key]
+                self.source[i], self.ref[i] = Source.COPY, self.leaders[key]
                 self.stats.deduplicated += 1
             else:
                 self.leaders[key] = i
@@ -359,10 +340,9 @@ class _Driver:
             del messages
             self._free_slot()
         self.stats.asked += 1
-        for name in VERDICT_FIELDS:
+        for name in VERDICT_FIELDS[1:]:
             self.fresh[name][i] = getattr(verdict, name)
-        self.fresh["why"][i] = self.redact(verdict.why)
-        self.fresh["raw_replies"][i] = self.redact(verdict.raw_replies)
+        self.fresh["judge_passed"][i] = verdict.passed
         self.stats.latencies_ms.extend(verdict.call_latencies_ms)
         if verdict.status == STATUS_JUDGED:
             self._unsaved.append(i)
@@ -387,9 +367,13 @@ class _Driver:
 
     def _save(self, force: bool = False) -> None:
         """Hand the unsaved verdicts to the saver thread when N of them wait or S seconds have passed."""
-        if self.progress is None or not self._unsaved:
+        progress, config = self.job.progress, self.config
+        if progress is None or not self._unsaved:
             return
-        due = len(self._unsaved) >= self.save_every or time.monotonic() - self._last_save >= self.save_every_seconds
+        due = (
+            len(self._unsaved) >= config.save_every_verdicts
+            or time.monotonic() - self._last_save >= config.save_every_seconds
+        )
         if not (due or force):
             return
         rows, self._unsaved, self._last_save = self._unsaved, [], time.monotonic()
@@ -399,7 +383,7 @@ class _Driver:
         )
         table = pa.table(columns, schema=JUDGE_PROGRESS_SCHEMA)
         self.stats.parts_saved += 1
-        self._saves.append(self.loop.run_in_executor(self.saver, self.progress.save, table))
+        self._saves.append(self.loop.run_in_executor(self.saver, progress.save, table))
 
     # --- the result ---------------------------------------------------------------------------------
 
@@ -408,7 +392,7 @@ class _Driver:
         request and its cost, whichever reader thread happened to build its prompt first: the same batch gives
         the same rows every time."""
         groups: dict[int, list[int]] = {}
-        for i in np.flatnonzero(self.source == 2).tolist():
+        for i in np.flatnonzero(self.source == Source.COPY).tolist():
             groups.setdefault(int(self.ref[i]), []).append(i)
         for leader, followers in groups.items():
             first = min(followers)
@@ -416,17 +400,17 @@ class _Driver:
                 continue
             for name in VERDICT_FIELDS:
                 self.fresh[name][first] = self.fresh[name][leader]
-            self.source[first], self.source[leader] = 0, 2
+            self.source[first], self.source[leader] = Source.ASKED, Source.COPY
             for i in [leader, *followers]:
                 self.ref[i] = first
 
     def frame(self) -> pd.DataFrame:
         """One row per request: the verdict fields, asked, reused or copied, with cache_key and evidence."""
         self._first_tasks_lead()
-        reused = np.flatnonzero(self.source == 1)
-        copies = np.flatnonzero(self.source == 2)
+        reused = np.flatnonzero(self.source == Source.REUSED)
+        copies = np.flatnonzero(self.source == Source.COPY)
         out = {"cache_key": self.keys, "evidence": self.evidence,
-               "cached": self.source == 1, "deduplicated": self.source == 2}  # fmt: skip
+               "cached": self.source == Source.REUSED, "deduplicated": self.source == Source.COPY}  # fmt: skip
         for name in VERDICT_FIELDS:
             values = np.empty(self.n, dtype=object)
             values[:] = self.fresh[name]

@@ -15,9 +15,9 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from upath import UPath
 
@@ -34,20 +34,14 @@ from filter_pipeline.rules.schemas import (
     record_steps_evidence,
 )
 
+if TYPE_CHECKING:
+    from filter_pipeline.judge.config import LLMJudgeConfig
+
 PROMPT_VERSION = "v3"
 FENCE_OPEN, FENCE_CLOSE = "<<<UNTRUSTED", "UNTRUSTED>>>"
 INSTRUCTION_MAX_CHARS = 2000
 OUTPUT_MAX_CHARS = 2000
-DETAIL_MAX_CHARS = 120  # of a parser or OS message in an evidence value
-
-
-@dataclass(frozen=True)
-class PromptSettings:
-    """How prompts are built; all of it is part of the verdict cache key (through the messages or the version)."""
-
-    max_prompt_chars: int = 24_000  # the user message's text, about 6k tokens; long parts are cut, and marked
-    include_screenshot: bool = False  # the first and last screenshots, for multimodal models
-    prompt_version: str = PROMPT_VERSION
+PROBLEM_MAX_CHARS = 120  # of a parser or OS message in an evidence value
 
 
 # Rubrics by kind of task; a macro's kind is the first whose words its name contains (else "general").
@@ -279,10 +273,10 @@ def build_messages(
     instruction: str,
     criteria: str,
     evidence: Evidence,
-    settings: PromptSettings,
+    config: "LLMJudgeConfig",
 ) -> list[dict]:
     """The chat messages for one attempt, the user text within the settings' character budget."""
-    budget = settings.max_prompt_chars
+    budget = config.max_prompt_chars
     steps = evidence.steps
     instruction = cut(instruction or "", INSTRUCTION_MAX_CHARS)
     actions = "\n".join(f"{i}. {json.dumps(s, ensure_ascii=False)}" for i, s in enumerate(steps, start=1)) or "(none)"
@@ -306,7 +300,7 @@ def build_messages(
             {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{base64.b64encode(s).decode('ascii')}"}}
             for s in evidence.screenshots
         ]
-    return [{"role": "system", "content": prompt_of(settings.prompt_version)[0]}, {"role": "user", "content": content}]
+    return [{"role": "system", "content": prompt_of(config.prompt_version)[0]}, {"role": "user", "content": content}]
 
 
 def inside_root(data_root: UPath, path: UPath) -> bool:
@@ -345,7 +339,7 @@ def read_trajectory(data_root: UPath, rel_dir: str) -> tuple[dict | None, UPath,
 
 def _short(text: str) -> str:
     text = " ".join(text.split())
-    return text if len(text) <= DETAIL_MAX_CHARS else text[: DETAIL_MAX_CHARS - 3] + "..."
+    return text if len(text) <= PROBLEM_MAX_CHARS else text[: PROBLEM_MAX_CHARS - 3] + "..."
 
 
 def _text(value: Any) -> str | None:
@@ -374,7 +368,7 @@ def screenshots(data_root: UPath, folder: UPath) -> tuple[bytes, ...]:
 
 
 def evidence_for_attempt(
-    data_root: UPath, rel_dir: str, record_steps: Callable[[], list], settings: PromptSettings
+    data_root: UPath, rel_dir: str, record_steps: Callable[[], list], config: "LLMJudgeConfig"
 ) -> Evidence:
     """What the judge sees of an attempt: its trajectory.json, or its record's steps (`record_steps`) with
     the reason when trajectory.json cannot be used. Blocking IO: call it off the event loop."""
@@ -389,7 +383,7 @@ def evidence_for_attempt(
     if not isinstance(steps, list):
         steps = record_steps()
     final = trajectory.get("final") if isinstance(trajectory.get("final"), dict) else {}
-    shots = screenshots(data_root, folder) if settings.include_screenshot else ()
+    shots = screenshots(data_root, folder) if config.include_screenshot else ()
     return Evidence(
         steps=steps, final_url=_text(final.get("url")), page_text=_text(final.get("observation")),
         agent_output=agent_output(trajectory, final), screenshots=shots, evidence=evidence,
@@ -397,21 +391,21 @@ def evidence_for_attempt(
 
 
 def messages_for_attempt(
-    data_root: UPath, request: dict, record_steps: Callable[[], list], settings: PromptSettings
+    data_root: UPath, request: dict, record_steps: Callable[[], list], config: "LLMJudgeConfig"
 ) -> tuple[list[dict], str]:
     """(messages, evidence) for one row of rules.attempts_to_judge (instruction, macro, site, dedup_key,
     start_kind, dir)."""
-    evidence = evidence_for_attempt(data_root, request["dir"], record_steps, settings)
+    evidence = evidence_for_attempt(data_root, request["dir"], record_steps, config)
     criteria = success_criteria(
         request.get("macro"), request.get("site"), request.get("dedup_key"), request.get("start_kind")
     )
-    return build_messages(request.get("instruction") or "", criteria, evidence, settings), evidence.evidence
+    return build_messages(request.get("instruction") or "", criteria, evidence, config), evidence.evidence
 
 
-def cache_key(messages: list[dict], settings: PromptSettings, judge: Sequence) -> str:
-    """Hash of everything that decides a verdict: the prompt version, the judge's identity (`judge`: model,
-    votes, sampling), the exact messages. A new prompt version never reuses an older one's verdicts."""
-    material = [settings.prompt_version, *judge, messages]
+def cache_key(messages: list[dict], config: "LLMJudgeConfig") -> str:
+    """Hash of everything that decides a verdict: the prompt version, the judge's identity (model, votes,
+    sampling: config.identity()), the exact messages. A new prompt version never reuses an older one's verdicts."""
+    material = [config.prompt_version, *config.identity(), messages]
     # (surrogatepass: a lone surrogate escape in a trajectory.json is text json reads, not UTF-8)
     return hashlib.sha256(
         json.dumps(material, sort_keys=True, ensure_ascii=False).encode("utf-8", "surrogatepass")

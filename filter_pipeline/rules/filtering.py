@@ -12,6 +12,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from filter_pipeline.rules.schemas import (
+    BELOW_MIN_SCORE_DETAIL,
     DETAIL_MAX_CHARS,
     DROPPED_DUPLICATE,
     DROPPED_SITE_CAP,
@@ -121,9 +122,20 @@ def judge_failures(verdicts: pd.DataFrame) -> pd.DataFrame:
     """
     failed = verdicts[(verdicts["status"] == STATUS_JUDGED) & (verdicts["passed"] == False)]  # noqa: E712
     return conform(
-        failed.assign(stage=STAGE_JUDGE, reason=REASON_JUDGE_FAIL, detail=failed["why"], backend_ok=None),
+        failed.assign(stage=STAGE_JUDGE, reason=REASON_JUDGE_FAIL, detail=_judge_detail(failed), backend_ok=None),
         "failure_pool",
     )
+
+
+def _judge_detail(failed: pd.DataFrame) -> list:
+    """The why of each failed verdict; one the model passed (judge_passed) failed by FILTER_JUDGE_MIN_SCORE says so."""
+    model_passed = failed["judge_passed"] if "judge_passed" in failed else pd.Series(False, index=failed.index)
+    return [
+        BELOW_MIN_SCORE_DETAIL.format(score=int(score), why=why) if passed is True and pd.notna(score) else why
+        for passed, score, why in zip(
+            model_passed.astype(object).tolist(), failed.get("score", model_passed).tolist(), failed["why"].tolist()
+        )
+    ]
 
 
 # --- §3.6 the ledger walk ---------------------------------------------------------------------------

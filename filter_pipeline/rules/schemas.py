@@ -36,6 +36,8 @@ FAILURE_REASONS: tuple[str, ...] = (
 )
 STAGE_EXECUTE = "execute"
 STAGE_JUDGE = "judge"
+# failure_pool.detail of a verdict the model passed but FILTER_JUDGE_MIN_SCORE failed
+BELOW_MIN_SCORE_DETAIL = "score {score} is below the minimum score (FILTER_JUDGE_MIN_SCORE); the judge: {why}"
 DETAIL_MAX_CHARS = 500
 # judge_verdicts.reasoning: the model's reasoning is kept up to this many characters (raw_replies keep 500)
 REASONING_MAX_CHARS = 8000
@@ -231,6 +233,7 @@ _VERDICT_FIELDS = [
     ("cost", pa.float64()),
     ("evidence", STR),
     # the verdict's parts (prompt v3; null for the gate and where the model did not say)
+    ("judge_passed", BOOL),  # the model's own verdict; passed adds FILTER_JUDGE_MIN_SCORE
     ("success", BOOL),
     ("side_effects", BOOL),
     ("looping", BOOL),
@@ -527,7 +530,7 @@ def pylist(values: pd.Series) -> list:
 # killed run's next materialization reuses by cache_key instead of asking again.
 JUDGE_PROGRESS_SCHEMA = pa.schema(
     [f for f in _VERDICT_FIELDS if f[0] in (
-        "cache_key", "passed", "why", "votes", "status", "requests", "prompt_tokens", "completion_tokens",
+        "cache_key", "judge_passed", "why", "votes", "status", "requests", "prompt_tokens", "completion_tokens",
         "cached_tokens", "latency_ms", "raw_replies", "replies_sha256", "success", "side_effects", "looping",
         "blocked", "score", "key_points", "reasoning",
     )]
@@ -566,7 +569,8 @@ COLUMN_DESCRIPTIONS: dict[str, str] = {
     "message": "What was wrong, as one line 'file:line: reason'.",
     "raw": "The rejected line as read, cut to 4,096 characters.",
     # verdicts
-    "passed": "The judge's verdict: true passes, false fails; null when the task could not be judged.",
+    "passed": "The judge's verdict: true passes, false fails; null when the task could not be judged. For the "
+    "LLM judge: judge_passed, failed where the score is below FILTER_JUDGE_MIN_SCORE.",
     "why": "The judge's reason for its verdict (for an unjudged task: why no verdict was reached).",
     "votes": "How the verdict was reached: 'P/N' (P passing votes of N asked) for the LLM judge, 'gate' for the "
     "deterministic gate alone; null on execute rows of failure_pool and on unjudged tasks.",
@@ -577,6 +581,9 @@ COLUMN_DESCRIPTIONS: dict[str, str] = {
     "model": "The LLM that judged (null for the gate; judge_calibration: the model whose verdicts a judge row scores).",
     "prompt_version": "Version of the judge prompt; part of the verdict cache key (null for the gate).",
     # the verdict's parts
+    "judge_passed": "The LLM judge's own verdict (the majority of its votes), before FILTER_JUDGE_MIN_SCORE: "
+    "passed is this, failed where the score is below the minimum. Stored so that changing the minimum and "
+    "materializing again re-derives passed without a request. Null for the gate and unjudged tasks.",
     "success": "The judge's answer to 'is the task's goal reached?' (prompt v3); null for the gate, an unjudged "
     "task, or a reply that did not say. With several votes: the majority of the votes that said (a tie: null).",
     "side_effects": "The judge's answer to 'did the agent do something beyond the task?' (v3; null as for success).",
@@ -604,7 +611,8 @@ COLUMN_DESCRIPTIONS: dict[str, str] = {
     "stage": "Where the attempt failed: execute (the attempt's ok was false) or judge (the judge did not pass it).",
     "reason": "Why it failed: policy_violation, backend_fail, script_assert, action_refused, script_error or "
     "unknown (by the error's prefix, execute rows), judge_fail (judge rows).",
-    "detail": "Execute rows: the error text cut to 500 characters, '' when there is none; judge rows: the why.",
+    "detail": "Execute rows: the error text cut to 500 characters, '' when there is none; judge rows: the why "
+    "(prefixed 'score S is below the minimum score (FILTER_JUDGE_MIN_SCORE)' where the model passed it).",
     # ledger
     "dropped": "Why a passing verdict was not kept: duplicate (key kept before), site_cap ((macro, site) full) "
     "or target (macro total reached), checked in that order.",

@@ -15,12 +15,12 @@ from filter_pipeline.judge.client import (
     REPAIR_PROMPT,
     EndpointRefused,
     JudgeClient,
-    LLMSettings,
     RateController,
     Vote,
     judge_prompts,
     majority,
 )  # fmt: skip
+from filter_pipeline.judge.config import LLMJudgeConfig
 from filter_pipeline_tests.openai_server import FakeOpenAI, RateLimit, Reply, error_body
 
 PASS = '{"passed": true, "why": "done"}'
@@ -28,10 +28,10 @@ FAIL = '{"passed": false, "why": "wrong item"}'
 PROSE = "I believe the agent did it."
 
 
-def settings(server, **kw) -> LLMSettings:
+def settings(server, **kw) -> LLMJudgeConfig:
     defaults = dict(base_url=server.base_url, model="judge-test", backoff_initial_seconds=0.01,
                     backoff_max_seconds=0.05, task_budget_seconds=5.0)  # fmt: skip
-    return LLMSettings(**{**defaults, **kw})
+    return LLMJudgeConfig(**{**defaults, **kw})
 
 
 def prompt(name: str) -> list[dict]:
@@ -67,10 +67,10 @@ def test_usage_without_cached_tokens_counts_zero():
     assert (v.prompt_tokens, v.completion_tokens, v.cached_tokens) == (100, 10, 0)
 
 
-def test_several_votes_at_temperature_0_are_refused_at_settings_time():
+def test_several_votes_at_temperature_0_are_refused_before_any_request():
     with pytest.raises(ValueError, match="votes=3 at temperature=0.0: identical samples"):
-        LLMSettings(base_url="http://x", model="m", votes=3)
-    assert LLMSettings(base_url="http://x", model="m", votes=3, temperature=0.7).votes == 3
+        JudgeClient(LLMJudgeConfig(base_url="http://x", model="m", votes=3))
+    assert JudgeClient(LLMJudgeConfig(base_url="http://x", model="m", votes=3, temperature=0.7)).config.votes == 3
 
 
 def test_votes_are_n_samples_of_one_request_when_the_server_honours_n():
@@ -343,7 +343,7 @@ def test_an_unreachable_endpoint_is_unjudged_not_a_crash():
     with FakeOpenAI() as server:
         url = server.base_url
     [v] = judge_prompts(
-        [prompt("a")], LLMSettings(base_url=url, model="m", task_budget_seconds=0.3, backoff_initial_seconds=0.01)
+        [prompt("a")], LLMJudgeConfig(base_url=url, model="m", task_budget_seconds=0.3, backoff_initial_seconds=0.01)
     )
     assert v.status == "error" and "talking to the judge endpoint" in v.why and v.requests >= 2
 
@@ -374,7 +374,7 @@ def test_a_refusing_endpoint_stops_everything_within_ten_requests(status, messag
 
 def test_a_refusal_raises_from_every_waiting_judge_call():
     async def run(url):
-        async with JudgeClient(LLMSettings(base_url=url, model="m", concurrency=8)) as client:
+        async with JudgeClient(LLMJudgeConfig(base_url=url, model="m", concurrency=8)) as client:
             return await asyncio.gather(*(client.judge(prompt(str(i))) for i in range(20)), return_exceptions=True)
 
     with FakeOpenAI(lambda call, n: Reply(status=401, body=error_body("no key"))) as server:

@@ -15,6 +15,7 @@ from filter_pipeline.definitions import build_defs
 from filter_pipeline.judge import client as llm_judge
 from filter_pipeline.judge import driver
 from filter_pipeline.judge import prompt as judge_prompt
+from filter_pipeline.judge.config import LLMJudgeConfig
 from filter_pipeline.judge.resource import judge_from_env
 from filter_pipeline.rules import filtering, report
 from filter_pipeline_tests.builders import attempt, parse, rows, task, write_batch
@@ -106,12 +107,13 @@ def test_prompts_are_built_as_request_slots_free_up(tmp_path):
                     excess.append((built[0], len(server.calls)))
             return judge_prompt.messages_for_attempt(*args)
 
-        settings = llm_judge.LLMSettings(base_url=server.base_url, model="judge-test", votes=1, concurrency=concurrency)
-        result = driver.drive(
-            requests, lambda: llm_judge.JudgeClient(settings), concurrency, UPath(tmp_path), lambda line: [],
-            judge_prompt.PromptSettings(), ["judge-test", 1, 0.0], driver.reusable_verdicts(None, None)[0],
+        config = LLMJudgeConfig(base_url=server.base_url, model="judge-test", votes=1, concurrency=concurrency)
+        job = driver.DriveJob(
+            requests=requests, config=config, data_root=UPath(tmp_path), record_steps=lambda line: [],
+            reusable=driver.reusable_verdicts(None, None)[0], client_factory=lambda: llm_judge.JudgeClient(config),
             build=counting_build,
         )  # fmt: skip
+        result = driver.drive(job)
     assert built[0] == n and len(server.calls) == n
     assert excess == []
     assert 0 < result.stats.peak_outstanding <= 2 * concurrency
@@ -261,3 +263,18 @@ def test_a_killed_run_asks_again_only_what_was_not_saved():
     saved = int(line.split(" verdicts saved")[0].rsplit(" ", 1)[1])
     again = int(line.split("the resumed run made ")[1].split(" ")[0])
     assert 600 <= saved < 1200 and again == 1200 - saved, line
+
+
+def test_verdicts_saved_before_judge_passed_existed_are_reused_with_their_passed_as_the_models_verdict():
+    older = pd.DataFrame(
+        {"cache_key": ["k1", "k2"], "passed": [True, False], "why": ["ok", "no"], "status": ["judged", "judged"]}
+    )
+    newer = pd.DataFrame(
+        {"cache_key": ["k3"], "passed": [False], "judge_passed": [True], "why": ["ok"], "status": ["judged"]}
+    )
+    reusable, from_progress = driver.reusable_verdicts(older, newer)
+    got = reusable.set_index("cache_key")["judge_passed"].to_dict()
+    assert got == {"k1": True, "k2": False, "k3": True} and from_progress == 1
+    # passed is derived again: k3's model passed it, and no minimum score is set now
+    assert driver.passes(reusable.assign(score=[None, None, 2]), None).tolist() == [True, False, True]
+    assert driver.passes(reusable.assign(score=[None, None, 2]), 3).tolist() == [True, False, False]

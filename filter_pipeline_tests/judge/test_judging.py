@@ -8,6 +8,7 @@ import pandas as pd
 import pytest
 
 from filter_pipeline.definitions import build_defs
+from filter_pipeline.judge.config import LLMJudgeConfig
 from filter_pipeline.judge.resource import JudgeResource, judge_from_env
 from filter_pipeline.rules.report import agreement
 from filter_pipeline_tests.builders import attempt, rows, task, verdicts, write_batch
@@ -73,7 +74,8 @@ def pipeline(data_root):
 
 
 def llm(server: FakeOpenAI, **kw) -> JudgeResource:
-    return JudgeResource(**{"kind": "llm", "base_url": server.base_url, "model": "judge-test", **kw})
+    """The LLM judge asking `server`, with the LLM settings `kw`."""
+    return JudgeResource(kind="llm", llm=LLMJudgeConfig(**{"base_url": server.base_url, "model": "judge-test", **kw}))
 
 
 def verdict_metadata(result) -> dict:
@@ -193,8 +195,8 @@ def test_settings_come_from_the_environment_and_bad_values_say_which(monkeypatch
     monkeypatch.setenv("FILTER_JUDGE_VOTES", "5")
     monkeypatch.setenv("FILTER_JUDGE_API_KEY", "sk-env")
     judge = judge_from_env("llm")
-    assert (judge.votes, judge.model) == (5, "m")
-    assert isinstance(judge.api_key, dg.EnvVar)  # Dagster shows the variable's name, not its value
+    assert (judge.llm.votes, judge.llm.model) == (5, "m")
+    assert isinstance(judge.llm.api_key, dg.EnvVar)  # Dagster shows the variable's name, not its value
     monkeypatch.setenv("FILTER_JUDGE_VOTES", "three")
     with pytest.raises(ValueError, match="FILTER_JUDGE_VOTES='three' is not a valid int"):
         judge_from_env("llm")

@@ -17,11 +17,11 @@ from filter_pipeline_tests.openai_server import FakeOpenAI, Reply
 PARTS = ("success", "side_effects", "looping", "blocked", "score", "key_points", "reasoning")
 
 
-def v3(passed: bool = True, **parts) -> str:
+def v3(passed: bool = True, why: str = "w", **parts) -> str:
     answer = {"key_points": ["cart holds 2 mugs"], "reasoning": "the cart page lists 2 mugs", "success": passed,
               "side_effects": False, "looping": False, "blocked": False, "score": 5 if passed else 2}  # fmt: skip
     answer.update(parts)
-    return json.dumps({**{k: v for k, v in answer.items() if v is not ...}, "passed": passed, "why": "w"})
+    return json.dumps({**{k: v for k, v in answer.items() if v is not ...}, "passed": passed, "why": why})
 
 
 def judged(*contents: str, **kw) -> list:
@@ -146,13 +146,38 @@ def test_a_minimum_score_fails_low_scores_without_asking_again_and_lowering_it_r
         pipeline.run(llm(server, min_score=4))
         assert len(server.calls) == asked  # not part of the cache key: no request
         strict = pipeline.output("judge_verdicts").set_index("task_id")
-        strict_pool = pipeline.output("failure_pool")
+        strict_pool = pipeline.output("failure_pool").set_index("task_id")
         pipeline.run(llm(server))
         assert len(server.calls) == asked
         relaxed = pipeline.output("judge_verdicts").set_index("task_id")
-    assert strict.loc["c", ["passed", "votes", "score"]].tolist() == [False, "1/1", 3]
-    assert strict.loc["c", "why"] == "score 3 is below the minimum score 4 (FILTER_JUDGE_MIN_SCORE); the judge: w"
-    assert strict.loc["a", "passed"] == True  # noqa: E712
-    assert strict_pool[strict_pool["stage"] == "judge"]["task_id"].tolist() == ["c", "d"]
-    assert relaxed.loc["c", ["passed", "why", "cached"]].tolist() == [True, "w", True]
+    # the model's own verdict and why are stored as they are; passed is derived from them and the minimum
+    assert strict.loc["c", ["passed", "judge_passed", "why", "votes", "score"]].tolist() == [False, True, "w", "1/1", 3]
+    assert strict.loc["a", ["passed", "judge_passed"]].tolist() == [True, True]
+    assert strict.loc["d", ["passed", "judge_passed"]].tolist() == [False, False]
+    assert strict_pool[strict_pool["stage"] == "judge"].index.tolist() == ["c", "d"]
+    assert strict_pool.loc["c", "detail"] == "score 3 is below the minimum score (FILTER_JUDGE_MIN_SCORE); the judge: w"
+    assert strict_pool.loc["d", "detail"] == "w"  # the model failed it: its own why
+    assert relaxed.loc["c", ["passed", "judge_passed", "why", "cached"]].tolist() == [True, True, "w", True]
     assert "c" not in pipeline.output("failure_pool")["task_id"].tolist()  # relaxed again: c passes
+
+
+def test_a_model_why_that_looks_like_the_minimum_score_text_is_read_as_the_model_wrote_it(pipeline):
+    # the failed verdict's why reads like a verdict failed by FILTER_JUDGE_MIN_SCORE; reusing it must keep it
+    # failed, with its why, since the model's verdict is read from judge_passed, never from the text
+    lookalike = "score 5 is below the minimum score 4 (FILTER_JUDGE_MIN_SCORE); the judge: w"
+
+    def responder(call, n):
+        if "do c" in call.prompt:
+            return Reply(content=v3(False, score=2, why=lookalike))
+        return Reply(content=v3(True, score=5))
+
+    sample_batch(pipeline.data_root)
+    with FakeOpenAI(responder) as server:
+        pipeline.run(llm(server, min_score=4))
+        asked = len(server.calls)
+        pipeline.run(llm(server))
+        assert len(server.calls) == asked
+    v = pipeline.output("judge_verdicts").set_index("task_id")
+    assert v.loc["c", ["passed", "judge_passed", "why", "cached"]].tolist() == [False, False, lookalike, True]
+    pool = pipeline.output("failure_pool").set_index("task_id")
+    assert pool.loc["c", "detail"] == lookalike

@@ -1,0 +1,195 @@
+"""The LLM judge's settings, written once: each field's default, description and environment variable.
+
+`LLMJudgeConfig` is the `llm` part of `JudgeResource` (what the Dagster UI shows), what `judge_from_env`
+fills from FILTER_JUDGE_* in one loop over its fields, and what the client, the prompt builder and the
+per-batch driver take as it is.
+"""
+
+import os
+
+import dagster as dg
+from pydantic import Field
+
+from filter_pipeline.judge.prompt import PROMPT_VERSION
+from filter_pipeline.settings import JUDGE_KIND_ENV
+
+
+def _setting(default, description: str, env: str | None = None, **constraints):
+    """A field whose description names its environment variable, kept beside it for `config_from_env`."""
+    if env is None:
+        return Field(default=default, description=description, **constraints)
+    return Field(
+        default=default, description=f"{description} Env {env}.", json_schema_extra={"env": env}, **constraints
+    )
+
+
+class LLMJudgeConfig(dg.Config):
+    """How the LLM judge is asked (CONTRACT §8 settings, plus this project's own after `votes`)."""
+
+    base_url: str | None = _setting(
+        None, "OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1.", env="FILTER_JUDGE_BASE_URL"
+    )
+    model: str | None = _setting(None, "Model name sent to the endpoint.", env="FILTER_JUDGE_MODEL")
+    api_key: str | None = _setting(
+        None,
+        "Bearer token, if the endpoint wants one. Set it with EnvVar: never shown in the UI.",
+        env="FILTER_JUDGE_API_KEY",
+    )
+    votes: int = _setting(
+        1,
+        "Votes per task; the majority wins and a tie fails. Above 1 needs a temperature "
+        "above 0; the votes are then n samples of one request where the server takes `n`.",
+        env="FILTER_JUDGE_VOTES",
+    )
+    concurrency: int = _setting(16, "Most requests in flight at once.", env="FILTER_JUDGE_CONCURRENCY")
+    timeout_seconds: float = _setting(60.0, "Timeout of one request.", env="FILTER_JUDGE_TIMEOUT")
+    temperature: float = _setting(
+        0.0, "Sampling temperature (not sent to a reasoning model).", env="FILTER_JUDGE_TEMPERATURE"
+    )
+    max_tokens: int = _setting(
+        800,
+        "Most tokens in one reply (the answer reasons before its verdict); 0: not sent (the server's default).",
+        env="FILTER_JUDGE_MAX_TOKENS",
+    )
+    task_budget_seconds: float = _setting(
+        600.0,
+        "Seconds one task may spend on retries of 408/409/429/5xx/timeouts (honouring "
+        "Retry-After and the x-ratelimit-reset headers); a task still unanswered is unjudged (status error).",
+        env="FILTER_JUDGE_TASK_BUDGET",
+    )
+    reasoning_model: bool = _setting(
+        False,
+        "A reasoning model (o1-style): send max_completion_tokens instead of max_tokens, and no temperature.",
+        env="FILTER_JUDGE_REASONING_MODEL",
+    )
+    structured_output: bool = _setting(
+        True,
+        "Ask for a JSON-schema reply (response_format); dropped by itself where the server rejects it.",
+        env="FILTER_JUDGE_STRUCTURED_OUTPUT",
+    )
+    prompt_version: str = _setting(
+        PROMPT_VERSION,
+        "Part of the verdict cache key: change it to re-judge everything.",
+        env="FILTER_JUDGE_PROMPT_VERSION",
+    )
+    min_score: int | None = _setting(
+        None,
+        "A verdict passes only if the model passed it and its score (1-5, when it gave one) is at "
+        "least this; unset: the model's verdict alone. Not part of the verdict cache key: changing it and "
+        "materializing again asks nothing.",
+        env="FILTER_JUDGE_MIN_SCORE",
+        ge=1,
+        le=5,
+    )
+    include_screenshot: bool = _setting(
+        False,
+        "Send the attempt's first and last screenshots, by natural order (multimodal models).",
+        env="FILTER_JUDGE_SCREENSHOT",
+    )
+    max_prompt_chars: int = _setting(
+        24_000,
+        "Budget of one prompt's task text in characters (the fixed system prompt aside); "
+        "long actions and page text keep their head and tail, the cut marked.",
+    )
+    save_every_verdicts: int = _setting(
+        500,
+        "Save verdicts as they arrive, every this many (warehouse/_judge_progress/<run_id>/): "
+        "a killed run's next materialization asks only what was not saved.",
+        env="FILTER_JUDGE_SAVE_EVERY",
+        ge=1,
+    )
+    save_every_seconds: float = _setting(
+        30.0, "... or every this many seconds, whichever comes first.", env="FILTER_JUDGE_SAVE_SECONDS", ge=0
+    )
+    price_per_million_prompt_tokens: float = _setting(
+        0.0,
+        "Price of a million prompt tokens, for the cost in the metadata and the report "
+        "(0 with the other prices: not priced).",
+        env="FILTER_JUDGE_PRICE_PROMPT",
+        ge=0,
+    )
+    price_per_million_completion_tokens: float = _setting(
+        0.0, "Price of a million completion tokens.", env="FILTER_JUDGE_PRICE_COMPLETION", ge=0
+    )
+    price_per_million_cached_tokens: float | None = _setting(
+        None,
+        "Price of a million prompt tokens the endpoint served from its cache (unset: the prompt price).",
+        env="FILTER_JUDGE_PRICE_CACHED",
+        ge=0,
+    )
+    backoff_initial_seconds: float = _setting(
+        0.5, "First wait before retrying a transient fault (doubled per retry).", gt=0
+    )
+    backoff_max_seconds: float = _setting(8.0, "Longest wait between two retries.", gt=0)
+
+    def check(self) -> None:
+        """Refuse, in one line, what the client cannot work with, before any request."""
+        missing = [env_name(name) for name in ("base_url", "model") if not getattr(self, name)]
+        if missing:
+            raise ValueError(f"the llm judge needs {' and '.join(missing)}")
+        if self.votes < 1:
+            raise ValueError(f"judge votes={self.votes}: at least 1")
+        if self.votes > 1 and self.temperature <= 0 and not self.reasoning_model:
+            raise ValueError(
+                f"judge votes={self.votes} at temperature={self.temperature}: identical samples at temperature 0 "
+                "cannot disagree; set votes=1, or a temperature above 0 (e.g. 0.7) for a majority of samples"
+            )
+        if self.concurrency < 1:
+            raise ValueError(f"judge concurrency={self.concurrency}: at least 1")
+        if self.max_tokens < 0:
+            raise ValueError(f"judge max_tokens={self.max_tokens}: 0 (not sent) or more")
+        if not self.task_budget_seconds > 0 or not self.timeout_seconds > 0:
+            raise ValueError("judge task_budget_seconds and timeout_seconds must be above 0")
+
+    def identity(self) -> list:
+        """What of the settings decides a verdict, for the cache key (with the prompt version and messages)."""
+        return [self.model, self.votes, self.temperature]
+
+    def redact(self, text: str | None) -> str | None:
+        """`text` with the API key replaced by ***: nothing the judge writes or raises carries it."""
+        key = self.api_key
+        return text.replace(key, "***") if key and isinstance(key, str) and text else text
+
+
+def env_name(field: str) -> str | None:
+    """The environment variable of a setting (None: set in Dagster's config only)."""
+    extra = LLMJudgeConfig.model_fields[field].json_schema_extra
+    return extra.get("env") if isinstance(extra, dict) else None
+
+
+# every environment variable of the judge by setting: `kind` and the LLM settings
+ENV: dict[str, str] = {
+    "kind": JUDGE_KIND_ENV,
+    **{name: env for name in LLMJudgeConfig.model_fields if (env := env_name(name)) is not None},
+}
+
+
+def _flag(text: str) -> bool:
+    if text.lower() not in ("1", "true", "yes", "0", "false", "no", ""):
+        raise ValueError(text)
+    return text.lower() in ("1", "true", "yes")
+
+
+# how a variable's text becomes a setting, by the setting's type, and the name an error gives that type
+_PARSERS = {bool: (_flag, "flag (true/false)"), int: (int, "int"), float: (float, "float")}
+
+
+def config_from_env(overrides: dict | None = None) -> LLMJudgeConfig:
+    """The LLM settings that FILTER_JUDGE_* variables give, `overrides` in their place; the API key is wired
+    as an EnvVar so Dagster shows its name, never its value."""
+    values: dict = {}
+    for name, field in LLMJudgeConfig.model_fields.items():
+        env = env_name(name)
+        if env is None or env not in os.environ:
+            continue
+        if name == "api_key":
+            if os.environ[env]:
+                values[name] = dg.EnvVar(env)
+            continue
+        kind = next((t for t in _PARSERS if t in (field.annotation, *getattr(field.annotation, "__args__", ()))), str)
+        parse, type_name = _PARSERS.get(kind, (str, "text"))
+        try:
+            values[name] = parse(os.environ[env])
+        except ValueError:
+            raise ValueError(f"{env}={os.environ[env]!r} is not a valid {type_name}") from None
+    return LLMJudgeConfig(**{**values, **(overrides or {})})

@@ -1,0 +1,236 @@
+"""One chat completion over HTTP: the aiohttp session, retries of transient faults, refusals.
+
+Speaks the OpenAI chat-completions protocol (`POST {base_url}/chat/completions`), which vLLM, SGLang,
+llama.cpp server, Ollama, LiteLLM and hosted APIs all serve. The client is aiohttp, whose pool keeps up with
+many requests in flight (benchmarks/judge_throughput.py compares it with httpx). Every request passes the
+rate controller (judge/rate.py). Transient faults (408, 409, 429, 5xx, transport errors, replies that are not
+a completion) are retried against the task's time budget, backing off without holding a slot. A refusal
+(401, 403, 404, an unknown model) stops the whole client: `EndpointRefused`. Proxies and CA bundles are
+taken from the environment as curl and the OpenAI SDK take them.
+"""
+
+import asyncio
+import json
+import os
+import random
+import re
+import ssl
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+from urllib.parse import urlsplit, urlunsplit
+
+from filter_pipeline.judge.rate import EndpointRefused, RateController, TaskBudget, Unanswered
+from filter_pipeline.judge.replies import Choice, Usage, error_message, read_completion, retry_hint
+
+if TYPE_CHECKING:  # aiohttp itself is imported when a client opens: gate-judged runs never load it
+    import aiohttp
+
+    from filter_pipeline.judge.config import LLMJudgeConfig
+
+SERVER_TEXT_MAX_CHARS = 300
+_UNKNOWN_MODEL = re.compile(
+    r"model_not_found|(?:unknown|invalid|no such)\s+model|\b(?:model|deployment)\b[^.]{0,120}?"
+    r"(?:does not exist|doesn't exist|not found|is unknown)",
+    re.IGNORECASE,
+)
+Completion = tuple[list[Choice], Usage]
+
+
+class JudgeSetupError(ValueError):
+    """A judge setting the client cannot work with (an unreadable SSL_CERT_FILE): one line naming it."""
+
+
+@dataclass
+class Rejected:
+    """A rejection that retrying cannot fix (a 4xx other than a refusal, or a 5xx the caller rejects)."""
+
+    status: int
+    text: str
+
+
+@dataclass
+class _Fault:
+    """A transient fault: retried after a backoff, or after `hint` seconds shared by every request."""
+
+    problem: str
+    hint: float | None = None
+    shared: bool = False  # the hint pauses the whole client (waited out in RateController.acquire)
+
+
+def ssl_context() -> ssl.SSLContext:
+    """The system's trusted certificates, plus the CA bundle that SSL_CERT_FILE names (a corporate proxy's CA,
+    say), as curl and the OpenAI SDK honour it. Raises JudgeSetupError (one line) when that file cannot be read."""
+    context = ssl.create_default_context()
+    bundle = os.environ.get("SSL_CERT_FILE")
+    if bundle:
+        try:
+            context.load_verify_locations(cafile=bundle)
+        except (OSError, ssl.SSLError) as exc:
+            raise JudgeSetupError(
+                f"SSL_CERT_FILE={bundle}: not a readable CA bundle ({exc.__class__.__name__})"
+            ) from None
+    return context
+
+
+def public_url(url: str) -> str:
+    """`url` without credentials or query (userinfo, `?api-key=`)."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    netloc = f"{host}:{parts.port}" if parts.port else host
+    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+
+
+@dataclass
+class _Answer:
+    """What one POST gave: the status with its whole body, or (status None) the transport's trouble."""
+
+    status: int | None
+    headers: dict
+    text: str
+    problem: str = ""
+
+
+class Transport:
+    """One aiohttp session to `{base_url}/chat/completions` and the rate controller every request passes."""
+
+    def __init__(self, config: "LLMJudgeConfig"):
+        self.config = config
+        self.url = config.base_url.rstrip("/") + "/chat/completions"
+        self.public_url = public_url(self.url)
+        if config.api_key and urlsplit(self.url).password is not None:
+            self.url = self.public_url  # the bearer token authenticates; aiohttp refuses both at once
+        self.headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+        self.rate = RateController(config.concurrency, config.task_budget_seconds)
+        self.session: aiohttp.ClientSession | None = None
+
+    async def open(self) -> None:
+        import aiohttp
+
+        self._aiohttp = aiohttp
+        self.transport_errors = (aiohttp.ClientError, asyncio.TimeoutError)
+        # trust_env: HTTPS_PROXY / HTTP_PROXY / NO_PROXY (and ~/.netrc), as curl and the OpenAI SDK honour them
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=self.config.concurrency, ssl=ssl_context()),
+            timeout=aiohttp.ClientTimeout(total=self.config.timeout_seconds),
+            trust_env=True,
+        )
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+            self.session = None
+
+    async def send(
+        self, make_body: Callable[[], dict], task: TaskBudget, rejects_5xx: Callable[[dict], bool]
+    ) -> tuple[dict, Completion | Rejected]:
+        """(the body sent, one completion), retrying transient faults within the task's budget; a rejection
+        that retrying cannot fix comes back as Rejected, as does a 5xx to a body `rejects_5xx` names (a refusal
+        raises EndpointRefused; a spent budget Unanswered). The body is made when the request gets its slot."""
+        tries, problem = 0, ""
+        while True:
+            epoch = await self.rate.acquire(task)
+            body = make_body()
+            task.requests += 1
+            tries += 1
+            answer = await self._post(body, task, problem)
+            outcome = self._outcome(answer, epoch, rejects_5xx(body))
+            if not isinstance(outcome, _Fault):
+                return body, outcome
+            problem = outcome.problem
+            await self._back_off(outcome, task, tries)
+
+    async def _post(self, body: dict, task: TaskBudget, before: str) -> _Answer:
+        """One request, its slot released when it ends; `before` is the problem of the task's last request."""
+        timeout = max(min(self.config.timeout_seconds, task.deadline - time.monotonic()), 0.001)
+        start = time.perf_counter()
+        try:
+            async with self.session.post(
+                self.url, json=body, headers=self.headers, timeout=self._aiohttp.ClientTimeout(total=timeout)
+            ) as response:
+                # The status counts only with its whole body: a body cut off by the timeout is a timeout, not
+                # an empty answer from the server.
+                data = await response.read()
+                return _Answer(response.status, dict(response.headers), data.decode("utf-8", errors="replace"))
+        except self.transport_errors as exc:
+            if isinstance(exc, asyncio.TimeoutError) and timeout < self.config.timeout_seconds and before:
+                # Cut short by the task's budget, this timeout says nothing about the endpoint; what it
+                # answered before does.
+                problem = f"{before}; the task budget ran out during the next request"
+            elif isinstance(exc, asyncio.TimeoutError):
+                problem = f"timeout ({timeout:.1f} s) waiting for the judge endpoint"
+            else:
+                problem = f"{type(exc).__name__} talking to the judge endpoint"
+            return _Answer(None, {}, "", problem)
+        finally:
+            task.latencies_ms.append((time.perf_counter() - start) * 1000)
+            self.rate.release()
+
+    def _outcome(self, answer: _Answer, epoch: int, rejects_5xx: bool) -> Completion | Rejected | _Fault:
+        status, text = answer.status, answer.text
+        if status is None:
+            return _Fault(answer.problem)
+        if 200 <= status < 300:
+            try:
+                completion = read_completion(json.loads(text))
+            except ValueError:
+                completion = None
+            if completion is not None:
+                self.rate.succeeded()
+                return completion
+            return _Fault(f"HTTP {status} from the judge endpoint is not a chat completion: {self.server_text(text)}")
+        if self._refusal(status, text):
+            refused = self._refused(status, text)
+            self.rate.refuse(refused)
+            raise refused
+        if status not in (408, 409, 429) and status < 500:
+            return Rejected(status, text)
+        if status >= 500 and rejects_5xx:
+            return Rejected(status, text)
+        hint = retry_hint(answer.headers)
+        if status == 429:
+            self.rate.throttled(epoch)
+        shared = hint is not None and status in (429, 503)
+        if shared:
+            self.rate.pause(hint)
+        return _Fault(f"HTTP {status} from the judge endpoint: {self.server_text(text)}", hint, shared)
+
+    async def _back_off(self, fault: _Fault, task: TaskBudget, tries: int) -> None:
+        """Wait before the task's next try (a shared pause is waited out in acquire()); raises Unanswered
+        when the wait would pass the task's budget."""
+        self.rate.failed(fault.problem)
+        c = self.config
+        base = min(c.backoff_max_seconds, c.backoff_initial_seconds * 2 ** (tries - 1))
+        wait = fault.hint if fault.hint is not None else base / 2 + random.uniform(0, base / 2)
+        if time.monotonic() + wait >= task.deadline:
+            self.rate.gave_up(task)
+            spent = time.monotonic() - (task.started or time.monotonic())
+            raise Unanswered(
+                f"{fault.problem} (gave up after {task.requests} requests in {spent:.1f} s; "
+                f"task budget {task.budget:.0f} s)"
+            )
+        if not fault.shared:
+            await asyncio.sleep(wait)
+
+    # --- refusals and server text -----------------------------------------------------------------------
+
+    def _refusal(self, status: int, text: str) -> bool:
+        return status in (401, 403, 404) or (status == 400 and bool(_UNKNOWN_MODEL.search(error_message(text))))
+
+    def _refused(self, status: int, text: str) -> EndpointRefused:
+        todo = {401: "check FILTER_JUDGE_API_KEY", 403: "check FILTER_JUDGE_API_KEY and its permissions"}.get(
+            status, "check FILTER_JUDGE_BASE_URL and FILTER_JUDGE_MODEL"
+        )
+        return EndpointRefused(
+            f"the judge endpoint {self.public_url} refused the request for model {self.config.model!r}: "
+            f"HTTP {status}: {self.server_text(text)} ({todo})"
+        )
+
+    def server_text(self, text: str) -> str:
+        message = error_message(text)
+        if len(message) > SERVER_TEXT_MAX_CHARS:
+            message = message[:SERVER_TEXT_MAX_CHARS] + "..."
+        return self.config.redact(message) or "(empty body)"
