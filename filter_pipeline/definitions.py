@@ -67,9 +67,4 @@ def filter_job_from_env() -> dg.JobDefinition:
     return defs_from_env().resolve_job_def(filter_job.name)
 
 
-def across_runs_job_from_env() -> dg.JobDefinition:
-    """`across_runs_job` (coverage, judge calibration) as the environment configures it, for the CLI."""
-    return defs_from_env().resolve_job_def(across_runs_job.name)
-
-
 defs = defs_from_env()

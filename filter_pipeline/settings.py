@@ -14,7 +14,6 @@ EXECUTOR_ENV = "FILTER_PIPELINE_EXECUTOR"
 # suits this pipeline (each step is one vectorised pass; a process per step costs seconds on a small machine;
 # batches run in parallel as separate runs, one process or pod each). multiprocess: each step in its own
 # process, as a deployment that isolates steps wants.
-EXECUTORS = ("in_process", "multiprocess")
 DEFAULT_EXECUTOR = "in_process"
 STEPS_IN_RUN_PROCESS = ("in_process",)  # the executors that run steps in the run's own process
 

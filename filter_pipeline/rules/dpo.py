@@ -11,11 +11,8 @@ from filter_pipeline.rules.schemas import STAGE_JUDGE, conform, positions
 EXCLUDED_BACKEND_OK = "backend_ok"  # reached the goal state although the script failed
 EXCLUDED_BLOCKED = "blocked"  # the judge said the site, not the agent, prevented the task
 EXCLUDED_JUDGE_GATE_PASSED = "judge_fail_gate_passed"  # the judge failed it but the backend gate passed it
-EXCLUSION_REASONS = (EXCLUDED_BACKEND_OK, EXCLUDED_BLOCKED, EXCLUDED_JUDGE_GATE_PASSED)
 _CHOSEN = ["task_id", "macro", "site", "instruction", "dir", "attempt", "n_actions", "run_id"]
 _REJECTED = ["task_id", "dir", "attempt", "n_actions", "stage", "reason", "detail"]
-# The columns `dpo_pairs` reads from each input (the asset loads only these).
-INPUT_COLUMNS = {"kept": _CHOSEN, "failure_pool": [*_REJECTED, "backend_ok", "blocked"]}
 
 
 @dataclass(frozen=True)

@@ -23,25 +23,6 @@ from filter_pipeline.rules.schemas import (
 BLOCKED = "blocked"  # the per-site and per-macro column of judge failures the judge found blocked by the site
 FUNNEL_STEPS = ("attempts", "ok attempts", "judged tasks", "passed", "kept")
 COST_COLUMNS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens", "cost")
-# The columns `figures` reads from each input: the report asset loads only these (a large batch's frames
-# are mostly text the report never looks at).
-INPUT_COLUMNS = {
-    "batch_attempts": ["ok"],
-    "judge_verdicts": [
-        "site",
-        "macro",
-        "status",
-        "passed",
-        "judge",
-        "cached",
-        "deduplicated",
-        *COST_COLUMNS,
-        "evidence",
-    ],
-    "failure_pool": ["site", "macro", "reason", "blocked"],
-    "kept": ["site", "macro"],
-    "surplus": ["dropped"],
-}
 
 
 @dataclass(frozen=True)

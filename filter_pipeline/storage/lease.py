@@ -35,8 +35,6 @@ from filter_pipeline.storage.files import atomic_write
 LOCK_FILE = "_ledger.lock"
 HOLDER_FILE = "_ledger.holder.json"
 LEASE_FILE = "_ledger.lease"
-DEFAULT_WAIT_SECONDS = 3600.0
-POLL_SECONDS = 1.0
 
 
 class LedgerBusy(Exception):
@@ -111,41 +109,6 @@ def ledger_lease(data_root: UPath, holder: str, ttl_seconds: float | None = None
         raise ValueError(
             f"the ledger lease needs a local or s3:// data root (conditional writes), not {warehouse.protocol}://"
         )
-
-
-@contextmanager
-def acquire_or_wait(
-    data_root: UPath,
-    holder: str,
-    wait_seconds: float = DEFAULT_WAIT_SECONDS,
-    log: Callable[[str], None] | None = None,
-    ttl_seconds: float | None = None,
-    poll_seconds: float = POLL_SECONDS,
-) -> Iterator[Lease]:
-    """`ledger_lease`, waiting up to `wait_seconds` while another walk holds it (said once to `log`);
-    raises LedgerBusy if it is still held then."""
-    deadline = time.monotonic() + wait_seconds
-    said = None
-    while True:
-        try:
-            context = ledger_lease(data_root, holder, ttl_seconds)
-            lease = context.__enter__()
-        except LedgerBusy as busy:
-            if time.monotonic() >= deadline:
-                raise
-            if log is not None and str(busy) != said:
-                log(f"waiting: {busy}")
-                said = str(busy)
-            time.sleep(poll_seconds)
-            continue
-        break
-    try:
-        yield lease
-    except BaseException as exc:
-        if not context.__exit__(type(exc), exc, exc.__traceback__):
-            raise
-    else:
-        context.__exit__(None, None, None)
 
 
 # --- fsspec's memory filesystem (one process's, as in tests) ---------------------------------------

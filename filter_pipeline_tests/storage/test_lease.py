@@ -10,7 +10,7 @@ import pytest
 from upath import UPath
 
 from filter_pipeline.storage import lease
-from filter_pipeline.storage.lease import LEASE_FILE, LedgerBusy, acquire_or_wait, ledger_lease
+from filter_pipeline.storage.lease import LEASE_FILE, LedgerBusy, ledger_lease
 
 HOLD = """
 import sys, time
@@ -50,36 +50,6 @@ def test_local_lease_excludes_a_second_holder_in_the_same_process(tmp_path):
             with ledger_lease(UPath(tmp_path), "second"):
                 pass
     with ledger_lease(UPath(tmp_path), "second"):
-        pass
-
-
-def test_acquire_or_wait_waits_for_the_holder_then_gives_up_with_ledger_busy(tmp_path):
-    said: list[str] = []
-    release = threading.Event()
-
-    def hold():
-        with ledger_lease(UPath(tmp_path), "the first walk"):
-            release.wait(10)
-
-    holder = threading.Thread(target=hold)
-    holder.start()
-    time.sleep(0.2)
-    with pytest.raises(LedgerBusy):
-        with acquire_or_wait(UPath(tmp_path), "second", wait_seconds=0.3, log=said.append, poll_seconds=0.05):
-            pass
-    assert said and said[0].startswith("waiting: the ledger of") and "the first walk" in said[0]
-    threading.Timer(0.3, release.set).start()
-    started = time.monotonic()
-    with acquire_or_wait(UPath(tmp_path), "second", wait_seconds=10, poll_seconds=0.05):
-        assert time.monotonic() - started >= 0.2
-    holder.join()
-
-
-def test_an_exception_inside_acquire_or_wait_releases_the_lease(tmp_path):
-    with pytest.raises(RuntimeError):
-        with acquire_or_wait(UPath(tmp_path), "a", wait_seconds=0):
-            raise RuntimeError("the walk failed")
-    with ledger_lease(UPath(tmp_path), "b"):
         pass
 
 
