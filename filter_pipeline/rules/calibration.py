@@ -191,7 +191,8 @@ def who(row: dict) -> str:
     """The predictor of a calibration row: `gate`, or `judge <model> <prompt_version>`."""
     if row["predictor"] == "gate":
         return "gate"
-    return " ".join(str(v) for v in ("judge", row["model"], row["prompt_version"]) if v is not None and not pd.isna(v))
+    named = ("judge", row["model"], row["prompt_version"])
+    return " ".join(str(v) for v in named if v is not None and not pd.isna(v) and str(v).strip())
 
 
 def markdown(table: pd.DataFrame) -> str:
