@@ -280,7 +280,8 @@ def task_table(t: RunTables, kept_ids: pd.Series) -> pd.DataFrame:
     if t.legacy and tasks.empty:
         parts.append(read_legacy_kept(t.legacy))
     table = pd.concat([p for p in parts if len(p)] or [table], ignore_index=True)
-    return table[[*TASK_COLUMNS, "dedup_key"]].astype("object").where(lambda f: f.notna(), None)
+    reason = table["reason"].astype("object")  # (None, not NaN, where a task has no reason)
+    return table[[*TASK_COLUMNS, "dedup_key"]].assign(reason=reason.where(reason.notna(), None))
 
 
 def _rejected_tasks(rejects: pd.DataFrame) -> pd.DataFrame:
@@ -364,7 +365,8 @@ def page(tasks: pd.DataFrame, filters: dict, offset: int, limit: int) -> tuple[i
         if value:
             mask &= (tasks[column] == value).to_numpy(bool)
     matching = tasks[mask] if not mask.all() else tasks
-    return int(len(matching)), matching.iloc[offset : offset + limit][TASK_COLUMNS].to_dict("records")
+    shown = matching.iloc[offset : offset + limit][TASK_COLUMNS].astype("object")  # (only the page made JSON-ready)
+    return int(len(matching)), shown.where(shown.notna(), None).to_dict("records")
 
 
 JUDGED_COLUMNS = ["run_id", "task_id", "dir", "site", "votes", "passed"]
