@@ -1,4 +1,4 @@
-"""Requests and tokens per task: the judge client of commit 6e847e5 at its defaults against today's.
+"""Requests and tokens per task for the judge client's configurations, against one local endpoint.
 
     .venv/bin/python -m benchmarks.judge_requests [--tasks 2000] [--latency 0.2] [--unparseable 0.1]
                                                   [--concurrency 64]
@@ -9,40 +9,20 @@ the identical reply, as at temperature 0) get prose without a verdict, unless st
 for and accepted (constrained decoding cannot produce prose). Tokens are about a quarter of the characters
 sent and received; the system message counts as a cached prefix once the server has seen it.
 
-Clients compared, one row each:
-- old: commit 6e847e5's llm.py, read from git history (votes 3 at temperature 0, an unparseable reply asked
-  again identically up to 5 times per vote);
-- new, response_format accepted: today's client at its defaults;
-- new, response_format rejected: today's client dropping structured output, repairing unparseable replies.
+Configurations compared, one row each:
+- defaults, response_format accepted: one vote, structured output;
+- defaults, response_format rejected: the client drops structured output and repairs unparseable replies;
+- votes 3 at temperature 0.7: three samples per task (one request where the server takes `n`).
 """
 
 import argparse
-import importlib.util
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 from benchmarks.judge_throughput import server_process
 from benchmarks.sample_prompts import task_messages
 from filter_pipeline.judge.client import judge_prompts
 from filter_pipeline.judge.config import LLMJudgeConfig
-
-REPO = Path(__file__).resolve().parent.parent
-OLD_COMMIT = "6e847e5"
-
-
-def old_client():
-    """commit 6e847e5's filter_pipeline/judge/llm.py as a module, or None without the git history."""
-    done = subprocess.run(
-        ["git", "show", f"{OLD_COMMIT}:filter_pipeline/judge/llm.py"], cwd=REPO, capture_output=True, text=True
-    )
-    if done.returncode != 0:
-        return None
-    spec = importlib.util.spec_from_loader(f"judge_llm_{OLD_COMMIT}", loader=None)
-    module = importlib.util.module_from_spec(spec)
-    exec(compile(done.stdout, f"{OLD_COMMIT}:filter_pipeline/judge/llm.py", "exec"), module.__dict__)
-    return module
 
 
 def main() -> None:
@@ -68,32 +48,24 @@ def main() -> None:
         f"{'client':<40} {'req/task':>8} {'prompt tok':>10} {'compl tok':>9} {'cached tok':>10} {'unjudged':>8} {'seconds':>8}"
     )
 
-    old = old_client()
-    runs = [("new, response_format accepted", "accept", None), ("new, response_format rejected", "reject", None)]
-    if old is not None:
-        runs.insert(0, (f"old ({OLD_COMMIT}: votes 3, temperature 0)", "accept", old))
-    else:
-        print(f"old: not measured (no git history with commit {OLD_COMMIT} here)")
-    for name, response_format, module in runs:
+    configurations = [
+        ("defaults, response_format accepted", "accept", {}),
+        ("defaults, response_format rejected", "reject", {}),
+        ("votes 3 at temperature 0.7", "accept", {"votes": 3, "temperature": 0.7}),
+    ]
+    for name, response_format, settings in configurations:
         options = ["--unparseable", str(args.unparseable), "--response-format", response_format]
         with server_process(args.latency, *options) as base_url:
             start = time.perf_counter()
-            if module is not None:
-                settings = module.LLMSettings(base_url=base_url, model="bench", concurrency=args.concurrency)
-                verdicts = module.judge_prompts(prompts, settings)
-                requests = sum(v.calls for v in verdicts)
-                cached = "n/a"
-            else:
-                verdicts = judge_prompts(
-                    prompts, LLMJudgeConfig(base_url=base_url, model="bench", concurrency=args.concurrency)
-                )
-                requests = sum(v.requests for v in verdicts)
-                cached = f"{sum(v.cached_tokens for v in verdicts) / args.tasks:.0f}"
+            config = LLMJudgeConfig(base_url=base_url, model="bench", concurrency=args.concurrency, **settings)
+            verdicts = judge_prompts(prompts, config)
             seconds = time.perf_counter() - start
+        requests = sum(v.requests for v in verdicts)
+        cached = sum(v.cached_tokens for v in verdicts)
         n = args.tasks
         unjudged = sum(v.status != "judged" for v in verdicts)
         print(f"{name:<40} {requests / n:>8.2f} {sum(v.prompt_tokens for v in verdicts) / n:>10.0f} "
-              f"{sum(v.completion_tokens for v in verdicts) / n:>9.1f} {cached:>10} {unjudged:>8} {seconds:>8.1f}", flush=True)  # fmt: skip
+              f"{sum(v.completion_tokens for v in verdicts) / n:>9.1f} {cached / n:>10.0f} {unjudged:>8} {seconds:>8.1f}", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

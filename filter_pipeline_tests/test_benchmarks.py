@@ -43,18 +43,22 @@ def test_judge_rate_limit_judges_everything_at_a_small_size():
     assert row[1] == "12" and int(row[2]) >= 12  # every task judged; the 429s are counted as requests
 
 
-def test_judge_requests_compares_the_old_client_with_the_new_at_a_small_size():
+def test_judge_requests_compares_the_client_configurations_at_a_small_size():
     out = run("benchmarks.judge_requests", "--tasks", "40", "--latency", "0.01", "--unparseable", "0.2")
-    # each row: the client's name, then requests/task, prompt, completion and cached tokens/task, unjudged, seconds
+    # each row: the configuration's name, then requests, prompt, completion, cached tokens per task, unjudged, seconds
     rows = {
-        line.split()[0].rstrip(","): line.split()[-6:] for line in out.splitlines() if line.startswith(("old", "new"))
+        line[:40].strip(): [float(x) for x in line[40:].split()]
+        for line in out.splitlines()
+        if line.startswith(("defaults", "votes"))
     }
-    requests = {
-        line.split("  ")[0]: float(line.split()[-6]) for line in out.splitlines() if line.startswith(("old", "new"))
-    }
-    assert len(requests) == 3 and set(rows) == {"old", "new"}
-    assert requests["new, response_format accepted"] == 1.0 and requests["new, response_format rejected"] < 1.5
-    assert float(rows["old"][0]) >= 3.0  # three votes, and identical requests again after prose
+    accepted, rejected, votes = (
+        rows["defaults, response_format accepted"],
+        rows["defaults, response_format rejected"],
+        rows["votes 3 at temperature 0.7"],
+    )
+    assert accepted[0] == 1.0 and accepted[4] == 0  # structured output: one request a task, every task judged
+    assert 1.0 < rejected[0] < 1.5  # prose answered by a repair request, not a resample
+    assert votes[0] == 1.0 and votes[2] == 3 * accepted[2]  # three samples in one request (`n`), three completions
 
 
 def test_parallel_batches_judge_together_and_walk_the_ledger_one_at_a_time_in_order():
