@@ -1,7 +1,7 @@
 """UI backfills of N partitions against the batch sensor doing the same N batches, under `dagster dev`.
 
     .venv/bin/python -m benchmarks.backfill_order [--batches 10] [--tasks 60] [--judge gate|llm] [--latency 0.5]
-                                                  [--run-slots 2]
+                                                  [--run-slots 2] [--sensor-only]
 
 Both sides start a fresh `dagster dev` (temp DAGSTER_HOME, instance/dagster.yaml) over a fresh copy of the
 same N order-sensitive batches (shared keys and sites, built as in the backfill tests):
@@ -16,7 +16,8 @@ same N order-sensitive batches (shared keys and sites, built as in the backfill 
   in the queue let their slot go (FILTER_PIPELINE_ORDER_QUEUED_SECONDS, default 60 s) and the sensor walks
   their batches in order: it prints how many did.
 Prints each side's wall time, its number of runs, the order in which the kept files were written, and how
-many kept/surplus rows differ between the two sides (0 when both walk in run_id order). With `--judge llm`
+many kept/surplus rows differ between the two sides (0 when both walk in run_id order); `--sensor-only` times
+the sensor side alone (how fast a burst of batches drains: its ledger runs and their walks). With `--judge llm`
 the judge is the loopback test server (one vote per task, fixed latency, its own process).
 """
 
@@ -85,7 +86,7 @@ def job_backfill_side(
     return wall, len(runs), stopped, data / "warehouse"
 
 
-def sensor_side(work: Path, batches: Path, ids: list[str], env: dict) -> tuple[float, int, Path]:
+def sensor_side(work: Path, batches: Path, ids: list[str], env: dict) -> tuple[float, list, Path]:
     data = fresh_root(work, "sensor")
     kept = lambda: all((data / "warehouse" / "kept" / f"{r}.parquet").exists() for r in ids)  # noqa: E731
     with dagster_dev(data, home=work / "sensor" / "home", env=env, sensor=True) as server:
@@ -100,7 +101,14 @@ def sensor_side(work: Path, batches: Path, ids: list[str], env: dict) -> tuple[f
                 raise TimeoutError(f"the sensor did not filter {len(ids)} batches in {SECONDS} s:\n{server.log_tail()}")
             time.sleep(1)
         wall = time.perf_counter() - start
-    return wall, len(runs), data / "warehouse"
+    return wall, runs, data / "warehouse"
+
+
+def print_sensor_side(args: argparse.Namespace, wall: float, runs: int, warehouse: Path, ids: list[str]) -> None:
+    ledger = [r for r in runs if r.job == "ledger_job"]
+    print(f"{args.batches} batches x {args.tasks} tasks, judge {args.judge}: batch sensor {wall:.1f} s wall from the "
+          f"drop until all are committed, {len(runs)} runs ({len(ledger)} ledger runs), kept written "
+          f"{' '.join(walk_order(warehouse, ids))}")  # fmt: skip
 
 
 def main() -> None:
@@ -111,6 +119,7 @@ def main() -> None:
     parser.add_argument("--latency", type=float, default=0.5, help="seconds the llm test server waits per answer")
     parser.add_argument("--seed", type=int, default=7, help="seed of the registration order")
     parser.add_argument("--run-slots", type=int, default=2, help="max_concurrent_runs for the job backfill")
+    parser.add_argument("--sensor-only", action="store_true", help="time the batch sensor's side alone")
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="filter-backfill-bench-"))
@@ -121,8 +130,11 @@ def main() -> None:
         base_url = server.__enter__() if server else None
         try:
             env = judge_env(args.judge, base_url)
+            if args.sensor_only:
+                return print_sensor_side(args, *sensor_side(work, batches, ids, env), ids)
             b_wall, b_runs, b_warehouse = backfill_side(work, batches, ids, env, args.seed)
-            s_wall, s_runs, s_warehouse = sensor_side(work, batches, ids, env)
+            s_wall, s_run_list, s_warehouse = sensor_side(work, batches, ids, env)
+            s_runs = len(s_run_list)
             j_wall, j_runs, j_stopped, j_warehouse = job_backfill_side(
                 work, batches, ids, env, args.seed, args.run_slots
             )

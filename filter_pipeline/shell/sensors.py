@@ -2,9 +2,11 @@
 run_id order, re-judges filtered runs that left tasks unjudged, and records legacy runs as materialized.
 
 Judging (slow, costly) starts as soon as a batch is complete, for many batches at once. The ledger step,
-whose result depends on which runs were walked before, is requested for one run at a time, lowest run_id
-first. That is an optimisation: the ledger step itself waits for lower runs (CONTRACT §4), whoever
-launched it, so a UI backfill or another instance cannot walk out of order either.
+whose result depends on which runs were walked before, is requested for every judged batch waiting in a row
+from the lowest run_id on, in one run that walks them lowest run_id first (as an asset backfill's ledger run
+does), so a backlog costs about one ledger run, not one tick per batch. That is an optimisation: the ledger
+step itself waits for lower runs (CONTRACT §4), whoever launched it, so a UI backfill or another instance
+cannot walk out of order either.
 """
 
 import hashlib
@@ -45,6 +47,8 @@ NOT_FINISHED_STATUSES = [
 SENSOR_INTERVAL_SECONDS = 10
 LABELS_SENSOR_INTERVAL_SECONDS = 30
 IN_FLIGHT_RUNS_LIMIT = 10_000
+# the most batches one ledger run walks: its step holds the judge verdicts of all of them in memory at once
+LEDGER_RANGE_LIMIT = 50
 
 # every run_id-partitioned asset: what a legacy run (runs/<run>/kept.jsonl, filtered by the earlier script)
 # is recorded as having materialized, so that it shows as filled and "Materialize missing" leaves it alone
@@ -83,35 +87,60 @@ def plan_tick(
     failed_ledger: set[str],
     failed: Iterable[str] = (),
     retired: Iterable[str] = (),
-) -> tuple[list[str], list[str], str | None, str]:
-    """Decide one tick: (run_ids to register, run_ids to judge, run_id whose ledger to walk or None, why).
+) -> tuple[list[str], list[str], list[str], str]:
+    """Decide one tick: (run_ids to register, run_ids to judge, run_ids whose ledger to walk, why).
 
-    `busy`: run_ids with a queued or running run; `failed_ledger`: run_ids whose ledger run ended without
+    `busy`: run_ids with a queued or running run; `failed_ledger`: run_ids a ledger run stopped at without
     filtering them; `failed`: runs with a recorded validation failure; `retired`: runs retired as a whole. A
-    batch already filtered is registered but never re-run. The ledger walks the lowest pending run_id, and
-    only when nothing lower is pending (the order rule); a lower batch whose run failed holds the rest back
-    until it is materialized again, retired, or its validation failure is recorded.
+    batch already filtered is registered but never re-run. The ledger walks the judged batches waiting in a
+    row from the lowest pending run_id on (at most LEDGER_RANGE_LIMIT), and only when nothing lower is pending
+    (the order rule); a lower batch whose run failed holds the rest back until it is materialized again,
+    retired, or its validation failure is recorded.
     """
     skipped = set(failed) | set(retired)
     to_register = [b.run_id for b in batches if b.run_id not in registered]
     to_judge = [b.run_id for b in batches if b.run_id not in registered and not b.filtered and not b.judged]
+    ready: list[str] = []
     for b in batches:
         if b.filtered or b.run_id in skipped:
             continue
+        if b.judged and b.run_id not in busy and b.run_id not in failed_ledger and len(ready) < LEDGER_RANGE_LIMIT:
+            ready.append(b.run_id)
+            continue
+        if ready:  # the walk stops before the first batch that is not ready: the next tick takes the rest
+            break
         if b.run_id in busy or b.run_id in to_judge:
-            return to_register, to_judge, None, f"ledger waits for {b.run_id} to finish judging"
-        if b.judged and b.run_id not in failed_ledger:
-            return to_register, to_judge, b.run_id, f"ledger walks {b.run_id}"
+            return to_register, to_judge, [], f"ledger waits for {b.run_id} to finish judging"
         which = "ledger" if b.run_id in failed_ledger else "judge"
-        return (
-            to_register,
-            to_judge,
-            None,
-            (
-                f"ledger waits for {b.run_id}, whose {which} run failed: materialize it again or retire it in retired.json"
-            ),
+        why = (
+            f"ledger waits for {b.run_id}, whose {which} run failed: materialize it again or retire it in retired.json"
         )
-    return to_register, to_judge, None, "no batch waiting for the ledger"
+        return to_register, to_judge, [], why
+    if not ready:
+        return to_register, to_judge, [], "no batch waiting for the ledger"
+    return to_register, to_judge, ready, f"ledger walks {describe_walk(ready)}"
+
+
+def describe_walk(run_ids: list[str]) -> str:
+    """The run_ids one ledger run walks, as its tag and the sensor's log show them: 'r1' or 'r1 r2 r3 (3 runs,
+    in run_id order)'."""
+    return run_ids[0] if len(run_ids) == 1 else f"{' '.join(run_ids)} ({len(run_ids)} runs, in run_id order)"
+
+
+def registered_block(run_ids: list[str], registration_order: list[str]) -> list[str]:
+    """The longest head of `run_ids` (in run_id order) that is exactly one block of consecutive partitions in
+    registration order. A ranged run covers the partitions from its start to its end *as registered*; a batch
+    registered late (an earlier run_id after later ones) would otherwise bring in partitions that are not
+    ready, or leave out one that is. Empty when the first is not registered yet."""
+    position = {r: i for i, r in enumerate(registration_order)}
+    block: list[str] = []
+    for k, run_id in enumerate(run_ids, start=1):
+        if run_id not in position:
+            break
+        head = [position[r] for r in run_ids[:k]]
+        if max(head) - min(head) + 1 == k:
+            block = run_ids[:k]
+    return block
 
 
 def in_flight_partitions(instance: dg.DagsterInstance, registered: list[str]) -> set[str]:
@@ -130,8 +159,64 @@ def in_flight_partitions(instance: dg.DagsterInstance, registered: list[str]) ->
     return found
 
 
+LEDGER_KEY_SUFFIX = ":ledger"
+
+
 def ledger_run_key(run_id: str) -> str:
-    return f"{run_id}:ledger"
+    """The run key of the sensor's ledger run whose walk starts at `run_id` (the lowest it walks): a tick that
+    evaluates again never launches a second run from the same start, however many batches it would cover."""
+    return f"{run_id}{LEDGER_KEY_SUFFIX}"
+
+
+def ledger_request(run_ids: list[str], registration_order: list[str]) -> dg.RunRequest:
+    """One ledger run for `run_ids` (consecutive in registration order, see `registered_block`), walked in
+    run_id order; each is named for its first walk (FIRST_WALK_TAG, which the UI shows: which runs it walks)."""
+    tags = {FIRST_WALK_TAG: " ".join(run_ids)}  # (plan_tick walks only batches not yet filtered)
+    key = ledger_run_key(run_ids[0])
+    if len(run_ids) == 1:
+        return dg.RunRequest(job_name=LEDGER_JOB, partition_key=run_ids[0], run_key=key, tags=tags)
+    position = {r: i for i, r in enumerate(registration_order)}
+    first, last = min(run_ids, key=position.__getitem__), max(run_ids, key=position.__getitem__)
+    return dg.RunRequest(job_name=LEDGER_JOB, run_key=key, tags={**tags, RANGE_START_TAG: first, RANGE_END_TAG: last})
+
+
+def stopped_at(run_ids: list[str], commits: dict[str, CommitRecord], ended: float) -> str | None:
+    """Where a finished ledger run over `run_ids` (run_id order) stopped: the first it had not committed when it
+    ended (each is committed before the next is walked); None when it committed them all. A commit walked after
+    the run ended is another walk's."""
+    for run_id in run_ids:
+        record = commits.get(run_id)
+        if record is None or walked_at(record) > ended:
+            return run_id
+    return None
+
+
+def failed_ledger_runs(instance: dg.DagsterInstance, waiting: list[str], commits: dict[str, CommitRecord]) -> set[str]:
+    """Waiting run_ids (none of them in flight) that a finished sensor ledger run stopped at without filtering:
+    the first of a run's walks it did not commit, found from the runs that started at a waiting run_id (any
+    status: a run that deferred its walk succeeds) and from every failed or canceled one (a ranged run may
+    have committed the first runs of its range). The run_ids after it in its range were not tried: they are
+    walked again once it is filtered."""
+    if not waiting:
+        return set()
+    started = instance.get_run_records(dg.RunsFilter(tags={RUN_KEY_TAG: [ledger_run_key(r) for r in waiting]}))
+    broken = instance.get_run_records(
+        dg.RunsFilter(statuses=[dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED]),
+        limit=IN_FLIGHT_RUNS_LIMIT,
+    )
+    found = set()
+    for record in [*started, *broken]:
+        tags = record.dagster_run.tags
+        if record.dagster_run.status in NOT_FINISHED_STATUSES or not tags.get(RUN_KEY_TAG, "").endswith(
+            LEDGER_KEY_SUFFIX
+        ):
+            continue  # in flight, or not the sensor's ledger run (a launchpad run, a backfill's, a judge run)
+        walks = tags.get(FIRST_WALK_TAG, tags.get(PARTITION_TAG, ""))  # (a run of one partition may lack the tag)
+        ended = record.end_time or record.update_timestamp.timestamp()
+        stop = stopped_at(sorted(walks.split()), commits, ended)
+        if stop in waiting:
+            found.add(stop)
+    return found
 
 
 def rejudge_run_key(run_id: str, try_number: int) -> str:
@@ -217,6 +302,64 @@ def legacy_run_ids(data: DataRoot, batches: list[BatchState], commits: dict[str,
     ]  # fmt: skip
 
 
+def register_legacy_runs(
+    context: dg.SensorEvaluationContext, data: DataRoot, batches: list[BatchState], commits: dict[str, CommitRecord]
+) -> list[str]:
+    """Register legacy runs now (so that their materializations can be recorded in this tick) and record them
+    as materialized; returns every registered run_id in registration order."""
+    instance = context.instance
+    registration_order = list(instance.get_dynamic_partitions(run_id_partitions.name))
+    legacy = legacy_run_ids(data, batches, commits)
+    new_legacy = [r for r in legacy if r not in set(registration_order)]
+    if new_legacy:
+        instance.add_dynamic_partitions(run_id_partitions.name, new_legacy)
+        registration_order += new_legacy
+    for run_id in record_legacy_runs(instance, data, legacy):
+        context.log.info(f"{run_id}: recorded as materialized ({LEGACY_SOURCE})")
+    return registration_order
+
+
+def rejudge_requests(
+    context: dg.SensorEvaluationContext, commits: dict[str, CommitRecord], busy: set[str]
+) -> list[dg.RunRequest]:
+    requests = []
+    for item in rejudging_due(context.instance, commits, busy):
+        context.log.info(
+            f"{item.run_id}: {commits[item.run_id].unjudged} unjudged tasks, judging again (try {item.try_number})"
+        )
+        requests.append(
+            dg.RunRequest(
+                job_name=rejudge_job.name,
+                partition_key=item.run_id,
+                run_key=rejudge_run_key(item.run_id, item.try_number),
+                tags=rejudge_tags(item),
+            )
+        )
+    return requests
+
+
+def plan_ledger(
+    context: dg.SensorEvaluationContext, data: DataRoot, batches: list[BatchState], commits: dict[str, CommitRecord]
+) -> tuple[list[str], list[str], list[str], str, set[str], list[str]]:
+    """plan_tick over what the instance and the warehouse say now, the walk narrowed to one block of
+    registration order: (to register, to judge, to walk, why, busy run_ids, registration order)."""
+    registration_order = register_legacy_runs(context, data, batches, commits)
+    busy = in_flight_partitions(context.instance, registration_order)
+    waiting = [b.run_id for b in batches if not b.filtered and b.run_id not in busy]
+    failed_ledger = failed_ledger_runs(context.instance, waiting, commits)
+    for r in sorted(failed_ledger):
+        context.log.warning(f"ledger run for {r} ended without filtering it; materialize it by hand")
+    failed, retired = order.read_failures(data.warehouse), load_retired(data.root).runs
+    plan = plan_tick(batches, set(registration_order), busy, failed_ledger, failed, retired)
+    to_register, to_judge, ready, why = plan
+    to_walk = registered_block(ready, registration_order)
+    if ready and not to_walk:
+        why = f"ledger waits for {ready[0]} to be registered"
+    elif to_walk != ready:
+        why = f"ledger walks {describe_walk(to_walk)}; {ready[len(to_walk)]} and later next (registered out of order)"
+    return to_register, to_judge, to_walk, why, busy, registration_order
+
+
 def build_batch_sensor() -> dg.SensorDefinition:
     """The batch sensor. Its runs carry no caps config: the caps config's defaults are the deployment's."""
 
@@ -226,65 +369,28 @@ def build_batch_sensor() -> dg.SensorDefinition:
         minimum_interval_seconds=SENSOR_INTERVAL_SECONDS,
         default_status=dg.DefaultSensorStatus.RUNNING,
         description="Registers each complete batch (runs/<run_id>/_SUCCESS) as a run_id partition and launches "
-        "its judge run (run_key = run_id); then launches ledger runs one at a time in run_id order. Batches "
-        "already filtered (committed, or a legacy kept file) are registered, never re-run; legacy ones are "
-        "recorded as materialized. Filtered runs that left tasks unjudged are judged and walked again, with a "
-        "backoff and a cap on tries. When the set of kept files changes and nothing is in flight, it "
-        "refreshes coverage and judge calibration.",
+        "its judge run (run_key = run_id); then one ledger run at a time for every judged batch waiting in a "
+        f"row from the lowest run_id on (up to {LEDGER_RANGE_LIMIT}), walked in run_id order (run_key = "
+        "<lowest run_id>:ledger; the tag filter_pipeline/first_walk lists them). Batches already filtered "
+        "(committed, or a legacy kept file) are registered, never re-run; legacy ones are recorded as "
+        "materialized. Filtered runs that left tasks unjudged are judged and walked again, with a backoff and "
+        "a cap on tries. When the set of kept files changes and nothing is in flight, it refreshes coverage "
+        "and judge calibration.",
     )
     def batch_sensor(context: dg.SensorEvaluationContext, data: DataRoot) -> dg.SensorResult:
-        instance = context.instance
         batches = complete_batches(data.runs, data.warehouse, context.log)
         for b in batches:
             if b.changed:
                 context.log.warning(changed_warning(b.run_id))
         commits = read_commits(data.warehouse)
-        registered_list = list(instance.get_dynamic_partitions(run_id_partitions.name))
-        registered = set(registered_list)
-        legacy = legacy_run_ids(data, batches, commits)
-        new_legacy = [r for r in legacy if r not in registered]
-        if new_legacy:  # registered here, so that their materializations can be recorded in this tick
-            instance.add_dynamic_partitions(run_id_partitions.name, new_legacy)
-            registered |= set(new_legacy)
-        for run_id in record_legacy_runs(instance, data, legacy):
-            context.log.info(f"{run_id}: recorded as materialized ({LEGACY_SOURCE})")
-
-        busy = in_flight_partitions(instance, registered_list)
-        waiting = [b.run_id for b in batches if not b.filtered]
-        failed_ledger = {
-            r for r in waiting
-            if r not in busy and instance.get_run_records(dg.RunsFilter(tags={RUN_KEY_TAG: ledger_run_key(r)}), limit=1)
-        }  # fmt: skip
-        failed = order.read_failures(data.warehouse)
-        retired = load_retired(data.root).runs
-        to_register, to_judge, to_walk, why = plan_tick(batches, registered, busy, failed_ledger, failed, retired)
+        to_register, to_judge, to_walk, why, busy, registration_order = plan_ledger(context, data, batches, commits)
         requests = [dg.RunRequest(job_name=JUDGE_JOB, partition_key=r, run_key=r) for r in to_judge]
-        if to_walk is not None:
-            requests.append(
-                dg.RunRequest(
-                    job_name=LEDGER_JOB,
-                    partition_key=to_walk,
-                    run_key=ledger_run_key(to_walk),
-                    tags={FIRST_WALK_TAG: to_walk},  # (plan_tick walks only batches not yet filtered)
-                )
-            )
-        for item in rejudging_due(instance, commits, busy | {to_walk} | set(to_judge)):
-            context.log.info(
-                f"{item.run_id}: {commits[item.run_id].unjudged} unjudged tasks, judging again (try {item.try_number})"
-            )
-            requests.append(
-                dg.RunRequest(
-                    job_name=rejudge_job.name,
-                    partition_key=item.run_id,
-                    run_key=rejudge_run_key(item.run_id, item.try_number),
-                    tags=rejudge_tags(item),
-                )
-            )
+        if to_walk:
+            requests.append(ledger_request(to_walk, registration_order))
+        requests += rejudge_requests(context, commits, busy | set(to_walk) | set(to_judge))
         fingerprint = kept_fingerprint(data)
-        if fingerprint is not None and to_walk is None and not busy:
+        if fingerprint is not None and not to_walk and not busy:
             requests.append(dg.RunRequest(job_name=across_runs_job.name, run_key=f"across-runs:{fingerprint}"))
-        for r in sorted(failed_ledger):
-            context.log.warning(f"ledger run for {r} ended without filtering it; materialize it by hand")
         context.log.info(f"registered {len(to_register)}, judging {len(to_judge)}; {why}")
         return dg.SensorResult(
             run_requests=requests,

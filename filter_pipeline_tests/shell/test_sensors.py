@@ -1,4 +1,5 @@
-"""The batch sensor: registration, judge runs for new complete batches, ledger runs one at a time in run_id order."""
+"""The batch sensor: registration, judge runs for new complete batches, one ledger run at a time for the judged
+batches waiting in a row, walked in run_id order."""
 
 import logging
 
@@ -7,7 +8,8 @@ import pandas as pd
 import pytest
 
 from filter_pipeline.rules.batch import BatchState, complete_batches
-from filter_pipeline.shell.sensors import build_batch_sensor, plan_tick
+from filter_pipeline.shell.jobs import FIRST_WALK_TAG, RANGE_END_TAG, RANGE_START_TAG
+from filter_pipeline.shell.sensors import LEDGER_RANGE_LIMIT, build_batch_sensor, plan_tick, registered_block
 from filter_pipeline.shell.warehouse import DataRoot
 from filter_pipeline_tests.builders import attempt, commit_files, task, write_batch, write_kept, write_legacy_kept
 
@@ -32,8 +34,13 @@ def judged(data_root, run_id):
 
 
 def requests(result) -> list[tuple[str, str, str]]:
-    """Judge and ledger run requests (coverage refreshes have their own test)."""
-    return [(r.job_name, r.partition_key, r.run_key) for r in result.run_requests if r.job_name != "across_runs_job"]
+    """Judge and ledger run requests (coverage refreshes have their own test): (job, the partition or the
+    run_ids a ledger run walks, run key)."""
+    return [
+        (r.job_name, r.tags.get(FIRST_WALK_TAG, r.partition_key), r.run_key)
+        for r in result.run_requests
+        if r.job_name != "across_runs_job"
+    ]
 
 
 def coverage_keys(result) -> list[str]:
@@ -109,11 +116,94 @@ def test_already_filtered_batches_are_registered_never_rerun(instance, data_root
 def test_ledger_is_walked_lowest_run_id_first_with_the_deployments_caps(instance, data_root):
     for run_id in ("b1", "b2"):
         write_batch(data_root, run_id, [task("a")], [attempt("a")])
-        judged(data_root, run_id)
+    judged(data_root, "b1")
     instance.add_dynamic_partitions("run_id", ["b1", "b2"])
     result = tick(instance, data_root)
-    assert requests(result) == [("ledger_job", "b1", "b1:ledger")]
+    assert requests(result) == [("ledger_job", "b1", "b1:ledger")]  # b2 is not judged yet
+    assert result.run_requests[0].partition_key == "b1"
     assert result.run_requests[0].run_config == {}  # the caps config's defaults are the deployment's
+
+
+def judged_batches(data_root, run_ids: list[str]) -> None:
+    for run_id in run_ids:
+        write_batch(data_root, run_id, [task("a")], [attempt("a")])
+        judged(data_root, run_id)
+
+
+def ledger_requests(result) -> list[dg.RunRequest]:
+    return [r for r in result.run_requests if r.job_name == "ledger_job"]
+
+
+def test_a_backlog_registered_out_of_order_is_walked_by_one_ledger_run_in_run_id_order(instance, data_root):
+    judged_batches(data_root, ["b1", "b2", "b3", "b4", "b5"])
+    instance.add_dynamic_partitions("run_id", ["b1", "b2", "b4", "b5", "b3"])  # b3 registered late
+
+    [request] = ledger_requests(tick(instance, data_root))
+
+    # named for the first walk of each, in run_id order; the range spans them in registration order
+    assert request.tags[FIRST_WALK_TAG] == "b1 b2 b3 b4 b5" and request.run_key == "b1:ledger"
+    assert (request.tags[RANGE_START_TAG], request.tags[RANGE_END_TAG]) == ("b1", "b3")
+    assert request.partition_key is None
+    # evaluated again before the run shows: the same run key (the daemon launches a run key once)
+    assert [r.run_key for r in ledger_requests(tick(instance, data_root))] == ["b1:ledger"]
+    # once it is in flight, every run_id of its range is busy: no second range
+    run_in_instance(instance, tags=dict(request.tags), status=dg.DagsterRunStatus.STARTED)
+    assert ledger_requests(tick(instance, data_root)) == []
+
+
+def test_a_backlog_walk_stops_where_registration_order_would_bring_in_a_batch_not_ready(instance, data_root):
+    judged_batches(data_root, ["b1", "b2", "b3", "b4"])
+    write_batch(data_root, "b5", [task("a")], [attempt("a")])  # complete, still judging
+    instance.add_dynamic_partitions("run_id", ["b1", "b2", "b4", "b5", "b3"])
+    run_in_instance(instance, tags={"dagster/partition": "b5"}, status=dg.DagsterRunStatus.STARTED)
+
+    # b3's range would run from b3 to b3 in registration order, through b4 and b5 (not judged): b1 b2 first
+    assert requests(tick(instance, data_root)) == [("ledger_job", "b1 b2", "b1:ledger")]
+
+
+def test_registered_block_is_the_longest_head_that_is_consecutive_in_registration_order():
+    order = ["b1", "b2", "b4", "b6", "b3", "b5"]
+    assert registered_block(["b1", "b2", "b3", "b4", "b5"], order) == ["b1", "b2"]
+    assert registered_block(["b3", "b4", "b5"], ["b1", "b4", "b3", "b5"]) == ["b3", "b4", "b5"]
+    assert registered_block(["b4", "b5"], ["b5", "b9", "b4"]) == ["b4"]
+    assert registered_block(["b7"], order) == []  # not registered yet
+
+
+def test_plan_walks_at_most_the_range_limit_at_once():
+    batches = [B(f"b{i:03d}", judged=True, filtered=False) for i in range(LEDGER_RANGE_LIMIT + 5)]
+    walk = plan_tick(batches, {b.run_id for b in batches}, busy=set(), failed_ledger=set())[2]
+    assert walk == [b.run_id for b in batches[:LEDGER_RANGE_LIMIT]]
+
+
+def test_a_failed_ranged_ledger_run_holds_the_batch_it_stopped_at_not_the_ones_it_did_not_reach(
+    instance, data_root, capfd
+):
+    judged_batches(data_root, ["b1", "b2", "b3", "b4", "b5"])
+    instance.add_dynamic_partitions("run_id", ["b1", "b2", "b3", "b4", "b5"])
+    [request] = ledger_requests(tick(instance, data_root))
+    assert request.tags[FIRST_WALK_TAG] == "b1 b2 b3 b4 b5"
+    # the ranged run committed b1 and b2, then failed walking b3
+    for run_id in ("b1", "b2"):
+        write_kept(data_root, run_id, ("a", [run_id], "m", "s"), commit=False)
+        commit_files(data_root, run_id, {"kept": data_root / "warehouse" / "kept" / f"{run_id}.parquet"},
+                     walked_at="2001-01-01T00:00:00+00:00")  # fmt: skip
+    run_in_instance(
+        instance, tags={**request.tags, "dagster/run_key": request.run_key}, status=dg.DagsterRunStatus.FAILURE
+    )
+
+    capfd.readouterr()
+    for _ in range(2):  # not relaunched, tick after tick
+        assert ledger_requests(tick(instance, data_root)) == []
+    log = capfd.readouterr().err  # (the sensor's log, as the daemon prints it)
+    assert log.count("ledger run for b3 ended without filtering it; materialize it by hand") == 2
+    assert "ledger waits for b3, whose ledger run failed" in log
+    assert "ledger run for b4" not in log and "ledger run for b5" not in log
+
+    # b3 materialized by hand: the batches the failed run never reached are walked, from b4 on
+    write_kept(data_root, "b3", ("a", ["b3"], "m", "s"), commit=False)
+    commit_files(data_root, "b3", {"kept": data_root / "warehouse" / "kept" / "b3.parquet"},
+                 walked_at="2100-01-01T00:00:00+00:00")  # fmt: skip
+    assert requests(tick(instance, data_root)) == [("ledger_job", "b4 b5", "b4:ledger")]
 
 
 B = BatchState
@@ -121,12 +211,12 @@ B = BatchState
 
 def test_plan_waits_for_an_earlier_batch_still_judging():
     batches = [B("b1", judged=False, filtered=False), B("b2", judged=True, filtered=False)]
-    assert plan_tick(batches, {"b1", "b2"}, busy={"b1"}, failed_ledger=set())[2] is None
+    assert plan_tick(batches, {"b1", "b2"}, busy={"b1"}, failed_ledger=set())[2] == []
 
 
 def test_plan_waits_while_an_earlier_ledger_run_is_in_flight():
     batches = [B("b1", judged=True, filtered=False), B("b2", judged=True, filtered=False)]
-    assert plan_tick(batches, {"b1", "b2"}, busy={"b1"}, failed_ledger=set())[2] is None
+    assert plan_tick(batches, {"b1", "b2"}, busy={"b1"}, failed_ledger=set())[2] == []
 
 
 def test_plan_holds_later_batches_behind_a_failed_run_until_it_is_recorded_or_retired():
@@ -138,16 +228,16 @@ def test_plan_holds_later_batches_behind_a_failed_run_until_it_is_recorded_or_re
     ]
     registered = {"b0", "b1", "b2", "b3"}
     _, _, walk, why = plan_tick(batches, registered, busy=set(), failed_ledger={"b2"})
-    assert walk is None and why.startswith("ledger waits for b1, whose judge run failed")
+    assert walk == [] and why.startswith("ledger waits for b1, whose judge run failed")
     _, _, walk, why = plan_tick(batches, registered, busy=set(), failed_ledger={"b2"}, failed={"b1"})
-    assert walk is None and why.startswith("ledger waits for b2, whose ledger run failed")
-    assert plan_tick(batches, registered, busy=set(), failed_ledger={"b2"}, failed={"b1"}, retired={"b2"})[2] == "b3"
+    assert walk == [] and why.startswith("ledger waits for b2, whose ledger run failed")
+    assert plan_tick(batches, registered, busy=set(), failed_ledger={"b2"}, failed={"b1"}, retired={"b2"})[2] == ["b3"]
 
 
 def test_plan_waits_for_a_batch_judged_in_this_very_tick():
     batches = [B("b1", judged=False, filtered=False), B("b2", judged=True, filtered=False)]
     register, judge, walk, why = plan_tick(batches, {"b2"}, busy=set(), failed_ledger=set())
-    assert (register, judge, walk) == (["b1"], ["b1"], None)
+    assert (register, judge, walk) == (["b1"], ["b1"], [])
     assert "b1" in why
 
 
@@ -164,7 +254,7 @@ def test_sensor_sees_runs_in_flight_and_failed_ledger_runs_in_the_instance(insta
     instance.report_run_failed(judging_b1)
     assert requests(tick(instance, data_root)) == []  # b1's judge run failed: b2 still waits for b1
     (data_root / "retired.json").write_text('[{"run_id": "b1", "reason": "broken build"}]')
-    assert requests(tick(instance, data_root)) == [("ledger_job", "b2", "b2:ledger")]
+    assert requests(tick(instance, data_root)) == [("ledger_job", "b2 b3", "b2:ledger")]
 
     run_in_instance(
         instance, tags={"dagster/partition": "b2", "dagster/run_key": "b2:ledger"}, status=dg.DagsterRunStatus.FAILURE
