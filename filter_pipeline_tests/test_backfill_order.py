@@ -18,6 +18,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from filter_pipeline.shell.jobs import FIRST_WALK_TAG, RANGE_END_TAG, RANGE_START_TAG
 from filter_pipeline.shell.ledger import DEFERRED_TAG
 from filter_pipeline_tests.builders import attempt, task, write_batch
 from filter_pipeline_tests.conftest import CLI, REPO, assert_verified
@@ -256,5 +257,37 @@ def test_a_job_backfill_wider_than_the_run_slots_registered_highest_first_finish
     assert all("deferred instead of waiting" in r.tags[DEFERRED_TAG] for r in deferred)
     walked_by_sensor = {r.partition for r in runs if r.job == "ledger_job" and r.status == "SUCCESS"}
     assert {r.partition for r in deferred} <= walked_by_sensor, (deferred, walked_by_sensor)
+    assert_same_ledger_as_cli(data / "warehouse", reference, ids)
+    assert_verified(data)
+
+
+# A backlog: batches judged while the sensor was off (an outage, a burst faster than its ticks), one of them
+# registered after later run_ids. The sensor must walk them all in one ledger run, in run_id order, with the
+# CLI's results; ticks while it runs launch no second one.
+BACKLOG = 5
+BACKLOG_REGISTRATION_ORDER = [0, 1, 3, 4, 2]
+
+
+def test_a_backlog_of_judged_batches_is_walked_by_one_sensor_ledger_run_in_run_id_order(tmp_path):
+    batches = tmp_path / "batches"
+    ids = write_batches(batches, BACKLOG, n_tasks=30)
+    reference = cli_reference(tmp_path, batches, GATE_ENV)
+    data = tmp_path / "data"
+    (data / "runs").mkdir(parents=True)
+    committed = lambda _: all((data / "warehouse" / "_commits" / f"{r}.json").exists() for r in ids)  # noqa: E731
+    with dagster_dev(data, home=tmp_path / "home", env=GATE_ENV, sensor=False) as server:
+        shutil.copytree(batches / "runs", data / "runs", dirs_exist_ok=True)
+        order = [ids[i] for i in BACKLOG_REGISTRATION_ORDER]
+        for run_id in order:
+            server.add_dynamic_partition(run_id)
+        judging = server.launch_job_backfill("judge_job", order)
+        assert server.wait_for_backfill(judging, BACKFILL_SECONDS)["status"] == "COMPLETED_SUCCESS"
+        server.start_sensor()
+        runs = server.wait_for_runs(committed, BACKFILL_SECONDS)
+    [ledger] = [r for r in runs if r.job == "ledger_job"]
+    assert ledger.status == "SUCCESS"
+    assert ledger.tags[FIRST_WALK_TAG] == " ".join(ids) and ledger.tags["dagster/run_key"] == f"{ids[0]}:ledger"
+    assert (ledger.tags[RANGE_START_TAG], ledger.tags[RANGE_END_TAG]) == (order[0], order[-1])
+    assert walk_order(data / "warehouse", ids) == ids
     assert_same_ledger_as_cli(data / "warehouse", reference, ids)
     assert_verified(data)

@@ -1,7 +1,7 @@
 """Jobs over the run_id-partitioned assets (partitioning is inferred from the selection).
 
-The sensor launches `judge_job` for every new batch at once and `ledger_job` one run at a time in
-run_id order, and `rejudge_job` for filtered runs that left tasks unjudged; the CLI runs `filter_job` (both
+The sensor launches `judge_job` for every new batch at once and `ledger_job` one run at a time (every
+judged batch waiting in a row, walked in run_id order), and `rejudge_job` for filtered runs that left tasks unjudged; the CLI runs `filter_job` (both
 halves) run by run, first walks in run_id order, the across-runs assets only in the last. Whoever launches,
 the ledger step itself waits for lower runs (CONTRACT §4).
 """
@@ -42,7 +42,7 @@ ledger_job = dg.define_asset_job(
     selection=dg.AssetSelection.groups(LEDGER_GROUP, "training", "reports") - ACROSS_RUNS,
     description="Build the prior dedup index, walk the verdicts into kept / surplus, write the DPO pairs and the "
     "run's report, and commit them (one walk at a time per data root, under the warehouse's ledger lease; the "
-    "sensor launches it in run_id order).",
+    "sensor launches one run at a time for the judged batches waiting in a row, walked in run_id order).",
 )
 across_runs_job = dg.define_asset_job(
     "across_runs_job",
