@@ -310,18 +310,27 @@ def _already_filtered(context: dg.AssetExecutionContext, record: CommitRecord):
 
 def _walk_in_order(context, run_ids: list[str], walk_one):
     """A ranged step: each run walked on its own, lowest run_id first, written and committed before the next
-    run reads history; then one materialization per asset for the whole range, and each check's result over
-    all runs."""
+    run reads history (a run left uncommitted by a failed check stops the walk: the runs after it are not
+    walked before it); then one materialization per asset for the whole range, and each check's result over
+    the runs walked."""
     rows: dict[str, dict[str, int]] = {}
     outcomes: dict[tuple[str, str], list[tuple[str, dg.AssetCheckResult]]] = {}
     for position, run_id in enumerate(run_ids, start=1):
         context.log.info(f"walking {run_id} ({position} of {len(run_ids)} in run_id order)")
+        failing = []
         for event in walk_one(run_id):
             if isinstance(event, dg.MaterializeResult):
                 row_count = (event.metadata or {}).get("dagster/row_count")
                 rows.setdefault(event.asset_key.path[-1], {})[run_id] = int(getattr(row_count, "value", row_count) or 0)
             elif isinstance(event, dg.AssetCheckResult):
                 outcomes.setdefault((event.check_name, event.asset_key.path[-1]), []).append((run_id, event))
+                failing += [] if event.passed else [event.check_name]
+        if failing and position < len(run_ids):
+            context.log.error(
+                f"{run_id}: not committed ({', '.join(failing)} failed); not walked, to keep run_id order: "
+                f"{', '.join(run_ids[position:])}"
+            )
+            break
     for asset, counts in rows.items():
         yield dg.MaterializeResult(
             asset_key=asset,

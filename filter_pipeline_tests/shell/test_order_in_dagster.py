@@ -222,3 +222,32 @@ def test_a_rewalk_of_a_filtered_run_never_waits(instance, data_root, monkeypatch
     assert run_job(defs, instance, "filter_job", "b1").success
     overlapping(data_root, ["b0"])  # a lower batch arrives after b1 was walked: b1's re-walk does not wait
     assert run_job(defs, instance, "ledger_job", "b1").success
+
+
+def test_a_ranged_ledger_step_stops_at_a_run_its_checks_left_uncommitted(instance, data_root, monkeypatch):
+    from filter_pipeline.rules import checks
+
+    overlapping(data_root, ["b0", "b1", "b2"])
+    instance.add_dynamic_partitions("run_id", ["b0", "b1", "b2"])
+    defs = defs_for(data_root)
+    for run_id in ("b0", "b1", "b2"):
+        assert run_job(defs, instance, "judge_job", run_id).success
+    holds, calls = checks.caps_respected, []
+
+    def broken_for_b1(kept, prior_counts, caps):  # the second walk (b1's) breaks an invariant
+        calls.append(len(kept))
+        outcome = holds(kept, prior_counts, caps)
+        return checks.CheckOutcome(False, outcome.metadata, "over") if len(calls) == 2 else outcome
+
+    monkeypatch.setattr(checks, "caps_respected", broken_for_b1)
+    result = defs.resolve_job_def("ledger_job").execute_in_process(
+        instance=instance, tags={RANGE_START_TAG: "b0", RANGE_END_TAG: "b2"}, raise_on_error=False
+    )
+    assert not result.success and len(calls) == 2
+    committed = sorted(p.stem for p in (data_root / "warehouse" / "_commits").glob("*.json"))
+    assert committed == ["b0"]  # b1 was not committed, so b2 was not walked before it
+    assert not (data_root / "warehouse" / "kept" / "b2.parquet").exists()
+    errors = [
+        e.user_message for e in instance.all_logs(result.run_id) if "not walked, to keep run_id order" in e.user_message
+    ]
+    assert errors == ["b1: not committed (caps_respected failed); not walked, to keep run_id order: b2"]
