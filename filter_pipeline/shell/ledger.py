@@ -235,11 +235,20 @@ def _deferred(context: dg.AssetExecutionContext, why: str):
 def _stuck_in_queue(instance: dg.DagsterInstance, blockers: list[str]) -> dict[str, float]:
     """Blockers with a run queued for ORDER_QUEUED_SECONDS or more (`order.stuck_in_queue`)."""
     limit = settings.int_setting(settings.ORDER_QUEUED_SECONDS_ENV, settings.DEFAULT_ORDER_QUEUED_SECONDS)
-    records = instance.get_run_records(
-        dg.RunsFilter(statuses=[dg.DagsterRunStatus.QUEUED], tags={PARTITION_TAG: list(blockers)})
-    )
-    queued = [(r.dagster_run.tags[PARTITION_TAG], r.create_timestamp.timestamp()) for r in records]
+    records = instance.get_run_records(dg.RunsFilter(statuses=[dg.DagsterRunStatus.QUEUED]))
+    queued = [
+        (run_id, r.create_timestamp.timestamp())
+        for r in records
+        for run_id in walks_of(r.dagster_run.tags)
+        if run_id in blockers
+    ]
     return order.stuck_in_queue(queued, time.time(), limit)
+
+
+def walks_of(tags: dict[str, str]) -> list[str]:
+    """The run_ids a run is for: its partition, or those a sensor's ledger run over several walks (it has no
+    partition tag, its range being in registration order)."""
+    return [tags[PARTITION_TAG]] if PARTITION_TAG in tags else tags.get(FIRST_WALK_TAG, "").split()
 
 
 # --- the walk -----------------------------------------------------------------------------------------

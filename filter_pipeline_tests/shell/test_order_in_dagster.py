@@ -251,3 +251,13 @@ def test_a_ranged_ledger_step_stops_at_a_run_its_checks_left_uncommitted(instanc
         e.user_message for e in instance.all_logs(result.run_id) if "not walked, to keep run_id order" in e.user_message
     ]
     assert errors == ["b1: not committed (caps_respected failed); not walked, to keep run_id order: b2"]
+
+
+def test_a_run_queued_for_several_walks_counts_as_queued_for_each_when_a_step_decides_to_defer():
+    from filter_pipeline.shell.jobs import FIRST_WALK_TAG
+    from filter_pipeline.shell.ledger import walks_of
+
+    # the sensor's ledger run over several batches has no partition tag: its range is in registration order
+    assert walks_of({FIRST_WALK_TAG: "b0 b1", RANGE_START_TAG: "b1", RANGE_END_TAG: "b0"}) == ["b0", "b1"]
+    assert walks_of({PARTITION_TAG: "b2", FIRST_WALK_TAG: "b2"}) == ["b2"]
+    assert walks_of({PARTITION_TAG: "b3"}) == ["b3"] and walks_of({}) == []
