@@ -261,3 +261,28 @@ def test_a_run_queued_for_several_walks_counts_as_queued_for_each_when_a_step_de
     assert walks_of({FIRST_WALK_TAG: "b0 b1", RANGE_START_TAG: "b1", RANGE_END_TAG: "b0"}) == ["b0", "b1"]
     assert walks_of({PARTITION_TAG: "b2", FIRST_WALK_TAG: "b2"}) == ["b2"]
     assert walks_of({PARTITION_TAG: "b3"}) == ["b3"] and walks_of({}) == []
+
+
+def test_a_sensor_ledger_run_over_several_reports_each_run_another_walk_committed_meanwhile(instance, data_root):
+    from filter_pipeline.shell.jobs import FIRST_WALK_TAG
+
+    overlapping(data_root, ["b0", "b1", "b2"])
+    instance.add_dynamic_partitions("run_id", ["b0", "b1", "b2"])
+    defs = defs_for(data_root)
+    for run_id in ("b0", "b1", "b2"):
+        assert run_job(defs, instance, "judge_job", run_id).success
+    # launched by the sensor for b0..b2 (none committed then); b0 and b1 are walked by others before it starts
+    for run_id in ("b0", "b1"):
+        assert run_job(defs, instance, "ledger_job", run_id).success
+    commits = data_root / "warehouse" / "_commits"
+    before = {r: (commits / f"{r}.json").read_bytes() for r in ("b0", "b1")}
+
+    result = defs.resolve_job_def("ledger_job").execute_in_process(
+        instance=instance, tags={FIRST_WALK_TAG: "b0 b1 b2", RANGE_START_TAG: "b0", RANGE_END_TAG: "b2"}
+    )
+
+    assert result.success
+    said = [e.user_message for e in instance.all_logs(result.run_id) if "already filtered" in e.user_message]
+    assert [m.split(":")[0] for m in said] == ["b0", "b1"]
+    assert {r: (commits / f"{r}.json").read_bytes() for r in ("b0", "b1")} == before  # not walked again
+    assert (commits / "b2.json").exists()
