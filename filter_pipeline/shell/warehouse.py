@@ -11,7 +11,6 @@ import fsspec.utils
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
-from fsspec.implementations.local import LocalFileSystem
 from pydantic import Field
 from upath import UPath
 
@@ -24,7 +23,7 @@ from filter_pipeline.rules.schemas import (
     to_pandas,
 )
 from filter_pipeline.settings import DATA_ENV, DEFAULT_DATA, ENDPOINT_ENV, data_path
-from filter_pipeline.storage.files import replace_locally
+from filter_pipeline.storage.files import atomic_write
 
 
 class DataRoot(dg.ConfigurableResource):
@@ -84,37 +83,26 @@ def storage_options(path: str, endpoint_url: str | None) -> dict:
     return options
 
 
-def write_parquet(table: pa.Table, path: UPath) -> tuple[int, int] | None:
-    """Write `table` to `path` atomically (see `write_atomically`, which says what it returns), every column
-    dictionary-encoded and with statistics (`schemas.parquet_bytes`).
+def write_parquet(table: pa.Table, path: UPath) -> None:
+    """Write `table` to `path` atomically (`write_bytes`), every column dictionary-encoded and with
+    statistics (`schemas.parquet_bytes`).
 
     The file is encoded in Arrow's memory and written in one call: Arrow writing to a Python file object takes
     the GIL for every chunk it writes, and beside the judge's HTTP threads each of those waits its turn."""
-    return write_bytes(parquet_bytes(table), path)
+    write_bytes(parquet_bytes(table), path)
 
 
-def write_bytes(content, path: UPath) -> tuple[int, int] | None:
-    """Write `content` (bytes or an Arrow buffer) to `path` atomically (see `write_atomically`)."""
-    return write_atomically(path, lambda f: f.write(content))
+def write_bytes(content, path: UPath) -> None:
+    """Write `content` (bytes or an Arrow buffer) to `path` so that readers see the old file or the new one,
+    never a part (`storage.files.atomic_write`; the folder is not fsynced: an output lost in a crash is
+    written again by the step's retry, and only a commit record makes it part of the ledger)."""
+    atomic_write(path, content, sync_folder=False)
 
 
 def encode(frame: pd.DataFrame, asset: str) -> tuple[pa.Table, pa.Buffer]:
     """`frame` as the asset's Arrow table and the bytes of its Parquet file."""
     table = to_arrow(frame, asset)
     return table, parquet_bytes(table, asset)
-
-
-def write_atomically(path: UPath, write) -> tuple[int, int] | None:
-    """Call `write(file)` so that readers of `path` see the old file or the new one, never a partial one.
-    Returns the (size, mtime_ns) of the file as written on local disk (`storage.files.replace_locally`); None on
-    object stores, which make a single PUT visible atomically."""
-    if not isinstance(path.fs, LocalFileSystem):  # (also: object stores have no rename)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("wb") as f:
-            write(f)
-        return None
-    written = replace_locally(path.path, write, sync_folder=False)
-    return written.st_size, written.st_mtime_ns
 
 
 def read_parquet(path: UPath, columns: list[str] | None = None) -> pd.DataFrame:
