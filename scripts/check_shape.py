@@ -66,7 +66,9 @@ def _purity(tree: ast.Module, where: str) -> list[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             modules = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
         for module in dict.fromkeys(m for m in modules if _impure(m)):
-            found.append(f"{where}:{node.lineno}: imports {module} ({PURE_PACKAGE}/ must not touch files, locks or threads)")
+            found.append(
+                f"{where}:{node.lineno}: imports {module} ({PURE_PACKAGE}/ must not touch files, locks or threads)"
+            )
             break
         if isinstance(node, ast.Call) and (call := _file_call(node)):
             found.append(f"{where}:{node.lineno}: calls {call} ({PURE_PACKAGE}/ must not touch files)")
