@@ -238,6 +238,7 @@ def test_cli_llm_judge_never_leaks_the_api_key(cli, data_root, dagster_home):
     assert any("***" in w for w in why)
 
 
+@pytest.mark.slow  # moto's S3 server is a process of its own
 def test_on_s3_the_llm_judge_reads_each_attempts_trajectory_from_the_bucket(s3_bucket):
     from filter_pipeline.shell.warehouse import DataRoot
 

@@ -119,6 +119,7 @@ def test_local_write_is_atomic_and_cleans_temp_files_of_a_killed_write(tmp_path,
     assert pq.read_table(target).column("task_id").to_pylist() == ["a"]
 
 
+@pytest.mark.slow  # moto's S3 server is a process of its own
 def test_whole_graph_on_an_s3_compatible_server_with_history_and_retired_found_there(s3_bucket):
     url = f"s3://{s3_bucket}/data"
     root = DataRoot(path=url).root
@@ -143,6 +144,7 @@ def test_whole_graph_on_an_s3_compatible_server_with_history_and_retired_found_t
     assert pool["reason"].tolist() == ["policy_violation"]
 
 
+@pytest.mark.slow  # moto's S3 server is a process of its own
 def test_an_endpoint_url_names_the_s3_server_without_any_aws_endpoint_variable(s3_server, monkeypatch):
     for name, value in s3_server.env.items():
         monkeypatch.setenv(name, value)
