@@ -4,7 +4,7 @@
 # and for development:
 #   make review      the review app: every run's and task's fate, labelling (http://127.0.0.1:8765)
 #   make test-fast   the tests that start no server or process (`-m "not slow"`): the quick loop
-#   make lint        ruff check + ruff format --check (CI runs it before the tests)
+#   make lint        ruff check + ruff format --check + the package's shape (scripts/check_shape.py; CI runs it first)
 #   make test-oldest the fast tests in .venv-oldest, on the oldest Dagster supported (constraints/dagster-1.12.txt)
 #   make constraints rewrite constraints/py311.txt from a fresh install (after changing a dependency)
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
@@ -72,9 +72,11 @@ test-oldest: .venv-oldest/.installed $(DAGSTER_HOME)/dagster.yaml
 	.venv-oldest/bin/python -c 'import dagster; print("dagster", dagster.__version__)'
 	.venv-oldest/bin/python -m pytest $(FAST_TESTS) $(PYTEST_ARGS)
 
+# the shape: rules/ pure, no function over 60 lines, no `global`, no module over 500 lines (scripts/check_shape.py)
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/python scripts/check_shape.py
 
 # A throwaway venv with the newest releases pyproject.toml allows, every extra the image installs included;
 # its freeze (minus this package) is the file.

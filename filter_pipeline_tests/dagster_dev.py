@@ -13,7 +13,7 @@ started from a background shell may ignore SIGINT). Its methods are the UI's own
 - `start_sensor` / `stop_sensor`: the sensor's switch; `dismiss_community_dialog`: the first visit's "Skip";
   plus queries for backfills, runs and sensors.
 
-Used by the backfill tests, `benchmarks/backfill_order.py` and `scripts/screenshots.py`.
+Used by the end-to-end and backfill tests, `benchmarks/backfill_order.py` and `scripts/screenshots.py`.
 """
 
 from __future__ import annotations

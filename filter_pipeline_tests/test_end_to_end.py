@@ -1,14 +1,7 @@
 """As a user would: `dagster dev -w workspace.yaml` on loopback, batches dropped into the data root, the
 sensor doing the rest; lineage and materializations read back through the webserver's GraphQL API."""
 
-import json
-import os
-import shutil
-import subprocess
-import sys
 import time
-import urllib.request
-from pathlib import Path
 
 import dagster as dg
 import pandas as pd
@@ -16,70 +9,20 @@ import pytest
 
 from filter_pipeline.shell.jobs import ACROSS_RUNS_ASSETS, FIRST_WALK_TAG
 from filter_pipeline_tests.builders import attempt, task, write_batch
-from filter_pipeline_tests.conftest import REPO, assert_verified
-from filter_pipeline_tests.servers import free_port, stop_process_group
+from filter_pipeline_tests.conftest import assert_verified
+from filter_pipeline_tests.dagster_dev import DagsterDev
 
 pytestmark = pytest.mark.slow
 
 DEADLINE_SECONDS = 300
 
 
-class DagsterDev:
-    def __init__(self, home: Path, data: Path):
-        self.home, self.data = home, data
-        self.port = free_port()
-        self.log = open(home / "dagster-dev.log", "w")
-        self.proc = subprocess.Popen(
-            [str(Path(sys.executable).parent / "dagster"), "dev", "-w", "workspace.yaml",
-             "-h", "127.0.0.1", "-p", str(self.port)],
-            cwd=REPO,
-            env={**os.environ, "DAGSTER_HOME": str(home), "FILTER_PIPELINE_DATA": str(data)},
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own process group: daemon, webserver and code server go down together
-        )  # fmt: skip
-
-    def graphql(self, query: str, variables: dict | None = None) -> dict:
-        request = urllib.request.Request(
-            f"http://127.0.0.1:{self.port}/graphql",
-            data=json.dumps({"query": query, "variables": variables or {}}).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(request, timeout=30) as response:
-            payload = json.loads(response.read())
-        assert "errors" not in payload, payload
-        return payload["data"]
-
-    def wait_until_up(self) -> None:
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            assert self.proc.poll() is None, (self.home / "dagster-dev.log").read_text()[-3000:]
-            try:
-                if self.graphql("{ version }")["version"]:
-                    return
-            except OSError:
-                pass
-            time.sleep(1)
-        raise TimeoutError("dagster dev did not come up")
-
-    def stop(self) -> None:
-        stop_process_group(self.proc, grace_seconds=30)
-        self.log.close()
-
-
 @pytest.fixture(scope="module")
 def dagster_dev(tmp_path_factory):
     root = tmp_path_factory.mktemp("e2e")
-    home, data = root / "home", root / "data"
-    home.mkdir()
-    (data / "runs").mkdir(parents=True)
-    shutil.copy(REPO / "instance" / "dagster.yaml", home / "dagster.yaml")
-    server = DagsterDev(home, data)
-    try:
-        server.wait_until_up()
+    (root / "data" / "runs").mkdir(parents=True)
+    with DagsterDev(root / "home", root / "data") as server:
         yield server
-    finally:
-        server.stop()
 
 
 def wait_for_kept(server: DagsterDev, run_ids: list[str]) -> None:
@@ -94,9 +37,7 @@ def wait_for_kept(server: DagsterDev, run_ids: list[str]) -> None:
                 ):
                     return
         time.sleep(2)
-    raise TimeoutError(
-        f"sensor did not filter {run_ids}; log tail:\n" + (server.home / "dagster-dev.log").read_text()[-3000:]
-    )
+    raise TimeoutError(f"sensor did not filter {run_ids}; log tail:\n" + server.log_tail(3000))
 
 
 def test_a_dropped_batch_is_filtered_with_no_clicks_and_lineage_is_visible(dagster_dev):

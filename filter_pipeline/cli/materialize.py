@@ -209,16 +209,7 @@ def _failed_step(result) -> str:
 
 def materialize(args: argparse.Namespace, signals: Signals | None = None) -> int:
     signals = signals or Signals()
-    # every argument and setting is checked before anything is registered, written or judged
-    data = _data_root(args.data)
-    caps = _caps(args)
-    home = _dagster_home()
-    defs_from_env()  # FILTER_PIPELINE_EXECUTOR, FILTER_JUDGE_*: what the runs will read (ValueError: one line)
-    judge = judge_from_env(args.judge)
-    if judge.kind == "llm":
-        judge.settings()  # missing FILTER_JUDGE_BASE_URL / MODEL: say so before any run starts
-        ssl_context()  # an unreadable SSL_CERT_FILE too
-    load_retired(data.root)  # a broken retired.json fails here, before anything is written
+    data, caps, home, judge = _checked_arguments(args)
     refused: list[str] = []
     run_ids = _in_ledger_order(data, _runs_to_materialize(data, args.run_ids, refused), named=bool(args.run_ids))
     instance = _instance(home)
@@ -233,52 +224,68 @@ def materialize(args: argparse.Namespace, signals: Signals | None = None) -> int
     )
     run_ids = sorted(set(run_ids) | set(rejudge)) if rejudge else run_ids
     if not run_ids:
-        if refused:
-            return EXIT_RUN_FAILED  # something complete was not filtered
-        print("nothing to materialize: every complete batch is already filtered")
-        if not args.run_ids and labels_changed(instance, data) is not None:
-            print("labels.jsonl changed since judge_calibration was built: refreshing it", flush=True)
-            if not _refresh_across_runs(instance, only=[CALIBRATION]):
-                return EXIT_RUN_FAILED
-            _print_calibration(data)
-        return 0
+        return _nothing_to_materialize(instance, data, args, refused)
     _register(instance, run_ids)
-    committed = set(read_commits(data.warehouse))  # a run not committed now is asked for its first walk
     # the job is rebuilt from the environment (see cli_filter_job), so the settings travel through it
     os.environ[DATA_ENV], os.environ[ENV["kind"]] = data.path, judge.kind
+    failed, unjudged = _run_batches(instance, data, caps, run_ids, rejudge, signals)
+    if failed or refused:
+        return EXIT_RUN_FAILED
+    if unjudged:
+        print(
+            f"{unjudged} run(s) left tasks unjudged: a later `filter-pipeline materialize` naming no run judges them again",
+            flush=True,
+        )
+        return EXIT_UNJUDGED
+    return 0
+
+
+def _checked_arguments(args: argparse.Namespace):
+    """(data root, caps, DAGSTER_HOME, judge) once every argument and setting is checked: before anything is
+    registered, written or judged (each problem raises with one line)."""
+    data = _data_root(args.data)
+    caps = _caps(args)
+    home = _dagster_home()
+    defs_from_env()  # FILTER_PIPELINE_EXECUTOR, FILTER_JUDGE_*: what the runs will read (ValueError: one line)
+    judge = judge_from_env(args.judge)
+    if judge.kind == "llm":
+        judge.settings()  # missing FILTER_JUDGE_BASE_URL / MODEL: say so before any run starts
+        ssl_context()  # an unreadable SSL_CERT_FILE too
+    load_retired(data.root)  # a broken retired.json fails here, before anything is written
+    return data, caps, home, judge
+
+
+def _nothing_to_materialize(instance: dg.DagsterInstance, data: DataRoot, args, refused: list[str]) -> int:
+    """No batch to run: say so, and refresh judge_calibration if labels.jsonl changed since it was built."""
+    if refused:
+        return EXIT_RUN_FAILED  # something complete was not filtered
+    print("nothing to materialize: every complete batch is already filtered")
+    if not args.run_ids and labels_changed(instance, data) is not None:
+        print("labels.jsonl changed since judge_calibration was built: refreshing it", flush=True)
+        if not _refresh_across_runs(instance, only=[CALIBRATION]):
+            return EXIT_RUN_FAILED
+        _print_calibration(data)
+    return 0
+
+
+def _run_batches(instance, data: DataRoot, caps, run_ids: list[str], rejudge: dict, signals: Signals):
+    """One Dagster run per batch, in `run_ids`' order, each summarized in a line; coverage and calibration
+    once, in the last batch's run (or on their own if it failed). Returns (runs failed, runs left unjudged)."""
+    committed = set(read_commits(data.warehouse))  # a run not committed now is asked for its first walk
     job = dg.reconstructable(cli_filter_job)
     batch_only = [
         k for k in job.get_definition().asset_layer.executable_asset_keys if k.path[-1] not in ACROSS_RUNS_ASSETS
     ]
     failed, unjudged, refreshed = 0, 0, False
     for position, run_id in enumerate(run_ids, start=1):
-        last = position == len(run_ids)  # coverage and calibration once, in the last batch's run
-        # (--caps / --per-site-cap are this call's walks' caps only: coverage is the warehouse's, at the
-        # deployment's caps, so a one-off cap does not rewrite everyone's coverage; the run's report says so)
+        last = position == len(run_ids)
         # this call orders its own runs, so a ledger step that would wait can only be behind a run of this call
         # that failed: it fails at once, naming that run, rather than wait for the order's whole timeout
         tags = {PARTITION_TAG: run_id, ORDER_MAX_WAIT_TAG: "0", FIRST_WALK_TAG: "" if run_id in committed else run_id}
         if run_id in rejudge:
             tags.update(rejudge_tags(rejudge[run_id]))
             print(f"{run_id}: judging its unjudged tasks again (try {rejudge[run_id].try_number})", flush=True)
-        # (not opened as a context manager: that initializes the resources again, to load outputs, which the
-        # summary reads from the warehouse instead)
-        before = commit_state(data.warehouse, run_id)
-        try:
-            result = dg.execute_job(
-                job,
-                instance,
-                run_config=_run_config(caps, ops_with_caps=["ledger"]),
-                tags=tags,
-                asset_selection=None if last else batch_only,
-            )
-        except KeyboardInterrupt:
-            result = None
-        if result is None or (not result.success and was_interrupted(result)):
-            committed = commit_state(data.warehouse, run_id) != before
-            raise Interrupted(
-                saved_line(signals, data, run_id, committed, run_ids[: position - 1]), signals.exit_status
-            )
+        result = _run_one(instance, data, job, caps, tags, None if last else batch_only, signals, run_ids[:position])
         if result.success:
             print(_already_filtered(result) or summarize(data, run_id), flush=True)
             unjudged += _unjudged(data, run_id) > 0
@@ -291,15 +298,28 @@ def materialize(args: argparse.Namespace, signals: Signals | None = None) -> int
         failed += not refreshed
     if refreshed:
         _print_across_runs(data)
-    if failed or refused:
-        return EXIT_RUN_FAILED
-    if unjudged:
-        print(
-            f"{unjudged} run(s) left tasks unjudged: a later `filter-pipeline materialize` naming no run judges them again",
-            flush=True,
+    return failed, unjudged
+
+
+def _run_one(instance, data: DataRoot, job, caps, tags: dict, selection, signals: Signals, so_far: list[str]):
+    """Execute the job for the batch `so_far[-1]` (`selection`: its assets; None: all, coverage and calibration
+    included); raises Interrupted, saying what was saved, when the user interrupted it."""
+    run_id = so_far[-1]
+    # (--caps / --per-site-cap are this call's walks' caps only: coverage is the warehouse's, at the
+    # deployment's caps, so a one-off cap does not rewrite everyone's coverage; the run's report says so)
+    # (not opened as a context manager: that initializes the resources again, to load outputs, which the
+    # summary reads from the warehouse instead)
+    before = commit_state(data.warehouse, run_id)
+    try:
+        result = dg.execute_job(
+            job, instance, run_config=_run_config(caps, ops_with_caps=["ledger"]), tags=tags, asset_selection=selection
         )
-        return EXIT_UNJUDGED
-    return 0
+    except KeyboardInterrupt:
+        result = None
+    if result is None or (not result.success and was_interrupted(result)):
+        committed = commit_state(data.warehouse, run_id) != before
+        raise Interrupted(saved_line(signals, data, run_id, committed, so_far[:-1]), signals.exit_status)
+    return result
 
 
 def _already_filtered(result) -> str | None:

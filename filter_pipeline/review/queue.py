@@ -13,6 +13,7 @@ import numpy as np
 import pandas as pd
 
 from filter_pipeline.review.data import JUDGED_COLUMNS, Warehouse
+from filter_pipeline.rules import calibration
 from filter_pipeline.rules.calibration import wilson_interval
 
 SAMPLE_SIZE = 200  # attempts in the uniform random sample served first
@@ -42,14 +43,13 @@ def split_votes(votes) -> bool:
 
 
 def latest_labels(labels: pd.DataFrame, attempts: pd.DataFrame) -> pd.DataFrame:
-    """The last label of each judged attempt (by dir, or by run and task for the judged attempt): dir, success."""
+    """The last label of each judged attempt in `attempts` (by dir, or by run and task for the judged attempt),
+    unsure ones included: dir, success (`calibration.latest_labels` over the judged attempts)."""
     if labels.empty or attempts.empty:
         return pd.DataFrame(columns=["dir", "success"])
-    by_task = labels[labels["dir"].isna()].merge(attempts[["run_id", "task_id", "dir"]], on=["run_id", "task_id"],
-                                                 suffixes=("_label", ""))  # fmt: skip
-    both = pd.concat([labels[labels["dir"].notna()][["dir", "success", "line"]], by_task[["dir", "success", "line"]]])
-    both = both[both["dir"].isin(set(attempts["dir"]))]
-    return both.sort_values("line", kind="stable").drop_duplicates("dir", keep="last")[["dir", "success"]]
+    judged = attempts[["run_id", "task_id", "dir"]]
+    latest = calibration.latest_labels(labels, judged.assign(ok=True), judged, judged, unsure=True)
+    return latest[["dir", "success"]]
 
 
 QUEUE_COLUMNS = ["run_id", "task_id", "dir", "site", "phase"]

@@ -73,12 +73,12 @@ def _label(raw: bytes) -> dict:
 
 
 def latest_labels(
-    labels: pd.DataFrame, attempts: pd.DataFrame, verdicts: pd.DataFrame, tasks: pd.DataFrame
+    labels: pd.DataFrame, attempts: pd.DataFrame, verdicts: pd.DataFrame, tasks: pd.DataFrame, unsure: bool = False
 ) -> pd.DataFrame:
-    """The latest label of each labelled attempt, unsure ones (success null) dropped: (run_id, task_id, dir,
-    success, gate). A task label names the task's judged attempt (dir null when the task has none); the gate
-    passed an attempt it let through (`ok`), a task if it had an ok attempt, i.e. a verdict. Labels matching
-    nothing are dropped."""
+    """The latest label of each labelled attempt, unsure ones (success null) dropped unless `unsure`: (run_id,
+    task_id, dir, success, gate). A task label names the task's judged attempt (dir null when the task has none);
+    the gate passed an attempt it let through (`ok`), a task if it had an ok attempt, i.e. a verdict. Labels
+    matching nothing are dropped."""
     by_dir = labels[labels["dir"].notna()][["dir", "success", "line"]].merge(
         attempts[["run_id", "task_id", "dir", "ok"]], on="dir", how="inner"
     )
@@ -92,7 +92,7 @@ def latest_labels(
     both = pd.concat([by_dir, by_task], ignore_index=True)
     attempt = both["dir"].astype(object).where(both["dir"].notna(), both["run_id"] + "\0" + both["task_id"])
     both = both.assign(attempt=attempt).sort_values("line", kind="stable").drop_duplicates("attempt", keep="last")
-    both = both[both["success"].notna()]
+    both = both if unsure else both[both["success"].notna()]
     return both[["run_id", "task_id", "dir", "success", "gate"]].reset_index(drop=True)
 
 

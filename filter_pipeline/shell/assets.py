@@ -5,7 +5,6 @@ Lineage: execution batch -> judge_verdicts -> failure_pool; judge_verdicts + pri
 """
 
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
 
 import dagster as dg
 import pandas as pd
@@ -26,7 +25,7 @@ from filter_pipeline.rules.schemas import (
     type_name,
 )
 from filter_pipeline.shell.config import caps_source, deployment_caps_config, run_caps_problem
-from filter_pipeline.shell.warehouse import DataRoot, Encoding, encode_ahead, read_folder, read_parquet, write_parquet
+from filter_pipeline.shell.warehouse import DataRoot, read_folder, read_parquet, write_parquet
 
 run_id_partitions = dg.DynamicPartitionsDefinition(name="run_id")
 
@@ -84,7 +83,7 @@ def check_result(check: str, asset: str, outcome: checks.CheckOutcome) -> dg.Ass
     name="judge_batch",
     partitions_def=run_id_partitions,
     # one step, five assets: the batch's tables go to the judge and the failure pool in memory, not through
-    # the warehouse, and the failure pool is built while the others are written
+    # the warehouse
     outs={
         "batch_tasks": dg.AssetOut(
             group_name="batch",
@@ -151,60 +150,56 @@ def judge_batch(context: dg.AssetExecutionContext, judge: JudgeResource, data: D
     refuse_invalid_run_caps(context)
     load_retired(data.root)  # a broken retired.json fails the run here, before anything is written or judged
     batch = _parse(context, data, run_id)
-    run_dir = data.run_dir(run_id)
-    # in two threads beside this one, which yields every event: each output's Parquet encoding (Arrow, without
-    # the GIL), started before the outputs ahead of it are written, and the pure computations
-    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="judge-batch") as alongside:
-        tasks = encode_ahead(alongside, batch.tasks, "batch_tasks")
-        to_judge = alongside.submit(filtering.attempts_to_judge, batch.tasks, batch.attempts, batch.task_at)
-        attempts = encode_ahead(alongside, batch.attempts, "batch_attempts")
-        executed = alongside.submit(filtering.execute_failures, batch.tasks, batch.attempts, batch.task_at)
-        # in the warehouse before judging starts, however long it takes
-        yield from _batch_outputs(batch, tasks, attempts)
-        requests = to_judge.result()
-        judgement = _judge(context, judge, data, run_id, requests)
-        verdicts = judgement.verdicts.assign(backend=judgement.verdicts["backend_detail"], run_id=run_id)
-        verdicts_file = encode_ahead(alongside, verdicts, "judge_verdicts")
-        failures = pd.concat([executed.result(), filtering.judge_failures(verdicts)], ignore_index=True)
-        failures_file = encode_ahead(alongside, failures, "failure_pool")
-        conserved = alongside.submit(
-            lambda: checks.attempts_conserved(count_records(run_dir), batch.attempts, batch.rejects, verdicts)
-        )
-        matched = alongside.submit(checks.execute_rows_match_failed_attempts, failures, batch.attempts)
-        judged = (verdicts["status"] == STATUS_JUDGED).to_numpy(dtype=bool)  # (a mask: no copy of the frame)
-        unjudged = int((verdicts["status"] == STATUS_ERROR).sum())
-        yield dg.Output(
-            verdicts_file,
-            output_name="judge_verdicts",
-            metadata={
-                "judged": int(judged.sum()),
-                "passed": int((verdicts["passed"][judged] == True).sum()),  # noqa: E712
-                "unjudged": unjudged,
-                "superseded_ok_attempts": filtering.superseded_ok_attempts(batch.attempts, requests),
-                **judgement.metadata,
-            },
-        )
-        # resumed after the IO manager has written the partition: the saved progress is in it now
-        judgement.written()
-        yield dg.AssetCheckResult(
-            check_name="all_tasks_judged",
-            asset_key="judge_verdicts",
-            passed=unjudged == 0,
-            severity=dg.AssetCheckSeverity.WARN,
-            description=f"{unjudged} tasks wait to be judged again" if unjudged else "every task was judged",
-            metadata={"unjudged": unjudged},
-        )
-        yield dg.Output(
-            failures_file,
-            output_name="failure_pool",
-            metadata={
-                **count_by(failures["reason"], FAILURE_REASONS, "reason/"),
-                "backend_ok": int(failures["backend_ok"].sum()),
-                "blocked": int(failures["blocked"].fillna(False).sum()),
-            },
-        )
-        yield check_result("attempts_conserved", "failure_pool", conserved.result())
-        yield check_result("execute_rows_match_failed_attempts", "failure_pool", matched.result())
+    # in the warehouse before judging starts, however long it takes
+    yield from _batch_outputs(batch)
+    requests = filtering.attempts_to_judge(batch.tasks, batch.attempts, batch.task_at)
+    judgement = _judge(context, judge, data, run_id, requests)
+    verdicts = judgement.verdicts.assign(backend=judgement.verdicts["backend_detail"], run_id=run_id)
+    yield dg.Output(
+        verdicts, output_name="judge_verdicts", metadata=_verdicts_metadata(verdicts, batch, requests, judgement)
+    )
+    # resumed after the IO manager has written the partition: the saved progress is in it now
+    judgement.written()
+    yield _all_tasks_judged(verdicts)
+    executed = filtering.execute_failures(batch.tasks, batch.attempts, batch.task_at)
+    failures = pd.concat([executed, filtering.judge_failures(verdicts)], ignore_index=True)
+    yield dg.Output(failures, output_name="failure_pool", metadata=_failures_metadata(failures))
+    records = count_records(data.run_dir(run_id))
+    conserved = checks.attempts_conserved(records, batch.attempts, batch.rejects, verdicts)
+    yield check_result("attempts_conserved", "failure_pool", conserved)
+    matched = checks.execute_rows_match_failed_attempts(failures, batch.attempts)
+    yield check_result("execute_rows_match_failed_attempts", "failure_pool", matched)
+
+
+def _verdicts_metadata(verdicts: pd.DataFrame, batch, requests: pd.DataFrame, judgement) -> dict:
+    judged = (verdicts["status"] == STATUS_JUDGED).to_numpy(dtype=bool)  # (a mask: no copy of the frame)
+    return {
+        "judged": int(judged.sum()),
+        "passed": int((verdicts["passed"][judged] == True).sum()),  # noqa: E712
+        "unjudged": int((verdicts["status"] == STATUS_ERROR).sum()),
+        "superseded_ok_attempts": filtering.superseded_ok_attempts(batch.attempts, requests),
+        **judgement.metadata,
+    }
+
+
+def _all_tasks_judged(verdicts: pd.DataFrame) -> dg.AssetCheckResult:
+    unjudged = int((verdicts["status"] == STATUS_ERROR).sum())
+    return dg.AssetCheckResult(
+        check_name="all_tasks_judged",
+        asset_key="judge_verdicts",
+        passed=unjudged == 0,
+        severity=dg.AssetCheckSeverity.WARN,
+        description=f"{unjudged} tasks wait to be judged again" if unjudged else "every task was judged",
+        metadata={"unjudged": unjudged},
+    )
+
+
+def _failures_metadata(failures: pd.DataFrame) -> dict:
+    return {
+        **count_by(failures["reason"], FAILURE_REASONS, "reason/"),
+        "backend_ok": int(failures["backend_ok"].sum()),
+        "blocked": int(failures["blocked"].fillna(False).sum()),
+    }
 
 
 def _parse(context: dg.AssetExecutionContext, data: DataRoot, run_id: str):
@@ -243,10 +238,12 @@ def _judge(context: dg.AssetExecutionContext, judge: JudgeResource, data: DataRo
     return judgement
 
 
-def _batch_outputs(batch, tasks: Encoding, attempts: Encoding) -> Iterable[dg.Output]:
+def _batch_outputs(batch) -> Iterable[dg.Output]:
     ok = int((batch.attempts["ok"] == True).sum())  # noqa: E712
-    yield dg.Output(tasks, output_name="batch_tasks")
-    yield dg.Output(attempts, output_name="batch_attempts", metadata={"ok": ok, "failed": len(batch.attempts) - ok})
+    yield dg.Output(batch.tasks, output_name="batch_tasks")
+    yield dg.Output(
+        batch.attempts, output_name="batch_attempts", metadata={"ok": ok, "failed": len(batch.attempts) - ok}
+    )
     yield dg.Output(
         batch.rejects,
         output_name="batch_rejects",

@@ -13,7 +13,6 @@ committed meanwhile is reported as already filtered, not walked again.
 
 import math
 import time
-from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import Any
 
@@ -120,8 +119,7 @@ def build_ledger(deployment_caps: dict) -> dg.AssetsDefinition:
         backfill_policy=dg.BackfillPolicy.single_run(),
         # first among the steps ready beside it (judge_calibration): the longest of them
         op_tags={PRIORITY_TAG: "1"},
-        # (whole frames: in one process the IO manager hands over the tables it just wrote, without reading them;
-        # an input that also is a spec's dep cannot narrow its columns)
+        # (whole frames: an input that also is a spec's dep cannot narrow its columns)
         ins={"judge_verdicts": dg.AssetIn(), "failure_pool": dg.AssetIn(), "batch_attempts": dg.AssetIn()},
         specs=LEDGER_SPECS,
         check_specs=[
@@ -147,27 +145,8 @@ def build_ledger(deployment_caps: dict) -> dg.AssetsDefinition:
         source = caps_source(config, deployment_caps)
         if source != "deployment":
             context.log.info(f"caps from the run config, not the deployment's: {config.model_dump()}")
-        holder = f"the ledger walk of {', '.join(run_ids)} (Dagster run {context.run.run_id})"
         try:
-            with ledger_lease(data.root, holder) as lease:
-                complete_published(data.root, context.log.info)  # a walk killed after publishing, completed
-                # what each run's commit record is as this walk takes the lease: its publish is conditional on it
-                read = {run_id: commit_state(data.warehouse, run_id) for run_id in run_ids}
-                meanwhile = filtered_meanwhile(context, data, read)
-                # under the lease: no other walk is half done, so which runs are committed cannot change
-                # meanwhile (a re-walk of a lower run is pending while it writes)
-                wait_for_lower_runs(context, data, [r for r in run_ids if r not in meanwhile])
-
-                def walk_one(run_id: str):
-                    if run_id in meanwhile:
-                        return _already_filtered(context, meanwhile[run_id])
-                    frames = (f[run_id] for f in inputs)
-                    return _walk_the_ledger(context, config, data, run_id, *frames, source, lease, read[run_id])
-
-                walk = walk_one(run_ids[0]) if len(run_ids) == 1 else _walk_in_order(context, run_ids, walk_one)
-                # yielded under the lease: the walk's materializations and check results are recorded before
-                # another walker can start
-                yield from walk
+            yield from _walk_under_lease(context, config, data, run_ids, inputs, source)
         except LedgerBusy as exc:
             _retry_later(context, f"another walker holds the data root's lease ({exc})", honour_tag=False)
         except Deferred as exc:
@@ -176,6 +155,31 @@ def build_ledger(deployment_caps: dict) -> dg.AssetsDefinition:
             raise dg.Failure(description=str(exc)) from None
 
     return ledger
+
+
+def _walk_under_lease(context, config, data: DataRoot, run_ids: list[str], inputs: list[dict], source: str):
+    """Take the data root's lease, complete a publish a killed walk left, wait for lower runs, then walk each
+    run (`inputs`: the step's three input frames, each by run_id) and yield its events under the lease."""
+    holder = f"the ledger walk of {', '.join(run_ids)} (Dagster run {context.run.run_id})"
+    with ledger_lease(data.root, holder) as lease:
+        complete_published(data.root, context.log.info)  # a walk killed after publishing, completed
+        # what each run's commit record is as this walk takes the lease: its publish is conditional on it
+        read = {run_id: commit_state(data.warehouse, run_id) for run_id in run_ids}
+        meanwhile = filtered_meanwhile(context, data, read)
+        # under the lease: no other walk is half done, so which runs are committed cannot change
+        # meanwhile (a re-walk of a lower run is pending while it writes)
+        wait_for_lower_runs(context, data, [r for r in run_ids if r not in meanwhile])
+
+        def walk_one(run_id: str):
+            if run_id in meanwhile:
+                return _already_filtered(context, meanwhile[run_id])
+            frames = (f[run_id] for f in inputs)
+            return _walk_the_ledger(context, config, data, run_id, *frames, source, lease, read[run_id])
+
+        walk = walk_one(run_ids[0]) if len(run_ids) == 1 else _walk_in_order(context, run_ids, walk_one)
+        # yielded under the lease: the walk's materializations and check results are recorded before
+        # another walker can start
+        yield from walk
 
 
 # --- the order ----------------------------------------------------------------------------------------
@@ -383,100 +387,109 @@ def _walk_the_ledger(
 
 
 def _walk_staged(context, config, data, run_id, judge_verdicts, failure_pool, batch_attempts, source, lease, staged):
-    """`_walk_the_ledger`'s body: its files written to `staged`."""
-    # two threads beside the walk (hashlib, Arrow and fsync run without the GIL): the inputs' hashes, the checks,
-    # then the encoding and writing of the files
-    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="ledger") as alongside:
-        # the inputs' hashes, for telling later whether the batch changed since it was filtered
-        inputs = alongside.submit(input_fingerprints, data.run_dir(run_id))
-        retired = load_retired(data.root)
-        index = build_prior_index(data.root, run_id, judge_verdicts[["dedup_key", "key_hash"]], retired)
-        context.log.info(
-            f"prior index: {index.rows_read} kept rows of {index.runs_read} other runs; "
-            f"{len(index.keys)} of them share a key with this batch"
-        )
-        pause_point("history_read")
-        caps = config.to_caps()
-        result = filtering.walk_ledger(judge_verdicts, index.keys, index.counts, caps, run_id)
-        context.log.info(f"walk: kept {len(result.kept)}, surplus {len(result.surplus)}")
-        pending = {
-            ("verdicts_conserved", "kept"): alongside.submit(
-                checks.verdicts_conserved, judge_verdicts, result.kept, result.surplus
-            ),
-            # against the index this step built (it holds every earlier keeper of any key this batch carries)
-            ("no_key_kept_twice", "kept"): alongside.submit(checks.no_key_kept_twice, result.kept, index.keys),
-            ("caps_respected", "kept"): alongside.submit(checks.caps_respected, result.kept, index.counts, caps),
-        }
-        # staged: the committed files and record of the run, if any, stay as they are until the publish
-        writing = time.perf_counter()
-        # the walk's own files encoded, hashed and written beside the DPO pairs and the report (each write
-        # waits on its fsyncs, not on the GIL)
-        written = {
-            asset: alongside.submit(_write, data, staged, run_id, asset, frame)
-            for asset, frame in (("prior_dedup_index", index.keys), ("prior_kept_counts", index.counts),
-                                 ("kept", result.kept), ("surplus", result.surplus))
-        }  # fmt: skip
-        written["kept"].add_done_callback(lambda _: pause_point("files_staged"))
-        pairs = dpo.dpo_pairs(result.kept, failure_pool, include_judge_failures=config.include_judge_failures)
-        figures = report.figures(batch_attempts, judge_verdicts, failure_pool, result.kept, result.surplus)
-        images = report.charts(figures)
-        frames = {
-            "prior_dedup_index": (index.keys, {"runs_read": index.runs_read, "rows_read": index.rows_read}),
-            "prior_kept_counts": (index.counts, {"kept_before": int(index.counts["n_kept"].sum())}),
-            "kept": (result.kept, {"caps_source": source}),
-            "surplus": (result.surplus, count_by(result.surplus["dropped"], DROPPED_REASONS, "dropped/")),
-            "dpo_pairs": (
-                pairs.pairs,
-                {
-                    "kept_without_clean_negative": pairs.kept_without_negative,
-                    **{f"excluded/{reason}": n for reason, n in pairs.excluded.items()},
-                },
-            ),  # fmt: skip
-            "filter_report": (
-                report.long_form(figures).assign(run_id=run_id),
-                {
-                    "report": dg.MetadataValue.md(report.markdown(figures, images, run_id)),
-                    "caps_source": source,  # "run config": this run's caps are not the deployment's
-                    **({"review": dg.MetadataValue.url(url)} if (url := settings.review_run_url(run_id)) else {}),
-                    **{f"funnel/{s}": int(c) for s, c in zip(figures.funnel["step"], figures.funnel["count"])},
-                },
-            ),  # fmt: skip
-        }
-        for asset in ("dpo_pairs", "filter_report"):
-            written[asset] = alongside.submit(_write, data, staged, run_id, asset, frames[asset][0])
-        page = data.warehouse / "filter_report_html" / f"{run_id}.html"
-        html = report.html(figures, images, run_id).encode()
-        files = {"filter_report_html": staged.write(page, html, 0)}
-        files.update({asset: future.result() for asset, future in written.items()})
-        context.log.info(f"staged {len(files)} files in {time.perf_counter() - writing:.2f} s")
-        frames["filter_report"][1]["html"] = dg.MetadataValue.path(str(page))
-        outcomes = {key: future.result() for key, future in pending.items()}
-        if all(outcome.passed for outcome in outcomes.values()):
-            # Only a walk whose invariants held becomes history; one that broke them fails on its checks.
-            record = commits.CommitRecord(
-                run_id=run_id,
-                walked_at=datetime.now(UTC).isoformat(timespec="seconds"),
-                files=files,
-                kept_keys=int(result.kept["dedup_key"].nunique()),
-                caps={k: v for k, v in config.model_dump().items() if k in CapsConfig.model_fields},
-                caps_source=source,
-                judge=judge_settings(judge_verdicts),
-                history=index.history,
-                inputs=inputs.result(),
-                unjudged=int((judge_verdicts["status"] == STATUS_ERROR).sum()),
-            )
-            publishing = time.perf_counter()
-            staged.publish(record, lease.confirm)
-            context.log.info(
-                f"committed {run_id}: warehouse/{commits.COMMITS_DIR}/{run_id}.json (published, its files moved "
-                f"into place in {time.perf_counter() - publishing:.2f} s)"
-            )
-            if order.clear_failure(data.warehouse, run_id):
-                context.log.info(f"{run_id} was walked: its recorded validation failure is removed")
-    for asset, (frame, metadata) in frames.items():
+    """`_walk_the_ledger`'s body: its files written to `staged`, then (its checks held) its commit published."""
+    # the inputs' hashes, for telling later whether the batch changed since it was filtered
+    inputs = input_fingerprints(data.run_dir(run_id))
+    index = build_prior_index(data.root, run_id, judge_verdicts[["dedup_key", "key_hash"]], load_retired(data.root))
+    context.log.info(
+        f"prior index: {index.rows_read} kept rows of {index.runs_read} other runs; "
+        f"{len(index.keys)} of them share a key with this batch"
+    )
+    pause_point("history_read")
+    caps = config.to_caps()
+    result = filtering.walk_ledger(judge_verdicts, index.keys, index.counts, caps, run_id)
+    context.log.info(f"walk: kept {len(result.kept)}, surplus {len(result.surplus)}")
+    outcomes = {
+        ("verdicts_conserved", "kept"): checks.verdicts_conserved(judge_verdicts, result.kept, result.surplus),
+        # against the index this step built (it holds every earlier keeper of any key this batch carries)
+        ("no_key_kept_twice", "kept"): checks.no_key_kept_twice(result.kept, index.keys),
+        ("caps_respected", "kept"): checks.caps_respected(result.kept, index.counts, caps),
+    }
+    # staged: the committed files and record of the run, if any, stay as they are until the publish
+    writing = time.perf_counter()
+    frames = _walk_frames(index, result, source)
+    files = {asset: _write(data, staged, run_id, asset, frame) for asset, (frame, _) in frames.items()}
+    pause_point("files_staged")
+    derived, html = _derived_frames(config, run_id, source, result, failure_pool, batch_attempts, judge_verdicts)
+    files.update({asset: _write(data, staged, run_id, asset, frame) for asset, (frame, _) in derived.items()})
+    page = data.warehouse / "filter_report_html" / f"{run_id}.html"
+    files["filter_report_html"] = staged.write(page, html, 0)
+    derived["filter_report"][1]["html"] = dg.MetadataValue.path(str(page))
+    context.log.info(f"staged {len(files)} files in {time.perf_counter() - writing:.2f} s")
+    if all(outcome.passed for outcome in outcomes.values()):
+        # Only a walk whose invariants held becomes history; one that broke them fails on its checks.
+        record = _commit_record(config, run_id, judge_verdicts, result.kept, index, files, source, inputs)
+        _publish(context, data, staged, record, lease)
+    for asset, (frame, metadata) in {**frames, **derived}.items():
         yield dg.MaterializeResult(
             asset_key=asset,
             metadata={**metadata, "dagster/row_count": len(frame), "sha256": files[asset]["sha256"]},
         )
     for (check, asset), outcome in outcomes.items():
         yield check_result(check, asset, outcome)
+
+
+def _walk_frames(index, result, source: str) -> dict[str, tuple[pd.DataFrame, dict]]:
+    """The walk's own assets: (frame, metadata) of the prior index and counts, kept and surplus."""
+    return {
+        "prior_dedup_index": (index.keys, {"runs_read": index.runs_read, "rows_read": index.rows_read}),
+        "prior_kept_counts": (index.counts, {"kept_before": int(index.counts["n_kept"].sum())}),
+        "kept": (result.kept, {"caps_source": source}),
+        "surplus": (result.surplus, count_by(result.surplus["dropped"], DROPPED_REASONS, "dropped/")),
+    }
+
+
+def _derived_frames(config, run_id, source, result, failure_pool, batch_attempts, judge_verdicts):
+    """The assets derived from the walk: ((frame, metadata) of dpo_pairs and filter_report, the report's
+    standalone HTML page)."""
+    pairs = dpo.dpo_pairs(result.kept, failure_pool, include_judge_failures=config.include_judge_failures)
+    figures = report.figures(batch_attempts, judge_verdicts, failure_pool, result.kept, result.surplus)
+    images = report.charts(figures)
+    url = settings.review_run_url(run_id)
+    frames = {
+        "dpo_pairs": (
+            pairs.pairs,
+            {
+                "kept_without_clean_negative": pairs.kept_without_negative,
+                **{f"excluded/{reason}": n for reason, n in pairs.excluded.items()},
+            },
+        ),
+        "filter_report": (
+            report.long_form(figures).assign(run_id=run_id),
+            {
+                "report": dg.MetadataValue.md(report.markdown(figures, images, run_id)),
+                "caps_source": source,  # "run config": this run's caps are not the deployment's
+                **({"review": dg.MetadataValue.url(url)} if url else {}),
+                **{f"funnel/{s}": int(c) for s, c in zip(figures.funnel["step"], figures.funnel["count"])},
+            },
+        ),
+    }
+    return frames, report.html(figures, images, run_id).encode()
+
+
+def _commit_record(config, run_id, judge_verdicts, kept, index, files, source, inputs) -> CommitRecord:
+    """The run's commit record: its files, caps, judge, the history it read and its inputs' hashes."""
+    return commits.CommitRecord(
+        run_id=run_id,
+        walked_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        files=files,
+        kept_keys=int(kept["dedup_key"].nunique()),
+        caps={k: v for k, v in config.model_dump().items() if k in CapsConfig.model_fields},
+        caps_source=source,
+        judge=judge_settings(judge_verdicts),
+        history=index.history,
+        inputs=inputs,
+        unjudged=int((judge_verdicts["status"] == STATUS_ERROR).sum()),
+    )
+
+
+def _publish(context, data: DataRoot, staged: StagedWalk, record: CommitRecord, lease: Lease) -> None:
+    """Publish the run's commit record (conditional on the one read at the lease), its files moved into place."""
+    publishing = time.perf_counter()
+    staged.publish(record, lease.confirm)
+    context.log.info(
+        f"committed {record.run_id}: warehouse/{commits.COMMITS_DIR}/{record.run_id}.json (published, its files "
+        f"moved into place in {time.perf_counter() - publishing:.2f} s)"
+    )
+    if order.clear_failure(data.warehouse, record.run_id):
+        context.log.info(f"{record.run_id} was walked: its recorded validation failure is removed")

@@ -44,14 +44,14 @@ def remove_stale_temps(folder: str, prefix: str) -> None:
             pass
 
 
-def atomic_write(path: UPath, data) -> None:
+def atomic_write(path: UPath, data, sync_folder: bool = True) -> None:
     """Write `data` to `path` so that readers see the old content or the new, never a part. Local disk:
-    `replace_locally`, the folder fsynced too so the rename survives a crash. Object stores make a single PUT
-    visible atomically."""
+    `replace_locally`, with `sync_folder` the folder fsynced too so the rename survives a crash. Object stores
+    make a single PUT visible atomically."""
     if not isinstance(path.fs, LocalFileSystem):  # (`data`: bytes or any buffer, e.g. an Arrow buffer)
         path.fs.pipe_file(path.path, data if isinstance(data, bytes) else memoryview(data).tobytes())
         return
-    replace_locally(path.path, lambda f: f.write(data), sync_folder=True)
+    replace_locally(path.path, lambda f: f.write(data), sync_folder=sync_folder)
 
 
 def replace_locally(target: str, write, sync_folder: bool) -> os.stat_result:

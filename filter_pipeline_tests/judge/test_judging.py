@@ -11,6 +11,7 @@ from filter_pipeline.definitions import build_defs
 from filter_pipeline.judge.config import LLMJudgeConfig
 from filter_pipeline.judge.resource import JudgeResource, judge_from_env
 from filter_pipeline.rules.report import agreement
+from filter_pipeline.shell.assets import judge_batch
 from filter_pipeline_tests.builders import attempt, rows, task, verdicts, write_batch
 from filter_pipeline_tests.openai_server import FakeOpenAI, Reply
 
@@ -55,11 +56,14 @@ class Pipeline:
     def __init__(self, data_root: Path, instance: dg.DagsterInstance):
         self.data_root, self.instance = data_root, instance
 
-    def run(self, judge: JudgeResource, run_id: str = "r1") -> dg.ExecuteInProcessResult:
+    def run(self, judge: JudgeResource, run_id: str = "r1", judging_only: bool = False) -> dg.ExecuteInProcessResult:
+        """One run of filter_job; `judging_only`: only judge_batch's step (the batch, judge_verdicts and
+        failure_pool), for tests that read nothing the ledger or the reports make."""
         if run_id not in self.instance.get_dynamic_partitions("run_id"):
             self.instance.add_dynamic_partitions("run_id", [run_id])
         job = build_defs(str(self.data_root), judge, caps={}).resolve_job_def("filter_job")
-        result = job.execute_in_process(instance=self.instance, partition_key=run_id)
+        selection = list(judge_batch.keys) if judging_only else None
+        result = job.execute_in_process(instance=self.instance, partition_key=run_id, asset_selection=selection)
         assert result.success
         return result
 
@@ -144,16 +148,16 @@ def test_a_refusing_endpoint_fails_the_step_in_one_line_within_ten_requests(pipe
 def test_rematerializing_costs_zero_calls_and_a_new_prompt_version_pays_again(pipeline):
     sample_batch(pipeline.data_root)
     with FakeOpenAI() as server:
-        pipeline.run(llm(server))
+        pipeline.run(llm(server), judging_only=True)
         assert len(server.calls) == 4
-        again = pipeline.run(llm(server))
+        again = pipeline.run(llm(server), judging_only=True)
         assert len(server.calls) == 4
         meta = verdict_metadata(again)
         assert (meta["requests"], meta["cache_hits"]) == (0, 4)
         assert pipeline.output("judge_verdicts")["cached"].tolist() == [True] * 4
-        pipeline.run(llm(server, prompt_version="v2"))
+        pipeline.run(llm(server, prompt_version="v2"), judging_only=True)
         assert len(server.calls) == 8
-        pipeline.run(llm(server, model="other-model"))
+        pipeline.run(llm(server, model="other-model"), judging_only=True)
         assert len(server.calls) == 12
 
 
@@ -234,6 +238,7 @@ def test_cli_llm_judge_never_leaks_the_api_key(cli, data_root, dagster_home):
     assert any("***" in w for w in why)
 
 
+@pytest.mark.slow  # moto's S3 server is a process of its own
 def test_on_s3_the_llm_judge_reads_each_attempts_trajectory_from_the_bucket(s3_bucket):
     from filter_pipeline.shell.warehouse import DataRoot
 

@@ -124,11 +124,11 @@ def scored(call, n) -> Reply:
 
 def test_judge_verdicts_carry_the_parts_and_the_gate_leaves_them_null(pipeline):
     sample_batch(pipeline.data_root)
-    pipeline.run(JudgeResource(kind="gate"))
+    pipeline.run(JudgeResource(kind="gate"), judging_only=True)
     gate = pipeline.output("judge_verdicts")
     assert gate[list(PARTS)].isna().all().all()
     with FakeOpenAI(scored) as server:
-        pipeline.run(llm(server))
+        pipeline.run(llm(server), judging_only=True)
     v = pipeline.output("judge_verdicts").set_index("task_id")
     assert v.loc["d", ["passed", "blocked", "success", "score"]].tolist() == [False, True, False, 1]
     assert v.loc["a", ["passed", "blocked", "score"]].tolist() == [True, False, 5]
@@ -141,13 +141,13 @@ def test_judge_verdicts_carry_the_parts_and_the_gate_leaves_them_null(pipeline):
 def test_a_minimum_score_fails_low_scores_without_asking_again_and_lowering_it_restores_them(pipeline):
     sample_batch(pipeline.data_root)
     with FakeOpenAI(scored) as server:
-        pipeline.run(llm(server))
+        pipeline.run(llm(server), judging_only=True)
         asked = len(server.calls)
-        pipeline.run(llm(server, min_score=4))
+        pipeline.run(llm(server, min_score=4), judging_only=True)
         assert len(server.calls) == asked  # not part of the cache key: no request
         strict = pipeline.output("judge_verdicts").set_index("task_id")
         strict_pool = pipeline.output("failure_pool").set_index("task_id")
-        pipeline.run(llm(server))
+        pipeline.run(llm(server), judging_only=True)
         assert len(server.calls) == asked
         relaxed = pipeline.output("judge_verdicts").set_index("task_id")
     # the model's own verdict and why are stored as they are; passed is derived from them and the minimum
@@ -173,9 +173,9 @@ def test_a_model_why_that_looks_like_the_minimum_score_text_is_read_as_the_model
 
     sample_batch(pipeline.data_root)
     with FakeOpenAI(responder) as server:
-        pipeline.run(llm(server, min_score=4))
+        pipeline.run(llm(server, min_score=4), judging_only=True)
         asked = len(server.calls)
-        pipeline.run(llm(server))
+        pipeline.run(llm(server), judging_only=True)
         assert len(server.calls) == asked
     v = pipeline.output("judge_verdicts").set_index("task_id")
     assert v.loc["c", ["passed", "judge_passed", "why", "cached"]].tolist() == [False, False, lookalike, True]

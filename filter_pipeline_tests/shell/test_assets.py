@@ -198,6 +198,7 @@ def test_bad_lines_in_labels_jsonl_are_reported_by_judge_calibration_without_fai
     assert output(data_root, "kept", "r1")["task_id"].tolist() == ["a"]
 
 
+@pytest.mark.slow  # moto's S3 server is a process of its own
 def test_on_s3_with_only_the_endpoint_setting_every_asset_reaches_the_store(s3_server, monkeypatch, instance):
     # no AWS_ENDPOINT_URL: the endpoint comes from the DataRoot setting alone, across-runs assets included
     for name, value in s3_server.env.items():

@@ -290,6 +290,7 @@ def test_coverage_is_refreshed_when_the_set_of_kept_files_changes_and_nothing_is
     assert refresh.run_config == {}
 
 
+@pytest.mark.slow  # moto's S3 server is a process of its own
 def test_on_s3_a_batch_completed_after_the_first_listing_is_seen_by_the_same_process(s3_bucket):
     # the sensor lives in a long-running code server: a cached listing would hide new batches for good
     data = DataRoot(path=f"s3://{s3_bucket}/data")

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from upath import UPath
 
 from filter_pipeline.storage import files
@@ -42,6 +43,7 @@ def test_changed_inputs_are_told_by_size_or_content_not_by_a_touch(tmp_path):
     assert files.inputs_changed(run, recorded) == ["executions.jsonl", "tasks.jsonl"]
 
 
+@pytest.mark.slow  # moto's S3 server is a process of its own
 def test_changed_inputs_on_s3_are_told_by_etag(s3_server, s3_bucket):
     run = UPath(f"s3://{s3_bucket}/data/runs/r1", endpoint_url=s3_server.endpoint, use_listings_cache=False)
     (run / "tasks.jsonl").write_text('{"task_id": "a"}\n')

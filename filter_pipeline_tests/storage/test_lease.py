@@ -57,6 +57,7 @@ def s3_root(s3_server, bucket):
     return UPath(f"s3://{bucket}/data", endpoint_url=s3_server.endpoint, use_listings_cache=False)
 
 
+@pytest.mark.slow  # moto's S3 server is a process of its own
 def test_s3_lease_is_exclusive_renewed_while_held_and_deleted_at_the_end(s3_server, s3_bucket):
     root = s3_root(s3_server, s3_bucket)
     with ledger_lease(root, "run r1", ttl_seconds=1.2):
@@ -82,6 +83,7 @@ def expired_lease(root, holder="a dead walk") -> None:
     )
 
 
+@pytest.mark.slow  # moto's S3 server is a process of its own
 def test_an_expired_s3_lease_of_a_dead_holder_is_taken_over_without_hand_work(s3_server, s3_bucket):
     root = s3_root(s3_server, s3_bucket)
     expired_lease(root)
@@ -90,6 +92,7 @@ def test_an_expired_s3_lease_of_a_dead_holder_is_taken_over_without_hand_work(s3
         assert current["holder"] == "run r2"
 
 
+@pytest.mark.slow  # moto's S3 server is a process of its own
 def test_of_two_takers_of_an_expired_s3_lease_exactly_one_wins(s3_server, s3_bucket, monkeypatch):
     root = s3_root(s3_server, s3_bucket)
     for _ in range(3):
