@@ -184,7 +184,7 @@ def timed(cmd: list[str], env: dict) -> tuple[float, float, str, subprocess.Comp
 def step_split(home: Path) -> tuple[dict[str, float], dict[str, float]]:
     """Seconds per step of the last filter_job run, and per phase (parse, index, walk, write), from the
     instance's event log: a phase runs from the event that starts it to the log line or event that ends it
-    (parse: the time the parse reports; when read ahead, most of it was before the step started)."""
+    (parse: the time the parse reports)."""
     import dagster as dg
 
     with dg.DagsterInstance.from_config(str(home)) as instance:
@@ -206,7 +206,6 @@ def step_split(home: Path) -> tuple[dict[str, float], dict[str, float]]:
         elif kind == dg.DagsterEventType.HANDLED_OUTPUT:  # converted, written, recorded
             phases["write"] += event.timestamp - last_output[event.step_key]
         elif kind is None and event.user_message.startswith("parsed runs/"):
-            # the parse's own figure: the CLI reads the first batch ahead, mostly before its step starts
             phases["parse"] = float(re.search(r" in ([0-9.]+) s", event.user_message).group(1))
         elif kind is None and event.user_message.startswith("prior index:"):
             phases["index"], marks["index"] = event.timestamp - marks[event.step_key], event.timestamp

@@ -14,11 +14,9 @@ import math
 import os
 import re
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -86,7 +84,6 @@ class Batch:
     attempts: pd.DataFrame  # columns of schemas.SCHEMAS["batch_attempts"], in executions.jsonl order
     rejects: pd.DataFrame  # columns of schemas.SCHEMAS["batch_rejects"]
     seconds: float = 0.0  # how long the parse took
-    read_ahead: bool = False  # parsed in the background before its step asked (`read_ahead`)
     # the row in `tasks` of each attempt's task, as the parse found it (the rules take it rather than look
     # every task_id up again)
     task_at: np.ndarray | None = None
@@ -750,53 +747,8 @@ def read_batch(run_dir: UPath, run_id: str) -> Batch:
     """Parse `runs/<run_id>/`: tasks and attempts that passed validation, and one reject row per record that
     did not (malformed, mistyped, a second `task_id` or (task_id, attempt), an attempt of an unknown task).
 
-    A parse of the same batch started by `read_ahead` in this process is taken instead, once finished, if it
-    succeeded and both files still have the size and modification time they had when it started.
-
     Raises BatchError when `tasks.jsonl` is missing or has no task, or `executions.jsonl` is missing.
     """
-    ahead = _read_ahead.pop((str(run_dir), run_id), None)
-    if ahead is not None:
-        signature, parsed = ahead
-        if parsed.exception() is None and _file_signature(run_dir) == signature:
-            return replace(parsed.result(), read_ahead=True)
-    return _parse_batch(run_dir, run_id)
-
-
-_read_ahead: dict[tuple[str, str], tuple[tuple, Future]] = {}
-
-
-def read_ahead(run_dir: UPath, run_id: str) -> bool:
-    """Start parsing the batch in a background thread, for a later `read_batch` of it in this process to take
-    (the CLI reads its first batch while Dagster imports and starts the run: on two cores the parse is then
-    mostly done before its step begins). Local disk only; returns whether it started."""
-    signature = _file_signature(run_dir)
-    if signature is None:
-        return False
-    parsed: Future = Future()
-
-    def parse() -> None:
-        try:
-            parsed.set_result(_parse_batch(run_dir, run_id))
-        except BaseException as exc:  # read_batch parses again and raises it where the step can report it
-            parsed.set_exception(exc)
-
-    _read_ahead[(str(run_dir), run_id)] = (signature, parsed)
-    threading.Thread(target=parse, name=f"read-ahead {run_id}", daemon=True).start()
-    return True
-
-
-def _file_signature(run_dir: UPath) -> tuple | None:
-    """(size, mtime_ns) of the batch's two files on local disk; None elsewhere or if one is missing."""
-    try:
-        signatures = tuple(local_signature(run_dir / name) for name in (TASKS_FILE, EXECUTIONS_FILE))
-    except OSError:
-        return None
-    return None if None in signatures else signatures
-
-
-def _parse_batch(run_dir: UPath, run_id: str) -> Batch:
-    """`read_batch`, always parsing."""
     started = time.perf_counter()
     tasks_path, executions_path = run_dir / TASKS_FILE, run_dir / EXECUTIONS_FILE
     if not tasks_path.exists():
@@ -887,22 +839,6 @@ def _rejects_for(rows: pd.DataFrame, data: bytes, file: str, field: str, templat
         _reject_row(file, int(line), field, template.format(repr(task_id)), lines[int(line) - 1])
         for task_id, line in zip(rows["task_id"], rows["line"])
     ]
-
-
-def attempt_steps(run_dir: UPath, lines: set[int]) -> dict[int, list]:
-    """The `steps` of the executions.jsonl records on the given line numbers (for a judge whose trajectory
-    folder has no usable trajectory.json)."""
-    if not lines:
-        return {}
-    out = {}
-    for number, raw in enumerate((run_dir / EXECUTIONS_FILE).read_bytes().split(b"\n"), start=1):
-        if number in lines:
-            try:
-                steps = json.loads(raw).get("steps")
-            except RecursionError:  # nested deeper than json.loads follows, in a step field nobody reads
-                steps = None
-            out[number] = steps if isinstance(steps, list) else []
-    return out
 
 
 COUNT_CHUNK_BYTES = 8 << 20  # count_records reads the file this much at a time, into one reused buffer

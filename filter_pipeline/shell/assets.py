@@ -218,7 +218,6 @@ def _parse(context: dg.AssetExecutionContext, data: DataRoot, run_id: str):
     context.log.info(
         f"parsed runs/{run_id}: {len(batch.tasks)} tasks, {len(batch.attempts)} attempts, "
         f"{len(batch.rejects)} rejected lines in {batch.seconds:.1f} s"
-        + (" (read ahead by the CLI while the run started)" if batch.read_ahead else "")
     )
     for message in batch.rejects["message"].head(20):
         context.log.warning(message)

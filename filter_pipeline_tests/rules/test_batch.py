@@ -274,47 +274,6 @@ def test_count_records_reads_in_chunks_that_split_lines_anywhere(tmp_path, monke
     assert batch_module.count_records(UPath(tmp_path)) == 4
 
 
-def test_a_batch_read_ahead_is_taken_as_parsed_when_its_files_are_unchanged(tmp_path):
-    run = UPath(write_batch(tmp_path, "r", [task("a"), task("b")], [attempt("a"), attempt("b", ok=False)]))
-    assert batch_module.read_ahead(run, "r")
-    ahead = read_batch(run, "r")
-    again = read_batch(run, "r")  # taken once: this one parses
-    assert ahead.read_ahead and not again.read_ahead
-    for got, want in ((ahead.tasks, again.tasks), (ahead.attempts, again.attempts), (ahead.rejects, again.rejects)):
-        assert got.equals(want)
-
-
-def test_a_batch_read_ahead_is_parsed_again_when_a_file_changed_since(tmp_path):
-    run = UPath(write_batch(tmp_path, "r", [task("a")], [attempt("a")]))
-    assert batch_module.read_ahead(run, "r")
-    read_batch_module_wait(run)
-    (tmp_path / "runs" / "r" / "tasks.jsonl").write_text(jsonl([task("a"), task("late")]))
-    parsed = read_batch(run, "r")
-    assert not parsed.read_ahead and parsed.tasks["task_id"].tolist() == ["a", "late"]
-
-
-def read_batch_module_wait(run) -> None:
-    """Wait for the read-ahead of `run` to finish (so a change made next is surely after it)."""
-    [(_, parsed)] = [v for k, v in batch_module._read_ahead.items() if k[0] == str(run)]
-    parsed.exception()
-
-
-def test_a_broken_batch_read_ahead_fails_where_it_is_read_with_the_usual_error(tmp_path):
-    run = UPath(write_batch(tmp_path, "r", [], []))
-    assert batch_module.read_ahead(run, "r")
-    with pytest.raises(BatchError, match="holds no valid task"):
-        read_batch(run, "r")
-
-
-def test_a_read_ahead_serves_only_its_own_batch_and_only_on_local_disk(tmp_path):
-    one = UPath(write_batch(tmp_path, "one", [task("a")], [attempt("a")]))
-    two = UPath(write_batch(tmp_path, "two", [task("b")], [attempt("b")]))
-    assert batch_module.read_ahead(one, "one")
-    assert not read_batch(two, "two").read_ahead
-    assert read_batch(one, "one").read_ahead
-    assert not batch_module.read_ahead(UPath("memory://data/runs/one"), "one")
-
-
 # --- records that are valid JSON but no use as data -----------------------------------------------------
 
 LONG = "1" + "0" * 5000  # more digits than Python converts to an int (sys.get_int_max_str_digits: 4,300)
@@ -563,7 +522,6 @@ def test_a_record_nested_deeper_than_json_loads_follows_is_kept_by_both_paths(tm
         assert b.attempts[["task_id", "n_actions"]].values.tolist() == [["a", 1], ["b", 2]]
     assert got[1].rejects["line"].tolist() == [3, 3]
     assert got[0].tasks.equals(got[1].tasks) and got[0].attempts.equals(got[1].attempts)
-    assert batch_module.attempt_steps(UPath(fast), {1}) == {1: []}  # the judge's fallback copes too
 
 
 def test_invalid_utf8_in_a_field_the_pipeline_ignores_is_rejected_by_both_paths(tmp_path):
