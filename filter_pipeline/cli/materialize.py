@@ -19,7 +19,7 @@ from filter_pipeline.judge.client import ssl_context
 from filter_pipeline.judge.resource import ENV, judge_from_env
 from filter_pipeline.rules import calibration as calibration_rules
 from filter_pipeline.rules import order
-from filter_pipeline.rules.batch import SUCCESS_FILE, check_run_id, complete_batches
+from filter_pipeline.rules.batch import SUCCESS_FILE, check_run_id
 from filter_pipeline.rules.commits import read_commits
 from filter_pipeline.rules.history import load_retired
 from filter_pipeline.rules.schemas import DROPPED_REASONS, FAILURE_REASONS, STATUS_ERROR
@@ -33,6 +33,7 @@ from filter_pipeline.shell.jobs import (
     filter_job,
 )
 from filter_pipeline.shell.ledger import ORDER_MAX_WAIT_TAG
+from filter_pipeline.shell.runs import complete_batches
 from filter_pipeline.shell.sensors import (
     CALIBRATION,
     changed_warning,

@@ -7,7 +7,6 @@ types as a full one and `pd.read_parquet(<warehouse>/<asset>/)` over every run a
 import functools
 import hashlib
 import json
-import math
 from typing import Any
 
 import numpy as np
@@ -84,106 +83,21 @@ DEFAULT_PER_SITE_CAP = 3
 # --- dedup keys -------------------------------------------------------------------------------------
 
 
-# json.dumps(key, ensure_ascii=False, separators=(",", ":")) builds this same encoder on every call
 _CANONICAL = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 
 
 def canonical_key(key: list[Any]) -> str:
-    """The dedup key as the canonical JSON text every comparison uses (CONTRACT §3.7).
+    """The dedup key as the canonical JSON text every comparison uses (CONTRACT §3.7): what
+    `json.dumps(key, ensure_ascii=False, separators=(",", ":"))` writes, with the encoder built once.
 
     `1`, `"1"`, `1.0` and `true` give four different texts, so they are four different arguments.
     """
     return _CANONICAL.encode(key)
 
 
-def _bulk_encoder():
-    """The C encoder behind json.dumps, built once (json.dumps rebuilds it per call, which dominates for
-    small keys); used only if it gives json.dumps' exact text on a probe, else the plain encoder."""
-    from json import encoder as impl
-
-    make = getattr(impl, "c_make_encoder", None)
-    if make is None:
-        return canonical_key
-    try:
-        c_encode = make(None, _CANONICAL.default, impl.encode_basestring, None, ":", ",", False, False, True)
-    except TypeError:
-        return canonical_key
-
-    def encode(key: list[Any]) -> str:
-        return "".join(c_encode(key, 0))
-
-    probe = ['é\n"x\u2028', 1, -0.0, 1.0, 1e16, 2**70, True, False, None, float("inf"), "\x7f"]
-    return encode if encode(probe) == json.dumps(probe, ensure_ascii=False, separators=(",", ":")) else canonical_key
-
-
-canonical_key_fast = _bulk_encoder()
-
-
-def canonical_keys(keys: list[list[Any]]) -> list[str]:
-    """`canonical_key` of each key, encoding the whole list in one call where that can be split safely."""
-    whole = _CANONICAL.encode(keys)
-    inner = whole[2:-2]  # "[[k1],[k2]]" -> "k1],[k2"
-    if len(keys) > 1 and inner.count("],[") == len(keys) - 1:  # no string holds "],[": the seams are exact
-        return [f"[{part}]" for part in inner.split("],[")]
-    return [canonical_key_fast(key) for key in keys]
-
-
-# JSON array text that canonical_key would write unchanged: no whitespace, integers (no float, no -0),
-# true/false/null, strings with no escapes but the ones json.dumps writes itself.
-_CANONICAL_SCALAR = r'(?:"(?:[^"\\\x00-\x1f]|\\["\\bfnrt])*"|0|-?[1-9][0-9]*|true|false|null)'
-CANONICAL_ARRAY = rf"^\[(?:{_CANONICAL_SCALAR}(?:,{_CANONICAL_SCALAR})*)?\]$"
-
-
-def canonical_texts(arrays: pa.Array) -> pa.Array:
-    """`canonical_key` of each JSON array text (each an array of scalars), as an Arrow string array. Texts
-    already in canonical form (what a generator writing compact JSON produces) are taken as they are, found by
-    one vectorised match, with no Python string made for them when all are; only the others are parsed and
-    encoded again. Raises ValueError on text that is not JSON, NaN and Infinity included (and a number too large
-    for a float, such as 1e400, which would read as Infinity)."""
-    redo = np.flatnonzero(~pc.match_substring_regex(arrays, CANONICAL_ARRAY).to_numpy(zero_copy_only=False))
-    if not len(redo):
-        return arrays
-    texts = arrays.to_pylist()
-    keys = json.loads("[" + ",".join(texts[i] for i in redo) + "]", parse_constant=_not_json)
-    if len(keys) != len(redo):
-        raise ValueError("a key text holds more than one JSON array")
-    for i, key, text in zip(redo.tolist(), keys, canonical_keys(keys)):
-        if "Infinity" in text and not all(math.isfinite(part) for part in key if type(part) is float):
-            raise ValueError(f"key {texts[i][:60]} holds a number too large for a float")
-        texts[i] = text
-    return pa.array(texts, type=arrays.type)
-
-
-def _not_json(constant: str):
-    raise ValueError(f"{constant} is not JSON")
-
-
-def key_hashes(texts: list[str] | pa.Array) -> np.ndarray:
-    """`key_hash` of each text, as int64 (the digests are joined and read as one little-endian array). An
-    Arrow string array is hashed from its UTF-8 bytes, with no Python string made per text."""
-    # copying one configured hasher is cheaper than constructing one per text (same digests)
-    empty = hashlib.blake2b(digest_size=8)
-    digests = []
-    for data in _utf8_of_each(texts):
-        hasher = empty.copy()
-        hasher.update(data)
-        digests.append(hasher.digest())
-    return np.frombuffer(b"".join(digests), dtype="<i8").astype(np.int64)
-
-
-def _utf8_of_each(texts: list[str] | pa.Array):
-    if not isinstance(texts, pa.Array):
-        return (text.encode() for text in texts)
-    if texts.null_count:
-        raise ValueError("a key text is null")
-    width = np.int64 if pa.types.is_large_string(texts.type) else np.int32
-    _, offsets, data = texts.buffers()
-    ends = np.frombuffer(offsets, dtype=width)[texts.offset : texts.offset + len(texts) + 1].astype(np.int64)
-    # the texts' bytes copied once, then sliced: a bytes slice is not an object the garbage collector
-    # tracks, a memoryview slice is (one per key would start a collection every few hundred keys)
-    utf8 = memoryview(data)[ends[0] : ends[-1]].tobytes() if data is not None else b""
-    ends = (ends - ends[0]).tolist()
-    return (utf8[start:end] for start, end in zip(ends, ends[1:]))
+def key_hashes(texts: list[str]) -> np.ndarray:
+    """`key_hash` of each text, as int64."""
+    return np.fromiter((key_hash(text) for text in texts), dtype=np.int64, count=len(texts))
 
 
 def key_hash(text: str) -> int:

@@ -14,7 +14,7 @@ from filter_pipeline.judge.client import EndpointRefused, JudgeSetupError
 from filter_pipeline.judge.driver import ProgressStore, RecordSteps
 from filter_pipeline.judge.resource import JudgeResource
 from filter_pipeline.rules import calibration, checks, filtering, order, report, verify
-from filter_pipeline.rules.batch import EXECUTIONS_FILE, TASKS_FILE, BatchError, count_records, read_batch
+from filter_pipeline.rules.batch import EXECUTIONS_FILE, TASKS_FILE, BatchError
 from filter_pipeline.rules.coverage import coverage_chart, coverage_markdown, coverage_table
 from filter_pipeline.rules.history import build_prior_index, load_retired
 from filter_pipeline.rules.schemas import (
@@ -26,6 +26,7 @@ from filter_pipeline.rules.schemas import (
     type_name,
 )
 from filter_pipeline.shell.config import caps_source, deployment_caps_config, run_caps_problem
+from filter_pipeline.shell.runs import count_records, read_batch
 from filter_pipeline.shell.warehouse import DataRoot, Encoding, encode_ahead, read_folder, read_parquet, write_parquet
 
 run_id_partitions = dg.DynamicPartitionsDefinition(name="run_id")

@@ -22,13 +22,13 @@ import pandas as pd
 
 from filter_pipeline import settings
 from filter_pipeline.rules import checks, commits, dpo, filtering, order, report
-from filter_pipeline.rules.batch import complete_batches
 from filter_pipeline.rules.commits import CommitRecord, parse_commit, read_commits
 from filter_pipeline.rules.history import build_prior_index, load_retired
 from filter_pipeline.rules.schemas import DROPPED_REASONS, STATUS_ERROR
 from filter_pipeline.shell.assets import blocking_check, check_result, column_schema, count_by, run_id_partitions
 from filter_pipeline.shell.config import CapsConfig, LedgerConfig, caps_source, deployment_caps_config
 from filter_pipeline.shell.jobs import FIRST_WALK_TAG, PARTITION_TAG, PRIORITY_TAG
+from filter_pipeline.shell.runs import complete_batches
 from filter_pipeline.shell.warehouse import DataRoot, encode
 from filter_pipeline.storage.files import input_fingerprints
 from filter_pipeline.storage.lease import Lease, LedgerBusy, ledger_lease

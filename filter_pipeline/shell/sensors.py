@@ -16,7 +16,7 @@ import dagster as dg
 
 from filter_pipeline import settings
 from filter_pipeline.rules import order
-from filter_pipeline.rules.batch import LEGACY_KEPT_FILE, BatchState, complete_batches
+from filter_pipeline.rules.batch import LEGACY_KEPT_FILE, BatchState
 from filter_pipeline.rules.calibration import labels_fingerprint
 from filter_pipeline.rules.commits import CommitRecord, read_commits
 from filter_pipeline.rules.history import load_retired
@@ -34,6 +34,7 @@ from filter_pipeline.shell.jobs import (
     ledger_job,
     rejudge_job,
 )
+from filter_pipeline.shell.runs import complete_batches
 from filter_pipeline.shell.warehouse import DataRoot
 
 JUDGE_JOB = judge_job.name

@@ -19,7 +19,6 @@ from fsspec.implementations.local import LocalFileSystem
 from pydantic import Field
 from upath import UPath
 
-from filter_pipeline.rules.batch import LOCAL_PROTOCOLS, local_signature
 from filter_pipeline.rules.schemas import (
     SCHEMAS,
     conforms,
@@ -29,6 +28,7 @@ from filter_pipeline.rules.schemas import (
     to_pandas,
 )
 from filter_pipeline.settings import DATA_ENV, DEFAULT_DATA, ENDPOINT_ENV, data_path
+from filter_pipeline.shell.runs import LOCAL_PROTOCOLS, local_signature
 from filter_pipeline.storage.files import replace_locally
 
 
