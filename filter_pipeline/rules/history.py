@@ -4,14 +4,15 @@ The record is what was committed: the `kept` file each commit record (`warehouse
 names, verified against the size and SHA-256 the commit recorded, plus the legacy `runs/<run>/kept.jsonl`
 of runs filtered by the earlier script that have no commit. A committed file that is missing, changed,
 unreadable or not a kept file fails the read with one line naming it (HistoryIntegrityError); a kept file
-without a commit (a walk killed before it committed) is not history. Files are read a few at a time, so
-memory follows the largest run rather than the whole history.
+without a commit (a walk killed before it committed) is not history. Files are read one at a time and
+counted as they are read, so memory follows the largest run rather than the whole history.
+
+Counting is Arrow's: kept rows per (macro, site) by `group_by`, the batch's keys found by their 64-bit
+key_hash and confirmed on the text (`pc.is_in`). `verify` counts with the same functions.
 """
 
 import hashlib
 import json
-from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -21,7 +22,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from upath import UPath
 
-from filter_pipeline.rules.batch import LEGACY_KEPT_FILE, local_signature
+from filter_pipeline.rules.batch import LEGACY_KEPT_FILE
 from filter_pipeline.rules.commits import LEGACY_PREFIX, CommitRecord, HistoryIntegrityError, read_commits
 from filter_pipeline.rules.schemas import canonical_key, conform, empty_frame, key_hashes, pylist, to_pandas
 
@@ -85,8 +86,9 @@ class PriorIndex:
     history: dict[str, str] = field(default_factory=dict)  # run_id -> commit digest, or "legacy:<sha256>"
 
 
-_INDEX_COLUMNS = ["dedup_key", "key_hash", "macro", "site", "task_id"]
 _STRINGS = pa.schema([(c, pa.string()) for c in ("dedup_key", "macro", "site", "task_id")])
+_MATCHED = pa.schema([*_STRINGS, ("key_hash", pa.int64())])
+_COUNTS = pa.schema([("macro", pa.string()), ("site", pa.string()), ("n_kept", pa.int64())])
 
 
 def kept_files(kept_dir: UPath) -> dict[str, UPath]:
@@ -107,7 +109,7 @@ def legacy_kept_files(runs_dir: UPath) -> dict[str, UPath]:
     return {p.name: p / LEGACY_KEPT_FILE for p in runs_dir.iterdir() if (p / LEGACY_KEPT_FILE).exists()}
 
 
-def _read_legacy(path: UPath, run_id: str) -> tuple[pa.Table, str]:
+def read_legacy(path: UPath, run_id: str) -> tuple[pa.Table, str]:
     """A legacy kept.jsonl's rows (keys re-encoded as canonical text) and the SHA-256 of its bytes."""
     data = path.read_bytes()
     rows = []
@@ -146,104 +148,28 @@ def _with_hashes(table: pa.Table) -> pa.Table:
     return table.append_column("key_hash", hashes)
 
 
-class _KeyProbe:
-    """Which history rows carry one of the batch's keys: matched on 64-bit hashes (an int64 hash index, O(1)
-    per row), then confirmed on the canonical text."""
-
-    def __init__(self, batch_keys: pd.DataFrame):
-        self.batch_hashes = batch_keys["key_hash"].to_numpy(dtype=np.int64)
-        self.hashes = pd.Index(pd.unique(self.batch_hashes))
-        self.hashes.get_indexer(np.zeros(1, dtype=np.int64))  # build its hash table now, not racing in threads
-        texts = pa.array(batch_keys["dedup_key"], type=pa.string())
-        self.texts = texts.combine_chunks() if isinstance(texts, pa.ChunkedArray) else texts
-        self.wanted = len(batch_keys) > 0  # no keys to look for: history is read for its counts alone
-
-    def maybe(self, hashes: np.ndarray) -> np.ndarray:
-        return self.hashes.get_indexer(hashes) >= 0
-
-    def confirm(self, matched: pa.Table) -> pa.Table:
-        """The rows of `matched` (rows whose key_hash is among the batch's) whose text is one of the batch's.
-        A key's hash is a function of its text, so only the batch texts with those hashes can match: the value
-        set is those few, not all the batch's texts (a set of 300k texts costs 0.1 s to build)."""
-        same_hash = pd.Index(pd.unique(matched["key_hash"].to_numpy())).get_indexer(self.batch_hashes) >= 0
-        return matched.filter(pc.is_in(matched["dedup_key"], value_set=self.texts.filter(pa.array(same_hash))))
-
-
-class _Names:
-    """Integer ids for names, looked up by Arrow in bulk: only names never seen before touch Python."""
-
-    def __init__(self):
-        self.names: list[str] = []
-        self.known = pa.array([], pa.string())
-
-    def ids(self, values: pa.Array) -> np.ndarray:
-        found = pc.index_in(values, value_set=self.known)
-        if found.null_count:
-            self.names += pc.unique(values.filter(pc.is_null(found))).to_pylist()
-            self.known = pa.array(self.names, pa.string())
-            found = pc.index_in(values, value_set=self.known)
-        return found.to_numpy(zero_copy_only=False).astype(np.int64)
-
-
-class _PairCounts:
-    """Kept rows per (macro, site), summed file by file into a dense grid of integer ids.
-
-    Each file's macro and site columns arrive dictionary-encoded: only the (small) dictionaries are mapped
-    to global ids; the rows are counted with numpy.
-    """
-
-    def __init__(self):
-        self.macros, self.sites = _Names(), _Names()
-        self.grid = np.zeros((0, 0), dtype=np.int64)
-
-    @staticmethod
-    def _codes(column: pa.ChunkedArray | pa.Array, names: _Names) -> np.ndarray:
-        column = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
-        if not pa.types.is_dictionary(column.type):
-            column = column.dictionary_encode()
-        mapping = names.ids(column.dictionary.cast(pa.string()))
-        return mapping[column.indices.to_numpy(zero_copy_only=False)] if len(mapping) else np.zeros(0, np.int64)
-
-    def copy(self) -> "_PairCounts":
-        twin = _PairCounts()
-        for mine, theirs in ((self.macros, twin.macros), (self.sites, twin.sites)):
-            theirs.names, theirs.known = list(mine.names), mine.known
-        twin.grid = self.grid.copy()
-        return twin
-
-    def add(self, table: pa.Table) -> None:
-        if table.num_rows == 0:
-            return
-        m = self._codes(table["macro"], self.macros)
-        s = self._codes(table["site"], self.sites)
-        rows, cols = len(self.macros.names), len(self.sites.names)
-        if rows > self.grid.shape[0] or cols > self.grid.shape[1]:
-            grown = np.zeros((max(rows, 2 * self.grid.shape[0]), max(cols, 2 * self.grid.shape[1])), dtype=np.int64)
-            grown[: self.grid.shape[0], : self.grid.shape[1]] = self.grid
-            self.grid = grown
-        width = self.grid.shape[1]
-        self.grid += np.bincount(m * width + s, minlength=self.grid.size).reshape(self.grid.shape)
-
-    def total(self) -> pa.Table:
-        m, s = np.nonzero(self.grid)
-        macros = np.array(self.macros.names, dtype=object)
-        sites = np.array(self.sites.names, dtype=object)
-        return pa.table(
-            {
-                "macro": pa.array(macros[m] if len(m) else [], pa.string()),
-                "site": pa.array(sites[s] if len(s) else [], pa.string()),
-                "count_all": pa.array(self.grid[m, s], pa.int64()),
-            }
-        )
-
-
-def _drop_retired(table: pa.Table, retired_ids: frozenset[str] | None) -> pa.Table:
+def drop_retired(table: pa.Table, retired_ids: frozenset[str] | None) -> pa.Table:
+    """The rows of `table` whose task_id is not among `retired_ids`."""
     if not retired_ids:
         return table
     return table.filter(pc.invert(pc.is_in(table["task_id"], value_set=pa.array(sorted(retired_ids), pa.string()))))
 
 
-_MATCHED = pa.schema([*_STRINGS, ("key_hash", pa.int64())])
+def pair_counts(table: pa.Table) -> pa.Table:
+    """Rows per (macro, site) of a table with those two columns (text or dictionary-encoded): macro, site,
+    n_kept, as text."""
+    if table.num_rows == 0:
+        return _COUNTS.empty_table()
+    grouped = table.select(["macro", "site"]).group_by(["macro", "site"]).aggregate([([], "count_all")])
+    return pa.table([grouped[c].cast(pa.string()) for c in ("macro", "site")] + [grouped["count_all"]], schema=_COUNTS)
+
+
+def sum_counts(parts: list[pa.Table]) -> pa.Table:
+    """`pair_counts` tables summed into one, per (macro, site)."""
+    if not parts:
+        return _COUNTS.empty_table()
+    summed = pa.concat_tables(parts).group_by(["macro", "site"]).aggregate([("n_kept", "sum")])
+    return summed.rename_columns(["macro", "site", "n_kept"])
 
 
 KEPT_COLUMNS = ("dedup_key", "key_hash", "macro", "site", "task_id")
@@ -291,66 +217,41 @@ def _open_kept(data: bytes, where: str, run_id: str) -> pq.ParquetFile:
 
 
 def _read_warehouse(
-    data_root: UPath, run_id: str, entry: dict, probe: _KeyProbe, retired_ids: frozenset[str] | None
-) -> tuple[pa.Table, pa.Table]:
-    """(rows for the counts: macro, site; rows whose key_hash the batch carries, to be confirmed on the text:
-    the index columns and key_hash), from a committed kept file verified against its commit entry."""
+    data_root: UPath, run_id: str, entry: dict, batch_hashes: pd.Index, retired_ids: frozenset[str] | None
+) -> tuple[pa.Table, pa.Table, int]:
+    """(its pair counts; rows whose key_hash the batch carries, to be confirmed on the text: the index columns
+    and key_hash; its number of rows), from a committed kept file verified against its commit entry."""
     parquet = _open_kept(verified_bytes(data_root, run_id, entry), entry["path"], run_id)
     # The file is the one the walk wrote (its hash says so): its keys are canonical and key_hash is theirs.
-    keys = ["key_hash"] if probe.wanted else []  # (coverage wants no keys)
-    wanted = ["macro", "site", *keys] + (["task_id"] if retired_ids else [])
-    table = _drop_retired(parquet.read(columns=wanted), retired_ids)  # macro/site stay dictionary codes
-    if not probe.wanted:
-        return table, _MATCHED.empty_table()
-    hashes = table["key_hash"].to_numpy()
-    maybe = probe.maybe(hashes)
-    if not maybe.any():
-        return table, _MATCHED.empty_table()
-    full = parquet.read(columns=["dedup_key", "macro", "site", "task_id"]).cast(_STRINGS)
-    matched = _drop_retired(full, retired_ids).filter(pa.array(maybe))
-    return table, matched.append_column("key_hash", pa.array(hashes[maybe], pa.int64()))
+    wanted = ["macro", "site", "key_hash"] + (["task_id"] if retired_ids else [])
+    table = drop_retired(parquet.read(columns=wanted), retired_ids)  # macro/site stay dictionary codes
+    # (the batch's hashes are a pandas index built once: its hash table serves every file)
+    maybe = batch_hashes.get_indexer(table["key_hash"].to_numpy()) >= 0
+    matched = _MATCHED.empty_table()
+    if maybe.any():
+        full = drop_retired(parquet.read(columns=["dedup_key", "macro", "site", "task_id"]).cast(_STRINGS), retired_ids)
+        matched = full.filter(pa.array(maybe)).append_column("key_hash", pa.array(table["key_hash"].to_numpy()[maybe]))
+    return pair_counts(table), matched, table.num_rows
 
 
-READ_AHEAD = 8  # files read at once: Arrow decodes without the GIL; 8 was 10% faster than 4 over 400 files
-# (20M rows, 2 cores), and memory stays a few files' worth
-
-
-def _in_order(read, items: list):
-    """`read(item)` for each item, in order, with up to READ_AHEAD reads running in threads ahead of the
-    consumer (reading is I/O and Arrow decoding; the consumer's counting stays in one thread)."""
-    with ThreadPoolExecutor(max_workers=READ_AHEAD) as pool:
-        pending: deque = deque()
-        for item in items:
-            pending.append(pool.submit(read, item))
-            if len(pending) >= READ_AHEAD:
-                yield pending.popleft().result()
-        while pending:
-            yield pending.popleft().result()
-
-
-@dataclass(frozen=True)
-class _Counted:
-    """The counts of one history read, and the exact files they came from: run_id -> (path, (size,
-    mtime_ns), that run's retired task_ids, what its commit says of it)."""
-
-    files: dict[str, tuple]
-    counts: _PairCounts
-    rows: int
-
-
-# The last history read of this process. A read for counts alone (coverage, right after the ledger step of
-# the same run counted every other run) takes from it the runs whose file is unchanged since, and reads the
-# rest: at 2M rows of history, one file instead of 41.
-_last_counted: _Counted | None = None
-
-
-def _fingerprint(path: UPath, retired_ids: frozenset[str] | None, source: str) -> tuple | None:
-    """What a file's counts depend on; None off local disk or when it is missing (then it is read, and fails)."""
-    try:
-        signature = local_signature(path)
-    except OSError:
-        return None
-    return None if signature is None else (path.path, signature, retired_ids, source)
+def _read_source(
+    data_root: UPath,
+    run_id: str,
+    source: tuple,
+    batch_hashes: pd.Index,
+    retired_ids: frozenset[str] | None,
+    entry_digest: str,
+) -> tuple[pa.Table, pa.Table, int, str]:
+    """`_read_warehouse` of a committed run, or the same of a legacy kept.jsonl; with what `PriorIndex.history`
+    says of the run (its commit digest, or "legacy:<sha256>")."""
+    kind, path, entry = source
+    if kind == "warehouse":
+        return *_read_warehouse(data_root, run_id, entry, batch_hashes, retired_ids), entry_digest
+    rows, digest = read_legacy(path, run_id)
+    rows = drop_retired(rows, retired_ids)
+    maybe = batch_hashes.get_indexer(rows["key_hash"].to_numpy()) >= 0
+    matched = rows.filter(pa.array(maybe)).select(_MATCHED.names)
+    return pair_counts(rows), matched, rows.num_rows, LEGACY_PREFIX + digest
 
 
 def history_sources(data_root: UPath, commits: dict[str, CommitRecord]) -> dict[str, tuple[str, UPath, dict | None]]:
@@ -383,71 +284,44 @@ def build_prior_index(
 
     `batch_keys` (dedup_key, key_hash) are the keys the walk can meet: only those are returned with their
     provenance; counts cover every row. `commits`: the warehouse's commit records (read when not given).
-    Files are read a few at a time (READ_AHEAD), each hashed as read, mostly decoded as integers and
-    dictionary codes, so cost grows slowly with history and memory not at all. Without batch keys, runs
-    counted by this process's previous read, with their file and retired rows unchanged, are not read again.
+    Each file is hashed as read and mostly decoded as integers and dictionary codes.
     """
-    global _last_counted
     commits = read_commits(data_root / "warehouse") if commits is None else commits
     sources = history_sources(data_root, commits)
-    probe = _KeyProbe(batch_keys)
-    counts = _PairCounts()
-    key_parts: list[pa.Table] = []
-    runs_read = rows_read = 0
-    history: dict[str, str] = {}
-
-    def read(other: str) -> tuple[pa.Table, pa.Table, str]:
-        kind, path, entry = sources[other]
-        retired_ids = retired.tasks.get(other)
-        if kind == "warehouse":
-            return *_read_warehouse(data_root, other, entry, probe, retired_ids), commits[other].digest
-        rows, digest = _read_legacy(path, other)
-        rows = _drop_retired(rows, retired_ids)
-        return (
-            rows,
-            rows.filter(pa.array(probe.maybe(rows["key_hash"].to_numpy()))).select(_MATCHED.names),
-            LEGACY_PREFIX + digest,
-        )
-
+    batch_hashes = pd.Index(pd.unique(batch_keys["key_hash"].to_numpy(dtype=np.int64)))
     others = [r for r in sources if r != run_id and not retired.run_is_retired(r)]
-    files = {
-        r: _fingerprint(sources[r][1], retired.tasks.get(r), commits[r].digest if r in commits else "legacy")
-        for r in others
-    }
-    to_read = others
-    last = _last_counted
-    if (
-        not probe.wanted
-        and last is not None
-        and all(f is not None and files.get(r) == f for r, f in last.files.items())
-    ):
-        counts, runs_read, rows_read = last.counts.copy(), len(last.files), last.rows
-        to_read = [r for r in others if r not in last.files]
-    for other, (rows, matched, digest) in zip(to_read, _in_order(read, to_read)):
-        runs_read += 1
-        rows_read += rows.num_rows
-        history[other] = digest
-        counts.add(rows.select(["macro", "site"]))
-        if matched.num_rows:
-            key_parts.append(matched.append_column("run_id", pa.array([other] * matched.num_rows, type=pa.string())))
+    counts, key_parts, rows_read, history = [], [], 0, {}
     for other in others:
-        history.setdefault(other, commits[other].digest if other in commits else "legacy:")
-    if all(f is not None for f in files.values()):
-        _last_counted = _Counted(files, counts.copy(), rows_read)
-
-    total = (
-        counts.total()
-        .rename_columns(["macro", "site", "n_kept"])
-        .sort_by([("macro", "ascending"), ("site", "ascending")])
-    )
-    # every run's hash matches confirmed at once: one value set, of the batch texts that share their hashes
-    hits = probe.confirm(pa.concat_tables(key_parts)).drop_columns(["key_hash"]) if key_parts else None
-    keys = to_pandas(hits) if hits is not None else empty_frame("prior_dedup_index")
-    keys = keys.assign(key_hash=pd.array(key_hashes(pylist(keys["dedup_key"])), dtype="Int64"))
+        digest = commits[other].digest if other in commits else ""
+        pairs, matched, rows, history[other] = _read_source(
+            data_root, other, sources[other], batch_hashes, retired.tasks.get(other), digest
+        )
+        rows_read += rows
+        counts = [sum_counts([*counts, pairs])] if len(counts) >= _COUNTS_PENDING else [*counts, pairs]
+        if matched.num_rows:
+            key_parts.append(matched.append_column("run_id", pa.array([other] * matched.num_rows, pa.string())))
+    total = sum_counts(counts).sort_by([("macro", "ascending"), ("site", "ascending")])
     return PriorIndex(
-        keys=conform(keys.sort_values(["run_id", "task_id"], kind="stable"), "prior_dedup_index"),
+        keys=_confirmed(key_parts, batch_keys),
         counts=conform(to_pandas(total), "prior_kept_counts"),
-        runs_read=runs_read,
+        runs_read=len(others),
         rows_read=rows_read,
         history=dict(sorted(history.items())),
     )
+
+
+_COUNTS_PENDING = 16  # files' counts held before they are summed into one table (memory stays a few files')
+
+
+def _confirmed(key_parts: list[pa.Table], batch_keys: pd.DataFrame) -> pd.DataFrame:
+    """The prior_dedup_index rows: history rows whose key_hash the batch carries, kept where the text is one
+    of the batch's too (a hash is a function of the text: only batch texts with those hashes can match)."""
+    if not key_parts:
+        return conform(empty_frame("prior_dedup_index"), "prior_dedup_index")
+    matched = pa.concat_tables(key_parts)
+    texts = pa.array(batch_keys["dedup_key"], pa.string())
+    same_hash = pc.is_in(pa.array(batch_keys["key_hash"], pa.int64()), value_set=matched["key_hash"])
+    hits = matched.filter(pc.is_in(matched["dedup_key"], value_set=texts.filter(same_hash))).drop_columns(["key_hash"])
+    keys = to_pandas(hits)
+    keys = keys.assign(key_hash=pd.array(key_hashes(pylist(keys["dedup_key"])), dtype="Int64"))
+    return conform(keys.sort_values(["run_id", "task_id"], kind="stable"), "prior_dedup_index")

@@ -23,16 +23,22 @@ from filter_pipeline.rules.commits import COMMITS_DIR, CommitRecord, HistoryInte
 from filter_pipeline.rules.filtering import Caps, MacroLimits
 from filter_pipeline.rules.history import (
     HistoryError,
-    _drop_retired,
-    _Names,
-    _PairCounts,
-    _read_legacy,
+    drop_retired,
     kept_files,
     legacy_kept_files,
     load_retired,
+    pair_counts,
+    read_legacy,
+    sum_counts,
     verified_bytes,
-)  # fmt: skip
-from filter_pipeline.rules.schemas import DEFAULT_PER_SITE_CAP, STATUS_ERROR, STATUS_JUDGED, read_parquet_file
+)
+from filter_pipeline.rules.schemas import (
+    DEFAULT_PER_SITE_CAP,
+    STATUS_ERROR,
+    STATUS_JUDGED,
+    read_parquet_file,
+    to_pandas,
+)
 from filter_pipeline.storage.files import inputs_changed
 
 FINDING_KINDS = ("commit", "file", "duplicate", "cap", "conservation", "uncommitted", "changed")
@@ -119,11 +125,11 @@ def audit(data_root: UPath) -> list[Finding]:
     for run_id, path in legacy_kept_files(data_root / "runs").items():
         if run_id not in records:
             try:
-                kept[run_id] = _read_legacy(path, run_id)[0]
+                kept[run_id] = read_legacy(path, run_id)[0]
             except HistoryError as exc:
                 findings.append(Finding("file", str(exc)))
 
-    live = {r: _drop_retired(t, retired.tasks.get(r)) for r, t in kept.items() if not retired.run_is_retired(r)}
+    live = {r: drop_retired(t, retired.tasks.get(r)) for r, t in kept.items() if not retired.run_is_retired(r)}
     findings += _duplicates(data_root, records, live, retired)
     findings += _caps(records, live)
     findings += _conservation(data_root, records)
@@ -175,10 +181,10 @@ def _duplicates(
         if run_id in records:
             table = _kept_rows(data_root, run_id, records[run_id], ["dedup_key", "key_hash", "task_id"], [])
         else:
-            table = _read_legacy(data_root / "runs" / run_id / "kept.jsonl", run_id)[0]
+            table = read_legacy(data_root / "runs" / run_id / "kept.jsonl", run_id)[0]
         if table is None:
             continue
-        table = _drop_retired(table, retired.tasks.get(run_id))
+        table = drop_retired(table, retired.tasks.get(run_id))
         wanted = pc.is_in(table["key_hash"], value_set=pa.array(sorted(suspects), pa.int64()))
         for key, task_id in zip(*(table.filter(wanted)[c].to_pylist() for c in ("dedup_key", "task_id"))):
             rows.append((key, run_id, task_id))
@@ -194,58 +200,38 @@ def _duplicates(
 
 def _caps(records: dict[str, CommitRecord], live: dict[str, pa.Table]) -> list[Finding]:
     """Where a committed run kept rows: its kept rows plus those of the runs its walk read as history (still
-    non-retired), against the caps it recorded. Counted on integer (macro, site) pair ids: each run's counts
-    once, and a run's prior as a sum of the runs it read (or all runs less those it did not read)."""
-    runs = [r for r in live if live[r].num_rows]
-    if not runs:
-        return []
-    macro_ids, site_ids = _Names(), _Names()
-    coded = {}
-    for r in runs:  # each file's (small) dictionaries mapped to global ids; rows counted by numpy
-        m = _PairCounts._codes(live[r]["macro"], macro_ids)
-        s_ = _PairCounts._codes(live[r]["site"], site_ids)
-        coded[r] = m * (1 << 31) + s_
-    pair_ids, pairs = pd.factorize(np.concatenate([coded[r] for r in runs]))
-    pair_macro = pairs >> 31
-    macro_names = np.array(macro_ids.names, dtype=object)
-    site_names = np.array(site_ids.names, dtype=object)
-    bounds = np.cumsum([0, *(len(coded[r]) for r in runs)])
-    per_run = {}
-    for i, r in enumerate(runs):
-        counted = np.bincount(pair_ids[bounds[i] : bounds[i + 1]], minlength=len(pairs))
-        ids = np.flatnonzero(counted)
-        per_run[r] = (ids, counted[ids].astype(np.int64))
-    n = np.concatenate([per_run[r][1] for r in runs])
-    pair_ids = np.concatenate([per_run[r][0] for r in runs])
-    dense = lambda r: np.bincount(per_run[r][0], weights=per_run[r][1], minlength=len(pairs)).astype(np.int64)  # noqa: E731
-    everything = np.bincount(pair_ids, weights=n, minlength=len(pairs)).astype(np.int64)
+    non-retired), against the caps it recorded. Each run is counted per (macro, site) once; a run's prior is
+    the sum of the runs it read."""
+    counts = {r: pair_counts(t) for r, t in live.items() if t.num_rows}
     findings = []
     for run_id, record in records.items():
-        if run_id not in per_run:
+        if run_id not in counts:
             continue
-        read = set(record.history) & set(per_run) - {run_id}
-        unread = set(per_run) - read - {run_id}
-        if len(read) <= len(unread):
-            prior = sum((dense(r) for r in read), np.zeros(len(pairs), np.int64))
-        else:
-            prior = everything - dense(run_id) - sum((dense(r) for r in unread), np.zeros(len(pairs), np.int64))
-        caps = _caps_of(record)
-        ids, own = per_run[run_id]
-        totals = prior[ids] + own
-        limits = caps.site_caps(pd.Series(macro_names[pair_macro[ids]]))
-        for k in np.flatnonzero(totals > limits)[:MAX_LINES_PER_KIND]:
-            macro, site = macro_names[pair_macro[ids[k]]], site_names[pairs[ids[k]] & ((1 << 31) - 1)]
-            findings.append(Finding("cap", f"run {run_id}: {macro}/{site} holds {totals[k]} kept rows with the history "
-                                           f"it read, over its site cap {limits[k]}"))  # fmt: skip
-        with_target = {m for m, limit in caps.macros.items() if limit.target is not None}
-        for code in sorted(set(pair_macro[ids].tolist())):
-            macro = macro_names[code]
-            if macro not in with_target:
-                continue
-            total = int(prior[pair_macro == code].sum() + own[pair_macro[ids] == code].sum())
-            if total > caps.target(macro):
-                findings.append(Finding("cap", f"run {run_id}: macro {macro} holds {total} kept rows with the history "
-                                               f"it read, over its target {caps.target(macro)}"))  # fmt: skip
+        read = [counts[r] for r in sorted(set(record.history) & set(counts) - {run_id})]
+        own = to_pandas(counts[run_id])
+        prior = to_pandas(sum_counts(read)).rename(columns={"n_kept": "prior"})
+        totals = own.merge(prior, on=["macro", "site"], how="left")
+        totals["total"] = totals["n_kept"] + totals["prior"].fillna(0).astype("int64")
+        findings += _over_caps(run_id, _caps_of(record), totals, prior)
+    return findings
+
+
+def _over_caps(run_id: str, caps: Caps, totals: pd.DataFrame, prior: pd.DataFrame) -> list[Finding]:
+    """The cap findings of one run: `totals` (macro, site, n_kept: its own, total: with its prior) against its
+    site caps; each macro it kept rows of with a target, its own rows and all its prior against the target."""
+    findings = []
+    over = totals.assign(limit=caps.site_caps(totals["macro"])).query("total > limit").head(MAX_LINES_PER_KIND)
+    for macro, site, total, limit in zip(over["macro"], over["site"], over["total"], over["limit"]):
+        findings.append(Finding("cap", f"run {run_id}: {macro}/{site} holds {total} kept rows with the history "
+                                       f"it read, over its site cap {limit}"))  # fmt: skip
+    with_target = {m for m, limit in caps.macros.items() if limit.target is not None}
+    for macro in sorted(set(totals["macro"]) & with_target):
+        total = int(
+            totals.loc[totals["macro"] == macro, "n_kept"].sum() + prior.loc[prior["macro"] == macro, "prior"].sum()
+        )
+        if total > caps.target(macro):
+            findings.append(Finding("cap", f"run {run_id}: macro {macro} holds {total} kept rows with the history "
+                                           f"it read, over its target {caps.target(macro)}"))  # fmt: skip
     return findings
 
 

@@ -9,7 +9,6 @@ import pyarrow.parquet as pq
 import pytest
 from upath import UPath
 
-from filter_pipeline.rules import history
 from filter_pipeline.rules.commits import HistoryIntegrityError
 from filter_pipeline.rules.history import HistoryError, Retired, build_prior_index, load_retired
 from filter_pipeline.rules.schemas import canonical_key, key_hash
@@ -144,72 +143,22 @@ def test_no_retired_json_retires_nothing(tmp_path):
     assert load_retired(UPath(tmp_path)) == Retired()
 
 
-def files_opened(monkeypatch) -> list[str]:
-    """Names of the warehouse kept files each history read from now on opens."""
-    opened: list[str] = []
-    real = history._read_warehouse
-    monkeypatch.setattr(
-        history,
-        "_read_warehouse",
-        lambda root, run_id, entry, *args: opened.append(UPath(entry["path"]).name) or real(root, run_id, entry, *args),
-    )
-    return opened
-
-
-def ledger_then_coverage(data, monkeypatch, retired=None) -> tuple:
-    """The ledger's read for run `now`, then its kept rows written, then coverage's read for counts alone:
-    (coverage's index, the files coverage opened)."""
-    index(data, run_id="now", batch_keys=[["k", 1]], retired=retired)
-    write_kept(data, "now", ("n", ["k", 9], "m", "s2"))
-    opened = files_opened(monkeypatch)
-    return index(data, run_id="", retired=retired), opened
-
-
-def test_counts_alone_read_only_the_runs_the_last_read_did_not_count(tmp_path, monkeypatch):
-    write_kept(tmp_path, "r1", ("a", ["k", 1], "m", "s1"), ("b", ["k", 2], "m", "s2"))
-    write_kept(tmp_path, "r2", ("c", ["k", 3], "m", "s1"))
-    coverage, opened = ledger_then_coverage(tmp_path, monkeypatch)
-    assert opened == ["now.parquet"]
-    assert counts_of(coverage) == {("m", "s1"): 2, ("m", "s2"): 2}
-    assert (coverage.runs_read, coverage.rows_read) == (3, 4)
-
-
-def test_a_run_rewritten_since_is_counted_again_from_its_file(tmp_path, monkeypatch):
+def test_counts_follow_the_files_as_they_are_now(tmp_path):
+    """A run re-materialized or rows retired since an earlier read: each read counts the history afresh."""
     write_kept(tmp_path, "r1", ("a", ["k", 1], "m", "s1"))
     index(tmp_path, run_id="now", batch_keys=[["k", 1]])
     write_kept(tmp_path, "r1", ("a", ["k", 1], "m", "s1"), ("b", ["k", 2], "m", "s1"))  # re-materialized
-    opened = files_opened(monkeypatch)
     assert counts_of(index(tmp_path, run_id="")) == {("m", "s1"): 2}
-    assert opened == ["r1.parquet"]
-
-
-def test_rows_retired_since_are_not_taken_from_the_last_read(tmp_path, monkeypatch):
-    write_kept(tmp_path, "r1", ("a", ["k", 1], "m", "s1"), ("b", ["k", 2], "m", "s1"))
-    index(tmp_path, run_id="now", batch_keys=[["k", 1]])
-    opened = files_opened(monkeypatch)
     now_retired = Retired(tasks={"r1": frozenset({"b"})})
     assert counts_of(index(tmp_path, run_id="", retired=now_retired)) == {("m", "s1"): 1}
-    assert opened == ["r1.parquet"]
     assert counts_of(index(tmp_path, run_id="", retired=Retired(runs=frozenset({"r1"})))) == {}
 
 
-def test_a_read_with_batch_keys_reads_every_run(tmp_path, monkeypatch):
-    write_kept(tmp_path, "r1", ("a", ["k", 1], "m", "s1"))
-    write_kept(tmp_path, "r2", ("c", ["k", 3], "m", "s1"))
-    index(tmp_path, run_id="now", batch_keys=[["k", 1]])
-    opened = files_opened(monkeypatch)
-    idx = index(tmp_path, run_id="later", batch_keys=[["k", 3]])  # the walk needs every run's keys
-    assert opened == ["r1.parquet", "r2.parquet"]
-    assert idx.keys["task_id"].tolist() == ["c"]
-
-
-def test_history_off_local_disk_is_always_read(monkeypatch):
-    root = UPath("memory://history-memo")
+def test_history_off_local_disk_is_read_as_on_disk():
+    root = UPath("memory://history-read")
     write_kept(root, "r1", ("a", ["k", 1], "m", "s1"))
-    index(root, run_id="now", batch_keys=[["k", 1]])
-    opened = files_opened(monkeypatch)
-    assert counts_of(index(root, run_id="")) == {("m", "s1"): 1}
-    assert opened == ["r1.parquet"]
+    idx = index(root, run_id="now", batch_keys=[["k", 1]])
+    assert counts_of(idx) == {("m", "s1"): 1} and idx.keys["task_id"].tolist() == ["a"]
 
 
 # --- history is what was committed, verified (CONTRACT §4) ----------------------------------------
