@@ -24,7 +24,7 @@ from upath import UPath
 
 from filter_pipeline.rules.batch import LEGACY_KEPT_FILE
 from filter_pipeline.rules.commits import LEGACY_PREFIX, CommitRecord, HistoryIntegrityError, read_commits
-from filter_pipeline.rules.schemas import canonical_key, conform, empty_frame, key_hashes, pylist, to_pandas
+from filter_pipeline.rules.schemas import canonical_key, conform, empty_frame, key_hashes, positions, to_pandas
 
 RETIRED_FILE = "retired.json"
 
@@ -89,6 +89,8 @@ class PriorIndex:
 _STRINGS = pa.schema([(c, pa.string()) for c in ("dedup_key", "macro", "site", "task_id")])
 _MATCHED = pa.schema([*_STRINGS, ("key_hash", pa.int64())])
 _COUNTS = pa.schema([("macro", pa.string()), ("site", pa.string()), ("n_kept", pa.int64())])
+_CODED = pa.dictionary(pa.int32(), pa.string())
+_PARTS = pa.schema([("macro", _CODED), ("site", _CODED), ("n_kept", pa.int64())])
 
 
 def kept_files(kept_dir: UPath) -> dict[str, UPath]:
@@ -155,21 +157,28 @@ def drop_retired(table: pa.Table, retired_ids: frozenset[str] | None) -> pa.Tabl
     return table.filter(pc.invert(pc.is_in(table["task_id"], value_set=pa.array(sorted(retired_ids), pa.string()))))
 
 
-def pair_counts(table: pa.Table) -> pa.Table:
-    """Rows per (macro, site) of a table with those two columns (text or dictionary-encoded): macro, site,
-    n_kept, as text."""
-    if table.num_rows == 0:
-        return _COUNTS.empty_table()
-    grouped = table.select(["macro", "site"]).group_by(["macro", "site"]).aggregate([([], "count_all")])
-    return pa.table([grouped[c].cast(pa.string()) for c in ("macro", "site")] + [grouped["count_all"]], schema=_COUNTS)
+def kept_pairs(table: pa.Table) -> pa.Table:
+    """A table's (macro, site) columns, one kept row each (n_kept 1), dictionary-encoded: a part for
+    `sum_counts`. Counting rows as they come, rather than counting each file first, keeps the group_by to
+    one pass over codes."""
+    columns = [pc.dictionary_encode(table[c]) if not pa.types.is_dictionary(table[c].type) else table[c]
+               for c in ("macro", "site")]  # fmt: skip
+    ones = pa.array(np.ones(table.num_rows, dtype=np.int64))
+    return pa.table([*(c.cast(_CODED) for c in columns), ones], schema=_PARTS)
 
 
 def sum_counts(parts: list[pa.Table]) -> pa.Table:
-    """`pair_counts` tables summed into one, per (macro, site)."""
+    """`kept_pairs` (or earlier `sum_counts`) tables summed per (macro, site): macro, site, n_kept."""
     if not parts:
-        return _COUNTS.empty_table()
-    summed = pa.concat_tables(parts).group_by(["macro", "site"]).aggregate([("n_kept", "sum")])
-    return summed.rename_columns(["macro", "site", "n_kept"])
+        return _PARTS.empty_table()
+    summed = pa.concat_tables(parts).unify_dictionaries().group_by(["macro", "site"]).aggregate([("n_kept", "sum")])
+    return pa.table([summed["macro"], summed["site"], summed["n_kept_sum"]], schema=_PARTS)
+
+
+def as_text(counts: pa.Table) -> pa.Table:
+    """`sum_counts`' table with macro and site as text, sorted by them."""
+    table = pa.table([counts[c].cast(pa.string()) for c in ("macro", "site")] + [counts["n_kept"]], schema=_COUNTS)
+    return table.sort_by([("macro", "ascending"), ("site", "ascending")])
 
 
 KEPT_COLUMNS = ("dedup_key", "key_hash", "macro", "site", "task_id")
@@ -231,7 +240,7 @@ def _read_warehouse(
     if maybe.any():
         full = drop_retired(parquet.read(columns=["dedup_key", "macro", "site", "task_id"]).cast(_STRINGS), retired_ids)
         matched = full.filter(pa.array(maybe)).append_column("key_hash", pa.array(table["key_hash"].to_numpy()[maybe]))
-    return pair_counts(table), matched, table.num_rows
+    return kept_pairs(table), matched, table.num_rows
 
 
 def _read_source(
@@ -251,7 +260,7 @@ def _read_source(
     rows = drop_retired(rows, retired_ids)
     maybe = batch_hashes.get_indexer(rows["key_hash"].to_numpy()) >= 0
     matched = rows.filter(pa.array(maybe)).select(_MATCHED.names)
-    return pair_counts(rows), matched, rows.num_rows, LEGACY_PREFIX + digest
+    return kept_pairs(rows), matched, rows.num_rows, LEGACY_PREFIX + digest
 
 
 def history_sources(data_root: UPath, commits: dict[str, CommitRecord]) -> dict[str, tuple[str, UPath, dict | None]]:
@@ -297,10 +306,12 @@ def build_prior_index(
             data_root, other, sources[other], batch_hashes, retired.tasks.get(other), digest
         )
         rows_read += rows
-        counts = [sum_counts([*counts, pairs])] if len(counts) >= _COUNTS_PENDING else [*counts, pairs]
+        counts.append(pairs)
+        if sum(part.num_rows for part in counts) >= _COUNTS_PENDING_ROWS:
+            counts = [sum_counts(counts)]
         if matched.num_rows:
             key_parts.append(matched.append_column("run_id", pa.array([other] * matched.num_rows, pa.string())))
-    total = sum_counts(counts).sort_by([("macro", "ascending"), ("site", "ascending")])
+    total = as_text(sum_counts(counts))
     return PriorIndex(
         keys=_confirmed(key_parts, batch_keys),
         counts=conform(to_pandas(total), "prior_kept_counts"),
@@ -310,7 +321,9 @@ def build_prior_index(
     )
 
 
-_COUNTS_PENDING = 16  # files' counts held before they are summed into one table (memory stays a few files')
+# kept rows held as (macro, site) codes before they are counted into one table: memory stays at a few
+# files' worth, whatever the history's length
+_COUNTS_PENDING_ROWS = 4_000_000
 
 
 def _confirmed(key_parts: list[pa.Table], batch_keys: pd.DataFrame) -> pd.DataFrame:
@@ -323,5 +336,7 @@ def _confirmed(key_parts: list[pa.Table], batch_keys: pd.DataFrame) -> pd.DataFr
     same_hash = pc.is_in(pa.array(batch_keys["key_hash"], pa.int64()), value_set=matched["key_hash"])
     hits = matched.filter(pc.is_in(matched["dedup_key"], value_set=texts.filter(same_hash))).drop_columns(["key_hash"])
     keys = to_pandas(hits)
-    keys = keys.assign(key_hash=pd.array(key_hashes(pylist(keys["dedup_key"])), dtype="Int64"))
+    # each key's hash from the batch's row of the same text (a file's own key_hash column is only a probe)
+    hashes = batch_keys["key_hash"].to_numpy(dtype=np.int64)[positions(keys["dedup_key"], batch_keys["dedup_key"])]
+    keys = keys.assign(key_hash=pd.array(hashes, dtype="Int64"))
     return conform(keys.sort_values(["run_id", "task_id"], kind="stable"), "prior_dedup_index")

@@ -23,11 +23,12 @@ from filter_pipeline.rules.commits import COMMITS_DIR, CommitRecord, HistoryInte
 from filter_pipeline.rules.filtering import Caps, MacroLimits
 from filter_pipeline.rules.history import (
     HistoryError,
+    as_text,
     drop_retired,
     kept_files,
+    kept_pairs,
     legacy_kept_files,
     load_retired,
-    pair_counts,
     read_legacy,
     sum_counts,
     verified_bytes,
@@ -202,14 +203,14 @@ def _caps(records: dict[str, CommitRecord], live: dict[str, pa.Table]) -> list[F
     """Where a committed run kept rows: its kept rows plus those of the runs its walk read as history (still
     non-retired), against the caps it recorded. Each run is counted per (macro, site) once; a run's prior is
     the sum of the runs it read."""
-    counts = {r: pair_counts(t) for r, t in live.items() if t.num_rows}
+    counts = {r: sum_counts([kept_pairs(t)]) for r, t in live.items() if t.num_rows}
     findings = []
     for run_id, record in records.items():
         if run_id not in counts:
             continue
         read = [counts[r] for r in sorted(set(record.history) & set(counts) - {run_id})]
-        own = to_pandas(counts[run_id])
-        prior = to_pandas(sum_counts(read)).rename(columns={"n_kept": "prior"})
+        own = to_pandas(as_text(counts[run_id]))
+        prior = to_pandas(as_text(sum_counts(read))).rename(columns={"n_kept": "prior"})
         totals = own.merge(prior, on=["macro", "site"], how="left")
         totals["total"] = totals["n_kept"] + totals["prior"].fillna(0).astype("int64")
         findings += _over_caps(run_id, _caps_of(record), totals, prior)
