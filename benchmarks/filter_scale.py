@@ -6,7 +6,8 @@
 
 Generates (fixed seed, cached under benchmarks/out/) a history of kept rows — as committed warehouse Parquet
 files (each with its commit record, as the ledger step leaves them) for this project and as legacy
-runs/*/kept.jsonl for the baseline — and one new batch, then times `filter-pipeline materialize` (process
+runs/*/kept.jsonl for the baseline — and one new batch (1–3 attempts per task, 40% of them failed: about 600k
+attempt lines for 300k tasks, the shape whose peak RSS must stay under 1 GB), then times `filter-pipeline materialize` (process
 start to exit, Dagster included) and the baseline script on it, printing wall time, peak RSS and this
 project's split by step (and, with --repeat, the median ratio). It also prints what committing and verifying
 cost: hashing every committed history file as the ledger step does, fingerprinting the batch's inputs and

@@ -49,7 +49,7 @@ def _written(table: pa.Table) -> pa.BufferReader:
 def test_every_column_of_every_schema_has_a_description():
     missing = sorted({f"{asset}.{name}" for asset, schema in SCHEMAS.items() for name in schema.names
                       if not COLUMN_DESCRIPTIONS.get(name, "").strip()})  # fmt: skip
-    assert not missing, f"add these columns to COLUMN_DESCRIPTIONS in rules/schemas.py: {missing}"
+    assert not missing, f"add these columns to COLUMN_DESCRIPTIONS in rules/descriptions.py: {missing}"
 
 
 def test_no_description_is_left_for_a_column_no_schema_has():
