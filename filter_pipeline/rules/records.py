@@ -14,6 +14,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import orjson
+
 from filter_pipeline.rules.schemas import canonical_key, key_hash
 
 MAX_LINE_BYTES = 1 << 20  # a record this long is a harness bug, not a trajectory
@@ -167,12 +169,34 @@ def attempt_row(record: dict) -> tuple:
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
+# orjson reads an integer beyond 64 bits as a float where json keeps it whole: a line with a run of 19 or more
+# digits (anywhere, strings included) is read by json alone
+_LONG_NUMBER = re.compile(rb"[0-9]{19}")
+
+
 def load_record(raw: bytes) -> dict:
     """The line as a JSON object whose every string is text and every integer one Python converts; raises
     Reject saying why not (too long, not UTF-8, not JSON, nested too deep, an integer too long, a lone
-    surrogate, not an object)."""
+    surrogate, not an object).
+
+    orjson reads the line first: it takes only strict UTF-8 JSON without lone surrogates, NaN or Infinity,
+    which json reads to the same values. Any line it refuses (or that is not an object) is read by json,
+    so what json accepts and the rejects' messages stay the same."""
     if len(raw) > MAX_LINE_BYTES:
         raise Reject(None, f"line is {len(raw):,} bytes, longer than the {MAX_LINE_BYTES:,}-byte limit")
+    if not _LONG_NUMBER.search(raw):
+        try:
+            record = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            pass  # read again by json below, which accepts or rejects the line as it always has
+        else:
+            if isinstance(record, dict):
+                return record
+    return _load_checked(raw)
+
+
+def _load_checked(raw: bytes) -> dict:
+    """`load_record` by Python's json, whose acceptance and messages define a valid line."""
     try:
         text = raw.decode("utf-8")  # strict: json.loads(bytes) would let UTF-8-encoded surrogates through
     except UnicodeDecodeError as exc:
