@@ -26,11 +26,13 @@ import pyarrow.json as pa_json
 from filter_pipeline.rules.records import (
     ATTEMPT_FIELDS,
     MAX_LINE_BYTES,
+    ORJSON_DIGITS,
     TASK_FIELDS,
     UNSAFE_DIR,
     Reject,
     TooDeep,
     attempt_row,
+    has_digit_run,
     load_record,
     reject_row,
     task_row,
@@ -90,13 +92,14 @@ def _read_lines(
     goes to `deep_row` (Arrow's reader on that line alone, which takes any depth), when given."""
     rows: list[tuple] = []
     rejects: list[dict] = []
+    long_numbers = has_digit_run(data, ORJSON_DIGITS)  # once for the file rather than once a line
     for number, raw in enumerate(io.BytesIO(data), start=1):
         raw = raw.removesuffix(b"\n")
         if not raw or raw.isspace():
             continue
         try:
             try:
-                row = to_row(load_record(raw))
+                row = to_row(load_record(raw, long_numbers))
             except TooDeep:
                 if deep_row is None or (row := deep_row(raw)) is None:
                     raise
@@ -125,7 +128,6 @@ _ATTEMPT_ARROW = pa.schema(
         ("backend", pa.struct([("ok", pa.bool_()), ("detail", pa.large_string())])),
     ]
 )
-_DIGITS = bytes(ord("1") if chr(byte).isdigit() and byte < 128 else ord("0") for byte in range(256))
 
 
 def _line_count(data: bytes) -> int:
@@ -142,7 +144,7 @@ def _arrow_ready(data: bytes) -> bool:
     except UnicodeDecodeError:
         return False
     limit = sys.get_int_max_str_digits()
-    return not limit or b"1" * (limit + 1) not in data.translate(_DIGITS)
+    return not limit or not has_digit_run(data, limit + 1)
 
 
 def _arrow_attempts(data: bytes) -> pd.DataFrame | None:

@@ -115,8 +115,22 @@ def _clean_task_row(record: dict) -> tuple | None:
         and type(record["start"]) is dict and all(type(part) in _SCALARS for part in key) and _finite(key)
     ):  # fmt: skip
         return None
+    return (task_id, macro, site, *key_text_and_hash(key), kind, instruction)
+
+
+def key_text_and_hash(key: list) -> tuple[str, int]:
+    """`canonical_key(key)` and its `key_hash`. orjson writes the same text as json.dumps for strings,
+    integers within 64 bits, booleans and null, but not for floats (1e16 is `1e16` to orjson, `1e+16` to
+    json): a key without floats is written by orjson, any other by json."""
+    if float not in map(type, key):
+        try:
+            data = orjson.dumps(key)
+        except orjson.JSONEncodeError:  # an integer beyond 64 bits
+            pass
+        else:
+            return data.decode(), key_hash(data)
     text = canonical_key(key)
-    return (task_id, macro, site, text, key_hash(text), kind, instruction)
+    return text, key_hash(text)
 
 
 def _checked_task_row(record: dict) -> tuple:
@@ -132,8 +146,7 @@ def _checked_task_row(record: dict) -> tuple:
     start = _require(record, "start", lambda v: isinstance(v, dict), "an object with 'kind'")
     if not _is_str(start.get("kind")):
         raise Reject("start.kind", f"field 'start.kind' is {_describe(start.get('kind'))}, expected a string")
-    text = canonical_key(key)
-    return (task_id, macro, site, text, key_hash(text), start["kind"], instruction)
+    return (task_id, macro, site, *key_text_and_hash(key), start["kind"], instruction)
 
 
 ATTEMPT_FIELDS = ("task_id", "attempt", "ok", "error", "dir", "n_actions", "backend_ok", "backend_detail")
@@ -169,22 +182,28 @@ def attempt_row(record: dict) -> tuple:
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
-# orjson reads an integer beyond 64 bits as a float where json keeps it whole: a line with a run of 19 or more
-# digits (anywhere, strings included) is read by json alone
-_LONG_NUMBER = re.compile(rb"[0-9]{19}")
+_DIGITS = bytes(ord("1") if chr(byte).isdigit() and byte < 128 else ord("0") for byte in range(256))
+# orjson reads an integer beyond 64 bits as a float where json keeps it whole (it has at least 19 digits)
+ORJSON_DIGITS = 19
 
 
-def load_record(raw: bytes) -> dict:
+def has_digit_run(data: bytes, length: int) -> bool:
+    """Whether `data` holds `length` or more ASCII digits in a row (in a number or a string)."""
+    return b"1" * length in data.translate(_DIGITS)
+
+
+def load_record(raw: bytes, long_numbers: bool = True) -> dict:
     """The line as a JSON object whose every string is text and every integer one Python converts; raises
     Reject saying why not (too long, not UTF-8, not JSON, nested too deep, an integer too long, a lone
     surrogate, not an object).
 
     orjson reads the line first: it takes only strict UTF-8 JSON without lone surrogates, NaN or Infinity,
     which json reads to the same values. Any line it refuses (or that is not an object) is read by json,
-    so what json accepts and the rejects' messages stay the same."""
+    so what json accepts and the rejects' messages stay the same; so is a line with a run of 19 or more
+    digits (`long_numbers`: whether the line may hold one; False when its whole file was checked)."""
     if len(raw) > MAX_LINE_BYTES:
         raise Reject(None, f"line is {len(raw):,} bytes, longer than the {MAX_LINE_BYTES:,}-byte limit")
-    if not _LONG_NUMBER.search(raw):
+    if not (long_numbers and has_digit_run(raw, ORJSON_DIGITS)):
         try:
             record = orjson.loads(raw)
         except orjson.JSONDecodeError:

@@ -103,13 +103,14 @@ def key_hashes(texts: list[str]) -> np.ndarray:
     return np.fromiter((key_hash(text) for text in texts), dtype=np.int64, count=len(texts))
 
 
-def key_hash(text: str) -> int:
+def key_hash(text: str | bytes) -> int:
     """A 64-bit fingerprint of a canonical key (BLAKE2b, stable across processes and versions).
 
     History is probed by these integers, which are far cheaper to read and match than the texts; a match
     is always confirmed on the text itself.
     """
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True)
+    data = text.encode() if isinstance(text, str) else text  # (bytes: the text's UTF-8)
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
 
 
 # --- Arrow schemas ----------------------------------------------------------------------------------

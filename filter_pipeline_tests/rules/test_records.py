@@ -71,3 +71,10 @@ def test_lines_orjson_refuses_are_judged_by_json():
     for line in [b'{"k":NaN}', b'{"k":1e400}', b'{"k":"\\ud800"}', b'{"k":18446744073709551616}', b"[1]", b"{bad"]:
         assert _outcome(records.load_record, line) == _outcome(records._load_checked, line)
     assert records.load_record(b'{"k":18446744073709551616}') == {"k": 18446744073709551616}
+
+
+@settings(max_examples=400, deadline=None)
+@given(key=st.lists(_SCALARS | st.integers(min_value=2**64), max_size=6))
+def test_key_text_is_json_dumps_whichever_writer_writes_it(key):
+    expected = json.dumps(key, ensure_ascii=False, separators=(",", ":"))
+    assert records.key_text_and_hash(key) == (expected, key_hash(expected))
