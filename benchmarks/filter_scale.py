@@ -33,10 +33,10 @@ import pyarrow.parquet as pq
 from upath import UPath
 
 from filter_pipeline.rules import commits
-from filter_pipeline.rules.history import verified_bytes
 from filter_pipeline.rules.schemas import key_hash
 from filter_pipeline.storage.files import input_fingerprints
-from filter_pipeline.storage.publish import write_commit
+from filter_pipeline.storage.history import read_commits, verified_bytes
+from filter_pipeline.storage.publish import file_entry, write_commit
 
 REPO = Path(__file__).resolve().parent.parent
 ELEMENTS = ["#add", "#buy", "#send", "input[name=q]", "#save"]
@@ -110,7 +110,7 @@ def commit_history_run(out: Path, run_id: str) -> None:
     data = path.read_bytes()
     record = commits.CommitRecord(
         run_id=run_id, walked_at="2026-11-30T00:00:00+00:00",
-        files={"kept": commits.file_entry(root, path, data, pq.read_metadata(path.path).num_rows)},
+        files={"kept": file_entry(root, path, data, pq.read_metadata(path.path).num_rows)},
         kept_keys=0, caps={"per_site_cap": 40, "caps": {}}, caps_source="run config",
         judge={"kind": "gate", "model": None, "prompt_version": None, "votes": "gate"}, history={}, inputs={}, unjudged=0,
     )  # fmt: skip
@@ -121,7 +121,7 @@ def integrity_cost(data: Path) -> dict[str, float]:
     """Seconds of what commits add, timed serially here: verifying (reading and hashing) every committed
     history file, fingerprinting the new batch's inputs, writing a commit record."""
     root = UPath(str(data))
-    records = commits.read_commits(root / "warehouse")
+    records = read_commits(root / "warehouse")
     start = time.perf_counter()
     for run_id, record in records.items():
         if run_id != "new":

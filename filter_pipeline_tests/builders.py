@@ -144,8 +144,8 @@ def commit_files(
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from filter_pipeline.rules.commits import CommitRecord, file_entry
-    from filter_pipeline.storage.publish import write_commit
+    from filter_pipeline.rules.commits import CommitRecord
+    from filter_pipeline.storage.publish import file_entry, write_commit
 
     root = UPath(data)
     entries = {}

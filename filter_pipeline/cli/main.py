@@ -77,8 +77,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def verify(args: argparse.Namespace) -> int:
     """Print one line per finding of the warehouse audit; 0 when clean, 1 otherwise (2: no data root)."""
-    from filter_pipeline.rules.verify import audit
     from filter_pipeline.settings import ENDPOINT_ENV
+    from filter_pipeline.storage.audit import audit
 
     path = data_path(args.data)
     endpoint = os.environ.get(ENDPOINT_ENV)

@@ -7,12 +7,16 @@ unreadable or not a kept file fails the read with one line naming it (HistoryInt
 without a commit (a walk killed before it committed) is not history. Files are read one at a time and
 counted as they are read, so memory follows the largest run rather than the whole history.
 
+Pure: bytes in, tables out. Listing and reading the files is `storage/history.py`'s, which hands each
+source's bytes here as it reads them (`prior_index` takes them one at a time).
+
 Counting is Arrow's: kept rows per (macro, site) by `group_by`, the batch's keys found by their 64-bit
 key_hash and confirmed on the text (`pc.is_in`). `verify` counts with the same functions.
 """
 
 import hashlib
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -20,10 +24,9 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-from upath import UPath
 
 from filter_pipeline.rules.batch import LEGACY_KEPT_FILE
-from filter_pipeline.rules.commits import LEGACY_PREFIX, CommitRecord, HistoryIntegrityError, read_commits
+from filter_pipeline.rules.commits import LEGACY_PREFIX, HistoryIntegrityError
 from filter_pipeline.rules.schemas import canonical_key, conform, empty_frame, key_hashes, positions, to_pandas
 
 RETIRED_FILE = "retired.json"
@@ -44,14 +47,14 @@ class Retired:
         return run_id in self.runs
 
 
-def load_retired(data_root: UPath) -> Retired:
-    """Parse `<data>/retired.json` (absent: nothing retired). Raises HistoryError on a wrong shape."""
-    path = data_root / RETIRED_FILE
-    if not path.exists():
+def parse_retired(data: bytes | None) -> Retired:
+    """`<data>/retired.json`'s bytes as a Retired (None, the file absent: nothing retired). Raises HistoryError
+    on a wrong shape."""
+    if data is None:
         return Retired()
     where = f"{RETIRED_FILE}"
     try:
-        entries = json.loads(path.read_text(encoding="utf-8"))
+        entries = json.loads(data.decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise HistoryError(f"{where} is not valid JSON: {exc}") from None
     if not isinstance(entries, list):
@@ -93,27 +96,20 @@ _CODED = pa.dictionary(pa.int32(), pa.string())
 _PARTS = pa.schema([("macro", _CODED), ("site", _CODED), ("n_kept", pa.int64())])
 
 
-def kept_files(kept_dir: UPath) -> dict[str, UPath]:
-    """run_id -> its `kept` Parquet file, committed or not, skipping temporary files of writes in progress."""
-    if not kept_dir.exists():
-        return {}
-    return {
-        p.name.removesuffix(".parquet"): p
-        for p in kept_dir.iterdir()
-        if p.name.endswith(".parquet") and not p.name.startswith((".", "_"))
-    }
+@dataclass(frozen=True)
+class Source:
+    """One run's history as read: `kind` "warehouse" (its committed kept file, `entry` the commit's entry for
+    it, `digest` the commit record's) or "legacy" (runs/<run>/kept.jsonl); `data`, the file's bytes."""
+
+    run_id: str
+    kind: str
+    data: bytes
+    entry: dict | None = None
+    digest: str = ""
 
 
-def legacy_kept_files(runs_dir: UPath) -> dict[str, UPath]:
-    """run_id -> `runs/<run>/kept.jsonl` for every run that has one."""
-    if not runs_dir.exists():
-        return {}
-    return {p.name: p / LEGACY_KEPT_FILE for p in runs_dir.iterdir() if (p / LEGACY_KEPT_FILE).exists()}
-
-
-def read_legacy(path: UPath, run_id: str) -> tuple[pa.Table, str]:
+def parse_legacy(data: bytes, run_id: str) -> tuple[pa.Table, str]:
     """A legacy kept.jsonl's rows (keys re-encoded as canonical text) and the SHA-256 of its bytes."""
-    data = path.read_bytes()
     rows = []
     try:
         text = data.decode("utf-8")
@@ -184,28 +180,19 @@ def as_text(counts: pa.Table) -> pa.Table:
 KEPT_COLUMNS = ("dedup_key", "key_hash", "macro", "site", "task_id")
 
 
-def _refilter(run_id: str) -> str:
+def refilter(run_id: str) -> str:
     return f"restore it, or re-filter {run_id} with `filter-pipeline materialize {run_id}`"
 
 
-def verified_bytes(data_root: UPath, run_id: str, entry: dict) -> bytes:
-    """The bytes of a committed file, checked against its commit entry (size, SHA-256). Raises
-    HistoryIntegrityError naming the file when it is missing, unreadable or changed."""
+def check_committed(data: bytes, run_id: str, entry: dict) -> bytes:
+    """`data`, the bytes read of a file `run_id` committed, if they are what its commit entry says (size,
+    SHA-256); HistoryIntegrityError naming the file otherwise."""
     where = entry["path"]
-    try:
-        with (data_root / where).open("rb") as f:
-            data = f.read()
-    except FileNotFoundError:
-        raise HistoryIntegrityError(f"{where} is missing, but run {run_id} committed it: {_refilter(run_id)}") from None
-    except OSError as exc:
-        raise HistoryIntegrityError(
-            f"{where} (committed by run {run_id}) cannot be read ({exc}): {_refilter(run_id)}"
-        ) from None
-    digest = hashlib.sha256(data).hexdigest()  # (releases the GIL: the read-ahead threads hash in parallel)
+    digest = hashlib.sha256(data).hexdigest()
     if len(data) != entry["size"] or digest != entry["sha256"]:
         raise HistoryIntegrityError(
             f"{where} changed since run {run_id} was committed (sha256 {digest[:12]}, {len(data)} bytes; committed "
-            f"{str(entry['sha256'])[:12]}, {entry['size']} bytes): {_refilter(run_id)}"
+            f"{str(entry['sha256'])[:12]}, {entry['size']} bytes): {refilter(run_id)}"
         )
     return data
 
@@ -215,22 +202,23 @@ def _open_kept(data: bytes, where: str, run_id: str) -> pq.ParquetFile:
         parquet = pq.ParquetFile(pa.BufferReader(data), read_dictionary=["macro", "site"])  # counted by code
     except (pa.ArrowException, OSError) as exc:
         raise HistoryIntegrityError(
-            f"{where} (committed by run {run_id}) is not readable Parquet ({exc}): {_refilter(run_id)}"
+            f"{where} (committed by run {run_id}) is not readable Parquet ({exc}): {refilter(run_id)}"
         ) from None
     missing = [c for c in KEPT_COLUMNS if c not in parquet.schema_arrow.names]
     if missing:
         raise HistoryIntegrityError(
-            f"{where} (committed by run {run_id}) is not a kept file: no column {', '.join(missing)}: {_refilter(run_id)}"
+            f"{where} (committed by run {run_id}) is not a kept file: no column {', '.join(missing)}: {refilter(run_id)}"
         )
     return parquet
 
 
-def _read_warehouse(
-    data_root: UPath, run_id: str, entry: dict, batch_hashes: pd.Index, retired_ids: frozenset[str] | None
+def _count_committed(
+    source: Source, batch_hashes: pd.Index, retired_ids: frozenset[str] | None
 ) -> tuple[pa.Table, pa.Table, int]:
     """(its pair counts; rows whose key_hash the batch carries, to be confirmed on the text: the index columns
     and key_hash; its number of rows), from a committed kept file verified against its commit entry."""
-    parquet = _open_kept(verified_bytes(data_root, run_id, entry), entry["path"], run_id)
+    entry, run_id = source.entry, source.run_id
+    parquet = _open_kept(check_committed(source.data, run_id, entry), entry["path"], run_id)
     # The file is the one the walk wrote (its hash says so): its keys are canonical and key_hash is theirs.
     wanted = ["macro", "site", "key_hash"] + (["task_id"] if retired_ids else [])
     table = drop_retired(parquet.read(columns=wanted), retired_ids)  # macro/site stay dictionary codes
@@ -243,79 +231,45 @@ def _read_warehouse(
     return kept_pairs(table), matched, table.num_rows
 
 
-def _read_source(
-    data_root: UPath,
-    run_id: str,
-    source: tuple,
-    batch_hashes: pd.Index,
-    retired_ids: frozenset[str] | None,
-    entry_digest: str,
+def _count_source(
+    source: Source, batch_hashes: pd.Index, retired_ids: frozenset[str] | None
 ) -> tuple[pa.Table, pa.Table, int, str]:
-    """`_read_warehouse` of a committed run, or the same of a legacy kept.jsonl; with what `PriorIndex.history`
+    """`_count_committed` of a committed run, or the same of a legacy kept.jsonl; with what `PriorIndex.history`
     says of the run (its commit digest, or "legacy:<sha256>")."""
-    kind, path, entry = source
-    if kind == "warehouse":
-        return *_read_warehouse(data_root, run_id, entry, batch_hashes, retired_ids), entry_digest
-    rows, digest = read_legacy(path, run_id)
+    if source.kind == "warehouse":
+        return *_count_committed(source, batch_hashes, retired_ids), source.digest
+    rows, digest = parse_legacy(source.data, source.run_id)
     rows = drop_retired(rows, retired_ids)
     maybe = batch_hashes.get_indexer(rows["key_hash"].to_numpy()) >= 0
     matched = rows.filter(pa.array(maybe)).select(_MATCHED.names)
     return kept_pairs(rows), matched, rows.num_rows, LEGACY_PREFIX + digest
 
 
-def history_sources(data_root: UPath, commits: dict[str, CommitRecord]) -> dict[str, tuple[str, UPath, dict | None]]:
-    """run_id -> ("warehouse", its committed kept file, the commit's entry) for each committed run, or
-    ("legacy", runs/<run>/kept.jsonl, None) for a run with a legacy file and no commit."""
-    sources: dict[str, tuple[str, UPath, dict | None]] = {
-        r: ("legacy", p, None) for r, p in legacy_kept_files(data_root / "runs").items() if r not in commits
-    }
-    for run_id, record in commits.items():
-        entry = record.files.get("kept")
-        if entry is None:
-            raise HistoryIntegrityError(
-                f"warehouse/_commits/{run_id}.json names no kept file: delete it and re-filter {run_id} with "
-                f"`filter-pipeline materialize {run_id}`"
-            )
-        sources[run_id] = ("warehouse", data_root / entry["path"], entry)
-    return dict(sorted(sources.items()))
-
-
-def build_prior_index(
-    data_root: UPath,
-    run_id: str,
-    batch_keys: pd.DataFrame,
-    retired: Retired,
-    commits: dict[str, CommitRecord] | None = None,
-) -> PriorIndex:
-    """The prior-run dedup index for `run_id` (CONTRACT §3.5, §4): every other committed run's kept rows,
-    plus legacy kept.jsonl, minus retired. Raises HistoryIntegrityError (one line: the file, what is wrong,
-    what to do) when a committed kept file is missing, changed, unreadable or not a kept file.
+def prior_index(batch_keys: pd.DataFrame, retired: Retired, sources: Iterable[Source]) -> PriorIndex:
+    """The prior-run dedup index (CONTRACT §3.5, §4) from `sources`, every other non-retired run's history
+    (consumed one at a time, so only one file's bytes need be held). Raises HistoryIntegrityError (one
+    line: the file, what is wrong, what to do) when a committed kept file is changed or not a kept file.
 
     `batch_keys` (dedup_key, key_hash) are the keys the walk can meet: only those are returned with their
-    provenance; counts cover every row. `commits`: the warehouse's commit records (read when not given).
-    Each file is hashed as read and mostly decoded as integers and dictionary codes.
+    provenance; counts cover every row. Each file is mostly decoded as integers and dictionary codes.
     """
-    commits = read_commits(data_root / "warehouse") if commits is None else commits
-    sources = history_sources(data_root, commits)
     batch_hashes = pd.Index(pd.unique(batch_keys["key_hash"].to_numpy(dtype=np.int64)))
-    others = [r for r in sources if r != run_id and not retired.run_is_retired(r)]
     counts, key_parts, rows_read, history = [], [], 0, {}
-    for other in others:
-        digest = commits[other].digest if other in commits else ""
-        pairs, matched, rows, history[other] = _read_source(
-            data_root, other, sources[other], batch_hashes, retired.tasks.get(other), digest
+    for source in sources:
+        pairs, matched, rows, history[source.run_id] = _count_source(
+            source, batch_hashes, retired.tasks.get(source.run_id)
         )
         rows_read += rows
         counts.append(pairs)
         if sum(part.num_rows for part in counts) >= _COUNTS_PENDING_ROWS:
             counts = [sum_counts(counts)]
         if matched.num_rows:
-            key_parts.append(matched.append_column("run_id", pa.array([other] * matched.num_rows, pa.string())))
-    total = as_text(sum_counts(counts))
+            run_ids = pa.array([source.run_id] * matched.num_rows, pa.string())
+            key_parts.append(matched.append_column("run_id", run_ids))
     return PriorIndex(
         keys=_confirmed(key_parts, batch_keys),
-        counts=conform(to_pandas(total), "prior_kept_counts"),
-        runs_read=len(others),
+        counts=conform(to_pandas(as_text(sum_counts(counts))), "prior_kept_counts"),
+        runs_read=len(history),
         rows_read=rows_read,
         history=dict(sorted(history.items())),
     )

@@ -18,7 +18,11 @@ import pyarrow.parquet as pq
 
 from filter_pipeline.rules.descriptions import (  # re-exported: schemas names every fixed text
     CALIBRATION_MIN_LABELS as CALIBRATION_MIN_LABELS,
+)
+from filter_pipeline.rules.descriptions import (
     COLUMN_DESCRIPTIONS as COLUMN_DESCRIPTIONS,
+)
+from filter_pipeline.rules.descriptions import (
     REASONING_MAX_CHARS as REASONING_MAX_CHARS,
 )
 

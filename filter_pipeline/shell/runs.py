@@ -23,8 +23,8 @@ from filter_pipeline.rules.batch import (
     parse_attempts,
     parse_tasks,
 )
-from filter_pipeline.rules.commits import read_commits
 from filter_pipeline.storage.files import inputs_changed
+from filter_pipeline.storage.history import read_commits
 
 # fsspec protocols of a local data root; anything else is object storage (no symlinks, no rename)
 LOCAL_PROTOCOLS = ("", "file", "local")

@@ -18,8 +18,7 @@ from filter_pipeline import settings
 from filter_pipeline.rules import order
 from filter_pipeline.rules.batch import LEGACY_KEPT_FILE, BatchState
 from filter_pipeline.rules.calibration import labels_fingerprint
-from filter_pipeline.rules.commits import CommitRecord, read_commits
-from filter_pipeline.rules.history import load_retired
+from filter_pipeline.rules.commits import CommitRecord
 from filter_pipeline.shell.assets import LABELS_FINGERPRINT, labels_bytes, run_id_partitions
 from filter_pipeline.shell.jobs import (
     FIRST_WALK_TAG,
@@ -36,6 +35,8 @@ from filter_pipeline.shell.jobs import (
 )
 from filter_pipeline.shell.runs import complete_batches
 from filter_pipeline.shell.warehouse import DataRoot
+from filter_pipeline.storage import failures
+from filter_pipeline.storage.history import load_retired, read_commits
 
 JUDGE_JOB = judge_job.name
 LEDGER_JOB = ledger_job.name
@@ -256,7 +257,7 @@ def build_batch_sensor() -> dg.SensorDefinition:
             r for r in waiting
             if r not in busy and instance.get_run_records(dg.RunsFilter(tags={RUN_KEY_TAG: ledger_run_key(r)}), limit=1)
         }  # fmt: skip
-        failed = order.read_failures(data.warehouse)
+        failed = failures.read_failures(data.warehouse)
         retired = load_retired(data.root).runs
         to_register, to_judge, to_walk, why = plan_tick(batches, registered, busy, failed_ledger, failed, retired)
         requests = [dg.RunRequest(job_name=JUDGE_JOB, partition_key=r, run_key=r) for r in to_judge]

@@ -10,8 +10,9 @@ import pytest
 from upath import UPath
 
 from filter_pipeline.rules.commits import HistoryIntegrityError
-from filter_pipeline.rules.history import HistoryError, Retired, build_prior_index, load_retired
+from filter_pipeline.rules.history import HistoryError, Retired
 from filter_pipeline.rules.schemas import canonical_key, key_hash
+from filter_pipeline.storage.history import build_prior_index, load_retired
 from filter_pipeline_tests.builders import commit_files, write_kept, write_legacy_kept
 
 
@@ -224,7 +225,7 @@ def test_an_unreadable_commit_record_is_refused_with_what_to_do(tmp_path):
 
 
 def test_the_index_names_the_commits_and_legacy_files_it_read(tmp_path):
-    from filter_pipeline.rules.commits import read_commits
+    from filter_pipeline.storage.history import read_commits
 
     write_kept(tmp_path, "r1", ("a", ["k", 1], "m", "s"))
     write_legacy_kept(tmp_path, "old", ("b", ["k", 2], "m", "s"))
