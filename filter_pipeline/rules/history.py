@@ -26,7 +26,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from filter_pipeline.rules.batch import LEGACY_KEPT_FILE
-from filter_pipeline.rules.commits import LEGACY_PREFIX, HistoryIntegrityError
+from filter_pipeline.rules.commits import LEGACY_PREFIX, CommitRecord, HistoryIntegrityError
 from filter_pipeline.rules.schemas import canonical_key, conform, empty_frame, key_hashes, positions, to_pandas
 
 RETIRED_FILE = "retired.json"
@@ -294,3 +294,34 @@ def _confirmed(key_parts: list[pa.Table], batch_keys: pd.DataFrame) -> pd.DataFr
     hashes = batch_keys["key_hash"].to_numpy(dtype=np.int64)[positions(keys["dedup_key"], batch_keys["dedup_key"])]
     keys = keys.assign(key_hash=pd.array(hashes, dtype="Int64"))
     return conform(keys.sort_values(["run_id", "task_id"], kind="stable"), "prior_dedup_index")
+
+
+def covering_walk(commits: dict[str, CommitRecord], live: set[str], retired: Retired) -> str | None:
+    """The committed run whose walk read as history exactly the other runs that count now (`live`), each as it
+    is committed now (its commit's digest): that walk's prior_kept_counts plus its own kept rows are then
+    every live run's kept rows. None when no walk did (a run retired, added or re-walked since, a legacy run,
+    single tasks retired): then every run is counted from its file."""
+    if any(retired.tasks.get(r) for r in live):
+        return None
+    for run_id, record in sorted(commits.items(), key=lambda item: item[1].walked_at, reverse=True):
+        if (
+            run_id in live and {"kept", "prior_kept_counts"} <= set(record.files)
+            and set(record.history) == live - {run_id}
+            and all(r in commits and commits[r].digest == d for r, d in record.history.items())
+        ):  # fmt: skip
+            return run_id
+    return None
+
+
+def whole_runs_counted(prior_counts: pa.Table, commits: dict[str, CommitRecord], read: dict[str, str]) -> bool:
+    """Whether a walk's prior_kept_counts count every row of the runs it `read` (no single task was retired
+    when it walked): then they are those runs' counts now too."""
+    rows = sum(int(commits[r].files["kept"].get("rows", -1)) for r in read)
+    return int(pc.sum(prior_counts["n_kept"]).as_py() or 0) == rows
+
+
+def add_own(prior_counts: pa.Table, kept: pa.Table) -> pd.DataFrame:
+    """A walk's prior_kept_counts (macro, site, n_kept) plus its own kept rows (macro, site), as counts."""
+    coded = [pc.dictionary_encode(prior_counts[c]).cast(_CODED) for c in ("macro", "site")]
+    prior = pa.table([*coded, prior_counts["n_kept"].cast(pa.int64())], schema=_PARTS)
+    return conform(to_pandas(as_text(sum_counts([prior, kept_pairs(kept)]))), "prior_kept_counts")

@@ -29,7 +29,7 @@ from filter_pipeline.shell.runs import count_records, read_batch
 from filter_pipeline.shell.warehouse import DataRoot, Encoding, encode_ahead, read_folder, read_parquet, write_parquet
 from filter_pipeline.storage import failures
 from filter_pipeline.storage.audit import audit
-from filter_pipeline.storage.history import build_prior_index, load_retired
+from filter_pipeline.storage.history import kept_counts, load_retired
 
 run_id_partitions = dg.DynamicPartitionsDefinition(name="run_id")
 
@@ -274,15 +274,14 @@ def build_coverage(deployment_caps: dict) -> dg.AssetsDefinition:
         metadata=column_schema("coverage"),
     )
     def coverage(config: caps_config, data: DataRoot):
-        no_keys = pd.DataFrame({"dedup_key": pd.Series([], dtype=object), "key_hash": pd.Series([], dtype="int64")})
-        index = build_prior_index(data.root, "", no_keys, load_retired(data.root))
-        table = coverage_table(index.counts, config.to_caps())
+        counts, runs = kept_counts(data.root, load_retired(data.root))
+        table = coverage_table(counts, config.to_caps())
         sites = table[table["level"] == "site"]
         return dg.Output(
             table,
             metadata={
                 "kept": int(sites["kept"].sum()),
-                "runs": index.runs_read,
+                "runs": runs,
                 "caps_source": caps_source(config, deployment_caps),
                 "full_sites": int(sites["full"].sum()),
                 "short_sites": int((~sites["full"].astype(bool)).sum()),

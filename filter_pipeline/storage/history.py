@@ -5,6 +5,7 @@ is `rules/history.py`'s; this module lists and reads the files and hands their b
 from collections.abc import Iterator
 
 import pandas as pd
+import pyarrow as pa
 from upath import UPath
 
 from filter_pipeline.rules.batch import LEGACY_KEPT_FILE
@@ -14,11 +15,15 @@ from filter_pipeline.rules.history import (
     PriorIndex,
     Retired,
     Source,
+    add_own,
     check_committed,
+    covering_walk,
     parse_retired,
     prior_index,
     refilter,
+    whole_runs_counted,
 )
+from filter_pipeline.rules.schemas import read_parquet_file
 
 
 def read_commits(warehouse: UPath) -> dict[str, CommitRecord]:
@@ -120,3 +125,25 @@ def build_prior_index(
     sources = history_sources(data_root, commits)
     others = {r: s for r, s in sources.items() if r != run_id and not retired.run_is_retired(r)}
     return prior_index(batch_keys, retired, _read_sources(data_root, others, commits))
+
+
+def kept_counts(data_root: UPath, retired: Retired) -> tuple[pd.DataFrame, int]:
+    """(macro, site, n_kept) over every non-retired run's kept rows (what coverage shows), and how many runs.
+    Every committed kept file is verified against its commit as `build_prior_index` verifies it; when the
+    newest walk read all the other runs as they stand (`covering_walk`), its prior_kept_counts plus its own
+    kept file are counted instead of decoding every run's file again."""
+    commits = read_commits(data_root / "warehouse")
+    sources = history_sources(data_root, commits)
+    live = {r for r in sources if not retired.run_is_retired(r)}
+    walk = covering_walk(commits, live, retired)
+    if walk is not None:
+        for run_id in sorted(live):
+            verified_bytes(data_root, run_id, commits[run_id].files["kept"])
+        record = commits[walk]
+        prior = read_parquet_file(pa.BufferReader(verified_bytes(data_root, walk, record.files["prior_kept_counts"])))
+        if whole_runs_counted(prior, commits, record.history):
+            own = verified_bytes(data_root, walk, record.files["kept"])
+            return add_own(prior, read_parquet_file(pa.BufferReader(own), columns=["macro", "site"])), len(live)
+    no_keys = pd.DataFrame({"dedup_key": pd.Series([], dtype=object), "key_hash": pd.Series([], dtype="int64")})
+    index = build_prior_index(data_root, "", no_keys, retired, commits)
+    return index.counts, index.runs_read

@@ -244,3 +244,52 @@ def test_legacy_keys_in_any_json_spelling_are_compared_as_canonical_text(tmp_pat
     )
     idx = index(tmp_path, batch_keys=[["k", "é", 1], ["k", 2]])
     assert idx.keys["dedup_key"].tolist() == ['["k","é",1]', '["k",2]']
+
+
+def walk(data, run_id: str, *rows: tuple, retired=None, walked_at: str = "2026-12-01T00:00:00+00:00") -> None:
+    """A committed walk of `run_id` as the ledger leaves it: its kept file, and the prior_kept_counts of every
+    other committed run it read (minus `retired`), both named by its commit record with those runs' digests."""
+    from filter_pipeline.rules.schemas import to_arrow
+    from filter_pipeline.shell.warehouse import write_parquet
+    from filter_pipeline.storage.history import read_commits
+
+    root = UPath(data)
+    idx = index(data, run_id, retired=retired)
+    counts_path = root / "warehouse" / "prior_kept_counts" / f"{run_id}.parquet"
+    write_parquet(to_arrow(idx.counts, "prior_kept_counts"), counts_path)
+    write_kept(data, run_id, *rows, commit=False)
+    digests = {r: c.digest for r, c in read_commits(root / "warehouse").items() if r != run_id}
+    files = {"kept": root / "warehouse" / "kept" / f"{run_id}.parquet", "prior_kept_counts": counts_path}
+    commit_files(data, run_id, files, history=digests, walked_at=walked_at)
+
+
+def test_coverage_counts_from_the_newest_walk_are_those_of_every_file(tmp_path):
+    from filter_pipeline.rules.history import covering_walk
+    from filter_pipeline.storage.history import kept_counts, read_commits
+
+    root = UPath(tmp_path)
+
+    def both():
+        retired = load_retired(root)
+        fast, runs = kept_counts(root, retired)
+        full = index(tmp_path, "", retired=retired)
+        assert runs == full.runs_read
+        return counts_of(type("I", (), {"counts": fast})), counts_of(full)
+
+    walk(tmp_path, "r1", ("a", ["k", 1], "m", "s1"), ("b", ["k", 2], "m", "s2"), walked_at="2026-12-01T00:00:01+00:00")
+    walk(tmp_path, "r2", ("c", ["k", 3], "m", "s1"), walked_at="2026-12-01T00:00:02+00:00")
+    fast, full = both()
+    assert fast == full == {("m", "s1"): 2, ("m", "s2"): 1}
+    assert covering_walk(read_commits(root / "warehouse"), {"r1", "r2"}, Retired()) == "r2"  # counted from r2's walk
+    (tmp_path / "retired.json").write_text(json.dumps([{"run_id": "r1"}]))  # retired after the walks: not read
+    fast, full = both()
+    assert fast == full == {("m", "s1"): 1}
+    (tmp_path / "retired.json").write_text(json.dumps([{"run_id": "r1", "task_ids": ["a"]}]))
+    walk(tmp_path, "r3", ("d", ["k", 4], "m", "s2"), retired=load_retired(root), walked_at="2026-12-01T00:00:03+00:00")
+    assert both()[0] == both()[1] == {("m", "s1"): 1, ("m", "s2"): 2}
+    (tmp_path / "retired.json").unlink()  # a task retired when r3 walked counts again: r3's counts lack it
+    fast, full = both()
+    assert fast == full == {("m", "s1"): 2, ("m", "s2"): 2}
+    (root / "warehouse" / "kept" / "r1.parquet").unlink()  # any committed file missing fails, as a full read does
+    with pytest.raises(HistoryIntegrityError, match="r1.parquet is missing"):
+        kept_counts(root, load_retired(root))
