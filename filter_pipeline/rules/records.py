@@ -92,6 +92,7 @@ TASK_FIELDS = ("task_id", "macro", "site", "dedup_key", "key_hash", "start_kind"
 
 
 _SCALARS = (str, int, float, bool, type(None))
+_SCALAR_TYPES = frozenset(_SCALARS)
 
 
 def task_row(record: dict) -> tuple:
@@ -112,17 +113,21 @@ def _clean_task_row(record: dict) -> tuple | None:
     if not (
         type(task_id) is str and task_id and type(macro) is str and type(site) is str
         and type(instruction) is str and type(key) is list and type(kind) is str
-        and type(record["start"]) is dict and all(type(part) in _SCALARS for part in key) and _finite(key)
+        and type(record["start"]) is dict
     ):  # fmt: skip
         return None
-    return (task_id, macro, site, *key_text_and_hash(key), kind, instruction)
+    types = set(map(type, key))  # (the set's test is one pass in C, not a generator per record)
+    if not types <= _SCALAR_TYPES or (float in types and not _finite(key)):
+        return None
+    return (task_id, macro, site, *key_text_and_hash(key, float in types), kind, instruction)
 
 
-def key_text_and_hash(key: list) -> tuple[str, int]:
+def key_text_and_hash(key: list, has_float: bool | None = None) -> tuple[str, int]:
     """`canonical_key(key)` and its `key_hash`. orjson writes the same text as json.dumps for strings,
     integers within 64 bits, booleans and null, but not for floats (1e16 is `1e16` to orjson, `1e+16` to
-    json): a key without floats is written by orjson, any other by json."""
-    if float not in map(type, key):
+    json): a key without floats is written by orjson, any other by json. `has_float`: whether the key holds
+    a float, when the caller knows."""
+    if not (float in map(type, key) if has_float is None else has_float):
         try:
             data = orjson.dumps(key)
         except orjson.JSONEncodeError:  # an integer beyond 64 bits
