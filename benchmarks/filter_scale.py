@@ -6,7 +6,8 @@
 
 Generates (fixed seed, cached under benchmarks/out/) a history of kept rows — as committed warehouse Parquet
 files (each with its commit record, as the ledger step leaves them) for this project and as legacy
-runs/*/kept.jsonl for the baseline — and one new batch, then times `filter-pipeline materialize` (process
+runs/*/kept.jsonl for the baseline — and one new batch (1–3 attempts per task, 40% of them failed: about 600k
+attempt lines for 300k tasks, the shape whose peak RSS must stay under 1 GB), then times `filter-pipeline materialize` (process
 start to exit, Dagster included) and the baseline script on it, printing wall time, peak RSS and this
 project's split by step (and, with --repeat, the median ratio). It also prints what committing and verifying
 cost: hashing every committed history file as the ledger step does, fingerprinting the batch's inputs and
@@ -32,10 +33,10 @@ import pyarrow.parquet as pq
 from upath import UPath
 
 from filter_pipeline.rules import commits
-from filter_pipeline.rules.history import verified_bytes
 from filter_pipeline.rules.schemas import key_hash
 from filter_pipeline.storage.files import input_fingerprints
-from filter_pipeline.storage.publish import write_commit
+from filter_pipeline.storage.history import read_commits, verified_bytes
+from filter_pipeline.storage.publish import file_entry, write_commit
 
 REPO = Path(__file__).resolve().parent.parent
 ELEMENTS = ["#add", "#buy", "#send", "input[name=q]", "#save"]
@@ -109,7 +110,7 @@ def commit_history_run(out: Path, run_id: str) -> None:
     data = path.read_bytes()
     record = commits.CommitRecord(
         run_id=run_id, walked_at="2026-11-30T00:00:00+00:00",
-        files={"kept": commits.file_entry(root, path, data, pq.read_metadata(path.path).num_rows)},
+        files={"kept": file_entry(root, path, data, pq.read_metadata(path.path).num_rows)},
         kept_keys=0, caps={"per_site_cap": 40, "caps": {}}, caps_source="run config",
         judge={"kind": "gate", "model": None, "prompt_version": None, "votes": "gate"}, history={}, inputs={}, unjudged=0,
     )  # fmt: skip
@@ -120,7 +121,7 @@ def integrity_cost(data: Path) -> dict[str, float]:
     """Seconds of what commits add, timed serially here: verifying (reading and hashing) every committed
     history file, fingerprinting the new batch's inputs, writing a commit record."""
     root = UPath(str(data))
-    records = commits.read_commits(root / "warehouse")
+    records = read_commits(root / "warehouse")
     start = time.perf_counter()
     for run_id, record in records.items():
         if run_id != "new":
@@ -184,7 +185,7 @@ def timed(cmd: list[str], env: dict) -> tuple[float, float, str, subprocess.Comp
 def step_split(home: Path) -> tuple[dict[str, float], dict[str, float]]:
     """Seconds per step of the last filter_job run, and per phase (parse, index, walk, write), from the
     instance's event log: a phase runs from the event that starts it to the log line or event that ends it
-    (parse: the time the parse reports; when read ahead, most of it was before the step started)."""
+    (parse: the time the parse reports)."""
     import dagster as dg
 
     with dg.DagsterInstance.from_config(str(home)) as instance:
@@ -206,7 +207,6 @@ def step_split(home: Path) -> tuple[dict[str, float], dict[str, float]]:
         elif kind == dg.DagsterEventType.HANDLED_OUTPUT:  # converted, written, recorded
             phases["write"] += event.timestamp - last_output[event.step_key]
         elif kind is None and event.user_message.startswith("parsed runs/"):
-            # the parse's own figure: the CLI reads the first batch ahead, mostly before its step starts
             phases["parse"] = float(re.search(r" in ([0-9.]+) s", event.user_message).group(1))
         elif kind is None and event.user_message.startswith("prior index:"):
             phases["index"], marks["index"] = event.timestamp - marks[event.step_key], event.timestamp

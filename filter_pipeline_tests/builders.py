@@ -6,8 +6,8 @@ from pathlib import Path
 import pandas as pd
 from upath import UPath
 
-from filter_pipeline.rules.batch import read_batch
 from filter_pipeline.rules.schemas import STATUS_JUDGED, canonical_key, conform, key_hash
+from filter_pipeline.shell.runs import read_batch
 
 
 def task(task_id: str, macro: str = "m", site: str = "s", key: list | None = None, **extra) -> dict:
@@ -144,8 +144,8 @@ def commit_files(
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from filter_pipeline.rules.commits import CommitRecord, file_entry
-    from filter_pipeline.storage.publish import write_commit
+    from filter_pipeline.rules.commits import CommitRecord
+    from filter_pipeline.storage.publish import file_entry, write_commit
 
     root = UPath(data)
     entries = {}

@@ -107,7 +107,7 @@ def assert_verified(data_root) -> None:
     committed file present and unchanged, no key kept twice, caps held with history, every run conserved."""
     from upath import UPath
 
-    from filter_pipeline.rules.verify import audit
+    from filter_pipeline.storage.audit import audit
 
     findings = audit(data_root if isinstance(data_root, UPath) else UPath(str(data_root)))
     assert not findings, "\n".join(f.line for f in findings)

@@ -73,7 +73,7 @@ def test_every_column_of_every_asset_is_described_in_the_ui():
         columns = schema.columns
         assert columns, spec.key.to_user_string()
         undescribed += [f"{spec.key.to_user_string()}.{c.name}" for c in columns if not (c.description or "").strip()]
-    assert not undescribed, f"add these columns to COLUMN_DESCRIPTIONS in rules/schemas.py: {undescribed}"
+    assert not undescribed, f"add these columns to COLUMN_DESCRIPTIONS in rules/descriptions.py: {undescribed}"
 
 
 def test_every_job_and_sensor_has_a_description():

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from upath import UPath
 
-from filter_pipeline.rules.verify import audit
+from filter_pipeline.storage.audit import audit
 from filter_pipeline.storage.publish import PAUSE_ENV, STAGING_DIR
 from filter_pipeline_tests.builders import attempt, task, write_batch
 from filter_pipeline_tests.conftest import CLI, REPO

@@ -3,9 +3,6 @@
 What it materializes is recorded in that instance, so `dagster dev` on the same DAGSTER_HOME shows it.
 """
 
-# Only what reading a batch takes is imported up front. The first batch to materialize starts being read in
-# the background (`batch.read_ahead`) before Dagster and the assets are imported (`materialize.py`): on two
-# cores the parse then overlaps Dagster's import and the run's start, about 3 s of one core.
 import argparse
 import os
 import sys
@@ -13,16 +10,12 @@ import sys
 from upath import UPath
 
 from filter_pipeline.cli import explain, review
-from filter_pipeline.rules.batch import LOCAL_PROTOCOLS, SUCCESS_FILE, check_run_id, complete_batches, read_ahead
 from filter_pipeline.rules.history import HistoryError
 from filter_pipeline.settings import (
     DATA_ENV,
     DEFAULT_DATA,
-    DEFAULT_EXECUTOR,
-    EXECUTOR_ENV,
     JUDGE_KIND_ENV,
     JUDGE_KINDS,
-    STEPS_IN_RUN_PROCESS,
     data_path,
 )
 
@@ -84,8 +77,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def verify(args: argparse.Namespace) -> int:
     """Print one line per finding of the warehouse audit; 0 when clean, 1 otherwise (2: no data root)."""
-    from filter_pipeline.rules.verify import audit
     from filter_pipeline.settings import ENDPOINT_ENV
+    from filter_pipeline.storage.audit import audit
 
     path = data_path(args.data)
     endpoint = os.environ.get(ENDPOINT_ENV)
@@ -99,29 +92,6 @@ def verify(args: argparse.Namespace) -> int:
     if not findings:
         print(f"{path}: warehouse verified, no finding")
     return 1 if findings else 0
-
-
-def read_first_batch_ahead(args: argparse.Namespace) -> bool:
-    """Start reading the first batch this call will materialize, when its steps will run in this process
-    (the in-process executor) on a local data root. Anything amiss (a bad run_id, a missing
-    batch) is left for `materialize` to report; returns whether a read started."""
-    if (os.environ.get(EXECUTOR_ENV) or DEFAULT_EXECUTOR) not in STEPS_IN_RUN_PROCESS:
-        return False  # the steps run in other processes, which parse for themselves
-    root = UPath(data_path(args.data))
-    if root.protocol not in LOCAL_PROTOCOLS:
-        return False
-    try:
-        pending = args.run_ids or [
-            b.run_id for b in complete_batches(root / "runs", root / "warehouse", log=None) if not b.filtered
-        ]
-        if not pending:
-            return False
-        run_dir = root / "runs" / check_run_id(pending[0])
-        if not (run_dir / SUCCESS_FILE).exists():
-            return False  # still being written
-        return read_ahead(run_dir, pending[0])
-    except (ValueError, OSError):
-        return False
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,10 +122,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _materialize(args: argparse.Namespace, signals) -> int:
-    read_first_batch_ahead(args)
     try:
-        # Dagster loads while the batch is read; so does the code location, which reads its settings
-        # (FILTER_PIPELINE_EXECUTOR, FILTER_JUDGE_*, FILTER_PIPELINE_CAPS) from the environment
+        # the code location reads its settings (FILTER_PIPELINE_EXECUTOR, FILTER_JUDGE_*, FILTER_PIPELINE_CAPS)
+        # from the environment as it is imported
         from filter_pipeline.cli.materialize import CliError, materialize
     except ValueError as exc:
         from filter_pipeline.shell.config import CAPS_ENV

@@ -19,9 +19,7 @@ from filter_pipeline.judge.client import ssl_context
 from filter_pipeline.judge.resource import ENV, judge_from_env
 from filter_pipeline.rules import calibration as calibration_rules
 from filter_pipeline.rules import order
-from filter_pipeline.rules.batch import SUCCESS_FILE, check_run_id, complete_batches
-from filter_pipeline.rules.commits import read_commits
-from filter_pipeline.rules.history import load_retired
+from filter_pipeline.rules.batch import SUCCESS_FILE, check_run_id
 from filter_pipeline.rules.schemas import DROPPED_REASONS, FAILURE_REASONS, STATUS_ERROR
 from filter_pipeline.shell.assets import run_id_partitions
 from filter_pipeline.shell.config import CAPS_ENV, load_caps_file, parse_caps
@@ -33,6 +31,7 @@ from filter_pipeline.shell.jobs import (
     filter_job,
 )
 from filter_pipeline.shell.ledger import ORDER_MAX_WAIT_TAG
+from filter_pipeline.shell.runs import complete_batches
 from filter_pipeline.shell.sensors import (
     CALIBRATION,
     changed_warning,
@@ -43,6 +42,8 @@ from filter_pipeline.shell.sensors import (
     rejudging_due,
 )
 from filter_pipeline.shell.warehouse import DATA_ENV, DataRoot, read_parquet
+from filter_pipeline.storage import failures
+from filter_pipeline.storage.history import load_retired, read_commits
 from filter_pipeline.storage.lease import LedgerBusy, ledger_lease
 from filter_pipeline.storage.publish import STAGING_DIR, commit_state, complete_published
 
@@ -144,7 +145,7 @@ def _in_ledger_order(data: DataRoot, run_ids: list[str], named: bool) -> list[st
     if named and ordered != list(dict.fromkeys(run_ids)):
         print(f"first walks go in run_id order: {' '.join(ordered)} (given: {' '.join(run_ids)})", flush=True)
     complete = [b.run_id for b in batches]
-    failed, retired = order.read_failures(data.warehouse), load_retired(data.root).runs
+    failed, retired = failures.read_failures(data.warehouse), load_retired(data.root).runs
     blocked = {}
     for run_id in ordered:
         blockers = order.blocking_runs(run_id, complete, committed, failed, retired, walked_before=ordered)

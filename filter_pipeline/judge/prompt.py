@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any
 from upath import UPath
 
 from filter_pipeline.judge.replies import PART_FLAGS, SCORE_RANGE
-from filter_pipeline.rules.batch import LOCAL_PROTOCOLS
 from filter_pipeline.rules.schemas import (
     EVIDENCE_TRAJECTORY,
     TRAJECTORY_MISSING,
@@ -33,6 +32,7 @@ from filter_pipeline.rules.schemas import (
     TRAJECTORY_UNREADABLE,
     record_steps_evidence,
 )
+from filter_pipeline.shell.runs import LOCAL_PROTOCOLS
 
 if TYPE_CHECKING:
     from filter_pipeline.judge.config import LLMJudgeConfig

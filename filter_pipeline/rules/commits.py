@@ -6,14 +6,12 @@ DPO pairs, the report), it publishes `<data>/warehouse/_commits/<run_id>.json` i
 leaves the run pending, and its next walk starts again from the inputs. The record names each file with its size and SHA-256, so a later
 reader can tell a committed file that was deleted, rewritten or truncated from the one the walk wrote.
 
-The record and its parsing; reading the records of a warehouse. Writing them is `storage/`'s.
+The record and its parsing; reading and writing them is `storage/`'s (history.py, publish.py).
 """
 
 import hashlib
 import json
 from dataclasses import asdict, dataclass, fields
-
-from upath import UPath
 
 COMMITS_DIR = "_commits"  # <data>/warehouse/_commits/<run_id>.json
 LEGACY_PREFIX = "legacy:"  # history entry of a legacy run: "legacy:<sha256 of its kept.jsonl>"
@@ -57,15 +55,6 @@ class CommitRecord:
         return hashlib.sha256(self.to_json()).hexdigest()
 
 
-def commit_path(warehouse: UPath, run_id: str) -> UPath:
-    return warehouse / COMMITS_DIR / f"{run_id}.json"
-
-
-def _where(warehouse: UPath, path: UPath) -> str:
-    """A path as the user sees it from the data root: `warehouse/_commits/r1.json`."""
-    return f"{warehouse.name}/{path.parent.name}/{path.name}"
-
-
 def parse_commit(data: bytes, where: str, run_id: str) -> CommitRecord:
     """The commit record in `data` (the file `where` names); HistoryIntegrityError if it is not one."""
     redo = f"delete it and re-filter {run_id} with `filter-pipeline materialize {run_id}`"
@@ -83,33 +72,3 @@ def parse_commit(data: bytes, where: str, run_id: str) -> CommitRecord:
         if not isinstance(entry, dict) or not {"path", "size", "sha256"} <= set(entry):
             raise HistoryIntegrityError(f"{where}: files.{asset} lacks path, size or sha256: {redo}")
     return record
-
-
-def read_commits(warehouse: UPath) -> dict[str, CommitRecord]:
-    """Every committed run: run_id -> its record. Raises HistoryIntegrityError on a record that is not one."""
-    folder = warehouse / COMMITS_DIR
-    if not folder.exists():
-        return {}
-    found = {}
-    for path in folder.iterdir():
-        if not path.name.endswith(".json") or path.name.startswith("."):
-            continue  # (temp files of a write in progress start with a dot)
-        run_id = path.name.removesuffix(".json")
-        found[run_id] = parse_commit(path.read_bytes(), _where(warehouse, path), run_id)
-    return dict(sorted(found.items()))
-
-
-def file_entry(data_root: UPath, path: UPath, data, rows: int) -> dict:
-    """A commit's entry for a file written with `data` (bytes or a buffer; path relative to the data root)."""
-    view = memoryview(data)
-    return {
-        "path": relative(data_root, path),
-        "size": view.nbytes,
-        "sha256": hashlib.sha256(view).hexdigest(),
-        "rows": rows,
-    }
-
-
-def relative(data_root: UPath, path: UPath) -> str:
-    root = data_root.path.rstrip("/")
-    return path.path[len(root) + 1 :] if path.path.startswith(root + "/") else path.path

@@ -196,26 +196,14 @@ def walk_ledger(
     passing_at = np.flatnonzero(is_passing.to_numpy(dtype=bool, na_value=False))  # verdict rows, in order
     # only the columns the walk reads; the kept and surplus rows are taken from `verdicts` once, at the end
     passing = verdicts[["task_id", "macro", "site", "dedup_key"]].iloc[passing_at]
-    n = len(passing)
     keys = passing["dedup_key"]
     first_kept = prior_index.drop_duplicates("dedup_key", keep="first")  # provenance: the earliest keeper
     kept_before = positions(keys, first_kept["dedup_key"]) >= 0
     key_code, unique_keys = pd.factorize(keys)  # the texts are hashed once; the rest works on their codes
     repeated = np.bincount(key_code, minlength=len(unique_keys))[key_code] > 1
     later_use = pd.Series(key_code).duplicated(keep="first").to_numpy()
-
-    macro_code, macros = pd.factorize(passing["macro"])
-    site_code, sites = pd.factorize(passing["site"])
-    pair_code, pairs = pd.factorize(macro_code * len(sites) + site_code)
-    prior_pair, prior_macro = _prior_totals(prior_counts, macros, sites, pairs)
-    site_cap = np.array([caps.site_cap(m) for m in macros], dtype=np.int64)
-    no_target = np.iinfo(np.int64).max
-    target = np.array([no_target if (limit := caps.target(m)) is None else limit for m in macros], dtype=np.int64)
-    # a limit nobody can reach: history plus every passing verdict under it still fits
-    pair_macro = pairs // max(len(sites), 1)
-    pair_safe = prior_pair + np.bincount(pair_code, minlength=len(pairs)) <= site_cap[pair_macro]
-    macro_safe = prior_macro + np.bincount(macro_code, minlength=len(macros)) <= target
-    bulk = pair_safe[pair_code] & macro_safe[macro_code] & ~later_use & ~kept_before
+    groups = _Groups.of(passing, prior_counts, caps)
+    bulk = groups.safe & ~later_use & ~kept_before
 
     task_ids = passing["task_id"]
     kept_by: dict[str, tuple[str, str]] = dict(
@@ -223,28 +211,11 @@ def walk_ledger(
     )
     seeds = bulk & repeated  # bulk keepers of a key that is used again
     kept_by.update(zip(pylist(keys[seeds]), ((run_id, t) for t in pylist(task_ids[seeds]))))
-    count, macro_total = prior_pair.tolist(), prior_macro.tolist()  # by pair and macro position
-    site_caps, targets = site_cap.tolist(), target.tolist()
-
-    # (position, reason, provenance) of each dropped verdict; most verdicts are kept, so only drops are recorded
-    drops: list[tuple[int, str, tuple[str | None, str | None]]] = []
     walked = np.flatnonzero(~bulk)
-    columns = (walked.tolist(), pylist(task_ids.iloc[walked]), pylist(keys.iloc[walked]),
-               pair_code[walked].tolist(), macro_code[walked].tolist())  # fmt: skip
-    for i, task_id, key, pair, macro in zip(*columns):
-        if key in kept_by:
-            drops.append((i, DROPPED_DUPLICATE, kept_by[key]))
-        elif count[pair] >= site_caps[macro]:
-            drops.append((i, DROPPED_SITE_CAP, (None, None)))
-        elif macro_total[macro] >= targets[macro]:
-            drops.append((i, DROPPED_TARGET, (None, None)))
-        else:
-            kept_by[key] = (run_id, task_id)
-            count[pair] += 1
-            macro_total[macro] += 1
+    drops = groups.walk(walked, pylist(task_ids.iloc[walked]), pylist(keys.iloc[walked]), kept_by, run_id)
 
     dropped_at = [i for i, _, _ in drops]
-    keep_mask = np.ones(n, dtype=bool)
+    keep_mask = np.ones(len(passing), dtype=bool)
     keep_mask[dropped_at] = False
     surplus = verdicts.iloc[passing_at[dropped_at]].assign(
         dropped=[reason for _, reason, _ in drops],
@@ -254,6 +225,58 @@ def walk_ledger(
     kept_columns = [c for c in SCHEMAS["kept"].names if c in verdicts.columns]  # (conform adds any missing)
     kept = verdicts[kept_columns].iloc[passing_at[keep_mask]].reset_index(drop=True)
     return LedgerResult(kept=conform(kept, "kept"), surplus=conform(surplus, "surplus"))
+
+
+@dataclass
+class _Groups:
+    """The passing verdicts' (macro, site) pairs and macros as codes, with history's counts and the limits:
+    what the one-by-one walk counts against. `safe`: per verdict, whether its pair and macro stay within
+    their limits even if every passing verdict in them were kept."""
+
+    pair_code: np.ndarray
+    macro_code: np.ndarray
+    count: list[int]  # kept rows by pair position (history's, then this walk's)
+    macro_total: list[int]  # kept rows by macro position
+    site_caps: list[int]  # by macro position
+    targets: list[int]
+    safe: np.ndarray
+
+    @classmethod
+    def of(cls, passing: pd.DataFrame, prior_counts: pd.DataFrame, caps: Caps) -> "_Groups":
+        macro_code, macros = pd.factorize(passing["macro"])
+        site_code, sites = pd.factorize(passing["site"])
+        pair_code, pairs = pd.factorize(macro_code * len(sites) + site_code)
+        prior_pair, prior_macro = _prior_totals(prior_counts, macros, sites, pairs)
+        site_cap = np.array([caps.site_cap(m) for m in macros], dtype=np.int64)
+        no_target = np.iinfo(np.int64).max
+        target = np.array([no_target if (limit := caps.target(m)) is None else limit for m in macros], dtype=np.int64)
+        # a limit nobody can reach: history plus every passing verdict under it still fits
+        pair_macro = pairs // max(len(sites), 1)
+        pair_safe = prior_pair + np.bincount(pair_code, minlength=len(pairs)) <= site_cap[pair_macro]
+        macro_safe = prior_macro + np.bincount(macro_code, minlength=len(macros)) <= target
+        return cls(pair_code, macro_code, prior_pair.tolist(), prior_macro.tolist(), site_cap.tolist(),
+                   target.tolist(), pair_safe[pair_code] & macro_safe[macro_code])  # fmt: skip
+
+    def walk(
+        self, walked: np.ndarray, task_ids: list, keys: list, kept_by: dict[str, tuple[str, str]], run_id: str
+    ) -> list[tuple[int, str, tuple[str | None, str | None]]]:
+        """The one-by-one walk over the verdicts at positions `walked`: (position, reason, provenance) of each
+        dropped one (most verdicts are kept, so only drops are recorded); `kept_by` gains this walk's keeps."""
+        drops: list[tuple[int, str, tuple[str | None, str | None]]] = []
+        count, macro_total, site_caps, targets = self.count, self.macro_total, self.site_caps, self.targets
+        columns = (walked.tolist(), task_ids, keys, self.pair_code[walked].tolist(), self.macro_code[walked].tolist())
+        for i, task_id, key, pair, macro in zip(*columns):
+            if key in kept_by:
+                drops.append((i, DROPPED_DUPLICATE, kept_by[key]))
+            elif count[pair] >= site_caps[macro]:
+                drops.append((i, DROPPED_SITE_CAP, (None, None)))
+            elif macro_total[macro] >= targets[macro]:
+                drops.append((i, DROPPED_TARGET, (None, None)))
+            else:
+                kept_by[key] = (run_id, task_id)
+                count[pair] += 1
+                macro_total[macro] += 1
+        return drops
 
 
 def _prior_totals(prior_counts: pd.DataFrame, macros, sites, pairs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -4,14 +4,19 @@ The record is what was committed: the `kept` file each commit record (`warehouse
 names, verified against the size and SHA-256 the commit recorded, plus the legacy `runs/<run>/kept.jsonl`
 of runs filtered by the earlier script that have no commit. A committed file that is missing, changed,
 unreadable or not a kept file fails the read with one line naming it (HistoryIntegrityError); a kept file
-without a commit (a walk killed before it committed) is not history. Files are read a few at a time, so
-memory follows the largest run rather than the whole history.
+without a commit (a walk killed before it committed) is not history. Files are read one at a time and
+counted as they are read, so memory follows the largest run rather than the whole history.
+
+Pure: bytes in, tables out. Listing and reading the files is `storage/history.py`'s, which hands each
+source's bytes here as it reads them (`prior_index` takes them one at a time).
+
+Counting is Arrow's: kept rows per (macro, site) by `group_by`, the batch's keys found by their 64-bit
+key_hash and confirmed on the text (`pc.is_in`). `verify` counts with the same functions.
 """
 
 import hashlib
 import json
-from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -19,11 +24,10 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-from upath import UPath
 
-from filter_pipeline.rules.batch import LEGACY_KEPT_FILE, local_signature
-from filter_pipeline.rules.commits import LEGACY_PREFIX, CommitRecord, HistoryIntegrityError, read_commits
-from filter_pipeline.rules.schemas import canonical_key, conform, empty_frame, key_hashes, pylist, to_pandas
+from filter_pipeline.rules.batch import LEGACY_KEPT_FILE
+from filter_pipeline.rules.commits import LEGACY_PREFIX, CommitRecord, HistoryIntegrityError
+from filter_pipeline.rules.schemas import canonical_key, conform, empty_frame, key_hashes, positions, to_pandas
 
 RETIRED_FILE = "retired.json"
 
@@ -43,14 +47,14 @@ class Retired:
         return run_id in self.runs
 
 
-def load_retired(data_root: UPath) -> Retired:
-    """Parse `<data>/retired.json` (absent: nothing retired). Raises HistoryError on a wrong shape."""
-    path = data_root / RETIRED_FILE
-    if not path.exists():
+def parse_retired(data: bytes | None) -> Retired:
+    """`<data>/retired.json`'s bytes as a Retired (None, the file absent: nothing retired). Raises HistoryError
+    on a wrong shape."""
+    if data is None:
         return Retired()
     where = f"{RETIRED_FILE}"
     try:
-        entries = json.loads(path.read_text(encoding="utf-8"))
+        entries = json.loads(data.decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise HistoryError(f"{where} is not valid JSON: {exc}") from None
     if not isinstance(entries, list):
@@ -85,31 +89,27 @@ class PriorIndex:
     history: dict[str, str] = field(default_factory=dict)  # run_id -> commit digest, or "legacy:<sha256>"
 
 
-_INDEX_COLUMNS = ["dedup_key", "key_hash", "macro", "site", "task_id"]
 _STRINGS = pa.schema([(c, pa.string()) for c in ("dedup_key", "macro", "site", "task_id")])
+_MATCHED = pa.schema([*_STRINGS, ("key_hash", pa.int64())])
+_COUNTS = pa.schema([("macro", pa.string()), ("site", pa.string()), ("n_kept", pa.int64())])
+_CODED = pa.dictionary(pa.int32(), pa.string())
+_PARTS = pa.schema([("macro", _CODED), ("site", _CODED), ("n_kept", pa.int64())])
 
 
-def kept_files(kept_dir: UPath) -> dict[str, UPath]:
-    """run_id -> its `kept` Parquet file, committed or not, skipping temporary files of writes in progress."""
-    if not kept_dir.exists():
-        return {}
-    return {
-        p.name.removesuffix(".parquet"): p
-        for p in kept_dir.iterdir()
-        if p.name.endswith(".parquet") and not p.name.startswith((".", "_"))
-    }
+@dataclass(frozen=True)
+class Source:
+    """One run's history as read: `kind` "warehouse" (its committed kept file, `entry` the commit's entry for
+    it, `digest` the commit record's) or "legacy" (runs/<run>/kept.jsonl); `data`, the file's bytes."""
+
+    run_id: str
+    kind: str
+    data: bytes
+    entry: dict | None = None
+    digest: str = ""
 
 
-def legacy_kept_files(runs_dir: UPath) -> dict[str, UPath]:
-    """run_id -> `runs/<run>/kept.jsonl` for every run that has one."""
-    if not runs_dir.exists():
-        return {}
-    return {p.name: p / LEGACY_KEPT_FILE for p in runs_dir.iterdir() if (p / LEGACY_KEPT_FILE).exists()}
-
-
-def _read_legacy(path: UPath, run_id: str) -> tuple[pa.Table, str]:
+def parse_legacy(data: bytes, run_id: str) -> tuple[pa.Table, str]:
     """A legacy kept.jsonl's rows (keys re-encoded as canonical text) and the SHA-256 of its bytes."""
-    data = path.read_bytes()
     rows = []
     try:
         text = data.decode("utf-8")
@@ -146,131 +146,53 @@ def _with_hashes(table: pa.Table) -> pa.Table:
     return table.append_column("key_hash", hashes)
 
 
-class _KeyProbe:
-    """Which history rows carry one of the batch's keys: matched on 64-bit hashes (an int64 hash index, O(1)
-    per row), then confirmed on the canonical text."""
-
-    def __init__(self, batch_keys: pd.DataFrame):
-        self.batch_hashes = batch_keys["key_hash"].to_numpy(dtype=np.int64)
-        self.hashes = pd.Index(pd.unique(self.batch_hashes))
-        self.hashes.get_indexer(np.zeros(1, dtype=np.int64))  # build its hash table now, not racing in threads
-        texts = pa.array(batch_keys["dedup_key"], type=pa.string())
-        self.texts = texts.combine_chunks() if isinstance(texts, pa.ChunkedArray) else texts
-        self.wanted = len(batch_keys) > 0  # no keys to look for: history is read for its counts alone
-
-    def maybe(self, hashes: np.ndarray) -> np.ndarray:
-        return self.hashes.get_indexer(hashes) >= 0
-
-    def confirm(self, matched: pa.Table) -> pa.Table:
-        """The rows of `matched` (rows whose key_hash is among the batch's) whose text is one of the batch's.
-        A key's hash is a function of its text, so only the batch texts with those hashes can match: the value
-        set is those few, not all the batch's texts (a set of 300k texts costs 0.1 s to build)."""
-        same_hash = pd.Index(pd.unique(matched["key_hash"].to_numpy())).get_indexer(self.batch_hashes) >= 0
-        return matched.filter(pc.is_in(matched["dedup_key"], value_set=self.texts.filter(pa.array(same_hash))))
-
-
-class _Names:
-    """Integer ids for names, looked up by Arrow in bulk: only names never seen before touch Python."""
-
-    def __init__(self):
-        self.names: list[str] = []
-        self.known = pa.array([], pa.string())
-
-    def ids(self, values: pa.Array) -> np.ndarray:
-        found = pc.index_in(values, value_set=self.known)
-        if found.null_count:
-            self.names += pc.unique(values.filter(pc.is_null(found))).to_pylist()
-            self.known = pa.array(self.names, pa.string())
-            found = pc.index_in(values, value_set=self.known)
-        return found.to_numpy(zero_copy_only=False).astype(np.int64)
-
-
-class _PairCounts:
-    """Kept rows per (macro, site), summed file by file into a dense grid of integer ids.
-
-    Each file's macro and site columns arrive dictionary-encoded: only the (small) dictionaries are mapped
-    to global ids; the rows are counted with numpy.
-    """
-
-    def __init__(self):
-        self.macros, self.sites = _Names(), _Names()
-        self.grid = np.zeros((0, 0), dtype=np.int64)
-
-    @staticmethod
-    def _codes(column: pa.ChunkedArray | pa.Array, names: _Names) -> np.ndarray:
-        column = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
-        if not pa.types.is_dictionary(column.type):
-            column = column.dictionary_encode()
-        mapping = names.ids(column.dictionary.cast(pa.string()))
-        return mapping[column.indices.to_numpy(zero_copy_only=False)] if len(mapping) else np.zeros(0, np.int64)
-
-    def copy(self) -> "_PairCounts":
-        twin = _PairCounts()
-        for mine, theirs in ((self.macros, twin.macros), (self.sites, twin.sites)):
-            theirs.names, theirs.known = list(mine.names), mine.known
-        twin.grid = self.grid.copy()
-        return twin
-
-    def add(self, table: pa.Table) -> None:
-        if table.num_rows == 0:
-            return
-        m = self._codes(table["macro"], self.macros)
-        s = self._codes(table["site"], self.sites)
-        rows, cols = len(self.macros.names), len(self.sites.names)
-        if rows > self.grid.shape[0] or cols > self.grid.shape[1]:
-            grown = np.zeros((max(rows, 2 * self.grid.shape[0]), max(cols, 2 * self.grid.shape[1])), dtype=np.int64)
-            grown[: self.grid.shape[0], : self.grid.shape[1]] = self.grid
-            self.grid = grown
-        width = self.grid.shape[1]
-        self.grid += np.bincount(m * width + s, minlength=self.grid.size).reshape(self.grid.shape)
-
-    def total(self) -> pa.Table:
-        m, s = np.nonzero(self.grid)
-        macros = np.array(self.macros.names, dtype=object)
-        sites = np.array(self.sites.names, dtype=object)
-        return pa.table(
-            {
-                "macro": pa.array(macros[m] if len(m) else [], pa.string()),
-                "site": pa.array(sites[s] if len(s) else [], pa.string()),
-                "count_all": pa.array(self.grid[m, s], pa.int64()),
-            }
-        )
-
-
-def _drop_retired(table: pa.Table, retired_ids: frozenset[str] | None) -> pa.Table:
+def drop_retired(table: pa.Table, retired_ids: frozenset[str] | None) -> pa.Table:
+    """The rows of `table` whose task_id is not among `retired_ids`."""
     if not retired_ids:
         return table
     return table.filter(pc.invert(pc.is_in(table["task_id"], value_set=pa.array(sorted(retired_ids), pa.string()))))
 
 
-_MATCHED = pa.schema([*_STRINGS, ("key_hash", pa.int64())])
+def kept_pairs(table: pa.Table) -> pa.Table:
+    """A table's (macro, site) columns, one kept row each (n_kept 1), dictionary-encoded: a part for
+    `sum_counts`. Counting rows as they come, rather than counting each file first, keeps the group_by to
+    one pass over codes."""
+    columns = [pc.dictionary_encode(table[c]) if not pa.types.is_dictionary(table[c].type) else table[c]
+               for c in ("macro", "site")]  # fmt: skip
+    ones = pa.array(np.ones(table.num_rows, dtype=np.int64))
+    return pa.table([*(c.cast(_CODED) for c in columns), ones], schema=_PARTS)
+
+
+def sum_counts(parts: list[pa.Table]) -> pa.Table:
+    """`kept_pairs` (or earlier `sum_counts`) tables summed per (macro, site): macro, site, n_kept."""
+    if not parts:
+        return _PARTS.empty_table()
+    summed = pa.concat_tables(parts).unify_dictionaries().group_by(["macro", "site"]).aggregate([("n_kept", "sum")])
+    return pa.table([summed["macro"], summed["site"], summed["n_kept_sum"]], schema=_PARTS)
+
+
+def as_text(counts: pa.Table) -> pa.Table:
+    """`sum_counts`' table with macro and site as text, sorted by them."""
+    table = pa.table([counts[c].cast(pa.string()) for c in ("macro", "site")] + [counts["n_kept"]], schema=_COUNTS)
+    return table.sort_by([("macro", "ascending"), ("site", "ascending")])
 
 
 KEPT_COLUMNS = ("dedup_key", "key_hash", "macro", "site", "task_id")
 
 
-def _refilter(run_id: str) -> str:
+def refilter(run_id: str) -> str:
     return f"restore it, or re-filter {run_id} with `filter-pipeline materialize {run_id}`"
 
 
-def verified_bytes(data_root: UPath, run_id: str, entry: dict) -> bytes:
-    """The bytes of a committed file, checked against its commit entry (size, SHA-256). Raises
-    HistoryIntegrityError naming the file when it is missing, unreadable or changed."""
+def check_committed(data: bytes, run_id: str, entry: dict) -> bytes:
+    """`data`, the bytes read of a file `run_id` committed, if they are what its commit entry says (size,
+    SHA-256); HistoryIntegrityError naming the file otherwise."""
     where = entry["path"]
-    try:
-        with (data_root / where).open("rb") as f:
-            data = f.read()
-    except FileNotFoundError:
-        raise HistoryIntegrityError(f"{where} is missing, but run {run_id} committed it: {_refilter(run_id)}") from None
-    except OSError as exc:
-        raise HistoryIntegrityError(
-            f"{where} (committed by run {run_id}) cannot be read ({exc}): {_refilter(run_id)}"
-        ) from None
-    digest = hashlib.sha256(data).hexdigest()  # (releases the GIL: the read-ahead threads hash in parallel)
+    digest = hashlib.sha256(data).hexdigest()
     if len(data) != entry["size"] or digest != entry["sha256"]:
         raise HistoryIntegrityError(
             f"{where} changed since run {run_id} was committed (sha256 {digest[:12]}, {len(data)} bytes; committed "
-            f"{str(entry['sha256'])[:12]}, {entry['size']} bytes): {_refilter(run_id)}"
+            f"{str(entry['sha256'])[:12]}, {entry['size']} bytes): {refilter(run_id)}"
         )
     return data
 
@@ -280,174 +202,126 @@ def _open_kept(data: bytes, where: str, run_id: str) -> pq.ParquetFile:
         parquet = pq.ParquetFile(pa.BufferReader(data), read_dictionary=["macro", "site"])  # counted by code
     except (pa.ArrowException, OSError) as exc:
         raise HistoryIntegrityError(
-            f"{where} (committed by run {run_id}) is not readable Parquet ({exc}): {_refilter(run_id)}"
+            f"{where} (committed by run {run_id}) is not readable Parquet ({exc}): {refilter(run_id)}"
         ) from None
     missing = [c for c in KEPT_COLUMNS if c not in parquet.schema_arrow.names]
     if missing:
         raise HistoryIntegrityError(
-            f"{where} (committed by run {run_id}) is not a kept file: no column {', '.join(missing)}: {_refilter(run_id)}"
+            f"{where} (committed by run {run_id}) is not a kept file: no column {', '.join(missing)}: {refilter(run_id)}"
         )
     return parquet
 
 
-def _read_warehouse(
-    data_root: UPath, run_id: str, entry: dict, probe: _KeyProbe, retired_ids: frozenset[str] | None
-) -> tuple[pa.Table, pa.Table]:
-    """(rows for the counts: macro, site; rows whose key_hash the batch carries, to be confirmed on the text:
-    the index columns and key_hash), from a committed kept file verified against its commit entry."""
-    parquet = _open_kept(verified_bytes(data_root, run_id, entry), entry["path"], run_id)
+def _count_committed(
+    source: Source, batch_hashes: pd.Index, retired_ids: frozenset[str] | None
+) -> tuple[pa.Table, pa.Table, int]:
+    """(its pair counts; rows whose key_hash the batch carries, to be confirmed on the text: the index columns
+    and key_hash; its number of rows), from a committed kept file verified against its commit entry."""
+    entry, run_id = source.entry, source.run_id
+    parquet = _open_kept(check_committed(source.data, run_id, entry), entry["path"], run_id)
     # The file is the one the walk wrote (its hash says so): its keys are canonical and key_hash is theirs.
-    keys = ["key_hash"] if probe.wanted else []  # (coverage wants no keys)
-    wanted = ["macro", "site", *keys] + (["task_id"] if retired_ids else [])
-    table = _drop_retired(parquet.read(columns=wanted), retired_ids)  # macro/site stay dictionary codes
-    if not probe.wanted:
-        return table, _MATCHED.empty_table()
-    hashes = table["key_hash"].to_numpy()
-    maybe = probe.maybe(hashes)
-    if not maybe.any():
-        return table, _MATCHED.empty_table()
-    full = parquet.read(columns=["dedup_key", "macro", "site", "task_id"]).cast(_STRINGS)
-    matched = _drop_retired(full, retired_ids).filter(pa.array(maybe))
-    return table, matched.append_column("key_hash", pa.array(hashes[maybe], pa.int64()))
+    wanted = ["macro", "site", "key_hash"] + (["task_id"] if retired_ids else [])
+    table = drop_retired(parquet.read(columns=wanted), retired_ids)  # macro/site stay dictionary codes
+    # (the batch's hashes are a pandas index built once: its hash table serves every file)
+    maybe = batch_hashes.get_indexer(table["key_hash"].to_numpy()) >= 0
+    matched = _MATCHED.empty_table()
+    if maybe.any():
+        full = drop_retired(parquet.read(columns=["dedup_key", "macro", "site", "task_id"]).cast(_STRINGS), retired_ids)
+        matched = full.filter(pa.array(maybe)).append_column("key_hash", pa.array(table["key_hash"].to_numpy()[maybe]))
+    return kept_pairs(table), matched, table.num_rows
 
 
-READ_AHEAD = 8  # files read at once: Arrow decodes without the GIL; 8 was 10% faster than 4 over 400 files
-# (20M rows, 2 cores), and memory stays a few files' worth
+def _count_source(
+    source: Source, batch_hashes: pd.Index, retired_ids: frozenset[str] | None
+) -> tuple[pa.Table, pa.Table, int, str]:
+    """`_count_committed` of a committed run, or the same of a legacy kept.jsonl; with what `PriorIndex.history`
+    says of the run (its commit digest, or "legacy:<sha256>")."""
+    if source.kind == "warehouse":
+        return *_count_committed(source, batch_hashes, retired_ids), source.digest
+    rows, digest = parse_legacy(source.data, source.run_id)
+    rows = drop_retired(rows, retired_ids)
+    maybe = batch_hashes.get_indexer(rows["key_hash"].to_numpy()) >= 0
+    matched = rows.filter(pa.array(maybe)).select(_MATCHED.names)
+    return kept_pairs(rows), matched, rows.num_rows, LEGACY_PREFIX + digest
 
 
-def _in_order(read, items: list):
-    """`read(item)` for each item, in order, with up to READ_AHEAD reads running in threads ahead of the
-    consumer (reading is I/O and Arrow decoding; the consumer's counting stays in one thread)."""
-    with ThreadPoolExecutor(max_workers=READ_AHEAD) as pool:
-        pending: deque = deque()
-        for item in items:
-            pending.append(pool.submit(read, item))
-            if len(pending) >= READ_AHEAD:
-                yield pending.popleft().result()
-        while pending:
-            yield pending.popleft().result()
-
-
-@dataclass(frozen=True)
-class _Counted:
-    """The counts of one history read, and the exact files they came from: run_id -> (path, (size,
-    mtime_ns), that run's retired task_ids, what its commit says of it)."""
-
-    files: dict[str, tuple]
-    counts: _PairCounts
-    rows: int
-
-
-# The last history read of this process. A read for counts alone (coverage, right after the ledger step of
-# the same run counted every other run) takes from it the runs whose file is unchanged since, and reads the
-# rest: at 2M rows of history, one file instead of 41.
-_last_counted: _Counted | None = None
-
-
-def _fingerprint(path: UPath, retired_ids: frozenset[str] | None, source: str) -> tuple | None:
-    """What a file's counts depend on; None off local disk or when it is missing (then it is read, and fails)."""
-    try:
-        signature = local_signature(path)
-    except OSError:
-        return None
-    return None if signature is None else (path.path, signature, retired_ids, source)
-
-
-def history_sources(data_root: UPath, commits: dict[str, CommitRecord]) -> dict[str, tuple[str, UPath, dict | None]]:
-    """run_id -> ("warehouse", its committed kept file, the commit's entry) for each committed run, or
-    ("legacy", runs/<run>/kept.jsonl, None) for a run with a legacy file and no commit."""
-    sources: dict[str, tuple[str, UPath, dict | None]] = {
-        r: ("legacy", p, None) for r, p in legacy_kept_files(data_root / "runs").items() if r not in commits
-    }
-    for run_id, record in commits.items():
-        entry = record.files.get("kept")
-        if entry is None:
-            raise HistoryIntegrityError(
-                f"warehouse/_commits/{run_id}.json names no kept file: delete it and re-filter {run_id} with "
-                f"`filter-pipeline materialize {run_id}`"
-            )
-        sources[run_id] = ("warehouse", data_root / entry["path"], entry)
-    return dict(sorted(sources.items()))
-
-
-def build_prior_index(
-    data_root: UPath,
-    run_id: str,
-    batch_keys: pd.DataFrame,
-    retired: Retired,
-    commits: dict[str, CommitRecord] | None = None,
-) -> PriorIndex:
-    """The prior-run dedup index for `run_id` (CONTRACT §3.5, §4): every other committed run's kept rows,
-    plus legacy kept.jsonl, minus retired. Raises HistoryIntegrityError (one line: the file, what is wrong,
-    what to do) when a committed kept file is missing, changed, unreadable or not a kept file.
+def prior_index(batch_keys: pd.DataFrame, retired: Retired, sources: Iterable[Source]) -> PriorIndex:
+    """The prior-run dedup index (CONTRACT §3.5, §4) from `sources`, every other non-retired run's history
+    (consumed one at a time, so only one file's bytes need be held). Raises HistoryIntegrityError (one
+    line: the file, what is wrong, what to do) when a committed kept file is changed or not a kept file.
 
     `batch_keys` (dedup_key, key_hash) are the keys the walk can meet: only those are returned with their
-    provenance; counts cover every row. `commits`: the warehouse's commit records (read when not given).
-    Files are read a few at a time (READ_AHEAD), each hashed as read, mostly decoded as integers and
-    dictionary codes, so cost grows slowly with history and memory not at all. Without batch keys, runs
-    counted by this process's previous read, with their file and retired rows unchanged, are not read again.
+    provenance; counts cover every row. Each file is mostly decoded as integers and dictionary codes.
     """
-    global _last_counted
-    commits = read_commits(data_root / "warehouse") if commits is None else commits
-    sources = history_sources(data_root, commits)
-    probe = _KeyProbe(batch_keys)
-    counts = _PairCounts()
-    key_parts: list[pa.Table] = []
-    runs_read = rows_read = 0
-    history: dict[str, str] = {}
-
-    def read(other: str) -> tuple[pa.Table, pa.Table, str]:
-        kind, path, entry = sources[other]
-        retired_ids = retired.tasks.get(other)
-        if kind == "warehouse":
-            return *_read_warehouse(data_root, other, entry, probe, retired_ids), commits[other].digest
-        rows, digest = _read_legacy(path, other)
-        rows = _drop_retired(rows, retired_ids)
-        return (
-            rows,
-            rows.filter(pa.array(probe.maybe(rows["key_hash"].to_numpy()))).select(_MATCHED.names),
-            LEGACY_PREFIX + digest,
+    batch_hashes = pd.Index(pd.unique(batch_keys["key_hash"].to_numpy(dtype=np.int64)))
+    counts, key_parts, rows_read, history = [], [], 0, {}
+    for source in sources:
+        pairs, matched, rows, history[source.run_id] = _count_source(
+            source, batch_hashes, retired.tasks.get(source.run_id)
         )
-
-    others = [r for r in sources if r != run_id and not retired.run_is_retired(r)]
-    files = {
-        r: _fingerprint(sources[r][1], retired.tasks.get(r), commits[r].digest if r in commits else "legacy")
-        for r in others
-    }
-    to_read = others
-    last = _last_counted
-    if (
-        not probe.wanted
-        and last is not None
-        and all(f is not None and files.get(r) == f for r, f in last.files.items())
-    ):
-        counts, runs_read, rows_read = last.counts.copy(), len(last.files), last.rows
-        to_read = [r for r in others if r not in last.files]
-    for other, (rows, matched, digest) in zip(to_read, _in_order(read, to_read)):
-        runs_read += 1
-        rows_read += rows.num_rows
-        history[other] = digest
-        counts.add(rows.select(["macro", "site"]))
+        rows_read += rows
+        counts.append(pairs)
+        if sum(part.num_rows for part in counts) >= _COUNTS_PENDING_ROWS:
+            counts = [sum_counts(counts)]
         if matched.num_rows:
-            key_parts.append(matched.append_column("run_id", pa.array([other] * matched.num_rows, type=pa.string())))
-    for other in others:
-        history.setdefault(other, commits[other].digest if other in commits else "legacy:")
-    if all(f is not None for f in files.values()):
-        _last_counted = _Counted(files, counts.copy(), rows_read)
-
-    total = (
-        counts.total()
-        .rename_columns(["macro", "site", "n_kept"])
-        .sort_by([("macro", "ascending"), ("site", "ascending")])
-    )
-    # every run's hash matches confirmed at once: one value set, of the batch texts that share their hashes
-    hits = probe.confirm(pa.concat_tables(key_parts)).drop_columns(["key_hash"]) if key_parts else None
-    keys = to_pandas(hits) if hits is not None else empty_frame("prior_dedup_index")
-    keys = keys.assign(key_hash=pd.array(key_hashes(pylist(keys["dedup_key"])), dtype="Int64"))
+            run_ids = pa.array([source.run_id] * matched.num_rows, pa.string())
+            key_parts.append(matched.append_column("run_id", run_ids))
     return PriorIndex(
-        keys=conform(keys.sort_values(["run_id", "task_id"], kind="stable"), "prior_dedup_index"),
-        counts=conform(to_pandas(total), "prior_kept_counts"),
-        runs_read=runs_read,
+        keys=_confirmed(key_parts, batch_keys),
+        counts=conform(to_pandas(as_text(sum_counts(counts))), "prior_kept_counts"),
+        runs_read=len(history),
         rows_read=rows_read,
         history=dict(sorted(history.items())),
     )
+
+
+# kept rows held as (macro, site) codes before they are counted into one table: memory stays at a few
+# files' worth, whatever the history's length
+_COUNTS_PENDING_ROWS = 4_000_000
+
+
+def _confirmed(key_parts: list[pa.Table], batch_keys: pd.DataFrame) -> pd.DataFrame:
+    """The prior_dedup_index rows: history rows whose key_hash the batch carries, kept where the text is one
+    of the batch's too (a hash is a function of the text: only batch texts with those hashes can match)."""
+    if not key_parts:
+        return conform(empty_frame("prior_dedup_index"), "prior_dedup_index")
+    matched = pa.concat_tables(key_parts)
+    texts = pa.array(batch_keys["dedup_key"], pa.string())
+    same_hash = pc.is_in(pa.array(batch_keys["key_hash"], pa.int64()), value_set=matched["key_hash"])
+    hits = matched.filter(pc.is_in(matched["dedup_key"], value_set=texts.filter(same_hash))).drop_columns(["key_hash"])
+    keys = to_pandas(hits)
+    # each key's hash from the batch's row of the same text (a file's own key_hash column is only a probe)
+    hashes = batch_keys["key_hash"].to_numpy(dtype=np.int64)[positions(keys["dedup_key"], batch_keys["dedup_key"])]
+    keys = keys.assign(key_hash=pd.array(hashes, dtype="Int64"))
+    return conform(keys.sort_values(["run_id", "task_id"], kind="stable"), "prior_dedup_index")
+
+
+def covering_walk(commits: dict[str, CommitRecord], live: set[str], retired: Retired) -> str | None:
+    """The committed run whose walk read as history exactly the other runs that count now (`live`), each as it
+    is committed now (its commit's digest): that walk's prior_kept_counts plus its own kept rows are then
+    every live run's kept rows. None when no walk did (a run retired, added or re-walked since, a legacy run,
+    single tasks retired): then every run is counted from its file."""
+    if any(retired.tasks.get(r) for r in live):
+        return None
+    for run_id, record in sorted(commits.items(), key=lambda item: item[1].walked_at, reverse=True):
+        if (
+            run_id in live and {"kept", "prior_kept_counts"} <= set(record.files)
+            and set(record.history) == live - {run_id}
+            and all(r in commits and commits[r].digest == d for r, d in record.history.items())
+        ):  # fmt: skip
+            return run_id
+    return None
+
+
+def whole_runs_counted(prior_counts: pa.Table, commits: dict[str, CommitRecord], read: dict[str, str]) -> bool:
+    """Whether a walk's prior_kept_counts count every row of the runs it `read` (no single task was retired
+    when it walked): then they are those runs' counts now too."""
+    rows = sum(int(commits[r].files["kept"].get("rows", -1)) for r in read)
+    return int(pc.sum(prior_counts["n_kept"]).as_py() or 0) == rows
+
+
+def add_own(prior_counts: pa.Table, kept: pa.Table) -> pd.DataFrame:
+    """A walk's prior_kept_counts (macro, site, n_kept) plus its own kept rows (macro, site), as counts."""
+    coded = [pc.dictionary_encode(prior_counts[c]).cast(_CODED) for c in ("macro", "site")]
+    prior = pa.table([*coded, prior_counts["n_kept"].cast(pa.int64())], schema=_PARTS)
+    return conform(to_pandas(as_text(sum_counts([prior, kept_pairs(kept)]))), "prior_kept_counts")

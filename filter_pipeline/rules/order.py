@@ -1,4 +1,5 @@
-"""The ledger's order (CONTRACT §4), as pure decisions, and the records of batches that failed validation.
+"""The ledger's order (CONTRACT §4), as pure decisions (the records of batches that failed validation are
+`storage/failures.py`'s).
 
 A run's first walk waits until every complete batch with a lower run_id is committed, retired as a whole, or
 has a recorded validation failure (`warehouse/_failed/<run_id>.json`). Walking an already committed run again
@@ -8,14 +9,8 @@ ledger step asks `blocking_runs` first, so the order does not depend on the laun
 
 from __future__ import annotations
 
-import json
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-
-from upath import UPath
-
-FAILED_DIR = "_failed"
 
 
 def blocking_runs(
@@ -79,51 +74,6 @@ def describe_stuck(why: str, run_id: str, stuck: dict[str, float]) -> str:
         f"would hold. The batch sensor walks {run_id} in run_id order once the lower runs are walked (with the "
         f"sensor off, materialize {run_id} again then)"
     )
-
-
-# --- validation failures ----------------------------------------------------------------------------------
-
-
-def failure_path(warehouse: UPath, run_id: str) -> UPath:
-    return warehouse / FAILED_DIR / f"{run_id}.json"
-
-
-def record_failure(warehouse: UPath, run_id: str, reason: str) -> None:
-    """Record that `run_id`'s batch cannot be filtered as it is (later batches stop waiting for it)."""
-    path = failure_path(warehouse, run_id)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    body = json.dumps({"run_id": run_id, "reason": reason, "recorded_at": time.time()}, ensure_ascii=False)
-    if path.protocol in ("", "file", "local"):
-        temp = path.parent / f".{path.name}.tmp"  # renamed into place: a reader never sees half a record
-        temp.write_text(body, encoding="utf-8")
-        temp.rename(path)
-    else:
-        path.write_text(body, encoding="utf-8")  # an object store's put is atomic
-
-
-def clear_failure(warehouse: UPath, run_id: str) -> bool:
-    """Remove `run_id`'s failure record (it was walked since); returns whether there was one."""
-    path = failure_path(warehouse, run_id)
-    if not path.exists():
-        return False
-    path.unlink()
-    return True
-
-
-def read_failures(warehouse: UPath) -> dict[str, str]:
-    """run_id -> recorded reason, for every batch whose validation failure is recorded."""
-    folder = warehouse / FAILED_DIR
-    if not folder.exists():
-        return {}
-    found = {}
-    for path in folder.iterdir():
-        if path.name.endswith(".json") and not path.name.startswith("."):
-            try:
-                raw = json.loads(path.read_text(encoding="utf-8"))
-                found[raw["run_id"]] = str(raw.get("reason", ""))
-            except (ValueError, KeyError, TypeError):
-                found[path.name.removesuffix(".json")] = "unreadable failure record"
-    return found
 
 
 # --- re-judging runs with unjudged tasks -------------------------------------------------------------------

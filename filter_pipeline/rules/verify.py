@@ -8,7 +8,7 @@ Every finding is one line naming the file or run, what is wrong and what to do:
 - a kept file without a commit record (a walk stopped before committing);
 - a committed batch whose input files changed since it was filtered.
 
-Pure: no Dagster.
+Pure: tables and records in, findings out. Reading the warehouse for them is `storage/audit.py`'s.
 """
 
 from dataclasses import dataclass
@@ -17,23 +17,16 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
-from upath import UPath
 
-from filter_pipeline.rules.commits import COMMITS_DIR, CommitRecord, HistoryIntegrityError, parse_commit
+from filter_pipeline.rules.commits import CommitRecord
 from filter_pipeline.rules.filtering import Caps, MacroLimits
-from filter_pipeline.rules.history import (
-    HistoryError,
-    _drop_retired,
-    _Names,
-    _PairCounts,
-    _read_legacy,
-    kept_files,
-    legacy_kept_files,
-    load_retired,
-    verified_bytes,
-)  # fmt: skip
-from filter_pipeline.rules.schemas import DEFAULT_PER_SITE_CAP, STATUS_ERROR, STATUS_JUDGED, read_parquet_file
-from filter_pipeline.storage.files import inputs_changed
+from filter_pipeline.rules.history import as_text, kept_pairs, sum_counts
+from filter_pipeline.rules.schemas import (
+    DEFAULT_PER_SITE_CAP,
+    STATUS_ERROR,
+    STATUS_JUDGED,
+    to_pandas,
+)
 
 FINDING_KINDS = ("commit", "file", "duplicate", "cap", "conservation", "uncommitted", "changed")
 MAX_LINES_PER_KIND = 20  # beyond this, one line says how many more of the same kind were found
@@ -45,23 +38,7 @@ class Finding:
     line: str
 
 
-def _commits(warehouse: UPath) -> tuple[dict[str, CommitRecord], list[Finding]]:
-    folder = warehouse / COMMITS_DIR
-    records, findings = {}, []
-    if not folder.exists():
-        return records, findings
-    for path in sorted(folder.iterdir(), key=lambda p: p.name):
-        if not path.name.endswith(".json") or path.name.startswith("."):
-            continue
-        run_id = path.name.removesuffix(".json")
-        try:
-            records[run_id] = parse_commit(path.read_bytes(), f"warehouse/{COMMITS_DIR}/{path.name}", run_id)
-        except HistoryIntegrityError as exc:
-            findings.append(Finding("commit", str(exc)))
-    return records, findings
-
-
-def _caps_of(record: CommitRecord) -> Caps:
+def caps_of(record: CommitRecord) -> Caps:
     raw = record.caps or {}
     macros = {
         m: MacroLimits(site_cap=c.get("site_cap"), target=c.get("target")) for m, c in (raw.get("caps") or {}).items()
@@ -69,82 +46,7 @@ def _caps_of(record: CommitRecord) -> Caps:
     return Caps(per_site_cap=raw.get("per_site_cap", DEFAULT_PER_SITE_CAP), macros=macros)
 
 
-def _kept_rows(
-    data_root: UPath, run_id: str, record: CommitRecord, columns: list[str], findings: list[Finding]
-) -> pa.Table | None:
-    """The columns of a committed run's kept file, verified against its commit (None, with a finding, if not)."""
-    entry = record.files.get("kept")
-    if entry is None:
-        findings.append(Finding("commit", f"warehouse/{COMMITS_DIR}/{run_id}.json names no kept file: re-filter {run_id} "
-                                          f"with `filter-pipeline materialize {run_id}`"))  # fmt: skip
-        return None
-    try:
-        data = verified_bytes(data_root, run_id, entry)
-        dictionary = [c for c in ("macro", "site") if c in columns]  # counted by code, not by text
-        return read_parquet_file(pa.BufferReader(data), columns=columns, read_dictionary=dictionary)
-    except HistoryIntegrityError as exc:
-        findings.append(Finding("file", str(exc)))
-    except (pa.ArrowException, OSError, KeyError) as exc:
-        findings.append(
-            Finding("file", f"{entry['path']} (committed by run {run_id}) is not a readable kept file ({exc})")
-        )
-    return None
-
-
-def audit(data_root: UPath) -> list[Finding]:
-    """Every finding on the warehouse under `data_root` (empty: clean)."""
-    warehouse = data_root / "warehouse"
-    findings: list[Finding] = []
-    try:
-        retired = load_retired(data_root)
-    except HistoryError as exc:
-        return [Finding("commit", str(exc))]
-    records, commit_findings = _commits(warehouse)
-    findings += commit_findings
-
-    # Kept rows as key hashes and dictionary codes (cheap at millions of rows); texts only where hashes repeat.
-    kept: dict[str, pa.Table] = {}
-    for run_id, record in records.items():
-        columns = ["key_hash", "macro", "site"] + (["task_id"] if retired.tasks.get(run_id) else [])
-        table = _kept_rows(data_root, run_id, record, columns, findings)
-        for asset, entry in record.files.items():
-            if asset == "kept":
-                continue
-            try:
-                verified_bytes(data_root, run_id, entry)
-            except HistoryIntegrityError as exc:
-                findings.append(Finding("file", str(exc)))
-        if table is not None:
-            kept[run_id] = table
-    for run_id, path in legacy_kept_files(data_root / "runs").items():
-        if run_id not in records:
-            try:
-                kept[run_id] = _read_legacy(path, run_id)[0]
-            except HistoryError as exc:
-                findings.append(Finding("file", str(exc)))
-
-    live = {r: _drop_retired(t, retired.tasks.get(r)) for r, t in kept.items() if not retired.run_is_retired(r)}
-    findings += _duplicates(data_root, records, live, retired)
-    findings += _caps(records, live)
-    findings += _conservation(data_root, records)
-    for run_id in sorted(set(kept_files(warehouse / "kept")) - set(records)):
-        findings.append(Finding(
-            "uncommitted",
-            f"warehouse/kept/{run_id}.parquet has no commit record (its walk stopped before committing): it is not "
-            f"history; `filter-pipeline materialize` walks {run_id} again and commits it",
-        ))  # fmt: skip
-    for run_id, record in records.items():
-        changed = inputs_changed(data_root / "runs" / run_id, record.inputs)
-        if changed:
-            findings.append(Finding(
-                "changed",
-                f"runs/{run_id}/{', '.join(changed)} changed since {run_id} was filtered: re-filter it with "
-                f"`filter-pipeline materialize {run_id}` (it is not re-filtered unless named)",
-            ))  # fmt: skip
-    return _capped(findings)
-
-
-def _capped(findings: list[Finding]) -> list[Finding]:
+def capped(findings: list[Finding]) -> list[Finding]:
     out, seen = [], {}
     for finding in findings:
         seen[finding.kind] = seen.get(finding.kind, 0) + 1
@@ -156,32 +58,66 @@ def _capped(findings: list[Finding]) -> list[Finding]:
     return out
 
 
-def _duplicates(
-    data_root: UPath, records: dict[str, CommitRecord], live: dict[str, pa.Table], retired
-) -> list[Finding]:
-    """Keys kept more than once across non-retired runs: rows whose key_hash repeats, confirmed on the text."""
+def cap_findings(records: dict[str, CommitRecord], live: dict[str, pa.Table]) -> list[Finding]:
+    """Where a committed run kept rows: its kept rows plus those of the runs its walk read as history (still
+    non-retired), against the caps it recorded. Each run is counted per (macro, site) once; a run's prior is
+    the sum of the runs it read."""
+    counts = {r: sum_counts([kept_pairs(t)]) for r, t in live.items() if t.num_rows}
+    findings = []
+    for run_id, record in records.items():
+        if run_id not in counts:
+            continue
+        read = [counts[r] for r in sorted(set(record.history) & set(counts) - {run_id})]
+        own = to_pandas(as_text(counts[run_id]))
+        prior = to_pandas(as_text(sum_counts(read))).rename(columns={"n_kept": "prior"})
+        totals = own.merge(prior, on=["macro", "site"], how="left")
+        totals["total"] = totals["n_kept"] + totals["prior"].fillna(0).astype("int64")
+        findings += over_caps(run_id, caps_of(record), totals, prior)
+    return findings
+
+
+def over_caps(run_id: str, caps: Caps, totals: pd.DataFrame, prior: pd.DataFrame) -> list[Finding]:
+    """The cap findings of one run: `totals` (macro, site, n_kept: its own, total: with its prior) against its
+    site caps; each macro it kept rows of with a target, its own rows and all its prior against the target."""
+    findings = []
+    over = totals.assign(limit=caps.site_caps(totals["macro"])).query("total > limit").head(MAX_LINES_PER_KIND)
+    for macro, site, total, limit in zip(over["macro"], over["site"], over["total"], over["limit"]):
+        findings.append(Finding("cap", f"run {run_id}: {macro}/{site} holds {total} kept rows with the history "
+                                       f"it read, over its site cap {limit}"))  # fmt: skip
+    with_target = {m for m, limit in caps.macros.items() if limit.target is not None}
+    for macro in sorted(set(totals["macro"]) & with_target):
+        total = int(
+            totals.loc[totals["macro"] == macro, "n_kept"].sum() + prior.loc[prior["macro"] == macro, "prior"].sum()
+        )
+        if total > caps.target(macro):
+            findings.append(Finding("cap", f"run {run_id}: macro {macro} holds {total} kept rows with the history "
+                                           f"it read, over its target {caps.target(macro)}"))  # fmt: skip
+    return findings
+
+
+def duplicate_suspects(live: dict[str, pa.Table]) -> tuple[list[str], set[int]]:
+    """The runs holding a key_hash that repeats across `live` (run -> its non-retired kept rows), and those
+    hashes: only their texts need reading to confirm a duplicate."""
     if not live:
-        return []
+        return [], set()
     runs = list(live)
     hashes = np.concatenate([np.zeros(0, np.int64), *(live[r]["key_hash"].to_numpy() for r in runs)])
     owner = np.repeat(np.arange(len(runs)), [live[r].num_rows for r in runs])
     repeated = pd.Series(hashes).duplicated(keep=False).to_numpy()  # a hash table: no sort of millions
-    if not repeated.any():
-        return []
-    suspects = set(hashes[repeated].tolist())
-    rows = []
-    for i in sorted(set(owner[repeated].tolist())):
-        run_id = runs[i]
-        if run_id in records:
-            table = _kept_rows(data_root, run_id, records[run_id], ["dedup_key", "key_hash", "task_id"], [])
-        else:
-            table = _read_legacy(data_root / "runs" / run_id / "kept.jsonl", run_id)[0]
-        if table is None:
-            continue
-        table = _drop_retired(table, retired.tasks.get(run_id))
-        wanted = pc.is_in(table["key_hash"], value_set=pa.array(sorted(suspects), pa.int64()))
-        for key, task_id in zip(*(table.filter(wanted)[c].to_pylist() for c in ("dedup_key", "task_id"))):
-            rows.append((key, run_id, task_id))
+    return [runs[i] for i in sorted(set(owner[repeated].tolist()))], set(hashes[repeated].tolist())
+
+
+def suspect_rows(run_id: str, table: pa.Table, suspects: set[int]) -> list[tuple[str, str, str]]:
+    """(dedup_key, run_id, task_id) of the rows of `table` (dedup_key, key_hash, task_id) with a suspect hash."""
+    wanted = pc.is_in(table["key_hash"], value_set=pa.array(sorted(suspects), pa.int64()))
+    return [
+        (key, run_id, task_id)
+        for key, task_id in zip(*(table.filter(wanted)[c].to_pylist() for c in ("dedup_key", "task_id")))
+    ]
+
+
+def duplicate_findings(rows: list[tuple[str, str, str]]) -> list[Finding]:
+    """Keys kept more than once among `rows` (dedup_key, run_id, task_id), confirmed on the text."""
     frame = pd.DataFrame(rows, columns=["dedup_key", "run_id", "task_id"])
     twice = frame[frame["dedup_key"].duplicated(keep=False)]
     findings = []
@@ -192,85 +128,24 @@ def _duplicates(
     return findings
 
 
-def _caps(records: dict[str, CommitRecord], live: dict[str, pa.Table]) -> list[Finding]:
-    """Where a committed run kept rows: its kept rows plus those of the runs its walk read as history (still
-    non-retired), against the caps it recorded. Counted on integer (macro, site) pair ids: each run's counts
-    once, and a run's prior as a sum of the runs it read (or all runs less those it did not read)."""
-    runs = [r for r in live if live[r].num_rows]
-    if not runs:
+def unreadable_verdicts(run_id: str) -> Finding:
+    return Finding("conservation", f"warehouse/judge_verdicts/{run_id}.parquet is missing or unreadable: "
+                                   f"re-filter {run_id} with `filter-pipeline materialize {run_id}`")  # fmt: skip
+
+
+def conservation(run_id: str, record: CommitRecord, verdicts: pa.Table) -> list[Finding]:
+    """A run whose verdicts (status, passed) are not each kept, surplus, a judge failure or unjudged."""
+    status, passed = verdicts["status"], verdicts["passed"]
+    judged = pc.equal(status, STATUS_JUDGED)
+    failed = int(pc.sum(pc.and_(judged, pc.invert(pc.fill_null(passed, False)))).as_py() or 0)
+    unjudged = int(pc.sum(pc.equal(status, STATUS_ERROR)).as_py() or 0)
+    kept = int(record.files.get("kept", {}).get("rows", 0))
+    surplus = int(record.files.get("surplus", {}).get("rows", 0))
+    if kept + surplus + failed + unjudged == verdicts.num_rows:
         return []
-    macro_ids, site_ids = _Names(), _Names()
-    coded = {}
-    for r in runs:  # each file's (small) dictionaries mapped to global ids; rows counted by numpy
-        m = _PairCounts._codes(live[r]["macro"], macro_ids)
-        s_ = _PairCounts._codes(live[r]["site"], site_ids)
-        coded[r] = m * (1 << 31) + s_
-    pair_ids, pairs = pd.factorize(np.concatenate([coded[r] for r in runs]))
-    pair_macro = pairs >> 31
-    macro_names = np.array(macro_ids.names, dtype=object)
-    site_names = np.array(site_ids.names, dtype=object)
-    bounds = np.cumsum([0, *(len(coded[r]) for r in runs)])
-    per_run = {}
-    for i, r in enumerate(runs):
-        counted = np.bincount(pair_ids[bounds[i] : bounds[i + 1]], minlength=len(pairs))
-        ids = np.flatnonzero(counted)
-        per_run[r] = (ids, counted[ids].astype(np.int64))
-    n = np.concatenate([per_run[r][1] for r in runs])
-    pair_ids = np.concatenate([per_run[r][0] for r in runs])
-    dense = lambda r: np.bincount(per_run[r][0], weights=per_run[r][1], minlength=len(pairs)).astype(np.int64)  # noqa: E731
-    everything = np.bincount(pair_ids, weights=n, minlength=len(pairs)).astype(np.int64)
-    findings = []
-    for run_id, record in records.items():
-        if run_id not in per_run:
-            continue
-        read = set(record.history) & set(per_run) - {run_id}
-        unread = set(per_run) - read - {run_id}
-        if len(read) <= len(unread):
-            prior = sum((dense(r) for r in read), np.zeros(len(pairs), np.int64))
-        else:
-            prior = everything - dense(run_id) - sum((dense(r) for r in unread), np.zeros(len(pairs), np.int64))
-        caps = _caps_of(record)
-        ids, own = per_run[run_id]
-        totals = prior[ids] + own
-        limits = caps.site_caps(pd.Series(macro_names[pair_macro[ids]]))
-        for k in np.flatnonzero(totals > limits)[:MAX_LINES_PER_KIND]:
-            macro, site = macro_names[pair_macro[ids[k]]], site_names[pairs[ids[k]] & ((1 << 31) - 1)]
-            findings.append(Finding("cap", f"run {run_id}: {macro}/{site} holds {totals[k]} kept rows with the history "
-                                           f"it read, over its site cap {limits[k]}"))  # fmt: skip
-        with_target = {m for m, limit in caps.macros.items() if limit.target is not None}
-        for code in sorted(set(pair_macro[ids].tolist())):
-            macro = macro_names[code]
-            if macro not in with_target:
-                continue
-            total = int(prior[pair_macro == code].sum() + own[pair_macro[ids] == code].sum())
-            if total > caps.target(macro):
-                findings.append(Finding("cap", f"run {run_id}: macro {macro} holds {total} kept rows with the history "
-                                               f"it read, over its target {caps.target(macro)}"))  # fmt: skip
-    return findings
-
-
-def _conservation(data_root: UPath, records: dict[str, CommitRecord]) -> list[Finding]:
-    findings = []
-    for run_id, record in records.items():
-        path = data_root / "warehouse" / "judge_verdicts" / f"{run_id}.parquet"
-        try:
-            with path.open("rb") as f:
-                verdicts = read_parquet_file(f, columns=["status", "passed"])
-        except (FileNotFoundError, pa.ArrowException, OSError):
-            findings.append(Finding("conservation", f"warehouse/judge_verdicts/{run_id}.parquet is missing or unreadable: "
-                                                    f"re-filter {run_id} with `filter-pipeline materialize {run_id}`"))  # fmt: skip
-            continue
-        status, passed = verdicts["status"], verdicts["passed"]
-        judged = pc.equal(status, STATUS_JUDGED)
-        failed = int(pc.sum(pc.and_(judged, pc.invert(pc.fill_null(passed, False)))).as_py() or 0)
-        unjudged = int(pc.sum(pc.equal(status, STATUS_ERROR)).as_py() or 0)
-        kept = int(record.files.get("kept", {}).get("rows", 0))
-        surplus = int(record.files.get("surplus", {}).get("rows", 0))
-        if kept + surplus + failed + unjudged != verdicts.num_rows:
-            findings.append(Finding(
-                "conservation",
-                f"run {run_id}: {verdicts.num_rows} verdicts but {kept} kept + {surplus} surplus + {failed} judge "
-                f"failures + {unjudged} unjudged (the verdicts changed since its walk?): re-filter {run_id} with "
-                f"`filter-pipeline materialize {run_id}`",
-            ))  # fmt: skip
-    return findings
+    return [Finding(
+        "conservation",
+        f"run {run_id}: {verdicts.num_rows} verdicts but {kept} kept + {surplus} surplus + {failed} judge "
+        f"failures + {unjudged} unjudged (the verdicts changed since its walk?): re-filter {run_id} with "
+        f"`filter-pipeline materialize {run_id}`",
+    )]  # fmt: skip

@@ -12,10 +12,9 @@ import pandas as pd
 from filter_pipeline.judge.client import EndpointRefused, JudgeSetupError
 from filter_pipeline.judge.driver import ProgressStore, RecordSteps
 from filter_pipeline.judge.resource import JudgeResource
-from filter_pipeline.rules import calibration, checks, filtering, order, report, verify
-from filter_pipeline.rules.batch import EXECUTIONS_FILE, TASKS_FILE, BatchError, count_records, read_batch
+from filter_pipeline.rules import calibration, checks, filtering, report, verify
+from filter_pipeline.rules.batch import EXECUTIONS_FILE, TASKS_FILE, BatchError
 from filter_pipeline.rules.coverage import coverage_chart, coverage_markdown, coverage_table
-from filter_pipeline.rules.history import build_prior_index, load_retired
 from filter_pipeline.rules.schemas import (
     COLUMN_DESCRIPTIONS,
     FAILURE_REASONS,
@@ -25,7 +24,11 @@ from filter_pipeline.rules.schemas import (
     type_name,
 )
 from filter_pipeline.shell.config import caps_source, deployment_caps_config, run_caps_problem
+from filter_pipeline.shell.runs import count_records, read_batch
 from filter_pipeline.shell.warehouse import DataRoot, read_folder, read_parquet, write_parquet
+from filter_pipeline.storage import failures
+from filter_pipeline.storage.audit import audit
+from filter_pipeline.storage.history import kept_counts, load_retired
 
 run_id_partitions = dg.DynamicPartitionsDefinition(name="run_id")
 
@@ -208,12 +211,11 @@ def _parse(context: dg.AssetExecutionContext, data: DataRoot, run_id: str):
     except BatchError as exc:
         # recorded, so that later batches stop waiting for this one (CONTRACT §4); its walk, once the batch
         # is fixed, removes the record
-        order.record_failure(data.warehouse, run_id, str(exc))
+        failures.record_failure(data.warehouse, run_id, str(exc))
         raise
     context.log.info(
         f"parsed runs/{run_id}: {len(batch.tasks)} tasks, {len(batch.attempts)} attempts, "
         f"{len(batch.rejects)} rejected lines in {batch.seconds:.1f} s"
-        + (" (read ahead by the CLI while the run started)" if batch.read_ahead else "")
     )
     for message in batch.rejects["message"].head(20):
         context.log.warning(message)
@@ -269,15 +271,14 @@ def build_coverage(deployment_caps: dict) -> dg.AssetsDefinition:
         metadata=column_schema("coverage"),
     )
     def coverage(config: caps_config, data: DataRoot):
-        no_keys = pd.DataFrame({"dedup_key": pd.Series([], dtype=object), "key_hash": pd.Series([], dtype="int64")})
-        index = build_prior_index(data.root, "", no_keys, load_retired(data.root))
-        table = coverage_table(index.counts, config.to_caps())
+        counts, runs = kept_counts(data.root, load_retired(data.root))
+        table = coverage_table(counts, config.to_caps())
         sites = table[table["level"] == "site"]
         return dg.Output(
             table,
             metadata={
                 "kept": int(sites["kept"].sum()),
-                "runs": index.runs_read,
+                "runs": runs,
                 "caps_source": caps_source(config, deployment_caps),
                 "full_sites": int(sites["full"].sum()),
                 "short_sites": int((~sites["full"].astype(bool)).sum()),
@@ -297,13 +298,13 @@ WAREHOUSE_VERIFIED = dg.AssetCheckKey(dg.AssetKey("coverage"), "warehouse_verifi
 @dg.asset_check(
     asset=WAREHOUSE_VERIFIED.asset_key,
     name=WAREHOUSE_VERIFIED.name,
-    description=verify.audit.__doc__ + " " + (verify.__doc__ or "").split("\n\n")[1],
+    description=audit.__doc__ + " " + (verify.__doc__ or "").split("\n\n")[1],
 )
 def warehouse_verified(data: DataRoot) -> dg.AssetCheckResult:
     """The audit of `filter-pipeline verify`, over the whole warehouse. Its own step, outside the batch's
     runs (its cost grows with the warehouse, the batch's with the batch): `across_runs_job` runs it, so the
     sensor does after every change of the kept files, and the UI can at any time."""
-    findings = verify.audit(data.root)
+    findings = audit(data.root)
     return dg.AssetCheckResult(
         passed=not findings,
         description="\n".join(f.line for f in findings)

@@ -21,15 +21,16 @@ import pandas as pd
 
 from filter_pipeline import settings
 from filter_pipeline.rules import checks, commits, dpo, filtering, order, report
-from filter_pipeline.rules.batch import complete_batches
-from filter_pipeline.rules.commits import CommitRecord, parse_commit, read_commits
-from filter_pipeline.rules.history import build_prior_index, load_retired
+from filter_pipeline.rules.commits import CommitRecord, parse_commit
 from filter_pipeline.rules.schemas import DROPPED_REASONS, STATUS_ERROR
 from filter_pipeline.shell.assets import blocking_check, check_result, column_schema, count_by, run_id_partitions
 from filter_pipeline.shell.config import CapsConfig, LedgerConfig, caps_source, deployment_caps_config
 from filter_pipeline.shell.jobs import FIRST_WALK_TAG, PARTITION_TAG, PRIORITY_TAG
+from filter_pipeline.shell.runs import complete_batches
 from filter_pipeline.shell.warehouse import DataRoot, encode
+from filter_pipeline.storage import failures
 from filter_pipeline.storage.files import input_fingerprints
+from filter_pipeline.storage.history import build_prior_index, load_retired, read_commits
 from filter_pipeline.storage.lease import Lease, LedgerBusy, ledger_lease
 from filter_pipeline.storage.publish import (
     CommitState,
@@ -212,7 +213,7 @@ def wait_for_lower_runs(context: dg.AssetExecutionContext, data: DataRoot, run_i
     raise Deferred at once when a run it waits for is stuck in the run queue (`_stuck_in_queue`)."""
     batches = complete_batches(data.runs, data.warehouse, log=None)
     committed = set(read_commits(data.warehouse)) | {b.run_id for b in batches if b.filtered}
-    failed = order.read_failures(data.warehouse)
+    failed = failures.read_failures(data.warehouse)
     retired = load_retired(data.root).runs
     complete = [b.run_id for b in batches]
     for position, run_id in enumerate(run_ids):
@@ -491,5 +492,5 @@ def _publish(context, data: DataRoot, staged: StagedWalk, record: CommitRecord, 
         f"committed {record.run_id}: warehouse/{commits.COMMITS_DIR}/{record.run_id}.json (published, its files "
         f"moved into place in {time.perf_counter() - publishing:.2f} s)"
     )
-    if order.clear_failure(data.warehouse, record.run_id):
+    if failures.clear_failure(data.warehouse, record.run_id):
         context.log.info(f"{record.run_id} was walked: its recorded validation failure is removed")

@@ -18,10 +18,9 @@ import dagster as dg
 
 from filter_pipeline import settings
 from filter_pipeline.rules import order
-from filter_pipeline.rules.batch import LEGACY_KEPT_FILE, BatchState, complete_batches
+from filter_pipeline.rules.batch import LEGACY_KEPT_FILE, BatchState
 from filter_pipeline.rules.calibration import labels_fingerprint
-from filter_pipeline.rules.commits import CommitRecord, read_commits
-from filter_pipeline.rules.history import load_retired
+from filter_pipeline.rules.commits import CommitRecord
 from filter_pipeline.shell.assets import LABELS_FINGERPRINT, labels_bytes, run_id_partitions
 from filter_pipeline.shell.jobs import (
     FIRST_WALK_TAG,
@@ -36,7 +35,10 @@ from filter_pipeline.shell.jobs import (
     ledger_job,
     rejudge_job,
 )
+from filter_pipeline.shell.runs import complete_batches
 from filter_pipeline.shell.warehouse import DataRoot
+from filter_pipeline.storage import failures
+from filter_pipeline.storage.history import load_retired, read_commits
 
 JUDGE_JOB = judge_job.name
 LEDGER_JOB = ledger_job.name
@@ -349,7 +351,7 @@ def plan_ledger(
     failed_ledger = failed_ledger_runs(context.instance, waiting, commits)
     for r in sorted(failed_ledger):
         context.log.warning(f"ledger run for {r} ended without filtering it; materialize it by hand")
-    failed, retired = order.read_failures(data.warehouse), load_retired(data.root).runs
+    failed, retired = failures.read_failures(data.warehouse), load_retired(data.root).runs
     plan = plan_tick(batches, set(registration_order), busy, failed_ledger, failed, retired)
     to_register, to_judge, ready, why = plan
     to_walk = registered_block(ready, registration_order)

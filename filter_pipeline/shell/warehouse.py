@@ -14,7 +14,6 @@ import pyarrow.parquet as pq
 from pydantic import Field
 from upath import UPath
 
-from filter_pipeline.rules.batch import LOCAL_PROTOCOLS
 from filter_pipeline.rules.schemas import (
     SCHEMAS,
     parquet_bytes,
@@ -23,6 +22,7 @@ from filter_pipeline.rules.schemas import (
     to_pandas,
 )
 from filter_pipeline.settings import DATA_ENV, DEFAULT_DATA, ENDPOINT_ENV, data_path
+from filter_pipeline.shell.runs import LOCAL_PROTOCOLS
 from filter_pipeline.storage.files import atomic_write
 
 

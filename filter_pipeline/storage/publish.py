@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from upath import UPath
 
-from filter_pipeline.rules.commits import CommitRecord, commit_path, file_entry, relative
+from filter_pipeline.rules.commits import COMMITS_DIR, CommitRecord
 from filter_pipeline.storage.files import HOST, STALE_TEMP_SECONDS, alive, atomic_write, is_local
 
 STAGING_DIR = "_staging"  # warehouse/_staging/<run_id>.<host>.<pid>.<uuid>/
@@ -38,6 +38,27 @@ MANIFEST = "_publish.json"
 # stop itself (SIGSTOP) at <point>; the test resumes it (SIGCONT) or kills it
 PAUSE_ENV = "FILTER_PIPELINE_PAUSE_AT"
 PAUSE_POINTS = ("history_read", "files_staged", "before_publish", "published")
+
+
+def commit_path(warehouse: UPath, run_id: str) -> UPath:
+    return warehouse / COMMITS_DIR / f"{run_id}.json"
+
+
+def relative(data_root: UPath, path: UPath) -> str:
+    """`path` relative to the data root, as commit records name files."""
+    root = data_root.path.rstrip("/")
+    return path.path[len(root) + 1 :] if path.path.startswith(root + "/") else path.path
+
+
+def file_entry(data_root: UPath, path: UPath, data, rows: int) -> dict:
+    """A commit's entry for a file written with `data` (bytes or a buffer; path relative to the data root)."""
+    view = memoryview(data)
+    return {
+        "path": relative(data_root, path),
+        "size": view.nbytes,
+        "sha256": hashlib.sha256(view).hexdigest(),
+        "rows": rows,
+    }
 
 
 class PublishRefused(Exception):

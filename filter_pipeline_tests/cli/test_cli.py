@@ -7,10 +7,7 @@ import time
 import dagster as dg
 import pandas as pd
 import pytest
-from upath import UPath
 
-from filter_pipeline.cli import main as cli_module
-from filter_pipeline.rules.batch import read_batch
 from filter_pipeline.settings import EXECUTOR_ENV
 from filter_pipeline.shell.jobs import ACROSS_RUNS_ASSETS
 from filter_pipeline.storage.publish import STAGING_DIR
@@ -51,8 +48,6 @@ def test_materializes_every_complete_batch_in_run_id_order_and_prints_a_summary(
     assert surplus[["task_id", "dup_of_run_id", "dup_of_task_id"]].values.tolist() == [["x", "b1", "y"]]
     assert not (data_root / "warehouse" / "kept" / "b3.parquet").exists()
     assert "parsed runs/b1" in done.stderr  # progress goes to the run log on stderr
-    # the first batch was read while Dagster started; the next one in its own step
-    assert [("(read ahead" in line) for line in done.stderr.splitlines() if "parsed runs/" in line] == [True, False]
     with dg.DagsterInstance.from_config(str(dagster_home)) as instance:
         [run] = instance.get_run_records(dg.RunsFilter(tags={"dagster/partition": "b1"}))
         stored = [e.user_message for e in instance.all_logs(run.dagster_run.run_id) if not e.is_dagster_event]
@@ -225,20 +220,6 @@ def test_a_run_killed_while_writing_kept_leaves_nothing_partial_and_reruns_ident
             pd.read_parquet(reference / "warehouse" / asset / "big.parquet"),
         )
     assert len(pd.read_parquet(data_root / "warehouse" / "kept" / "big.parquet")) == 120_000
-
-
-def test_the_first_batch_is_read_ahead_only_where_its_steps_run_in_this_process(data_root, monkeypatch):
-    write_batch(data_root, "b1", [task("a")], [attempt("a")])
-    write_batch(data_root, "b0", [task("a")], [attempt("a")], complete=False)
-    args = lambda *argv: cli_module._parser().parse_args(["materialize", "--data", str(data_root), *argv])  # noqa: E731
-    monkeypatch.setenv(EXECUTOR_ENV, "multiprocess")
-    assert not cli_module.read_first_batch_ahead(args())
-    monkeypatch.delenv(EXECUTOR_ENV)
-    assert not cli_module.read_first_batch_ahead(args("../b1"))  # not a run_id: left for materialize to refuse
-    assert not cli_module.read_first_batch_ahead(args("nope"))  # no such batch
-    assert not cli_module.read_first_batch_ahead(args("b0"))  # still being written
-    assert cli_module.read_first_batch_ahead(args())  # the first complete batch not yet filtered
-    assert read_batch(UPath(str(data_root / "runs" / "b1")), "b1").read_ahead
 
 
 def test_the_in_process_and_multiprocess_executors_write_the_same_outputs(cli, data_root, tmp_path, dagster_home):

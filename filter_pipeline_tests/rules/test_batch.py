@@ -1,4 +1,5 @@
-"""Parsing an execution batch: valid rows, one reject per bad record, and the fast path agreeing with the careful one."""
+"""Parsing an execution batch: valid rows, one reject per bad record, and Arrow's read of executions.jsonl agreeing
+with the line-by-line one."""
 
 import json
 
@@ -7,7 +8,10 @@ import pytest
 from upath import UPath
 
 from filter_pipeline.rules import batch as batch_module
-from filter_pipeline.rules.batch import BatchError, check_run_id, read_batch
+from filter_pipeline.rules import records as records_module
+from filter_pipeline.rules.batch import BatchError, check_run_id
+from filter_pipeline.shell import runs as runs_module
+from filter_pipeline.shell.runs import read_batch
 from filter_pipeline_tests.builders import RAW_KEYS, attempt, jsonl, parse, rows, task, write_batch
 
 
@@ -48,7 +52,7 @@ def test_bad_task_line_is_one_reject_and_the_rest_is_kept(tmp_path, line, field,
 
 
 def test_non_utf8_and_overlong_lines_are_rejected(tmp_path, monkeypatch):
-    monkeypatch.setattr(batch_module, "MAX_LINE_BYTES", 1000)
+    monkeypatch.setattr(records_module, "MAX_LINE_BYTES", 1000)
     run = write_batch(tmp_path, "r", [task("a")], [attempt("a")])
     with open(run / "tasks.jsonl", "ab") as f:
         f.write(b'{"task_id": "\xff\xfe"}\n')
@@ -101,7 +105,7 @@ def test_blank_lines_are_skipped_and_line_numbers_stay_physical(tmp_path):
     assert b.rejects["line"].tolist() == [3]
 
 
-def test_fast_path_gives_the_same_frame_as_the_careful_path(tmp_path):
+def test_arrow_reads_executions_as_the_record_checks_do(tmp_path):
     tasks = [task(f"t{i}") for i in range(5)]
     attempts = [
         attempt("t0", 1, ok=False, error="policy violation: x", backend=None),
@@ -112,9 +116,11 @@ def test_fast_path_gives_the_same_frame_as_the_careful_path(tmp_path):
         attempt("t4", backend={"ok": False, "detail": None}),
     ]
     fast = parse(tmp_path / "fast", tasks, attempts)
-    # a step that is not an object sends the whole file down the careful path
+    # a step that is not an object sends the whole file line by line through the record checks
     careful = parse(tmp_path / "careful", tasks, [*attempts, {**attempt("t4", 9), "steps": [1]}])
-    assert batch_module._fast_attempts((tmp_path / "fast" / "runs" / "r" / "executions.jsonl").read_bytes()) is not None
+    assert (
+        batch_module._arrow_attempts((tmp_path / "fast" / "runs" / "r" / "executions.jsonl").read_bytes()) is not None
+    )
     assert careful.attempts.iloc[:-1].equals(fast.attempts)
 
 
@@ -169,35 +175,29 @@ TRICKY_KEYS = [
 ]  # fmt: skip
 
 
-def test_fast_task_path_gives_the_same_frame_as_the_careful_path(tmp_path):
+def test_task_keys_are_their_canonical_text_however_they_were_written(tmp_path):
     tasks = [task(f"t{i}", key=k, note={"text": 'mentions "dedup_key" in prose'}) for i, k in enumerate(TRICKY_KEYS)]
-    run = write_batch(tmp_path / "fast", "r", tasks, [])
+    run = write_batch(tmp_path, "r", tasks, [])
     raw = (run / "tasks.jsonl").read_bytes()
     # whitespace the canonical form drops, to prove the key text is re-encoded, not copied
     (run / "tasks.jsonl").write_bytes(raw.replace(b'"dedup_key": [', b'"dedup_key" :  [ '))
-    assert batch_module._fast_tasks((run / "tasks.jsonl").read_bytes()) is not None
-    fast = read_batch(UPath(run), "r").tasks
-    careful = parse(tmp_path / "careful", [*tasks, "not json"], []).tasks  # one bad line: careful path
-    assert fast.equals(careful)
-    assert fast["dedup_key"].tolist() == [json.dumps(k, ensure_ascii=False, separators=(",", ":")) for k in TRICKY_KEYS]
+    parsed = read_batch(UPath(run), "r").tasks
+    assert parsed["dedup_key"].tolist() == [
+        json.dumps(k, ensure_ascii=False, separators=(",", ":")) for k in TRICKY_KEYS
+    ]
 
 
-def test_fast_task_path_takes_compact_keys_as_written_only_where_that_is_their_canonical_text(tmp_path):
+def test_compact_task_keys_are_taken_as_written_only_where_that_is_their_canonical_text(tmp_path):
     line = '{{"task_id":"t{i}","macro":"m","site":"s","instruction":"i","dedup_key":{key},"start":{{"kind":"url"}}}}'
-    run = write_batch(tmp_path / "fast", "r", [], [])
+    run = write_batch(tmp_path, "r", [], [])
     (run / "tasks.jsonl").write_text("\n".join(line.format(i=i, key=key) for i, key in enumerate(RAW_KEYS)) + "\n")
-    assert batch_module._fast_tasks((run / "tasks.jsonl").read_bytes()) is not None
-    fast = read_batch(UPath(run), "r").tasks
-    careful = parse(
-        tmp_path / "careful", [*(json.loads(line.format(i=i, key=k)) for i, k in enumerate(RAW_KEYS)), "not json"], []
-    ).tasks
-    assert fast.equals(careful)
-    assert fast["dedup_key"].tolist() == [
+    parsed = read_batch(UPath(run), "r").tasks
+    assert parsed["dedup_key"].tolist() == [
         json.dumps(json.loads(k), ensure_ascii=False, separators=(",", ":")) for k in RAW_KEYS
     ]
 
 
-def test_fast_task_path_finds_the_key_after_nested_objects_and_brackets_in_strings(tmp_path):
+def test_the_tasks_own_key_is_found_after_nested_objects_and_brackets_in_strings(tmp_path):
     def nested_first(t: dict) -> dict:  # fields in another order: objects and an array of them before the key
         noise = {"text": '} ] { [ \\" "dedup_key": [1] {'}
         deep = {"a": {"b": {"c": {"d": [{"e": "{"}]}}}}  # deeper than the fast match follows: the exact check
@@ -206,12 +206,9 @@ def test_fast_task_path_finds_the_key_after_nested_objects_and_brackets_in_strin
 
     tasks = [nested_first(task(f"t{i}", key=k)) for i, k in enumerate(TRICKY_KEYS)]
     tasks.insert(1, task("plain", key=["s", "#a", "plain"]))  # most lines in the usual order, some not
-    run = write_batch(tmp_path / "fast", "r", tasks, [])
-    assert batch_module._fast_tasks((run / "tasks.jsonl").read_bytes()) is not None
-    fast = read_batch(UPath(run), "r").tasks
-    careful = parse(tmp_path / "careful", [*tasks, "not json"], []).tasks
-    assert fast.equals(careful)
-    assert fast["dedup_key"].tolist()[:2] == ['["s","#a",1]', '["s","#a","plain"]']
+    run = write_batch(tmp_path, "r", tasks, [])
+    parsed = read_batch(UPath(run), "r").tasks
+    assert parsed["dedup_key"].tolist()[:2] == ['["s","#a",1]', '["s","#a","plain"]']
 
 
 def without_key_but_one_nested(t: dict) -> dict:
@@ -220,21 +217,8 @@ def without_key_but_one_nested(t: dict) -> dict:
     return {**rest, "start": {**t["start"], "dedup_key": ["nested"]}}
 
 
-@pytest.mark.parametrize(
-    "extra",
-    [
-        {"meta": {"dedup_key": ["nested"]}},  # named twice: only the careful path can tell which is which
-        {"instruction": 7},
-    ],
-)
-def test_fast_task_path_declines_what_it_cannot_be_sure_of(tmp_path, extra):
-    run = write_batch(tmp_path, "r", [task("a"), task("b", **extra)], [])
-    assert batch_module._fast_tasks((run / "tasks.jsonl").read_bytes()) is None
-
-
 def test_a_dedup_key_inside_another_field_is_not_the_tasks_key(tmp_path):
     run = write_batch(tmp_path, "r", [task("a"), without_key_but_one_nested(task("b"))], [])
-    assert batch_module._fast_tasks((run / "tasks.jsonl").read_bytes()) is None
     parsed = read_batch(UPath(run), "r")
     assert parsed.tasks["task_id"].tolist() == ["a"]
     assert parsed.rejects[["line", "field"]].values.tolist() == [[2, "dedup_key"]]
@@ -246,73 +230,12 @@ def test_a_dedup_key_inside_another_field_is_not_the_tasks_key(tmp_path):
 )
 def test_count_records_counts_non_blank_lines(tmp_path, text, records):
     (tmp_path / "executions.jsonl").write_text(text)
-    assert batch_module.count_records(UPath(tmp_path)) == records
+    assert runs_module.count_records(UPath(tmp_path)) == records
 
 
-@pytest.mark.parametrize("scan", [1, 2, 3, 7, 1 << 20])
-@pytest.mark.parametrize("text", [b"", b"a", b"\n", b"a\nb", b"a\nb\n", b"\n\nab\n\n\nc\n", "é\n€\n".encode() * 5])
-def test_lines_are_counted_whatever_slice_of_the_data_each_scan_takes(monkeypatch, scan, text):
-    monkeypatch.setattr(batch_module, "NEWLINE_SCAN_BYTES", scan)
-    assert batch_module._line_count(text) == len(text.splitlines())
-    assert batch_module._newline_positions(text).tolist() == [i for i, byte in enumerate(text) if byte == ord("\n")]
-
-
-@pytest.mark.parametrize("scan", [1, 2, 3, 7, 1 << 20])
-@pytest.mark.parametrize(
-    "lines", [b"", b"\n", b"a\n", b"ab\ncd\n", b"ab\n\ncd\n", b"ab\n \ncd\n", b" ab\n", b"ab\n\tcd\n", b"a\nb\n\x0b\n"]
-)
-def test_non_blank_lines_are_counted_whatever_slice_of_the_data_each_scan_takes(monkeypatch, scan, lines):
-    monkeypatch.setattr(batch_module, "NEWLINE_SCAN_BYTES", scan)
-    expected = sum(1 for line in lines.split(b"\n")[:-1] if line.strip())
-    assert batch_module._non_blank_lines(memoryview(lines)) == expected
-
-
-@pytest.mark.parametrize("chunk", [1, 2, 3, 5])
-def test_count_records_reads_in_chunks_that_split_lines_anywhere(tmp_path, monkeypatch, chunk):
-    monkeypatch.setattr(batch_module, "COUNT_CHUNK_BYTES", chunk)
+def test_count_records_counts_lines_however_they_end(tmp_path):
     (tmp_path / "executions.jsonl").write_text("ab\n\n c\n \t\nlong line\r\nd")
-    assert batch_module.count_records(UPath(tmp_path)) == 4
-
-
-def test_a_batch_read_ahead_is_taken_as_parsed_when_its_files_are_unchanged(tmp_path):
-    run = UPath(write_batch(tmp_path, "r", [task("a"), task("b")], [attempt("a"), attempt("b", ok=False)]))
-    assert batch_module.read_ahead(run, "r")
-    ahead = read_batch(run, "r")
-    again = read_batch(run, "r")  # taken once: this one parses
-    assert ahead.read_ahead and not again.read_ahead
-    for got, want in ((ahead.tasks, again.tasks), (ahead.attempts, again.attempts), (ahead.rejects, again.rejects)):
-        assert got.equals(want)
-
-
-def test_a_batch_read_ahead_is_parsed_again_when_a_file_changed_since(tmp_path):
-    run = UPath(write_batch(tmp_path, "r", [task("a")], [attempt("a")]))
-    assert batch_module.read_ahead(run, "r")
-    read_batch_module_wait(run)
-    (tmp_path / "runs" / "r" / "tasks.jsonl").write_text(jsonl([task("a"), task("late")]))
-    parsed = read_batch(run, "r")
-    assert not parsed.read_ahead and parsed.tasks["task_id"].tolist() == ["a", "late"]
-
-
-def read_batch_module_wait(run) -> None:
-    """Wait for the read-ahead of `run` to finish (so a change made next is surely after it)."""
-    [(_, parsed)] = [v for k, v in batch_module._read_ahead.items() if k[0] == str(run)]
-    parsed.exception()
-
-
-def test_a_broken_batch_read_ahead_fails_where_it_is_read_with_the_usual_error(tmp_path):
-    run = UPath(write_batch(tmp_path, "r", [], []))
-    assert batch_module.read_ahead(run, "r")
-    with pytest.raises(BatchError, match="holds no valid task"):
-        read_batch(run, "r")
-
-
-def test_a_read_ahead_serves_only_its_own_batch_and_only_on_local_disk(tmp_path):
-    one = UPath(write_batch(tmp_path, "one", [task("a")], [attempt("a")]))
-    two = UPath(write_batch(tmp_path, "two", [task("b")], [attempt("b")]))
-    assert batch_module.read_ahead(one, "one")
-    assert not read_batch(two, "two").read_ahead
-    assert read_batch(one, "one").read_ahead
-    assert not batch_module.read_ahead(UPath("memory://data/runs/one"), "one")
+    assert runs_module.count_records(UPath(tmp_path)) == 4
 
 
 # --- records that are valid JSON but no use as data -----------------------------------------------------
@@ -519,58 +442,45 @@ def int_digits_640():
 def test_a_run_of_more_digits_than_python_converts_is_found_wherever_it_sits(int_digits_640, length):
     for offset in range(0, 200, 7):
         data = b"x" * offset + b'{"a": ' + b"1" * length + b"}\n" + b"y" * 1000
-        assert batch_module._may_hold_long_integer(data) == (length > int_digits_640), (offset, length)
+        assert batch_module._arrow_ready(data) == (length <= int_digits_640), (offset, length)
 
 
-def test_the_fast_paths_decline_a_long_integer_that_pyarrow_would_take(tmp_path):
-    run = write_batch(tmp_path, "r", [task("a"), task("b", extra=1)], [attempt("a"), attempt("b", extra=1)])
-    for name in ("tasks.jsonl", "executions.jsonl"):
-        assert (
-            batch_module._read_jsonl(
-                (run / name).read_bytes(), batch_module._ATTEMPT_ARROW if "exec" in name else batch_module._TASK_ARROW
-            )
-            is not None
-        )
-        (run / name).write_text((run / name).read_text().replace('"extra": 1', f'"extra": {LONG}'))
-    assert batch_module._fast_tasks((run / "tasks.jsonl").read_bytes()) is None
-    assert batch_module._fast_attempts((run / "executions.jsonl").read_bytes()) is None
+def test_arrow_declines_a_long_integer_it_would_take(tmp_path):
+    run = write_batch(tmp_path, "r", [task("a")], [attempt("a"), attempt("b", extra=1)])
+    path = run / "executions.jsonl"
+    assert batch_module._arrow_attempts(path.read_bytes()) is not None
+    path.write_text(path.read_text().replace('"extra": 1', f'"extra": {LONG}'))
+    assert batch_module._arrow_attempts(path.read_bytes()) is None
 
 
-@pytest.mark.parametrize("text", ['["s",NaN]', '["s", Infinity]', '["s",-Infinity]', '["s",1e400]', '["s",-1E+999]'])
-def test_canonical_texts_refuses_numbers_json_has_no_text_for(text):
-    import pyarrow as pa
-
-    from filter_pipeline.rules.schemas import canonical_texts
-
-    with pytest.raises(ValueError):
-        canonical_texts(pa.array(['["s",1]', text]))
-    texts = canonical_texts(pa.array(['["NaN","Infinity"]', '["s", 1e308]'])).to_pylist()
-    assert texts == ['["NaN","Infinity"]', '["s",1e+308]']
-
-
-def test_a_record_nested_deeper_than_json_loads_follows_is_kept_by_both_paths(tmp_path):
-    """pyarrow reads any depth: a line whose used fields are fine is kept whichever path reads the file."""
+def test_an_attempt_nested_deeper_than_json_loads_follows_is_kept_whichever_way_the_file_is_read(tmp_path):
+    """Arrow reads any depth: an attempt whose used fields are fine is kept, whether Arrow reads the file whole
+    or the records are checked line by line (the deep line alone then goes to Arrow)."""
     deep = "[" * 5000 + "]" * 5000
-    tasks = [task_line(note=deep).replace('"b"', '"a"', 1), json.dumps(task("b"))]
     attempts = [with_raw(attempt("a"), {"steps": f'[{{"x": {deep}}}]'}), json.dumps(attempt("b"))]
-    fast = write_batch(tmp_path / "fast", "r", tasks, attempts)
-    assert batch_module._fast_tasks((fast / "tasks.jsonl").read_bytes()) is not None
-    assert batch_module._fast_attempts((fast / "executions.jsonl").read_bytes()) is not None
-    careful = write_batch(tmp_path / "careful", "r", [*tasks, "not json"], [*attempts, "not json"])
-    got = [read_batch(UPath(run), "r") for run in (fast, careful)]
+    whole = write_batch(tmp_path / "whole", "r", [task("a"), task("b")], attempts)
+    assert batch_module._arrow_attempts((whole / "executions.jsonl").read_bytes()) is not None
+    by_line = write_batch(tmp_path / "by_line", "r", [task("a"), task("b")], [*attempts, "not json"])
+    got = [read_batch(UPath(run), "r") for run in (whole, by_line)]
     for b in got:
-        assert b.tasks["task_id"].tolist() == ["a", "b"]
         assert b.attempts[["task_id", "n_actions"]].values.tolist() == [["a", 1], ["b", 2]]
-    assert got[1].rejects["line"].tolist() == [3, 3]
-    assert got[0].tasks.equals(got[1].tasks) and got[0].attempts.equals(got[1].attempts)
-    assert batch_module.attempt_steps(UPath(fast), {1}) == {1: []}  # the judge's fallback copes too
+    assert got[1].rejects["line"].tolist() == [3]
+    assert got[0].attempts.equals(got[1].attempts)
 
 
-def test_invalid_utf8_in_a_field_the_pipeline_ignores_is_rejected_by_both_paths(tmp_path):
+def test_a_task_nested_deeper_than_json_loads_follows_is_one_reject(tmp_path):
+    deep = "[" * 5000 + "]" * 5000
+    b = parse(tmp_path, [task_line(note=deep).replace('"b"', '"a"', 1), json.dumps(task("b"))], [attempt("b")])
+    assert b.tasks["task_id"].tolist() == ["b"]
+    assert rows(b.rejects, "line", "field") == [[1, None]]
+    assert "nests arrays or objects deeper than a JSON reader follows" in b.rejects["message"].item()
+
+
+def test_invalid_utf8_in_a_field_the_pipeline_ignores_is_rejected(tmp_path):
     run = write_batch(tmp_path, "r", [task("a"), task("b")], [attempt("a"), attempt("b", note="x")])
     raw = (run / "executions.jsonl").read_bytes()
     (run / "executions.jsonl").write_bytes(raw.replace(b'"note": "x"', b'"note": "\xc3("'))
-    assert batch_module._fast_attempts((run / "executions.jsonl").read_bytes()) is None
+    assert batch_module._arrow_attempts((run / "executions.jsonl").read_bytes()) is None
     b = read_batch(UPath(run), "r")
     assert b.attempts["task_id"].tolist() == ["a"]
     assert rows(b.rejects, "line", "field") == [[2, None]]

@@ -5,7 +5,8 @@ import os
 import pytest
 from upath import UPath
 
-from filter_pipeline.rules.commits import CommitRecord, HistoryIntegrityError, read_commits
+from filter_pipeline.rules.commits import CommitRecord, HistoryIntegrityError
+from filter_pipeline.storage.history import read_commits
 from filter_pipeline.storage.publish import write_commit
 
 

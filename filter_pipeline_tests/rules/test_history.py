@@ -9,10 +9,10 @@ import pyarrow.parquet as pq
 import pytest
 from upath import UPath
 
-from filter_pipeline.rules import history
 from filter_pipeline.rules.commits import HistoryIntegrityError
-from filter_pipeline.rules.history import HistoryError, Retired, build_prior_index, load_retired
+from filter_pipeline.rules.history import HistoryError, Retired
 from filter_pipeline.rules.schemas import canonical_key, key_hash
+from filter_pipeline.storage.history import build_prior_index, load_retired
 from filter_pipeline_tests.builders import commit_files, write_kept, write_legacy_kept
 
 
@@ -144,72 +144,22 @@ def test_no_retired_json_retires_nothing(tmp_path):
     assert load_retired(UPath(tmp_path)) == Retired()
 
 
-def files_opened(monkeypatch) -> list[str]:
-    """Names of the warehouse kept files each history read from now on opens."""
-    opened: list[str] = []
-    real = history._read_warehouse
-    monkeypatch.setattr(
-        history,
-        "_read_warehouse",
-        lambda root, run_id, entry, *args: opened.append(UPath(entry["path"]).name) or real(root, run_id, entry, *args),
-    )
-    return opened
-
-
-def ledger_then_coverage(data, monkeypatch, retired=None) -> tuple:
-    """The ledger's read for run `now`, then its kept rows written, then coverage's read for counts alone:
-    (coverage's index, the files coverage opened)."""
-    index(data, run_id="now", batch_keys=[["k", 1]], retired=retired)
-    write_kept(data, "now", ("n", ["k", 9], "m", "s2"))
-    opened = files_opened(monkeypatch)
-    return index(data, run_id="", retired=retired), opened
-
-
-def test_counts_alone_read_only_the_runs_the_last_read_did_not_count(tmp_path, monkeypatch):
-    write_kept(tmp_path, "r1", ("a", ["k", 1], "m", "s1"), ("b", ["k", 2], "m", "s2"))
-    write_kept(tmp_path, "r2", ("c", ["k", 3], "m", "s1"))
-    coverage, opened = ledger_then_coverage(tmp_path, monkeypatch)
-    assert opened == ["now.parquet"]
-    assert counts_of(coverage) == {("m", "s1"): 2, ("m", "s2"): 2}
-    assert (coverage.runs_read, coverage.rows_read) == (3, 4)
-
-
-def test_a_run_rewritten_since_is_counted_again_from_its_file(tmp_path, monkeypatch):
+def test_counts_follow_the_files_as_they_are_now(tmp_path):
+    """A run re-materialized or rows retired since an earlier read: each read counts the history afresh."""
     write_kept(tmp_path, "r1", ("a", ["k", 1], "m", "s1"))
     index(tmp_path, run_id="now", batch_keys=[["k", 1]])
     write_kept(tmp_path, "r1", ("a", ["k", 1], "m", "s1"), ("b", ["k", 2], "m", "s1"))  # re-materialized
-    opened = files_opened(monkeypatch)
     assert counts_of(index(tmp_path, run_id="")) == {("m", "s1"): 2}
-    assert opened == ["r1.parquet"]
-
-
-def test_rows_retired_since_are_not_taken_from_the_last_read(tmp_path, monkeypatch):
-    write_kept(tmp_path, "r1", ("a", ["k", 1], "m", "s1"), ("b", ["k", 2], "m", "s1"))
-    index(tmp_path, run_id="now", batch_keys=[["k", 1]])
-    opened = files_opened(monkeypatch)
     now_retired = Retired(tasks={"r1": frozenset({"b"})})
     assert counts_of(index(tmp_path, run_id="", retired=now_retired)) == {("m", "s1"): 1}
-    assert opened == ["r1.parquet"]
     assert counts_of(index(tmp_path, run_id="", retired=Retired(runs=frozenset({"r1"})))) == {}
 
 
-def test_a_read_with_batch_keys_reads_every_run(tmp_path, monkeypatch):
-    write_kept(tmp_path, "r1", ("a", ["k", 1], "m", "s1"))
-    write_kept(tmp_path, "r2", ("c", ["k", 3], "m", "s1"))
-    index(tmp_path, run_id="now", batch_keys=[["k", 1]])
-    opened = files_opened(monkeypatch)
-    idx = index(tmp_path, run_id="later", batch_keys=[["k", 3]])  # the walk needs every run's keys
-    assert opened == ["r1.parquet", "r2.parquet"]
-    assert idx.keys["task_id"].tolist() == ["c"]
-
-
-def test_history_off_local_disk_is_always_read(monkeypatch):
-    root = UPath("memory://history-memo")
+def test_history_off_local_disk_is_read_as_on_disk():
+    root = UPath("memory://history-read")
     write_kept(root, "r1", ("a", ["k", 1], "m", "s1"))
-    index(root, run_id="now", batch_keys=[["k", 1]])
-    opened = files_opened(monkeypatch)
-    assert counts_of(index(root, run_id="")) == {("m", "s1"): 1}
-    assert opened == ["r1.parquet"]
+    idx = index(root, run_id="now", batch_keys=[["k", 1]])
+    assert counts_of(idx) == {("m", "s1"): 1} and idx.keys["task_id"].tolist() == ["a"]
 
 
 # --- history is what was committed, verified (CONTRACT §4) ----------------------------------------
@@ -275,7 +225,7 @@ def test_an_unreadable_commit_record_is_refused_with_what_to_do(tmp_path):
 
 
 def test_the_index_names_the_commits_and_legacy_files_it_read(tmp_path):
-    from filter_pipeline.rules.commits import read_commits
+    from filter_pipeline.storage.history import read_commits
 
     write_kept(tmp_path, "r1", ("a", ["k", 1], "m", "s"))
     write_legacy_kept(tmp_path, "old", ("b", ["k", 2], "m", "s"))
@@ -294,3 +244,52 @@ def test_legacy_keys_in_any_json_spelling_are_compared_as_canonical_text(tmp_pat
     )
     idx = index(tmp_path, batch_keys=[["k", "é", 1], ["k", 2]])
     assert idx.keys["dedup_key"].tolist() == ['["k","é",1]', '["k",2]']
+
+
+def walk(data, run_id: str, *rows: tuple, retired=None, walked_at: str = "2026-12-01T00:00:00+00:00") -> None:
+    """A committed walk of `run_id` as the ledger leaves it: its kept file, and the prior_kept_counts of every
+    other committed run it read (minus `retired`), both named by its commit record with those runs' digests."""
+    from filter_pipeline.rules.schemas import to_arrow
+    from filter_pipeline.shell.warehouse import write_parquet
+    from filter_pipeline.storage.history import read_commits
+
+    root = UPath(data)
+    idx = index(data, run_id, retired=retired)
+    counts_path = root / "warehouse" / "prior_kept_counts" / f"{run_id}.parquet"
+    write_parquet(to_arrow(idx.counts, "prior_kept_counts"), counts_path)
+    write_kept(data, run_id, *rows, commit=False)
+    digests = {r: c.digest for r, c in read_commits(root / "warehouse").items() if r != run_id}
+    files = {"kept": root / "warehouse" / "kept" / f"{run_id}.parquet", "prior_kept_counts": counts_path}
+    commit_files(data, run_id, files, history=digests, walked_at=walked_at)
+
+
+def test_coverage_counts_from_the_newest_walk_are_those_of_every_file(tmp_path):
+    from filter_pipeline.rules.history import covering_walk
+    from filter_pipeline.storage.history import kept_counts, read_commits
+
+    root = UPath(tmp_path)
+
+    def both():
+        retired = load_retired(root)
+        fast, runs = kept_counts(root, retired)
+        full = index(tmp_path, "", retired=retired)
+        assert runs == full.runs_read
+        return counts_of(type("I", (), {"counts": fast})), counts_of(full)
+
+    walk(tmp_path, "r1", ("a", ["k", 1], "m", "s1"), ("b", ["k", 2], "m", "s2"), walked_at="2026-12-01T00:00:01+00:00")
+    walk(tmp_path, "r2", ("c", ["k", 3], "m", "s1"), walked_at="2026-12-01T00:00:02+00:00")
+    fast, full = both()
+    assert fast == full == {("m", "s1"): 2, ("m", "s2"): 1}
+    assert covering_walk(read_commits(root / "warehouse"), {"r1", "r2"}, Retired()) == "r2"  # counted from r2's walk
+    (tmp_path / "retired.json").write_text(json.dumps([{"run_id": "r1"}]))  # retired after the walks: not read
+    fast, full = both()
+    assert fast == full == {("m", "s1"): 1}
+    (tmp_path / "retired.json").write_text(json.dumps([{"run_id": "r1", "task_ids": ["a"]}]))
+    walk(tmp_path, "r3", ("d", ["k", 4], "m", "s2"), retired=load_retired(root), walked_at="2026-12-01T00:00:03+00:00")
+    assert both()[0] == both()[1] == {("m", "s1"): 1, ("m", "s2"): 2}
+    (tmp_path / "retired.json").unlink()  # a task retired when r3 walked counts again: r3's counts lack it
+    fast, full = both()
+    assert fast == full == {("m", "s1"): 2, ("m", "s2"): 2}
+    (root / "warehouse" / "kept" / "r1.parquet").unlink()  # any committed file missing fails, as a full read does
+    with pytest.raises(HistoryIntegrityError, match="r1.parquet is missing"):
+        kept_counts(root, load_retired(root))

@@ -3,14 +3,8 @@
 from upath import UPath
 
 from filter_pipeline.rules import order
-from filter_pipeline.rules.order import (
-    blocking_runs,
-    clear_failure,
-    read_failures,
-    record_failure,
-    rejudge_due,
-    walk_order,
-)
+from filter_pipeline.rules.order import blocking_runs, rejudge_due, walk_order
+from filter_pipeline.storage.failures import clear_failure, read_failures, record_failure
 
 COMPLETE = ["b0", "b1", "b2", "b3"]
 

@@ -7,48 +7,26 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pandas as pd
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
 from filter_pipeline.rules.schemas import (
-    CANONICAL_ARRAY,
     COLUMN_DESCRIPTIONS,
     SCHEMAS,
     canonical_key,
-    canonical_texts,
     key_hash,
     key_hashes,
     to_arrow,
     to_pandas,
 )
-from filter_pipeline_tests.builders import CANONICAL_KEY_TEXTS, OTHER_KEY_TEXTS, RAW_KEYS
+from filter_pipeline_tests.builders import RAW_KEYS
 from filter_pipeline_tests.conftest import REPO
-
-
-def test_canonical_texts_equal_canonical_key_of_each_parsed_key():
-    assert canonical_texts(pa.array(RAW_KEYS)).to_pylist() == [canonical_key(json.loads(raw)) for raw in RAW_KEYS]
-    canonical = pa.array(CANONICAL_KEY_TEXTS)
-    assert canonical_texts(canonical) is canonical  # all canonical: the array itself, no text made again
-
-
-def test_only_texts_json_dumps_writes_unchanged_are_taken_as_written():
-    taken = pc.match_substring_regex(pa.array(RAW_KEYS), CANONICAL_ARRAY).to_pylist()
-    assert taken == [True] * len(CANONICAL_KEY_TEXTS) + [False] * len(OTHER_KEY_TEXTS)
-    for raw in CANONICAL_KEY_TEXTS:  # never wrongly: each one taken is its own canonical text
-        assert raw == json.dumps(json.loads(raw), ensure_ascii=False, separators=(",", ":"))
 
 
 def test_key_hashes_equal_key_hash_one_by_one():
     texts = [canonical_key(json.loads(raw)) for raw in RAW_KEYS]
     assert key_hashes(texts).tolist() == [key_hash(t) for t in texts]
     assert key_hashes([]).tolist() == []
-    for texts_type in (pa.string(), pa.large_string()):  # from the Arrow bytes, sliced arrays included
-        arrow = pa.array(["pad", *texts], type=texts_type)[1:]
-        assert key_hashes(arrow).tolist() == key_hashes(texts).tolist()
-    assert key_hashes(pa.array([], type=pa.string())).tolist() == []
-    with pytest.raises(ValueError):
-        key_hashes(pa.array(["[1]", None]))
 
 
 def test_to_arrow_gives_the_schema_with_missing_columns_null_and_extra_ones_dropped():
@@ -71,7 +49,7 @@ def _written(table: pa.Table) -> pa.BufferReader:
 def test_every_column_of_every_schema_has_a_description():
     missing = sorted({f"{asset}.{name}" for asset, schema in SCHEMAS.items() for name in schema.names
                       if not COLUMN_DESCRIPTIONS.get(name, "").strip()})  # fmt: skip
-    assert not missing, f"add these columns to COLUMN_DESCRIPTIONS in rules/schemas.py: {missing}"
+    assert not missing, f"add these columns to COLUMN_DESCRIPTIONS in rules/descriptions.py: {missing}"
 
 
 def test_no_description_is_left_for_a_column_no_schema_has():

@@ -7,7 +7,7 @@ import pyarrow.parquet as pq
 from upath import UPath
 
 from filter_pipeline.rules.schemas import to_arrow
-from filter_pipeline.rules.verify import audit
+from filter_pipeline.storage.audit import audit
 from filter_pipeline.storage.files import input_fingerprints
 from filter_pipeline_tests.builders import (
     attempt,

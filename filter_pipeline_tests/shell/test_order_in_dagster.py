@@ -14,9 +14,9 @@ from upath import UPath
 from filter_pipeline.cli.materialize import _failure_reason
 from filter_pipeline.definitions import build_defs
 from filter_pipeline.judge.resource import JudgeResource
-from filter_pipeline.rules.order import read_failures
 from filter_pipeline.settings import ORDER_MAX_WAIT_SECONDS_ENV, ORDER_RETRY_SECONDS_ENV
 from filter_pipeline.shell.jobs import PARTITION_TAG, RANGE_END_TAG, RANGE_START_TAG
+from filter_pipeline.storage.failures import read_failures
 from filter_pipeline_tests.builders import attempt, task, write_batch
 
 REGISTERED = ["b2", "b0", "b3", "b1"]  # the order the batches arrive in; run_id order differs

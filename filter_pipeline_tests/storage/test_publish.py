@@ -8,13 +8,13 @@ import os
 import pytest
 from upath import UPath
 
-from filter_pipeline.rules.commits import commit_path
 from filter_pipeline.storage.files import HOST
 from filter_pipeline.storage.publish import (
     MANIFEST,
     STAGING_DIR,
     PublishRefused,
     StagedWalk,
+    commit_path,
     commit_state,
     complete_published,
     write_commit,

@@ -1,0 +1,317 @@
+"""One record of an execution batch, checked: the row it gives, or a Reject saying which field is wrong and how.
+
+These checks define what a valid record is and the message of every reject (`batch` applies them line by
+line wherever Arrow's reader cannot take a file whole). A record that is valid JSON can still be no use as
+data: a lone surrogate escape (`"\\ud800"`, not text: Parquet cannot store it), an integer with more digits
+than Python converts (`sys.get_int_max_str_digits()`, 4,300 by default), anywhere in the record; a dedup_key
+holding NaN or Infinity (or 1e400, which reads as Infinity); an attempt number beyond 64 bits.
+"""
+
+import json
+import math
+import re
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+
+from filter_pipeline.rules.schemas import canonical_key, key_hash
+
+MAX_LINE_BYTES = 1 << 20  # a record this long is a harness bug, not a trajectory
+RAW_MAX_CHARS = 4096  # how much of a rejected line is kept in batch_rejects
+
+
+def _is_str(v: Any) -> bool:
+    return isinstance(v, str)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_bool(v: Any) -> bool:
+    return isinstance(v, bool)
+
+
+def _is_scalar(v: Any) -> bool:
+    return v is None or isinstance(v, (str, int, float, bool))
+
+
+class Reject(Exception):
+    def __init__(self, field: str | None, message: str):
+        super().__init__(message)
+        self.field = field
+        self.message = message
+
+
+class TooDeep(Reject):
+    """A line nested deeper than json.loads follows (which Arrow's reader reads: `batch._read_lines`)."""
+
+
+def _require(record: dict, field: str, check: Callable[[Any], bool], expected: str) -> Any:
+    if field not in record:
+        raise Reject(field, f"missing field {field!r} (expected {expected})")
+    value = record[field]
+    if not check(value):
+        raise Reject(field, f"field {field!r} is {_describe(value)}, expected {expected}")
+    return value
+
+
+def _describe(value: Any) -> str:
+    return "null" if value is None else f"a {type(value).__name__} ({json.dumps(value)[:60]})"
+
+
+def _finite(key: list) -> bool:
+    """Whether no part of the key is NaN or Infinity (JSON has neither; 1e400 reads as Infinity)."""
+    return all(math.isfinite(part) for part in key if type(part) is float)
+
+
+_NOT_FINITE = "field 'dedup_key' holds NaN or Infinity (or a number too large for a float, such as 1e400), which JSON has no text for"
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+UNSAFE_DIR = r"^(/|\\|[A-Za-z]:)|://|(^|[/\\])\.\.([/\\]|$)|^\s*$"
+
+
+def unsafe_dir_reason(path: str) -> str | None:
+    """Why a trajectory `dir` may not be read (absolute, a URL, or climbing with '..'), or None."""
+    if not re.search(UNSAFE_DIR, path):
+        return None
+    if not path.strip():
+        return "must not be empty"
+    if ".." in re.split(r"[\\/]", path):
+        return "must not contain '..'"
+    return "must be relative to the data root"
+
+
+# --- per-record parsers -----------------------------------------------------------------------------
+
+
+TASK_FIELDS = ("task_id", "macro", "site", "dedup_key", "key_hash", "start_kind", "instruction")
+
+
+_SCALARS = (str, int, float, bool, type(None))
+_SCALAR_TYPES = frozenset(_SCALARS)
+
+
+def task_row(record: dict) -> tuple:
+    """The task row of a record: (task_id, macro, site, canonical key text, its hash, start kind, instruction);
+    raises Reject naming the first field that is wrong."""
+    row = _clean_task_row(record)
+    return row if row is not None else _checked_task_row(record)
+
+
+def _clean_task_row(record: dict) -> tuple | None:
+    """The task row when every field has its type, else None (then `_checked_task_row` says which does not):
+    the usual record costs a few type tests instead of one check per field."""
+    try:
+        task_id, macro, site = record["task_id"], record["macro"], record["site"]
+        instruction, key, kind = record["instruction"], record["dedup_key"], record["start"]["kind"]
+    except (KeyError, TypeError, IndexError):
+        return None
+    if not (
+        type(task_id) is str and task_id and type(macro) is str and type(site) is str
+        and type(instruction) is str and type(key) is list and type(kind) is str
+        and type(record["start"]) is dict
+    ):  # fmt: skip
+        return None
+    types = set(map(type, key))  # (the set's test is one pass in C, not a generator per record)
+    if not types <= _SCALAR_TYPES or (float in types and not _finite(key)):
+        return None
+    return (task_id, macro, site, *key_text_and_hash(key, float in types), kind, instruction)
+
+
+def key_text_and_hash(key: list, has_float: bool | None = None) -> tuple[str, int]:
+    """`canonical_key(key)` and its `key_hash`. orjson writes the same text as json.dumps for strings,
+    integers within 64 bits, booleans and null, but not for floats (1e16 is `1e16` to orjson, `1e+16` to
+    json): a key without floats is written by orjson, any other by json. `has_float`: whether the key holds
+    a float, when the caller knows."""
+    if not (float in map(type, key) if has_float is None else has_float):
+        try:
+            data = orjson.dumps(key)
+        except orjson.JSONEncodeError:  # an integer beyond 64 bits
+            pass
+        else:
+            return data.decode(), key_hash(data)
+    text = canonical_key(key)
+    return text, key_hash(text)
+
+
+def _checked_task_row(record: dict) -> tuple:
+    task_id = _require(record, "task_id", lambda v: _is_str(v) and v != "", "a non-empty string")
+    macro = _require(record, "macro", _is_str, "a string")
+    site = _require(record, "site", _is_str, "a string")
+    instruction = _require(record, "instruction", _is_str, "a string")
+    key = _require(record, "dedup_key", lambda v: isinstance(v, list), "a JSON array")
+    if not all(_is_scalar(part) for part in key):
+        raise Reject("dedup_key", "field 'dedup_key' must be an array of scalars (no arrays or objects)")
+    if not _finite(key):
+        raise Reject("dedup_key", _NOT_FINITE)
+    start = _require(record, "start", lambda v: isinstance(v, dict), "an object with 'kind'")
+    if not _is_str(start.get("kind")):
+        raise Reject("start.kind", f"field 'start.kind' is {_describe(start.get('kind'))}, expected a string")
+    return (task_id, macro, site, *key_text_and_hash(key), start["kind"], instruction)
+
+
+ATTEMPT_FIELDS = ("task_id", "attempt", "ok", "error", "dir", "n_actions", "backend_ok", "backend_detail")
+
+
+def attempt_row(record: dict) -> tuple:
+    task_id = _require(record, "task_id", lambda v: _is_str(v) and v != "", "a non-empty string")
+    attempt = _require(record, "attempt", _is_int, "an integer")
+    if not INT64_MIN <= attempt <= INT64_MAX:
+        raise Reject("attempt", f"field 'attempt' is {_describe(attempt)}, expected an integer within 64 bits")
+    ok = _require(record, "ok", _is_bool, "true or false")
+    error = record.get("error")
+    if not (error is None or _is_str(error)):
+        raise Reject("error", f"field 'error' is {_describe(error)}, expected a string or null")
+    path = _require(record, "dir", _is_str, "a path relative to the data root")
+    if reason := unsafe_dir_reason(path):
+        raise Reject("dir", f"field 'dir' {path!r} {reason}")
+    steps = _require(record, "steps", lambda v: isinstance(v, list), "an array")
+    backend = record.get("backend")
+    if not (backend is None or isinstance(backend, dict)):
+        raise Reject("backend", f"field 'backend' is {_describe(backend)}, expected an object or null")
+    backend = backend or {}
+    backend_ok = backend.get("ok")
+    if not (backend_ok is None or _is_bool(backend_ok)):
+        raise Reject("backend.ok", f"field 'backend.ok' is {_describe(backend_ok)}, expected true or false")
+    detail = backend.get("detail")
+    if not (detail is None or _is_str(detail)):
+        raise Reject("backend.detail", f"field 'backend.detail' is {_describe(detail)}, expected a string")
+    return (task_id, attempt, ok, error, path, len(steps), bool(backend_ok), detail)
+
+
+# a JSON escape of a UTF-16 surrogate: half of a pair (an emoji, as json.dumps writes it) or a lone one
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+_DIGITS = bytes(ord("1") if chr(byte).isdigit() and byte < 128 else ord("0") for byte in range(256))
+# orjson reads an integer beyond 64 bits as a float where json keeps it whole (it has at least 19 digits)
+ORJSON_DIGITS = 19
+
+
+def has_digit_run(data: bytes, length: int) -> bool:
+    """Whether `data` holds `length` or more ASCII digits in a row (in a number or a string)."""
+    return b"1" * length in data.translate(_DIGITS)
+
+
+def load_record(raw: bytes, long_numbers: bool = True) -> dict:
+    """The line as a JSON object whose every string is text and every integer one Python converts; raises
+    Reject saying why not (too long, not UTF-8, not JSON, nested too deep, an integer too long, a lone
+    surrogate, not an object).
+
+    orjson reads the line first: it takes only strict UTF-8 JSON without lone surrogates, NaN or Infinity,
+    which json reads to the same values. Any line it refuses (or that is not an object) is read by json,
+    so what json accepts and the rejects' messages stay the same; so is a line with a run of 19 or more
+    digits (`long_numbers`: whether the line may hold one; False when its whole file was checked)."""
+    if len(raw) > MAX_LINE_BYTES:
+        raise Reject(None, f"line is {len(raw):,} bytes, longer than the {MAX_LINE_BYTES:,}-byte limit")
+    if not (long_numbers and has_digit_run(raw, ORJSON_DIGITS)):
+        try:
+            record = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            pass  # read again by json below, which accepts or rejects the line as it always has
+        else:
+            if isinstance(record, dict):
+                return record
+    return _load_checked(raw)
+
+
+def _load_checked(raw: bytes) -> dict:
+    """`load_record` by Python's json, whose acceptance and messages define a valid line."""
+    try:
+        text = raw.decode("utf-8")  # strict: json.loads(bytes) would let UTF-8-encoded surrogates through
+    except UnicodeDecodeError as exc:
+        raise Reject(None, f"line is not UTF-8 ({exc.reason} at byte {exc.start})") from None
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise Reject(None, f"line is not JSON ({exc.msg} at column {exc.colno})") from None
+    except ValueError:  # the only other one json raises: an integer beyond Python's int-string limit
+        raise _long_integer_reject(text) from None
+    except RecursionError:
+        raise TooDeep(None, "line nests arrays or objects deeper than a JSON reader follows") from None
+    if not isinstance(record, dict):
+        raise Reject(None, f"line is a JSON {type(record).__name__}, expected an object")
+    if _SURROGATE_ESCAPE.search(raw) and not _is_text(record) and (found := _first(record, _lone_surrogate)):
+        field, char = found
+        raise Reject(field, f"field {field!r} holds a lone surrogate (\\u{ord(char):04x}), which is not text")
+    return record
+
+
+def _is_text(record: dict) -> bool:
+    """Whether every string of the record encodes as UTF-8 (one pass in C; `_first` then says where not)."""
+    try:
+        json.dumps(record, ensure_ascii=False).encode("utf-8")
+    except (UnicodeEncodeError, RecursionError):
+        return False
+    return True
+
+
+def _lone_surrogate(value: Any) -> str | None:
+    """The first lone surrogate of a string value (which UTF-8, hence Parquet, cannot hold), or None."""
+    if type(value) is not str or value.isascii():
+        return None
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return value[exc.start]
+    return None
+
+
+class _LongInteger:
+    """An integer literal with more digits than Python converts (read as this marker, to name its field)."""
+
+    def __init__(self, literal: str):
+        self.digits = len(literal) - literal.startswith("-")
+
+
+def _long_integer_reject(text: str) -> Reject:
+    limit = sys.get_int_max_str_digits()
+    read = lambda literal: _LongInteger(literal) if len(literal) - literal.startswith("-") > limit else int(literal)  # noqa: E731
+    try:
+        record = json.loads(text, parse_int=read)
+    except (ValueError, RecursionError):
+        record = None
+    found = _first(record, lambda v: v if isinstance(v, _LongInteger) else None) if isinstance(record, dict) else None
+    if found is None:
+        return Reject(
+            None, f"line holds an integer of more than {limit:,} digits, more than Python converts to a number"
+        )
+    field, number = found
+    return Reject(
+        field,
+        f"field {field!r} holds an integer of {number.digits:,} digits, more than the {limit:,} Python converts to a number",
+    )
+
+
+def _first(record: dict, problem: Callable[[Any], Any]) -> tuple[str, Any] | None:
+    """(where, what `problem` found) for the first key or value anywhere in the record, however deep, for
+    which `problem` returns something other than None (where: the field's path, as `backend.detail` or
+    `steps[2].text`); None if there is none. Iterative: a record as deep as json.loads reads would exhaust
+    the recursion limit."""
+    stack: list[tuple[str, Any]] = [(key, value) for key, value in reversed(record.items())]
+    stack += [(key, key) for key in reversed(record)]  # the field names first
+    while stack:
+        path, item = stack.pop()
+        if (found := problem(item)) is not None:
+            return path, found
+        if isinstance(item, dict):
+            stack += [(f"{path}.{key}", value) for key, value in reversed(item.items())]
+            stack += [(f"{path}.{key}", key) for key in reversed(item)]
+        elif isinstance(item, list):
+            stack += [(f"{path}[{i}]", value) for i, value in reversed(list(enumerate(item)))]
+    return None
+
+
+def reject_row(file: str, line: int, field: str | None, message: str, raw: bytes) -> dict:
+    return {
+        "file": file,
+        "line": line,
+        # a field is named by the record, so its name may itself hold a lone surrogate: escaped, to stay text
+        "field": None if field is None else field.encode("utf-8", "backslashreplace").decode("utf-8"),
+        "message": f"{file}:{line}: {message}",
+        "raw": raw[: RAW_MAX_CHARS * 4].decode("utf-8", errors="replace")[:RAW_MAX_CHARS],
+    }

@@ -1,0 +1,167 @@
+"""The batch folders under `runs/` on the data root: which are complete, reading one, and the checks on it
+that need the file system (trajectory dirs behind symlinks, the record count of executions.jsonl)."""
+
+import logging
+import os
+import time
+from dataclasses import replace
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+from upath import UPath
+
+from filter_pipeline.rules.batch import (
+    EXECUTIONS_FILE,
+    LEGACY_KEPT_FILE,
+    SUCCESS_FILE,
+    TASKS_FILE,
+    Batch,
+    BatchError,
+    BatchState,
+    check_run_id,
+    parse_attempts,
+    parse_tasks,
+)
+from filter_pipeline.storage.files import inputs_changed
+from filter_pipeline.storage.history import read_commits
+
+# fsspec protocols of a local data root; anything else is object storage (no symlinks, no rename)
+LOCAL_PROTOCOLS = ("", "file", "local")
+
+
+_LOG = logging.getLogger(__name__)
+
+
+def complete_batches(
+    runs: UPath,
+    warehouse: UPath,
+    log: logging.Logger | None = _LOG,
+    refused: list[str] | None = None,
+) -> list[BatchState]:
+    """Every batch under `runs` with `_SUCCESS` and a plain run_id, in run_id order (`warehouse`: where
+    their outputs are).
+
+    A batch without `_SUCCESS` is still being written and is not listed; a complete one whose folder name is
+    not a plain run_id is refused: one line, "runs/<name>: refused: why; rename it", logged as a warning to
+    `log` (None: not logged) and appended to `refused` (when given). A batch is filtered only
+    once its walk committed (a kept file without a commit is a walk killed midway: still to do).
+    """
+    if not runs.exists():
+        return []
+    judged = _stems(warehouse / "judge_verdicts")
+    commits = read_commits(warehouse)
+    states = []
+    for run_dir in runs.iterdir():
+        run_id = run_dir.name
+        if not (run_dir / SUCCESS_FILE).exists():
+            continue
+        try:
+            check_run_id(run_id)
+        except ValueError as exc:
+            # (a name that is not UTF-8 reaches Python as lone surrogates: escaped, to print as text)
+            name = run_id.encode("utf-8", "backslashreplace").decode("utf-8")
+            message = f"runs/{name}: refused: {exc}; rename it".encode("utf-8", "backslashreplace").decode("utf-8")
+            if log is not None:
+                log.warning(message)
+            if refused is not None:
+                refused.append(message)
+            continue
+        committed = commits.get(run_id)
+        filtered = committed is not None or (run_dir / LEGACY_KEPT_FILE).exists()
+        changed = committed is not None and bool(inputs_changed(run_dir, committed.inputs))
+        states.append(BatchState(run_id=run_id, judged=run_id in judged, filtered=filtered, changed=changed))
+    return sorted(states, key=lambda s: s.run_id)
+
+
+def _stems(folder) -> set[str]:
+    if not folder.exists():
+        return set()
+    return {
+        p.name.removesuffix(".parquet")
+        for p in folder.iterdir()
+        if p.name.endswith(".parquet") and not p.name.startswith(".")
+    }
+
+
+def read_batch(run_dir: UPath, run_id: str) -> Batch:
+    """Parse `runs/<run_id>/`: tasks and attempts that passed validation, and one reject row per record that
+    did not (malformed, mistyped, a second `task_id` or (task_id, attempt), an attempt of an unknown task, a
+    dir that resolves outside the data root). One file's bytes are held at a time.
+
+    Raises BatchError when `tasks.jsonl` is missing or has no task, or `executions.jsonl` is missing.
+    """
+    started = time.perf_counter()
+    tasks_path, executions_path = run_dir / TASKS_FILE, run_dir / EXECUTIONS_FILE
+    if not tasks_path.exists():
+        raise BatchError(f"runs/{run_id}/{TASKS_FILE} does not exist: not an execution batch")
+    if not executions_path.exists():
+        raise BatchError(f"runs/{run_id}/{EXECUTIONS_FILE} does not exist: the harness wrote no attempts file")
+    tasks, rejects = parse_tasks(tasks_path.read_bytes(), run_id)
+    outside = lambda dirs: dirs_outside_root(run_dir, dirs)  # noqa: E731
+    parsed = parse_attempts(executions_path.read_bytes(), tasks, rejects, run_id, outside)
+    return replace(parsed, seconds=time.perf_counter() - started)
+
+
+def count_records(run_dir: UPath) -> int:
+    """Non-blank lines of executions.jsonl, counted afresh (what every attempt must be accounted against).
+    Read line by line: the count runs beside other steps' work, so it holds one line at a time."""
+    with (run_dir / EXECUTIONS_FILE).open("rb") as f:
+        return sum(1 for line in f if line.strip())
+
+
+def _symlinks_below(folder: str) -> list[str]:
+    found, stack = [], [folder]
+    while stack:
+        try:
+            entries = list(os.scandir(stack.pop()))
+        except OSError:
+            continue
+        for entry in entries:
+            if entry.is_symlink():
+                found.append(entry.path)
+            elif entry.is_dir(follow_symlinks=False):
+                stack.append(entry.path)
+    return found
+
+
+# The folder a trajectory dir sits in, at most three levels deep (runs/<run_id>/traj/<task>/<n> ->
+# runs/<run_id>/traj; a/b -> a; a -> a).
+_TOP = r"^((?:[^/]*/){0,2}[^/]*)/.*$"
+
+
+def dirs_outside_root(run_dir: UPath, dirs: pd.Series) -> set[str]:
+    """The trajectory dirs that, with symlinks resolved, leave the data root (local disk only).
+
+    Dirs are grouped by their top folder (runs/<run_id>/traj); each top folder is resolved once and walked
+    once for symlinks, and only dirs behind a symlink are resolved one by one. A batch without symlinks
+    costs one walk of its trajectory folders.
+    """
+    if run_dir.protocol not in LOCAL_PROTOCOLS or dirs.empty:
+        return set()
+    root = os.path.realpath(os.path.dirname(os.path.dirname(run_dir.path)))
+    inside = lambda rel: os.path.realpath(os.path.join(root, rel)).startswith(root + os.sep)  # noqa: E731
+    paths = pa.array(dirs, type=pa.string())  # (not made unique first: hashing 600k paths costs more than it saves)
+    outside: set[str] = set()
+    for top, under in _by_top(paths):
+        if not inside(top):
+            outside.update(under.to_pylist())
+            continue
+        links = tuple(os.path.relpath(p, root) + "/" for p in _symlinks_below(os.path.join(root, top)))
+        if links:
+            outside.update(d for d in under.to_pylist() if (d + "/").startswith(links) and not inside(d))
+    return outside
+
+
+def _by_top(paths: pa.Array) -> list[tuple[str, pa.Array]]:
+    """(top folder, the paths under it) groups. A batch's dirs nearly all share one top
+    (runs/<run_id>/traj): one prefix test settles those, and only the others go through the regex."""
+    first = pc.replace_substring_regex(paths.slice(0, 1), _TOP, r"\1")[0].as_py()
+    groups = []
+    if first.count("/") == 2:
+        common = pc.starts_with(paths, first + "/")
+        groups.append((first, paths.filter(common)))
+        paths = paths.filter(pc.invert(common))
+    tops = pc.replace_substring_regex(paths, _TOP, r"\1")
+    groups += [(top, paths.filter(pc.equal(tops, top))) for top in pc.unique(tops).to_pylist()]
+    return groups

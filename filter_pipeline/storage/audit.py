@@ -1,0 +1,149 @@
+"""Reading the whole warehouse for its audit (`filter-pipeline verify`, the `warehouse_verified` check): commit
+records, kept files verified against them, legacy kept.jsonl, verdicts, batch inputs. The findings are
+`rules/verify.py`'s."""
+
+import pyarrow as pa
+from upath import UPath
+
+from filter_pipeline.rules.commits import COMMITS_DIR, CommitRecord, HistoryIntegrityError, parse_commit
+from filter_pipeline.rules.history import HistoryError, drop_retired, parse_legacy
+from filter_pipeline.rules.schemas import read_parquet_file
+from filter_pipeline.rules.verify import (
+    Finding,
+    cap_findings,
+    capped,
+    conservation,
+    duplicate_findings,
+    duplicate_suspects,
+    suspect_rows,
+    unreadable_verdicts,
+)
+from filter_pipeline.storage.files import inputs_changed
+from filter_pipeline.storage.history import kept_files, legacy_kept_files, load_retired, verified_bytes
+
+
+def _commits(warehouse: UPath) -> tuple[dict[str, CommitRecord], list[Finding]]:
+    folder = warehouse / COMMITS_DIR
+    records, findings = {}, []
+    if not folder.exists():
+        return records, findings
+    for path in sorted(folder.iterdir(), key=lambda p: p.name):
+        if not path.name.endswith(".json") or path.name.startswith("."):
+            continue
+        run_id = path.name.removesuffix(".json")
+        try:
+            records[run_id] = parse_commit(path.read_bytes(), f"warehouse/{COMMITS_DIR}/{path.name}", run_id)
+        except HistoryIntegrityError as exc:
+            findings.append(Finding("commit", str(exc)))
+    return records, findings
+
+
+def _kept_rows(
+    data_root: UPath, run_id: str, record: CommitRecord, columns: list[str], findings: list[Finding]
+) -> pa.Table | None:
+    """The columns of a committed run's kept file, verified against its commit (None, with a finding, if not)."""
+    entry = record.files.get("kept")
+    if entry is None:
+        findings.append(Finding("commit", f"warehouse/{COMMITS_DIR}/{run_id}.json names no kept file: re-filter {run_id} "
+                                          f"with `filter-pipeline materialize {run_id}`"))  # fmt: skip
+        return None
+    try:
+        data = verified_bytes(data_root, run_id, entry)
+        dictionary = [c for c in ("macro", "site") if c in columns]  # counted by code, not by text
+        return read_parquet_file(pa.BufferReader(data), columns=columns, read_dictionary=dictionary)
+    except HistoryIntegrityError as exc:
+        findings.append(Finding("file", str(exc)))
+    except (pa.ArrowException, OSError, KeyError) as exc:
+        findings.append(
+            Finding("file", f"{entry['path']} (committed by run {run_id}) is not a readable kept file ({exc})")
+        )
+    return None
+
+
+def _legacy(data_root: UPath, run_id: str) -> pa.Table:
+    return parse_legacy((data_root / "runs" / run_id / "kept.jsonl").read_bytes(), run_id)[0]
+
+
+def _kept(data_root: UPath, records: dict[str, CommitRecord], retired, findings: list[Finding]) -> dict[str, pa.Table]:
+    """Kept rows of every run as key hashes and dictionary codes (cheap at millions of rows), each committed
+    file of every run verified on the way."""
+    kept: dict[str, pa.Table] = {}
+    for run_id, record in records.items():
+        columns = ["key_hash", "macro", "site"] + (["task_id"] if retired.tasks.get(run_id) else [])
+        table = _kept_rows(data_root, run_id, record, columns, findings)
+        for asset, entry in record.files.items():
+            if asset == "kept":
+                continue
+            try:
+                verified_bytes(data_root, run_id, entry)
+            except HistoryIntegrityError as exc:
+                findings.append(Finding("file", str(exc)))
+        if table is not None:
+            kept[run_id] = table
+    for run_id in legacy_kept_files(data_root / "runs"):
+        if run_id not in records:
+            try:
+                kept[run_id] = _legacy(data_root, run_id)
+            except HistoryError as exc:
+                findings.append(Finding("file", str(exc)))
+    return kept
+
+
+def audit(data_root: UPath) -> list[Finding]:
+    """Every finding on the warehouse under `data_root` (empty: clean)."""
+    warehouse = data_root / "warehouse"
+    try:
+        retired = load_retired(data_root)
+    except HistoryError as exc:
+        return [Finding("commit", str(exc))]
+    records, findings = _commits(warehouse)
+    kept = _kept(data_root, records, retired, findings)
+    live = {r: drop_retired(t, retired.tasks.get(r)) for r, t in kept.items() if not retired.run_is_retired(r)}
+    findings += _duplicates(data_root, records, live, retired)
+    findings += cap_findings(records, live)
+    findings += _conservation(data_root, records)
+    for run_id in sorted(set(kept_files(warehouse / "kept")) - set(records)):
+        findings.append(Finding(
+            "uncommitted",
+            f"warehouse/kept/{run_id}.parquet has no commit record (its walk stopped before committing): it is not "
+            f"history; `filter-pipeline materialize` walks {run_id} again and commits it",
+        ))  # fmt: skip
+    for run_id, record in records.items():
+        changed = inputs_changed(data_root / "runs" / run_id, record.inputs)
+        if changed:
+            findings.append(Finding(
+                "changed",
+                f"runs/{run_id}/{', '.join(changed)} changed since {run_id} was filtered: re-filter it with "
+                f"`filter-pipeline materialize {run_id}` (it is not re-filtered unless named)",
+            ))  # fmt: skip
+    return capped(findings)
+
+
+def _duplicates(
+    data_root: UPath, records: dict[str, CommitRecord], live: dict[str, pa.Table], retired
+) -> list[Finding]:
+    """Keys kept more than once across non-retired runs: rows whose key_hash repeats, confirmed on the text."""
+    runs, suspects = duplicate_suspects(live)
+    rows = []
+    for run_id in runs:
+        if run_id in records:
+            table = _kept_rows(data_root, run_id, records[run_id], ["dedup_key", "key_hash", "task_id"], [])
+        else:
+            table = _legacy(data_root, run_id)
+        if table is not None:
+            rows += suspect_rows(run_id, drop_retired(table, retired.tasks.get(run_id)), suspects)
+    return duplicate_findings(rows) if runs else []
+
+
+def _conservation(data_root: UPath, records: dict[str, CommitRecord]) -> list[Finding]:
+    findings = []
+    for run_id, record in records.items():
+        path = data_root / "warehouse" / "judge_verdicts" / f"{run_id}.parquet"
+        try:
+            with path.open("rb") as f:
+                verdicts = read_parquet_file(f, columns=["status", "passed"])
+        except (FileNotFoundError, pa.ArrowException, OSError):
+            findings.append(unreadable_verdicts(run_id))
+            continue
+        findings += conservation(run_id, record, verdicts)
+    return findings

@@ -1,0 +1,51 @@
+"""Validation failures on record: `warehouse/_failed/<run_id>.json` says a batch cannot be filtered as it is,
+so later batches stop waiting for it (`rules/order.py` decides what waits on what)."""
+
+import json
+import time
+
+from upath import UPath
+
+FAILED_DIR = "_failed"
+
+
+def failure_path(warehouse: UPath, run_id: str) -> UPath:
+    return warehouse / FAILED_DIR / f"{run_id}.json"
+
+
+def record_failure(warehouse: UPath, run_id: str, reason: str) -> None:
+    """Record that `run_id`'s batch cannot be filtered as it is (later batches stop waiting for it)."""
+    path = failure_path(warehouse, run_id)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    body = json.dumps({"run_id": run_id, "reason": reason, "recorded_at": time.time()}, ensure_ascii=False)
+    if path.protocol in ("", "file", "local"):
+        temp = path.parent / f".{path.name}.tmp"  # renamed into place: a reader never sees half a record
+        temp.write_text(body, encoding="utf-8")
+        temp.rename(path)
+    else:
+        path.write_text(body, encoding="utf-8")  # an object store's put is atomic
+
+
+def clear_failure(warehouse: UPath, run_id: str) -> bool:
+    """Remove `run_id`'s failure record (it was walked since); returns whether there was one."""
+    path = failure_path(warehouse, run_id)
+    if not path.exists():
+        return False
+    path.unlink()
+    return True
+
+
+def read_failures(warehouse: UPath) -> dict[str, str]:
+    """run_id -> recorded reason, for every batch whose validation failure is recorded."""
+    folder = warehouse / FAILED_DIR
+    if not folder.exists():
+        return {}
+    found = {}
+    for path in folder.iterdir():
+        if path.name.endswith(".json") and not path.name.startswith("."):
+            try:
+                raw = json.loads(path.read_text(encoding="utf-8"))
+                found[raw["run_id"]] = str(raw.get("reason", ""))
+            except (ValueError, KeyError, TypeError):
+                found[path.name.removesuffix(".json")] = "unreadable failure record"
+    return found

@@ -1,0 +1,149 @@
+"""Reading history off the data root: commit records, retired.json, the committed kept files (verified against
+their commits) and legacy `runs/<run>/kept.jsonl` (CONTRACT §2, §4). What they mean and how they are counted
+is `rules/history.py`'s; this module lists and reads the files and hands their bytes over."""
+
+from collections.abc import Iterator
+
+import pandas as pd
+import pyarrow as pa
+from upath import UPath
+
+from filter_pipeline.rules.batch import LEGACY_KEPT_FILE
+from filter_pipeline.rules.commits import COMMITS_DIR, CommitRecord, HistoryIntegrityError, parse_commit
+from filter_pipeline.rules.history import (
+    RETIRED_FILE,
+    PriorIndex,
+    Retired,
+    Source,
+    add_own,
+    check_committed,
+    covering_walk,
+    parse_retired,
+    prior_index,
+    refilter,
+    whole_runs_counted,
+)
+from filter_pipeline.rules.schemas import read_parquet_file
+
+
+def read_commits(warehouse: UPath) -> dict[str, CommitRecord]:
+    """Every committed run: run_id -> its record. Raises HistoryIntegrityError on a record that is not one."""
+    folder = warehouse / COMMITS_DIR
+    if not folder.exists():
+        return {}
+    found = {}
+    for path in folder.iterdir():
+        if not path.name.endswith(".json") or path.name.startswith("."):
+            continue  # (temp files of a write in progress start with a dot)
+        run_id = path.name.removesuffix(".json")
+        found[run_id] = parse_commit(path.read_bytes(), f"{warehouse.name}/{COMMITS_DIR}/{path.name}", run_id)
+    return dict(sorted(found.items()))
+
+
+def load_retired(data_root: UPath) -> Retired:
+    """Parse `<data>/retired.json` (absent: nothing retired). Raises HistoryError on a wrong shape."""
+    path = data_root / RETIRED_FILE
+    return parse_retired(path.read_bytes() if path.exists() else None)
+
+
+def kept_files(kept_dir: UPath) -> dict[str, UPath]:
+    """run_id -> its `kept` Parquet file, committed or not, skipping temporary files of writes in progress."""
+    if not kept_dir.exists():
+        return {}
+    return {
+        p.name.removesuffix(".parquet"): p
+        for p in kept_dir.iterdir()
+        if p.name.endswith(".parquet") and not p.name.startswith((".", "_"))
+    }
+
+
+def legacy_kept_files(runs_dir: UPath) -> dict[str, UPath]:
+    """run_id -> `runs/<run>/kept.jsonl` for every run that has one."""
+    if not runs_dir.exists():
+        return {}
+    return {p.name: p / LEGACY_KEPT_FILE for p in runs_dir.iterdir() if (p / LEGACY_KEPT_FILE).exists()}
+
+
+def verified_bytes(data_root: UPath, run_id: str, entry: dict) -> bytes:
+    """The bytes of a committed file, checked against its commit entry (size, SHA-256). Raises
+    HistoryIntegrityError naming the file when it is missing, unreadable or changed."""
+    where = entry["path"]
+    try:
+        with (data_root / where).open("rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise HistoryIntegrityError(f"{where} is missing, but run {run_id} committed it: {refilter(run_id)}") from None
+    except OSError as exc:
+        raise HistoryIntegrityError(
+            f"{where} (committed by run {run_id}) cannot be read ({exc}): {refilter(run_id)}"
+        ) from None
+    return check_committed(data, run_id, entry)
+
+
+def history_sources(data_root: UPath, commits: dict[str, CommitRecord]) -> dict[str, tuple[str, UPath, dict | None]]:
+    """run_id -> ("warehouse", its committed kept file, the commit's entry) for each committed run, or
+    ("legacy", runs/<run>/kept.jsonl, None) for a run with a legacy file and no commit."""
+    sources: dict[str, tuple[str, UPath, dict | None]] = {
+        r: ("legacy", p, None) for r, p in legacy_kept_files(data_root / "runs").items() if r not in commits
+    }
+    for run_id, record in commits.items():
+        entry = record.files.get("kept")
+        if entry is None:
+            raise HistoryIntegrityError(
+                f"warehouse/_commits/{run_id}.json names no kept file: delete it and re-filter {run_id} with "
+                f"`filter-pipeline materialize {run_id}`"
+            )
+        sources[run_id] = ("warehouse", data_root / entry["path"], entry)
+    return dict(sorted(sources.items()))
+
+
+def _read_sources(
+    data_root: UPath, sources: dict[str, tuple[str, UPath, dict | None]], commits: dict[str, CommitRecord]
+) -> Iterator[Source]:
+    """Each source's bytes, read when the counting asks for them (one file held at a time)."""
+    for run_id, (kind, path, entry) in sources.items():
+        if kind == "warehouse":
+            data = verified_bytes(data_root, run_id, entry)
+            yield Source(run_id, kind, data, entry, commits[run_id].digest)
+        else:
+            yield Source(run_id, kind, path.read_bytes())
+
+
+def build_prior_index(
+    data_root: UPath,
+    run_id: str,
+    batch_keys: pd.DataFrame,
+    retired: Retired,
+    commits: dict[str, CommitRecord] | None = None,
+) -> PriorIndex:
+    """The prior-run dedup index for `run_id` (CONTRACT §3.5, §4): every other committed run's kept rows,
+    plus legacy kept.jsonl, minus retired (`rules.history.prior_index` over the files read here). Raises
+    HistoryIntegrityError (one line: the file, what is wrong, what to do) when a committed kept file is
+    missing, changed, unreadable or not a kept file. `commits`: the warehouse's commit records (read when
+    not given)."""
+    commits = read_commits(data_root / "warehouse") if commits is None else commits
+    sources = history_sources(data_root, commits)
+    others = {r: s for r, s in sources.items() if r != run_id and not retired.run_is_retired(r)}
+    return prior_index(batch_keys, retired, _read_sources(data_root, others, commits))
+
+
+def kept_counts(data_root: UPath, retired: Retired) -> tuple[pd.DataFrame, int]:
+    """(macro, site, n_kept) over every non-retired run's kept rows (what coverage shows), and how many runs.
+    Every committed kept file is verified against its commit as `build_prior_index` verifies it; when the
+    newest walk read all the other runs as they stand (`covering_walk`), its prior_kept_counts plus its own
+    kept file are counted instead of decoding every run's file again."""
+    commits = read_commits(data_root / "warehouse")
+    sources = history_sources(data_root, commits)
+    live = {r for r in sources if not retired.run_is_retired(r)}
+    walk = covering_walk(commits, live, retired)
+    if walk is not None:
+        for run_id in sorted(live):
+            verified_bytes(data_root, run_id, commits[run_id].files["kept"])
+        record = commits[walk]
+        prior = read_parquet_file(pa.BufferReader(verified_bytes(data_root, walk, record.files["prior_kept_counts"])))
+        if whole_runs_counted(prior, commits, record.history):
+            own = verified_bytes(data_root, walk, record.files["kept"])
+            return add_own(prior, read_parquet_file(pa.BufferReader(own), columns=["macro", "site"])), len(live)
+    no_keys = pd.DataFrame({"dedup_key": pd.Series([], dtype=object), "key_hash": pd.Series([], dtype="int64")})
+    index = build_prior_index(data_root, "", no_keys, retired, commits)
+    return index.counts, index.runs_read
