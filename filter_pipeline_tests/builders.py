@@ -7,7 +7,7 @@ import pandas as pd
 from upath import UPath
 
 from filter_pipeline.rules.schemas import STATUS_JUDGED, canonical_key, conform, key_hash
-from filter_pipeline.shell.runs import read_batch
+from filter_pipeline.storage.runs import read_batch
 
 
 def task(task_id: str, macro: str = "m", site: str = "s", key: list | None = None, **extra) -> dict:

@@ -31,7 +31,6 @@ from filter_pipeline.shell.jobs import (
     filter_job,
 )
 from filter_pipeline.shell.ledger import ORDER_MAX_WAIT_TAG
-from filter_pipeline.shell.runs import complete_batches
 from filter_pipeline.shell.sensors import (
     CALIBRATION,
     changed_warning,
@@ -46,6 +45,7 @@ from filter_pipeline.storage import failures
 from filter_pipeline.storage.history import load_retired, read_commits
 from filter_pipeline.storage.lease import LedgerBusy, ledger_lease
 from filter_pipeline.storage.publish import STAGING_DIR, commit_state, complete_published
+from filter_pipeline.storage.runs import complete_batches
 
 EXIT_RUN_FAILED = 1
 EXIT_BAD_INPUT = 2  # (main.py maps CliError, ValueError and HistoryError to it)

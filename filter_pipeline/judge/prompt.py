@@ -32,7 +32,7 @@ from filter_pipeline.rules.schemas import (
     TRAJECTORY_UNREADABLE,
     record_steps_evidence,
 )
-from filter_pipeline.shell.runs import LOCAL_PROTOCOLS
+from filter_pipeline.storage.files import is_local
 
 if TYPE_CHECKING:
     from filter_pipeline.judge.config import LLMJudgeConfig
@@ -305,7 +305,7 @@ def build_messages(
 
 def inside_root(data_root: UPath, path: UPath) -> bool:
     """Whether `path` stays inside the data root once symlinks are resolved (local disk; remote has none)."""
-    if data_root.protocol not in LOCAL_PROTOCOLS:
+    if not is_local(data_root):
         return True
     root = os.path.realpath(data_root.path)
     return os.path.realpath(path.path).startswith(root + os.sep)

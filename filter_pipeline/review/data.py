@@ -29,6 +29,7 @@ from filter_pipeline.rules.schemas import (
     positions,
     to_pandas,
 )
+from filter_pipeline.storage.files import is_local
 
 # A task's fate, in the words of the outputs
 FATE_KEPT = "kept"
@@ -386,6 +387,6 @@ def open_root(path: str, endpoint_url: str | None = None) -> UPath:
     """The data root at `path` (a folder or s3:// URL) for a long-lived reader: on object storage without
     fsspec's listings cache, so runs and labels written after the first listing are seen."""
     root = UPath(path)
-    if root.protocol in ("", "file", "local"):
+    if is_local(root):
         return root
     return UPath(path, use_listings_cache=False, **({"endpoint_url": endpoint_url} if endpoint_url else {}))

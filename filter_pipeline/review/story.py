@@ -10,6 +10,7 @@ from upath import UPath
 from filter_pipeline.review.data import FATE_KEPT, FATE_SURPLUS, ReviewError, RunTables, Warehouse, signature
 from filter_pipeline.rules.calibration import LABEL_COLUMNS, parse_labels
 from filter_pipeline.rules.schemas import DROPPED_DUPLICATE, DROPPED_SITE_CAP
+from filter_pipeline.storage.files import is_local
 from filter_pipeline.storage.labels import LABELS_FILE
 
 SCREENSHOT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}\.png$")
@@ -149,7 +150,7 @@ def screenshot(warehouse: Warehouse, run_id: str, task_id: str, attempt: int, na
     if not rows or not SCREENSHOT_NAME.match(name or "") or not inside_run(run_id, rows[0].get("dir")):
         raise ReviewError("no such screenshot")
     path = warehouse.root / rows[0]["dir"] / name
-    if path.protocol in ("", "file", "local"):
+    if is_local(path):
         real, run_folder = UPath(path.path).resolve(), (warehouse.root / "runs" / run_id).resolve()
         if run_folder.path not in [str(p) for p in real.parents]:
             raise ReviewError("no such screenshot")  # a symlink out of the run's folder

@@ -24,11 +24,11 @@ from filter_pipeline.rules.schemas import (
     type_name,
 )
 from filter_pipeline.shell.config import caps_source, deployment_caps_config, run_caps_problem
-from filter_pipeline.shell.runs import count_records, read_batch
 from filter_pipeline.shell.warehouse import DataRoot, read_folder, read_parquet, write_parquet
 from filter_pipeline.storage import failures
 from filter_pipeline.storage.audit import audit
 from filter_pipeline.storage.history import kept_counts, load_retired
+from filter_pipeline.storage.runs import count_records, read_batch
 
 run_id_partitions = dg.DynamicPartitionsDefinition(name="run_id")
 

@@ -26,7 +26,6 @@ from filter_pipeline.rules.schemas import DROPPED_REASONS, STATUS_ERROR
 from filter_pipeline.shell.assets import blocking_check, check_result, column_schema, count_by, run_id_partitions
 from filter_pipeline.shell.config import CapsConfig, LedgerConfig, caps_source, deployment_caps_config
 from filter_pipeline.shell.jobs import FIRST_WALK_TAG, PARTITION_TAG, PRIORITY_TAG
-from filter_pipeline.shell.runs import complete_batches
 from filter_pipeline.shell.warehouse import DataRoot, encode
 from filter_pipeline.storage import failures
 from filter_pipeline.storage.files import input_fingerprints
@@ -40,6 +39,7 @@ from filter_pipeline.storage.publish import (
     complete_published,
     pause_point,
 )
+from filter_pipeline.storage.runs import complete_batches
 
 # run tag: the most seconds this run's ledger step waits for lower runs (the CLI sets 0: it orders its own runs)
 ORDER_MAX_WAIT_TAG = "filter_pipeline/order_max_wait_seconds"

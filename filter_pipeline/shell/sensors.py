@@ -35,10 +35,10 @@ from filter_pipeline.shell.jobs import (
     ledger_job,
     rejudge_job,
 )
-from filter_pipeline.shell.runs import complete_batches
 from filter_pipeline.shell.warehouse import DataRoot
 from filter_pipeline.storage import failures
 from filter_pipeline.storage.history import load_retired, read_commits
+from filter_pipeline.storage.runs import complete_batches
 
 JUDGE_JOB = judge_job.name
 LEDGER_JOB = ledger_job.name

@@ -22,8 +22,7 @@ from filter_pipeline.rules.schemas import (
     to_pandas,
 )
 from filter_pipeline.settings import DATA_ENV, DEFAULT_DATA, ENDPOINT_ENV, data_path
-from filter_pipeline.shell.runs import LOCAL_PROTOCOLS
-from filter_pipeline.storage.files import atomic_write
+from filter_pipeline.storage.files import LOCAL_PROTOCOLS, atomic_write
 
 
 class DataRoot(dg.ConfigurableResource):

@@ -6,6 +6,8 @@ import time
 
 from upath import UPath
 
+from filter_pipeline.storage.files import atomic_write
+
 FAILED_DIR = "_failed"
 
 
@@ -18,12 +20,7 @@ def record_failure(warehouse: UPath, run_id: str, reason: str) -> None:
     path = failure_path(warehouse, run_id)
     path.parent.mkdir(parents=True, exist_ok=True)
     body = json.dumps({"run_id": run_id, "reason": reason, "recorded_at": time.time()}, ensure_ascii=False)
-    if path.protocol in ("", "file", "local"):
-        temp = path.parent / f".{path.name}.tmp"  # renamed into place: a reader never sees half a record
-        temp.write_text(body, encoding="utf-8")
-        temp.rename(path)
-    else:
-        path.write_text(body, encoding="utf-8")  # an object store's put is atomic
+    atomic_write(path, body.encode("utf-8"))  # a reader never sees half a record
 
 
 def clear_failure(warehouse: UPath, run_id: str) -> bool:

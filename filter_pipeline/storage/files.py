@@ -8,10 +8,12 @@ import socket
 import time
 import uuid
 
-from fsspec.implementations.local import LocalFileSystem
 from upath import UPath
 
 from filter_pipeline.rules.commits import HASH_CHUNK, INPUT_FILES
+
+# fsspec protocols of a local data root; anything else is object storage (no symlinks, no rename, no flock)
+LOCAL_PROTOCOLS = ("", "file", "local")
 
 HOST = socket.gethostname()
 STALE_TEMP_SECONDS = 3600
@@ -48,7 +50,7 @@ def atomic_write(path: UPath, data, sync_folder: bool = True) -> None:
     """Write `data` to `path` so that readers see the old content or the new, never a part. Local disk:
     `replace_locally`, with `sync_folder` the folder fsynced too so the rename survives a crash. Object stores
     make a single PUT visible atomically."""
-    if not isinstance(path.fs, LocalFileSystem):  # (`data`: bytes or any buffer, e.g. an Arrow buffer)
+    if not is_local(path):  # (`data`: bytes or any buffer, e.g. an Arrow buffer)
         path.fs.pipe_file(path.path, data if isinstance(data, bytes) else memoryview(data).tobytes())
         return
     replace_locally(path.path, lambda f: f.write(data), sync_folder=sync_folder)
@@ -96,7 +98,7 @@ def sha256_of(path: UPath) -> str:
 def input_fingerprint(path: UPath) -> dict:
     """What tells a later reader whether an input file changed: size and SHA-256 (and mtime_ns, so an
     unchanged file need not be hashed again) on local disk; size and ETag on object storage."""
-    if isinstance(path.fs, LocalFileSystem):
+    if is_local(path):
         stat = os.stat(path.path)
         return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": sha256_of(path)}
     info = path.fs.info(path.path)
@@ -119,7 +121,7 @@ def inputs_changed(run_dir: UPath, recorded: dict[str, dict]) -> list[str]:
         if not path.exists():
             changed.append(name)
             continue
-        if isinstance(path.fs, LocalFileSystem):
+        if is_local(path):
             stat = os.stat(path.path)
             if stat.st_size != then.get("size"):
                 changed.append(name)
@@ -133,5 +135,5 @@ def inputs_changed(run_dir: UPath, recorded: dict[str, dict]) -> list[str]:
 
 
 def is_local(path: UPath) -> bool:
-    """Whether `path` is on local disk (renames, fsync and flock), not an object store."""
-    return isinstance(path.fs, LocalFileSystem)
+    """Whether `path` is on local disk (renames, fsync, flock and symlinks), not an object store."""
+    return path.protocol in LOCAL_PROTOCOLS

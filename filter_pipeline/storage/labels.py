@@ -18,10 +18,10 @@ import random
 import time
 from datetime import UTC, datetime
 
-from fsspec.implementations.local import LocalFileSystem
 from upath import UPath
 
 from filter_pipeline.rules.calibration import LABELS_FILE
+from filter_pipeline.storage.files import is_local
 
 MAX_TRIES = 50  # conditional writes lost to other writers before giving up on object storage
 
@@ -44,7 +44,7 @@ def append_label(data_root: UPath, record: dict) -> None:
     """Append `record` as one line to `<data_root>/labels.jsonl`; LabelWriteError when it cannot be."""
     line = label_line(record)
     path = data_root / LABELS_FILE
-    if isinstance(path.fs, LocalFileSystem):
+    if is_local(path):
         _append_locally(path.path, line)
     else:
         _append_conditionally(path.fs, path.path, line)

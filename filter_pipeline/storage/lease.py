@@ -26,11 +26,10 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
 
-from fsspec.implementations.local import LocalFileSystem
 from upath import UPath
 
 from filter_pipeline import settings
-from filter_pipeline.storage.files import atomic_write
+from filter_pipeline.storage.files import atomic_write, is_local
 
 LOCK_FILE = "_ledger.lock"
 HOLDER_FILE = "_ledger.holder.json"
@@ -96,7 +95,7 @@ def ledger_lease(data_root: UPath, holder: str, ttl_seconds: float | None = None
     """
     warehouse = data_root / "warehouse"
     ttl_seconds = ttl_seconds or default_ttl_seconds()
-    if isinstance(warehouse.fs, LocalFileSystem):
+    if is_local(warehouse):
         with _local_lock(warehouse, holder) as lease:
             yield lease
     elif warehouse.protocol == "memory":

@@ -46,7 +46,7 @@ def warnings(instance: dg.DagsterInstance, result) -> list[str]:
 
 def judge_batch(data_root, judge, run_id: str = "r1", previous=None, log=None):
     """The judge resource on a written batch, as the judge_verdicts asset calls it (without Dagster's run)."""
-    from filter_pipeline.shell.runs import read_batch
+    from filter_pipeline.storage.runs import read_batch
 
     batch = read_batch(UPath(data_root) / "runs" / run_id, run_id)
     return judge.judge(

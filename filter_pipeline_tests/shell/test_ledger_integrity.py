@@ -13,11 +13,11 @@ from upath import UPath
 
 from filter_pipeline.definitions import build_defs
 from filter_pipeline.judge.resource import JudgeResource
-from filter_pipeline.shell.runs import complete_batches
 from filter_pipeline.shell.sensors import build_batch_sensor
 from filter_pipeline.shell.warehouse import DataRoot
 from filter_pipeline.storage.audit import audit
 from filter_pipeline.storage.history import read_commits
+from filter_pipeline.storage.runs import complete_batches
 from filter_pipeline_tests.builders import attempt, task, write_batch
 
 pytestmark = pytest.mark.slow  # (each test runs the whole job in process, several seconds a run)

@@ -9,9 +9,9 @@ import pytest
 
 from filter_pipeline.rules.batch import BatchState
 from filter_pipeline.shell.jobs import FIRST_WALK_TAG, RANGE_END_TAG, RANGE_START_TAG
-from filter_pipeline.shell.runs import complete_batches
 from filter_pipeline.shell.sensors import LEDGER_RANGE_LIMIT, build_batch_sensor, plan_tick, registered_block
 from filter_pipeline.shell.warehouse import DataRoot
+from filter_pipeline.storage.runs import complete_batches
 from filter_pipeline_tests.builders import attempt, commit_files, task, write_batch, write_kept, write_legacy_kept
 
 

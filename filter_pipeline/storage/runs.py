@@ -23,12 +23,8 @@ from filter_pipeline.rules.batch import (
     parse_attempts,
     parse_tasks,
 )
-from filter_pipeline.storage.files import inputs_changed
+from filter_pipeline.storage.files import inputs_changed, is_local
 from filter_pipeline.storage.history import read_commits
-
-# fsspec protocols of a local data root; anything else is object storage (no symlinks, no rename)
-LOCAL_PROTOCOLS = ("", "file", "local")
-
 
 _LOG = logging.getLogger(__name__)
 
@@ -137,7 +133,7 @@ def dirs_outside_root(run_dir: UPath, dirs: pd.Series) -> set[str]:
     once for symlinks, and only dirs behind a symlink are resolved one by one. A batch without symlinks
     costs one walk of its trajectory folders.
     """
-    if run_dir.protocol not in LOCAL_PROTOCOLS or dirs.empty:
+    if not is_local(run_dir) or dirs.empty:
         return set()
     root = os.path.realpath(os.path.dirname(os.path.dirname(run_dir.path)))
     inside = lambda rel: os.path.realpath(os.path.join(root, rel)).startswith(root + os.sep)  # noqa: E731
