@@ -10,7 +10,7 @@ from upath import UPath
 from filter_pipeline.rules import batch as batch_module
 from filter_pipeline.rules import records as records_module
 from filter_pipeline.rules.batch import BatchError, check_run_id
-from filter_pipeline.shell import runs as runs_module
+from filter_pipeline.storage import runs as runs_module
 from filter_pipeline.storage.runs import read_batch
 from filter_pipeline_tests.builders import RAW_KEYS, attempt, jsonl, parse, rows, task, write_batch
 
