@@ -37,6 +37,7 @@ from filter_pipeline.shell.jobs import (
 )
 from filter_pipeline.shell.warehouse import DataRoot
 from filter_pipeline.storage import failures
+from filter_pipeline.storage.files import files_in
 from filter_pipeline.storage.history import load_retired, read_commits
 from filter_pipeline.storage.runs import complete_batches
 
@@ -64,14 +65,7 @@ LEGACY_SOURCE = "legacy kept.jsonl"
 def kept_fingerprint(data: DataRoot) -> str | None:
     """A short hash of which kept files exist and their sizes (None: no kept file yet): coverage is stale
     exactly when this changes."""
-    folder = data.warehouse / "kept"
-    if not folder.exists():
-        return None
-    files = sorted(
-        (p.name, p.stat().st_size)
-        for p in folder.iterdir()
-        if p.name.endswith(".parquet") and not p.name.startswith(".")
-    )
+    files = [(p.name, p.stat().st_size) for p in files_in(data.warehouse / "kept", ".parquet").values()]
     return hashlib.sha1(repr(files).encode()).hexdigest()[:16] if files else None
 
 

@@ -22,7 +22,7 @@ from filter_pipeline.rules.schemas import (
     to_pandas,
 )
 from filter_pipeline.settings import DATA_ENV, DEFAULT_DATA, ENDPOINT_ENV, data_path
-from filter_pipeline.storage.files import LOCAL_PROTOCOLS, atomic_write
+from filter_pipeline.storage.files import LOCAL_PROTOCOLS, atomic_write, files_in
 
 
 class DataRoot(dg.ConfigurableResource):
@@ -117,11 +117,10 @@ def read_folder(folder: UPath, columns: list[str], filters=None) -> pd.DataFrame
     expression = pq.filters_to_expression(filters) if filters else None
     wanted = list(dict.fromkeys([*columns, *(name for name, _, _ in (filters or []))]))
     tables = []
-    for path in sorted(folder.iterdir(), key=lambda p: p.name):
-        if path.name.endswith(".parquet") and not path.name.startswith("."):
-            with path.open("rb") as f:
-                table = read_parquet_file(f, columns=wanted)
-            tables.append(table.filter(expression).select(columns) if expression is not None else table)
+    for path in files_in(folder, ".parquet").values():
+        with path.open("rb") as f:
+            table = read_parquet_file(f, columns=wanted)
+        tables.append(table.filter(expression).select(columns) if expression is not None else table)
     if not tables:
         return pd.DataFrame({name: pd.Series(dtype=object) for name in columns})
     return to_pandas(pa.concat_tables(tables, promote_options="default"))

@@ -18,19 +18,13 @@ from filter_pipeline.rules.verify import (
     suspect_rows,
     unreadable_verdicts,
 )
-from filter_pipeline.storage.files import inputs_changed
+from filter_pipeline.storage.files import files_in, inputs_changed
 from filter_pipeline.storage.history import kept_files, legacy_kept_files, load_retired, verified_bytes
 
 
 def _commits(warehouse: UPath) -> tuple[dict[str, CommitRecord], list[Finding]]:
-    folder = warehouse / COMMITS_DIR
     records, findings = {}, []
-    if not folder.exists():
-        return records, findings
-    for path in sorted(folder.iterdir(), key=lambda p: p.name):
-        if not path.name.endswith(".json") or path.name.startswith("."):
-            continue
-        run_id = path.name.removesuffix(".json")
+    for run_id, path in files_in(warehouse / COMMITS_DIR, ".json").items():
         try:
             records[run_id] = parse_commit(path.read_bytes(), f"warehouse/{COMMITS_DIR}/{path.name}", run_id)
         except HistoryIntegrityError as exc:

@@ -6,7 +6,7 @@ import time
 
 from upath import UPath
 
-from filter_pipeline.storage.files import atomic_write
+from filter_pipeline.storage.files import atomic_write, files_in
 
 FAILED_DIR = "_failed"
 
@@ -34,15 +34,11 @@ def clear_failure(warehouse: UPath, run_id: str) -> bool:
 
 def read_failures(warehouse: UPath) -> dict[str, str]:
     """run_id -> recorded reason, for every batch whose validation failure is recorded."""
-    folder = warehouse / FAILED_DIR
-    if not folder.exists():
-        return {}
     found = {}
-    for path in folder.iterdir():
-        if path.name.endswith(".json") and not path.name.startswith("."):
-            try:
-                raw = json.loads(path.read_text(encoding="utf-8"))
-                found[raw["run_id"]] = str(raw.get("reason", ""))
-            except (ValueError, KeyError, TypeError):
-                found[path.name.removesuffix(".json")] = "unreadable failure record"
+    for name, path in files_in(warehouse / FAILED_DIR, ".json").items():
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+            found[raw["run_id"]] = str(raw.get("reason", ""))
+        except (ValueError, KeyError, TypeError):
+            found[name] = "unreadable failure record"
     return found

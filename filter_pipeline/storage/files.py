@@ -134,6 +134,15 @@ def inputs_changed(run_dir: UPath, recorded: dict[str, dict]) -> list[str]:
     return changed
 
 
+def files_in(folder: UPath, suffix: str) -> dict[str, UPath]:
+    """name without `suffix` -> path, for each file of `folder` ending in `suffix`, in name order; a file whose
+    name starts with a dot (the temporary file of a write in progress) is skipped; {} without the folder."""
+    if not folder.exists():
+        return {}
+    found = [p for p in folder.iterdir() if p.name.endswith(suffix) and not p.name.startswith(".")]
+    return {p.name.removesuffix(suffix): p for p in sorted(found, key=lambda p: p.name)}
+
+
 def is_local(path: UPath) -> bool:
     """Whether `path` is on local disk (renames, fsync, flock and symlinks), not an object store."""
     return path.protocol in LOCAL_PROTOCOLS

@@ -24,20 +24,15 @@ from filter_pipeline.rules.history import (
     whole_runs_counted,
 )
 from filter_pipeline.rules.schemas import read_parquet_file
+from filter_pipeline.storage.files import files_in
 
 
 def read_commits(warehouse: UPath) -> dict[str, CommitRecord]:
     """Every committed run: run_id -> its record. Raises HistoryIntegrityError on a record that is not one."""
-    folder = warehouse / COMMITS_DIR
-    if not folder.exists():
-        return {}
-    found = {}
-    for path in folder.iterdir():
-        if not path.name.endswith(".json") or path.name.startswith("."):
-            continue  # (temp files of a write in progress start with a dot)
-        run_id = path.name.removesuffix(".json")
-        found[run_id] = parse_commit(path.read_bytes(), f"{warehouse.name}/{COMMITS_DIR}/{path.name}", run_id)
-    return dict(sorted(found.items()))
+    return {
+        run_id: parse_commit(path.read_bytes(), f"{warehouse.name}/{COMMITS_DIR}/{path.name}", run_id)
+        for run_id, path in files_in(warehouse / COMMITS_DIR, ".json").items()
+    }
 
 
 def load_retired(data_root: UPath) -> Retired:
@@ -48,13 +43,7 @@ def load_retired(data_root: UPath) -> Retired:
 
 def kept_files(kept_dir: UPath) -> dict[str, UPath]:
     """run_id -> its `kept` Parquet file, committed or not, skipping temporary files of writes in progress."""
-    if not kept_dir.exists():
-        return {}
-    return {
-        p.name.removesuffix(".parquet"): p
-        for p in kept_dir.iterdir()
-        if p.name.endswith(".parquet") and not p.name.startswith((".", "_"))
-    }
+    return {run_id: p for run_id, p in files_in(kept_dir, ".parquet").items() if not run_id.startswith("_")}
 
 
 def legacy_kept_files(runs_dir: UPath) -> dict[str, UPath]:

@@ -23,7 +23,7 @@ from filter_pipeline.rules.batch import (
     parse_attempts,
     parse_tasks,
 )
-from filter_pipeline.storage.files import inputs_changed, is_local
+from filter_pipeline.storage.files import files_in, inputs_changed, is_local
 from filter_pipeline.storage.history import read_commits
 
 _LOG = logging.getLogger(__name__)
@@ -71,13 +71,7 @@ def complete_batches(
 
 
 def _stems(folder) -> set[str]:
-    if not folder.exists():
-        return set()
-    return {
-        p.name.removesuffix(".parquet")
-        for p in folder.iterdir()
-        if p.name.endswith(".parquet") and not p.name.startswith(".")
-    }
+    return set(files_in(folder, ".parquet"))
 
 
 def read_batch(run_dir: UPath, run_id: str) -> Batch:

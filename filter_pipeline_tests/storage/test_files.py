@@ -52,3 +52,11 @@ def test_changed_inputs_on_s3_are_told_by_etag(s3_server, s3_bucket):
     assert recorded["tasks.jsonl"]["etag"] and files.inputs_changed(run, recorded) == []
     (run / "tasks.jsonl").write_text('{"task_id": "b"}\n')
     assert files.inputs_changed(run, recorded) == ["tasks.jsonl"]
+
+
+def test_files_in_lists_a_suffix_in_name_order_without_writes_in_progress(tmp_path):
+    for name in ("b.json", "a.json", ".a.json.tmp", ".c.json", "notes.txt"):
+        (tmp_path / name).write_text("{}")
+    assert list(files.files_in(UPath(tmp_path), ".json")) == ["a", "b"]
+    assert files.files_in(UPath(tmp_path), ".json")["b"] == UPath(tmp_path) / "b.json"
+    assert files.files_in(UPath(tmp_path / "missing"), ".json") == {}
