@@ -1,5 +1,5 @@
 """DPO pairs: a kept trajectory (chosen) against a failed attempt of the same task that is a clean negative
-(rejected). Pure pandas, like rules.py."""
+(rejected). Pure pandas, no files."""
 
 from dataclasses import dataclass
 

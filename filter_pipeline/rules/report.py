@@ -126,8 +126,8 @@ def agreement_markdown(verdicts: pd.DataFrame) -> str:
 # --- rendering --------------------------------------------------------------------------------------
 
 
-# pygal, not matplotlib: the same bar charts as SVG in about 10 ms each, with a 0.1 s import against
-# matplotlib's 0.7 s import and 0.2 s per chart (a tenth of a large batch's whole run)
+# pygal, not matplotlib: the same bar charts as SVG, with a fraction of matplotlib's import and drawing time
+# (which would be a noticeable share of a large batch's run)
 _STYLE = Style(
     background="white", plot_background="white", font_family="sans-serif",
     colors=("#4c78a8", "#f58518", "#e45756", "#72b7b2", "#54a24b", "#eeca3b", "#b279a2", "#9d755d"),
