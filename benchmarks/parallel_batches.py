@@ -1,4 +1,4 @@
-"""N batches launched together: their judging runs in parallel, their ledger steps one at a time in run_id order.
+"""N batches launched together: their judging runs in parallel, their ledger walks one at a time in run_id order.
 
     .venv/bin/python -m benchmarks.parallel_batches [--batches 6] [--tasks 400] [--latency 0.5] [--concurrency 4]
                                                     [--executor in_process|multiprocess]
@@ -9,7 +9,8 @@ OpenAI-compatible test server (one vote per task, fixed latency, in its own proc
 reads the step timings back from the instance's event log and prints:
 - each batch's judge_batch step and ledger step (start, end, seconds, process id);
 - judging: the sum of the judge steps against the wall time they spanned (the speed-up over one at a time);
-- the ledger: whether its steps ran in run_id order and whether any two overlapped.
+- the ledger: the batches its steps walked (a sensor ledger run walks every judged batch waiting), whether in
+  run_id order, and whether any two steps overlapped.
 """
 
 import argparse
@@ -26,6 +27,7 @@ from pathlib import Path
 import dagster as dg
 
 from benchmarks.judge_throughput import server_process, stop
+from filter_pipeline.shell.jobs import FIRST_WALK_TAG
 
 REPO = Path(__file__).resolve().parent.parent
 IN_FLIGHT = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.STARTING,
@@ -34,7 +36,7 @@ IN_FLIGHT = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, dg.Dag
 
 @dataclass(frozen=True)
 class Span:
-    run_id: str  # the batch (partition)
+    run_ids: list[str]  # the batches the step worked on (a sensor's ledger run may walk several)
     step: str
     start: float
     end: float
@@ -78,7 +80,9 @@ def step_spans(instance: dg.DagsterInstance, job: str, step: str) -> list[Span]:
             elif event.event_type == dg.DagsterEventType.STEP_SUCCESS:
                 end = entry.timestamp
         if start is not None and end is not None:
-            spans.append(Span(run.tags["dagster/partition"], step, start, end, pid))
+            # a ledger run over several batches has no partition tag; its first-walk tag names them all
+            walked = run.tags.get(FIRST_WALK_TAG, run.tags.get("dagster/partition", ""))
+            spans.append(Span(walked.split(), step, start, end, pid))
     return sorted(spans, key=lambda s: s.start)
 
 
@@ -144,7 +148,7 @@ def main() -> None:
     origin = min(s.start for s in judge + ledger)
     print(f"{'batch':<12} {'step':<15} {'start':>6} {'end':>6} {'seconds':>8} {'pid':>7}")
     for span in sorted(judge + ledger, key=lambda s: (s.step != "judge_batch", s.start)):
-        print(f"{span.run_id:<12} {span.step:<15} {span.start - origin:>6.1f} {span.end - origin:>6.1f} "
+        print(f"{' '.join(span.run_ids):<12} {span.step:<15} {span.start - origin:>6.1f} {span.end - origin:>6.1f} "
               f"{span.seconds:>8.1f} {span.pid:>7}")  # fmt: skip
     judge_sum = sum(s.seconds for s in judge)
     judge_wall = max(s.end for s in judge) - min(s.start for s in judge)
@@ -152,7 +156,8 @@ def main() -> None:
     print(f"judging: {len(judge)} steps in {len({s.pid for s in judge})} processes, {judge_sum:.1f} s of judging "
           f"in {judge_wall:.1f} s of wall time: speed-up {judge_sum / judge_wall:.2f}x over one at a time "
           f"(overlapping pairs: {overlapping_pairs(judge)})")  # fmt: skip
-    print(f"ledger: {len(ledger)} steps, in run_id order: {[s.run_id for s in ledger] == run_ids}, "
+    walked = [run_id for s in ledger for run_id in s.run_ids]
+    print(f"ledger: {len(ledger)} steps walking {len(walked)} batches, in run_id order: {walked == run_ids}, "
           f"overlapping pairs: {overlapping_pairs(ledger)}")  # fmt: skip
     print(f"whole: {wall:.1f} s from the daemon's start to the last kept file")
     shutil.rmtree(work, ignore_errors=True)
