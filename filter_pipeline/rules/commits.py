@@ -12,11 +12,18 @@ The record and its parsing; reading and writing them is `storage/`'s (history.py
 import hashlib
 import json
 from dataclasses import asdict, dataclass, fields
+from datetime import UTC, datetime
 
 COMMITS_DIR = "_commits"  # <data>/warehouse/_commits/<run_id>.json
 LEGACY_PREFIX = "legacy:"  # history entry of a legacy run: "legacy:<sha256 of its kept.jsonl>"
 INPUT_FILES = ("tasks.jsonl", "executions.jsonl")
 HASH_CHUNK = 8 << 20
+
+
+def walked_now() -> str:
+    """A commit's walked_at for a walk committing now: ISO 8601 in UTC, to the microsecond (a re-walk launched
+    in the same second as the commit before it must still be told apart from it)."""
+    return datetime.now(UTC).isoformat(timespec="microseconds")
 
 
 class HistoryIntegrityError(ValueError):
@@ -48,6 +55,16 @@ class CommitRecord:
     def to_json(self) -> bytes:
         """The record's canonical bytes (sorted keys, compact): what is written, and what `digest` hashes."""
         return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+    @property
+    def walked_timestamp(self) -> float:
+        """When the walk committed, in seconds since the epoch (0.0 when the record does not say). Records
+        written before walked_at carried microseconds say the start of their second: a comparison with a later
+        moment of that second finds them earlier, so a walk asked meanwhile walks again rather than skipping."""
+        try:
+            return datetime.fromisoformat(self.walked_at).timestamp()
+        except (TypeError, ValueError):
+            return 0.0
 
     @property
     def digest(self) -> str:

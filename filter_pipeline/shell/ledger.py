@@ -13,7 +13,6 @@ committed meanwhile is reported as already filtered, not walked again.
 
 import math
 import time
-from datetime import UTC, datetime
 from typing import Any
 
 import dagster as dg
@@ -288,14 +287,14 @@ def filtered_meanwhile(
     created = None
     if tagged is None:
         record = context.instance.get_run_record_by_id(context.run.run_id)
-        created = record.create_timestamp.astimezone(UTC).replace(microsecond=0) if record else None
+        created = record.create_timestamp.timestamp() if record else None
     found = {}
     for run_id, state in read.items():
         if not state.exists or (tagged is not None and run_id not in tagged.split()):
             continue
         path = data.warehouse / commits.COMMITS_DIR / f"{run_id}.json"
         committed = parse_commit(path.read_bytes(), f"warehouse/{commits.COMMITS_DIR}/{run_id}.json", run_id)
-        if tagged is not None or (created is not None and datetime.fromisoformat(committed.walked_at) >= created):
+        if tagged is not None or (created is not None and committed.walked_timestamp >= created):
             found[run_id] = committed
     return found
 
@@ -472,7 +471,7 @@ def _commit_record(config, run_id, judge_verdicts, kept, index, files, source, i
     """The run's commit record: its files, caps, judge, the history it read and its inputs' hashes."""
     return commits.CommitRecord(
         run_id=run_id,
-        walked_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        walked_at=commits.walked_now(),
         files=files,
         kept_keys=int(kept["dedup_key"].nunique()),
         caps={k: v for k, v in config.model_dump().items() if k in CapsConfig.model_fields},

@@ -12,7 +12,6 @@ cannot walk out of order either.
 import hashlib
 import time
 from collections.abc import Iterable
-from datetime import datetime
 
 import dagster as dg
 
@@ -182,7 +181,7 @@ def stopped_at(run_ids: list[str], commits: dict[str, CommitRecord], ended: floa
     the run ended is another walk's."""
     for run_id in run_ids:
         record = commits.get(run_id)
-        if record is None or walked_at(record) > ended:
+        if record is None or record.walked_timestamp > ended:
             return run_id
     return None
 
@@ -239,19 +238,11 @@ def rejudging_due(
             continue
         tries, last = rejudge_tries(instance, run_id)
         found = order.rejudge_due(
-            run_id, record.unjudged, tries, max(last, walked_at(record)), time.time(), backoff, max_tries, wait
+            run_id, record.unjudged, tries, max(last, record.walked_timestamp), time.time(), backoff, max_tries, wait
         )
         if found is not None:
             due.append(found)
     return due
-
-
-def walked_at(record: CommitRecord) -> float:
-    """When the commit's walk happened, in seconds since the epoch (0.0 when the record does not say)."""
-    try:
-        return datetime.fromisoformat(record.walked_at).timestamp()
-    except (TypeError, ValueError):
-        return 0.0
 
 
 def rejudge_tags(item: order.Rejudge) -> dict[str, str]:

@@ -1,11 +1,14 @@
 """Commit records (CONTRACT §4): read back exactly, refused when they are not one."""
 
 import os
+import re
+import time
+from datetime import UTC, datetime
 
 import pytest
 from upath import UPath
 
-from filter_pipeline.rules.commits import CommitRecord, HistoryIntegrityError
+from filter_pipeline.rules.commits import CommitRecord, HistoryIntegrityError, walked_now
 from filter_pipeline.storage.history import read_commits
 from filter_pipeline.storage.publish import write_commit
 
@@ -30,6 +33,24 @@ def test_a_written_record_reads_back_equal_with_the_same_digest(tmp_path):
     assert found["r1"].digest == record("r1").digest != record("r1", unjudged=1).digest
     assert [p.name for p in (tmp_path / "warehouse" / "_commits").iterdir()] != []
     assert not [p for p in (tmp_path / "warehouse" / "_commits").iterdir() if p.name.startswith(".")]
+
+
+def test_walked_at_tells_apart_moments_of_the_same_second():
+    # a re-walk launched 0.1 s after the commit before it, in the same second, is asked after that commit
+    launched = datetime(2026, 12, 1, 0, 0, 0, 350_000, tzinfo=UTC).timestamp()
+    assert record(walked_at="2026-12-01T00:00:00.250000+00:00").walked_timestamp < launched
+    assert record(walked_at="2026-12-01T00:00:00.450000+00:00").walked_timestamp > launched
+    # a record written to the second only reads as the start of its second: earlier than the launch
+    assert record(walked_at="2026-12-01T00:00:00+00:00").walked_timestamp < launched
+    assert record(walked_at="not a time").walked_timestamp == 0.0
+
+
+def test_a_walk_committing_now_says_when_to_the_microsecond():
+    before = time.time()
+    stamp = walked_now()
+    after = time.time()
+    assert before - 1e-6 <= record(walked_at=stamp).walked_timestamp <= after + 1e-6
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}\+00:00", stamp)
 
 
 @pytest.mark.parametrize(
