@@ -303,7 +303,7 @@ def covering_walk(commits: dict[str, CommitRecord], live: set[str], retired: Ret
     single tasks retired): then every run is counted from its file."""
     if any(retired.tasks.get(r) for r in live):
         return None
-    for run_id, record in sorted(commits.items(), key=lambda item: item[1].walked_at, reverse=True):
+    for run_id, record in sorted(commits.items(), key=lambda item: item[1].walked_timestamp, reverse=True):
         if (
             run_id in live and {"kept", "prior_kept_counts"} <= set(record.files)
             and set(record.history) == live - {run_id}
