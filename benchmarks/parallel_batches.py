@@ -27,7 +27,7 @@ from pathlib import Path
 import dagster as dg
 
 from benchmarks.judge_throughput import server_process, stop
-from filter_pipeline.shell.jobs import FIRST_WALK_TAG
+from filter_pipeline.shell.jobs import FIRST_WALK_TAG, PARTITION_TAG
 
 REPO = Path(__file__).resolve().parent.parent
 IN_FLIGHT = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.STARTING,
@@ -81,7 +81,7 @@ def step_spans(instance: dg.DagsterInstance, job: str, step: str) -> list[Span]:
                 end = entry.timestamp
         if start is not None and end is not None:
             # a ledger run over several batches has no partition tag; its first-walk tag names them all
-            walked = run.tags.get(FIRST_WALK_TAG, run.tags.get("dagster/partition", ""))
+            walked = run.tags.get(FIRST_WALK_TAG, run.tags.get(PARTITION_TAG, ""))
             spans.append(Span(walked.split(), step, start, end, pid))
     return sorted(spans, key=lambda s: s.start)
 
