@@ -6,7 +6,7 @@ import warnings
 import dagster as dg
 
 from filter_pipeline.judge.resource import JudgeResource, judge_from_env
-from filter_pipeline.settings import DEFAULT_EXECUTOR, EXECUTOR_ENV
+from filter_pipeline.settings import DEFAULT_EXECUTOR, EXECUTOR_ENV, check_whole_number_settings
 from filter_pipeline.shell.assets import (
     build_coverage,
     judge_batch,
@@ -52,6 +52,7 @@ def build_defs(
 
 
 def defs_from_env() -> dg.Definitions:
+    check_whole_number_settings()
     caps_file = os.environ.get(CAPS_ENV)
     return build_defs(
         data=DataRoot.from_env(),

@@ -66,6 +66,24 @@ def int_setting(env: str, default: int) -> int:
     return value
 
 
+# every whole-number setting with its default: checked together before anything runs
+WHOLE_NUMBER_SETTINGS = {
+    ORDER_RETRY_SECONDS_ENV: DEFAULT_ORDER_RETRY_SECONDS,
+    ORDER_MAX_WAIT_SECONDS_ENV: DEFAULT_ORDER_MAX_WAIT_SECONDS,
+    ORDER_QUEUED_SECONDS_ENV: DEFAULT_ORDER_QUEUED_SECONDS,
+    LEASE_SECONDS_ENV: DEFAULT_LEASE_SECONDS,
+    REJUDGE_BACKOFF_SECONDS_ENV: DEFAULT_REJUDGE_BACKOFF_SECONDS,
+    REJUDGE_MAX_TRIES_ENV: DEFAULT_REJUDGE_MAX_TRIES,
+}
+
+
+def check_whole_number_settings() -> None:
+    """Raise ValueError, in one line naming it, for the first whole-number setting that is not one: said when
+    the code loads rather than when a step or sensor first reads it."""
+    for env, default in WHOLE_NUMBER_SETTINGS.items():
+        int_setting(env, default)
+
+
 # The review app (`filter-pipeline review`): where users browse it, so that filter_report's materialization links
 # to a run's review page; and where the Dagster UI is, so that the review app links to a run's partition.
 REVIEW_URL_ENV = "FILTER_PIPELINE_REVIEW_URL"

@@ -118,6 +118,8 @@ def side_by_side(labels: pd.DataFrame, frames: tuple, candidate: pd.DataFrame, n
 def calibrate(args: argparse.Namespace) -> int:
     """Exit status 0 when the candidate was scored; 1 when it could not judge (endpoint refused); 2 bad input."""
     data = DataRoot.from_env(args.data)
+    if not data.root.exists():
+        raise CalibrateError(f"{data.path}: no such folder (point --data or FILTER_PIPELINE_DATA at the data root)")
     raw = (data.root / calibration.LABELS_FILE).read_bytes() if (data.root / calibration.LABELS_FILE).exists() else None
     if raw is None:
         raise CalibrateError(f"{data.path}: no {calibration.LABELS_FILE}: label some attempts first")

@@ -1,6 +1,7 @@
-"""`filter-pipeline materialize`: register and materialize batches on the instance at $DAGSTER_HOME.
+"""`filter-pipeline`: the filter stage from a terminal, on the data root (--data or $FILTER_PIPELINE_DATA).
 
-What it materializes is recorded in that instance, so `dagster dev` on the same DAGSTER_HOME shows it.
+`materialize` runs on the Dagster instance at $DAGSTER_HOME, so `dagster dev` on the same DAGSTER_HOME shows
+what it did; the other commands read the data root only. `filter-pipeline COMMAND --help` says more.
 """
 
 import argparse
@@ -61,7 +62,7 @@ def _parser() -> argparse.ArgumentParser:
         help="score a candidate judge on the labelled attempts, beside the judge in production",
         description="Judge only the attempts labels.jsonl labels with a candidate judge (the production "
         "judge's FILTER_JUDGE_* settings, the options given in their place), write its verdicts to "
-        "warehouse/judge_eval/<candidate>.parquet, and print precision (95%% interval), recall, kappa and cost "
+        "warehouse/judge_eval/<candidate>.parquet, and print precision (95% interval), recall, kappa and cost "
         "beside the judge in production. Verdicts already on file for the candidate are reused (a second run "
         "asks nothing). Never changes kept, surplus, judge_verdicts or the commit records.",
     )
@@ -157,8 +158,16 @@ def one_line(exc: Exception) -> str:
 
 
 def run() -> None:
-    """The console entry point."""
-    sys.exit(main())
+    """The console entry point. Output piped into a reader that stops early (`| head`) ends quietly, as
+    other command-line tools do, with the status a shell gives a process its pipe closed (141)."""
+    try:
+        status = main()
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # Python flushes stdout again at exit and would report the same broken pipe: point it at /dev/null
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        status = 141
+    sys.exit(status)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from filter_pipeline.rules import calibration as calibration_rules
 from filter_pipeline.rules import order
 from filter_pipeline.rules.batch import SUCCESS_FILE, check_run_id
 from filter_pipeline.rules.schemas import DROPPED_REASONS, FAILURE_REASONS, STATUS_ERROR
+from filter_pipeline.settings import REJUDGE_MAX_TRIES_ENV
 from filter_pipeline.shell.assets import run_id_partitions
 from filter_pipeline.shell.config import CAPS_ENV, load_caps_file, parse_caps
 from filter_pipeline.shell.jobs import (
@@ -198,7 +199,9 @@ def _failed_step(result) -> str:
     for event in result.all_events:
         if event.event_type == dg.DagsterEventType.STEP_FAILURE:
             error = event.step_failure_data.error
-            while error.cause is not None and error.cls_name == "DagsterExecutionStepExecutionError":
+            while error.cause is not None and (error.cls_name or "").startswith(
+                "DagsterExecution"
+            ):  # a Dagster wrapper: its cause says why
                 error = error.cause
             message = error.message.strip().splitlines()[-1] if error.message.strip() else error.cls_name
             qualified, _, text = message.partition(": ")
@@ -212,7 +215,11 @@ def materialize(args: argparse.Namespace, signals: Signals | None = None) -> int
     signals = signals or Signals()
     data, caps, home, judge = _checked_arguments(args)
     refused: list[str] = []
-    run_ids = _in_ledger_order(data, _runs_to_materialize(data, args.run_ids, refused), named=bool(args.run_ids))
+    try:
+        run_ids = _in_ledger_order(data, _runs_to_materialize(data, args.run_ids, refused), named=bool(args.run_ids))
+    except OSError as exc:  # an unreadable runs/ or batch folder: one line, before anything is registered
+        where = f": {exc.filename}" if exc.filename else ""
+        raise CliError(f"cannot read the data root {data.path}: {exc.strerror or exc}{where}") from None
     instance = _instance(home)
     _complete_publishes(data)
     for line in refused:
@@ -266,6 +273,16 @@ def _nothing_to_materialize(instance: dg.DagsterInstance, data: DataRoot, args, 
         if not _refresh_across_runs(instance, only=[CALIBRATION]):
             return EXIT_RUN_FAILED
         _print_calibration(data)
+    # runs whose unjudged tasks were not taken again: their tries are spent (a materialize naming no run
+    # takes every other one, whatever the backoff)
+    spent = sorted(run_id for run_id, record in read_commits(data.warehouse).items() if record.unjudged > 0)
+    if spent:
+        print(
+            f"{len(spent)} run(s) still hold unjudged tasks after their last try ({REJUDGE_MAX_TRIES_ENV}): "
+            f"name them to judge them again: filter-pipeline materialize {' '.join(spent)}",
+            flush=True,
+        )
+        return EXIT_UNJUDGED
     return 0
 
 

@@ -129,13 +129,16 @@ class JudgeClient:
 
     `async with JudgeClient(config) as client: verdict = await client.judge(messages)`; `verdict_schema`
     replaces the prompt version's answer schema in structured-output requests (a prompt asking for other
-    reasoning fields). Settings that cannot work raise ValueError here, before any request."""
+    reasoning fields); `report` is told endpoint trouble as it happens (at most a line a minute). Settings that
+    cannot work raise ValueError here, before any request."""
 
-    def __init__(self, config: "LLMJudgeConfig", verdict_schema: dict | None = None):
+    def __init__(
+        self, config: "LLMJudgeConfig", verdict_schema: dict | None = None, report: Callable[[str], None] | None = None
+    ):
         config.check()
         self.config = config
         self.schema = verdict_schema or prompt_of(config.prompt_version)[1]
-        self.http = Transport(config)
+        self.http = Transport(config, report)
         self.structured = config.structured_output
         self.n_ok: bool | None = None  # does the server honour n > 1? None: not known yet
 

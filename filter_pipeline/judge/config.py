@@ -6,6 +6,7 @@ per-batch driver take as it is.
 """
 
 import os
+from urllib.parse import urlsplit
 
 import dagster as dg
 from pydantic import Field
@@ -127,6 +128,7 @@ class LLMJudgeConfig(dg.Config):
         missing = [env_name(name) for name in ("base_url", "model") if not getattr(self, name)]
         if missing:
             raise ValueError(f"the llm judge needs {' and '.join(missing)}")
+        _check_endpoint(self.base_url, self.api_key)
         if self.votes < 1:
             raise ValueError(f"judge votes={self.votes}: at least 1")
         if self.votes > 1 and self.temperature <= 0 and not self.reasoning_model:
@@ -149,6 +151,29 @@ class LLMJudgeConfig(dg.Config):
         """`text` with the API key replaced by ***: nothing the judge writes or raises carries it."""
         key = self.api_key
         return text.replace(key, "***") if key and isinstance(key, str) and text else text
+
+
+def _check_endpoint(base_url: str, api_key: str | None) -> None:
+    """Refuse a base URL no request can reach and a key no header can carry, naming the variable and never
+    showing the key (nor a URL's credentials or query)."""
+    parts = urlsplit(base_url)
+    try:
+        port_ok = parts.port is None or parts.port > 0
+    except ValueError:
+        port_ok = False
+    if parts.scheme not in ("http", "https") or not parts.hostname or not port_ok:
+        shown = "" if "@" in base_url or "?" in base_url else f" {base_url!r}"
+        raise ValueError(
+            f"{env_name('base_url')}{shown} is not an http(s) URL with a host and a valid port "
+            "(e.g. http://127.0.0.1:8000/v1)"
+        )
+    if isinstance(api_key, dg.EnvVar):  # not resolved yet: its value is checked as it is read
+        api_key = api_key.get_value()
+    if isinstance(api_key, str) and (api_key != api_key.strip() or not api_key.isprintable()):
+        raise ValueError(
+            f"{env_name('api_key')} starts or ends with whitespace or holds a control character (a line break "
+            "copied with it?): an HTTP header cannot carry it"
+        )
 
 
 def env_name(field: str) -> str | None:

@@ -167,6 +167,7 @@ class DriveStats:
     reused: int = 0
     resumed: int = 0  # of `reused`, from saved progress
     deduplicated: int = 0
+    unanswered: int = 0  # of `asked`, left unjudged (status error)
     outstanding: int = 0
     peak_outstanding: int = 0
     parts_saved: int = 0
@@ -347,6 +348,8 @@ class _Driver:
         if verdict.status == STATUS_JUDGED:
             self._unsaved.append(i)
             self._save()
+        else:
+            self.stats.unanswered += 1
         self._resolved()
 
     def _took_slot(self) -> None:
@@ -362,7 +365,8 @@ class _Driver:
         if self._done % self._report_every == 0 or self._done == self.n:
             s = self.stats
             self.log.info(
-                f"judged {self._done}/{self.n} tasks (asked {s.asked}, reused {s.reused}, deduplicated {s.deduplicated})"
+                f"{self._done}/{self.n} tasks done (asked {s.asked}, of them unjudged {s.unanswered}; "
+                f"reused {s.reused}, deduplicated {s.deduplicated})"
             )
 
     def _save(self, force: bool = False) -> None:

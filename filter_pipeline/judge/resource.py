@@ -131,7 +131,7 @@ def _llm_judgement(
     )
     job = driver.DriveJob(
         requests=requests, config=config, data_root=data_root, record_steps=record_steps, reusable=reusable,
-        client_factory=lambda: JudgeClient(config), progress=progress, log=log,
+        client_factory=lambda: JudgeClient(config, report=log.warning), progress=progress, log=log,
     )  # fmt: skip
     result = driver.drive(job)
     frame = result.frame.assign(passed=driver.passes(result.frame, config.min_score))

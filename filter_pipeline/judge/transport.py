@@ -11,6 +11,7 @@ taken from the environment as curl and the OpenAI SDK take them.
 
 import asyncio
 import json
+import math
 import os
 import random
 import re
@@ -21,7 +22,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit, urlunsplit
 
-from filter_pipeline.judge.rate import EndpointRefused, RateController, TaskBudget, Unanswered
+from filter_pipeline.judge.rate import (
+    PROBE_INTERVAL_SECONDS,
+    EndpointRefused,
+    RateController,
+    TaskBudget,
+    Unanswered,
+)
 from filter_pipeline.judge.replies import Choice, Usage, error_message, read_completion, retry_hint
 
 if TYPE_CHECKING:  # aiohttp itself is imported when a client opens: gate-judged runs never load it
@@ -30,6 +37,8 @@ if TYPE_CHECKING:  # aiohttp itself is imported when a client opens: gate-judged
     from filter_pipeline.judge.config import LLMJudgeConfig
 
 SERVER_TEXT_MAX_CHARS = 300
+# Endpoint trouble is told to the run's log at most this often: seen while it lasts, without a line per retry.
+REPORT_EVERY_SECONDS = 60.0
 _UNKNOWN_MODEL = re.compile(
     r"model_not_found|(?:unknown|invalid|no such)\s+model|\b(?:model|deployment)\b[^.]{0,120}?"
     r"(?:does not exist|doesn't exist|not found|is unknown)",
@@ -97,8 +106,10 @@ class _Answer:
 class Transport:
     """One aiohttp session to `{base_url}/chat/completions` and the rate controller every request passes."""
 
-    def __init__(self, config: "LLMJudgeConfig"):
+    def __init__(self, config: "LLMJudgeConfig", report: Callable[[str], None] | None = None):
         self.config = config
+        self.report = report or (lambda line: None)  # where endpoint trouble is told as it happens
+        self._reported_at = -math.inf
         self.url = config.base_url.rstrip("/") + "/chat/completions"
         self.public_url = public_url(self.url)
         if config.api_key and urlsplit(self.url).password is not None:
@@ -202,11 +213,19 @@ class Transport:
         """Wait before the task's next try (a shared pause is waited out in acquire()); raises Unanswered
         when the wait would pass the task's budget."""
         self.rate.failed(fault.problem)
+        self._tell_trouble(fault.problem)
         c = self.config
         base = min(c.backoff_max_seconds, c.backoff_initial_seconds * 2 ** (tries - 1))
         wait = fault.hint if fault.hint is not None else base / 2 + random.uniform(0, base / 2)
         if time.monotonic() + wait >= task.deadline:
+            was_down = self.rate.down
             self.rate.gave_up(task)
+            if self.rate.down and not was_down:
+                self.report(
+                    f"the judge endpoint {self.public_url} answered nothing for a whole task budget "
+                    f"({task.budget:g} s): tasks not yet asked end unjudged (a later materialization judges "
+                    f"them again), but for one probe every {PROBE_INTERVAL_SECONDS:.0f} s"
+                )
             spent = time.monotonic() - (task.started or time.monotonic())
             raise Unanswered(
                 f"{fault.problem} (gave up after {task.requests} requests in {spent:.1f} s; "
@@ -214,6 +233,15 @@ class Transport:
             )
         if not fault.shared:
             await asyncio.sleep(wait)
+
+    def _tell_trouble(self, problem: str) -> None:
+        now = time.monotonic()
+        if now - self._reported_at >= REPORT_EVERY_SECONDS:
+            self._reported_at = now
+            self.report(
+                f"the judge endpoint {self.public_url}: {problem}; retrying (each task for up to "
+                f"{self.config.task_budget_seconds:g} s, FILTER_JUDGE_TASK_BUDGET)"
+            )
 
     # --- refusals and server text -----------------------------------------------------------------------
 

@@ -107,6 +107,8 @@ def story(warehouse: Warehouse, run_id: str, task_id: str, labels: pd.DataFrame 
     """Everything about one task; ReviewError when the run or task does not exist."""
     t = warehouse.run(run_id)
     match = t.tasks[t.tasks["task_id"] == task_id] if isinstance(task_id, str) else t.tasks.iloc[:0]
+    if match.empty and t.legacy is None and not warehouse.asset_file("batch_tasks", run_id).exists():
+        raise ReviewError(f"run {run_id!r} is not filtered yet: filter-pipeline materialize {run_id}")
     if match.empty:
         raise ReviewError(f"no task {task_id!r} in run {run_id!r}")
     task = plain(match.iloc[:1].to_dict("records"))[0]

@@ -201,8 +201,10 @@ def _retry_later(context: dg.AssetExecutionContext, why: str, honour_tag: bool =
     interval, max_wait = _order_settings(context, honour_tag)
     tries = math.ceil(max_wait / interval)
     if context.retry_number >= tries:
+        tagged = honour_tag and context.run.tags.get(ORDER_MAX_WAIT_TAG) == str(max_wait)
+        setting = f"this run's tag {ORDER_MAX_WAIT_TAG}" if tagged else settings.ORDER_MAX_WAIT_SECONDS_ENV
         waited = f"after waiting {max_wait} s" if max_wait else "without waiting"
-        raise dg.Failure(description=f"{why}; gave up {waited} ({settings.ORDER_MAX_WAIT_SECONDS_ENV})")
+        raise dg.Failure(description=f"{why}; gave up {waited} ({setting})")
     context.log.info(f"{why}; trying again in {interval} s (try {context.retry_number + 1} of {tries})")
     raise dg.RetryRequested(max_retries=tries, seconds_to_wait=interval)
 

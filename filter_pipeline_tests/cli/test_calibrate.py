@@ -12,7 +12,7 @@ from filter_pipeline.cli.main import main
 from filter_pipeline_tests.builders import attempt, task, write_batch
 from filter_pipeline_tests.judge.test_judging import Pipeline, llm, sample_batch
 from filter_pipeline_tests.judge.test_verdict_parts import v3
-from filter_pipeline_tests.openai_server import FakeOpenAI, Reply
+from filter_pipeline_tests.openai_server import FakeOpenAI, Reply, error_body
 
 LABELS = [
     {"dir": "runs/r/traj/a/1", "success": True, "labeler": "ann"},
@@ -86,7 +86,24 @@ def test_calibrate_asks_once_per_labelled_attempt_then_never_and_leaves_the_ware
     assert "2 requests" in lines["production: judge judge-test v3"]  # what production paid for those attempts
 
 
+def test_calibrate_against_an_endpoint_that_refuses_is_exit_1_with_one_line_and_writes_nothing(
+    labelled, monkeypatch, capsys
+):
+    before = fingerprint(labelled / "warehouse")
+    refusing = Reply(status=401, body=error_body("Incorrect API key provided", code="invalid_api_key"))
+    with FakeOpenAI(lambda call, n: refusing) as server:
+        monkeypatch.setenv("FILTER_JUDGE_MODEL", "judge-test")
+        assert main(["calibrate", "--data", str(labelled), "--base-url", server.base_url]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"filter-pipeline: the judge endpoint {server.base_url}/chat/completions refused"), err
+    assert "HTTP 401: Incorrect API key provided (check FILTER_JUDGE_API_KEY)" in err
+    assert fingerprint(labelled / "warehouse") == before
+    assert not (labelled / "warehouse" / "judge_eval").exists()
+
+
 def test_calibrate_without_labels_or_endpoint_says_so_in_one_line(data_root, monkeypatch, capsys):
+    assert main(["calibrate", "--data", str(data_root / "nope")]) == 2
+    assert capsys.readouterr().err.startswith(f"filter-pipeline: {data_root / 'nope'}: no such folder")
     assert main(["calibrate", "--data", str(data_root)]) == 2
     assert capsys.readouterr().err.startswith(f"filter-pipeline: {data_root}: no labels.jsonl")
     sample_batch(data_root)

@@ -20,7 +20,8 @@ SURROGATE = "\\ud800"
 def env(monkeypatch, dagster_home, data_root):
     """The user's shell: DAGSTER_HOME and the data root set, no other filter-pipeline setting."""
     for name in ("FILTER_PIPELINE_CAPS", "FILTER_PIPELINE_EXECUTOR", "FILTER_JUDGE_KIND", "FILTER_JUDGE_VOTES",
-                 "FILTER_JUDGE_BASE_URL", "FILTER_JUDGE_MODEL", "FILTER_PIPELINE_ENDPOINT_URL"):  # fmt: skip
+                 "FILTER_JUDGE_BASE_URL", "FILTER_JUDGE_MODEL", "FILTER_JUDGE_API_KEY",
+                 "FILTER_PIPELINE_ENDPOINT_URL"):  # fmt: skip
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("DAGSTER_HOME", str(dagster_home))
     monkeypatch.setenv("FILTER_PIPELINE_DATA", str(data_root))
@@ -144,6 +145,19 @@ def test_a_data_root_that_does_not_exist_or_has_no_runs_folder_is_one_line(env, 
     assert _no_partitions(dagster_home)
 
 
+def test_a_data_root_that_cannot_be_read_is_one_line_before_anything_is_registered(
+    env, capsys, dagster_home, data_root
+):
+    def unreadable(runs, *args, **kwargs):  # what listing a folder without read permission raises
+        raise PermissionError(13, "Permission denied", str(runs))
+
+    env.setattr("filter_pipeline.cli.materialize.complete_batches", unreadable)
+    assert refused(capsys) == (
+        f"filter-pipeline: cannot read the data root {data_root}: Permission denied: {data_root / 'runs'}"
+    )
+    nothing_registered_or_written(dagster_home, data_root)
+
+
 def test_a_dagster_home_that_is_unset_relative_or_missing_is_one_line(env, capsys, tmp_path, data_root):
     env.delenv("DAGSTER_HOME")
     assert refused(capsys).startswith("filter-pipeline: DAGSTER_HOME is not set")
@@ -174,6 +188,21 @@ def test_a_dagster_yaml_that_is_not_valid_is_one_line(env, capsys, dagster_home,
             "FILTER_PIPELINE_EXECUTOR='threads': expected one of in_process, multiprocess",
         ),
         (
+            "FILTER_PIPELINE_LEASE_SECONDS",
+            "x",
+            "FILTER_PIPELINE_LEASE_SECONDS='x': expected a whole number of 0 or more",
+        ),
+        (
+            "FILTER_PIPELINE_ORDER_RETRY_SECONDS",
+            "-5",
+            "FILTER_PIPELINE_ORDER_RETRY_SECONDS='-5': expected a whole number of 0 or more",
+        ),
+        (
+            "FILTER_PIPELINE_REJUDGE_MAX_TRIES",
+            "2.5",
+            "FILTER_PIPELINE_REJUDGE_MAX_TRIES='2.5': expected a whole number of 0 or more",
+        ),
+        (
             "FILTER_PIPELINE_ENDPOINT_URL",
             "http://127.0.0.1:9",
             "an endpoint URL applies to an s3:// data root, not file://",
@@ -193,6 +222,40 @@ def test_the_llm_judge_without_its_endpoint_is_one_line_before_anything_is_regis
         refused(capsys, "--judge", "llm")
         == "filter-pipeline: the llm judge needs FILTER_JUDGE_BASE_URL and FILTER_JUDGE_MODEL"
     )
+    nothing_registered_or_written(dagster_home, data_root)
+
+
+@pytest.mark.parametrize(
+    "url, shown",
+    [
+        ("notaurl", " 'notaurl'"),
+        ("ftp://127.0.0.1/v1", " 'ftp://127.0.0.1/v1'"),
+        ("http://127.0.0.1:port/v1", " 'http://127.0.0.1:port/v1'"),
+        ("http://user:s3cret@/v1", ""),  # credentials are never echoed
+    ],
+)
+def test_a_judge_base_url_no_request_can_reach_is_one_line_before_anything_is_registered(
+    env, capsys, dagster_home, data_root, url, shown
+):
+    env.setenv("FILTER_JUDGE_BASE_URL", url)
+    env.setenv("FILTER_JUDGE_MODEL", "m")
+    assert refused(capsys, "--judge", "llm") == (
+        f"filter-pipeline: FILTER_JUDGE_BASE_URL{shown} is not an http(s) URL with a host and a valid port "
+        "(e.g. http://127.0.0.1:8000/v1)"
+    )
+    nothing_registered_or_written(dagster_home, data_root)
+
+
+@pytest.mark.parametrize("key", ["sk-secret-value\n", " sk-secret-value", "sk-secret\rvalue"])
+def test_an_api_key_a_header_cannot_carry_is_one_line_naming_the_variable_not_the_key(
+    env, capsys, dagster_home, data_root, key
+):
+    env.setenv("FILTER_JUDGE_BASE_URL", "http://127.0.0.1:8000/v1")
+    env.setenv("FILTER_JUDGE_MODEL", "m")
+    env.setenv("FILTER_JUDGE_API_KEY", key)
+    line = refused(capsys, "--judge", "llm")
+    assert line.startswith("filter-pipeline: FILTER_JUDGE_API_KEY starts or ends with whitespace")
+    assert "secret" not in line
     nothing_registered_or_written(dagster_home, data_root)
 
 
@@ -275,3 +338,14 @@ def test_a_failed_step_is_one_line_with_its_reason_and_where_the_full_log_is(cli
     # the full trace is in the run's event log
     error = failures[0].get_dagster_event().step_failure_data.error
     assert "holds no valid task" in error.to_string() and (error.stack or (error.cause and error.cause.stack))
+
+
+@pytest.mark.slow
+def test_an_output_that_cannot_be_written_names_the_cause_not_dagsters_wrapper(cli, data_root):
+    write_batch(data_root, "b1", [task("a")], [attempt("a")])
+    (data_root / "warehouse" / "batch_tasks" / "b1.parquet" / "in-the-way").mkdir(parents=True)
+    done = cli("b1")
+    assert done.returncode == 1
+    [failed] = [line for line in done.stdout.splitlines() if "FAILED" in line]
+    assert failed.startswith("b1: FAILED (step "), failed
+    assert "batch_tasks" in failed and "Error occurred while handling output" not in failed, failed

@@ -77,4 +77,13 @@ def test_the_cap_on_tries_is_respected(cli, data_root):
                "FILTER_JUDGE_TASK_BUDGET": "1", "FILTER_PIPELINE_REJUDGE_MAX_TRIES": "1"}  # fmt: skip
         assert cli("--judge", "llm", env=env).returncode == 3
         assert "try 1" in cli("--judge", "llm", env=env).stdout
-        assert "nothing to materialize" in cli("--judge", "llm", env=env).stdout  # the cap is reached
+        spent = cli("--judge", "llm", env=env)  # the cap is reached: not asked again, but not forgotten
+        assert spent.returncode == 3
+        assert spent.stdout.splitlines() == [
+            "nothing to materialize: every complete batch is already filtered",
+            "1 run(s) still hold unjudged tasks after their last try (FILTER_PIPELINE_REJUDGE_MAX_TRIES): "
+            "name them to judge them again: filter-pipeline materialize b1",
+        ]
+        asked = len(server.calls)
+        named = cli("--judge", "llm", "b1", env=env)  # named: judged again whatever the cap
+        assert named.returncode == 3 and len(server.calls) > asked

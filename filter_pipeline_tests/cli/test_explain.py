@@ -48,3 +48,14 @@ def test_explain_of_a_missing_run_or_task_exits_1_with_one_line(filtered_sample,
         assert "nope" in done.stderr
     done = explain(tmp_path / "missing", "r", "t")
     assert done.returncode == 2 and len(done.stderr.splitlines()) == 1
+
+
+def test_explain_into_a_reader_that_stops_early_ends_quietly(filtered_sample):  # noqa: F811
+    env = {**os.environ, "FILTER_PIPELINE_DATA": str(filtered_sample)}
+    reader_gone = subprocess.Popen(
+        [*CLI, "explain", "2026-11-29", "2026-11-29-t004"], env=env, cwd=REPO,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    reader_gone.stdout.close()  # as `| head -0` does, before the story is printed
+    _, err = reader_gone.communicate(timeout=120)
+    assert reader_gone.returncode == 141 and err == b"", err.decode()

@@ -318,6 +318,26 @@ def test_an_outage_leaves_tasks_unjudged_and_later_tasks_are_not_even_asked():
     assert seconds < 0.2 and not any("later" in c.prompt for c in server.calls)
 
 
+def test_endpoint_trouble_is_told_as_it_happens_once_not_per_retry_and_the_outage_when_declared():
+    told: list[str] = []
+
+    async def run(s):
+        async with JudgeClient(s, report=told.append) as client:
+            return await asyncio.gather(*(client.judge(prompt(str(i))) for i in range(3)))
+
+    with FakeOpenAI(
+        lambda call, n: Reply(status=503, body=error_body("upstream down sk-key", "server_error"))
+    ) as server:
+        verdicts = asyncio.run(run(settings(server, api_key="sk-key", concurrency=3, task_budget_seconds=0.5)))
+    assert sum(v.requests for v in verdicts) > 3  # many retries, told once
+    assert told == [
+        f"the judge endpoint {server.base_url}/chat/completions: HTTP 503 from the judge endpoint: upstream down "
+        "***; retrying (each task for up to 0.5 s, FILTER_JUDGE_TASK_BUDGET)",
+        f"the judge endpoint {server.base_url}/chat/completions answered nothing for a whole task budget (0.5 s): "
+        "tasks not yet asked end unjudged (a later materialization judges them again), but for one probe every 30 s",
+    ]
+
+
 def test_while_down_one_task_probes_now_and_then_and_its_success_ends_the_outage():
     healthy = threading.Event()
     down = Reply(status=503, body=error_body("upstream down", "server_error"))

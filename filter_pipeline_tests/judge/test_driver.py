@@ -79,6 +79,20 @@ def test_missing_or_broken_trajectory_json_is_recorded_on_the_verdict_counted_an
     assert report.judge_cost(judgement.verdicts, 3, 3)["evidence_missing"] == 2
 
 
+def test_progress_counts_tasks_left_unjudged_apart_and_the_endpoints_trouble_is_warned(data_root, caplog):
+    write_batch(data_root, "r1", [task("a"), task("b")], [attempt("a"), attempt("b")])
+
+    def responder(call, n):
+        return Reply(status=503, body='{"error": "overloaded"}') if "do b" in call.prompt else Reply()
+
+    with FakeOpenAI(responder) as server, caplog.at_level(logging.INFO):
+        judge_batch(data_root, llm(server, votes=1, task_budget_seconds=0.5))
+    lines = [r.getMessage() for r in caplog.records]
+    assert "2/2 tasks done (asked 2, of them unjudged 1; reused 0, deduplicated 0)" in lines
+    [trouble] = [line for line in lines if line.startswith("the judge endpoint")]
+    assert f"{server.base_url}/chat/completions: HTTP 503 from the judge endpoint: overloaded; retrying" in trouble
+
+
 def test_the_gate_reads_no_evidence(data_root):
     from filter_pipeline.judge.resource import JudgeResource
 

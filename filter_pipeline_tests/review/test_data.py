@@ -116,6 +116,9 @@ def test_a_story_shows_the_judges_parts_when_the_file_has_them_and_does_without(
         story(warehouse, "r1", "zz")
     with pytest.raises(ReviewError, match="no run 'r9'"):
         warehouse.run("r9")
+    (warehouse.root / "runs" / "r3").mkdir()  # a batch not materialized yet
+    with pytest.raises(ReviewError, match="run 'r3' is not filtered yet: filter-pipeline materialize r3"):
+        story(warehouse, "r3", "a")
 
 
 def test_a_rewritten_file_is_read_again_and_an_unchanged_one_is_not(warehouse, tmp_path):

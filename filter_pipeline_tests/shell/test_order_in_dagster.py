@@ -16,6 +16,7 @@ from filter_pipeline.definitions import build_defs
 from filter_pipeline.judge.resource import JudgeResource
 from filter_pipeline.settings import ORDER_MAX_WAIT_SECONDS_ENV, ORDER_RETRY_SECONDS_ENV
 from filter_pipeline.shell.jobs import PARTITION_TAG, RANGE_END_TAG, RANGE_START_TAG
+from filter_pipeline.shell.ledger import ORDER_MAX_WAIT_TAG
 from filter_pipeline.storage.failures import read_failures
 from filter_pipeline_tests.builders import attempt, task, write_batch
 
@@ -192,8 +193,11 @@ def test_when_the_wait_runs_out_the_step_fails_with_one_line_naming_the_run(inst
     assert len(steps(instance, result.run_id, dg.DagsterEventType.STEP_UP_FOR_RETRY)) == 2
     reason = _failure_reason(result)
     assert reason.startswith("step ledger: the first walk of b1 waits for b0: ")
-    assert "gave up after waiting 2 s" in reason and "\n" not in reason
+    assert f"gave up after waiting 2 s ({ORDER_MAX_WAIT_SECONDS_ENV})" in reason and "\n" not in reason
     assert not (data_root / "warehouse" / "kept" / "b1.parquet").exists()
+    # a launcher that waits for nothing (the CLI) tags its runs: the line names the tag, not the setting
+    untried = run_job(defs, instance, "ledger_job", "b1", tags={ORDER_MAX_WAIT_TAG: "0"})
+    assert f"gave up without waiting (this run's tag {ORDER_MAX_WAIT_TAG})" in _failure_reason(untried)
 
 
 def test_a_batch_that_fails_validation_is_recorded_and_holds_later_ones_back_no_longer(
