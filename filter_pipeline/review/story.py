@@ -62,7 +62,7 @@ def trajectory(root: UPath, run_id: str, dir_: str | None) -> dict:
     except (FileNotFoundError, NotADirectoryError, OSError):
         pass
     try:
-        record = json.loads((folder / "trajectory.json").read_bytes())
+        record = _as_text(json.loads((folder / "trajectory.json").read_bytes()))
     except FileNotFoundError:
         return {**found, "problem": "trajectory.json missing"}
     except (OSError, ValueError) as exc:
@@ -73,6 +73,17 @@ def trajectory(root: UPath, run_id: str, dir_: str | None) -> dict:
     steps = record.get("steps") if isinstance(record.get("steps"), list) else []
     return {**found, "instruction": record.get("instruction"), "steps": steps,
             "final_url": final.get("url"), "page_text": final.get("observation"), "output": record.get("output")}  # fmt: skip
+
+
+# a UTF-16 surrogate left alone in a decoded string (json.loads joins the halves of a pair into one character)
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _as_text(value):
+    """`value` with each lone surrogate (page text cut mid-emoji reads as one) replaced by U+FFFD, so that it
+    can be printed and served as UTF-8."""
+    text = json.dumps(value, ensure_ascii=False)
+    return json.loads(_LONE_SURROGATE.sub("\ufffd", text)) if _LONE_SURROGATE.search(text) else value
 
 
 def decision(t: RunTables, task: dict) -> dict:

@@ -25,9 +25,11 @@ import pyarrow.json as pa_json
 
 from filter_pipeline.rules.records import (
     ATTEMPT_FIELDS,
+    ATTEMPT_STORED,
     MAX_LINE_BYTES,
     ORJSON_DIGITS,
     TASK_FIELDS,
+    TASK_STORED,
     UNSAFE_DIR,
     Reject,
     TooDeep,
@@ -85,11 +87,16 @@ class BatchState:
 
 
 def _read_lines(
-    data: bytes, file: str, to_row: Callable[[dict], tuple], deep_row: Callable[[bytes], tuple | None] | None = None
+    data: bytes,
+    file: str,
+    to_row: Callable[[dict], tuple],
+    stored: tuple[str, ...],
+    deep_row: Callable[[bytes], tuple | None] | None = None,
 ) -> tuple[list[tuple], list[dict]]:
     """Every non-blank line of `data` as a row tuple (line number last); a line that fails becomes a reject.
-    Lines are numbered as `data.split(b"\\n")` numbers them. A line nested deeper than json.loads follows
-    goes to `deep_row` (Arrow's reader on that line alone, which takes any depth), when given."""
+    Lines are numbered as `data.split(b"\\n")` numbers them. `stored`: the fields whose text the row keeps
+    (`load_record`). A line nested deeper than json.loads follows goes to `deep_row` (Arrow's reader on that
+    line alone, which takes any depth), when given."""
     rows: list[tuple] = []
     rejects: list[dict] = []
     long_numbers = has_digit_run(data, ORJSON_DIGITS)  # once for the file rather than once a line
@@ -99,7 +106,7 @@ def _read_lines(
             continue
         try:
             try:
-                row = to_row(load_record(raw, long_numbers))
+                row = to_row(load_record(raw, long_numbers, stored))
             except TooDeep:
                 if deep_row is None or (row := deep_row(raw)) is None:
                     raise
@@ -201,7 +208,7 @@ def _deep_attempt_row(raw: bytes) -> tuple | None:
 def parse_tasks(data: bytes, run_id: str) -> tuple[pd.DataFrame, list[dict]]:
     """The valid tasks of tasks.jsonl (`data`), first of each task_id, and the reject rows of the others.
     Raises BatchError when no task is valid."""
-    rows, rejects = _read_lines(data, TASKS_FILE, task_row)
+    rows, rejects = _read_lines(data, TASKS_FILE, task_row, TASK_STORED)
     tasks = _frame(rows, TASK_FIELDS, "batch_tasks")
     duplicated = tasks["task_id"].duplicated(keep="first").to_numpy()
     rejects += _rejects_for(tasks[duplicated], data, TASKS_FILE, "task_id", "task_id {} appears earlier in the file")
@@ -224,7 +231,7 @@ def parse_attempts(
     or has a dir in `outside_root(dirs)` (the dirs that resolve outside the data root)."""
     attempts = _arrow_attempts(data)
     if attempts is None:
-        rows, attempt_rejects = _read_lines(data, EXECUTIONS_FILE, attempt_row, _deep_attempt_row)
+        rows, attempt_rejects = _read_lines(data, EXECUTIONS_FILE, attempt_row, ATTEMPT_STORED, _deep_attempt_row)
         rejects = rejects + attempt_rejects
         attempts = _frame(rows, ATTEMPT_FIELDS, "batch_attempts")
     task_at = positions(attempts["task_id"], tasks["task_id"])

@@ -2,9 +2,10 @@
 
 These checks define what a valid record is and the message of every reject (`batch` applies them line by
 line wherever Arrow's reader cannot take a file whole). A record that is valid JSON can still be no use as
-data: a lone surrogate escape (`"\\ud800"`, not text: Parquet cannot store it), an integer with more digits
-than Python converts (`sys.get_int_max_str_digits()`, 4,300 by default), anywhere in the record; a dedup_key
-holding NaN or Infinity (or 1e400, which reads as Infinity); an attempt number beyond 64 bits.
+data: a lone surrogate escape (`"\\ud800"`, not text: Parquet cannot store it) in a field a row keeps; an
+integer with more digits than Python converts (`sys.get_int_max_str_digits()`, 4,300 by default) anywhere in
+the record; a dedup_key holding NaN or Infinity (or 1e400, which reads as Infinity); an attempt number beyond
+64 bits.
 """
 
 import json
@@ -89,6 +90,8 @@ def unsafe_dir_reason(path: str) -> str | None:
 
 
 TASK_FIELDS = ("task_id", "macro", "site", "dedup_key", "key_hash", "start_kind", "instruction")
+# the fields of a tasks.jsonl record whose text a task row keeps (a lone surrogate elsewhere is let be)
+TASK_STORED = ("task_id", "macro", "site", "dedup_key", "start.kind", "instruction")
 
 
 _SCALARS = (str, int, float, bool, type(None))
@@ -155,6 +158,8 @@ def _checked_task_row(record: dict) -> tuple:
 
 
 ATTEMPT_FIELDS = ("task_id", "attempt", "ok", "error", "dir", "n_actions", "backend_ok", "backend_detail")
+# the fields of an executions.jsonl record whose text an attempt row keeps (`steps` only counts)
+ATTEMPT_STORED = ("task_id", "error", "dir", "backend.detail")
 
 
 def attempt_row(record: dict) -> tuple:
@@ -197,7 +202,7 @@ def has_digit_run(data: bytes, length: int) -> bool:
     return b"1" * length in data.translate(_DIGITS)
 
 
-def load_record(raw: bytes, long_numbers: bool = True) -> dict:
+def load_record(raw: bytes, long_numbers: bool = True, stored: tuple[str, ...] | None = None) -> dict:
     """The line as a JSON object whose every string is text and every integer one Python converts; raises
     Reject saying why not (too long, not UTF-8, not JSON, nested too deep, an integer too long, a lone
     surrogate, not an object).
@@ -205,7 +210,9 @@ def load_record(raw: bytes, long_numbers: bool = True) -> dict:
     orjson reads the line first: it takes only strict UTF-8 JSON without lone surrogates, NaN or Infinity,
     which json reads to the same values. Any line it refuses (or that is not an object) is read by json,
     so what json accepts and the rejects' messages stay the same; so is a line with a run of 19 or more
-    digits (`long_numbers`: whether the line may hold one; False when its whole file was checked)."""
+    digits (`long_numbers`: whether the line may hold one; False when its whole file was checked). A lone
+    surrogate rejects the record only in a field of `stored` (the fields whose text is kept; None: any
+    field): elsewhere, as in an action's page text cut mid-emoji, it harms nothing."""
     if len(raw) > MAX_LINE_BYTES:
         raise Reject(None, f"line is {len(raw):,} bytes, longer than the {MAX_LINE_BYTES:,}-byte limit")
     if not (long_numbers and has_digit_run(raw, ORJSON_DIGITS)):
@@ -216,10 +223,10 @@ def load_record(raw: bytes, long_numbers: bool = True) -> dict:
         else:
             if isinstance(record, dict):
                 return record
-    return _load_checked(raw)
+    return _load_checked(raw, stored)
 
 
-def _load_checked(raw: bytes) -> dict:
+def _load_checked(raw: bytes, stored: tuple[str, ...] | None = None) -> dict:
     """`load_record` by Python's json, whose acceptance and messages define a valid line."""
     try:
         text = raw.decode("utf-8")  # strict: json.loads(bytes) would let UTF-8-encoded surrogates through
@@ -235,10 +242,17 @@ def _load_checked(raw: bytes) -> dict:
         raise TooDeep(None, "line nests arrays or objects deeper than a JSON reader follows") from None
     if not isinstance(record, dict):
         raise Reject(None, f"line is a JSON {type(record).__name__}, expected an object")
-    if _SURROGATE_ESCAPE.search(raw) and not _is_text(record) and (found := _first(record, _lone_surrogate)):
-        field, char = found
-        raise Reject(field, f"field {field!r} holds a lone surrogate (\\u{ord(char):04x}), which is not text")
+    if _SURROGATE_ESCAPE.search(raw) and not _is_text(record):
+        found = _first(record, _lone_surrogate, where=lambda path: _is_stored(path, stored))
+        if found is not None:
+            field, char = found
+            raise Reject(field, f"field {field!r} holds a lone surrogate (\\u{ord(char):04x}), which is not text")
     return record
+
+
+def _is_stored(path: str, stored: tuple[str, ...] | None) -> bool:
+    """Whether the field at `path` (as `_first` names it) is one of `stored` or inside one (None: any field)."""
+    return stored is None or any(path == f or path.startswith((f"{f}[", f"{f}.")) for f in stored)
 
 
 def _is_text(record: dict) -> bool:
@@ -287,16 +301,18 @@ def _long_integer_reject(text: str) -> Reject:
     )
 
 
-def _first(record: dict, problem: Callable[[Any], Any]) -> tuple[str, Any] | None:
+def _first(
+    record: dict, problem: Callable[[Any], Any], where: Callable[[str], bool] = lambda path: True
+) -> tuple[str, Any] | None:
     """(where, what `problem` found) for the first key or value anywhere in the record, however deep, for
-    which `problem` returns something other than None (where: the field's path, as `backend.detail` or
-    `steps[2].text`); None if there is none. Iterative: a record as deep as json.loads reads would exhaust
-    the recursion limit."""
+    which `problem` returns something other than None and `where(its path)` is true (the path: as
+    `backend.detail` or `steps[2].text`); None if there is none. Iterative: a record as deep as json.loads
+    reads would exhaust the recursion limit."""
     stack: list[tuple[str, Any]] = [(key, value) for key, value in reversed(record.items())]
     stack += [(key, key) for key in reversed(record)]  # the field names first
     while stack:
         path, item = stack.pop()
-        if (found := problem(item)) is not None:
+        if (found := problem(item)) is not None and where(path):
             return path, found
         if isinstance(item, dict):
             stack += [(f"{path}.{key}", value) for key, value in reversed(item.items())]

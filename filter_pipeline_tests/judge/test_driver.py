@@ -79,6 +79,18 @@ def test_missing_or_broken_trajectory_json_is_recorded_on_the_verdict_counted_an
     assert report.judge_cost(judgement.verdicts, 3, 3)["evidence_missing"] == 2
 
 
+def test_an_action_with_a_lone_surrogate_reaches_the_judge_as_its_escape(data_root):
+    steps = [{"action": "type", "text": "cut \ud83d"}]  # page text cut mid-emoji, as JavaScript escapes it
+    write_batch(data_root, "r1", [task("a")], [attempt("a") | {"steps": steps}])  # no trajectory.json
+    with FakeOpenAI() as server:
+        judgement = judge_batch(data_root, llm(server, votes=1))
+    assert rows(judgement.verdicts, "task_id", "status", "evidence") == [
+        ["a", "judged", "record_steps: trajectory.json missing"]
+    ]
+    [call] = server.calls
+    assert '"text": "cut \ud83d"' in call.prompt  # the same text, sent as its JSON escape
+
+
 def test_progress_counts_tasks_left_unjudged_apart_and_the_endpoints_trouble_is_warned(data_root, caplog):
     write_batch(data_root, "r1", [task("a"), task("b")], [attempt("a"), attempt("b")])
 

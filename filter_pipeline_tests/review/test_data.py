@@ -121,6 +121,16 @@ def test_a_story_shows_the_judges_parts_when_the_file_has_them_and_does_without(
         story(warehouse, "r3", "a")
 
 
+def test_a_trajectory_with_page_text_cut_mid_emoji_is_shown_with_a_replacement_character(warehouse, tmp_path):
+    folder = tmp_path / "runs" / "r1" / "traj" / "k" / "1"
+    folder.mkdir(parents=True)
+    steps = [{"action": "type", "text": "cut \ud83d"}, {"action": "type", "text": "whole \U0001f600"}]
+    (folder / "trajectory.json").write_text(json.dumps({"steps": steps, "final": {"url": "u", "observation": "o"}}))
+    shown = story(warehouse, "r1", "k")["trajectory"]
+    assert [step["text"] for step in shown["steps"]] == ["cut \ufffd", "whole \U0001f600"]
+    json.dumps(shown, ensure_ascii=False).encode("utf-8")  # printable and servable: no UnicodeEncodeError
+
+
 def test_a_rewritten_file_is_read_again_and_an_unchanged_one_is_not(warehouse, tmp_path):
     first = warehouse.run("r2")
     assert warehouse.run("r2") is first
