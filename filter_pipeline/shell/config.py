@@ -101,7 +101,7 @@ def parse_caps(raw: Any, where: str) -> dict:
         first = exc.errors()[0]
         field = ".".join(str(p) for p in first["loc"])
         got = f" (got {_shown(first['input'])})" if first["type"] != "value_error" else ""
-        raise ValueError(f"{where}: {field}: {first['msg']}{got}") from None
+        raise ValueError(f"{where}: {field}: {first['msg'].removeprefix('Value error, ')}{got}") from None
     return raw
 
 

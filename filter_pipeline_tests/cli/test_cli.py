@@ -64,7 +64,7 @@ def test_materializes_every_complete_batch_in_run_id_order_and_prints_a_summary(
     [
         (["nope"], "batch runs/nope does not exist"),
         (["../etc"], "is not a plain folder name"),
-        (["--per-site-cap", "-1"], "per_site_cap: Value error, must be 0 or more"),
+        (["--per-site-cap", "-1"], "per_site_cap: must be 0 or more"),
         (["--caps", "/no/such/caps.yaml"], "caps file /no/such/caps.yaml"),
     ],
 )

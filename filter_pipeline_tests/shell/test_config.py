@@ -36,7 +36,7 @@ def test_what_parse_caps_accepts_dagster_accepts_as_run_config(ledger_job, caps)
         ({"per_site_cap": True}, "here: per_site_cap: Input should be a valid integer (got true)"),
         ({"caps": {"m": {"site_cap": False}}}, "here: caps.m.site_cap: Input should be a valid integer (got false)"),
         ({"caps": {"m": {"target": "10"}}}, 'here: caps.m.target: Input should be a valid integer (got "10")'),
-        ({"caps": {"m": {"target": -1}}}, "here: caps.m.target: Value error, must be 0 or more, got -1"),
+        ({"caps": {"m": {"target": -1}}}, "here: caps.m.target: must be 0 or more, got -1"),
         ({"caps": {"m": {"tagret": 1}}}, "here: caps.m has unknown key(s) tagret"),
         ({"caps": "m"}, 'here: caps must be a mapping {macro: {site_cap, target}}, got "m"'),
         ({"caps": {"m": 3}}, "here: caps.m must be a mapping with site_cap and/or target"),
