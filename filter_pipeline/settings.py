@@ -52,11 +52,12 @@ REJUDGE_MAX_TRIES_ENV = "FILTER_PIPELINE_REJUDGE_MAX_TRIES"
 DEFAULT_REJUDGE_MAX_TRIES = 5
 
 
-def int_setting(env: str, default: int) -> int:
-    """A non-negative integer setting from the environment; raises ValueError with one line naming it."""
+def int_setting(env: str) -> int:
+    """A whole-number setting of WHOLE_NUMBER_SETTINGS from the environment (unset or empty: its default);
+    raises ValueError with one line naming it."""
     raw = os.environ.get(env)
     if raw is None or raw.strip() == "":
-        return default
+        return WHOLE_NUMBER_SETTINGS[env]
     try:
         value = int(raw)
     except ValueError:
@@ -80,8 +81,8 @@ WHOLE_NUMBER_SETTINGS = {
 def check_whole_number_settings() -> None:
     """Raise ValueError, in one line naming it, for the first whole-number setting that is not one: said when
     the code loads rather than when a step or sensor first reads it."""
-    for env, default in WHOLE_NUMBER_SETTINGS.items():
-        int_setting(env, default)
+    for env in WHOLE_NUMBER_SETTINGS:
+        int_setting(env)
 
 
 # The review app (`filter-pipeline review`): where users browse it, so that filter_report's materialization links

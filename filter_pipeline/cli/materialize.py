@@ -199,9 +199,9 @@ def _failed_step(result) -> str:
     for event in result.all_events:
         if event.event_type == dg.DagsterEventType.STEP_FAILURE:
             error = event.step_failure_data.error
-            while error.cause is not None and (error.cls_name or "").startswith(
-                "DagsterExecution"
-            ):  # a Dagster wrapper: its cause says why
+            # Dagster wraps what user code raised (in a step, an IO manager, a resource, a type check): the
+            # cause says why
+            while error.cause is not None and (error.cls_name or "").startswith("Dagster"):
                 error = error.cause
             message = error.message.strip().splitlines()[-1] if error.message.strip() else error.cls_name
             qualified, _, text = message.partition(": ")
@@ -216,10 +216,12 @@ def materialize(args: argparse.Namespace, signals: Signals | None = None) -> int
     data, caps, home, judge = _checked_arguments(args)
     refused: list[str] = []
     try:
-        run_ids = _in_ledger_order(data, _runs_to_materialize(data, args.run_ids, refused), named=bool(args.run_ids))
+        found = _runs_to_materialize(data, args.run_ids, refused)
+    except BrokenPipeError:
+        raise
     except OSError as exc:  # an unreadable runs/ or batch folder: one line, before anything is registered
-        where = f": {exc.filename}" if exc.filename else ""
-        raise CliError(f"cannot read the data root {data.path}: {exc.strerror or exc}{where}") from None
+        raise _unreadable(data, exc) from None
+    run_ids = _in_ledger_order(data, found, named=bool(args.run_ids))
     instance = _instance(home)
     _complete_publishes(data)
     for line in refused:
@@ -232,20 +234,43 @@ def materialize(args: argparse.Namespace, signals: Signals | None = None) -> int
     )
     run_ids = sorted(set(run_ids) | set(rejudge)) if rejudge else run_ids
     if not run_ids:
-        return _nothing_to_materialize(instance, data, args, refused)
-    _register(instance, run_ids)
-    # the job is rebuilt from the environment (see cli_filter_job), so the settings travel through it
-    os.environ[DATA_ENV], os.environ[ENV["kind"]] = data.path, judge.kind
-    failed, unjudged = _run_batches(instance, data, caps, run_ids, rejudge, signals)
-    if failed or refused:
-        return EXIT_RUN_FAILED
-    if unjudged:
+        status = _nothing_to_materialize(instance, data, args, refused)
+    else:
+        _register(instance, run_ids)
+        # the job is rebuilt from the environment (see cli_filter_job), so the settings travel through it
+        os.environ[DATA_ENV], os.environ[ENV["kind"]] = data.path, judge.kind
+        failed, unjudged = _run_batches(instance, data, caps, run_ids, rejudge, signals)
+        status = EXIT_RUN_FAILED if failed or refused else EXIT_UNJUDGED if unjudged else 0
+        if unjudged:
+            print(
+                f"{unjudged} run(s) left tasks unjudged: a later `filter-pipeline materialize` naming no run judges "
+                "them again",
+                flush=True,
+            )
+    spent = [] if args.run_ids else _tries_spent(data, set(run_ids))
+    if spent:
         print(
-            f"{unjudged} run(s) left tasks unjudged: a later `filter-pipeline materialize` naming no run judges them again",
+            f"{len(spent)} run(s) still hold unjudged tasks after their last try ({REJUDGE_MAX_TRIES_ENV}): "
+            f"name them to judge them again: filter-pipeline materialize {' '.join(spent)}",
             flush=True,
         )
-        return EXIT_UNJUDGED
-    return 0
+    return status or (EXIT_UNJUDGED if spent else 0)
+
+
+def _unreadable(data: DataRoot, exc: OSError) -> CliError:
+    where = f": {exc.filename}" if exc.filename else ""
+    return CliError(f"cannot read the data root {data.path}: {exc.strerror or exc}{where}")
+
+
+def _tries_spent(data: DataRoot, just_run: set[str]) -> list[str]:
+    """Committed runs, not retired and not run now, still holding unjudged tasks: a materialize naming no run
+    takes every other such run whatever the backoff, so these have spent their re-judging tries."""
+    retired = load_retired(data.root).runs
+    return sorted(
+        run_id
+        for run_id, record in read_commits(data.warehouse).items()
+        if record.unjudged > 0 and run_id not in retired and run_id not in just_run
+    )
 
 
 def _checked_arguments(args: argparse.Namespace):
@@ -273,16 +298,6 @@ def _nothing_to_materialize(instance: dg.DagsterInstance, data: DataRoot, args, 
         if not _refresh_across_runs(instance, only=[CALIBRATION]):
             return EXIT_RUN_FAILED
         _print_calibration(data)
-    # runs whose unjudged tasks were not taken again: their tries are spent (a materialize naming no run
-    # takes every other one, whatever the backoff)
-    spent = sorted(run_id for run_id, record in read_commits(data.warehouse).items() if record.unjudged > 0)
-    if spent:
-        print(
-            f"{len(spent)} run(s) still hold unjudged tasks after their last try ({REJUDGE_MAX_TRIES_ENV}): "
-            f"name them to judge them again: filter-pipeline materialize {' '.join(spent)}",
-            flush=True,
-        )
-        return EXIT_UNJUDGED
     return 0
 
 

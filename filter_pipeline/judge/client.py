@@ -129,7 +129,7 @@ class JudgeClient:
 
     `async with JudgeClient(config) as client: verdict = await client.judge(messages)`; `verdict_schema`
     replaces the prompt version's answer schema in structured-output requests (a prompt asking for other
-    reasoning fields); `report` is told endpoint trouble as it happens (at most a line a minute). Settings that
+    reasoning fields); `report` is told endpoint trouble as it happens (a line per REPORT_EVERY_SECONDS at most). Settings that
     cannot work raise ValueError here, before any request."""
 
     def __init__(

@@ -154,26 +154,37 @@ class LLMJudgeConfig(dg.Config):
 
 
 def _check_endpoint(base_url: str, api_key: str | None) -> None:
-    """Refuse a base URL no request can reach and a key no header can carry, naming the variable and never
-    showing the key (nor a URL's credentials or query)."""
-    parts = urlsplit(base_url)
-    try:
-        port_ok = parts.port is None or parts.port > 0
-    except ValueError:
-        port_ok = False
-    if parts.scheme not in ("http", "https") or not parts.hostname or not port_ok:
-        shown = "" if "@" in base_url or "?" in base_url else f" {base_url!r}"
-        raise ValueError(
-            f"{env_name('base_url')}{shown} is not an http(s) URL with a host and a valid port "
-            "(e.g. http://127.0.0.1:8000/v1)"
-        )
+    """Refuse a base URL no request can reach and a key no header can carry, naming the variable and what is
+    wrong, never their text (a URL may carry a token in its path or query, or be the key pasted by mistake)."""
+    problem = _url_problem(base_url)
+    if problem:
+        raise ValueError(f"{env_name('base_url')} is not an http(s) URL such as http://127.0.0.1:8000/v1 ({problem})")
     if isinstance(api_key, dg.EnvVar):  # not resolved yet: its value is checked as it is read
         api_key = api_key.get_value()
-    if isinstance(api_key, str) and (api_key != api_key.strip() or not api_key.isprintable()):
+    if isinstance(api_key, str) and _not_header_text(api_key):
         raise ValueError(
             f"{env_name('api_key')} starts or ends with whitespace or holds a control character (a line break "
             "copied with it?): an HTTP header cannot carry it"
         )
+
+
+def _url_problem(url: str) -> str | None:
+    if _not_header_text(url):
+        return "whitespace around it or a control character in it"
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:  # (its message may quote part of the URL)
+        return "a port that is not a number from 1 to 65535, or an unclosed [ around an IPv6 host"
+    if parts.scheme not in ("http", "https"):
+        return f"scheme {parts.scheme!r}" if parts.scheme else "no scheme"
+    if not parts.hostname:
+        return "no host"
+    return "port 0" if port == 0 else None
+
+
+def _not_header_text(text: str) -> bool:
+    return text != text.strip() or not text.isprintable()
 
 
 def env_name(field: str) -> str | None:

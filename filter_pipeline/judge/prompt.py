@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from upath import UPath
 
 from filter_pipeline.judge.replies import PART_FLAGS, SCORE_RANGE
+from filter_pipeline.rules.records import as_text
 from filter_pipeline.rules.schemas import (
     EVIDENCE_TRAJECTORY,
     TRAJECTORY_MISSING,
@@ -285,7 +286,7 @@ def build_messages(
     url = cut(evidence.final_url or "(unknown)", 500)
     fixed = len(instruction) + len(criteria) + len(actions) + len(output) + len(url) + 700
     page = cut(evidence.page_text or "(no page text)", max(budget - fixed, 200))
-    text = (
+    text = as_text(
         f"Task instruction (from the task generator):\n{instruction}\n\n"
         f"Success criteria (from the task):\n{criteria}\n\n"
         f"Agent actions ({len(steps)}):\n{fence(actions)}\n\n"
@@ -406,7 +407,4 @@ def cache_key(messages: list[dict], config: "LLMJudgeConfig") -> str:
     """Hash of everything that decides a verdict: the prompt version, the judge's identity (model, votes,
     sampling: config.identity()), the exact messages. A new prompt version never reuses an older one's verdicts."""
     material = [config.prompt_version, *config.identity(), messages]
-    # (surrogatepass: a lone surrogate escape in a trajectory.json is text json reads, not UTF-8)
-    return hashlib.sha256(
-        json.dumps(material, sort_keys=True, ensure_ascii=False).encode("utf-8", "surrogatepass")
-    ).hexdigest()
+    return hashlib.sha256(json.dumps(material, sort_keys=True, ensure_ascii=False).encode("utf-8")).hexdigest()

@@ -58,6 +58,7 @@ class RateController:
         self.limit = concurrency
         self.window = float(concurrency)
         self.budget = budget
+        self.probe_interval = min(budget, PROBE_INTERVAL_SECONDS)  # while down: one task asked this often
         self.in_flight = 0
         self.not_before = 0.0  # time.monotonic() before which no request starts
         self.epoch = 0  # bumped by each decrease: the 429s of one burst halve the window once
@@ -82,7 +83,7 @@ class RateController:
                 raise EndpointRefused(str(self.refused))  # a fresh one: a re-raised instance grows its traceback
             now = time.monotonic()
             if task.started is None and self.down and now >= self.probe_at:
-                self.probe_at = now + min(self.budget, PROBE_INTERVAL_SECONDS)
+                self.probe_at = now + self.probe_interval
                 task.start(now)  # this task probes
             elif task.started is None and self.down:
                 raise Unanswered(
@@ -146,7 +147,7 @@ class RateController:
         one probe every PROBE_INTERVAL_SECONDS (or budget), whose success ends the outage."""
         if task.started is not None and self.last_success < task.started and not self.down:
             self.down = True
-            self.probe_at = time.monotonic() + min(self.budget, PROBE_INTERVAL_SECONDS)
+            self.probe_at = time.monotonic() + self.probe_interval
 
     def throttled(self, epoch: int) -> None:
         """A 429: halve the window, once for all the requests that started in the same window."""

@@ -22,13 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit, urlunsplit
 
-from filter_pipeline.judge.rate import (
-    PROBE_INTERVAL_SECONDS,
-    EndpointRefused,
-    RateController,
-    TaskBudget,
-    Unanswered,
-)
+from filter_pipeline.judge.rate import EndpointRefused, RateController, TaskBudget, Unanswered
 from filter_pipeline.judge.replies import Choice, Usage, error_message, read_completion, retry_hint
 
 if TYPE_CHECKING:  # aiohttp itself is imported when a client opens: gate-judged runs never load it
@@ -224,7 +218,7 @@ class Transport:
                 self.report(
                     f"the judge endpoint {self.public_url} answered nothing for a whole task budget "
                     f"({task.budget:g} s): tasks not yet asked end unjudged (a later materialization judges "
-                    f"them again), but for one probe every {PROBE_INTERVAL_SECONDS:.0f} s"
+                    f"them again), but for one probe every {self.rate.probe_interval:g} s"
                 )
             spent = time.monotonic() - (task.started or time.monotonic())
             raise Unanswered(
@@ -258,7 +252,8 @@ class Transport:
         )
 
     def server_text(self, text: str) -> str:
-        message = error_message(text)
+        # redacted before it is cut: a key the cut splits would no longer be found whole
+        message = self.config.redact(error_message(text)) or ""
         if len(message) > SERVER_TEXT_MAX_CHARS:
             message = message[:SERVER_TEXT_MAX_CHARS] + "..."
-        return self.config.redact(message) or "(empty body)"
+        return message or "(empty body)"

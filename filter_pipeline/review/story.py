@@ -9,6 +9,7 @@ from upath import UPath
 
 from filter_pipeline.review.data import FATE_KEPT, FATE_SURPLUS, ReviewError, RunTables, Warehouse, signature
 from filter_pipeline.rules.calibration import LABEL_COLUMNS, parse_labels
+from filter_pipeline.rules.records import as_text
 from filter_pipeline.rules.schemas import DROPPED_DUPLICATE, DROPPED_SITE_CAP
 from filter_pipeline.storage.files import is_local
 from filter_pipeline.storage.labels import LABELS_FILE
@@ -75,15 +76,12 @@ def trajectory(root: UPath, run_id: str, dir_: str | None) -> dict:
             "final_url": final.get("url"), "page_text": final.get("observation"), "output": record.get("output")}  # fmt: skip
 
 
-# a UTF-16 surrogate left alone in a decoded string (json.loads joins the halves of a pair into one character)
-_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
 def _as_text(value):
-    """`value` with each lone surrogate (page text cut mid-emoji reads as one) replaced by U+FFFD, so that it
-    can be printed and served as UTF-8."""
+    """`value` (decoded JSON) with each lone surrogate replaced by U+FFFD (`as_text`), so that it can be
+    printed and served as UTF-8."""
     text = json.dumps(value, ensure_ascii=False)
-    return json.loads(_LONE_SURROGATE.sub("\ufffd", text)) if _LONE_SURROGATE.search(text) else value
+    clean = as_text(text)
+    return value if clean == text else json.loads(clean)
 
 
 def decision(t: RunTables, task: dict) -> dict:

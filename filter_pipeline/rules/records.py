@@ -243,16 +243,17 @@ def _load_checked(raw: bytes, stored: tuple[str, ...] | None = None) -> dict:
     if not isinstance(record, dict):
         raise Reject(None, f"line is a JSON {type(record).__name__}, expected an object")
     if _SURROGATE_ESCAPE.search(raw) and not _is_text(record):
-        found = _first(record, _lone_surrogate, where=lambda path: _is_stored(path, stored))
+        found = _first(record, _lone_surrogate, where=lambda parts: _is_stored(parts, stored))
         if found is not None:
             field, char = found
             raise Reject(field, f"field {field!r} holds a lone surrogate (\\u{ord(char):04x}), which is not text")
     return record
 
 
-def _is_stored(path: str, stored: tuple[str, ...] | None) -> bool:
-    """Whether the field at `path` (as `_first` names it) is one of `stored` or inside one (None: any field)."""
-    return stored is None or any(path == f or path.startswith((f"{f}[", f"{f}.")) for f in stored)
+def _is_stored(parts: list, stored: tuple[str, ...] | None) -> bool:
+    """Whether the field at `parts` (a path, as `_first` gives it) is one of `stored` (dotted names, as
+    `start.kind`) or inside one (None: any field)."""
+    return stored is None or any(parts[: len(names)] == names for names in (f.split(".") for f in stored))
 
 
 def _is_text(record: dict) -> bool:
@@ -262,6 +263,16 @@ def _is_text(record: dict) -> bool:
     except (UnicodeEncodeError, RecursionError):
         return False
     return True
+
+
+# a UTF-16 surrogate alone in a decoded string (json.loads joins the two halves of a pair into one character)
+_LONE_SURROGATE_CHAR = re.compile("[\ud800-\udfff]")
+
+
+def as_text(text: str) -> str:
+    """`text` with each lone surrogate replaced by U+FFFD: what UTF-8 (a request body, a page, a terminal)
+    carries. Page text cut mid-emoji reads as a lone surrogate; strict servers refuse a body holding one."""
+    return text if text.isascii() else _LONE_SURROGATE_CHAR.sub("\ufffd", text)
 
 
 def _lone_surrogate(value: Any) -> str | None:
@@ -302,24 +313,37 @@ def _long_integer_reject(text: str) -> Reject:
 
 
 def _first(
-    record: dict, problem: Callable[[Any], Any], where: Callable[[str], bool] = lambda path: True
+    record: dict, problem: Callable[[Any], Any], where: Callable[[list], bool] = lambda parts: True
 ) -> tuple[str, Any] | None:
     """(where, what `problem` found) for the first key or value anywhere in the record, however deep, for
-    which `problem` returns something other than None and `where(its path)` is true (the path: as
-    `backend.detail` or `steps[2].text`); None if there is none. Iterative: a record as deep as json.loads
-    reads would exhaust the recursion limit."""
-    stack: list[tuple[str, Any]] = [(key, value) for key, value in reversed(record.items())]
-    stack += [(key, key) for key in reversed(record)]  # the field names first
+    which `problem` returns something other than None and `where(its path's parts)` is true (the parts: keys
+    and list indexes, as ["steps", 2, "text"]; where: the path as text, as `steps[2].text`); None if there is
+    none. Iterative: a record as deep as json.loads reads would exhaust the recursion limit."""
+    # a path is (its parent's path, its last part), so that going one level deeper costs one pair
+    stack: list[tuple[tuple, Any]] = [((None, key), value) for key, value in reversed(record.items())]
+    stack += [((None, key), key) for key in reversed(record)]  # the field names first
     while stack:
         path, item = stack.pop()
-        if (found := problem(item)) is not None and where(path):
-            return path, found
+        if (found := problem(item)) is not None and where(parts := _parts(path)):
+            return _path_text(parts), found
         if isinstance(item, dict):
-            stack += [(f"{path}.{key}", value) for key, value in reversed(item.items())]
-            stack += [(f"{path}.{key}", key) for key in reversed(item)]
+            stack += [((path, key), value) for key, value in reversed(item.items())]
+            stack += [((path, key), key) for key in reversed(item)]
         elif isinstance(item, list):
-            stack += [(f"{path}[{i}]", value) for i, value in reversed(list(enumerate(item)))]
+            stack += [((path, i), value) for i, value in reversed(list(enumerate(item)))]
     return None
+
+
+def _parts(path: tuple) -> list:
+    parts = []
+    while path is not None:
+        path, part = path
+        parts.append(part)
+    return parts[::-1]
+
+
+def _path_text(parts: list) -> str:
+    return str(parts[0]) + "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in parts[1:])
 
 
 def reject_row(file: str, line: int, field: str | None, message: str, raw: bytes) -> dict:

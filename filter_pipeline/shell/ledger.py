@@ -185,26 +185,24 @@ def _walk_under_lease(context, config, data: DataRoot, run_ids: list[str], input
 # --- the order ----------------------------------------------------------------------------------------
 
 
-def _order_settings(context: dg.AssetExecutionContext, honour_tag: bool = True) -> tuple[int, int]:
-    """(seconds between tries, most seconds to wait) for this run (its run tag may lower the wait for lower
-    runs; a wait for the lease is not lowered: the other walker will be done soon)."""
-    interval = max(1, settings.int_setting(settings.ORDER_RETRY_SECONDS_ENV, settings.DEFAULT_ORDER_RETRY_SECONDS))
-    max_wait = settings.int_setting(settings.ORDER_MAX_WAIT_SECONDS_ENV, settings.DEFAULT_ORDER_MAX_WAIT_SECONDS)
+def _order_settings(context: dg.AssetExecutionContext, honour_tag: bool = True) -> tuple[int, int, str]:
+    """(seconds between tries, most seconds to wait, what set that wait) for this run (its run tag may lower
+    the wait for lower runs; a wait for the lease is not lowered: the other walker will be done soon)."""
+    interval = max(1, settings.int_setting(settings.ORDER_RETRY_SECONDS_ENV))
+    max_wait, source = settings.int_setting(settings.ORDER_MAX_WAIT_SECONDS_ENV), settings.ORDER_MAX_WAIT_SECONDS_ENV
     tagged = context.run.tags.get(ORDER_MAX_WAIT_TAG)
-    if honour_tag and tagged is not None and tagged.isdigit():
-        max_wait = min(max_wait, int(tagged))
-    return interval, max_wait
+    if honour_tag and tagged is not None and tagged.isdigit() and int(tagged) < max_wait:
+        max_wait, source = int(tagged), f"this run's tag {ORDER_MAX_WAIT_TAG}"
+    return interval, max_wait, source
 
 
 def _retry_later(context: dg.AssetExecutionContext, why: str, honour_tag: bool = True) -> None:
     """Ask Dagster to run this step again in a while, or fail it with `why` once the wait is used up."""
-    interval, max_wait = _order_settings(context, honour_tag)
+    interval, max_wait, source = _order_settings(context, honour_tag)
     tries = math.ceil(max_wait / interval)
     if context.retry_number >= tries:
-        tagged = honour_tag and context.run.tags.get(ORDER_MAX_WAIT_TAG) == str(max_wait)
-        setting = f"this run's tag {ORDER_MAX_WAIT_TAG}" if tagged else settings.ORDER_MAX_WAIT_SECONDS_ENV
         waited = f"after waiting {max_wait} s" if max_wait else "without waiting"
-        raise dg.Failure(description=f"{why}; gave up {waited} ({setting})")
+        raise dg.Failure(description=f"{why}; gave up {waited} ({source})")
     context.log.info(f"{why}; trying again in {interval} s (try {context.retry_number + 1} of {tries})")
     raise dg.RetryRequested(max_retries=tries, seconds_to_wait=interval)
 
@@ -240,7 +238,7 @@ def _deferred(context: dg.AssetExecutionContext, why: str):
 
 def _stuck_in_queue(instance: dg.DagsterInstance, blockers: list[str]) -> dict[str, float]:
     """Blockers with a run queued for ORDER_QUEUED_SECONDS or more (`order.stuck_in_queue`)."""
-    limit = settings.int_setting(settings.ORDER_QUEUED_SECONDS_ENV, settings.DEFAULT_ORDER_QUEUED_SECONDS)
+    limit = settings.int_setting(settings.ORDER_QUEUED_SECONDS_ENV)
     records = instance.get_run_records(dg.RunsFilter(statuses=[dg.DagsterRunStatus.QUEUED]))
     queued = [
         (run_id, r.create_timestamp.timestamp())

@@ -230,8 +230,8 @@ def rejudging_due(
 ) -> list[order.Rejudge]:
     """Committed runs with unjudged tasks to judge again now (`wait`: respect the backoff; the sensor does,
     a user's `materialize` does not), under the cap on tries."""
-    backoff = settings.int_setting(settings.REJUDGE_BACKOFF_SECONDS_ENV, settings.DEFAULT_REJUDGE_BACKOFF_SECONDS)
-    max_tries = settings.int_setting(settings.REJUDGE_MAX_TRIES_ENV, settings.DEFAULT_REJUDGE_MAX_TRIES)
+    backoff = settings.int_setting(settings.REJUDGE_BACKOFF_SECONDS_ENV)
+    max_tries = settings.int_setting(settings.REJUDGE_MAX_TRIES_ENV)
     due = []
     for run_id, record in sorted(commits.items()):
         if record.unjudged <= 0 or run_id in busy:

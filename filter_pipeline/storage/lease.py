@@ -65,7 +65,7 @@ def _describe(where: str, record: dict | None) -> str:
 
 def default_ttl_seconds() -> float:
     """How long a lease on object storage lasts unless renewed (FILTER_PIPELINE_LEASE_SECONDS)."""
-    return float(max(1, settings.int_setting(settings.LEASE_SECONDS_ENV, settings.DEFAULT_LEASE_SECONDS)))
+    return float(max(1, settings.int_setting(settings.LEASE_SECONDS_ENV)))
 
 
 class Lease:

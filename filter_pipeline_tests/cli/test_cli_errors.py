@@ -226,22 +226,27 @@ def test_the_llm_judge_without_its_endpoint_is_one_line_before_anything_is_regis
 
 
 @pytest.mark.parametrize(
-    "url, shown",
+    "url, problem",
     [
-        ("notaurl", " 'notaurl'"),
-        ("ftp://127.0.0.1/v1", " 'ftp://127.0.0.1/v1'"),
-        ("http://127.0.0.1:port/v1", " 'http://127.0.0.1:port/v1'"),
-        ("http://user:s3cret@/v1", ""),  # credentials are never echoed
+        ("notaurl", "no scheme"),
+        ("sk-proj-pasted-by-mistake", "no scheme"),
+        ("ftp://127.0.0.1/v1", "scheme 'ftp'"),
+        (
+            "http://127.0.0.1:port/v1",
+            "a port that is not a number from 1 to 65535, or an unclosed [ around an IPv6 host",
+        ),
+        ("http://[::1/v1", "a port that is not a number from 1 to 65535, or an unclosed [ around an IPv6 host"),
+        ("http://user:s3cret@/v1", "no host"),
+        (" http://127.0.0.1:8000/v1", "whitespace around it or a control character in it"),
     ],
 )
-def test_a_judge_base_url_no_request_can_reach_is_one_line_before_anything_is_registered(
-    env, capsys, dagster_home, data_root, url, shown
+def test_a_judge_base_url_no_request_can_reach_is_one_line_naming_the_problem_not_the_url(
+    env, capsys, dagster_home, data_root, url, problem
 ):
     env.setenv("FILTER_JUDGE_BASE_URL", url)
     env.setenv("FILTER_JUDGE_MODEL", "m")
     assert refused(capsys, "--judge", "llm") == (
-        f"filter-pipeline: FILTER_JUDGE_BASE_URL{shown} is not an http(s) URL with a host and a valid port "
-        "(e.g. http://127.0.0.1:8000/v1)"
+        f"filter-pipeline: FILTER_JUDGE_BASE_URL is not an http(s) URL such as http://127.0.0.1:8000/v1 ({problem})"
     )
     nothing_registered_or_written(dagster_home, data_root)
 

@@ -70,9 +70,14 @@ def test_unjudged_tasks_exit_3_and_a_later_materialize_judges_only_those_again(c
         assert "nothing to materialize" in cli("--judge", "llm", env=env).stdout
 
 
-def test_the_cap_on_tries_is_respected(cli, data_root):
+def test_the_cap_on_tries_is_respected_and_a_run_that_spent_it_is_named_until_judged_or_retired(cli, data_root):
     write_batch(data_root, "b1", [task("a")], [attempt("a")])
-    with FakeOpenAI(lambda call, n: Reply(status=500, body='{"error": "down"}')) as server:
+    responder = lambda call, n: Reply(status=500, body='{"error": "down"}') if "do a" in call.prompt else Reply()  # noqa: E731
+    spent_line = (
+        "1 run(s) still hold unjudged tasks after their last try (FILTER_PIPELINE_REJUDGE_MAX_TRIES): "
+        "name them to judge them again: filter-pipeline materialize b1"
+    )
+    with FakeOpenAI(responder) as server:
         env = {"FILTER_JUDGE_BASE_URL": server.base_url, "FILTER_JUDGE_MODEL": "m", "FILTER_JUDGE_VOTES": "1",
                "FILTER_JUDGE_TASK_BUDGET": "1", "FILTER_PIPELINE_REJUDGE_MAX_TRIES": "1"}  # fmt: skip
         assert cli("--judge", "llm", env=env).returncode == 3
@@ -81,9 +86,20 @@ def test_the_cap_on_tries_is_respected(cli, data_root):
         assert spent.returncode == 3
         assert spent.stdout.splitlines() == [
             "nothing to materialize: every complete batch is already filtered",
-            "1 run(s) still hold unjudged tasks after their last try (FILTER_PIPELINE_REJUDGE_MAX_TRIES): "
-            "name them to judge them again: filter-pipeline materialize b1",
+            spent_line,
         ]
+
+        write_batch(data_root, "b2", [task("c")], [attempt("c")])  # a new batch, judged in full, beside it
+        asked = len(server.calls)
+        beside = cli("--judge", "llm", env=env)
+        assert beside.returncode == 3 and "b2: judged 1, unjudged 0" in beside.stdout
+        assert beside.stdout.splitlines()[-1] == spent_line
+        assert all("do c" in c.prompt for c in server.calls[asked:])  # b1 is not asked again unnamed
+
         asked = len(server.calls)
         named = cli("--judge", "llm", "b1", env=env)  # named: judged again whatever the cap
         assert named.returncode == 3 and len(server.calls) > asked
+
+        (data_root / "retired.json").write_text('[{"run_id": "b1", "reason": "endpoint never judged it"}]')
+        retired = cli("--judge", "llm", env=env)  # retired: no longer waiting for anything
+        assert retired.returncode == 0 and "still hold unjudged" not in retired.stdout

@@ -334,8 +334,23 @@ def test_endpoint_trouble_is_told_as_it_happens_once_not_per_retry_and_the_outag
         f"the judge endpoint {server.base_url}/chat/completions: HTTP 503 from the judge endpoint: upstream down "
         "***; retrying (each task for up to 0.5 s, FILTER_JUDGE_TASK_BUDGET)",
         f"the judge endpoint {server.base_url}/chat/completions answered nothing for a whole task budget (0.5 s): "
-        "tasks not yet asked end unjudged (a later materialization judges them again), but for one probe every 30 s",
+        "tasks not yet asked end unjudged (a later materialization judges them again), but for one probe every 0.5 s",
     ]
+
+
+def test_a_key_the_server_echoes_across_the_cut_of_its_message_is_redacted_whole():
+    key = "sk-secret-key-0123456789"
+    told: list[str] = []
+
+    async def run(s):
+        async with JudgeClient(s, report=told.append) as client:
+            return await client.judge(prompt("a"))
+
+    body = error_body("x" * 280 + f" bad key {key} and more")  # the 300-character cut falls inside the key
+    with FakeOpenAI(lambda call, n: Reply(status=503, body=body)) as server:
+        verdict = asyncio.run(run(settings(server, api_key=key, task_budget_seconds=0.3)))
+    assert verdict.status == "error" and "bad key ***" in verdict.why
+    assert not any("sk-secret" in text for text in [verdict.why, *told]), told
 
 
 def test_while_down_one_task_probes_now_and_then_and_its_success_ends_the_outage():

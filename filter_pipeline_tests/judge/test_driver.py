@@ -79,7 +79,7 @@ def test_missing_or_broken_trajectory_json_is_recorded_on_the_verdict_counted_an
     assert report.judge_cost(judgement.verdicts, 3, 3)["evidence_missing"] == 2
 
 
-def test_an_action_with_a_lone_surrogate_reaches_the_judge_as_its_escape(data_root):
+def test_an_action_with_a_lone_surrogate_reaches_the_judge_as_a_replacement_character(data_root):
     steps = [{"action": "type", "text": "cut \ud83d"}]  # page text cut mid-emoji, as JavaScript escapes it
     write_batch(data_root, "r1", [task("a")], [attempt("a") | {"steps": steps}])  # no trajectory.json
     with FakeOpenAI() as server:
@@ -88,7 +88,8 @@ def test_an_action_with_a_lone_surrogate_reaches_the_judge_as_its_escape(data_ro
         ["a", "judged", "record_steps: trajectory.json missing"]
     ]
     [call] = server.calls
-    assert '"text": "cut \ud83d"' in call.prompt  # the same text, sent as its JSON escape
+    # sent as text a strict server takes: the half emoji as U+FFFD, not as the escape of a lone surrogate
+    assert '"text": "cut \ufffd"' in call.prompt and "\\ud83d" not in json.dumps(call.body)
 
 
 def test_progress_counts_tasks_left_unjudged_apart_and_the_endpoints_trouble_is_warned(data_root, caplog):

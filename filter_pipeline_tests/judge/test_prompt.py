@@ -191,14 +191,16 @@ def test_the_cache_key_changes_with_the_prompt_version_the_judge_and_the_message
     assert key != p.cache_key(other, Config(model="m"))
 
 
-def test_a_lone_surrogate_in_trajectory_json_is_shown_and_keyed_not_a_crash(tmp_path):
-    # valid JSON and valid UTF-8 as text: json reads "\ud800" as a lone surrogate, which has no UTF-8 form
+def test_a_lone_surrogate_in_trajectory_json_is_sent_as_a_replacement_character_and_keyed(tmp_path):
+    # valid JSON and valid UTF-8 as text: json reads "\ud800" as a lone surrogate, which has no UTF-8 form and
+    # which strict servers refuse in a request body
     folder(
         tmp_path, raw=b'{"steps": [{"action": "type", "text": "\\ud800"}], "final": {"observation": "page \\udfff"}}'
     )
     messages, evidence = p.messages_for_attempt(UPath(tmp_path), REQUEST, lambda: [], Config())
     assert evidence == "trajectory"
-    assert "page \udfff" in user_text(messages)
+    assert "page \ufffd" in user_text(messages) and '"text": "\ufffd"' in user_text(messages)
+    json.dumps(messages, ensure_ascii=False).encode("utf-8")  # no UnicodeEncodeError: every string is text
     key = p.cache_key(messages, Config(model="m"))
     assert len(key) == 64 and key != p.cache_key(messages, Config(model="m", votes=2, temperature=0.5))
 

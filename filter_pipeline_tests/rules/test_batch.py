@@ -413,7 +413,8 @@ def test_a_lone_surrogate_in_a_field_no_row_keeps_is_let_be_whichever_path_reads
     run = write_batch(tmp_path, "r", [task("a"), task("b")], [attempt("a"), attempt("b")])
     (run / "tasks.jsonl").write_text(
         with_raw(task("a"), {"note": f'{{"page": ["smile {SURROGATE}"]}}'}) + "\n"
-        + task_line(extra=f'{{"{SURROGATE}": 1}}') + "\n"
+        + task_line(extra=f'{{"{SURROGATE}": 1}}', **{"task_id.note": f'"{SURROGATE}"', "start_": f'"{SURROGATE}"'})
+        + "\n"
     )  # fmt: skip
     (run / "executions.jsonl").write_text(
         with_raw(attempt("a"), {"steps": '[{"action": "type", "text": "cut \\ud83d"}, {"action": "click"}]'})
