@@ -129,8 +129,8 @@ class JudgeClient:
 
     `async with JudgeClient(config) as client: verdict = await client.judge(messages)`; `verdict_schema`
     replaces the prompt version's answer schema in structured-output requests (a prompt asking for other
-    reasoning fields); `report` is told endpoint trouble as it happens (a line per REPORT_EVERY_SECONDS at most). Settings that
-    cannot work raise ValueError here, before any request."""
+    reasoning fields); `report` is told endpoint trouble as it happens (a line per REPORT_EVERY_SECONDS at
+    most). Settings that cannot work raise ValueError here, before any request."""
 
     def __init__(
         self, config: "LLMJudgeConfig", verdict_schema: dict | None = None, report: Callable[[str], None] | None = None

@@ -279,11 +279,8 @@ def _lone_surrogate(value: Any) -> str | None:
     """The first lone surrogate of a string value (which UTF-8, hence Parquet, cannot hold), or None."""
     if type(value) is not str or value.isascii():
         return None
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        return value[exc.start]
-    return None
+    found = _LONE_SURROGATE_CHAR.search(value)
+    return found.group() if found else None
 
 
 class _LongInteger:
