@@ -324,32 +324,23 @@ def _already_filtered(context: dg.AssetExecutionContext, record: CommitRecord):
 def _walk_in_order(context, run_ids: list[str], walk_one):
     """A ranged step: each run walked on its own, lowest run_id first, written and committed before the next
     run reads history (a run left uncommitted by a failed check stops the walk: the runs after it are not
-    walked before it); then one materialization per asset for the whole range, and each check's result over
-    the runs walked."""
-    rows: dict[str, dict[str, int]] = {}
+    walked before it). Each run committed is materialized as its own partition, with its own metadata, as
+    soon as it is committed; each check's result is given once, over the runs walked."""
     outcomes: dict[tuple[str, str], list[tuple[str, dg.AssetCheckResult]]] = {}
     for position, run_id in enumerate(run_ids, start=1):
         context.log.info(f"walking {run_id} ({position} of {len(run_ids)} in run_id order)")
-        failing = []
+        failing: list[str] = []
         for event in walk_one(run_id):
             if isinstance(event, dg.MaterializeResult):
-                row_count = (event.metadata or {}).get("dagster/row_count")
-                rows.setdefault(event.asset_key.path[-1], {})[run_id] = int(getattr(row_count, "value", row_count) or 0)
+                yield dg.AssetMaterialization(asset_key=event.asset_key, partition=run_id, metadata=event.metadata)
             elif isinstance(event, dg.AssetCheckResult):
                 outcomes.setdefault((event.check_name, event.asset_key.path[-1]), []).append((run_id, event))
                 failing += [] if event.passed else [event.check_name]
         if failing and position < len(run_ids):
             context.log.error(
-                f"{run_id}: not committed ({', '.join(failing)} failed); not walked, to keep run_id order: "
-                f"{', '.join(run_ids[position:])}"
+                f"not walked, to keep run_id order ({run_id} was not committed): {', '.join(run_ids[position:])}"
             )
             break
-    for asset, counts in rows.items():
-        yield dg.MaterializeResult(
-            asset_key=asset,
-            metadata={"dagster/row_count": sum(counts.values()), "runs_in_order": ", ".join(run_ids),
-                      **{f"rows/{r}": n for r, n in counts.items()}},
-        )  # fmt: skip
     for (check, asset), results in outcomes.items():
         failing = [r for r, result in results if not result.passed]
         yield dg.AssetCheckResult(
@@ -374,7 +365,8 @@ def _walk_the_ledger(
     read: CommitState,
 ):
     """One run's walk (the caller holds the lease): history, the walk, every file derived from it staged, their
-    checks, then the commit record published, then one materialization per asset and the checks' results.
+    checks; then, if they held, the commit record published and one materialization per asset; then the
+    checks' results.
     `source`: where the caps came from ("deployment" or "run config"), recorded in the commit; `read`: the run's
     commit record as read when the lease was taken, which the publish is conditional on (on object storage a
     holder that stalled past its lease may have lost it to a walk that committed: it must not publish)."""
@@ -416,15 +408,19 @@ def _walk_staged(context, config, data, run_id, judge_verdicts, failure_pool, ba
     files["filter_report_html"] = staged.write(page, html, 0)
     derived["filter_report"][1]["html"] = dg.MetadataValue.path(str(page))
     context.log.info(f"staged {len(files)} files in {time.perf_counter() - writing:.2f} s")
-    if all(outcome.passed for outcome in outcomes.values()):
-        # Only a walk whose invariants held becomes history; one that broke them fails on its checks.
+    failing = [check for (check, _), outcome in outcomes.items() if not outcome.passed]
+    if failing:
+        # Only a walk whose invariants held becomes history. One that broke them fails on its checks and
+        # materializes nothing: its files were never published, so no partition may point at them.
+        context.log.error(f"{run_id}: not committed ({', '.join(failing)} failed): nothing of this walk is kept")
+    else:
         record = _commit_record(config, run_id, judge_verdicts, result.kept, index, files, source, inputs)
         _publish(context, data, staged, record, lease)
-    for asset, (frame, metadata) in {**frames, **derived}.items():
-        yield dg.MaterializeResult(
-            asset_key=asset,
-            metadata={**metadata, "dagster/row_count": len(frame), "sha256": files[asset]["sha256"]},
-        )
+        for asset, (frame, metadata) in {**frames, **derived}.items():
+            yield dg.MaterializeResult(
+                asset_key=asset,
+                metadata={**metadata, "dagster/row_count": len(frame), "sha256": files[asset]["sha256"]},
+            )
     for (check, asset), outcome in outcomes.items():
         yield check_result(check, asset, outcome)
 

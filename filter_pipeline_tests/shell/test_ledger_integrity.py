@@ -103,6 +103,27 @@ def test_the_asset_checks_still_run_and_the_across_runs_job_carries_the_warehous
         job.execute_in_process(instance=instance)
 
 
+def test_a_walk_that_breaks_an_invariant_commits_nothing_and_materializes_nothing(instance, data_root, monkeypatch):
+    from filter_pipeline.rules import checks
+
+    same_keys_batches(data_root, "r1")
+    monkeypatch.setattr(checks, "no_key_kept_twice", lambda kept, others: checks.CheckOutcome(False, {}, "twice"))
+    result = materialize(instance, data_root, "r1")
+    assert not result.success
+    assert read_commits(UPath(data_root) / "warehouse") == {}
+    assert not (data_root / "warehouse" / "kept" / "r1.parquet").exists()
+    # the UI shows the partition failed on its check, never materialized with files that were not published
+    materialized = {
+        e.asset_key.path[-1] for e in result.all_events if e.event_type == dg.DagsterEventType.ASSET_MATERIALIZATION
+    }
+    assert materialized & set(LEDGER_FILES) == set()
+    kept_def = build_defs(str(data_root), JudgeResource(), caps={}).resolve_assets_def("kept")
+    status = instance.get_status_by_partition(dg.AssetKey("kept"), ["r1"], kept_def.partitions_def)
+    assert status == {"r1": dg.AssetPartitionStatus.FAILED}
+    said = [e.user_message for e in instance.all_logs(result.run_id) if "not committed" in e.user_message]
+    assert said == ["r1: not committed (no_key_kept_twice failed): nothing of this walk is kept"]
+
+
 def test_a_deleted_committed_kept_file_fails_the_next_walk_with_one_line_instead_of_keeping_its_keys_again(
     instance, data_root
 ):

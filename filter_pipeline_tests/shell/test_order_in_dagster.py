@@ -138,10 +138,27 @@ def test_a_ranged_ledger_step_walks_its_partitions_in_run_id_order(instance, dat
     assert_same(ledger_rows(data_root, REGISTERED), expected)
     walked = [e.user_message for e in instance.all_logs(result.run_id) if e.user_message.startswith("walking ")]
     assert [m.split()[1] for m in walked] == ["b0", "b1", "b2", "b3"]
-    status = instance.get_status_by_partition(
-        dg.AssetKey("kept"), REGISTERED, defs.resolve_assets_def("kept").partitions_def
+    # each partition materialized on its own, with its own file's row count
+    for run_id in REGISTERED:
+        [materialization] = materializations(instance, result.run_id, "kept", run_id)
+        rows = materialization.metadata["dagster/row_count"].value
+        assert rows == len(ledger_rows(data_root, [run_id])[("kept", run_id)])
+    assert partition_status(instance, defs, REGISTERED) == dict.fromkeys(
+        REGISTERED, dg.AssetPartitionStatus.MATERIALIZED
     )
-    assert set(status.values()) == {dg.AssetPartitionStatus.MATERIALIZED}
+
+
+def materializations(instance, dagster_run_id: str, asset: str, partition: str) -> list:
+    return [
+        e.asset_materialization
+        for e in instance.all_logs(dagster_run_id, of_type=dg.DagsterEventType.ASSET_MATERIALIZATION)
+        if e.asset_materialization.asset_key == dg.AssetKey(asset) and e.asset_materialization.partition == partition
+    ]
+
+
+def partition_status(instance, defs, run_ids: list[str]) -> dict:
+    kept = defs.resolve_assets_def("kept")
+    return instance.get_status_by_partition(dg.AssetKey("kept"), run_ids, kept.partitions_def)
 
 
 @pytest.mark.slow
@@ -251,10 +268,15 @@ def test_a_ranged_ledger_step_stops_at_a_run_its_checks_left_uncommitted(instanc
     committed = sorted(p.stem for p in (data_root / "warehouse" / "_commits").glob("*.json"))
     assert committed == ["b0"]  # b1 was not committed, so b2 was not walked before it
     assert not (data_root / "warehouse" / "kept" / "b2.parquet").exists()
-    errors = [
-        e.user_message for e in instance.all_logs(result.run_id) if "not walked, to keep run_id order" in e.user_message
+    errors = [e.user_message for e in instance.all_logs(result.run_id) if "not committed" in e.user_message]
+    assert errors == [
+        "b1: not committed (caps_respected failed): nothing of this walk is kept",
+        "not walked, to keep run_id order (b1 was not committed): b2",
     ]
-    assert errors == ["b1: not committed (caps_respected failed); not walked, to keep run_id order: b2"]
+    # only the committed run is materialized: b1's files were never published, b2 was not walked
+    status = partition_status(instance, defs, ["b0", "b1", "b2"])
+    assert status["b0"] == dg.AssetPartitionStatus.MATERIALIZED
+    assert status["b1"] != dg.AssetPartitionStatus.MATERIALIZED and status["b2"] != dg.AssetPartitionStatus.MATERIALIZED
 
 
 def test_a_run_queued_for_several_walks_counts_as_queued_for_each_when_a_step_decides_to_defer():
