@@ -30,6 +30,7 @@ from upath import UPath
 
 from filter_pipeline.judge import prompt as judge_prompt
 from filter_pipeline.rules.batch import EXECUTIONS_FILE
+from filter_pipeline.rules.records import read_json
 from filter_pipeline.rules.schemas import JUDGE_PROGRESS_SCHEMA, STATUS_JUDGED, pylist, read_parquet_file
 
 if TYPE_CHECKING:
@@ -92,8 +93,6 @@ class RecordSteps:
             return self._starts
 
     def __call__(self, line: int) -> list:
-        import json
-
         starts = self._line_starts()
         if not 1 <= line < len(starts):
             return []
@@ -101,7 +100,7 @@ class RecordSteps:
             f.seek(int(starts[line - 1]))
             raw = f.read(int(starts[line] - starts[line - 1]))
         try:
-            steps = json.loads(raw).get("steps")
+            steps = read_json(raw).get("steps")
         except (ValueError, AttributeError):
             return []
         return steps if isinstance(steps, list) else []

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from upath import UPath
 
 from filter_pipeline.judge.replies import PART_FLAGS, SCORE_RANGE
-from filter_pipeline.rules.records import as_text
+from filter_pipeline.rules.records import as_text, read_json
 from filter_pipeline.rules.schemas import (
     EVIDENCE_TRAJECTORY,
     TRAJECTORY_MISSING,
@@ -330,7 +330,7 @@ def read_trajectory(data_root: UPath, rel_dir: str) -> tuple[dict | None, UPath,
             f"{TRAJECTORY_UNREADABLE} ({_short(exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc) or type(exc).__name__)})",
         )
     try:
-        data = json.loads(raw)
+        data = read_json(raw)
     except ValueError as exc:  # UnicodeDecodeError included
         return None, folder, f"{TRAJECTORY_NOT_JSON} ({_short(str(exc))})"
     if not isinstance(data, dict):

@@ -9,7 +9,7 @@ from upath import UPath
 
 from filter_pipeline.review.data import FATE_KEPT, FATE_SURPLUS, ReviewError, RunTables, Warehouse, signature
 from filter_pipeline.rules.calibration import LABEL_COLUMNS, parse_labels
-from filter_pipeline.rules.records import as_text
+from filter_pipeline.rules.records import as_text, read_json
 from filter_pipeline.rules.schemas import DROPPED_DUPLICATE, DROPPED_SITE_CAP
 from filter_pipeline.storage.files import is_local
 from filter_pipeline.storage.labels import LABELS_FILE
@@ -63,7 +63,7 @@ def trajectory(root: UPath, run_id: str, dir_: str | None) -> dict:
     except (FileNotFoundError, NotADirectoryError, OSError):
         pass
     try:
-        record = _as_text(json.loads((folder / "trajectory.json").read_bytes()))
+        record = _as_text(read_json((folder / "trajectory.json").read_bytes()))
     except FileNotFoundError:
         return {**found, "problem": "trajectory.json missing"}
     except (OSError, ValueError) as exc:

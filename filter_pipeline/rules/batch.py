@@ -25,12 +25,13 @@ import pyarrow.json as pa_json
 
 from filter_pipeline.rules.records import (
     ATTEMPT_FIELDS,
-    ATTEMPT_STORED,
+    ATTEMPT_LINE,
     MAX_LINE_BYTES,
     ORJSON_DIGITS,
     TASK_FIELDS,
-    TASK_STORED,
+    TASK_LINE,
     UNSAFE_DIR,
+    Fields,
     Reject,
     TooDeep,
     attempt_row,
@@ -90,11 +91,11 @@ def _read_lines(
     data: bytes,
     file: str,
     to_row: Callable[[dict], tuple],
-    stored: tuple[str, ...],
+    fields: Fields,
     deep_row: Callable[[bytes], tuple | None] | None = None,
 ) -> tuple[list[tuple], list[dict]]:
     """Every non-blank line of `data` as a row tuple (line number last); a line that fails becomes a reject.
-    Lines are numbered as `data.split(b"\\n")` numbers them. `stored`: the fields whose text the row keeps
+    Lines are numbered as `data.split(b"\\n")` numbers them. `fields`: where the row keeps or reads a value
     (`load_record`). A line nested deeper than json.loads follows goes to `deep_row` (Arrow's reader on that
     line alone, which takes any depth), when given."""
     rows: list[tuple] = []
@@ -106,7 +107,7 @@ def _read_lines(
             continue
         try:
             try:
-                row = to_row(load_record(raw, long_numbers, stored))
+                row = to_row(load_record(raw, long_numbers, fields))
             except TooDeep:
                 if deep_row is None or (row := deep_row(raw)) is None:
                     raise
@@ -208,7 +209,7 @@ def _deep_attempt_row(raw: bytes) -> tuple | None:
 def parse_tasks(data: bytes, run_id: str) -> tuple[pd.DataFrame, list[dict]]:
     """The valid tasks of tasks.jsonl (`data`), first of each task_id, and the reject rows of the others.
     Raises BatchError when no task is valid."""
-    rows, rejects = _read_lines(data, TASKS_FILE, task_row, TASK_STORED)
+    rows, rejects = _read_lines(data, TASKS_FILE, task_row, TASK_LINE)
     tasks = _frame(rows, TASK_FIELDS, "batch_tasks")
     duplicated = tasks["task_id"].duplicated(keep="first").to_numpy()
     rejects += _rejects_for(tasks[duplicated], data, TASKS_FILE, "task_id", "task_id {} appears earlier in the file")
@@ -231,7 +232,7 @@ def parse_attempts(
     or has a dir in `outside_root(dirs)` (the dirs that resolve outside the data root)."""
     attempts = _arrow_attempts(data)
     if attempts is None:
-        rows, attempt_rejects = _read_lines(data, EXECUTIONS_FILE, attempt_row, ATTEMPT_STORED, _deep_attempt_row)
+        rows, attempt_rejects = _read_lines(data, EXECUTIONS_FILE, attempt_row, ATTEMPT_LINE, _deep_attempt_row)
         rejects = rejects + attempt_rejects
         attempts = _frame(rows, ATTEMPT_FIELDS, "batch_attempts")
     task_at = positions(attempts["task_id"], tasks["task_id"])

@@ -3,9 +3,9 @@
 These checks define what a valid record is and the message of every reject (`batch` applies them line by
 line wherever Arrow's reader cannot take a file whole). A record that is valid JSON can still be no use as
 data: a lone surrogate escape (`"\\ud800"`, not text: Parquet cannot store it) in a field a row keeps; an
-integer with more digits than Python converts (`sys.get_int_max_str_digits()`, 4,300 by default) anywhere in
-the record; a dedup_key holding NaN or Infinity (or 1e400, which reads as Infinity); an attempt number beyond
-64 bits.
+integer with more digits than Python converts (`sys.get_int_max_str_digits()`, 4,300 by default) in a field a
+row keeps or reads; a dedup_key holding NaN or Infinity (or 1e400, which reads as Infinity); an attempt number
+beyond 64 bits. Anywhere else (an extra field, a step's page text) neither harms anything, and is let be.
 """
 
 import json
@@ -13,6 +13,7 @@ import math
 import re
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -89,9 +90,26 @@ def unsafe_dir_reason(path: str) -> str | None:
 # --- per-record parsers -----------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Fields:
+    """Where in a record of one line kind a value matters, as dotted names (`start.kind`): `stored`, the fields
+    whose text a row keeps (the field and anything inside it); `read`, the fields whose value alone a row reads
+    (of `steps`, only its length: not what is inside)."""
+
+    stored: tuple[str, ...]
+    read: tuple[str, ...] = ()
+
+    def keeps(self, parts: list) -> bool:
+        """Whether the field at `parts` (a path, as `_first` gives it) is stored or inside a stored one."""
+        return any(parts[: len(names)] == names for names in (name.split(".") for name in self.stored))
+
+    def uses(self, parts: list) -> bool:
+        """Whether the row keeps or reads the value at `parts`."""
+        return self.keeps(parts) or any(parts == name.split(".") for name in self.read)
+
+
 TASK_FIELDS = ("task_id", "macro", "site", "dedup_key", "key_hash", "start_kind", "instruction")
-# the fields of a tasks.jsonl record whose text a task row keeps (a lone surrogate elsewhere is let be)
-TASK_STORED = ("task_id", "macro", "site", "dedup_key", "start.kind", "instruction")
+TASK_LINE = Fields(stored=("task_id", "macro", "site", "dedup_key", "start.kind", "instruction"), read=("start",))
 
 
 _SCALARS = (str, int, float, bool, type(None))
@@ -158,8 +176,9 @@ def _checked_task_row(record: dict) -> tuple:
 
 
 ATTEMPT_FIELDS = ("task_id", "attempt", "ok", "error", "dir", "n_actions", "backend_ok", "backend_detail")
-# the fields of an executions.jsonl record whose text an attempt row keeps (`steps` only counts)
-ATTEMPT_STORED = ("task_id", "error", "dir", "backend.detail")
+ATTEMPT_LINE = Fields(
+    stored=("task_id", "error", "dir", "backend.detail"), read=("attempt", "ok", "steps", "backend", "backend.ok")
+)
 
 
 def attempt_row(record: dict) -> tuple:
@@ -202,17 +221,18 @@ def has_digit_run(data: bytes, length: int) -> bool:
     return b"1" * length in data.translate(_DIGITS)
 
 
-def load_record(raw: bytes, long_numbers: bool = True, stored: tuple[str, ...] | None = None) -> dict:
-    """The line as a JSON object whose every string is text and every integer one Python converts; raises
-    Reject saying why not (too long, not UTF-8, not JSON, nested too deep, an integer too long, a lone
-    surrogate, not an object).
+def load_record(raw: bytes, long_numbers: bool = True, fields: Fields | None = None) -> dict:
+    """The line as a JSON object whose every string a row keeps is text and every integer it uses is one
+    Python converts; raises Reject saying why not (too long, not UTF-8, not JSON, nested too deep, an integer
+    too long, a lone surrogate, not an object).
 
     orjson reads the line first: it takes only strict UTF-8 JSON without lone surrogates, NaN or Infinity,
     which json reads to the same values. Any line it refuses (or that is not an object) is read by json,
     so what json accepts and the rejects' messages stay the same; so is a line with a run of 19 or more
-    digits (`long_numbers`: whether the line may hold one; False when its whole file was checked). A lone
-    surrogate rejects the record only in a field of `stored` (the fields whose text is kept; None: any
-    field): elsewhere, as in an action's page text cut mid-emoji, it harms nothing."""
+    digits (`long_numbers`: whether the line may hold one; False when its whole file was checked).
+    `fields`: where a value matters (None: everywhere). A lone surrogate rejects the record only in a field
+    it stores, an integer too long for Python only in one it stores or reads: elsewhere, as in an action's
+    page text cut mid-emoji, neither harms anything (such an integer stays in the record as a `LongInteger`)."""
     if len(raw) > MAX_LINE_BYTES:
         raise Reject(None, f"line is {len(raw):,} bytes, longer than the {MAX_LINE_BYTES:,}-byte limit")
     if not (long_numbers and has_digit_run(raw, ORJSON_DIGITS)):
@@ -223,10 +243,10 @@ def load_record(raw: bytes, long_numbers: bool = True, stored: tuple[str, ...] |
         else:
             if isinstance(record, dict):
                 return record
-    return _load_checked(raw, stored)
+    return _load_checked(raw, fields)
 
 
-def _load_checked(raw: bytes, stored: tuple[str, ...] | None = None) -> dict:
+def _load_checked(raw: bytes, fields: Fields | None = None) -> dict:
     """`load_record` by Python's json, whose acceptance and messages define a valid line."""
     try:
         text = raw.decode("utf-8")  # strict: json.loads(bytes) would let UTF-8-encoded surrogates through
@@ -237,23 +257,17 @@ def _load_checked(raw: bytes, stored: tuple[str, ...] | None = None) -> dict:
     except json.JSONDecodeError as exc:
         raise Reject(None, f"line is not JSON ({exc.msg} at column {exc.colno})") from None
     except ValueError:  # the only other one json raises: an integer beyond Python's int-string limit
-        raise _long_integer_reject(text) from None
+        record = _with_long_integers(text, fields)
     except RecursionError:
         raise TooDeep(None, "line nests arrays or objects deeper than a JSON reader follows") from None
     if not isinstance(record, dict):
         raise Reject(None, f"line is a JSON {type(record).__name__}, expected an object")
     if _SURROGATE_ESCAPE.search(raw) and not _is_text(record):
-        found = _first(record, _lone_surrogate, where=lambda parts: _is_stored(parts, stored))
+        found = _first(record, _lone_surrogate, where=lambda parts: fields is None or fields.keeps(parts))
         if found is not None:
             field, char = found
             raise Reject(field, f"field {field!r} holds a lone surrogate (\\u{ord(char):04x}), which is not text")
     return record
-
-
-def _is_stored(parts: list, stored: tuple[str, ...] | None) -> bool:
-    """Whether the field at `parts` (a path, as `_first` gives it) is one of `stored` (dotted names, as
-    `start.kind`) or inside one (None: any field)."""
-    return stored is None or any(parts[: len(names)] == names for names in (f.split(".") for f in stored))
 
 
 def _is_text(record: dict) -> bool:
@@ -283,30 +297,52 @@ def _lone_surrogate(value: Any) -> str | None:
     return found.group() if found else None
 
 
-class _LongInteger:
-    """An integer literal with more digits than Python converts (read as this marker, to name its field)."""
+class LongInteger(str):
+    """An integer literal with more digits than Python converts, kept as its text (`str(value)` shows it)."""
 
-    def __init__(self, literal: str):
-        self.digits = len(literal) - literal.startswith("-")
+    @property
+    def digits(self) -> int:
+        return len(self) - self.startswith("-")
 
 
-def _long_integer_reject(text: str) -> Reject:
+def _int_or_literal(literal: str) -> int | LongInteger:
     limit = sys.get_int_max_str_digits()
-    read = lambda literal: _LongInteger(literal) if len(literal) - literal.startswith("-") > limit else int(literal)  # noqa: E731
+    return LongInteger(literal) if limit and len(literal) - literal.startswith("-") > limit else int(literal)
+
+
+def read_json(data: str | bytes) -> Any:
+    """json.loads, except that an integer with more digits than Python converts is kept as its literal text
+    (a `LongInteger`, a str) instead of failing the whole document: for what is only shown, as a step in the
+    judge's prompt or on the review page."""
     try:
-        record = json.loads(text, parse_int=read)
+        return json.loads(data)
+    except json.JSONDecodeError:
+        raise
+    except ValueError:  # (json's only other error: such an integer)
+        return json.loads(data, parse_int=_int_or_literal)
+
+
+def _with_long_integers(text: str, fields: Fields | None) -> Any:
+    """The line read with each integer too long for Python as a `LongInteger`; raises Reject when one is in a
+    field the row uses (`fields`; None: any), or the line is no JSON object."""
+    limit = sys.get_int_max_str_digits()
+    try:
+        record = json.loads(text, parse_int=_int_or_literal)
     except (ValueError, RecursionError):
         record = None
-    found = _first(record, lambda v: v if isinstance(v, _LongInteger) else None) if isinstance(record, dict) else None
-    if found is None:
-        return Reject(
+    if not isinstance(record, dict):
+        raise Reject(
             None, f"line holds an integer of more than {limit:,} digits, more than Python converts to a number"
         )
-    field, number = found
-    return Reject(
-        field,
-        f"field {field!r} holds an integer of {number.digits:,} digits, more than the {limit:,} Python converts to a number",
-    )
+    used = (lambda parts: True) if fields is None else fields.uses
+    found = _first(record, lambda v: v if isinstance(v, LongInteger) else None, where=used)
+    if found is not None:
+        field, number = found
+        raise Reject(
+            field,
+            f"field {field!r} holds an integer of {number.digits:,} digits, more than the {limit:,} Python converts to a number",
+        )
+    return record
 
 
 def _first(

@@ -92,6 +92,26 @@ def test_an_action_with_a_lone_surrogate_reaches_the_judge_as_a_replacement_char
     assert '"text": "cut \ufffd"' in call.prompt and "\\ud83d" not in json.dumps(call.body)
 
 
+def test_an_integer_too_long_for_python_in_a_step_reaches_the_judge_as_its_digits(data_root):
+    """Whether the steps come from the record (a) or from trajectory.json (b): the judge sees every step."""
+    digits = "1" + "0" * 5000  # more than Python converts to an int
+    write_batch(data_root, "r1", [task("a"), task("b")], [attempt("a"), attempt("b")])
+    records = data_root / "runs" / "r1" / "executions.jsonl"
+    records.write_text(records.read_text().replace('{"action": "click"}', f'{{"action": "scroll", "by": {digits}}}', 1))
+    folder = data_root / "runs/r/traj/b/1"
+    folder.mkdir(parents=True)
+    (folder / "trajectory.json").write_text(f'{{"steps": [{{"action": "scroll", "by": -{digits}}}], "final": {{}}}}')
+    with FakeOpenAI() as server:
+        judgement = judge_batch(data_root, llm(server, votes=1))
+    assert rows(judgement.verdicts, "task_id", "status", "evidence") == [
+        ["a", "judged", "record_steps: trajectory.json missing"],
+        ["b", "judged", "trajectory"],
+    ]
+    prompts = {("do a" in call.prompt): call.prompt for call in server.calls}
+    assert '1. {"action": "scroll", "by": "10000' in prompts[True]
+    assert '1. {"action": "scroll", "by": "-10000' in prompts[False]
+
+
 def test_progress_counts_tasks_left_unjudged_apart_and_the_endpoints_trouble_is_warned(data_root, caplog):
     write_batch(data_root, "r1", [task("a"), task("b")], [attempt("a"), attempt("b")])
 

@@ -131,6 +131,15 @@ def test_a_trajectory_with_page_text_cut_mid_emoji_is_shown_with_a_replacement_c
     json.dumps(shown, ensure_ascii=False).encode("utf-8")  # printable and servable: no UnicodeEncodeError
 
 
+def test_a_trajectory_with_an_integer_too_long_for_python_is_shown_with_its_digits(warehouse, tmp_path):
+    folder = tmp_path / "runs" / "r1" / "traj" / "k" / "1"
+    folder.mkdir(parents=True)
+    digits = "9" * 5000
+    (folder / "trajectory.json").write_text(f'{{"steps": [{{"action": "scroll", "by": {digits}}}], "final": {{}}}}')
+    shown = story(warehouse, "r1", "k")["trajectory"]
+    assert "problem" not in shown and shown["steps"] == [{"action": "scroll", "by": digits}]
+
+
 def test_a_rewritten_file_is_read_again_and_an_unchanged_one_is_not(warehouse, tmp_path):
     first = warehouse.run("r2")
     assert warehouse.run("r2") is first

@@ -302,7 +302,7 @@ def outputs_are_writable(b) -> None:
             "field 'dedup_key[1]' holds an integer of 5,001 digits, more than the 4,300 Python converts",
         ),
         (task_line(dedup_key=f'["s",-{LONG}]'), "dedup_key[1]", "holds an integer of 5,001 digits"),
-        (task_line(extra=LONG), "extra", "field 'extra' holds an integer of 5,001 digits"),
+        (task_line(start=LONG), "start", "field 'start' holds an integer of 5,001 digits"),
         (
             task_line(dedup_key='["s", 1e400]'),
             "dedup_key",
@@ -362,8 +362,9 @@ def test_a_task_that_is_json_but_not_data_is_one_reject_and_the_rest_is_kept(tmp
             "attempt",
             "field 'attempt' holds an integer of 5,001 digits, more than the 4,300 Python converts",
         ),
-        (attempt_line(steps=f'[{{"x": {LONG}}}]'), "steps[0].x", "field 'steps[0].x' holds an integer of 5,001 digits"),
-        (attempt_line(extra=LONG), "extra", "holds an integer of 5,001 digits"),
+        (attempt_line(steps=LONG), "steps", "field 'steps' holds an integer of 5,001 digits"),
+        (attempt_line(ok=f"-{LONG}"), "ok", "field 'ok' holds an integer of 5,001 digits"),
+        (attempt_line(backend=f'{{"ok": {LONG}}}'), "backend.ok", "field 'backend.ok' holds an integer of 5,001"),
         (
             attempt_line(attempt="1" + "0" * 25),
             "attempt",
@@ -426,6 +427,32 @@ def test_a_lone_surrogate_in_a_field_no_row_keeps_is_let_be_whichever_path_reads
     assert b.rejects.empty, b.rejects["message"].tolist()
     assert rows(b.tasks, "task_id", "dedup_key") == [["a", '["s","#el","a"]'], ["b", '["s","#el","b"]']]
     assert rows(b.attempts, "task_id", "ok", "error", "n_actions") == [["a", True, None, 2], ["b", False, "e", 2]]
+    outputs_are_writable(b)
+
+
+def test_an_integer_too_long_for_python_in_a_field_no_row_uses_is_let_be(tmp_path):
+    """In an extra field, inside `start` beside its kind, inside a step or beside the backend's fields: the
+    record is fine (CONTRACT §2: other fields must not break anything); its used fields are as they were."""
+    run = write_batch(tmp_path, "r", [task("a"), task("b")], [attempt("a"), attempt("b")])
+    (run / "tasks.jsonl").write_text(
+        with_raw(task("a"), {"note": f"[{LONG}]"}) + "\n"
+        + task_line(start=f'{{"kind": "url", "n": -{LONG}}}', **{"dedup_key.n": LONG}) + "\n"
+    )  # fmt: skip
+    (run / "executions.jsonl").write_text(
+        with_raw(attempt("a"), {"steps": f'[{{"action": "type", "text": {LONG}}}, {{"action": "click"}}]'}) + "\n"
+        + with_raw(attempt("b", ok=False, error="e"), {"backend": f'{{"ok": true, "detail": "d", "n": {LONG}}}'})
+        + "\n"
+    )  # fmt: skip
+    b = read_batch(UPath(run), "r")
+    assert b.rejects.empty, b.rejects["message"].tolist()
+    assert rows(b.tasks, "task_id", "dedup_key", "start_kind") == [
+        ["a", '["s","#el","a"]', "url"],
+        ["b", '["s","#el","b"]', "url"],
+    ]
+    assert rows(b.attempts, "task_id", "ok", "n_actions", "backend_ok", "backend_detail") == [
+        ["a", True, 2, True, "detail a/1"],
+        ["b", False, 2, True, "d"],
+    ]
     outputs_are_writable(b)
 
 
