@@ -66,7 +66,7 @@ def reference(tmp_path, data_root, run_ids) -> dict:
     copy = tmp_path / "reference"
     shutil.copytree(data_root, copy)
     defs = defs_for(copy)
-    with dg.instance_for_test() as other:
+    with dg.DagsterInstance.ephemeral() as other:
         other.add_dynamic_partitions("run_id", sorted(run_ids))
         for r in sorted(run_ids):
             assert run_job(defs, other, "filter_job", r).success
