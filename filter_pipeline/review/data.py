@@ -18,6 +18,7 @@ from upath import UPath
 
 # The one module of the review package that reads commit state (kept in one place for the storage move).
 from filter_pipeline.rules.commits import COMMITS_DIR, parse_commit
+from filter_pipeline.rules.records import read_json
 from filter_pipeline.rules.schemas import (
     DROPPED_REASONS,
     REASON_JUDGE_FAIL,
@@ -290,7 +291,7 @@ def _rejected_tasks(rejects: pd.DataFrame) -> pd.DataFrame:
     rows = []
     for record in rejects[rejects["file"] == "tasks.jsonl"].to_dict("records") if "file" in rejects else []:
         try:
-            raw = json.loads(record.get("raw") or "")
+            raw = read_json(record.get("raw") or "")  # (a line rejected for an over-long integer still names its task)
         except ValueError:
             raw = None
         raw = raw if isinstance(raw, dict) else {}

@@ -316,7 +316,7 @@ def read_json(data: str | bytes) -> Any:
     judge's prompt or on the review page."""
     try:
         return json.loads(data)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, UnicodeDecodeError):
         raise
     except ValueError:  # (json's only other error: such an integer)
         return json.loads(data, parse_int=_int_or_literal)

@@ -323,24 +323,31 @@ def _already_filtered(context: dg.AssetExecutionContext, record: CommitRecord):
 
 def _walk_in_order(context, run_ids: list[str], walk_one):
     """A ranged step: each run walked on its own, lowest run_id first, written and committed before the next
-    run reads history (a run left uncommitted by a failed check stops the walk: the runs after it are not
-    walked before it). Each run committed is materialized as its own partition, with its own metadata, as
-    soon as it is committed; each check's result is given once, over the runs walked."""
+    run reads history. Once every run is committed, each is materialized as its own partition with its own
+    metadata (runtime materializations: a step downstream in the same run counts them as skipped). A run left
+    uncommitted by a failed check stops the step: the runs after it are not walked, and none of the range is
+    materialized (Dagster 1.12's asset backfill takes a range materialized in part for neither failed nor
+    done, and waits forever). Each check's result is given once, over the runs walked."""
+    materializations: list[dg.AssetMaterialization] = []
     outcomes: dict[tuple[str, str], list[tuple[str, dg.AssetCheckResult]]] = {}
+    stopped = False
     for position, run_id in enumerate(run_ids, start=1):
         context.log.info(f"walking {run_id} ({position} of {len(run_ids)} in run_id order)")
-        failing: list[str] = []
         for event in walk_one(run_id):
             if isinstance(event, dg.MaterializeResult):
-                yield dg.AssetMaterialization(asset_key=event.asset_key, partition=run_id, metadata=event.metadata)
+                materialized = dg.AssetMaterialization(event.asset_key, partition=run_id, metadata=event.metadata)
+                materializations.append(materialized)
             elif isinstance(event, dg.AssetCheckResult):
                 outcomes.setdefault((event.check_name, event.asset_key.path[-1]), []).append((run_id, event))
-                failing += [] if event.passed else [event.check_name]
-        if failing and position < len(run_ids):
+                stopped = stopped or not event.passed
+        if stopped:
+            committed, left = ", ".join(run_ids[: position - 1]) or "none", ", ".join(run_ids[position:]) or "none"
             context.log.error(
-                f"not walked, to keep run_id order ({run_id} was not committed): {', '.join(run_ids[position:])}"
+                f"{run_id} was not committed; not walked, to keep run_id order: {left}; committed, but not recorded "
+                f"as materialized (materialize them again to record them): {committed}"
             )
             break
+    yield from [] if stopped else materializations
     for (check, asset), results in outcomes.items():
         failing = [r for r, result in results if not result.passed]
         yield dg.AssetCheckResult(

@@ -315,7 +315,7 @@ def test_an_outage_leaves_tasks_unjudged_and_later_tasks_are_not_even_asked():
     assert all("HTTP 503 from the judge endpoint: upstream down" in v.why and v.requests >= 1 for v in first), first
     assert sum(v.requests for v in first) >= 3  # retried within their budgets
     assert all(v.requests == 0 and "not asked: the judge endpoint has answered nothing" in v.why for v in later)
-    assert seconds < 0.2 and not any("later" in c.prompt for c in server.calls)
+    assert seconds < 0.5 and not any("later" in c.prompt for c in server.calls)  # (waiting would take the 1 s budget)
 
 
 def test_endpoint_trouble_is_told_as_it_happens_once_not_per_retry_and_the_outage_when_declared():

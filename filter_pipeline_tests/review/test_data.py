@@ -10,7 +10,7 @@ import pyarrow as pa
 import pytest
 from upath import UPath
 
-from filter_pipeline.review.data import ReviewError, Warehouse, page
+from filter_pipeline.review.data import ReviewError, Warehouse, _rejected_tasks, page
 from filter_pipeline.review.story import story
 from filter_pipeline.rules.commits import CommitRecord
 from filter_pipeline.rules.schemas import SCHEMAS, parquet_bytes, to_arrow
@@ -184,3 +184,9 @@ def test_the_runs_page_and_the_queue_read_each_of_many_runs_once(tmp_path, monke
     queue = memo.state(warehouse, labels)[0]
     assert len(queue) == 5 * 4 and len(warehouse.runs()) == 5 and memo.state(warehouse, labels)[0] is queue
     assert len(loads) == 5
+
+
+def test_a_task_rejected_for_an_over_long_integer_in_its_key_is_still_named_by_its_task_id():
+    raw = '{"task_id": "lk", "site": "s", "dedup_key": ["s", ' + "1" * 5000 + "]}"
+    rows = _rejected_tasks(pd.DataFrame([{"file": "tasks.jsonl", "line": 3, "message": "m", "raw": raw}]))
+    assert rows[["task_id", "site", "fate"]].values.tolist() == [["lk", "s", "reject"]]

@@ -271,12 +271,14 @@ def test_a_ranged_ledger_step_stops_at_a_run_its_checks_left_uncommitted(instanc
     errors = [e.user_message for e in instance.all_logs(result.run_id) if "not committed" in e.user_message]
     assert errors == [
         "b1: not committed (caps_respected failed): nothing of this walk is kept",
-        "not walked, to keep run_id order (b1 was not committed): b2",
+        "b1 was not committed; not walked, to keep run_id order: b2; committed, but not recorded as materialized "
+        "(materialize them again to record them): b0",
     ]
-    # only the committed run is materialized: b1's files were never published, b2 was not walked
+    # none of the range is materialized: b1's files were never published, b2 was not walked, and a range
+    # materialized in part would leave an asset backfill waiting forever on Dagster 1.12
+    assert not instance.all_logs(result.run_id, of_type=dg.DagsterEventType.ASSET_MATERIALIZATION)
     status = partition_status(instance, defs, ["b0", "b1", "b2"])
-    assert status["b0"] == dg.AssetPartitionStatus.MATERIALIZED
-    assert status["b1"] != dg.AssetPartitionStatus.MATERIALIZED and status["b2"] != dg.AssetPartitionStatus.MATERIALIZED
+    assert dg.AssetPartitionStatus.MATERIALIZED not in status.values()
 
 
 def test_a_run_queued_for_several_walks_counts_as_queued_for_each_when_a_step_decides_to_defer():
