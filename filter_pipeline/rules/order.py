@@ -53,6 +53,19 @@ def describe_wait(run_id: str, blockers: list[str], limit: int = 5) -> str:
     )
 
 
+def describe_stop(run_id: str, not_walked: list[str], committed: list[str]) -> str:
+    """One line: a ranged walk stopped at `run_id`, left uncommitted by its checks; the runs after it were not
+    walked and those before it, though committed, are not recorded as materialized."""
+    said = [f"{run_id} was not committed"]
+    if not_walked:
+        said.append(f"not walked, to keep run_id order: {', '.join(not_walked)}")
+    if committed:
+        said.append(
+            f"committed, but not recorded as materialized (materialize again to record): {', '.join(committed)}"
+        )
+    return "; ".join(said)
+
+
 def stuck_in_queue(queued: list[tuple[str, float]], now: float, limit: float) -> dict[str, float]:
     """Of queued runs given as (run_id, queued at, in seconds since the epoch), the run_ids queued for
     `limit` seconds or more, each with its longest time in the queue, in run_id order.

@@ -341,11 +341,7 @@ def _walk_in_order(context, run_ids: list[str], walk_one):
                 outcomes.setdefault((event.check_name, event.asset_key.path[-1]), []).append((run_id, event))
                 stopped = stopped or not event.passed
         if stopped:
-            committed, left = ", ".join(run_ids[: position - 1]) or "none", ", ".join(run_ids[position:]) or "none"
-            context.log.error(
-                f"{run_id} was not committed; not walked, to keep run_id order: {left}; committed, but not recorded "
-                f"as materialized (materialize them again to record them): {committed}"
-            )
+            context.log.error(order.describe_stop(run_id, run_ids[position:], run_ids[: position - 1]))
             break
     yield from [] if stopped else materializations
     for (check, asset), results in outcomes.items():

@@ -73,3 +73,12 @@ def test_a_blocker_queued_past_the_limit_is_stuck_with_its_longest_time_in_the_q
 def test_a_stopped_wait_names_the_queued_runs_and_who_walks_the_batch_later():
     line = order.describe_stuck(order.describe_wait("r5", ["r2"]), "r5", {"r2": 75.4})
     assert "r2 (queued 75 s)" in line and "batch sensor walks r5" in line and "\n" not in line
+
+
+def test_a_stopped_ranged_walk_names_what_it_did_not_walk_and_what_it_committed_but_did_not_record():
+    assert order.describe_stop("b1", ["b2", "b3"], ["b0"]) == (
+        "b1 was not committed; not walked, to keep run_id order: b2, b3; "
+        "committed, but not recorded as materialized (materialize again to record): b0"
+    )
+    assert order.describe_stop("b0", ["b1"], []) == "b0 was not committed; not walked, to keep run_id order: b1"
+    assert order.describe_stop("b2", [], ["b0", "b1"]).endswith("(materialize again to record): b0, b1")

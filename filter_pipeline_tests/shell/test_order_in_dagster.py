@@ -272,7 +272,7 @@ def test_a_ranged_ledger_step_stops_at_a_run_its_checks_left_uncommitted(instanc
     assert errors == [
         "b1: not committed (caps_respected failed): nothing of this walk is kept",
         "b1 was not committed; not walked, to keep run_id order: b2; committed, but not recorded as materialized "
-        "(materialize them again to record them): b0",
+        "(materialize again to record): b0",
     ]
     # none of the range is materialized: b1's files were never published, b2 was not walked, and a range
     # materialized in part would leave an asset backfill waiting forever on Dagster 1.12
