@@ -343,7 +343,8 @@ def _walk_in_order(context, run_ids: list[str], walk_one):
         if stopped:
             context.log.error(order.describe_stop(run_id, run_ids[position:], run_ids[: position - 1]))
             break
-    yield from [] if stopped else materializations
+    if not stopped:
+        yield from materializations
     for (check, asset), results in outcomes.items():
         failing = [r for r, result in results if not result.passed]
         yield dg.AssetCheckResult(
