@@ -5,19 +5,20 @@ A bad record never stops the batch: it becomes one `batch_rejects` row naming th
 what was expected (`records`), and the rest is parsed. Only a batch that cannot be read at all (no or empty
 `tasks.jsonl`, no `executions.jsonl`) raises `BatchError`.
 
-One reader per line kind. tasks.jsonl is read line by line with `records.task_row` (a dedup_key mixes
-scalar types, which an Arrow column cannot hold). executions.jsonl is read whole by Arrow's JSON reader;
-where Arrow cannot take the file as it is (a bad line, or one it would read differently from the record
-checks: see `_arrow_ready`), it is read line by line with `records.attempt_row`, which names the rejects.
+Each file is read whole by Arrow's JSON reader (for tasks.jsonl every field but the dedup_key, whose parts
+mix scalar types no Arrow column holds: orjson reads each line's key) when Arrow can vouch for every line;
+otherwise (a bad line, or one Arrow would read otherwise than the record checks: see `_arrow_table`) it is
+read line by line with `records.task_row` / `records.attempt_row`, which define a valid record and name the
+rejects. Both give the same rows for a file without a bad line.
 """
 
 import io
 import re
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+import orjson
 import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -35,12 +36,13 @@ from filter_pipeline.rules.records import (
     Reject,
     TooDeep,
     attempt_row,
+    clean_key,
     has_digit_run,
     load_record,
     reject_row,
     task_row,
 )
-from filter_pipeline.rules.schemas import conform, empty_frame, isin, positions
+from filter_pipeline.rules.schemas import STR, conform, empty_frame, isin, positions
 
 TASKS_FILE = "tasks.jsonl"
 EXECUTIONS_FILE = "executions.jsonl"
@@ -122,18 +124,28 @@ def _frame(rows: list[tuple], fields: tuple[str, ...], asset: str) -> pd.DataFra
     return pd.DataFrame.from_records(rows, columns=[*fields, "line"]) if rows else empty_frame(asset)
 
 
-# --- reading executions.jsonl whole with Arrow ------------------------------------------------------
+# --- reading a file whole with Arrow ----------------------------------------------------------------
 
+_TASK_ARROW = pa.schema(
+    [
+        ("task_id", STR),
+        ("macro", STR),
+        ("site", STR),
+        ("instruction", STR),
+        ("start", pa.struct([("kind", STR)])),
+        # dedup_key: its parts mix types, which no Arrow column holds (`_task_keys` reads it)
+    ]
+)
 _ATTEMPT_ARROW = pa.schema(
     [
-        ("task_id", pa.large_string()),
+        ("task_id", STR),
         ("attempt", pa.int64()),
         ("ok", pa.bool_()),
-        ("error", pa.large_string()),
-        ("dir", pa.large_string()),
+        ("error", STR),
+        ("dir", STR),
         # steps are objects of any shape; only their number matters here
         ("steps", pa.list_(pa.struct([]))),
-        ("backend", pa.struct([("ok", pa.bool_()), ("detail", pa.large_string())])),
+        ("backend", pa.struct([("ok", pa.bool_()), ("detail", STR)])),
     ]
 )
 
@@ -143,41 +155,84 @@ def _line_count(data: bytes) -> int:
     return data.count(b"\n") + (0 if data.endswith(b"\n") or not data else 1)
 
 
-def _arrow_ready(data: bytes) -> bool:
-    """Whether Arrow's reader would take every record of `data` as the record checks do. Not so for bytes
-    that are not UTF-8 or a run of more digits than Python converts to an integer (Arrow takes both in fields
-    it skips; the checks reject their records)."""
+def _is_utf8(data: bytes) -> bool:
     try:
         data.isascii() or data.decode("utf-8")
     except UnicodeDecodeError:
         return False
-    limit = sys.get_int_max_str_digits()
-    return not limit or not has_digit_run(data, limit + 1)
+    return True
 
 
-def _arrow_attempts(data: bytes) -> pd.DataFrame | None:
-    """executions.jsonl read by Arrow in one pass, or None when any line must be read by the record checks:
-    blank or over-long lines (Arrow skips the one and cannot split the other), a type mismatch or a
-    lone surrogate (Arrow refuses the file), a missing required field (a null), an empty task_id or an
-    unsafe dir, or what `_arrow_ready` declines."""
+def _arrow_table(data: bytes, schema: pa.Schema, required: tuple[str, ...]) -> pa.Table | None:
+    """The fields of `schema` of every line, read by Arrow's JSON reader in one pass, or None when any line
+    must be read by the record checks: blank or over-long lines (Arrow skips the one and cannot split the
+    other), a type mismatch, a field written twice in one object or a lone surrogate (Arrow refuses the file),
+    a missing `required` field (a null), an empty task_id, or bytes that are not UTF-8 (Arrow takes them in
+    fields it skips; the checks reject their records). An integer too long for Python in a field of `schema`
+    is a type mismatch to Arrow; anywhere else both let it be."""
     n_lines = _line_count(data)
-    if n_lines == 0 or not _arrow_ready(data):
+    if n_lines == 0 or not _is_utf8(data):
         return None
     try:
         table = pa_json.read_json(
             pa.BufferReader(data),
-            parse_options=pa_json.ParseOptions(explicit_schema=_ATTEMPT_ARROW, unexpected_field_behavior="ignore"),
+            parse_options=pa_json.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore"),
             read_options=pa_json.ReadOptions(block_size=MAX_LINE_BYTES),
         )
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
         return None
-    required = ("task_id", "attempt", "ok", "dir", "steps")
     if table.num_rows != n_lines or any(table[name].null_count for name in required):
         return None
-    if (
-        pc.any(pc.equal(table["task_id"], "")).as_py()
-        or pc.any(pc.match_substring_regex(table["dir"], UNSAFE_DIR)).as_py()
-    ):
+    return None if pc.any(pc.equal(table["task_id"], "")).as_py() else table
+
+
+def _arrow_tasks(data: bytes) -> pd.DataFrame | None:
+    """tasks.jsonl read whole (`_arrow_table`), each line's dedup_key by orjson (`_task_keys`), or None when
+    any line must be read by the record checks: for `_arrow_table`'s reasons, a missing start.kind, a key that
+    is not an array of finite scalars, or a run of digits orjson may read otherwise than json."""
+    table = None if has_digit_run(data, ORJSON_DIGITS) else _arrow_table(data, _TASK_ARROW, _TASK_ARROW.names)
+    if table is None:
+        return None
+    kind = pc.struct_field(table["start"].combine_chunks(), "kind")
+    keys = None if kind.null_count else _task_keys(data)
+    if keys is None:
+        return None
+    texts, hashes = keys
+    return pd.DataFrame(
+        {
+            "task_id": table["task_id"].to_pandas(),
+            "macro": table["macro"].to_pandas(),
+            "site": table["site"].to_pandas(),
+            "dedup_key": pa.array(texts, type=STR).to_pandas(),
+            "key_hash": np.array(hashes, dtype=np.int64),
+            "start_kind": kind.to_pandas(),
+            "instruction": table["instruction"].to_pandas(),
+            "line": np.arange(1, len(texts) + 1),
+        }
+    )
+
+
+def _task_keys(data: bytes) -> tuple[list[str], list[int]] | None:
+    """(canonical text, hash) of the dedup_key of every line, or None at the first line without a valid one."""
+    texts, hashes = [], []
+    for raw in io.BytesIO(data):
+        try:
+            record = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            return None
+        found = clean_key(record.get("dedup_key")) if type(record) is dict else None
+        if found is None:
+            return None
+        texts.append(found[0])
+        hashes.append(found[1])
+    return texts, hashes
+
+
+def _arrow_attempts(data: bytes) -> pd.DataFrame | None:
+    """executions.jsonl read whole (`_arrow_table`), or None when any line must be read by the record checks:
+    for `_arrow_table`'s reasons, or an unsafe dir."""
+    table = _arrow_table(data, _ATTEMPT_ARROW, ("task_id", "attempt", "ok", "dir", "steps"))
+    if table is None or pc.any(pc.match_substring_regex(table["dir"], UNSAFE_DIR)).as_py():
         return None
     backend = table["backend"].combine_chunks()
     return pd.DataFrame(
@@ -190,7 +245,7 @@ def _arrow_attempts(data: bytes) -> pd.DataFrame | None:
             "n_actions": pc.list_value_length(table["steps"]).to_pandas(),
             "backend_ok": pc.fill_null(pc.struct_field(backend, "ok"), False).to_pandas(),
             "backend_detail": pc.struct_field(backend, "detail").to_pandas(),
-            "line": np.arange(1, n_lines + 1),
+            "line": np.arange(1, table.num_rows + 1),
         }
     )
 
@@ -209,8 +264,10 @@ def _deep_attempt_row(raw: bytes) -> tuple | None:
 def parse_tasks(data: bytes, run_id: str) -> tuple[pd.DataFrame, list[dict]]:
     """The valid tasks of tasks.jsonl (`data`), first of each task_id, and the reject rows of the others.
     Raises BatchError when no task is valid."""
-    rows, rejects = _read_lines(data, TASKS_FILE, task_row, TASK_LINE)
-    tasks = _frame(rows, TASK_FIELDS, "batch_tasks")
+    tasks, rejects = _arrow_tasks(data), []
+    if tasks is None:
+        rows, rejects = _read_lines(data, TASKS_FILE, task_row, TASK_LINE)
+        tasks = _frame(rows, TASK_FIELDS, "batch_tasks")
     duplicated = tasks["task_id"].duplicated(keep="first").to_numpy()
     rejects += _rejects_for(tasks[duplicated], data, TASKS_FILE, "task_id", "task_id {} appears earlier in the file")
     (tasks,) = _without(duplicated, tasks)

@@ -133,14 +133,22 @@ def _clean_task_row(record: dict) -> tuple | None:
         return None
     if not (
         type(task_id) is str and task_id and type(macro) is str and type(site) is str
-        and type(instruction) is str and type(key) is list and type(kind) is str
-        and type(record["start"]) is dict
+        and type(instruction) is str and type(kind) is str and type(record["start"]) is dict
     ):  # fmt: skip
+        return None
+    text_and_hash = clean_key(key)
+    return None if text_and_hash is None else (task_id, macro, site, *text_and_hash, kind, instruction)
+
+
+def clean_key(key: Any) -> tuple[str, int] | None:
+    """(canonical text, hash) of a dedup_key that is an array of finite scalars, else None (the record checks
+    then say what is wrong with it)."""
+    if type(key) is not list:
         return None
     types = set(map(type, key))  # (the set's test is one pass in C, not a generator per record)
     if not types <= _SCALAR_TYPES or (float in types and not _finite(key)):
         return None
-    return (task_id, macro, site, *key_text_and_hash(key, float in types), kind, instruction)
+    return key_text_and_hash(key, float in types)
 
 
 def key_text_and_hash(key: list, has_float: bool | None = None) -> tuple[str, int]:

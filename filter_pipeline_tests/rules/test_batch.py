@@ -465,30 +465,51 @@ def test_integers_at_pythons_limit_are_kept(tmp_path):
     assert b.tasks["dedup_key"].tolist() == [f'["s",{at_limit}]']
 
 
-@pytest.fixture
-def int_digits_640():
-    """Python's int-string limit at its smallest, so that many alignments of a long run can be tried."""
-    import sys
-
-    before = sys.get_int_max_str_digits()
-    sys.set_int_max_str_digits(640)
-    yield 640
-    sys.set_int_max_str_digits(before)
-
-
-@pytest.mark.parametrize("length", [639, 640, 641, 700, 1300])
-def test_a_run_of_more_digits_than_python_converts_is_found_wherever_it_sits(int_digits_640, length):
-    for offset in range(0, 200, 7):
-        data = b"x" * offset + b'{"a": ' + b"1" * length + b"}\n" + b"y" * 1000
-        assert batch_module._arrow_ready(data) == (length <= int_digits_640), (offset, length)
-
-
-def test_arrow_declines_a_long_integer_it_would_take(tmp_path):
-    run = write_batch(tmp_path, "r", [task("a")], [attempt("a"), attempt("b", extra=1)])
-    path = run / "executions.jsonl"
-    assert batch_module._arrow_attempts(path.read_bytes()) is not None
+def test_arrow_reads_a_long_integer_no_row_uses_as_the_record_checks_do(tmp_path):
+    """Arrow skips a field it was not asked for, whatever it holds: a long integer there keeps the fast path,
+    with the rows the record checks give."""
+    attempts = [attempt("a"), attempt("b", extra=1)]
+    fast = write_batch(tmp_path / "fast", "r", [task("a"), task("b")], attempts)
+    path = fast / "executions.jsonl"
     path.write_text(path.read_text().replace('"extra": 1', f'"extra": {LONG}'))
-    assert batch_module._arrow_attempts(path.read_bytes()) is None
+    assert batch_module._arrow_attempts(path.read_bytes()) is not None
+    careful = write_batch(tmp_path / "careful", "r", [task("a"), task("b")], [])
+    (careful / "executions.jsonl").write_text(path.read_text() + "not json\n")
+    got = [read_batch(UPath(run), "r") for run in (fast, careful)]
+    assert got[0].attempts.equals(got[1].attempts)
+    assert got[1].rejects["line"].tolist() == [3]
+
+
+@pytest.mark.parametrize(
+    "field, raw, rejected_field, arrow_reads",
+    [
+        ("attempt", LONG, "attempt", False),
+        ("ok", LONG, "ok", False),
+        ("dir", LONG, "dir", False),
+        ("backend", f'{{"ok": {LONG}}}', "backend.ok", False),
+        ("backend", f'{{"ok": true, "detail": {LONG}}}', "backend.detail", False),
+        ("steps", f'[{{"action": "type", "text": {LONG}}}]', None, True),
+        ("backend", f'{{"ok": true, "n": {LONG}}}', None, True),
+        ("steps", f"[{LONG}]", None, False),  # a step that is not an object: Arrow declines, the checks count it
+    ],
+)
+def test_arrow_and_the_record_checks_agree_on_a_long_integer_in_an_attempt(
+    tmp_path, field, raw, rejected_field, arrow_reads
+):
+    """Where a row reads the field, Arrow finds the wrong type and leaves the file to the record checks, which
+    reject the record there; anywhere else the record is kept, whichever reads it."""
+    run = write_batch(tmp_path, "r", [task("a"), task("b")], [])
+    (run / "executions.jsonl").write_text(json.dumps(attempt("b")) + "\n" + with_raw(attempt("a"), {field: raw}) + "\n")
+    fast = batch_module._arrow_attempts((run / "executions.jsonl").read_bytes())
+    assert (fast is not None) == arrow_reads
+    b = read_batch(UPath(run), "r")
+    if rejected_field is None:
+        assert b.rejects.empty
+        steps = 1 if field == "steps" else 2  # (the builder's attempts have two)
+        assert rows(b.attempts, "task_id", "n_actions") == [["b", 2], ["a", steps]]
+    else:
+        assert rows(b.rejects, "line", "field") == [[2, rejected_field]]
+        assert b.attempts["task_id"].tolist() == ["b"]
 
 
 def test_an_attempt_nested_deeper_than_json_loads_follows_is_kept_whichever_way_the_file_is_read(tmp_path):
@@ -523,3 +544,58 @@ def test_invalid_utf8_in_a_field_the_pipeline_ignores_is_rejected(tmp_path):
     assert b.attempts["task_id"].tolist() == ["a"]
     assert rows(b.rejects, "line", "field") == [[2, None]]
     assert "line is not UTF-8" in b.rejects["message"].item()
+
+
+def test_arrow_reads_tasks_as_the_record_checks_do(tmp_path):
+    """Arrow reads tasks.jsonl whole (each key by orjson): the same rows as the record checks, which read the
+    file line by line when one line is bad."""
+    keys = TRICKY_KEYS[:-1]  # (the last holds a 20-digit integer, which sends the file line by line)
+    tasks = [task(f"t{i}", key=k, start={"kind": "url", "url": "x", "n": [1]}) for i, k in enumerate(keys)]
+    lines = [
+        *map(json.dumps, tasks),
+        json.dumps(task("utf8", instruction="café \U0001f600", site="sité"), ensure_ascii=False),
+        json.dumps(task("twice", key=["first"]))[:-1] + ', "dedup_key": ["s", "written", "twice"]}',  # the last counts
+        json.dumps(task("t0")),  # a second t0: the first is kept, whichever path reads the file
+    ]
+    fast = parse(tmp_path / "fast", lines, [])
+    assert batch_module._arrow_tasks((tmp_path / "fast" / "runs" / "r" / "tasks.jsonl").read_bytes()) is not None
+    careful = parse(tmp_path / "careful", [*lines, "not json"], [])
+    assert careful.tasks.equals(fast.tasks)
+    assert fast.tasks.set_index("task_id").loc["twice", "dedup_key"] == '["s","written","twice"]'
+    assert rows(fast.rejects, "line", "field") == [[len(lines), "task_id"]]
+    assert rows(careful.rejects, "line", "field") == [[len(lines), "task_id"], [len(lines) + 1, None]]
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        json.dumps(task("b", key="s|#x|1")),
+        json.dumps(task("b", key=["s", ["nested"]])),
+        json.dumps({k: v for k, v in task("b").items() if k != "dedup_key"}),
+        task_line(dedup_key='["s", NaN]'),
+        json.dumps(task("")),
+        json.dumps(task("b", start={"url": "x"})),
+        json.dumps(task("b", start={"kind": 1})),
+        json.dumps(task("b", instruction=None)),
+        json.dumps(task("b"))[:-1] + ', "task_id": "d"}',
+        json.dumps(task("b", note=12345678901234567890)),
+        "",
+    ],
+    ids=[
+        "key-text",
+        "key-nested",
+        "no-key",
+        "key-nan",
+        "empty-id",
+        "no-kind",
+        "kind-number",
+        "null-field",
+        "field-twice",
+        "digit-run",
+        "blank",
+    ],  # fmt: skip
+)
+def test_a_task_line_arrow_cannot_vouch_for_sends_the_file_to_the_record_checks(tmp_path, line):
+    data = jsonl([task("a"), line, task("c")]).encode()
+    assert batch_module._arrow_tasks(data) is None
+    assert batch_module._arrow_tasks(jsonl([task("a"), task("c")]).encode()) is not None
