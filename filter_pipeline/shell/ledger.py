@@ -473,7 +473,7 @@ def _commit_record(config, run_id, judge_verdicts, kept, index, files, source, i
         run_id=run_id,
         walked_at=commits.walked_now(),
         files=files,
-        kept_keys=int(kept["dedup_key"].nunique()),
+        kept_keys=len(kept),  # (all distinct: no_key_kept_twice held, or nothing is committed)
         caps={k: v for k, v in config.model_dump().items() if k in CapsConfig.model_fields},
         caps_source=source,
         judge=judge_settings(judge_verdicts),
