@@ -31,7 +31,7 @@ from filter_pipeline.rules.records import (
     ORJSON_DIGITS,
     TASK_FIELDS,
     TASK_LINE,
-    UNSAFE_DIR,
+    UNSAFE_DIR_RE2,
     Fields,
     Reject,
     TooDeep,
@@ -232,7 +232,7 @@ def _arrow_attempts(data: bytes) -> pd.DataFrame | None:
     """executions.jsonl read whole (`_arrow_table`), or None when any line must be read by the record checks:
     for `_arrow_table`'s reasons, or an unsafe dir."""
     table = _arrow_table(data, _ATTEMPT_ARROW, ("task_id", "attempt", "ok", "dir", "steps"))
-    if table is None or pc.any(pc.match_substring_regex(table["dir"], UNSAFE_DIR)).as_py():
+    if table is None or pc.any(pc.match_substring_regex(table["dir"], UNSAFE_DIR_RE2)).as_py():
         return None
     backend = table["backend"].combine_chunks()
     return pd.DataFrame(

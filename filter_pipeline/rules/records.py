@@ -73,7 +73,12 @@ _NOT_FINITE = "field 'dedup_key' holds NaN or Infinity (or a number too large fo
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
-UNSAFE_DIR = r"^(/|\\|[A-Za-z]:)|://|(^|[/\\])\.\.([/\\]|$)|^\s*$"
+# The characters str.isspace() (and Python's `\s`) takes as whitespace, written out for RE2 (Arrow's regex
+# engine), whose `\s` holds only ASCII ones.
+WHITESPACE = "\t\n\x0b\x0c\r\x1c\x1d\x1e\x1f \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
+UNSAFE_DIR = r"^(/|\\|[A-Za-z]:)|://|(^|[/\\])\.\.([/\\]|$)|^[" + WHITESPACE + r"]*$"
+# the same pattern for RE2, where `$` is the very end of the text only (Python's is also before a final newline)
+UNSAFE_DIR_RE2 = UNSAFE_DIR.replace("$", r"\n?$")
 
 
 def unsafe_dir_reason(path: str) -> str | None:

@@ -599,3 +599,19 @@ def test_a_task_line_arrow_cannot_vouch_for_sends_the_file_to_the_record_checks(
     data = jsonl([task("a"), line, task("c")]).encode()
     assert batch_module._arrow_tasks(data) is None
     assert batch_module._arrow_tasks(jsonl([task("a"), task("c")]).encode()) is not None
+
+
+WHITESPACE_CHARS = [chr(c) for c in range(0x3001) if chr(c).isspace()]
+
+
+@pytest.mark.parametrize(
+    "path",
+    [*WHITESPACE_CHARS, " \u3000 ", "a/..\n", "..\n", "a/..\n\n", "a\n", "runs/r/\u2028x", "C:\n", "runs/r/1"],
+)
+def test_arrow_finds_an_unsafe_dir_where_the_record_checks_do(tmp_path, path):
+    """Unicode whitespace and a final newline, where Python's regex engine and Arrow's (RE2) differ."""
+    run = write_batch(tmp_path, "r", [task("a"), task("b")], [attempt("a"), attempt("b", dir=path)])
+    unsafe = records_module.unsafe_dir_reason(path) is not None
+    assert (batch_module._arrow_attempts((run / "executions.jsonl").read_bytes()) is None) == unsafe
+    b = read_batch(UPath(run), "r")
+    assert rows(b.rejects, "line", "field") == ([[2, "dir"]] if unsafe else [])
