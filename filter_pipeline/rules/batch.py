@@ -7,9 +7,9 @@ what was expected (`records`), and the rest is parsed. Only a batch that cannot 
 
 Each file is read whole by Arrow's JSON reader (for tasks.jsonl every field but the dedup_key, whose parts
 mix scalar types no Arrow column holds: orjson reads each line's key) when Arrow can vouch for every line;
-otherwise (a bad line, or one Arrow would read otherwise than the record checks: see `_arrow_table`) it is
-read line by line with `records.task_row` / `records.attempt_row`, which define a valid record and name the
-rejects. Both give the same rows for a file without a bad line.
+otherwise (a bad line, or anything Arrow would read otherwise than the record checks: see `_arrow_may_read`
+and `_arrow_table`) it is read line by line with `records.task_row` / `records.attempt_row`, which define a
+valid record and name the rejects. Where Arrow vouches for a file, both give the same rows.
 """
 
 import io
@@ -163,15 +163,62 @@ def _is_utf8(data: bytes) -> bool:
     return True
 
 
+def _has_line_over(data: bytes, limit: int) -> bool:
+    """Whether a line of `data` is longer than `limit` bytes. Such a line covers a whole `limit // 2`-byte
+    block without a newline, so only the lines over such blocks are measured."""
+    step = max(limit // 2, 1)
+    for start in range(0, len(data), step):
+        if data.find(b"\n", start, start + step) == -1:
+            end = data.find(b"\n", start)
+            if (len(data) if end == -1 else end) - (data.rfind(b"\n", 0, start) + 1) > limit:
+                return True
+    return False
+
+
+# Two objects on one line: Arrow reads them as two rows, the record checks reject the line. (Text like it in a
+# string only sends its file line by line.)
+_TWO_OBJECTS = re.compile(rb"\}[ \t\r]*\{")
+_FIRST_OBJECT = re.compile(rb"[ \t\r\n]*\{")
+# numbers Arrow's reader takes and Python's json does not (it does take Infinity, -Infinity and NaN)
+_INF, _MINUS_NAN = re.compile(rb"Inf(?!inity)"), re.compile(rb"-NaN")
+
+
+def _has_non_json_number(data: bytes) -> bool:
+    """Whether `data` holds Inf, -Inf or -NaN where a value may start (after `:`, `,` or `[`); in a field
+    Arrow skips, Arrow would keep a record that the record checks reject as not JSON."""
+    for pattern in (_INF, _MINUS_NAN):
+        for found in pattern.finditer(data):
+            at = found.start()
+            at -= data[at - 1 : at] == b"-"
+            while at > 0 and data[at - 1] in b" \t\r":
+                at -= 1
+            if data[at - 1 : at] in (b":", b",", b"["):
+                return True
+    return False
+
+
+def _arrow_may_read(data: bytes) -> bool:
+    """Whether Arrow's reader may be asked for `data` at all: UTF-8 text (Arrow takes other bytes in fields it
+    skips) that starts with an object (a `null` first crashes the reader: apache/arrow#47409), with no line
+    over the length limit (Arrow reads an object across its blocks), no two objects on one line and no number
+    Python's json does not read."""
+    return (
+        _is_utf8(data)
+        and _FIRST_OBJECT.match(data) is not None
+        and not _has_line_over(data, MAX_LINE_BYTES)
+        and _TWO_OBJECTS.search(data) is None
+        and not _has_non_json_number(data)
+    )
+
+
 def _arrow_table(data: bytes, schema: pa.Schema, required: tuple[str, ...]) -> pa.Table | None:
     """The fields of `schema` of every line, read by Arrow's JSON reader in one pass, or None when any line
-    must be read by the record checks: blank or over-long lines (Arrow skips the one and cannot split the
-    other), a type mismatch, a field written twice in one object or a lone surrogate (Arrow refuses the file),
-    a missing `required` field (a null), an empty task_id, or bytes that are not UTF-8 (Arrow takes them in
-    fields it skips; the checks reject their records). An integer too long for Python in a field of `schema`
-    is a type mismatch to Arrow; anywhere else both let it be."""
+    must be read by the record checks: what `_arrow_may_read` declines, blank lines (Arrow skips them), a type
+    mismatch, a field written twice in one object or a lone surrogate (Arrow refuses the file), a missing
+    `required` field (a null), or an empty task_id. An integer too long for Python in a field of `schema` is a
+    type mismatch to Arrow; anywhere else both let it be."""
     n_lines = _line_count(data)
-    if n_lines == 0 or not _is_utf8(data):
+    if n_lines == 0 or not _arrow_may_read(data):
         return None
     try:
         table = pa_json.read_json(
@@ -181,6 +228,7 @@ def _arrow_table(data: bytes, schema: pa.Schema, required: tuple[str, ...]) -> p
         )
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
         return None
+    # Rows as many as lines, no line holding two objects: each line holds one whole object
     if table.num_rows != n_lines or any(table[name].null_count for name in required):
         return None
     return None if pc.any(pc.equal(table["task_id"], "")).as_py() else table

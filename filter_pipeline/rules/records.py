@@ -47,6 +47,9 @@ class Reject(Exception):
         self.message = message
 
 
+TOO_DEEP = "line nests arrays or objects deeper than a JSON reader follows"
+
+
 class TooDeep(Reject):
     """A line nested deeper than json.loads follows (which Arrow's reader reads: `batch._read_lines`)."""
 
@@ -272,7 +275,7 @@ def _load_checked(raw: bytes, fields: Fields | None = None) -> dict:
     except ValueError:  # the only other one json raises: an integer beyond Python's int-string limit
         record = _with_long_integers(text, fields)
     except RecursionError:
-        raise TooDeep(None, "line nests arrays or objects deeper than a JSON reader follows") from None
+        raise TooDeep(None, TOO_DEEP) from None
     if not isinstance(record, dict):
         raise Reject(None, f"line is a JSON {type(record).__name__}, expected an object")
     if _SURROGATE_ESCAPE.search(raw) and not _is_text(record):
@@ -341,7 +344,9 @@ def _with_long_integers(text: str, fields: Fields | None) -> Any:
     limit = sys.get_int_max_str_digits()
     try:
         record = json.loads(text, parse_int=_int_or_literal)
-    except (ValueError, RecursionError):
+    except RecursionError:  # (as `_load_checked`'s: a line too deep, whatever else it holds)
+        raise TooDeep(None, TOO_DEEP) from None
+    except ValueError:
         record = None
     if not isinstance(record, dict):
         raise Reject(

@@ -615,3 +615,81 @@ def test_arrow_finds_an_unsafe_dir_where_the_record_checks_do(tmp_path, path):
     assert (batch_module._arrow_attempts((run / "executions.jsonl").read_bytes()) is None) == unsafe
     b = read_batch(UPath(run), "r")
     assert rows(b.rejects, "line", "field") == ([[2, "dir"]] if unsafe else [])
+
+
+def both_ways(tmp_path, tasks_text: str, attempts_text: str):
+    """The batch as parsed, and whether Arrow vouched for each file (tasks, attempts)."""
+    run = write_batch(tmp_path, "r", [], [])
+    (run / "tasks.jsonl").write_bytes(tasks_text.encode("utf-8", "surrogatepass"))
+    (run / "executions.jsonl").write_bytes(attempts_text.encode("utf-8", "surrogatepass"))
+    vouched = (
+        batch_module._arrow_tasks((run / "tasks.jsonl").read_bytes()) is not None,
+        batch_module._arrow_attempts((run / "executions.jsonl").read_bytes()) is not None,
+    )
+    return read_batch(UPath(run), "r"), vouched
+
+
+@pytest.mark.parametrize("first", ["null", "\n\nnull", "true", "[]", '"x"', "\ufeff" + json.dumps(task("z"))])
+def test_a_first_line_that_is_not_an_object_is_one_reject_in_either_file(tmp_path, first):
+    """(Arrow's reader crashes the process on a `null` first: it is never asked for such a file.)"""
+    b, vouched = both_ways(tmp_path, jsonl([first, task("a")]), jsonl([first, attempt("a")]))
+    assert vouched == (False, False)
+    assert b.tasks["task_id"].tolist() == ["a"] and b.attempts["task_id"].tolist() == ["a"]
+    blank = first.count("\n")
+    assert rows(b.rejects, "file", "line") == [["executions.jsonl", blank + 1], ["tasks.jsonl", blank + 1]]
+
+
+@pytest.mark.parametrize("extra", [900, 1000, 1001, 1500, 1999, 2500])
+def test_a_line_over_the_limit_is_a_reject_however_arrow_would_split_it(tmp_path, monkeypatch, extra):
+    monkeypatch.setattr(records_module, "MAX_LINE_BYTES", 1000)
+    monkeypatch.setattr(batch_module, "MAX_LINE_BYTES", 1000)
+    long_task = json.dumps(task("b", note=""))
+    long_task = long_task.replace('"note": ""', f'"note": "{"x" * (extra - len(long_task))}"')
+    long_attempt = json.dumps(attempt("b", note=""))
+    long_attempt = long_attempt.replace('"note": ""', f'"note": "{"x" * (extra - len(long_attempt))}"')
+    assert len(long_task) == len(long_attempt) == extra
+    b, vouched = both_ways(tmp_path, jsonl([task("a"), long_task]), jsonl([attempt("a"), long_attempt]))
+    over = extra > 1000
+    assert vouched == (not over, not over)
+    assert b.tasks["task_id"].tolist() == (["a"] if over else ["a", "b"])
+    assert b.attempts["task_id"].tolist() == (["a"] if over else ["a", "b"])
+    assert len(b.rejects) == (2 if over else 0)
+
+
+def test_two_objects_on_one_line_are_one_reject_even_beside_a_blank_line(tmp_path):
+    pair = json.dumps(attempt("a")) + " " + json.dumps(attempt("b"))
+    b, vouched = both_ways(tmp_path, jsonl([task("a"), task("b")]), pair + "\n\n")
+    assert vouched == (True, False)
+    assert b.attempts.empty
+    assert rows(b.rejects, "file", "line") == [["executions.jsonl", 1]]
+
+
+@pytest.mark.parametrize(
+    "number, json_reads", [("Inf", False), ("-Inf", False), ("-NaN", False), ("Infinity", True), ("NaN", True)]
+)
+def test_a_number_python_json_does_not_read_is_a_reject_though_arrow_reads_it(tmp_path, number, json_reads):
+    """In a field no row uses, where Arrow's reader would take it."""
+    b, vouched = both_ways(
+        tmp_path,
+        jsonl([task("a"), with_raw(task("b"), {"note": number})]),
+        jsonl([attempt("a"), with_raw(attempt("b"), {"steps": f'[{{"value": {number}}}]'})]),
+    )
+    assert vouched == (False, json_reads)  # (orjson, which reads each task's key, takes none of them)
+    assert b.attempts["task_id"].tolist() == (["a", "b"] if json_reads else ["a"])
+    assert b.tasks["task_id"].tolist() == (["a", "b"] if json_reads else ["a"])
+
+
+@pytest.mark.parametrize("deep_first", [False, True])
+def test_an_attempt_both_too_deep_and_holding_a_long_integer_where_no_row_uses_it_is_kept(tmp_path, deep_first):
+    deep = "[" * 1100 + "]" * 1100
+    parts = {"deep": deep, "big": LONG} if deep_first else {"big": LONG, "deep": deep}
+    b, vouched = both_ways(
+        tmp_path, jsonl([task("a"), task("b")]), jsonl([attempt("a"), with_raw(attempt("b"), parts)])
+    )
+    assert vouched == (True, True)
+    assert b.rejects.empty
+    assert rows(b.attempts, "task_id", "n_actions") == [["a", 2], ["b", 2]]
+    by_line, _ = both_ways(
+        tmp_path / "by_line", jsonl([task("a"), task("b")]), jsonl([attempt("a"), with_raw(attempt("b"), parts), "x"])
+    )
+    assert by_line.attempts.equals(b.attempts)
