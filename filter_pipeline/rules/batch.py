@@ -175,48 +175,41 @@ def _has_line_over(data: bytes, limit: int) -> bool:
     return False
 
 
+# Arrow's reader starts each block (and the file) as it starts the file: a value there that is not an
+# object crashes it (`null`: apache/arrow#47409) and a UTF-8 BOM there is skipped. So every line must start
+# with an object (blank lines are declined anyway: the rows would not match the lines).
+_FIRST_NOT_OBJECT = re.compile(rb"[ \t\r\n]*[^{ \t\r\n]")
+_LINE_NOT_OBJECT = re.compile(rb"\n[ \t\r]*[^{ \t\r\n]")
 # Two objects on one line: Arrow reads them as two rows, the record checks reject the line. (Text like it in a
 # string only sends its file line by line.)
 _TWO_OBJECTS = re.compile(rb"\}[ \t\r]*\{")
-_FIRST_OBJECT = re.compile(rb"[ \t\r\n]*\{")
-# numbers Arrow's reader takes and Python's json does not (it does take Infinity, -Infinity and NaN)
+# numbers Arrow's reader takes and Python's json does not (it does take Infinity, -Infinity and NaN), where a
+# value may start; the literals first, which most files lack, as a cheap test
 _INF, _MINUS_NAN = re.compile(rb"Inf(?!inity)"), re.compile(rb"-NaN")
-
-
-def _has_non_json_number(data: bytes) -> bool:
-    """Whether `data` holds Inf, -Inf or -NaN where a value may start (after `:`, `,` or `[`); in a field
-    Arrow skips, Arrow would keep a record that the record checks reject as not JSON."""
-    for pattern in (_INF, _MINUS_NAN):
-        for found in pattern.finditer(data):
-            at = found.start()
-            at -= data[at - 1 : at] == b"-"
-            while at > 0 and data[at - 1] in b" \t\r":
-                at -= 1
-            if data[at - 1 : at] in (b":", b",", b"["):
-                return True
-    return False
+_NON_JSON_NUMBER = re.compile(rb"[:,\[][ \t\r]*(?:-?Inf(?!inity)|-NaN)")
 
 
 def _arrow_may_read(data: bytes) -> bool:
     """Whether Arrow's reader may be asked for `data` at all: UTF-8 text (Arrow takes other bytes in fields it
-    skips) that starts with an object (a `null` first crashes the reader: apache/arrow#47409), with no line
-    over the length limit (Arrow reads an object across its blocks), no two objects on one line and no number
-    Python's json does not read."""
+    skips) whose every line starts with an object, with no line over the length limit (Arrow reads an object
+    across its blocks), no two objects on one line and no number Python's json does not read (in a field
+    Arrow skips, Arrow would keep a record the record checks reject as not JSON)."""
     return (
         _is_utf8(data)
-        and _FIRST_OBJECT.match(data) is not None
+        and _FIRST_NOT_OBJECT.match(data) is None
+        and _LINE_NOT_OBJECT.search(data) is None
         and not _has_line_over(data, MAX_LINE_BYTES)
         and _TWO_OBJECTS.search(data) is None
-        and not _has_non_json_number(data)
+        and not ((_INF.search(data) or _MINUS_NAN.search(data)) and _NON_JSON_NUMBER.search(data))
     )
 
 
 def _arrow_table(data: bytes, schema: pa.Schema, required: tuple[str, ...]) -> pa.Table | None:
     """The fields of `schema` of every line, read by Arrow's JSON reader in one pass, or None when any line
-    must be read by the record checks: what `_arrow_may_read` declines, blank lines (Arrow skips them), a type
-    mismatch, a field written twice in one object or a lone surrogate (Arrow refuses the file), a missing
-    `required` field (a null), or an empty task_id. An integer too long for Python in a field of `schema` is a
-    type mismatch to Arrow; anywhere else both let it be."""
+    must be read by the record checks: what `_arrow_may_read` declines, blank lines (Arrow skips them), a
+    type mismatch, a field of `schema` written twice in one object or a lone surrogate (Arrow refuses the
+    file), a missing `required` field (a null), or an empty task_id. An integer too long for Python in a field
+    of `schema` is a type mismatch to Arrow; anywhere else both let it be."""
     n_lines = _line_count(data)
     if n_lines == 0 or not _arrow_may_read(data):
         return None

@@ -693,3 +693,24 @@ def test_an_attempt_both_too_deep_and_holding_a_long_integer_where_no_row_uses_i
         tmp_path / "by_line", jsonl([task("a"), task("b")]), jsonl([attempt("a"), with_raw(attempt("b"), parts), "x"])
     )
     assert by_line.attempts.equals(b.attempts)
+
+
+@pytest.mark.parametrize("odd", ["null", " null", "\ufeff" + json.dumps(attempt("b"))])
+@pytest.mark.parametrize("shift", [0, -5])
+def test_a_line_that_is_not_an_object_where_arrow_starts_a_block_is_one_reject(tmp_path, monkeypatch, odd, shift):
+    """Arrow starts each block of its read as it starts a file (a null there crashed the process, a BOM there
+    was skipped): such a line is read by the record checks, wherever it sits."""
+    monkeypatch.setattr(records_module, "MAX_LINE_BYTES", 1000)
+    monkeypatch.setattr(batch_module, "MAX_LINE_BYTES", 1000)  # (Arrow's block size)
+    first = json.dumps(attempt("a", note=""))
+    first = first.replace('"note": ""', f'"note": "{"x" * (999 + shift - len(first))}"')  # the next line at byte 1000
+    b, vouched = both_ways(tmp_path, jsonl([task("a"), task("b")]), jsonl([first, odd, attempt("b", 2)]))
+    assert vouched == (True, False)
+    assert rows(b.rejects, "file", "line") == [["executions.jsonl", 2]]
+    assert rows(b.attempts, "task_id", "attempt") == [["a", 1], ["b", 2]]
+
+
+def test_text_holding_inf_or_nan_leaves_the_file_to_arrow():
+    """'Info', 'Inflation' or '-NaN' in an error or an action's text are no numbers."""
+    attempts = [attempt("a", ok=False, error="Info about -NaN", steps=0), attempt("b", note=["Inflation", "Inf"])]
+    assert batch_module._arrow_attempts(jsonl(attempts).encode()) is not None

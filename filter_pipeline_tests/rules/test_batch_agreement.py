@@ -1,8 +1,9 @@
 """Arrow's whole-file read and the line-by-line record checks agree (`rules/batch.py`): on seeded random
 files of odd records (escapes, every scalar type in a key, integers beyond 64 bits and beyond Python's
 limit, numbers only Arrow reads, fields written twice, nesting, lines over the length limit, two objects on
-a line, an object over two lines, blank lines, a first line that is no object), wherever Arrow vouches for a
-file its rows are the record checks' rows, and the checks reject nothing."""
+a line, an object over two lines, blank lines, a line that is no object), wherever Arrow vouches for a file
+its rows are the record checks' rows, and the checks reject nothing. The line limit is low here, and with it
+the size of Arrow's blocks: many lines start a block."""
 
 import json
 import random
@@ -83,8 +84,9 @@ LIMIT = 400  # the line length limit in these files (records.MAX_LINE_BYTES, pat
 def random_file(rng: random.Random, make_line) -> bytes:
     lines = [make_line(rng, i) for i in range(rng.randint(1, 4))]
     r = rng.random()
-    if r < 0.05:
-        lines.insert(0, rng.choice(["null", "[]", "1", '"x"', "\ufeff" + lines[0]]))
+    if r < 0.05:  # anywhere: Arrow starts each of its blocks as it starts the file
+        odd = rng.choice(["null", " null", "[]", "1", '"x"', "\ufeff" + lines[0]])
+        lines.insert(rng.randint(0, len(lines)), odd)
     elif r < 0.1:
         lines[0] = lines[0] + rng.choice(["", " ", "\t"]) + lines[-1]  # two objects on one line
     elif r < 0.15:
