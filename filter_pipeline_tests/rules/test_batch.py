@@ -714,3 +714,21 @@ def test_text_holding_inf_or_nan_leaves_the_file_to_arrow():
     """'Info', 'Inflation' or '-NaN' in an error or an action's text are no numbers."""
     attempts = [attempt("a", ok=False, error="Info about -NaN", steps=0), attempt("b", note=["Inflation", "Inf"])]
     assert batch_module._arrow_attempts(jsonl(attempts).encode()) is not None
+
+
+@pytest.mark.parametrize("tail", ["null", "\ufeff" + json.dumps(attempt("c"))])
+def test_what_follows_a_bare_carriage_return_where_arrow_ends_a_block_is_read_by_the_record_checks(
+    tmp_path, monkeypatch, tail
+):
+    """Arrow also splits its blocks after a `\\r`, which json reads as a space inside a line: a null there
+    crashed the process, a BOM there was skipped (its object read as a row of its own)."""
+    monkeypatch.setattr(records_module, "MAX_LINE_BYTES", 1000)
+    monkeypatch.setattr(batch_module, "MAX_LINE_BYTES", 1000)  # (Arrow's block size)
+    second = json.dumps(attempt("b"))
+    first = json.dumps(attempt("a", note=""))
+    first = first.replace('"note": ""', f'"note": "{"x" * (998 - len(second) - len(first))}"')  # `\r` at byte 999
+    attempts = jsonl([first, second + "\r" + tail, "", attempt("b", 2)])
+    b, vouched = both_ways(tmp_path, jsonl([task("a"), task("b"), task("c")]), attempts)
+    assert vouched == (True, False)
+    assert rows(b.rejects, "file", "line") == [["executions.jsonl", 2]]
+    assert rows(b.attempts, "task_id", "attempt") == [["a", 1], ["b", 2]]
