@@ -177,13 +177,14 @@ def _has_line_over(data: bytes, limit: int) -> bool:
 
 # Arrow's reader splits the file into blocks after a `\r` or a `\n` and starts each block as it starts the file:
 # a `null` first there crashes it (apache/arrow#47409), a UTF-8 BOM there is skipped. So the file, each line
-# and whatever follows a `\r` must start with an object (blank lines are declined anyway: the rows would not
-# match the lines).
+# that is not blank and whatever follows a `\r` must start with an object. (A blank line passes here; the rows
+# then do not match the lines.)
 _FIRST_NOT_OBJECT = re.compile(rb"[ \t\r\n]*[^{ \t\r\n]")
 _LINE_NOT_OBJECT = re.compile(rb"\n[ \t\r]*[^{ \t\r\n]")
 _CR_NOT_OBJECT = re.compile(rb"\r[ \t]*[^{ \t\r\n]")
-# Two objects on one line: Arrow reads them as two rows, the record checks reject the line.
-_TWO_OBJECTS = re.compile(rb"\}[ \t\r]*\{")
+# Two values on one line, an object then an object or a `null`: Arrow reads two rows (the `null` one of nulls,
+# reached through the same code as the crash above), the record checks reject the line.
+_TWO_OBJECTS = re.compile(rb"\}[ \t\r]*[{n]")
 # Numbers Arrow's reader takes and Python's json does not (it does take Infinity, -Infinity and NaN). As a
 # value, such a number is followed by the end of its object or array or by a comma; each pattern starts with
 # its literal, which the regex engine finds fast ("Info" in page text fails at its "o").
@@ -192,10 +193,10 @@ _NON_JSON_NUMBERS = (re.compile(rb"Inf(?!inity)[ \t\r\n]*[,\]}]"), re.compile(rb
 
 def _arrow_may_read(data: bytes) -> bool:
     """Whether Arrow's reader may be asked for `data` at all: UTF-8 text (Arrow takes other bytes in fields it
-    skips) where each line and whatever follows a `\r` starts with an object, with no line over the length
-    limit (Arrow reads an object across its blocks), no two objects on one line and no number Python's json
-    does not read (in a field Arrow skips, Arrow would keep a record the record checks reject as not JSON).
-    Text like these in a string only sends its file line by line."""
+    skips) where each line that is not blank and whatever follows a `\r` starts with an object, with no line
+    over the length limit (Arrow reads an object across its blocks), no second value after an object on one
+    line and no number Python's json does not read (in a field Arrow skips, Arrow would keep a record the
+    record checks reject as not JSON). Text like these in a string only sends its file line by line."""
     return (
         _is_utf8(data)
         and _FIRST_NOT_OBJECT.match(data) is None

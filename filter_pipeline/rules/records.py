@@ -64,7 +64,13 @@ def _require(record: dict, field: str, check: Callable[[Any], bool], expected: s
 
 
 def _describe(value: Any) -> str:
-    return "null" if value is None else f"a {type(value).__name__} ({json.dumps(value)[:60]})"
+    if value is None:
+        return "null"
+    try:
+        shown = json.dumps(value)[:60]
+    except RecursionError:  # (orjson reads a little deeper than json writes)
+        shown = "nested too deep to show"
+    return f"a {type(value).__name__} ({shown})"
 
 
 def _finite(key: list) -> bool:

@@ -732,3 +732,21 @@ def test_what_follows_a_bare_carriage_return_where_arrow_ends_a_block_is_read_by
     assert vouched == (True, False)
     assert rows(b.rejects, "file", "line") == [["executions.jsonl", 2]]
     assert rows(b.attempts, "task_id", "attempt") == [["a", 1], ["b", 2]]
+
+
+@pytest.mark.parametrize("levels", [990, 1010])
+@pytest.mark.parametrize("file, field", [("tasks.jsonl", "macro"), ("executions.jsonl", "error")])
+def test_a_mistyped_field_nested_about_as_deep_as_json_follows_is_one_reject(tmp_path, levels, file, field):
+    """Deep enough that json cannot write it back into the reject's message: the message says so."""
+    deep = "[" * levels + "]" * levels
+    tasks = [task("a"), with_raw(task("b"), {field: deep}) if file == "tasks.jsonl" else task("b")]
+    attempts = [attempt("a"), with_raw(attempt("b"), {field: deep}) if file == "executions.jsonl" else attempt("b")]
+    b = parse(tmp_path, tasks, attempts)
+    assert [file, 2, field] in rows(b.rejects, "file", "line", "field")  # (with it, a task's attempt: an orphan)
+    assert b.tasks["task_id"].tolist()[0] == "a" and b.attempts["task_id"].tolist() == ["a"]
+
+
+@pytest.mark.parametrize("second", ["null", " null"])
+def test_a_null_after_an_object_on_one_line_leaves_the_file_to_the_record_checks(second):
+    data = jsonl([attempt("a"), json.dumps(attempt("b")) + second, "", attempt("c")]).encode()
+    assert batch_module._arrow_attempts(data) is None
