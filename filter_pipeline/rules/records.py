@@ -150,35 +150,33 @@ def _clean_task_row(record: dict) -> tuple | None:
         and type(instruction) is str and type(kind) is str and type(record["start"]) is dict
     ):  # fmt: skip
         return None
-    text_and_hash = clean_key(key)
-    return None if text_and_hash is None else (task_id, macro, site, *text_and_hash, kind, instruction)
+    text = clean_key(key)
+    return None if text is None else (task_id, macro, site, text, key_hash(text), kind, instruction)
 
 
-def clean_key(key: Any) -> tuple[str, int] | None:
-    """(canonical text, hash) of a dedup_key that is an array of finite scalars, else None (the record checks
+def clean_key(key: Any) -> str | None:
+    """The canonical text of a dedup_key that is an array of finite scalars, else None (the record checks
     then say what is wrong with it)."""
     if type(key) is not list:
         return None
     types = set(map(type, key))  # (the set's test is one pass in C, not a generator per record)
     if not types <= _SCALAR_TYPES or (float in types and not _finite(key)):
         return None
-    return key_text_and_hash(key, float in types)
+    return key_text(key, float in types)
 
 
-def key_text_and_hash(key: list, has_float: bool | None = None) -> tuple[str, int]:
-    """`canonical_key(key)` and its `key_hash`. orjson writes the same text as json.dumps for strings,
+def key_text(key: list, has_float: bool | None = None) -> str:
+    """`canonical_key(key)`, written by orjson where it writes the same text as json.dumps: for strings,
     integers within 64 bits, booleans and null, but not for floats (1e16 is `1e16` to orjson, `1e+16` to
-    json): a key without floats is written by orjson, any other by json. `has_float`: whether the key holds
-    a float, when the caller knows."""
+    json), so a key with a float is written by json. `has_float`: whether the key holds a float, when the
+    caller knows."""
     if not (float in map(type, key) if has_float is None else has_float):
         try:
-            data = orjson.dumps(key)
+            # (decoded at once: each of orjson's results holds about a page of memory for as long as it lives)
+            return orjson.dumps(key).decode()
         except orjson.JSONEncodeError:  # an integer beyond 64 bits
             pass
-        else:
-            return data.decode(), key_hash(data)
-    text = canonical_key(key)
-    return text, key_hash(text)
+    return canonical_key(key)
 
 
 def _checked_task_row(record: dict) -> tuple:
@@ -194,7 +192,8 @@ def _checked_task_row(record: dict) -> tuple:
     start = _require(record, "start", lambda v: isinstance(v, dict), "an object with 'kind'")
     if not _is_str(start.get("kind")):
         raise Reject("start.kind", f"field 'start.kind' is {_describe(start.get('kind'))}, expected a string")
-    return (task_id, macro, site, *key_text_and_hash(key), start["kind"], instruction)
+    text = key_text(key)
+    return (task_id, macro, site, text, key_hash(text), start["kind"], instruction)
 
 
 ATTEMPT_FIELDS = ("task_id", "attempt", "ok", "error", "dir", "n_actions", "backend_ok", "backend_detail")

@@ -103,8 +103,9 @@ def canonical_key(key: list[Any]) -> str:
 
 
 def key_hashes(texts: list[str]) -> np.ndarray:
-    """`key_hash` of each text, as int64."""
-    return np.fromiter((key_hash(text) for text in texts), dtype=np.int64, count=len(texts))
+    """`key_hash` of each text, as int64 (the digests read as one array, not converted one by one)."""
+    digests = b"".join([_digest(text.encode()) for text in texts])
+    return np.frombuffer(digests, dtype=_HASH_BYTES).astype(np.int64)
 
 
 def key_hash(text: str | bytes) -> int:
@@ -114,7 +115,14 @@ def key_hash(text: str | bytes) -> int:
     is always confirmed on the text itself.
     """
     data = text.encode() if isinstance(text, str) else text  # (bytes: the text's UTF-8)
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
+    return int.from_bytes(_digest(data), "little", signed=True)
+
+
+_HASH_BYTES = np.dtype("<i8")  # what `key_hash` reads a digest as: a little-endian signed 64-bit integer
+
+
+def _digest(data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=8).digest()
 
 
 # --- Arrow schemas ----------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -24,8 +25,10 @@ from filter_pipeline_tests.conftest import REPO
 
 
 def test_key_hashes_equal_key_hash_one_by_one():
-    texts = [canonical_key(json.loads(raw)) for raw in RAW_KEYS]
-    assert key_hashes(texts).tolist() == [key_hash(t) for t in texts]
+    texts = [canonical_key(json.loads(raw)) for raw in RAW_KEYS] + [canonical_key(["k", i]) for i in range(64)]
+    hashes = key_hashes(texts)
+    assert hashes.dtype == np.int64 and hashes.tolist() == [key_hash(t) for t in texts]
+    assert hashes.min() < 0 < hashes.max()  # both signs: the digest is read as a signed integer
     assert key_hashes([]).tolist() == []
 
 
