@@ -18,6 +18,7 @@ from upath import UPath
 
 # The one module of the review package that reads commit state (kept in one place for the storage move).
 from filter_pipeline.rules.commits import COMMITS_DIR, parse_commit
+from filter_pipeline.rules.history import legacy_key_text
 from filter_pipeline.rules.records import read_json
 from filter_pipeline.rules.schemas import (
     DROPPED_REASONS,
@@ -311,12 +312,20 @@ def read_legacy_kept(path: UPath) -> pd.DataFrame:
         except ValueError:
             continue
         if isinstance(record, dict) and isinstance(record.get("task_id"), str):
-            key = record.get("dedup_key")
             rows.append({"task_id": record["task_id"], "fate": FATE_KEPT, "reason": None,
                          "site": _text(record.get("site")), "macro": _text(record.get("macro")),
                          "instruction": _text(record.get("instruction")),
-                         "dedup_key": key if isinstance(key, str) else json.dumps(key, ensure_ascii=False)})  # fmt: skip
+                         "dedup_key": _legacy_key(record.get("dedup_key"))})  # fmt: skip
     return pd.DataFrame(rows, columns=[*TASK_COLUMNS, "dedup_key"])
+
+
+def _legacy_key(key) -> str:
+    """The key's text as the ledger compares it (prior_dedup_index shows the same), or, for a key the ledger
+    refuses, as the file has it."""
+    try:
+        return legacy_key_text(key)
+    except (TypeError, ValueError):
+        return key if isinstance(key, str) else json.dumps(key, ensure_ascii=False)
 
 
 def _text(value) -> str | None:

@@ -18,6 +18,7 @@ import hashlib
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -120,14 +121,9 @@ def parse_legacy(data: bytes, run_id: str) -> tuple[pa.Table, str]:
             continue
         try:
             record = json.loads(line)
-            key = record["dedup_key"]
-            if isinstance(key, str):  # some exports stored the key as its JSON text
-                key = json.loads(key)
-            if not isinstance(key, list):
-                raise TypeError("dedup_key is not an array")
             rows.append(
                 {
-                    "dedup_key": canonical_key(key),
+                    "dedup_key": legacy_key_text(record["dedup_key"]),
                     "macro": str(record["macro"]),
                     "site": str(record["site"]),
                     "task_id": str(record["task_id"]),
@@ -136,6 +132,16 @@ def parse_legacy(data: bytes, run_id: str) -> tuple[pa.Table, str]:
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
             raise HistoryError(f"runs/{run_id}/{LEGACY_KEPT_FILE}:{number}: not a kept row ({exc})") from None
     return _with_hashes(pa.Table.from_pylist(rows, schema=_STRINGS)), hashlib.sha256(data).hexdigest()
+
+
+def legacy_key_text(key: Any) -> str:
+    """The canonical text of a legacy kept row's dedup_key: an array, or its JSON text (as some exports stored
+    it). Raises TypeError or ValueError when it is neither."""
+    if isinstance(key, str):
+        key = json.loads(key)
+    if not isinstance(key, list):
+        raise TypeError("dedup_key is not an array")
+    return canonical_key(key)
 
 
 def _with_hashes(table: pa.Table) -> pa.Table:

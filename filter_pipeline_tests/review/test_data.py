@@ -13,6 +13,7 @@ from upath import UPath
 from filter_pipeline.review.data import ReviewError, Warehouse, _rejected_tasks, page
 from filter_pipeline.review.story import story
 from filter_pipeline.rules.commits import CommitRecord
+from filter_pipeline.rules.history import parse_legacy
 from filter_pipeline.rules.schemas import SCHEMAS, parquet_bytes, to_arrow
 from filter_pipeline.storage.publish import write_commit
 
@@ -190,3 +191,18 @@ def test_a_task_rejected_for_an_over_long_integer_in_its_key_is_still_named_by_i
     raw = '{"task_id": "lk", "site": "s", "dedup_key": ["s", ' + "1" * 5000 + "]}"
     rows = _rejected_tasks(pd.DataFrame([{"file": "tasks.jsonl", "line": 3, "message": "m", "raw": raw}]))
     assert rows[["task_id", "site", "fate"]].values.tolist() == [["lk", "s", "reject"]]
+
+
+def test_a_legacy_runs_keys_are_shown_as_the_ledger_compares_them(tmp_path):
+    lines = [
+        {"task_id": "a", "site": "s", "macro": "m", "dedup_key": ["s", "#x", 1]},
+        {"task_id": "b", "site": "s", "macro": "m", "dedup_key": '["s", "#y", 2.0]'},  # an export's key text
+        {"task_id": "c", "site": "s", "macro": "m", "dedup_key": {"not": "an array"}},  # the ledger refuses it
+    ]
+    run = tmp_path / "runs" / "r0"
+    run.mkdir(parents=True)
+    (run / "kept.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    shown = Warehouse(UPath(str(tmp_path))).run("r0").tasks.set_index("task_id")["dedup_key"].to_dict()
+    assert shown == {"a": '["s","#x",1]', "b": '["s","#y",2.0]', "c": '{"not": "an array"}'}
+    ledger, _ = parse_legacy((run / "kept.jsonl").read_bytes()[: -len(json.dumps(lines[2])) - 1], "r0")
+    assert ledger["dedup_key"].to_pylist() == [shown["a"], shown["b"]]
