@@ -103,7 +103,7 @@ def combine_parts(votes: list[Vote], passed: bool | None) -> dict:
     out["score"] = statistics.median_low(scores) if scores else None
     lead = next(v.parts for v in votes if v.passed is passed)
     out["key_points"] = json.dumps(lead.key_points, ensure_ascii=False) if lead.key_points is not None else None
-    out["reasoning"] = lead.reasoning[:REASONING_MAX_CHARS] if lead.reasoning is not None else None
+    out["reasoning"] = lead.reasoning  # (cut to REASONING_MAX_CHARS by the client, once the key is redacted)
     return out
 
 
@@ -157,9 +157,12 @@ class JudgeClient:
         votes = await self._votes(messages, task)
         passed, why, tally, status = majority(votes, self.config.votes)
         parts = combine_parts(votes, passed)
+        # each text redacted before it is cut: a key the cut splits would no longer be found whole
         for name in ("key_points", "reasoning"):
             parts[name] = self.config.redact(parts[name])
-        replies = task.replies
+        if parts["reasoning"] is not None:
+            parts["reasoning"] = parts["reasoning"][:REASONING_MAX_CHARS]
+        replies = [self.config.redact(reply) for reply in task.replies]
         return TaskVerdict(
             passed=passed, why=self.config.redact(why), votes=tally, status=status, requests=task.requests,
             prompt_tokens=sum(u.prompt_tokens for u in task.usage),
@@ -167,8 +170,8 @@ class JudgeClient:
             cached_tokens=sum(u.cached_tokens for u in task.usage),
             latency_ms=(time.monotonic() - task.started) * 1000 if task.started is not None else 0.0,
             call_latencies_ms=task.latencies_ms,
-            raw_replies=self.config.redact(json.dumps([r[:RAW_REPLY_MAX_CHARS] for r in replies], ensure_ascii=False)),
-            replies_sha256=hashlib.sha256(json.dumps(replies, ensure_ascii=False).encode()).hexdigest(), **parts,
+            raw_replies=json.dumps([r[:RAW_REPLY_MAX_CHARS] for r in replies], ensure_ascii=False),
+            replies_sha256=hashlib.sha256(json.dumps(task.replies, ensure_ascii=False).encode()).hexdigest(), **parts,
         )  # fmt: skip
 
     # --- votes ------------------------------------------------------------------------------------------
@@ -222,7 +225,8 @@ class JudgeClient:
         return Vote(error=f"{trouble}; the repair request {again}")
 
     def _rejects_5xx(self, body: dict) -> bool:
-        """A 5xx to a request asking n > 1 samples, before n ever worked, rejects n (llama.cpp answers 500)."""
+        """A 5xx to a request asking n > 1 samples, before n ever worked, rejects n (llama.cpp answers 500; a
+        gateway's 502/503/504 is retried as the fault it is)."""
         return body.get("n", 1) > 1 and self.n_ok is not True
 
     # --- one completion ---------------------------------------------------------------------------------
@@ -249,8 +253,8 @@ class JudgeClient:
     async def _ask(self, messages: list[dict], task: TaskBudget, n: int, token_factor: int = 1) -> list[Choice]:
         """The choices of one completion (at least one; fewer than `n` once `n` is known not to work).
         Downgrades what the server rejects, for the client's lifetime: structured output (a 400/422 naming
-        it, or one that goes away without it), n (400/422, or a 5xx before n ever worked: llama.cpp answers
-        500). What a request carries is decided when it gets its slot, so every request that starts after a
+        it, or one that goes away without it), n (400/422, or a 5xx but a gateway's before n ever worked:
+        llama.cpp answers 500). What a request carries is decided when it gets its slot, so every request that starts after a
         downgrade has it. Raises _NRejected, Unanswered, EndpointRefused."""
         without_schema = False
 

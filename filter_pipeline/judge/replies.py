@@ -141,13 +141,20 @@ def read_completion(payload: Any) -> tuple[list[Choice], Usage] | None:
     if not isinstance(payload, dict) or not isinstance(payload.get("choices"), list) or not payload["choices"]:
         return None
     choices = []
-    raw = sorted(payload["choices"], key=lambda c: c.get("index", 0) if isinstance(c, dict) else 0)
+    raw = sorted(payload["choices"], key=_choice_index)
     for c in raw:
         message = c.get("message") if isinstance(c, dict) else None
         if not isinstance(message, dict):
             return None
         choices.append(Choice(_content_text(message.get("content")), c.get("finish_reason")))
     return choices, _usage(payload.get("usage"))
+
+
+def _choice_index(choice: Any) -> int:
+    """A choice's `index` where it is a whole number (a server may send none, null or text: then 0, and the
+    stable sort keeps the server's order)."""
+    index = choice.get("index") if isinstance(choice, dict) else None
+    return index if type(index) is int else 0
 
 
 def _content_text(content: Any) -> str | None:
@@ -159,7 +166,8 @@ def _content_text(content: Any) -> str | None:
 
 
 def _count(value: Any) -> int:
-    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0 else 0
+    usable = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < math.inf
+    return int(value) if usable else 0
 
 
 def _usage(usage: Any) -> Usage:
@@ -176,13 +184,16 @@ def error_message(text: str) -> str:
     message: Any = text
     try:
         body = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested deeper than json follows
         body = None
     if isinstance(body, dict):
         err = body.get("error", body)
         if isinstance(err, dict):
             err = err.get("message") or err.get("detail") or err.get("msg") or err
-        message = err if isinstance(err, str) else json.dumps(err, ensure_ascii=False)
+        try:
+            message = err if isinstance(err, str) else json.dumps(err, ensure_ascii=False)
+        except RecursionError:
+            message = text
     return " ".join(str(message).split())
 
 

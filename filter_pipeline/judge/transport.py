@@ -39,6 +39,8 @@ _UNKNOWN_MODEL = re.compile(
     re.IGNORECASE,
 )
 Completion = tuple[list[Choice], Usage]
+# a gateway's or an overloaded server's answer, whatever the body asked: never a rejection of the body itself
+GATEWAY_STATUSES = (502, 503, 504)
 
 
 class JudgeSetupError(ValueError):
@@ -106,7 +108,7 @@ class Transport:
         self._reported_at = -math.inf
         self.url = config.base_url.rstrip("/") + "/chat/completions"
         self.public_url = public_url(self.url)
-        if config.api_key and urlsplit(self.url).password is not None:
+        if config.api_key and "@" in urlsplit(self.url).netloc:
             self.url = self.public_url  # the bearer token authenticates; aiohttp refuses both at once
         self.headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
         self.rate = RateController(config.concurrency, config.task_budget_seconds)
@@ -133,8 +135,9 @@ class Transport:
         self, make_body: Callable[[], dict], task: TaskBudget, rejects_5xx: Callable[[dict], bool]
     ) -> tuple[dict, Completion | Rejected]:
         """(the body sent, one completion), retrying transient faults within the task's budget; a rejection
-        that retrying cannot fix comes back as Rejected, as does a 5xx to a body `rejects_5xx` names (a refusal
-        raises EndpointRefused; a spent budget Unanswered). The body is made when the request gets its slot."""
+        that retrying cannot fix comes back as Rejected, as does a 5xx (but a gateway's, GATEWAY_STATUSES) to a
+        body `rejects_5xx` names (a refusal raises EndpointRefused; a spent budget Unanswered). The body is made
+        when the request gets its slot."""
         tries, problem = 0, ""
         while True:
             epoch = await self.rate.acquire(task)
@@ -181,7 +184,7 @@ class Transport:
         if 200 <= status < 300:
             try:
                 completion = read_completion(json.loads(text))
-            except ValueError:
+            except (ValueError, RecursionError):  # not JSON, or nested deeper than json follows
                 completion = None
             if completion is not None:
                 self.rate.succeeded()
@@ -193,9 +196,12 @@ class Transport:
             raise refused
         if status not in (408, 409, 429) and status < 500:
             return Rejected(status, text)
-        if status >= 500 and rejects_5xx:
+        if status >= 500 and status not in GATEWAY_STATUSES and rejects_5xx:
             return Rejected(status, text)
         hint = retry_hint(answer.headers)
+        if hint is not None:
+            # a hint of no wait at all (`Retry-After: 0`, a date already past) must not retry at full speed
+            hint = max(hint, self.config.backoff_initial_seconds)
         if status == 429:
             self.rate.throttled(epoch)
         shared = hint is not None and status in (429, 503)
@@ -209,7 +215,8 @@ class Transport:
         self.rate.failed(fault.problem)
         self._tell_trouble(fault.problem)
         c = self.config
-        base = min(c.backoff_max_seconds, c.backoff_initial_seconds * 2 ** (tries - 1))
+        # (the exponent bounded: a float overflows past 2 ** 1023, long after the doubling reached the maximum)
+        base = min(c.backoff_max_seconds, c.backoff_initial_seconds * 2.0 ** min(tries - 1, 64))
         wait = fault.hint if fault.hint is not None else base / 2 + random.uniform(0, base / 2)
         if time.monotonic() + wait >= task.deadline:
             was_down = self.rate.down

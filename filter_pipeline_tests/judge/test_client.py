@@ -2,6 +2,7 @@
 requests per task, n, structured output, repairs, reasoning replies, retry hints, faults, refusals."""
 
 import asyncio
+import dataclasses
 import json
 import threading
 import time
@@ -12,6 +13,7 @@ from email.utils import format_datetime
 import pytest
 
 from filter_pipeline.judge.client import (
+    RAW_REPLY_MAX_CHARS,
     REPAIR_PROMPT,
     EndpointRefused,
     JudgeClient,
@@ -21,6 +23,10 @@ from filter_pipeline.judge.client import (
     majority,
 )  # fmt: skip
 from filter_pipeline.judge.config import LLMJudgeConfig
+from filter_pipeline.judge.rate import TaskBudget, Unanswered
+from filter_pipeline.judge.transport import Transport
+from filter_pipeline.judge.transport import _Fault as Fault
+from filter_pipeline.rules.schemas import REASONING_MAX_CHARS
 from filter_pipeline_tests.openai_server import FakeOpenAI, RateLimit, Reply, error_body
 
 PASS = '{"passed": true, "why": "done"}'
@@ -95,6 +101,16 @@ def test_a_server_ignoring_n_gets_the_missing_votes_as_separate_requests_then_no
     assert (first.requests, second.requests) == (3, 3)
     assert [c.body.get("n") for c in server.calls] == [3, None, None, None, None, None]
     assert {first.votes, second.votes} == {"1/3", "0/3"} and first.passed is second.passed is False
+
+
+@pytest.mark.parametrize("status", [502, 503, 504])
+def test_a_gateways_5xx_to_the_first_request_asking_n_is_retried_and_n_kept(status):
+    first = Reply(status=status, body=error_body("upstream timed out", "server_error"))
+    with FakeOpenAI(sequence(first, Reply(choices=[PASS, PASS, PASS]))) as server:
+        s = settings(server, votes=3, temperature=0.7, concurrency=1)
+        first_task, second_task = judge_prompts([prompt("a"), prompt("b")], s)
+    assert [c.body.get("n") for c in server.calls] == [3, 3, 3]
+    assert (first_task.requests, second_task.requests, second_task.votes) == (2, 1, "3/3")
 
 
 @pytest.mark.parametrize("mode", ["reject400", "reject500"])  # reject500: llama.cpp's server
@@ -261,10 +277,35 @@ def test_transient_statuses_are_retried(status):
 
 
 def test_garbage_bodies_are_retried_as_faults():
-    garbage = [Reply(body="<html>502 Bad Gateway</html>"), Reply(body='{"choices": []}'), Reply(body="\xff\xfe")]
+    deep = "[" * 100_000 + "]" * 100_000  # nested deeper than json follows
+    garbage = [Reply(body="<html>502 Bad Gateway</html>"), Reply(body='{"choices": []}'), Reply(body="\xff\xfe"),
+               Reply(body=deep)]  # fmt: skip
     with FakeOpenAI(sequence(*garbage, Reply(content=PASS))) as server:
         [v] = judge_prompts([prompt("a")], settings(server))
-    assert (v.passed, v.requests) == (True, 4)
+    assert (v.passed, v.requests) == (True, 5)
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [{"Retry-After": "0"}, {"Retry-After": "PAST"}, {"retry-after-ms": "0"}, {"x-ratelimit-reset-requests": "1ms"}],
+    ids=["zero", "http-date-past", "ms-zero", "reset-1ms"],
+)
+def test_a_hint_of_no_wait_is_waited_at_least_as_the_first_backoff(headers):
+    past = format_datetime(datetime.now(UTC) - timedelta(seconds=5), usegmt=True)
+    limited = Reply(status=429, headers={k: past if v == "PAST" else v for k, v in headers.items()}, body="{}")
+    with FakeOpenAI(lambda call, n: limited) as server:
+        [v] = judge_prompts([prompt("a")], settings(server, backoff_initial_seconds=0.1, task_budget_seconds=1.0))
+    gaps = [b.at - a.at for a, b in zip(server.calls, server.calls[1:])]
+    assert v.status == "error" and 2 <= v.requests <= 12 and min(gaps) >= 0.09, (v.requests, min(gaps))
+
+
+def test_a_task_retried_past_a_thousand_times_backs_off_at_the_maximum_without_overflowing():
+    # the doubling of the backoff is bounded: 2 ** tries overflows a float past tries 1024
+    s = LLMJudgeConfig(base_url="http://127.0.0.1:9/v1", model="m", backoff_initial_seconds=0.5, backoff_max_seconds=8)
+    task = TaskBudget(1.0)
+    task.start(time.monotonic())
+    with pytest.raises(Unanswered, match="boom"):  # a wait of 4 to 8 s passes the 1 s budget
+        asyncio.run(Transport(s)._back_off(Fault("boom"), task, tries=5000))
 
 
 def test_a_task_still_rate_limited_at_the_end_of_its_budget_is_unjudged_with_the_429s_body():
@@ -458,6 +499,25 @@ def test_a_rate_limited_endpoint_gets_every_task_judged():
         result = judge_prompts([prompt(str(i)) for i in range(50)], settings(server, task_budget_seconds=60))
     assert all(v.status == "judged" for v in result)
     assert sum(c.status == 200 for c in server.calls) == 50
+
+
+def test_a_key_the_reply_echoes_across_the_cut_of_its_raw_text_or_reasoning_is_redacted_whole():
+    key = "sk-live-0123456789abcdef"
+    reasoning = "y" * (REASONING_MAX_CHARS - 6) + key  # the reasoning's cut falls inside the key
+    content = json.dumps({"reasoning": reasoning, "passed": True})
+    reply = "x" * (RAW_REPLY_MAX_CHARS - 12) + key + content  # so does the raw reply's
+    with FakeOpenAI(lambda call, n: Reply(content=reply)) as server:
+        [v] = judge_prompts([prompt("a")], settings(server, api_key=key))
+    assert v.status == "judged"
+    stored = json.dumps(dataclasses.asdict(v))
+    assert "sk-live" not in stored and "***" in v.raw_replies and v.reasoning.endswith("***")
+
+
+def test_a_base_url_with_a_user_but_no_password_sends_the_key_as_the_bearer_token():
+    with FakeOpenAI() as server:
+        url = server.base_url.replace("http://", "http://tok@")
+        [v] = judge_prompts([prompt("a")], settings(server, base_url=url, api_key="sk-test-123"))
+    assert v.status == "judged" and server.calls[0].headers.get("Authorization") == "Bearer sk-test-123"
 
 
 def test_api_key_is_sent_as_bearer_token_only_when_set():

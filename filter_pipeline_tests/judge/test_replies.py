@@ -196,3 +196,20 @@ def test_retry_hint_reads_every_form(headers, seconds):
 )
 def test_duration_seconds(text, seconds):
     assert duration_seconds(text) == pytest.approx(seconds) if seconds is not None else duration_seconds(text) is None
+
+
+def test_choices_whose_index_is_missing_null_or_text_keep_the_servers_order():
+    payload = {"choices": [{"index": None, "message": {"content": "a"}}, {"index": "1", "message": {"content": "b"}},
+                           {"message": {"content": "c"}}, {"index": 0, "message": {"content": "d"}}]}  # fmt: skip
+    choices, _ = read_completion(payload)
+    assert [c.text for c in choices] == ["a", "b", "c", "d"]
+    choices, _ = read_completion(
+        {"choices": [{"index": 1, "message": {"content": "y"}}, {"index": 0, "message": {"content": "x"}}]}
+    )
+    assert [c.text for c in choices] == ["x", "y"]
+
+
+def test_usage_counts_that_are_not_finite_numbers_count_zero():
+    body = '{"choices": [{"message": {"content": "a"}}], "usage": {"prompt_tokens": 1e400, "completion_tokens": NaN}}'
+    _, usage = read_completion(json.loads(body))
+    assert usage == Usage(0, 0, 0)
