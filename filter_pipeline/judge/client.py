@@ -254,8 +254,8 @@ class JudgeClient:
         """The choices of one completion (at least one; fewer than `n` once `n` is known not to work).
         Downgrades what the server rejects, for the client's lifetime: structured output (a 400/422 naming
         it, or one that goes away without it), n (400/422, or a 5xx but a gateway's before n ever worked:
-        llama.cpp answers 500). What a request carries is decided when it gets its slot, so every request that starts after a
-        downgrade has it. Raises _NRejected, Unanswered, EndpointRefused."""
+        llama.cpp answers 500). What a request carries is decided when it gets its slot, so every request
+        that starts after a downgrade has it. Raises _NRejected, Unanswered, EndpointRefused."""
         without_schema = False
 
         def body() -> dict:

@@ -129,7 +129,7 @@ def parse_legacy(data: bytes, run_id: str) -> tuple[pa.Table, str]:
                     "task_id": str(record["task_id"]),
                 }
             )
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError) as exc:  # (ValueError: not JSON, or an integer too long for int)
             raise HistoryError(f"runs/{run_id}/{LEGACY_KEPT_FILE}:{number}: not a kept row ({exc})") from None
     return _with_hashes(pa.Table.from_pylist(rows, schema=_STRINGS)), hashlib.sha256(data).hexdigest()
 

@@ -117,10 +117,19 @@ def test_legacy_kept_jsonl_counts_unless_the_run_has_a_commit(tmp_path):
     assert counts_of(idx) == {("m", "s"): 3}
 
 
-def test_bad_legacy_row_names_file_and_line(tmp_path):
+@pytest.mark.parametrize(
+    "line",
+    [
+        '{"task_id": "b"}',
+        '{"task_id": "b", "macro": "m", "site": "s", "dedup_key": ["k", ' + "1" * 5000 + "]}",  # too long for int()
+        '{"task_id": "b", "macro": "m", "site": "s", "dedup_key": "[\\"k\\", ' + "2" * 5000 + ']"}',  # in key text
+    ],
+    ids=["no-key", "long-integer", "long-integer-in-key-text"],
+)
+def test_bad_legacy_row_names_file_and_line(tmp_path, line):
     write_legacy_kept(tmp_path, "old", ("a", ["k", 1], "m", "s"))
     with open(tmp_path / "runs" / "old" / "kept.jsonl", "a") as f:
-        f.write('{"task_id": "b"}\n')
+        f.write(line + "\n")
     with pytest.raises(HistoryError, match=r"runs/old/kept.jsonl:2: not a kept row"):
         index(tmp_path)
 
