@@ -10,6 +10,7 @@ taken from the environment as curl and the OpenAI SDK take them.
 """
 
 import asyncio
+import base64
 import json
 import math
 import os
@@ -20,7 +21,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
+from urllib.request import getproxies, proxy_bypass
 
 from filter_pipeline.judge.rate import EndpointRefused, RateController, TaskBudget, Unanswered
 from filter_pipeline.judge.replies import Choice, Usage, error_message, read_completion, retry_hint
@@ -89,6 +91,21 @@ def public_url(url: str) -> str:
     return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
 
 
+def env_proxy(url: str) -> tuple[str | None, dict | None]:
+    """(the proxy the environment names for `url`, the headers that authenticate to it): HTTPS_PROXY /
+    HTTP_PROXY unless NO_PROXY covers the host, as aiohttp's trust_env finds it (from the same `urllib.request`
+    functions), its credentials as a `Proxy-Authorization` header; (None, None) for none."""
+    target = urlsplit(url)
+    proxy = getproxies().get(target.scheme)
+    if not proxy or proxy_bypass(target.hostname or ""):
+        return None, None
+    parts = urlsplit(proxy)
+    if parts.username is None:
+        return proxy, None
+    credentials = f"{unquote(parts.username)}:{unquote(parts.password or '')}".encode()
+    return public_url(proxy), {"Proxy-Authorization": "Basic " + base64.b64encode(credentials).decode()}
+
+
 @dataclass
 class _Answer:
     """What one POST gave: the status with its whole body, or (status None) the transport's trouble."""
@@ -119,11 +136,15 @@ class Transport:
 
         self._aiohttp = aiohttp
         self.transport_errors = (aiohttp.ClientError, asyncio.TimeoutError)
-        # trust_env: HTTPS_PROXY / HTTP_PROXY / NO_PROXY (and ~/.netrc), as curl and the OpenAI SDK honour them
+        # trust_env: HTTPS_PROXY / HTTP_PROXY / NO_PROXY and ~/.netrc, as curl and the OpenAI SDK honour them.
+        # With an API key the proxy is found here instead (`env_proxy`) and ~/.netrc is not read: aiohttp refuses
+        # a request whose Authorization header meets a ~/.netrc entry for its host, and the key is what
+        # authenticates (the OpenAI SDK, too, reads ~/.netrc only for a request without one).
+        self.proxy, self.proxy_headers = env_proxy(self.url) if self.headers else (None, None)
         self.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=self.config.concurrency, ssl=ssl_context()),
             timeout=aiohttp.ClientTimeout(total=self.config.timeout_seconds),
-            trust_env=True,
+            trust_env=not self.headers,
         )
 
     async def close(self) -> None:
@@ -157,7 +178,12 @@ class Transport:
         start = time.perf_counter()
         try:
             async with self.session.post(
-                self.url, json=body, headers=self.headers, timeout=self._aiohttp.ClientTimeout(total=timeout)
+                self.url,
+                json=body,
+                headers=self.headers,
+                timeout=self._aiohttp.ClientTimeout(total=timeout),
+                proxy=self.proxy,
+                proxy_headers=self.proxy_headers,
             ) as response:
                 # The status counts only with its whole body: a body cut off by the timeout is a timeout, not
                 # an empty answer from the server.
