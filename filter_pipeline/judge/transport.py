@@ -139,7 +139,7 @@ class Transport:
         # trust_env: HTTPS_PROXY / HTTP_PROXY / NO_PROXY and ~/.netrc, as curl and the OpenAI SDK honour them.
         # With an API key the proxy is found here instead (`env_proxy`) and ~/.netrc is not read: aiohttp refuses
         # a request whose Authorization header meets a ~/.netrc entry for its host, and the key is what
-        # authenticates (the OpenAI SDK, too, reads ~/.netrc only for a request without one).
+        # authenticates.
         self.proxy, self.proxy_headers = env_proxy(self.url) if self.headers else (None, None)
         self.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=self.config.concurrency, ssl=ssl_context()),
