@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 __all__ = ["EndpointRefused", "JudgeClient", "JudgeSetupError", "RateController", "judge_prompts", "ssl_context"]
 
 RAW_REPLY_MAX_CHARS = 500
+REFUSAL_MAX_CHARS = 300  # of a model's refusal, quoted in the verdict's why
 REPAIR_PROMPT = (
     'Your reply held no verdict I could read. Answer with only the JSON object {"passed": true or false, '
     '"why": "<one short sentence>"}, nothing else.'
@@ -205,6 +206,10 @@ class JudgeClient:
         verdict = parse_reply(choice.text)
         if verdict is not None:
             return Vote(verdict.passed, verdict.why, parts=verdict.parts)
+        if choice.refused:  # no repair request: it would be declined the same way, and paid for
+            said = self.config.redact(choice.refusal or "") or ""
+            how = f": {' '.join(said.split())[:REFUSAL_MAX_CHARS]}" if said else " (finish_reason content_filter)"
+            return Vote(error=f"the judge model refused to answer{how}")
         said = strip_reasoning(choice.text or "").strip()
         follow_up = [*messages, *([{"role": "assistant", "content": said}] if said else [])]
         follow_up.append({"role": "user", "content": REPAIR_PROMPT})

@@ -123,10 +123,17 @@ def _why(value: Any) -> str:
 class Choice:
     text: str | None  # the message content; reasoning_content / reasoning fields are never read
     finish_reason: str | None
+    refusal: str | None = None  # the message's `refusal` text (a model declining a structured answer)
 
     @property
     def cut_off(self) -> bool:
         return self.finish_reason == "length"
+
+    @property
+    def refused(self) -> bool:
+        """The model declined to answer, or the endpoint's content filter stopped it: asking again for the
+        JSON object would be declined the same way."""
+        return self.refusal is not None or self.finish_reason == "content_filter"
 
 
 @dataclass(frozen=True)
@@ -146,7 +153,9 @@ def read_completion(payload: Any) -> tuple[list[Choice], Usage] | None:
         message = c.get("message") if isinstance(c, dict) else None
         if not isinstance(message, dict):
             return None
-        choices.append(Choice(_content_text(message.get("content")), c.get("finish_reason")))
+        refusal = message.get("refusal")
+        refusal = refusal if isinstance(refusal, str) and refusal.strip() else None
+        choices.append(Choice(_content_text(message.get("content")), c.get("finish_reason"), refusal))
     return choices, _usage(payload.get("usage"))
 
 

@@ -172,6 +172,33 @@ def test_a_repair_without_a_verdict_leaves_the_task_unjudged_after_two_requests(
     assert 'no JSON object with a boolean "passed"' in v.why
 
 
+def completion_body(message: dict, finish_reason: str = "stop") -> str:
+    return json.dumps({"choices": [{"index": 0, "message": {"role": "assistant", **message},
+                                    "finish_reason": finish_reason}], "usage": {"prompt_tokens": 5}})  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "message, finish_reason, why",
+    [
+        ({"content": None, "refusal": "I can't help with that request."}, "stop",
+         "the judge model refused to answer: I can't help with that request."),
+        ({"content": ""}, "content_filter", "the judge model refused to answer (finish_reason content_filter)"),
+    ],
+    ids=["refusal", "content-filter"],
+)  # fmt: skip
+def test_a_refusal_is_unjudged_with_its_reason_and_not_repaired(message, finish_reason, why):
+    with FakeOpenAI(lambda call, n: Reply(body=completion_body(message, finish_reason))) as server:
+        [v] = judge_prompts([prompt("a")], settings(server))
+    assert (v.status, v.why, v.requests, len(server.calls)) == ("error", why, 1, 1)
+
+
+def test_a_verdict_beside_a_refusal_field_counts():
+    message = {"content": PASS, "refusal": "partly"}
+    with FakeOpenAI(lambda call, n: Reply(body=completion_body(message))) as server:
+        [v] = judge_prompts([prompt("a")], settings(server))
+    assert (v.status, v.passed, v.requests) == ("judged", True, 1)
+
+
 def test_reasoning_replies_decoy_verdicts_and_reasoning_fields_are_ignored():
     decoy = '<think>The format is {"passed": true, "why": "x"}. The order page is missing.</think>\n' + FAIL
     replies = {
