@@ -96,12 +96,16 @@ def test_a_walk_killed_after_its_publish_is_completed_by_the_next_launcher(s3_da
     root, env = s3_data
     home_a, home_b = homes(tmp_path)
     walk_a, pid = paused(["r1"], env, home_a, "published", tmp_path / "paused.pid", started)
+    assert audit(root) == []  # a walk moving its files: its staged copies are the committed files
     os.kill(pid, signal.SIGKILL)
     walk_a.communicate(timeout=60)
     half = snapshot(root)
     assert "/_commits/r1.json" in half and "/kept/r1.parquet" not in half  # the readers' folder: nothing yet
     assert any(f"/{STAGING_DIR}/" in name for name in half)
-    assert [f.kind for f in audit(root)] != []
+    stopped = audit(root)
+    assert [f.kind for f in stopped] == ["incomplete"]
+    assert stopped[0].line.startswith("r1: its walk stopped after publishing its commit, before moving all its files")
+    assert stopped[0].line.endswith("`filter-pipeline materialize` moves them")
     done = materialize([], env, home_b)  # nothing left to walk: the launcher completes the publish
     assert done.returncode == 0, done.stderr[-3000:]
     assert "r1: completed the publish" in done.stdout + done.stderr
@@ -164,3 +168,15 @@ def test_a_first_walk_committed_by_another_walk_while_waiting_is_reported_not_wa
     assert "r1: already filtered by another walk" in out_b and "r1: judged" not in out_b
     assert (data_root / "warehouse" / "_commits" / "r1.json").read_bytes() == committed  # A's walk, cap 3, stands
     assert audit(UPath(data_root)) == []
+
+
+def test_a_store_that_ignores_conditional_writes_walks_nothing_and_says_why(s3_data, s3_faults, tmp_path):
+    from filter_pipeline_tests.s3_faults import IGNORE_CONDITIONS
+
+    root, env = s3_data
+    s3_faults.fault = lambda request: IGNORE_CONDITIONS if request.conditional() else None
+    done = materialize(["r1"], {**env, "FILTER_PIPELINE_ENDPOINT_URL": s3_faults.endpoint}, homes(tmp_path)[0])
+    assert done.returncode == 1
+    said = [line for line in (done.stdout + done.stderr).splitlines() if "applied a write whose condition" in line]
+    assert len(said) == 1 and "need a store that honours conditional writes" in said[0], done.stdout + done.stderr
+    assert not any("/_commits/" in name or "/kept/" in name for name in snapshot(root))

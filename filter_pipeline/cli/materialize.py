@@ -44,7 +44,7 @@ from filter_pipeline.shell.sensors import (
 from filter_pipeline.shell.warehouse import DATA_ENV, DataRoot, read_parquet
 from filter_pipeline.storage import failures
 from filter_pipeline.storage.history import load_retired, read_commits
-from filter_pipeline.storage.lease import LedgerBusy, ledger_lease
+from filter_pipeline.storage.lease import LedgerBusy, StoreIgnoresConditions, ledger_lease
 from filter_pipeline.storage.publish import STAGING_DIR, commit_state, complete_published
 from filter_pipeline.storage.runs import complete_batches
 
@@ -374,6 +374,8 @@ def _complete_publishes(data: DataRoot) -> None:
             complete_published(data.root, lambda line: print(line, file=sys.stderr, flush=True))
     except LedgerBusy:
         pass
+    except StoreIgnoresConditions as exc:
+        raise CliError(str(exc)) from None
 
 
 def _unjudged(data: DataRoot, run_id: str) -> int:

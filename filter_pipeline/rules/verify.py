@@ -6,6 +6,7 @@ Every finding is one line naming the file or run, what is wrong and what to do:
 - a cap exceeded where a run kept rows, counting the history that run's walk read, with the caps it recorded;
 - a run whose verdicts are not each kept, surplus, a judge failure or unjudged (conservation);
 - a kept file without a commit record (a walk stopped before committing);
+- a published walk stopped before moving all its files into place;
 - a committed batch whose input files changed since it was filtered.
 
 Pure: tables and records in, findings out. Reading the warehouse for them is `storage/audit.py`'s.
@@ -28,13 +29,13 @@ from filter_pipeline.rules.schemas import (
     to_pandas,
 )
 
-FINDING_KINDS = ("commit", "file", "duplicate", "cap", "conservation", "uncommitted", "changed")
+FINDING_KINDS = ("commit", "file", "duplicate", "cap", "conservation", "uncommitted", "incomplete", "changed")
 MAX_LINES_PER_KIND = 20  # beyond this, one line says how many more of the same kind were found
 
 
 @dataclass(frozen=True)
 class Finding:
-    kind: str  # commit | file | duplicate | cap | conservation | uncommitted | changed
+    kind: str  # one of FINDING_KINDS
     line: str
 
 

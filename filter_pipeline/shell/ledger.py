@@ -29,9 +29,10 @@ from filter_pipeline.shell.warehouse import DataRoot, encode
 from filter_pipeline.storage import failures
 from filter_pipeline.storage.files import input_fingerprints
 from filter_pipeline.storage.history import build_prior_index, load_retired, read_commits
-from filter_pipeline.storage.lease import Lease, LedgerBusy, ledger_lease
+from filter_pipeline.storage.lease import Lease, LedgerBusy, StoreIgnoresConditions, ledger_lease
 from filter_pipeline.storage.publish import (
     CommitState,
+    PublishIncomplete,
     PublishRefused,
     StagedWalk,
     commit_state,
@@ -151,7 +152,7 @@ def build_ledger(deployment_caps: dict) -> dg.AssetsDefinition:
             _retry_later(context, f"another walker holds the data root's lease ({exc})", honour_tag=False)
         except Deferred as exc:
             yield from _deferred(context, str(exc))
-        except PublishRefused as exc:
+        except (PublishRefused, PublishIncomplete, StoreIgnoresConditions) as exc:
             raise dg.Failure(description=str(exc)) from None
 
     return ledger

@@ -20,6 +20,7 @@ from filter_pipeline.rules.verify import (
 )
 from filter_pipeline.storage.files import files_in, inputs_changed
 from filter_pipeline.storage.history import kept_files, legacy_kept_files, load_retired, verified_bytes
+from filter_pipeline.storage.publish import incomplete_publishes, relative
 
 
 def _commits(warehouse: UPath) -> tuple[dict[str, CommitRecord], list[Finding]]:
@@ -102,6 +103,14 @@ def audit(data_root: UPath) -> list[Finding]:
             f"warehouse/kept/{run_id}.parquet has no commit record (its walk stopped before committing): it is not "
             f"history; `filter-pipeline materialize` walks {run_id} again and commits it",
         ))  # fmt: skip
+    for run_id, (folder, gone) in incomplete_publishes(data_root).items():
+        if gone:  # (a walk moving its files now is not a finding: its staged copies were verified above)
+            findings.append(Finding(
+                "incomplete",
+                f"{run_id}: its walk stopped after publishing its commit, before moving all its files into place (the "
+                f"rest are in {relative(data_root, folder)}/; readers of warehouse/ still see the earlier files): "
+                "`filter-pipeline materialize` moves them",
+            ))  # fmt: skip
     for run_id, record in records.items():
         changed = inputs_changed(data_root / "runs" / run_id, record.inputs)
         if changed:

@@ -16,6 +16,8 @@ from filter_pipeline.rules.commits import HASH_CHUNK, INPUT_FILES
 LOCAL_PROTOCOLS = ("", "file", "local")
 
 HOST = socket.gethostname()
+# how an object store refuses a conditional write (`store_refusal`)
+PRECONDITION, CONFLICT = "precondition failed", "conflicting write in flight"
 STALE_TEMP_SECONDS = 3600
 
 
@@ -141,6 +143,22 @@ def files_in(folder: UPath, suffix: str) -> dict[str, UPath]:
         return {}
     found = [p for p in folder.iterdir() if p.name.endswith(suffix) and not p.name.startswith(".")]
     return {p.name.removesuffix(suffix): p for p in sorted(found, key=lambda p: p.name)}
+
+
+def store_refusal(exc: BaseException) -> str | None:
+    """Why an object store refused a conditional write, from s3fs's exception: PRECONDITION (412, or
+    `If-None-Match: *` on a key that exists), CONFLICT (409 `ConditionalRequestConflict`: AWS refuses a
+    conditional write while another one on the same key is in flight), else None (not a refusal)."""
+    if isinstance(exc, FileExistsError):
+        return PRECONDITION
+    response = getattr(exc.__cause__, "response", None) or {}
+    code = str(response.get("Error", {}).get("Code", "")) or str(exc)  # (the code is in s3fs's message too)
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    if "PreconditionFailed" in code or status == 412:
+        return PRECONDITION
+    if "ConditionalRequestConflict" in code or status == 409:
+        return CONFLICT
+    return None
 
 
 def is_local(path: UPath) -> bool:

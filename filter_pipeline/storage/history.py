@@ -25,6 +25,7 @@ from filter_pipeline.rules.history import (
 )
 from filter_pipeline.rules.schemas import read_parquet_file
 from filter_pipeline.storage.files import files_in
+from filter_pipeline.storage.publish import staged_copy
 
 
 def read_commits(warehouse: UPath) -> dict[str, CommitRecord]:
@@ -55,16 +56,37 @@ def legacy_kept_files(runs_dir: UPath) -> dict[str, UPath]:
 
 def verified_bytes(data_root: UPath, run_id: str, entry: dict) -> bytes:
     """The bytes of a committed file, checked against its commit entry (size, SHA-256). Raises
-    HistoryIntegrityError naming the file when it is missing, unreadable or changed."""
-    where = entry["path"]
+    HistoryIntegrityError naming the file when it is missing, unreadable or changed. A file that a published
+    walk has not moved into place yet (it is moving it now, or was stopped doing so) is read from its staging
+    folder: that is the committed file."""
+    final = data_root / entry["path"]
     try:
-        with (data_root / where).open("rb") as f:
+        return _checked(final, run_id, entry)
+    except (FileNotFoundError, HistoryIntegrityError) as exc:
+        failure = exc
+    staged = staged_copy(data_root, run_id, entry["path"])
+    # read in place again after the staged copy: the walk may have moved it between the two reads
+    for path in [staged, final] if staged is not None else [final]:
+        try:
+            return _checked(path, run_id, entry)
+        except (FileNotFoundError, HistoryIntegrityError) as exc:
+            failure = exc if path is final else failure
+    if isinstance(failure, FileNotFoundError):
+        raise HistoryIntegrityError(
+            f"{entry['path']} is missing, but run {run_id} committed it: {refilter(run_id)}"
+        ) from None
+    raise failure
+
+
+def _checked(path: UPath, run_id: str, entry: dict) -> bytes:
+    try:
+        with path.open("rb") as f:
             data = f.read()
     except FileNotFoundError:
-        raise HistoryIntegrityError(f"{where} is missing, but run {run_id} committed it: {refilter(run_id)}") from None
+        raise
     except OSError as exc:
         raise HistoryIntegrityError(
-            f"{where} (committed by run {run_id}) cannot be read ({exc}): {refilter(run_id)}"
+            f"{entry['path']} (committed by run {run_id}) cannot be read ({exc}): {refilter(run_id)}"
         ) from None
     return check_committed(data, run_id, entry)
 

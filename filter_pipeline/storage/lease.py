@@ -6,11 +6,13 @@ process, Dagster instance or machine runs it (CONTRACT §4 "walks never overlap 
   holder for the busy message. (A lock on a network file system holds only if that file system honours
   `flock` across clients: use object storage for a warehouse shared by machines.)
 - Object storage (s3://): `<data>/warehouse/_ledger.lease`, created only if absent (S3 conditional write
-  `If-None-Match: *`), naming its holder and an expiry; a heartbeat thread renews it (`If-Match` its own
-  ETag) well before it expires. A lease past its expiry (its holder died or lost its network) is taken
-  over with a write conditional on the old ETag, so of two takers exactly one wins. It is deleted at the end.
-  A lease alone cannot stop a holder that was paused past its expiry: what it writes is fenced by the
-  conditional publish of `storage/publish.py`.
+  `If-None-Match: *`), naming its holder and its TTL; a heartbeat thread renews it (`If-Match` its own
+  ETag) well before it expires. A lease is expired when the store's clock says so (its `LastModified` plus
+  the TTL against the `Date` of the store's answer), so machines whose clocks disagree agree on it; it is then
+  taken over with a write conditional on the old ETag, so of two takers exactly one wins. It is deleted at the
+  end. A lease alone cannot stop a holder that was paused past its expiry: what it writes is fenced by the
+  conditional publish of `storage/publish.py`. Both need a store that honours conditional writes: each lease
+  first checks that it does (`check_conditional_writes`).
 
 Pure: no Dagster.
 """
@@ -22,18 +24,22 @@ import os
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
 
 from upath import UPath
 
 from filter_pipeline import settings
-from filter_pipeline.storage.files import atomic_write, is_local
+from filter_pipeline.storage.files import CONFLICT, PRECONDITION, atomic_write, is_local, store_refusal
 
 LOCK_FILE = "_ledger.lock"
 HOLDER_FILE = "_ledger.holder.json"
 LEASE_FILE = "_ledger.lease"
+PROBE_FILE = "_conditional_writes.probe"
+NO_SUCH_ETAG = "0" * 32  # an If-Match no object's ETag equals
 
 
 class LedgerBusy(Exception):
@@ -48,10 +54,12 @@ def _now_iso(seconds: float | None = None) -> str:
     return datetime.fromtimestamp(time.time() if seconds is None else seconds, UTC).isoformat(timespec="seconds")
 
 
-def _holder_record(holder: str, ttl_seconds: float, since: str | None = None) -> dict:
+def _holder_record(holder: str, ttl_seconds: float, since: str | None = None, token: str = "") -> dict:
+    """Who holds the ledger. On object storage its expiry is judged by the store's clock from `ttl_seconds`;
+    `expires` (this machine's clock) is for people reading the file."""
     now = time.time()
     return {"host": socket.gethostname(), "pid": os.getpid(), "holder": holder, "since": since or _now_iso(now),
-            "expires": now + ttl_seconds}  # fmt: skip
+            "expires": now + ttl_seconds, "ttl_seconds": ttl_seconds, "token": token}  # fmt: skip
 
 
 def _describe(where: str, record: dict | None) -> str:
@@ -164,6 +172,11 @@ def _read_json(path: UPath) -> dict | None:
 # --- object storage ---------------------------------------------------------------------------------
 
 
+class StoreIgnoresConditions(Exception):
+    """The object store applied a write whose condition (`If-None-Match: *` or `If-Match`) did not hold: neither
+    the lease nor the fenced publish can hold there; str() says so in one line."""
+
+
 def _etag(response: dict) -> str:
     return str(response.get("ETag", "")).strip('"')
 
@@ -178,12 +191,56 @@ def _object_where(warehouse: UPath) -> str:
     return f"{warehouse.protocol}://{warehouse.parent.path}"
 
 
-def _take(fs, path: str, holder: str, ttl_seconds: float, where: str) -> str:
-    """Create the lease, or take over an expired one; its ETag. Raises LedgerBusy when it is held."""
+def _refused(fs, path: str, **condition) -> bool:
+    """Whether the store refuses a write of the probe file under `condition` (a 409 is a refusal too: only a store
+    that evaluates conditions answers it)."""
     try:
-        return _put(fs, path, _holder_record(holder, ttl_seconds), mode="create")
-    except FileExistsError:
-        pass
+        fs.pipe_file(path, b"a probe of conditional writes: the ledger lease and the publish need them", **condition)
+    except OSError as exc:
+        if store_refusal(exc) is None:
+            raise
+        return True
+    return False
+
+
+def check_conditional_writes(warehouse: UPath) -> None:
+    """Raise StoreIgnoresConditions unless the store refuses a create of a key that exists (`If-None-Match: *`)
+    and a write whose `If-Match` names another version: S3 and recent MinIO do, some S3-compatible stores
+    apply such writes anyway, and then two walks could overwrite each other's commits. Two refused PUTs of
+    `warehouse/_conditional_writes.probe` (three the first time)."""
+    fs, path = warehouse.fs, (warehouse / PROBE_FILE).path
+    created = not _refused(fs, path, mode="create")
+    if (created and not _refused(fs, path, mode="create")) or not _refused(fs, path, IfMatch=NO_SUCH_ETAG):
+        raise StoreIgnoresConditions(
+            f"the object store of {_object_where(warehouse)} applied a write whose condition (If-None-Match / "
+            "If-Match) did not hold: the ledger's lease and its fenced publish need a store that honours "
+            "conditional writes (AWS S3 does; check your store's version and settings)"
+        )
+
+
+def _store_says_expired(fs, path: str, current: dict) -> bool:
+    """Whether the lease read (`current`, its record) is past its expiry by the store's own clock: the time it was
+    last written (`LastModified`) plus its TTL, against the `Date` of the store's answer. Two machines' clocks
+    never meet. A record without `ttl_seconds` (unreadable) is expired."""
+    ttl = current.get("ttl_seconds")
+    if not isinstance(ttl, int | float):
+        return True
+    head = fs.call_s3("head_object", **_bucket_key(fs, path))
+    now = parsedate_to_datetime(head["ResponseMetadata"]["HTTPHeaders"]["date"])
+    return (now - head["LastModified"]).total_seconds() > ttl
+
+
+def _take(fs, path: str, holder: str, ttl_seconds: float, token: str, where: str) -> str:
+    """Create the lease, or take over an expired one; its ETag. Raises LedgerBusy when it is held."""
+    record = _holder_record(holder, ttl_seconds, token=token)
+    try:
+        return _put(fs, path, record, mode="create")
+    except OSError as exc:
+        refusal = store_refusal(exc)
+        if refusal is None:
+            raise
+        if refusal == CONFLICT:
+            raise LedgerBusy(f"another walk was taking the ledger of {where} at the same moment: try again") from None
     try:
         info = fs.info(path, refresh=True)
         current = json.loads(fs.cat_file(path))
@@ -191,41 +248,63 @@ def _take(fs, path: str, holder: str, ttl_seconds: float, where: str) -> str:
         raise LedgerBusy(f"the ledger of {where} was released just now by another walk: try again") from None
     except ValueError:
         current = {}  # unreadable: treat as expired, a conditional takeover settles who wins
-    if isinstance(current, dict) and float(current.get("expires", 0)) > time.time():
+    current = current if isinstance(current, dict) else {}
+    if not _store_says_expired(fs, path, current):
         raise LedgerBusy(_describe(where, current))
     try:
-        return _put(fs, path, _holder_record(holder, ttl_seconds), IfMatch=_etag(info))
+        return _put(fs, path, record, IfMatch=_etag(info))
     except (OSError, FileNotFoundError):
         raise LedgerBusy(
             _describe(where, current) + " (its expired lease was just taken over by another walk)"
         ) from None
 
 
+def _ours(fs, path: str, token: str) -> str | None:
+    """The lease's ETag if the record in the store is this holder's (its token), else None (a network error
+    raises: it says nothing about who holds the lease)."""
+    try:
+        info = fs.info(path, refresh=True)
+        current = json.loads(fs.cat_file(path))
+    except (FileNotFoundError, ValueError):
+        return None
+    return _etag(info) if isinstance(current, dict) and current.get("token") == token else None
+
+
 @contextmanager
 def _object_lease(warehouse: UPath, holder: str, ttl_seconds: float) -> Iterator[Lease]:
     fs, path, where = warehouse.fs, (warehouse / LEASE_FILE).path, _object_where(warehouse)
-    etag = _take(fs, path, holder, ttl_seconds, where)
+    check_conditional_writes(warehouse)
+    token = uuid.uuid4().hex  # tells this holder's record from a taker's, whatever the ETags say
+    etag = _take(fs, path, holder, ttl_seconds, token, where)
     since = _now_iso()
     state = {"etag": etag}
 
-    def still_ours() -> bool:
-        try:
-            return _etag(fs.info(path, refresh=True)) == state["etag"]
-        except FileNotFoundError:
-            return False
-
-    lease = Lease(still_ours)
+    lease = Lease(lambda: _ours(fs, path, token) is not None)
     stop = threading.Event()
 
+    def renew() -> None:
+        record = _holder_record(holder, ttl_seconds, since, token)
+        try:
+            state["etag"] = _put(fs, path, record, IfMatch=state["etag"])
+        except FileNotFoundError:
+            lease.lost = f"the ledger lease {path} was taken over by another walk after it expired"
+        except OSError as exc:
+            if store_refusal(exc) != PRECONDITION:
+                return  # a network error or a 409: try again at the next beat (the lease holds until it expires)
+            # refused: taken over, or this renewal was applied and its reply lost (a retried PUT then fails its
+            # If-Match): the token in the store tells which
+            found = _ours(fs, path, token)
+            if found is None:
+                lease.lost = f"the ledger lease {path} was taken over by another walk after it expired"
+            else:
+                state["etag"] = found
+
     def heartbeat() -> None:
-        while not stop.wait(ttl_seconds / 4):
+        while not lease.lost and not stop.wait(ttl_seconds / 4):
             try:
-                state["etag"] = _put(fs, path, _holder_record(holder, ttl_seconds, since), IfMatch=state["etag"])
-            except (OSError, FileNotFoundError) as exc:
-                if isinstance(exc, FileNotFoundError) or getattr(exc, "errno", None) == errno.EINVAL:
-                    lease.lost = f"the ledger lease {path} was taken over by another walk after it expired"
-                    return
-                # a network error: try again at the next beat (the lease is still good until it expires)
+                renew()
+            except Exception:  # noqa: BLE001 - botocore's connection errors are not OSErrors: try again
+                continue
 
     beat = threading.Thread(target=heartbeat, name="ledger-lease", daemon=True)
     beat.start()

@@ -24,13 +24,22 @@ import os
 import signal
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from upath import UPath
 
 from filter_pipeline.rules.commits import COMMITS_DIR, CommitRecord
-from filter_pipeline.storage.files import HOST, STALE_TEMP_SECONDS, alive, atomic_write, is_local
+from filter_pipeline.storage.files import (
+    HOST,
+    PRECONDITION,
+    STALE_TEMP_SECONDS,
+    alive,
+    atomic_write,
+    is_local,
+    sha256_of,
+    store_refusal,
+)
 
 STAGING_DIR = "_staging"  # warehouse/_staging/<run_id>.<host>.<pid>.<uuid>/
 MANIFEST = "_publish.json"
@@ -38,6 +47,8 @@ MANIFEST = "_publish.json"
 # stop itself (SIGSTOP) at <point>; the test resumes it (SIGCONT) or kills it
 PAUSE_ENV = "FILTER_PIPELINE_PAUSE_AT"
 PAUSE_POINTS = ("history_read", "files_staged", "before_publish", "published")
+# AWS answers 409 to a conditional write while another one on the same key is in flight: try again, briefly
+CONFLICT_TRIES, CONFLICT_PAUSE_SECONDS = 4, 0.25
 
 
 def commit_path(warehouse: UPath, run_id: str) -> UPath:
@@ -59,6 +70,11 @@ def file_entry(data_root: UPath, path: UPath, data, rows: int) -> dict:
         "sha256": hashlib.sha256(view).hexdigest(),
         "rows": rows,
     }
+
+
+class PublishIncomplete(Exception):
+    """A published walk's files could not all be moved into place: its commit record names a file that is not
+    there; str(): one line naming them and what to do."""
 
 
 class PublishRefused(Exception):
@@ -112,11 +128,6 @@ def write_commit(warehouse: UPath, record: CommitRecord) -> None:
     atomic_write(commit_path(warehouse, record.run_id), record.to_json())
 
 
-def _precondition_failed(exc: OSError) -> bool:
-    text = str(exc)
-    return isinstance(exc, FileExistsError) or "PreconditionFailed" in text or "412" in text
-
-
 def _put_commit(warehouse: UPath, record: CommitRecord, read: CommitState) -> str | None:
     """Write the record if the run's record is still `read`; None when written, else why not."""
     path, data = commit_path(warehouse, record.run_id), record.to_json()
@@ -128,19 +139,30 @@ def _put_commit(warehouse: UPath, record: CommitRecord, read: CommitState) -> st
         return None
     condition = {"IfMatch": read.version} if read.exists else {"mode": "create"}
     try:
-        path.fs.pipe_file(path.path, data, **condition)
-    except OSError as exc:
-        try:
-            if path.fs.cat_file(path.path) == data:
-                return None  # written, its reply lost (a retried PUT finds its own record)
-        except FileNotFoundError:
-            pass
-        if not _precondition_failed(exc):
-            raise
-        return "another walk committed it after this walk took the lease (the store refused the conditional write)"
+        for attempt in range(CONFLICT_TRIES):
+            if attempt:
+                time.sleep(CONFLICT_PAUSE_SECONDS * 2 ** (attempt - 1))  # another write was in flight: it decides
+            try:
+                path.fs.pipe_file(path.path, data, **condition)
+                return None
+            except OSError as exc:
+                refusal = store_refusal(exc)
+                if _written(path, data):
+                    return None  # written, its reply lost (a retried PUT finds its own record)
+                if refusal is None:
+                    raise
+                if refusal == PRECONDITION:
+                    return "another walk committed it after this walk took the lease (the store refused the conditional write)"
+        return "another write of its commit record was in flight each time it tried (the store answered 409)"
     finally:
         path.fs.invalidate_cache(path.path)
-    return None
+
+
+def _written(path: UPath, data: bytes) -> bool:
+    try:
+        return path.fs.cat_file(path.path) == data
+    except FileNotFoundError:
+        return False
 
 
 class StagedWalk:
@@ -164,7 +186,8 @@ class StagedWalk:
         """Publish `record` (conditional on the record read at the lease), then move the staged files into
         place. `still_held` raises when the lease is known lost. Raises PublishRefused (its staged files removed)
         when the record is not written."""
-        manifest = {"run_id": record.run_id, "digest": record.digest, "moves": self.moves}
+        sha256 = {entry["path"]: entry["sha256"] for entry in record.files.values()}
+        manifest = {"run_id": record.run_id, "digest": record.digest, "moves": self.moves, "sha256": sha256}
         atomic_write(self.folder / MANIFEST, json.dumps(manifest, sort_keys=True).encode())
         try:
             still_held()
@@ -183,7 +206,7 @@ class StagedWalk:
             )
         self.published = True
         pause_point("published")
-        _move_all(self.data_root, self.folder, self.moves)
+        _move_all(self.data_root, self.folder, manifest)
 
     def discard(self) -> None:
         """Remove this walk's staging folder (and nothing else), unless it was published: then what its moves
@@ -199,16 +222,46 @@ def _remove(folder: UPath) -> None:
         pass
 
 
-def _move_all(data_root: UPath, folder: UPath, moves: dict[str, str]) -> None:
-    """Move each staged file into place (a file already moved is skipped), then remove the staging folder."""
-    for staged, final in moves.items():
-        _move(data_root / staged, data_root / final)
+def _move_all(data_root: UPath, folder: UPath, manifest: dict) -> None:
+    """Move each staged file of a published walk into place (one already moved is skipped), then remove the
+    staging folder. Raises PublishIncomplete when a staged file is gone and the file in place is not the one
+    committed (`manifest["sha256"]`: path -> SHA-256; a manifest without it is not checked)."""
+    missing = []
+    for staged, final in manifest["moves"].items():
+        if not _move(data_root / staged, data_root / final) and not _holds(data_root / final, manifest, final):
+            missing.append(final)
     _remove(folder)
+    run_id = manifest["run_id"]
+    if missing and _standing_digest(data_root / "warehouse", run_id) == manifest["digest"]:  # (else superseded)
+        raise PublishIncomplete(
+            f"{run_id}: its commit was published, but its staged files ({', '.join(missing)}) were removed before they were "
+            f"moved into place (the walk stalled for longer than {STALE_TEMP_SECONDS} s, and another launcher took "
+            f"them for abandoned): re-filter it with `filter-pipeline materialize {run_id}`"
+        )
 
 
-def _move(staged: UPath, final: UPath) -> None:
+def _standing_digest(warehouse: UPath, run_id: str) -> str | None:
+    try:
+        return hashlib.sha256(commit_path(warehouse, run_id).read_bytes()).hexdigest()
+    except FileNotFoundError:
+        return None
+
+
+def _holds(final: UPath, manifest: dict, where: str) -> bool:
+    expected = manifest.get("sha256", {}).get(where)
+    if expected is None:
+        return True
+    try:
+        return sha256_of(final) == expected
+    except FileNotFoundError:
+        return False
+
+
+def _move(staged: UPath, final: UPath) -> bool:
+    """Move `staged` over `final`; False when there is no staged file (moved already, by the walk itself or by the
+    launcher completing it, or removed)."""
     if not staged.exists():
-        return  # moved already (by the walk itself, or by the launcher completing it)
+        return False
     if is_local(staged):
         os.makedirs(os.path.dirname(final.path), exist_ok=True)
         os.replace(staged.path, final.path)
@@ -217,9 +270,10 @@ def _move(staged: UPath, final: UPath) -> None:
             os.fsync(descriptor)
         finally:
             os.close(descriptor)
-        return
+        return True
     staged.fs.copy(staged.path, final.path)  # server-side on object storage; a PUT a reader sees whole
     staged.fs.rm(staged.path)
+    return True
 
 
 def _abandoned(name: str, folder: UPath) -> bool:
@@ -238,29 +292,51 @@ def _abandoned(name: str, folder: UPath) -> bool:
     return bool(seconds) and time.time() - max(seconds) > STALE_TEMP_SECONDS
 
 
-def complete_published(data_root: UPath, log: Callable[[str], None]) -> list[str]:
-    """Under the lease: finish the moves of every walk whose commit record stands but whose files were not all
-    moved (it was killed after publishing), and remove staging folders of walks that are gone unpublished.
-    Returns the runs whose publish was completed; says each in one line to `log`."""
+def _staged_walks(data_root: UPath) -> Iterator[tuple[UPath, dict | None, bool]]:
+    """(folder, its manifest or None, whether its commit record stands) for each staging folder, in name order."""
     staging = data_root / "warehouse" / STAGING_DIR
     if not staging.exists():
-        return []
-    completed = []
+        return
     for folder in sorted(staging.iterdir(), key=lambda p: p.name):
         try:
             manifest = json.loads((folder / MANIFEST).read_bytes())
         except (FileNotFoundError, ValueError):
             manifest = None
         run_id = manifest["run_id"] if manifest else folder.name.partition(".")[0]
-        standing = commit_path(data_root / "warehouse", run_id)
-        try:
-            published = manifest is not None and hashlib.sha256(standing.read_bytes()).hexdigest() == manifest["digest"]
-        except FileNotFoundError:
-            published = False
+        yield (
+            folder,
+            manifest,
+            manifest is not None and _standing_digest(data_root / "warehouse", run_id) == manifest["digest"],
+        )
+
+
+def incomplete_publishes(data_root: UPath) -> dict[str, tuple[UPath, bool]]:
+    """run_id -> (its staging folder, whether its walk is gone) for each run whose commit record stands but whose
+    files are not all moved into place yet: a walk moving them now, or one killed after its publish."""
+    return {
+        manifest["run_id"]: (folder, _abandoned(folder.name, folder))
+        for folder, manifest, published in _staged_walks(data_root)
+        if published
+    }
+
+
+def staged_copy(data_root: UPath, run_id: str, where: str) -> UPath | None:
+    """Where a published walk of `run_id` still holds the file it committed at `where` (relative to the data
+    root), if its publish is not complete."""
+    found = incomplete_publishes(data_root).get(run_id)
+    return found[0] / where if found is not None and (found[0] / where).exists() else None
+
+
+def complete_published(data_root: UPath, log: Callable[[str], None]) -> list[str]:
+    """Under the lease: finish the moves of every walk whose commit record stands but whose files were not all
+    moved (it was killed after publishing), and remove staging folders of walks that are gone unpublished.
+    Returns the runs whose publish was completed; says each in one line to `log`."""
+    completed = []
+    for folder, manifest, published in _staged_walks(data_root):
         if published:
-            _move_all(data_root, folder, manifest["moves"])
-            log(f"{run_id}: completed the publish of its committed walk (its files moved into place)")
-            completed.append(run_id)
+            _move_all(data_root, folder, manifest)
+            log(f"{manifest['run_id']}: completed the publish of its committed walk (its files moved into place)")
+            completed.append(manifest["run_id"])
         elif _abandoned(folder.name, folder):
             _remove(folder)
     return completed

@@ -132,3 +132,92 @@ def test_of_two_takers_of_an_expired_s3_lease_exactly_one_wins(s3_server, s3_buc
         monkeypatch.undo()
         assert sorted(o.split()[0] for o in outcomes) == ["busy", "won"], outcomes
         assert "just taken over by another walk" in next(o for o in outcomes if o.startswith("busy"))
+
+
+def lease_record(root, **fields) -> None:
+    path = root / "warehouse" / LEASE_FILE
+    record = {"holder": "run r1 (elsewhere)", "host": "elsewhere", "pid": 1, "since": "x", "token": "theirs"}
+    path.fs.pipe_file(path.path, json.dumps({**record, **fields}).encode())
+
+
+@pytest.mark.slow  # moto's S3 server is a process of its own
+@pytest.mark.parametrize(
+    "holder_clock, ttl_seconds, wait, outcome",
+    [
+        ("5 minutes behind", 120, 0, "busy"),  # its `expires` is past on this clock, but it renewed just now
+        ("an hour ahead", 1, 2.2, "taken over"),  # its `expires` is far ahead, but the store saw no renewal
+    ],
+)
+def test_a_lease_expires_by_the_stores_clock_not_by_the_holders(
+    s3_server, s3_bucket, holder_clock, ttl_seconds, wait, outcome
+):
+    root = s3_root(s3_server, s3_bucket)
+    skew = -300 if "behind" in holder_clock else 3600
+    lease_record(root, expires=time.time() + skew + ttl_seconds, ttl_seconds=ttl_seconds)
+    time.sleep(wait)
+    if outcome == "busy":
+        with pytest.raises(LedgerBusy, match=r"held by run r1 \(elsewhere\)"):
+            with ledger_lease(root, "run r2"):
+                pass
+    else:
+        with ledger_lease(root, "run r2"):
+            assert json.loads(root.fs.cat_file((root / "warehouse" / LEASE_FILE).path))["holder"] == "run r2"
+
+
+def through(s3_faults, bucket):
+    return UPath(f"s3://{bucket}/data", endpoint_url=s3_faults.endpoint, use_listings_cache=False)
+
+
+def lease_write(condition: str):
+    """A fault rule: the PUTs of the lease that carry `condition` (a header name)."""
+    return lambda request: (
+        request.method == "PUT" and request.path.endswith(LEASE_FILE) and condition in request.headers
+    )
+
+
+@pytest.mark.slow  # moto's S3 server is a process of its own
+def test_a_409_on_creating_the_lease_says_the_ledger_is_busy(s3_server, s3_bucket, s3_faults):
+    from filter_pipeline_tests.s3_faults import CONFLICT
+
+    creating = lease_write("if-none-match")
+    s3_faults.fault = lambda request: CONFLICT if creating(request) else None
+    with pytest.raises(LedgerBusy, match=rf"^another walk was taking the ledger of s3://{s3_bucket}/data at the same"):
+        with ledger_lease(through(s3_faults, s3_bucket), "run r2"):
+            pass
+    assert [action for action, _ in s3_faults.applied] == [CONFLICT]
+
+
+@pytest.mark.slow  # moto's S3 server is a process of its own
+def test_a_store_that_ignores_conditional_writes_is_refused_before_the_lease_is_taken(s3_server, s3_bucket, s3_faults):
+    from filter_pipeline_tests.s3_faults import IGNORE_CONDITIONS
+
+    for header in ("if-none-match", "if-match"):
+        s3_faults.fault = lambda request, header=header: IGNORE_CONDITIONS if header in request.headers else None
+        with pytest.raises(lease.StoreIgnoresConditions, match=r"applied a write whose condition .* did not hold"):
+            with ledger_lease(through(s3_faults, s3_bucket), "run r2"):
+                pass
+        assert not s3_server.filesystem().exists(f"{s3_bucket}/data/warehouse/{LEASE_FILE}")
+    s3_faults.fault = lambda request: None
+    with ledger_lease(through(s3_faults, s3_bucket), "run r2"):
+        pass
+
+
+@pytest.mark.slow  # moto's S3 server is a process of its own
+def test_a_renewal_applied_whose_reply_was_lost_keeps_the_lease(s3_server, s3_bucket, s3_faults):
+    from filter_pipeline_tests.s3_faults import LOSE_REPLY
+
+    renewing, lost = lease_write("if-match"), []
+
+    def lose_the_first_renewal_reply(request):
+        if renewing(request) and not lost:
+            lost.append(request)
+            return LOSE_REPLY
+        return None
+
+    s3_faults.fault = lose_the_first_renewal_reply
+    with ledger_lease(through(s3_faults, s3_bucket), "run r1", ttl_seconds=1.2) as held:
+        time.sleep(1.5)  # the first renewal (after 0.3 s) was applied, its reply lost; two more beats since
+        assert lost, "no renewal was made"
+        held.confirm()  # the store still holds this holder's record: not lost
+        assert held.lost is None
+    assert not s3_server.filesystem().exists(f"{s3_bucket}/data/warehouse/{LEASE_FILE}")  # deleted: it was ours

@@ -10,6 +10,7 @@ from upath import UPath
 
 from filter_pipeline.storage.files import HOST
 from filter_pipeline.storage.publish import (
+    CONFLICT_TRIES,
     MANIFEST,
     STAGING_DIR,
     PublishRefused,
@@ -112,3 +113,52 @@ def test_an_unpublished_staging_folder_nobody_wrote_to_for_an_hour_is_removed(tm
     then = old.stat().st_mtime - STALE_TEMP_SECONDS - 60
     os.utime(old, (then, then))
     assert complete_published(root, print) == [] and not other_host.exists()
+
+
+@pytest.mark.slow  # moto's S3 server is a process of its own
+@pytest.mark.parametrize("conflicts", [1, CONFLICT_TRIES])
+def test_a_409_on_the_publish_is_tried_again_until_the_store_decides(s3_server, s3_bucket, s3_faults, conflicts):
+    from filter_pipeline_tests.s3_faults import CONFLICT
+
+    root = UPath(f"s3://{s3_bucket}/data", endpoint_url=s3_faults.endpoint, use_listings_cache=False)
+    answered = []
+
+    def conflict(request):
+        if request.method == "PUT" and request.path.endswith("/_commits/r1.json") and len(answered) < conflicts:
+            answered.append(request)
+            return CONFLICT
+        return None
+
+    s3_faults.fault = conflict
+    walk, files = stage(root, "r1", b"rows")
+    if conflicts < CONFLICT_TRIES:
+        walk.publish(record("r1", files=files), never_lost)
+        assert root.fs.cat_file(f"{s3_bucket}/data/warehouse/kept/r1.parquet") == b"rows"
+    else:
+        with pytest.raises(PublishRefused, match=r"in flight each time it tried \(the store answered 409\)"):
+            walk.publish(record("r1", files=files), never_lost)
+        assert not root.fs.exists(commit_path(root / "warehouse", "r1").path)
+    assert len(answered) == conflicts
+
+
+def test_a_walk_published_after_its_staged_files_were_removed_as_abandoned_says_so(tmp_path, monkeypatch):
+    import shutil
+
+    from filter_pipeline.storage import publish
+
+    root = UPath(tmp_path)
+    walk, files = stage(root, "r1", b"rows")
+
+    def stalled_for_hours(point: str) -> None:
+        if point == "before_publish":  # meanwhile another launcher took its staging folder for abandoned
+            shutil.rmtree(walk.folder.path)
+
+    monkeypatch.setattr(publish, "pause_point", stalled_for_hours)
+    with pytest.raises(
+        publish.PublishIncomplete,
+        match=r"^r1: its commit was published, but its staged files \(warehouse/kept/r1.parquet\) were removed before .*: "
+        r"re-filter it with `filter-pipeline materialize r1`$",
+    ):
+        walk.publish(record("r1", files=files), never_lost)
+    assert commit_path(root / "warehouse", "r1").exists()
+    assert not (tmp_path / "warehouse" / "kept" / "r1.parquet").exists()
