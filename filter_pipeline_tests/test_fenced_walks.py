@@ -10,6 +10,7 @@ completed by the next launcher; and two processes over the same runs walking eac
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -180,3 +181,18 @@ def test_a_store_that_ignores_conditional_writes_walks_nothing_and_says_why(s3_d
     said = [line for line in (done.stdout + done.stderr).splitlines() if "applied a write whose condition" in line]
     assert len(said) == 1 and "need a store that honours conditional writes" in said[0], done.stdout + done.stderr
     assert not any("/_commits/" in name or "/kept/" in name for name in snapshot(root))
+
+
+def test_a_publish_left_half_done_on_another_machine_is_reported_once_its_lease_expired(s3_data, tmp_path, started):
+    root, env = s3_data
+    walk_a, pid = paused(["r1"], env, homes(tmp_path)[0], "published", tmp_path / "paused.pid", started)
+    os.kill(pid, signal.SIGKILL)
+    walk_a.communicate(timeout=60)
+    # as if it had run on another machine: this one cannot tell from its pid whether it is gone
+    staging = root / "warehouse" / STAGING_DIR
+    (folder,) = staging.iterdir()
+    elsewhere = (staging / f"r1.elsewhere.42.{folder.name.rsplit('.', 1)[-1]}").path
+    for path in root.fs.find(folder.path):
+        root.fs.mv(path, elsewhere + path[len(folder.path) :])
+    time.sleep(float(LEASE_SECONDS) + 1.5)  # its lease, no longer renewed, expired
+    assert [f.kind for f in audit(root)] == ["incomplete"]

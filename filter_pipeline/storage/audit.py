@@ -20,6 +20,7 @@ from filter_pipeline.rules.verify import (
 )
 from filter_pipeline.storage.files import files_in, inputs_changed
 from filter_pipeline.storage.history import kept_files, legacy_kept_files, load_retired, verified_bytes
+from filter_pipeline.storage.lease import lease_live
 from filter_pipeline.storage.publish import incomplete_publishes, relative
 
 
@@ -103,8 +104,11 @@ def audit(data_root: UPath) -> list[Finding]:
             f"warehouse/kept/{run_id}.parquet has no commit record (its walk stopped before committing): it is not "
             f"history; `filter-pipeline materialize` walks {run_id} again and commits it",
         ))  # fmt: skip
-    for run_id, (folder, gone) in incomplete_publishes(data_root).items():
-        if gone:  # (a walk moving its files now is not a finding: its staged copies were verified above)
+    # a walk publishes and moves its files under the lease: with no live lease, a publish half done is stopped
+    incomplete = incomplete_publishes(data_root)
+    walking = lease_live(warehouse) if incomplete else None
+    for run_id, (folder, gone) in incomplete.items():
+        if gone or walking is False:  # (a walk moving its files now is no finding: its staged copies were verified)
             findings.append(Finding(
                 "incomplete",
                 f"{run_id}: its walk stopped after publishing its commit, before moving all its files into place (the "

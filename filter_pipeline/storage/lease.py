@@ -221,42 +221,81 @@ def check_conditional_writes(warehouse: UPath) -> None:
 def _store_says_expired(fs, path: str, current: dict) -> bool:
     """Whether the lease read (`current`, its record) is past its expiry by the store's own clock: the time it was
     last written (`LastModified`) plus its TTL, against the `Date` of the store's answer. Two machines' clocks
-    never meet. A record without `ttl_seconds` (unreadable) is expired."""
-    ttl = current.get("ttl_seconds")
+    never meet. A record without `ttl_seconds` (written by an earlier version, which renews it all the same) lasts
+    FILTER_PIPELINE_LEASE_SECONDS; one without `expires` either is unreadable, hence expired. Raises
+    FileNotFoundError when the lease is gone."""
+    ttl = current.get("ttl_seconds", default_ttl_seconds() if "expires" in current else None)
     if not isinstance(ttl, int | float):
         return True
     head = fs.call_s3("head_object", **_bucket_key(fs, path))
-    now = parsedate_to_datetime(head["ResponseMetadata"]["HTTPHeaders"]["date"])
+    said = head.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+    now = parsedate_to_datetime(said) if said else datetime.now(UTC)  # (a store that sends no Date: this clock)
+    now = now if now.tzinfo else now.replace(tzinfo=UTC)
     return (now - head["LastModified"]).total_seconds() > ttl
 
 
 def _take(fs, path: str, holder: str, ttl_seconds: float, token: str, where: str) -> str:
-    """Create the lease, or take over an expired one; its ETag. Raises LedgerBusy when it is held."""
+    """Create the lease, or take over an expired one; its ETag. Raises LedgerBusy when it is held. A write whose
+    reply was lost (and whose retry the store refused) is recognised by `token` in the record it left."""
     record = _holder_record(holder, ttl_seconds, token=token)
     try:
         return _put(fs, path, record, mode="create")
-    except OSError as exc:
-        refusal = store_refusal(exc)
-        if refusal is None:
-            raise
+    except Exception as exc:  # (botocore's connection errors are not OSErrors)
+        refusal = store_refusal(exc) if isinstance(exc, OSError) else None
         if refusal == CONFLICT:
             raise LedgerBusy(f"another walk was taking the ledger of {where} at the same moment: try again") from None
+        if refusal is None:
+            return _ours_or_raise(fs, path, token, exc)
+    released = LedgerBusy(f"the ledger of {where} was released just now by another walk: try again")
     try:
         info = fs.info(path, refresh=True)
         current = json.loads(fs.cat_file(path))
     except FileNotFoundError:
-        raise LedgerBusy(f"the ledger of {where} was released just now by another walk: try again") from None
+        raise released from None
     except ValueError:
         current = {}  # unreadable: treat as expired, a conditional takeover settles who wins
     current = current if isinstance(current, dict) else {}
-    if not _store_says_expired(fs, path, current):
+    if current.get("token") == token:
+        return _etag(info)
+    try:
+        expired = _store_says_expired(fs, path, current)
+    except FileNotFoundError:
+        raise released from None
+    if not expired:
         raise LedgerBusy(_describe(where, current))
     try:
         return _put(fs, path, record, IfMatch=_etag(info))
-    except (OSError, FileNotFoundError):
-        raise LedgerBusy(
-            _describe(where, current) + " (its expired lease was just taken over by another walk)"
-        ) from None
+    except Exception as exc:
+        found = _ours(fs, path, token)
+        if found is not None:
+            return found
+        if isinstance(exc, OSError):
+            raise LedgerBusy(
+                _describe(where, current) + " (its expired lease was just taken over by another walk)"
+            ) from None
+        raise
+
+
+def _ours_or_raise(fs, path: str, token: str, exc: Exception) -> str:
+    found = _ours(fs, path, token)
+    if found is None:
+        raise exc
+    return found
+
+
+def lease_live(warehouse: UPath) -> bool | None:
+    """On object storage, whether a walk holds the ledger now: its lease exists and has not expired by the store's
+    clock. None elsewhere: a local lock's holder is told by its pid."""
+    if warehouse.protocol not in ("s3", "s3a"):
+        return None
+    fs, path = warehouse.fs, (warehouse / LEASE_FILE).path
+    try:
+        current = json.loads(fs.cat_file(path))
+        return not _store_says_expired(fs, path, current if isinstance(current, dict) else {})
+    except FileNotFoundError:
+        return False
+    except ValueError:
+        return False  # unreadable: expired, as a taker judges it
 
 
 def _ours(fs, path: str, token: str) -> str | None:

@@ -145,10 +145,10 @@ def _put_commit(warehouse: UPath, record: CommitRecord, read: CommitState) -> st
             try:
                 path.fs.pipe_file(path.path, data, **condition)
                 return None
-            except OSError as exc:
-                refusal = store_refusal(exc)
+            except Exception as exc:  # (botocore's connection errors are not OSErrors)
                 if _written(path, data):
                     return None  # written, its reply lost (a retried PUT finds its own record)
+                refusal = store_refusal(exc) if isinstance(exc, OSError) else None
                 if refusal is None:
                     raise
                 if refusal == PRECONDITION:
@@ -173,6 +173,7 @@ class StagedWalk:
         self.folder = data_root / "warehouse" / STAGING_DIR / f"{read.run_id}.{HOST}.{os.getpid()}.{uuid.uuid4().hex}"
         self.moves: dict[str, str] = {}  # staged path -> final path, both relative to the data root
         self.published = False
+        self.unsettled = False
 
     def write(self, final: UPath, data, rows: int) -> dict:
         """Stage `data` for the file `final`; its commit entry (which names `final`, where it will be)."""
@@ -185,17 +186,18 @@ class StagedWalk:
     def publish(self, record: CommitRecord, still_held: Callable[[], None]) -> None:
         """Publish `record` (conditional on the record read at the lease), then move the staged files into
         place. `still_held` raises when the lease is known lost. Raises PublishRefused (its staged files removed)
-        when the record is not written."""
+        when the record is not written; any other exception leaves them for the next launcher, which moves them
+        into place if the record stands after all (`complete_published`), else removes them."""
         sha256 = {entry["path"]: entry["sha256"] for entry in record.files.values()}
         manifest = {"run_id": record.run_id, "digest": record.digest, "moves": self.moves, "sha256": sha256}
         atomic_write(self.folder / MANIFEST, json.dumps(manifest, sort_keys=True).encode())
         try:
             still_held()
             pause_point("before_publish")
-            why = _put_commit(self.data_root / "warehouse", record, self.read)
+            why = self._staged_files_gone() or _put_commit(self.data_root / "warehouse", record, self.read)
         except Exception as exc:
-            self.discard()
             if type(exc).__name__ != "LeaseLost":
+                self.unsettled = True  # (a PUT whose outcome is unknown may have published the record)
                 raise
             why = str(exc)
         if why is not None:
@@ -208,10 +210,27 @@ class StagedWalk:
         pause_point("published")
         _move_all(self.data_root, self.folder, manifest)
 
+    def _staged_files_gone(self) -> str | None:
+        """Why not to publish when a staged file is gone (one listing): a record naming it could not be completed."""
+        fs = self.folder.fs
+        if not is_local(self.folder):
+            fs.invalidate_cache(self.folder.path)
+        try:
+            present = {path.rstrip("/") for path in fs.find(self.folder.path)}
+        except FileNotFoundError:
+            present = set()
+        gone = [final for staged, final in self.moves.items() if (self.data_root / staged).path not in present]
+        if not gone:
+            return None
+        return (
+            f"its staged files ({', '.join(gone)}) were removed while it stalled: another launcher took them for "
+            f"abandoned after {STALE_TEMP_SECONDS} s"
+        )
+
     def discard(self) -> None:
-        """Remove this walk's staging folder (and nothing else), unless it was published: then what its moves
-        left is the next launcher's to complete."""
-        if not self.published:
+        """Remove this walk's staging folder (and nothing else), unless it was published, or its publish ended
+        with its outcome unknown: then it is the next launcher's to complete or remove."""
+        if not self.published and not self.unsettled:
             _remove(self.folder)
 
 
@@ -334,7 +353,11 @@ def complete_published(data_root: UPath, log: Callable[[str], None]) -> list[str
     completed = []
     for folder, manifest, published in _staged_walks(data_root):
         if published:
-            _move_all(data_root, folder, manifest)
+            try:
+                _move_all(data_root, folder, manifest)
+            except PublishIncomplete as exc:
+                log(str(exc))  # (reading that run's history says so again, naming the file, until it is re-filtered)
+                continue
             log(f"{manifest['run_id']}: completed the publish of its committed walk (its files moved into place)")
             completed.append(manifest["run_id"])
         elif _abandoned(folder.name, folder):

@@ -76,11 +76,10 @@ def test_s3_lease_is_exclusive_renewed_while_held_and_deleted_at_the_end(s3_serv
 
 
 def expired_lease(root, holder="a dead walk") -> None:
+    """A lease whose holder stopped renewing it long ago: by the store's clock, its TTL is over."""
     path = root / "warehouse" / LEASE_FILE
-    path.fs.pipe_file(
-        path.path,
-        json.dumps({"holder": holder, "host": "gone", "pid": 1, "since": "x", "expires": time.time() - 5}).encode(),
-    )
+    record = {"holder": holder, "host": "gone", "pid": 1, "since": "x", "expires": 0, "ttl_seconds": -5}
+    path.fs.pipe_file(path.path, json.dumps(record).encode())
 
 
 @pytest.mark.slow  # moto's S3 server is a process of its own
@@ -98,12 +97,13 @@ def test_of_two_takers_of_an_expired_s3_lease_exactly_one_wins(s3_server, s3_buc
     for _ in range(3):
         expired_lease(root)
         # both takers read the expired lease before either writes: only the conditional write decides
-        barrier = threading.Barrier(2)
+        barrier, waited = threading.Barrier(2), threading.local()
         real_cat = root.fs.cat_file
 
         def cat_then_wait(path, *args, **kwargs):
             data = real_cat(path, *args, **kwargs)
-            if path.endswith(LEASE_FILE):
+            if path.endswith(LEASE_FILE) and not getattr(waited, "once", False):  # (the first read of each taker)
+                waited.once = True
                 barrier.wait(timeout=10)
             return data
 
@@ -221,3 +221,35 @@ def test_a_renewal_applied_whose_reply_was_lost_keeps_the_lease(s3_server, s3_bu
         held.confirm()  # the store still holds this holder's record: not lost
         assert held.lost is None
     assert not s3_server.filesystem().exists(f"{s3_bucket}/data/warehouse/{LEASE_FILE}")  # deleted: it was ours
+
+
+@pytest.mark.slow  # moto's S3 server is a process of its own
+def test_a_live_lease_of_the_previous_version_is_not_taken_over(s3_server, s3_bucket):
+    root = s3_root(s3_server, s3_bucket)
+    lease_record(root, expires=time.time() + 120)  # no ttl_seconds, no token: as the earlier version wrote it
+    with pytest.raises(LedgerBusy, match=r"held by run r1 \(elsewhere\)"):
+        with ledger_lease(root, "run r2"):
+            pass
+
+
+@pytest.mark.slow  # moto's S3 server is a process of its own
+@pytest.mark.parametrize("write", ["create", "takeover"])
+def test_a_lease_written_whose_reply_was_lost_is_held_not_busy(s3_server, s3_bucket, s3_faults, write):
+    from filter_pipeline_tests.s3_faults import LOSE_REPLY
+
+    if write == "takeover":
+        expired_lease(s3_root(s3_server, s3_bucket))
+    writing, lost = lease_write("if-none-match" if write == "create" else "if-match"), []
+
+    def lose_the_first_reply(request):
+        if writing(request) and not lost:
+            lost.append(request)
+            return LOSE_REPLY
+        return None
+
+    s3_faults.fault = lose_the_first_reply
+    with ledger_lease(through(s3_faults, s3_bucket), "run r2") as held:
+        assert lost, "no lease write was made"
+        held.confirm()
+        current = json.loads(s3_server.filesystem().cat_file(f"{s3_bucket}/data/warehouse/{LEASE_FILE}"))
+        assert current["holder"] == "run r2"

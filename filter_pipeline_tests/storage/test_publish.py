@@ -141,24 +141,60 @@ def test_a_409_on_the_publish_is_tried_again_until_the_store_decides(s3_server, 
     assert len(answered) == conflicts
 
 
-def test_a_walk_published_after_its_staged_files_were_removed_as_abandoned_says_so(tmp_path, monkeypatch):
+def removed_meanwhile(walk: StagedWalk) -> None:
+    """Another launcher took the walk's staging folder for abandoned (the walk stalled for over an hour)."""
     import shutil
 
+    shutil.rmtree(walk.folder.path)
+
+
+def test_a_walk_whose_staged_files_were_removed_while_it_stalled_is_not_published(tmp_path, monkeypatch):
     from filter_pipeline.storage import publish
 
     root = UPath(tmp_path)
     walk, files = stage(root, "r1", b"rows")
+    monkeypatch.setattr(publish, "pause_point", lambda point: point == "before_publish" and removed_meanwhile(walk))
+    with pytest.raises(
+        PublishRefused, match=r"^r1: this walk was not published \(its staged files \(warehouse/kept/r1"
+    ):
+        walk.publish(record("r1", files=files), never_lost)
+    assert not commit_path(root / "warehouse", "r1").exists()
 
-    def stalled_for_hours(point: str) -> None:
-        if point == "before_publish":  # meanwhile another launcher took its staging folder for abandoned
-            shutil.rmtree(walk.folder.path)
 
-    monkeypatch.setattr(publish, "pause_point", stalled_for_hours)
+def test_a_walk_published_as_its_staged_files_were_removed_says_so_and_what_to_do(tmp_path, monkeypatch):
+    from filter_pipeline.storage import publish
+
+    root = UPath(tmp_path)
+    walk, files = stage(root, "r1", b"rows")
+    real_put = publish._put_commit
+
+    def removed_just_before_the_put(*args):
+        removed_meanwhile(walk)
+        return real_put(*args)
+
+    monkeypatch.setattr(publish, "_put_commit", removed_just_before_the_put)
     with pytest.raises(
         publish.PublishIncomplete,
-        match=r"^r1: its commit was published, but its staged files \(warehouse/kept/r1.parquet\) were removed before .*: "
-        r"re-filter it with `filter-pipeline materialize r1`$",
+        match=r"^r1: its commit was published, but its staged files \(warehouse/kept/r1.parquet\) were removed before "
+        r".*: re-filter it with `filter-pipeline materialize r1`$",
     ):
         walk.publish(record("r1", files=files), never_lost)
     assert commit_path(root / "warehouse", "r1").exists()
     assert not (tmp_path / "warehouse" / "kept" / "r1.parquet").exists()
+
+
+@pytest.mark.slow  # moto's S3 server is a process of its own
+def test_a_publish_applied_whose_every_reply_was_lost_stands_with_its_files(s3_server, s3_bucket, s3_faults):
+    from filter_pipeline_tests.s3_faults import LOSE_REPLY
+
+    # one try each (botocore and s3fs would otherwise retry the lost reply for half a minute)
+    root = UPath(f"s3://{s3_bucket}/data", endpoint_url=s3_faults.endpoint, use_listings_cache=False,
+                 config_kwargs={"retries": {"max_attempts": 1}})  # fmt: skip
+    root.fs.retries = 1
+    walk, files = stage(root, "r1", b"rows")
+    s3_faults.fault = lambda request: (
+        LOSE_REPLY if request.path.endswith("/_commits/r1.json") and request.method == "PUT" else None
+    )
+    walk.publish(record("r1", files=files), never_lost)
+    assert s3_faults.applied and {action for action, _ in s3_faults.applied} == {LOSE_REPLY}  # no reply, ever
+    assert root.fs.cat_file(f"{s3_bucket}/data/warehouse/kept/r1.parquet") == b"rows"
