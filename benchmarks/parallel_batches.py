@@ -122,13 +122,15 @@ def main() -> None:
             "FILTER_PIPELINE_EXECUTOR": args.executor, "FILTER_JUDGE_KIND": "llm", "FILTER_JUDGE_BASE_URL": base_url,
             "FILTER_JUDGE_MODEL": "bench", "FILTER_JUDGE_VOTES": "1", "FILTER_JUDGE_CONCURRENCY": str(args.concurrency),
         }  # fmt: skip
-        started = time.time()
-        daemon = subprocess.Popen(
-            [str(Path(sys.executable).parent / "dagster-daemon"), "run", "-w", "workspace.yaml"],
-            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
-        try:
-            with dg.DagsterInstance.from_config(str(home)) as instance:
+        # the instance's storage is created here before the daemon opens it: two processes creating the same
+        # SQLite tables at once collide ("table ... already exists")
+        with dg.DagsterInstance.from_config(str(home)) as instance:
+            started = time.time()
+            daemon = subprocess.Popen(
+                [str(Path(sys.executable).parent / "dagster-daemon"), "run", "-w", "workspace.yaml"],
+                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+            try:
                 kept = [data / "warehouse" / "kept" / f"{r}.parquet" for r in run_ids]
                 while not (
                     all(p.exists() for p in kept) and not instance.get_run_records(dg.RunsFilter(statuses=IN_FLIGHT))
@@ -142,8 +144,8 @@ def main() -> None:
                 judge = step_spans(instance, "judge_job", "judge_batch")
                 ledger = step_spans(instance, "ledger_job", "ledger")
                 failed = instance.get_run_records(dg.RunsFilter(statuses=[dg.DagsterRunStatus.FAILURE]))
-        finally:
-            stop(daemon, seconds=60, group=True)
+            finally:
+                stop(daemon, seconds=60, group=True)
 
     origin = min(s.start for s in judge + ledger)
     print(f"{'batch':<12} {'step':<15} {'start':>6} {'end':>6} {'seconds':>8} {'pid':>7}")

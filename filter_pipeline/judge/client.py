@@ -158,12 +158,9 @@ class JudgeClient:
         votes = await self._votes(messages, task)
         passed, why, tally, status = majority(votes, self.config.votes)
         parts = combine_parts(votes, passed)
-        # each text redacted before it is cut: a key the cut splits would no longer be found whole
-        for name in ("key_points", "reasoning"):
-            parts[name] = self.config.redact(parts[name])
-        if parts["reasoning"] is not None:
-            parts["reasoning"] = parts["reasoning"][:REASONING_MAX_CHARS]
-        replies = [self.config.redact(reply) for reply in task.replies]
+        parts["key_points"] = self.config.redact(parts["key_points"])
+        parts["reasoning"] = self.config.redacted(parts["reasoning"], REASONING_MAX_CHARS)
+        replies = [self.config.redacted(reply, RAW_REPLY_MAX_CHARS) for reply in task.replies]
         return TaskVerdict(
             passed=passed, why=self.config.redact(why), votes=tally, status=status, requests=task.requests,
             prompt_tokens=sum(u.prompt_tokens for u in task.usage),
@@ -171,7 +168,7 @@ class JudgeClient:
             cached_tokens=sum(u.cached_tokens for u in task.usage),
             latency_ms=(time.monotonic() - task.started) * 1000 if task.started is not None else 0.0,
             call_latencies_ms=task.latencies_ms,
-            raw_replies=json.dumps([r[:RAW_REPLY_MAX_CHARS] for r in replies], ensure_ascii=False),
+            raw_replies=json.dumps(replies, ensure_ascii=False),
             replies_sha256=hashlib.sha256(json.dumps(task.replies, ensure_ascii=False).encode()).hexdigest(), **parts,
         )  # fmt: skip
 
@@ -207,8 +204,8 @@ class JudgeClient:
         if verdict is not None:
             return Vote(verdict.passed, verdict.why, parts=verdict.parts)
         if choice.refused:  # no repair request: it would be declined the same way, and paid for
-            said = self.config.redact(choice.refusal or "") or ""
-            how = f": {' '.join(said.split())[:REFUSAL_MAX_CHARS]}" if said else " (finish_reason content_filter)"
+            said = self.config.redacted(choice.refusal or "", REFUSAL_MAX_CHARS, one_line=True)
+            how = f": {said}" if said else " (finish_reason content_filter)"
             return Vote(error=f"the judge model refused to answer{how}")
         said = strip_reasoning(choice.text or "").strip()
         follow_up = [*messages, *([{"role": "assistant", "content": said}] if said else [])]

@@ -152,6 +152,16 @@ class LLMJudgeConfig(dg.Config):
         key = self.api_key
         return text.replace(key, "***") if key and isinstance(key, str) and text else text
 
+    def redacted(self, text: str | None, max_chars: int, one_line: bool = False, cut_mark: str = "") -> str | None:
+        """`text` redacted, then (its whitespace runs made single spaces, when `one_line`) cut to `max_chars` with
+        `cut_mark` where it was cut. Redaction comes first: a key the cut splits would no longer be found whole."""
+        text = self.redact(text)
+        if text is None:
+            return None
+        if one_line:
+            text = " ".join(text.split())
+        return text if len(text) <= max_chars else text[:max_chars] + cut_mark
+
 
 def _check_endpoint(base_url: str, api_key: str | None) -> None:
     """Refuse a base URL no request can reach and a key no header can carry, naming the variable and what is

@@ -285,8 +285,5 @@ class Transport:
         )
 
     def server_text(self, text: str) -> str:
-        # redacted before it is cut: a key the cut splits would no longer be found whole
-        message = self.config.redact(error_message(text)) or ""
-        if len(message) > SERVER_TEXT_MAX_CHARS:
-            message = message[:SERVER_TEXT_MAX_CHARS] + "..."
-        return message or "(empty body)"
+        """The server's message in an error body, redacted and cut, for an exception or a verdict's why."""
+        return self.config.redacted(error_message(text), SERVER_TEXT_MAX_CHARS, cut_mark="...") or "(empty body)"

@@ -309,7 +309,7 @@ def read_legacy_kept(path: UPath) -> pd.DataFrame:
     for raw in path.read_bytes().splitlines():
         try:
             record = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):  # (the ledger refuses such a file: the page shows what it can)
             continue
         if isinstance(record, dict) and isinstance(record.get("task_id"), str):
             rows.append({"task_id": record["task_id"], "fate": FATE_KEPT, "reason": None,
@@ -324,8 +324,13 @@ def _legacy_key(key) -> str:
     refuses, as the file has it."""
     try:
         return legacy_key_text(key)
-    except (TypeError, ValueError):
-        return key if isinstance(key, str) else json.dumps(key, ensure_ascii=False)
+    except (TypeError, ValueError, RecursionError):
+        if isinstance(key, str):
+            return key
+    try:
+        return json.dumps(key, ensure_ascii=False)
+    except RecursionError:
+        return "(a key nested too deep to show)"
 
 
 def _text(value) -> str | None:

@@ -129,14 +129,15 @@ def parse_legacy(data: bytes, run_id: str) -> tuple[pa.Table, str]:
                     "task_id": str(record["task_id"]),
                 }
             )
-        except (ValueError, KeyError, TypeError) as exc:  # (ValueError: not JSON, or an integer too long for int)
+        # (ValueError: not JSON, or an integer too long for int; RecursionError: nested deeper than json follows)
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:
             raise HistoryError(f"runs/{run_id}/{LEGACY_KEPT_FILE}:{number}: not a kept row ({exc})") from None
     return _with_hashes(pa.Table.from_pylist(rows, schema=_STRINGS)), hashlib.sha256(data).hexdigest()
 
 
 def legacy_key_text(key: Any) -> str:
     """The canonical text of a legacy kept row's dedup_key: an array, or its JSON text (as some exports stored
-    it). Raises TypeError or ValueError when it is neither."""
+    it). Raises TypeError or ValueError when it is neither, RecursionError when it is nested too deep."""
     if isinstance(key, str):
         key = json.loads(key)
     if not isinstance(key, list):

@@ -206,3 +206,15 @@ def test_a_legacy_runs_keys_are_shown_as_the_ledger_compares_them(tmp_path):
     assert shown == {"a": '["s","#x",1]', "b": '["s","#y",2.0]', "c": '{"not": "an array"}'}
     ledger, _ = parse_legacy((run / "kept.jsonl").read_bytes()[: -len(json.dumps(lines[2])) - 1], "r0")
     assert ledger["dedup_key"].to_pylist() == [shown["a"], shown["b"]]
+
+
+def test_a_legacy_run_nested_too_deep_is_shown_as_far_as_it_can_be(tmp_path):
+    deep = "[" * 100_000 + "]" * 100_000
+    run = tmp_path / "runs" / "r0"
+    run.mkdir(parents=True)
+    (run / "kept.jsonl").write_text(
+        json.dumps({"task_id": "a", "site": "s", "macro": "m", "dedup_key": deep}) + "\n"  # key text too deep
+        + '{"task_id": "b", "site": "s", "macro": "m", "dedup_key": ' + deep + "}\n"  # a line too deep
+    )  # fmt: skip
+    shown = Warehouse(UPath(str(tmp_path))).run("r0").tasks.set_index("task_id")["dedup_key"].to_dict()
+    assert shown == {"a": deep}

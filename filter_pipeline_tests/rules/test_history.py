@@ -123,8 +123,10 @@ def test_legacy_kept_jsonl_counts_unless_the_run_has_a_commit(tmp_path):
         '{"task_id": "b"}',
         '{"task_id": "b", "macro": "m", "site": "s", "dedup_key": ["k", ' + "1" * 5000 + "]}",  # too long for int()
         '{"task_id": "b", "macro": "m", "site": "s", "dedup_key": "[\\"k\\", ' + "2" * 5000 + ']"}',  # in key text
+        '{"task_id": "b", "macro": "m", "site": "s", "dedup_key": ' + "[" * 100_000 + "]" * 100_000 + "}",
+        '{"task_id": "b", "macro": "m", "site": "s", "dedup_key": "' + "[" * 100_000 + "]" * 100_000 + '"}',
     ],
-    ids=["no-key", "long-integer", "long-integer-in-key-text"],
+    ids=["no-key", "long-integer", "long-integer-in-key-text", "nested-too-deep", "nested-too-deep-in-key-text"],
 )
 def test_bad_legacy_row_names_file_and_line(tmp_path, line):
     write_legacy_kept(tmp_path, "old", ("a", ["k", 1], "m", "s"))
