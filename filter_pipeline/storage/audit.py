@@ -21,7 +21,7 @@ from filter_pipeline.rules.verify import (
 from filter_pipeline.storage.files import files_in, inputs_changed
 from filter_pipeline.storage.history import kept_files, legacy_kept_files, load_retired, verified_bytes
 from filter_pipeline.storage.lease import lease_live
-from filter_pipeline.storage.publish import incomplete_publishes, relative
+from filter_pipeline.storage.publish import MANIFEST, incomplete_publishes, relative
 
 
 def _commits(warehouse: UPath) -> tuple[dict[str, CommitRecord], list[Finding]]:
@@ -108,7 +108,9 @@ def audit(data_root: UPath) -> list[Finding]:
     incomplete = incomplete_publishes(data_root)
     walking = lease_live(warehouse) if incomplete else None
     for run_id, (folder, gone) in incomplete.items():
-        if gone or walking is False:  # (a walk moving its files now is no finding: its staged copies were verified)
+        # (a walk moving its files now is no finding: its staged copies were verified; one that finished since the
+        # listing removed its folder before its lease)
+        if (gone or walking is False) and (folder / MANIFEST).exists():
             findings.append(Finding(
                 "incomplete",
                 f"{run_id}: its walk stopped after publishing its commit, before moving all its files into place (the "

@@ -222,16 +222,26 @@ def _store_says_expired(fs, path: str, current: dict) -> bool:
     """Whether the lease read (`current`, its record) is past its expiry by the store's own clock: the time it was
     last written (`LastModified`) plus its TTL, against the `Date` of the store's answer. Two machines' clocks
     never meet. A record without `ttl_seconds` (written by an earlier version, which renews it all the same) lasts
-    FILTER_PIPELINE_LEASE_SECONDS; one without `expires` either is unreadable, hence expired. Raises
-    FileNotFoundError when the lease is gone."""
-    ttl = current.get("ttl_seconds", default_ttl_seconds() if "expires" in current else None)
-    if not isinstance(ttl, int | float):
+    FILTER_PIPELINE_LEASE_SECONDS, or as long as its `expires` says if that is longer; one without `expires`
+    either is unreadable, hence expired. Raises FileNotFoundError when the lease is gone."""
+    ttl, expires = current.get("ttl_seconds"), current.get("expires")
+    if ttl is None and not isinstance(expires, int | float):
         return True
     head = fs.call_s3("head_object", **_bucket_key(fs, path))
+    written = head["LastModified"]
+    if ttl is None:  # its holder may run with a longer setting than this one, and renew less often
+        ttl = max(default_ttl_seconds(), expires - written.timestamp())
+    return not isinstance(ttl, int | float) or (_store_now(head) - written).total_seconds() > ttl
+
+
+def _store_now(head: dict) -> datetime:
+    """The store's clock when it answered (its `Date` header); this machine's if it sends none or a garbled one."""
     said = head.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
-    now = parsedate_to_datetime(said) if said else datetime.now(UTC)  # (a store that sends no Date: this clock)
-    now = now if now.tzinfo else now.replace(tzinfo=UTC)
-    return (now - head["LastModified"]).total_seconds() > ttl
+    try:
+        now = parsedate_to_datetime(said) if said else datetime.now(UTC)
+    except (TypeError, ValueError):
+        now = datetime.now(UTC)
+    return now if now.tzinfo else now.replace(tzinfo=UTC)
 
 
 def _take(fs, path: str, holder: str, ttl_seconds: float, token: str, where: str) -> str:
@@ -296,6 +306,8 @@ def lease_live(warehouse: UPath) -> bool | None:
         return False
     except ValueError:
         return False  # unreadable: expired, as a taker judges it
+    except OSError:
+        return None  # (unknown: a network error)
 
 
 def _ours(fs, path: str, token: str) -> str | None:

@@ -15,7 +15,8 @@ written only if it is still what the walk read when it took the lease.
 Once the record stands, the staged files are moved into place (a rename on local disk, a server-side copy on
 object storage) and the staging folder is removed. A kill between the publish and the last move is completed by
 the next walk (`complete_published`, run under the lease before anything else). A walk whose publish is refused
-removes its own staging folder only. A commit record is never deleted: a re-walk replaces it.
+removes its own staging folder only; one whose publish got no answer leaves it to the next walk, which completes
+or removes it by whether the record stands. A commit record is never deleted: a re-walk replaces it.
 """
 
 import hashlib
@@ -194,10 +195,15 @@ class StagedWalk:
         try:
             still_held()
             pause_point("before_publish")
-            why = self._staged_files_gone() or _put_commit(self.data_root / "warehouse", record, self.read)
+            why = self._staged_files_gone()
+            if why is None:
+                # until the store answers, the record may stand (a PUT interrupted, or with its reply lost, may
+                # still be applied): the staged files stay for the next launcher unless the answer is known
+                self.unsettled = True
+                why = _put_commit(self.data_root / "warehouse", record, self.read)
+                self.unsettled = False
         except Exception as exc:
             if type(exc).__name__ != "LeaseLost":
-                self.unsettled = True  # (a PUT whose outcome is unknown may have published the record)
                 raise
             why = str(exc)
         if why is not None:
@@ -211,15 +217,10 @@ class StagedWalk:
         _move_all(self.data_root, self.folder, manifest)
 
     def _staged_files_gone(self) -> str | None:
-        """Why not to publish when a staged file is gone (one listing): a record naming it could not be completed."""
-        fs = self.folder.fs
+        """Why not to publish when a staged file is gone: a record naming it could not be completed."""
         if not is_local(self.folder):
-            fs.invalidate_cache(self.folder.path)
-        try:
-            present = {path.rstrip("/") for path in fs.find(self.folder.path)}
-        except FileNotFoundError:
-            present = set()
-        gone = [final for staged, final in self.moves.items() if (self.data_root / staged).path not in present]
+            self.folder.fs.invalidate_cache(self.folder.path)
+        gone = [final for staged, final in self.moves.items() if not (self.data_root / staged).exists()]
         if not gone:
             return None
         return (

@@ -253,3 +253,23 @@ def test_a_lease_written_whose_reply_was_lost_is_held_not_busy(s3_server, s3_buc
         held.confirm()
         current = json.loads(s3_server.filesystem().cat_file(f"{s3_bucket}/data/warehouse/{LEASE_FILE}"))
         assert current["holder"] == "run r2"
+
+
+@pytest.mark.parametrize(
+    "date, store_clock",
+    [
+        ("Sat, 05 Dec 2026 01:02:03 GMT", True),
+        ("Sat, 05 Dec 2026 01:02:03 -0000", True),  # a zone parsed as naive: taken as UTC
+        ("not a date", False),  # garbled: this machine's clock, not a crash
+        (None, False),  # a store that sends no Date
+    ],
+)
+def test_the_stores_clock_is_its_answers_date(date, store_clock):
+    from datetime import UTC, datetime
+
+    head = {"ResponseMetadata": {"HTTPHeaders": {"date": date} if date else {}}}
+    now = lease._store_now(head)
+    if store_clock:
+        assert now == datetime(2026, 12, 5, 1, 2, 3, tzinfo=UTC)
+    else:
+        assert now.tzinfo is not None and abs(now.timestamp() - time.time()) < 5

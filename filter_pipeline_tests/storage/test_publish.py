@@ -198,3 +198,58 @@ def test_a_publish_applied_whose_every_reply_was_lost_stands_with_its_files(s3_s
     walk.publish(record("r1", files=files), never_lost)
     assert s3_faults.applied and {action for action, _ in s3_faults.applied} == {LOSE_REPLY}  # no reply, ever
     assert root.fs.cat_file(f"{s3_bucket}/data/warehouse/kept/r1.parquet") == b"rows"
+
+
+def test_a_data_root_given_relative_to_the_working_folder_publishes(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    root = UPath("data")  # as `--data data`, or the default data root
+    walk, files = stage(root, "r1", b"rows")
+    walk.publish(record("r1", files=files), never_lost)
+    assert (tmp_path / "data" / "warehouse" / "kept" / "r1.parquet").read_bytes() == b"rows"
+
+
+class Interrupted(BaseException):
+    """As Dagster's interrupt of a terminated run, or Ctrl-C: not an Exception."""
+
+
+def test_a_publish_interrupted_after_its_write_leaves_its_files_for_the_next_launcher(tmp_path, monkeypatch):
+    from filter_pipeline.storage import publish
+
+    root = UPath(tmp_path)
+    walk, files = stage(root, "r1", b"rows")
+    real_put = publish._put_commit
+
+    def written_then_interrupted(*args):
+        real_put(*args)
+        raise Interrupted()
+
+    monkeypatch.setattr(publish, "_put_commit", written_then_interrupted)
+    with pytest.raises(Interrupted):
+        try:
+            walk.publish(record("r1", files=files), never_lost)
+        finally:
+            walk.discard()  # as the ledger step does, whatever happened
+    assert commit_path(root / "warehouse", "r1").exists() and walk.folder.exists()
+    assert complete_published(root, print) == ["r1"]
+    assert (tmp_path / "warehouse" / "kept" / "r1.parquet").read_bytes() == b"rows"
+
+
+def test_a_publish_completed_while_the_audit_looked_is_not_reported_incomplete(tmp_path, monkeypatch):
+    from filter_pipeline.storage import audit
+
+    root = UPath(tmp_path)
+    walk, files = stage(root, "r1", b"rows")
+    published = record("r1", files=files)
+    (walk.folder / MANIFEST).write_bytes(
+        json.dumps({"run_id": "r1", "digest": published.digest, "moves": walk.moves}).encode()
+    )
+    write_commit(root / "warehouse", published)  # published, nothing moved yet
+    dead = walk.folder.with_name(f"r1.{HOST}.999999999.00ff")  # its walk gone, as far as this machine can tell
+    os.rename(walk.folder.path, dead.path)
+
+    def completed_meanwhile(warehouse):
+        complete_published(root, print)  # another launcher completes it after the audit listed the folder
+        return None
+
+    monkeypatch.setattr(audit, "lease_live", completed_meanwhile)
+    assert "incomplete" not in [f.kind for f in audit.audit(root)]
