@@ -59,6 +59,16 @@ def test_materializes_every_complete_batch_in_run_id_order_and_prints_a_summary(
     assert again.returncode == 0 and "nothing to materialize" in again.stdout
 
 
+def test_the_default_data_root_is_the_folder_data_where_it_runs(cli_env, tmp_path):
+    write_batch(tmp_path / "data", "b1", [task("y", key=["k"])], [attempt("y")])
+    env = {name: value for name, value in cli_env.items() if name != "FILTER_PIPELINE_DATA"}
+    done = subprocess.run([*CLI, "materialize"], env={**env, "PYTHONPATH": str(REPO)}, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.splitlines()[0] == "b1: judged 1, unjudged 0, kept 1, surplus 0, failures 0"
+    assert (tmp_path / "data" / "warehouse" / "_commits" / "b1.json").exists()
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
