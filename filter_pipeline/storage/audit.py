@@ -18,7 +18,7 @@ from filter_pipeline.rules.verify import (
     suspect_rows,
     unreadable_verdicts,
 )
-from filter_pipeline.storage.files import files_in, inputs_changed
+from filter_pipeline.storage.files import files_in, inputs_changed, is_local
 from filter_pipeline.storage.history import kept_files, legacy_kept_files, load_retired, verified_bytes
 from filter_pipeline.storage.lease import lease_live
 from filter_pipeline.storage.publish import MANIFEST, incomplete_publishes, relative
@@ -110,7 +110,7 @@ def audit(data_root: UPath) -> list[Finding]:
     for run_id, (folder, gone) in incomplete.items():
         # (a walk moving its files now is no finding: its staged copies were verified; one that finished since the
         # listing removed its folder before its lease)
-        if (gone or walking is False) and (folder / MANIFEST).exists():
+        if (gone or walking is False) and _still_there(folder / MANIFEST):
             findings.append(Finding(
                 "incomplete",
                 f"{run_id}: its walk stopped after publishing its commit, before moving all its files into place (the "
@@ -126,6 +126,13 @@ def audit(data_root: UPath) -> list[Finding]:
                 f"`filter-pipeline materialize {run_id}` (it is not re-filtered unless named)",
             ))  # fmt: skip
     return capped(findings)
+
+
+def _still_there(path: UPath) -> bool:
+    """Whether `path` exists now (on object storage, not as a listing cached earlier in the audit said)."""
+    if not is_local(path):
+        path.fs.invalidate_cache(path.parent.path)
+    return path.exists()
 
 
 def _duplicates(

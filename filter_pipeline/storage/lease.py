@@ -20,6 +20,7 @@ Pure: no Dagster.
 import errno
 import fcntl
 import json
+import math
 import os
 import socket
 import threading
@@ -33,7 +34,14 @@ from email.utils import parsedate_to_datetime
 from upath import UPath
 
 from filter_pipeline import settings
-from filter_pipeline.storage.files import CONFLICT, PRECONDITION, atomic_write, is_local, store_refusal
+from filter_pipeline.storage.files import (
+    CONFLICT,
+    PRECONDITION,
+    STALE_TEMP_SECONDS,
+    atomic_write,
+    is_local,
+    store_refusal,
+)
 
 LOCK_FILE = "_ledger.lock"
 HOLDER_FILE = "_ledger.holder.json"
@@ -222,16 +230,22 @@ def _store_says_expired(fs, path: str, current: dict) -> bool:
     """Whether the lease read (`current`, its record) is past its expiry by the store's own clock: the time it was
     last written (`LastModified`) plus its TTL, against the `Date` of the store's answer. Two machines' clocks
     never meet. A record without `ttl_seconds` (written by an earlier version, which renews it all the same) lasts
-    FILTER_PIPELINE_LEASE_SECONDS, or as long as its `expires` says if that is longer; one without `expires`
-    either is unreadable, hence expired. Raises FileNotFoundError when the lease is gone."""
+    FILTER_PIPELINE_LEASE_SECONDS, or as long as its `expires` says if that is longer (at most an hour); one
+    without `expires` either is unreadable, hence expired. Raises FileNotFoundError when the lease is gone."""
     ttl, expires = current.get("ttl_seconds"), current.get("expires")
-    if ttl is None and not isinstance(expires, int | float):
+    if ttl is None and not _finite(expires):
         return True
     head = fs.call_s3("head_object", **_bucket_key(fs, path))
     written = head["LastModified"]
-    if ttl is None:  # its holder may run with a longer setting than this one, and renew less often
-        ttl = max(default_ttl_seconds(), expires - written.timestamp())
-    return not isinstance(ttl, int | float) or (_store_now(head) - written).total_seconds() > ttl
+    if ttl is None:  # its holder may run with a longer setting than this one, and renew less often; but never
+        # longer than an hour beyond this one's, however far its clock ran ahead
+        longest = max(default_ttl_seconds(), STALE_TEMP_SECONDS)
+        ttl = min(max(default_ttl_seconds(), expires - written.timestamp()), longest)
+    return not _finite(ttl) or (_store_now(head) - written).total_seconds() > ttl
+
+
+def _finite(value) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value)
 
 
 def _store_now(head: dict) -> datetime:
@@ -306,8 +320,8 @@ def lease_live(warehouse: UPath) -> bool | None:
         return False
     except ValueError:
         return False  # unreadable: expired, as a taker judges it
-    except OSError:
-        return None  # (unknown: a network error)
+    except Exception:  # noqa: BLE001 - a network error (botocore's are not all OSErrors): unknown
+        return None
 
 
 def _ours(fs, path: str, token: str) -> str | None:

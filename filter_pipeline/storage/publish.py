@@ -15,8 +15,8 @@ written only if it is still what the walk read when it took the lease.
 Once the record stands, the staged files are moved into place (a rename on local disk, a server-side copy on
 object storage) and the staging folder is removed. A kill between the publish and the last move is completed by
 the next walk (`complete_published`, run under the lease before anything else). A walk whose publish is refused
-removes its own staging folder only; one whose publish got no answer leaves it to the next walk, which completes
-or removes it by whether the record stands. A commit record is never deleted: a re-walk replaces it.
+removes its own staging folder only; one whose publish got no answer leaves it to later walks, which complete it
+if the record stands, else remove it once its walk is gone (`_abandoned`). A commit record is never deleted: a re-walk replaces it.
 """
 
 import hashlib
@@ -201,6 +201,7 @@ class StagedWalk:
                 # still be applied): the staged files stay for the next launcher unless the answer is known
                 self.unsettled = True
                 why = _put_commit(self.data_root / "warehouse", record, self.read)
+                self.published = why is None  # (before unsettled is cleared: an interrupt may come between)
                 self.unsettled = False
         except Exception as exc:
             if type(exc).__name__ != "LeaseLost":
@@ -212,7 +213,6 @@ class StagedWalk:
                 f"{record.run_id}: this walk was not published ({why}); it removed its own staged files only, "
                 "the commit that stands and its files are untouched"
             )
-        self.published = True
         pause_point("published")
         _move_all(self.data_root, self.folder, manifest)
 

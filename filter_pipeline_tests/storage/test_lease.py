@@ -273,3 +273,25 @@ def test_the_stores_clock_is_its_answers_date(date, store_clock):
         assert now == datetime(2026, 12, 5, 1, 2, 3, tzinfo=UTC)
     else:
         assert now.tzinfo is not None and abs(now.timestamp() - time.time()) < 5
+
+
+@pytest.mark.slow  # moto's S3 server is a process of its own
+@pytest.mark.parametrize("expires", [1e18, float("inf")], ids=["far-ahead", "infinity"])
+def test_an_earlier_versions_lease_blocks_no_longer_than_an_hour_whatever_it_says(
+    s3_server, s3_bucket, monkeypatch, expires
+):
+    monkeypatch.setattr(lease, "STALE_TEMP_SECONDS", 1)  # the hour, shortened
+    monkeypatch.setenv("FILTER_PIPELINE_LEASE_SECONDS", "1")
+    root = s3_root(s3_server, s3_bucket)
+    lease_record(root, expires=expires)  # no ttl_seconds: as the earlier version wrote it (json writes Infinity)
+    time.sleep(2.2)
+    with ledger_lease(root, "run r2"):
+        assert json.loads(root.fs.cat_file((root / "warehouse" / LEASE_FILE).path))["holder"] == "run r2"
+
+
+@pytest.mark.slow  # botocore tries a refused connection several times
+def test_whether_a_lease_is_live_is_unknown_when_the_store_cannot_be_reached(s3_bucket):
+    from filter_pipeline_tests.servers import free_port
+
+    nowhere = UPath(f"s3://{s3_bucket}/data/warehouse", endpoint_url=f"http://127.0.0.1:{free_port()}")
+    assert lease.lease_live(nowhere) is None

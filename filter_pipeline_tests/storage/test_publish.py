@@ -2,6 +2,7 @@
 write conditional on the record read at the lease; a refused walk removes its own staged files only; a walk
 killed after publishing is completed by the next launcher."""
 
+import hashlib
 import json
 import os
 
@@ -250,6 +251,38 @@ def test_a_publish_completed_while_the_audit_looked_is_not_reported_incomplete(t
     def completed_meanwhile(warehouse):
         complete_published(root, print)  # another launcher completes it after the audit listed the folder
         return None
+
+    monkeypatch.setattr(audit, "lease_live", completed_meanwhile)
+    assert "incomplete" not in [f.kind for f in audit.audit(root)]
+
+
+@pytest.mark.slow  # moto's S3 server is a process of its own
+def test_a_publish_completed_while_the_audit_looked_is_not_reported_incomplete_on_s3(s3_server, s3_bucket, monkeypatch):
+    from filter_pipeline.storage import audit
+
+    # the audit's filesystem caches listings (as AWS's default does); the launcher completing the publish is another
+    root = UPath(f"s3://{s3_bucket}/data", endpoint_url=s3_server.endpoint, use_listings_cache=True)
+    other = UPath(f"s3://{s3_bucket}/data", endpoint_url=s3_server.endpoint, use_listings_cache=False)
+    staged = f"warehouse/{STAGING_DIR}/r1.elsewhere.42.00ff"  # its walk on another machine
+    files = {
+        "kept": {
+            "path": "warehouse/kept/r1.parquet",
+            "size": 4,
+            "sha256": hashlib.sha256(b"rows").hexdigest(),
+            "rows": 1,
+        }
+    }
+    published = record("r1", files=files)
+    moves = {f"{staged}/warehouse/kept/r1.parquet": "warehouse/kept/r1.parquet"}
+    (other / staged / "warehouse" / "kept" / "r1.parquet").write_bytes(b"rows")
+    (other / staged / MANIFEST).write_bytes(
+        json.dumps({"run_id": "r1", "digest": published.digest, "moves": moves}).encode()
+    )
+    write_commit(other / "warehouse", published)
+
+    def completed_meanwhile(warehouse):
+        assert complete_published(other, print) == ["r1"]  # after the audit listed the folder
+        return False  # and released its lease
 
     monkeypatch.setattr(audit, "lease_live", completed_meanwhile)
     assert "incomplete" not in [f.kind for f in audit.audit(root)]
