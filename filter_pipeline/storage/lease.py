@@ -228,24 +228,28 @@ def check_conditional_writes(warehouse: UPath) -> None:
 
 def _store_says_expired(fs, path: str, current: dict) -> bool:
     """Whether the lease read (`current`, its record) is past its expiry by the store's own clock: the time it was
-    last written (`LastModified`) plus its TTL, against the `Date` of the store's answer. Two machines' clocks
+    last written (`LastModified`) plus its TTL, against the `Date` of the store's answer: two machines' clocks
     never meet. A record without `ttl_seconds` (written by an earlier version, which renews it all the same) lasts
-    FILTER_PIPELINE_LEASE_SECONDS, or as long as its `expires` says if that is longer (at most an hour); one
-    without `expires` either is unreadable, hence expired. Raises FileNotFoundError when the lease is gone."""
+    FILTER_PIPELINE_LEASE_SECONDS, or as long as its `expires` says if that is longer (at most an hour, or that
+    setting if longer); one without `expires` either is unreadable, hence expired. Raises FileNotFoundError when
+    the lease is gone."""
     ttl, expires = current.get("ttl_seconds"), current.get("expires")
     if ttl is None and not _finite(expires):
         return True
     head = fs.call_s3("head_object", **_bucket_key(fs, path))
     written = head["LastModified"]
-    if ttl is None:  # its holder may run with a longer setting than this one, and renew less often; but never
-        # longer than an hour beyond this one's, however far its clock ran ahead
+    if ttl is None:  # its holder may run with a longer setting than this one, and renew less often; but not for
+        # more than an hour (or this setting, if longer), however far its clock ran ahead
         longest = max(default_ttl_seconds(), STALE_TEMP_SECONDS)
         ttl = min(max(default_ttl_seconds(), expires - written.timestamp()), longest)
     return not _finite(ttl) or (_store_now(head) - written).total_seconds() > ttl
 
 
 def _finite(value) -> bool:
-    return isinstance(value, int | float) and math.isfinite(value)
+    try:
+        return isinstance(value, int | float) and math.isfinite(value)
+    except OverflowError:  # (an integer JSON holds but no float can)
+        return False
 
 
 def _store_now(head: dict) -> datetime:

@@ -5,6 +5,7 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import UTC, datetime
 
 import pytest
 from upath import UPath
@@ -295,3 +296,21 @@ def test_whether_a_lease_is_live_is_unknown_when_the_store_cannot_be_reached(s3_
 
     nowhere = UPath(f"s3://{s3_bucket}/data/warehouse", endpoint_url=f"http://127.0.0.1:{free_port()}")
     assert lease.lease_live(nowhere) is None
+
+
+@pytest.mark.parametrize(
+    "record",
+    [{"expires": 10**400}, {"ttl_seconds": 10**400}, {"expires": float("nan")}, {"ttl_seconds": float("inf")}],
+    ids=["expires-too-long-for-a-float", "ttl-too-long-for-a-float", "expires-nan", "ttl-infinite"],
+)
+def test_a_lease_record_with_a_number_no_clock_can_use_is_expired(record):
+    head = {"LastModified": datetime.now(UTC), "ResponseMetadata": {"HTTPHeaders": {}}}
+
+    class Store:  # answers the one HEAD the check may make
+        def call_s3(self, method, **kwargs):
+            return head
+
+        def split_path(self, path):
+            return "bucket", "key", None
+
+    assert lease._store_says_expired(Store(), "bucket/key", record) is True
