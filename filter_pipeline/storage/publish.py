@@ -16,7 +16,8 @@ Once the record stands, the staged files are moved into place (a rename on local
 object storage) and the staging folder is removed. A kill between the publish and the last move is completed by
 the next walk (`complete_published`, run under the lease before anything else). A walk whose publish is refused
 removes its own staging folder only; one whose publish got no answer leaves it to later walks, which complete it
-if the record stands, else remove it once its walk is gone (`_abandoned`). A commit record is never deleted: a re-walk replaces it.
+if the record stands, else remove it once its walk is gone (`_abandoned`). A commit record is never deleted: a
+re-walk replaces it.
 """
 
 import hashlib
@@ -153,7 +154,10 @@ def _put_commit(warehouse: UPath, record: CommitRecord, read: CommitState) -> st
                 if refusal is None:
                     raise
                 if refusal == PRECONDITION:
-                    return "another walk committed it after this walk took the lease (the store refused the conditional write)"
+                    return (
+                        "another walk committed it after this walk took the lease (the store refused the conditional "
+                        "write)"
+                    )
         return "another write of its commit record was in flight each time it tried (the store answered 409)"
     finally:
         path.fs.invalidate_cache(path.path)
@@ -254,8 +258,8 @@ def _move_all(data_root: UPath, folder: UPath, manifest: dict) -> None:
     run_id = manifest["run_id"]
     if missing and _standing_digest(data_root / "warehouse", run_id) == manifest["digest"]:  # (else superseded)
         raise PublishIncomplete(
-            f"{run_id}: its commit was published, but its staged files ({', '.join(missing)}) were removed before they were "
-            f"moved into place (the walk stalled for longer than {STALE_TEMP_SECONDS} s, and another launcher took "
+            f"{run_id}: its commit was published, but its staged files ({', '.join(missing)}) were removed before they "
+            f"were moved into place (the walk stalled for longer than {STALE_TEMP_SECONDS} s, and another launcher took "
             f"them for abandoned): re-filter it with `filter-pipeline materialize {run_id}`"
         )
 
