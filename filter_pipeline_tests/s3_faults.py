@@ -35,6 +35,19 @@ class Request:
         return any(name in self.headers for name in _CONDITIONS)
 
 
+def once(matches: Callable[[Request], bool], action: str) -> Callable[[Request], str | None]:
+    """A fault that answers the first request `matches` accepts with `action` and forwards every other one."""
+    done: list[Request] = []
+
+    def fault(request: Request) -> str | None:
+        if done or not matches(request):
+            return None
+        done.append(request)
+        return action
+
+    return fault
+
+
 class S3Faults:
     def __init__(self, upstream: str):
         target = urlsplit(upstream)

@@ -205,20 +205,12 @@ def test_a_store_that_ignores_conditional_writes_is_refused_before_the_lease_is_
 
 @pytest.mark.slow  # moto's S3 server is a process of its own
 def test_a_renewal_applied_whose_reply_was_lost_keeps_the_lease(s3_server, s3_bucket, s3_faults):
-    from filter_pipeline_tests.s3_faults import LOSE_REPLY
+    from filter_pipeline_tests.s3_faults import LOSE_REPLY, once
 
-    renewing, lost = lease_write("if-match"), []
-
-    def lose_the_first_renewal_reply(request):
-        if renewing(request) and not lost:
-            lost.append(request)
-            return LOSE_REPLY
-        return None
-
-    s3_faults.fault = lose_the_first_renewal_reply
+    s3_faults.fault = once(lease_write("if-match"), LOSE_REPLY)  # the first renewal's reply
     with ledger_lease(through(s3_faults, s3_bucket), "run r1", ttl_seconds=1.2) as held:
         time.sleep(1.5)  # the first renewal (after 0.3 s) was applied, its reply lost; two more beats since
-        assert lost, "no renewal was made"
+        assert s3_faults.applied, "no renewal was made"
         held.confirm()  # the store still holds this holder's record: not lost
         assert held.lost is None
     assert not s3_server.filesystem().exists(f"{s3_bucket}/data/warehouse/{LEASE_FILE}")  # deleted: it was ours
@@ -236,21 +228,13 @@ def test_a_live_lease_of_the_previous_version_is_not_taken_over(s3_server, s3_bu
 @pytest.mark.slow  # moto's S3 server is a process of its own
 @pytest.mark.parametrize("write", ["create", "takeover"])
 def test_a_lease_written_whose_reply_was_lost_is_held_not_busy(s3_server, s3_bucket, s3_faults, write):
-    from filter_pipeline_tests.s3_faults import LOSE_REPLY
+    from filter_pipeline_tests.s3_faults import LOSE_REPLY, once
 
     if write == "takeover":
         expired_lease(s3_root(s3_server, s3_bucket))
-    writing, lost = lease_write("if-none-match" if write == "create" else "if-match"), []
-
-    def lose_the_first_reply(request):
-        if writing(request) and not lost:
-            lost.append(request)
-            return LOSE_REPLY
-        return None
-
-    s3_faults.fault = lose_the_first_reply
+    s3_faults.fault = once(lease_write("if-none-match" if write == "create" else "if-match"), LOSE_REPLY)
     with ledger_lease(through(s3_faults, s3_bucket), "run r2") as held:
-        assert lost, "no lease write was made"
+        assert s3_faults.applied, "no lease write was made"
         held.confirm()
         current = json.loads(s3_server.filesystem().cat_file(f"{s3_bucket}/data/warehouse/{LEASE_FILE}"))
         assert current["holder"] == "run r2"
