@@ -272,8 +272,11 @@ def _take(fs, path: str, holder: str, ttl_seconds: float, token: str, where: str
         refusal = store_refusal(exc) if isinstance(exc, OSError) else None
         if refusal == CONFLICT:
             raise LedgerBusy(f"another walk was taking the ledger of {where} at the same moment: try again") from None
-        if refusal is None:
-            return _ours_or_raise(fs, path, token, exc)
+        if refusal is None:  # (a network error: the write may have landed, its reply lost)
+            found = _ours(fs, path, token)
+            if found is None:
+                raise
+            return found
     released = LedgerBusy(f"the ledger of {where} was released just now by another walk: try again")
     try:
         info = fs.info(path, refresh=True)
@@ -302,13 +305,6 @@ def _take(fs, path: str, holder: str, ttl_seconds: float, token: str, where: str
                 _describe(where, current) + " (its expired lease was just taken over by another walk)"
             ) from None
         raise
-
-
-def _ours_or_raise(fs, path: str, token: str, exc: Exception) -> str:
-    found = _ours(fs, path, token)
-    if found is None:
-        raise exc
-    return found
 
 
 def lease_live(warehouse: UPath) -> bool | None:

@@ -347,8 +347,10 @@ def incomplete_publishes(data_root: UPath) -> dict[str, tuple[UPath, bool]]:
 def staged_copy(data_root: UPath, run_id: str, where: str) -> UPath | None:
     """Where a published walk of `run_id` still holds the file it committed at `where` (relative to the data
     root), if its publish is not complete."""
-    found = incomplete_publishes(data_root).get(run_id)
-    return found[0] / where if found is not None and (found[0] / where).exists() else None
+    for folder, manifest, published in _staged_walks(data_root):
+        if published and manifest["run_id"] == run_id and (folder / where).exists():
+            return folder / where
+    return None
 
 
 def complete_published(data_root: UPath, log: Callable[[str], None]) -> list[str]:
