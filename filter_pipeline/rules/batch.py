@@ -76,6 +76,9 @@ class Batch:
     # the row in `tasks` of each attempt's task, as the parse found it (the rules take it rather than look
     # every task_id up again)
     task_at: np.ndarray | None = None
+    # each input file's fingerprint as it was read (`storage.files.read_input`; set by whoever read the files):
+    # what the run's commit records, so that a batch rewritten after it was parsed is reported as changed
+    inputs: dict | None = None
 
 
 @dataclass(frozen=True)

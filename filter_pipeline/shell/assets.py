@@ -28,7 +28,7 @@ from filter_pipeline.shell.warehouse import DataRoot, read_folder, read_parquet,
 from filter_pipeline.storage import failures
 from filter_pipeline.storage.audit import audit
 from filter_pipeline.storage.history import kept_counts, load_retired
-from filter_pipeline.storage.runs import count_records, read_batch
+from filter_pipeline.storage.runs import count_records, read_batch, record_judged_inputs
 
 run_id_partitions = dg.DynamicPartitionsDefinition(name="run_id")
 
@@ -161,8 +161,10 @@ def judge_batch(context: dg.AssetExecutionContext, judge: JudgeResource, data: D
     yield dg.Output(
         verdicts, output_name="judge_verdicts", metadata=_verdicts_metadata(verdicts, batch, requests, judgement)
     )
-    # resumed after the IO manager has written the partition: the saved progress is in it now
+    # resumed after the IO manager has written the partition: the saved progress is in it now, and the
+    # verdicts are those of the input bytes recorded here (what the run's commit records)
     judgement.written()
+    record_judged_inputs(data.warehouse, run_id, batch.inputs)
     yield _all_tasks_judged(verdicts)
     executed = filtering.execute_failures(batch.tasks, batch.attempts, batch.task_at)
     failures = pd.concat([executed, filtering.judge_failures(verdicts)], ignore_index=True)

@@ -27,7 +27,6 @@ from filter_pipeline.shell.config import CapsConfig, LedgerConfig, caps_source, 
 from filter_pipeline.shell.jobs import FIRST_WALK_TAG, PARTITION_TAG, PRIORITY_TAG
 from filter_pipeline.shell.warehouse import DataRoot, encode
 from filter_pipeline.storage import failures
-from filter_pipeline.storage.files import input_fingerprints
 from filter_pipeline.storage.history import build_prior_index, load_retired, read_commits
 from filter_pipeline.storage.lease import Lease, LedgerBusy, StoreIgnoresConditions, ledger_lease
 from filter_pipeline.storage.publish import (
@@ -39,7 +38,7 @@ from filter_pipeline.storage.publish import (
     complete_published,
     pause_point,
 )
-from filter_pipeline.storage.runs import complete_batches
+from filter_pipeline.storage.runs import changed_since_judged, complete_batches, inputs_to_commit
 
 # run tag: the most seconds this run's ledger step waits for lower runs (the CLI sets 0: it orders its own runs)
 ORDER_MAX_WAIT_TAG = "filter_pipeline/order_max_wait_seconds"
@@ -385,8 +384,9 @@ def _walk_the_ledger(
 
 def _walk_staged(context, config, data, run_id, judge_verdicts, failure_pool, batch_attempts, source, lease, staged):
     """`_walk_the_ledger`'s body: its files written to `staged`, then (its checks held) its commit published."""
-    # the inputs' hashes, for telling later whether the batch changed since it was filtered
-    inputs = input_fingerprints(data.run_dir(run_id))
+    inputs, changed = inputs_to_commit(data.warehouse, data.run_dir(run_id), run_id)
+    if changed:
+        context.log.warning(changed_since_judged(run_id, changed))
     index = build_prior_index(data.root, run_id, judge_verdicts[["dedup_key", "key_hash"]], load_retired(data.root))
     context.log.info(
         f"prior index: {index.rows_read} kept rows of {index.runs_read} other runs; "

@@ -103,7 +103,22 @@ def input_fingerprint(path: UPath) -> dict:
     if is_local(path):
         stat = os.stat(path.path)
         return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": sha256_of(path)}
+    return _store_fingerprint(path.fs.info(path.path))
+
+
+def read_input(path: UPath) -> tuple[bytes, dict]:
+    """The file's bytes and an `input_fingerprint` of exactly those bytes, for `inputs_changed` to hold the file
+    against later. The file's state is read before its bytes, so a change during the read is reported as a
+    change later (on local disk the hash of the bytes read decides), never missed."""
+    if is_local(path):
+        stat = os.stat(path.path)
+        data = path.read_bytes()
+        return data, {"size": len(data), "mtime_ns": stat.st_mtime_ns, "sha256": hashlib.sha256(data).hexdigest()}
     info = path.fs.info(path.path)
+    return path.read_bytes(), _store_fingerprint(info)
+
+
+def _store_fingerprint(info: dict) -> dict:
     return {"size": int(info.get("size") or 0), "etag": str(info.get("ETag") or info.get("etag") or "").strip('"')}
 
 

@@ -1,6 +1,8 @@
 """The batch folders under `runs/` on the data root: which are complete, reading one, and the checks on it
-that need the file system (trajectory dirs behind symlinks, the record count of executions.jsonl)."""
+that need the file system (trajectory dirs behind symlinks, the record count of executions.jsonl), and which
+input bytes a run's verdicts were made from."""
 
+import json
 import logging
 import os
 import time
@@ -23,10 +25,19 @@ from filter_pipeline.rules.batch import (
     parse_attempts,
     parse_tasks,
 )
-from filter_pipeline.storage.files import files_in, inputs_changed, is_local
+from filter_pipeline.storage.files import (
+    atomic_write,
+    files_in,
+    input_fingerprints,
+    inputs_changed,
+    is_local,
+    read_input,
+)
 from filter_pipeline.storage.history import read_commits
 
 _LOG = logging.getLogger(__name__)
+# warehouse/_judged_inputs/<run_id>.json: the fingerprints of the input bytes the run's verdicts were made from
+JUDGED_INPUTS_DIR = "_judged_inputs"
 
 
 def complete_batches(
@@ -77,7 +88,8 @@ def _stems(folder) -> set[str]:
 def read_batch(run_dir: UPath, run_id: str) -> Batch:
     """Parse `runs/<run_id>/`: tasks and attempts that passed validation, and one reject row per record that
     did not (malformed, mistyped, a second `task_id` or (task_id, attempt), an attempt of an unknown task, a
-    dir that resolves outside the data root). One file's bytes are held at a time.
+    dir that resolves outside the data root), with the fingerprints of the bytes parsed (`Batch.inputs`). One
+    file's bytes are held at a time.
 
     Raises BatchError when `tasks.jsonl` is missing or has no task, or `executions.jsonl` is missing.
     """
@@ -87,10 +99,56 @@ def read_batch(run_dir: UPath, run_id: str) -> Batch:
         raise BatchError(f"runs/{run_id}/{TASKS_FILE} does not exist: not an execution batch")
     if not executions_path.exists():
         raise BatchError(f"runs/{run_id}/{EXECUTIONS_FILE} does not exist: the harness wrote no attempts file")
-    tasks, rejects = parse_tasks(tasks_path.read_bytes(), run_id)
+    data, tasks_input = read_input(tasks_path)
+    tasks, rejects = parse_tasks(data, run_id)
+    del data  # (let go before the next file is read)
+    data, executions_input = read_input(executions_path)
     outside = lambda dirs: dirs_outside_root(run_dir, dirs)  # noqa: E731
-    parsed = parse_attempts(executions_path.read_bytes(), tasks, rejects, run_id, outside)
-    return replace(parsed, seconds=time.perf_counter() - started)
+    parsed = parse_attempts(data, tasks, rejects, run_id, outside)
+    inputs = {TASKS_FILE: tasks_input, EXECUTIONS_FILE: executions_input}
+    return replace(parsed, seconds=time.perf_counter() - started, inputs=inputs)
+
+
+def judged_inputs_path(warehouse: UPath, run_id: str) -> UPath:
+    return warehouse / JUDGED_INPUTS_DIR / f"{run_id}.json"
+
+
+def record_judged_inputs(warehouse: UPath, run_id: str, inputs: dict) -> None:
+    """Record `inputs` (`Batch.inputs`) as the input files the run's judge_verdicts were made from; called once
+    the verdicts are written. A step killed in between leaves the previous record, naming older bytes than the
+    verdicts: a change reported later that was not one, never a change missed."""
+    body = json.dumps(inputs, sort_keys=True).encode()
+    atomic_write(judged_inputs_path(warehouse, run_id), body, sync_folder=False)
+
+
+def judged_inputs(warehouse: UPath, run_id: str) -> dict | None:
+    """What `record_judged_inputs` recorded for the run; None when nothing readable was (verdicts judged by an
+    earlier version of this project)."""
+    try:
+        recorded = json.loads(judged_inputs_path(warehouse, run_id).read_bytes())
+    except (FileNotFoundError, ValueError):
+        return None
+    readable = isinstance(recorded, dict) and all(isinstance(v, dict) for v in recorded.values())
+    return recorded if readable else None
+
+
+def inputs_to_commit(warehouse: UPath, run_dir: UPath, run_id: str) -> tuple[dict, list[str]]:
+    """The input fingerprints the run's commit records, and the input files changed since. Those are the
+    fingerprints of the bytes its verdicts were made from, so that a batch rewritten after it was judged is
+    reported as changed once committed (`complete_batches`, `verify`); for verdicts judged before such
+    fingerprints were recorded, the files as they are now."""
+    judged = judged_inputs(warehouse, run_id)
+    if judged is None:
+        return input_fingerprints(run_dir), []
+    return judged, inputs_changed(run_dir, judged)
+
+
+def changed_since_judged(run_id: str, changed: list[str]) -> str:
+    return (
+        f"runs/{run_id} changed since it was judged ({', '.join(changed)}): the walk commits the verdicts of the "
+        f"files as they were, and the run is then reported as changed; re-filter it with "
+        f"`filter-pipeline materialize {run_id}`"
+    )
 
 
 def count_records(run_dir: UPath) -> int:

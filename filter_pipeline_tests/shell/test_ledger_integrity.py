@@ -194,6 +194,31 @@ class Collect(logging.Handler):
         self.lines.append(record.getMessage())
 
 
+def test_a_batch_rewritten_between_its_judging_and_its_walk_commits_what_was_judged_and_is_reported_changed(
+    instance, data_root
+):
+    same_keys_batches(data_root, "r1")
+    instance.add_dynamic_partitions("run_id", ["r1"])
+    defs = build_defs(str(data_root), JudgeResource(), caps={})
+    judged = defs.resolve_job_def("judge_job").execute_in_process(instance=instance, partition_key="r1")
+    assert judged.success
+    judged_tasks = (data_root / "runs" / "r1" / "tasks.jsonl").read_bytes()
+    with open(data_root / "runs" / "r1" / "tasks.jsonl", "a") as f:  # the harness ran the batch again
+        f.write(json.dumps(task("late")) + "\n")
+    walked = defs.resolve_job_def("ledger_job").execute_in_process(instance=instance, partition_key="r1")
+    assert walked.success
+    assert kept(data_root, "r1") == ["r1-0", "r1-1", "r1-2"]  # the verdicts of the batch as judged
+    recorded = read_commits(UPath(data_root) / "warehouse")["r1"].inputs["tasks.jsonl"]
+    assert recorded["size"] == len(judged_tasks)
+    data = DataRoot(path=str(data_root))
+    assert [(b.filtered, b.changed) for b in complete_batches(data.runs, data.warehouse)] == [(True, True)]
+    logged = [e.user_message for e in instance.all_logs(walked.run_id) if e.level == logging.WARNING]
+    assert [line for line in logged if "changed since it was judged" in line] == [
+        "runs/r1 changed since it was judged (tasks.jsonl): the walk commits the verdicts of the files as they "
+        "were, and the run is then reported as changed; re-filter it with `filter-pipeline materialize r1`"
+    ]
+
+
 def test_a_batch_changed_since_it_was_filtered_is_reported_by_the_sensor_and_not_rerun(instance, data_root):
     same_keys_batches(data_root, "r1")
     assert materialize(instance, data_root, "r1").success

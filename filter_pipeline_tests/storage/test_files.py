@@ -54,6 +54,28 @@ def test_changed_inputs_on_s3_are_told_by_etag(s3_server, s3_bucket):
     assert files.inputs_changed(run, recorded) == ["tasks.jsonl"]
 
 
+def test_an_input_read_is_fingerprinted_as_the_bytes_read_so_a_later_rewrite_is_a_change(tmp_path):
+    run = UPath(tmp_path) / "runs" / "r1"
+    run.mkdir(parents=True)
+    (run / "tasks.jsonl").write_text('{"task_id": "a"}\n')
+    data, read = files.read_input(run / "tasks.jsonl")
+    assert data == b'{"task_id": "a"}\n'
+    assert read == files.input_fingerprint(run / "tasks.jsonl")
+    assert files.inputs_changed(run, {"tasks.jsonl": read}) == []
+    (run / "tasks.jsonl").write_text('{"task_id": "b"}\n')  # same size, other bytes
+    assert files.inputs_changed(run, {"tasks.jsonl": read}) == ["tasks.jsonl"]
+
+
+@pytest.mark.slow  # moto's S3 server is a process of its own
+def test_an_input_read_on_s3_is_fingerprinted_by_its_etag(s3_server, s3_bucket):
+    run = UPath(f"s3://{s3_bucket}/data/runs/r1", endpoint_url=s3_server.endpoint, use_listings_cache=False)
+    (run / "tasks.jsonl").write_text('{"task_id": "a"}\n')
+    data, read = files.read_input(run / "tasks.jsonl")
+    assert data == b'{"task_id": "a"}\n' and read == files.input_fingerprint(run / "tasks.jsonl")
+    (run / "tasks.jsonl").write_text('{"task_id": "b"}\n')
+    assert files.inputs_changed(run, {"tasks.jsonl": read}) == ["tasks.jsonl"]
+
+
 def test_files_in_lists_a_suffix_in_name_order_without_writes_in_progress(tmp_path):
     for name in ("b.json", "a.json", ".a.json.tmp", ".c.json", "notes.txt"):
         (tmp_path / name).write_text("{}")
