@@ -25,7 +25,7 @@ def add_parser(commands) -> None:
 def review(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from filter_pipeline.review.app import create_app
+    from filter_pipeline.review.app import LOOPBACK, create_app
     from filter_pipeline.review.data import open_root
 
     root = open_root(data_path(args.data), os.environ.get(ENDPOINT_ENV))
@@ -36,10 +36,10 @@ def review(args: argparse.Namespace) -> int:
         print(f"filter-pipeline: --port {args.port}: expected 1 to 65535", file=sys.stderr)
         return 2
     print(f"review app for {root}: http://{args.host}:{args.port}/ (Ctrl-C to stop)", flush=True)
-    if args.host not in ("127.0.0.1", "localhost", "::1"):
+    if args.host not in LOOPBACK:
         print(f"filter-pipeline: the review app has no login: anyone who reaches {args.host}:{args.port} can read "
               "the trajectories and write labels", file=sys.stderr, flush=True)  # fmt: skip
-    app = create_app(root)
+    app = create_app(root, host=args.host)
     app.state.review.warehouse.warm_in_background()  # the newest runs' pages answer at once
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0

@@ -17,6 +17,7 @@ from jinja2 import Environment, FileSystemLoader, select_autoescape
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, RedirectResponse, Response
 from starlette.routing import Mount, Route
@@ -26,13 +27,17 @@ from upath import UPath
 from filter_pipeline.review.data import FATES, ReviewError, Warehouse, page
 from filter_pipeline.review.queue import QueueMemo, item
 from filter_pipeline.review.story import Labels, inside_run, screenshot, story
+from filter_pipeline.rules.records import as_text
 from filter_pipeline.settings import DAGSTER_URL_ENV
 from filter_pipeline.storage.labels import LabelWriteError, append_label, now_iso
 
 HERE = Path(__file__).parent
 LABELER_ENV = "FILTER_PIPELINE_LABELER"
+LOOPBACK = ("127.0.0.1", "localhost", "::1")  # what this machine's own browser may call the app
+ANY_ADDRESS = ("0.0.0.0", "::", "")
 DEFAULT_LIMIT, MAX_LIMIT = 100, 1000
 MAX_NOTE_CHARS = 2000
+MAX_LABEL_BYTES = 64 << 10  # a label request's body; a note is at most MAX_NOTE_CHARS
 SECURITY_HEADERS = {
     "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
     "connect-src 'self'; form-action 'self'; base-uri 'none'; frame-ancestors 'none'",
@@ -180,9 +185,10 @@ def api_task(request: Request) -> Response:
 
 async def api_labels(request: Request) -> Response:
     review = request.app.state.review
+    _refuse_other_sites(request)
     try:
-        body = json.loads(await request.body())
-    except (ValueError, UnicodeDecodeError):
+        body = json.loads(await _body(request, MAX_LABEL_BYTES))
+    except (ValueError, UnicodeDecodeError, RecursionError):
         raise BadRequest("the body is not JSON: expected {dir | run_id + task_id, success, note}") from None
     record = await run_in_threadpool(label_record, review, body)
     try:
@@ -190,6 +196,31 @@ async def api_labels(request: Request) -> Response:
     except LabelWriteError as exc:
         return _error(request, 503, _one_line(exc))
     return JSONResponse({"label": record}, status_code=201)
+
+
+def _refuse_other_sites(request: Request) -> None:
+    """Labels are written only on requests a page of another site cannot make (CSRF): JSON, which a browser
+    sends to another origin only after a CORS preflight this app never grants, and, where the browser says
+    where the request comes from (Origin, Sec-Fetch-Site), from this app's own pages."""
+    if request.headers.get("content-type", "").partition(";")[0].strip().lower() != "application/json":
+        raise HTTPException(415, "expected Content-Type: application/json")
+    site, origin = request.headers.get("sec-fetch-site"), request.headers.get("origin")
+    if site not in (None, "same-origin", "none") or (origin is not None and origin != _own_origin(request)):
+        raise HTTPException(403, "labels are written from this app's own pages or by a client that is not a browser")
+
+
+def _own_origin(request: Request) -> str:
+    return f"{request.url.scheme}://{request.headers.get('host', '')}"
+
+
+async def _body(request: Request, limit: int) -> bytes:
+    """The request's body, refused (413) once it passes `limit` bytes."""
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise HTTPException(413, f"the body is over {limit} bytes")
+    return bytes(body)
 
 
 def _label_value(value) -> bool:
@@ -203,8 +234,10 @@ def label_record(review: Review, body) -> dict:
     if not isinstance(body, dict) or "success" not in body or not _label_value(body["success"]):
         raise BadRequest('expected {"dir" | "run_id" + "task_id", "success": true | false | null, "note"}')
     note = body.get("note")
-    if note is not None and (not isinstance(note, str) or len(note) > MAX_NOTE_CHARS):
+    if note is not None and (not _is_text(note) or len(note) > MAX_NOTE_CHARS):
         raise BadRequest(f"note: expected text of at most {MAX_NOTE_CHARS} characters")
+    if body.get("labeler") is not None and not _is_text(body["labeler"]):
+        raise BadRequest("labeler: expected text")
     if isinstance(body.get("dir"), str):
         dir_ = body["dir"]
         run_id = dir_.split("/")[1] if dir_.count("/") >= 2 else ""
@@ -220,6 +253,11 @@ def label_record(review: Review, body) -> dict:
     labeler = body.get("labeler") if isinstance(body.get("labeler"), str) and body["labeler"] else review.labeler
     record = {"dir": dir_, "success": body["success"]}
     return record | ({"note": note} if note else {}) | {"labeler": labeler[:200], "labeled_at": now_iso()}
+
+
+def _is_text(value) -> bool:
+    """A string UTF-8 can carry (JSON's `\\ud83d` escape decodes to a lone surrogate, which it cannot)."""
+    return isinstance(value, str) and as_text(value) == value
 
 
 def _one_line(text: str) -> str:
@@ -266,8 +304,11 @@ class SecurityHeaders:
         await self.app(scope, receive, sending)
 
 
-def create_app(root: UPath, labeler: str | None = None) -> Starlette:
-    """The review app over the data root `root`."""
+def create_app(root: UPath, labeler: str | None = None, host: str = LOOPBACK[0]) -> Starlette:
+    """The review app over the data root `root`, served on the address `host`. A request naming another host
+    than that or a loopback name is refused, so that a page of another site whose name was pointed at this
+    machine (DNS rebinding) cannot read it or write labels; served on every address (0.0.0.0, ::), any
+    name is answered."""
     routes = [
         Route("/", runs_page),
         Route("/queue", queue_page),
@@ -285,5 +326,7 @@ def create_app(root: UPath, labeler: str | None = None) -> Starlette:
                 Exception: on_any_error}  # fmt: skip
     app = Starlette(routes=routes, exception_handlers=handlers)
     app.state.review = Review(root, labeler)
-    app.add_middleware(SecurityHeaders)
+    hosts = ["*"] if host in ANY_ADDRESS else [*LOOPBACK, host]
+    app.add_middleware(TrustedHostMiddleware, allowed_hosts=hosts, www_redirect=False)
+    app.add_middleware(SecurityHeaders)  # (added last: outermost, so a refused host's answer carries them too)
     return app

@@ -19,7 +19,7 @@ from upath import UPath
 # The one module of the review package that reads commit state (kept in one place for the storage move).
 from filter_pipeline.rules.commits import COMMITS_DIR, parse_commit
 from filter_pipeline.rules.history import legacy_key_text
-from filter_pipeline.rules.records import read_json
+from filter_pipeline.rules.records import as_text, read_json
 from filter_pipeline.rules.schemas import (
     DROPPED_REASONS,
     REASON_JUDGE_FAIL,
@@ -296,7 +296,7 @@ def _rejected_tasks(rejects: pd.DataFrame) -> pd.DataFrame:
         except ValueError:
             raw = None
         raw = raw if isinstance(raw, dict) else {}
-        named = raw.get("task_id") if isinstance(raw.get("task_id"), str) else None
+        named = _text(raw.get("task_id"))
         rows.append({"task_id": named or f"tasks.jsonl:{record['line']}", "fate": FATE_REJECT,
                      "reason": record.get("message"), "site": _text(raw.get("site")),
                      "macro": _text(raw.get("macro")), "instruction": _text(raw.get("instruction"))})  # fmt: skip
@@ -312,7 +312,7 @@ def read_legacy_kept(path: UPath) -> pd.DataFrame:
         except (ValueError, RecursionError):  # (the ledger refuses such a file: the page shows what it can)
             continue
         if isinstance(record, dict) and isinstance(record.get("task_id"), str):
-            rows.append({"task_id": record["task_id"], "fate": FATE_KEPT, "reason": None,
+            rows.append({"task_id": _text(record["task_id"]), "fate": FATE_KEPT, "reason": None,
                          "site": _text(record.get("site")), "macro": _text(record.get("macro")),
                          "instruction": _text(record.get("instruction")),
                          "dedup_key": _legacy_key(record.get("dedup_key"))})  # fmt: skip
@@ -334,7 +334,8 @@ def _legacy_key(key) -> str:
 
 
 def _text(value) -> str | None:
-    return value if isinstance(value, str) else None
+    """A decoded JSON string as UTF-8 can carry it (a rejected line may hold a lone surrogate), else None."""
+    return as_text(value) if isinstance(value, str) else None
 
 
 def summarize(t: RunTables) -> dict:

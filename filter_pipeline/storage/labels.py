@@ -50,11 +50,19 @@ def append_label(data_root: UPath, record: dict) -> None:
         _append_conditionally(path.fs, path.path, line)
 
 
+def _after(current_end: bytes, line: bytes) -> bytes:
+    """`line` as appended after a file ending in `current_end`: on a line of its own even when a hand-edited
+    file lacks its final newline (else the two would read as one line that is not JSON, and both be lost)."""
+    return line if current_end in (b"", b"\n") else b"\n" + line
+
+
 def _append_locally(path: str, line: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         try:
+            size = os.fstat(fd).st_size
+            line = _after(os.pread(fd, 1, size - 1) if size else b"", line)
             written = os.write(fd, line)
             if written != len(line):
                 raise LabelWriteError(f"{path}: wrote {written} of {len(line)} bytes of a label")
@@ -76,7 +84,7 @@ def _append_conditionally(fs, path: str, line: bytes) -> None:
                 fs.pipe_file(path, line, mode="create")  # If-None-Match: *
             else:
                 current = fs.cat_file(path)
-                fs.pipe_file(path, current + line, IfMatch=info["ETag"])
+                fs.pipe_file(path, current + _after(current[-1:], line), IfMatch=info["ETag"])
             fs.invalidate_cache(path)
             return
         except (FileExistsError, FileNotFoundError, OSError) as exc:

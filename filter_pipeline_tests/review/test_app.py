@@ -2,6 +2,7 @@
 
 import json
 import urllib.error
+import urllib.parse
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import quote
@@ -22,10 +23,10 @@ def get(served, path: str) -> tuple[int, dict, str]:
         return exc.code, dict(exc.headers), exc.read().decode("utf-8", "replace")
 
 
-def post(served, body, raw: bytes | None = None) -> tuple[int, str]:
+def post(served, body, raw: bytes | None = None, headers: dict | None = None) -> tuple[int, str]:
     data = raw if raw is not None else json.dumps(body).encode()
     request = urllib.request.Request(served.url + "/api/labels", data=data, method="POST",
-                                     headers={"Content-Type": "application/json"})  # fmt: skip
+                                     headers={"Content-Type": "application/json", **(headers or {})})  # fmt: skip
     try:
         with urllib.request.urlopen(request, timeout=30) as response:
             return response.status, response.read().decode()
@@ -124,6 +125,51 @@ def test_bad_ids_and_requests_get_one_line_4xx(served):
                       ({"dir": "runs/2026-11-28/traj/2026-11-28-t001/1", "success": 1}, None)]:  # fmt: skip
         status, text = post(served, body, raw)
         assert 400 <= status < 500 and len(text.strip().splitlines()) == 1 and "Traceback" not in text, (body, text)
+
+
+LABEL = {"dir": "runs/2026-11-28/traj/2026-11-28-t001/1", "success": True}
+
+
+def test_a_label_post_another_site_could_make_is_refused_and_writes_nothing(served, sample_root):
+    before = (sample_root / "labels.jsonl").read_bytes()
+    form = urllib.parse.urlencode({json.dumps(LABEL): ""}).encode()
+    for headers, raw, code in [
+        ({"Content-Type": "text/plain"}, None, 415),  # what an HTML form on any page can send
+        ({"Content-Type": "application/x-www-form-urlencoded"}, form, 415),
+        ({"Origin": "http://evil.example"}, None, 403),  # a page of another site, its JSON preflight granted
+        ({"Origin": "null"}, None, 403),
+        ({"Sec-Fetch-Site": "cross-site"}, None, 403),
+        ({"Host": "rebound.example:8765"}, None, 400),  # another site's name pointed at this machine
+    ]:
+        status, text = post(served, LABEL, raw, headers)
+        assert status == code and len(text.strip().splitlines()) == 1, (headers, text)
+        assert get_with(served, "/api/runs", headers)[0] == (400 if "Host" in headers else 200)
+    assert (sample_root / "labels.jsonl").read_bytes() == before
+    own = {"Origin": served.url, "Sec-Fetch-Site": "same-origin"}  # this app's own page, as a browser sends it
+    assert post(served, LABEL, headers=own)[0] == 201
+    assert post(served, LABEL, headers={"Host": f"localhost:{served.port}"})[0] == 201
+
+
+def get_with(served, path: str, headers: dict) -> tuple[int, str]:
+    request = urllib.request.Request(served.url + path, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def test_a_label_post_too_large_too_deep_or_not_unicode_is_a_one_line_4xx(served, sample_root):
+    before = (sample_root / "labels.jsonl").read_bytes()
+    for body, raw, code in [
+        (None, json.dumps({**LABEL, "pad": "x" * 100_000}).encode(), 413),
+        (None, b"[" * 20_000 + b"]" * 20_000, 400),  # deeper than json follows
+        (None, json.dumps({**LABEL, "note": "\ud83d"}).encode(), 400),  # a lone surrogate, as JSON escapes it
+        (None, json.dumps({**LABEL, "labeler": "\udc00"}).encode(), 400),
+    ]:
+        status, text = post(served, body, raw)
+        assert status == code and len(text.strip().splitlines()) == 1 and "Traceback" not in text, text
+    assert (sample_root / "labels.jsonl").read_bytes() == before
 
 
 def test_labels_are_appended_in_the_coordination_format_and_counted_by_calibration(served, sample_root):

@@ -193,6 +193,14 @@ def test_a_task_rejected_for_an_over_long_integer_in_its_key_is_still_named_by_i
     assert rows[["task_id", "site", "fate"]].values.tolist() == [["lk", "s", "reject"]]
 
 
+def test_a_task_rejected_for_a_lone_surrogate_is_shown_with_a_replacement_character():
+    raw = '{"task_id": "t\\ud83d", "site": "s", "macro": "\\ud83d", "instruction": "do \\udc00 it"}'
+    rows = _rejected_tasks(pd.DataFrame([{"file": "tasks.jsonl", "line": 2, "message": "m", "raw": raw}]))
+    assert rows[["task_id", "macro", "instruction", "fate"]].values.tolist() == [
+        ["t\ufffd", "\ufffd", "do \ufffd it", "reject"]
+    ]
+
+
 def test_a_legacy_runs_keys_are_shown_as_the_ledger_compares_them(tmp_path):
     lines = [
         {"task_id": "a", "site": "s", "macro": "m", "dedup_key": ["s", "#x", 1]},

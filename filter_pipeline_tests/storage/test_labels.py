@@ -35,6 +35,23 @@ def test_concurrent_local_appends_from_threads_lose_none(tmp_path):
     assert sorted(line["dir"] for line in lines) == sorted(_record(i)["dir"] for i in range(400))
 
 
+def test_a_label_appended_to_a_file_without_its_final_newline_starts_a_line_of_its_own(tmp_path):
+    (tmp_path / LABELS_FILE).write_bytes(label_line(_record(1)).rstrip(b"\n"))  # edited by hand
+    append_label(UPath(str(tmp_path)), _record(2))
+    append_label(UPath(str(tmp_path)), _record(3))
+    assert [line["dir"] for line in _lines((tmp_path / LABELS_FILE).read_bytes())] == [
+        _record(i)["dir"] for i in (1, 2, 3)
+    ]
+
+
+@pytest.mark.slow
+def test_a_label_appended_on_s3_to_an_object_without_its_final_newline_starts_a_line_of_its_own(s3_bucket):
+    root = UPath(f"s3://{s3_bucket}/filter", use_listings_cache=False)
+    (root / LABELS_FILE).write_bytes(label_line(_record(1)).rstrip(b"\n"))
+    append_label(root, _record(2))
+    assert [line["dir"] for line in _lines((root / LABELS_FILE).read_bytes())] == [_record(i)["dir"] for i in (1, 2)]
+
+
 def _append_many(args) -> None:
     root, start = args
     for i in range(start, start + 100):
