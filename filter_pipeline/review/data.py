@@ -249,9 +249,12 @@ def load_run(run_id: str, files: dict[str, UPath]) -> RunTables:
 
 
 def _by_task(table: pd.DataFrame, column: str, ids: pd.Series) -> pd.Series:
-    """`table[column]` looked up by task_id for each of `ids` (the last row of a task wins), <NA> when none."""
+    """`table[column]` looked up by task_id for each of `ids`, <NA> when none: the row of a task's highest
+    attempt wins (its last row in a table without attempts)."""
     if table.empty or column not in table.columns:
         return pd.Series([pd.NA] * len(ids), index=ids.index, dtype="object")
+    if "attempt" in table.columns:
+        table = table.sort_values("attempt", kind="stable")
     last = table.drop_duplicates("task_id", keep="last")
     found = positions(ids, last["task_id"])  # (an Arrow hash lookup: a pandas reindex on text is slower)
     values = last[column].astype("object").to_numpy()

@@ -85,6 +85,14 @@ def test_every_fate_and_its_reason(warehouse):
     assert pending["k"] == pending["d"] == "pending" and pending["jf"] == "judge_fail"
 
 
+def test_an_execute_failures_reason_is_its_last_attempts_whatever_the_files_order(warehouse, tmp_path):
+    _write(tmp_path, "failure_pool", "r1", [
+        {"task_id": "ef", "stage": "execute", "reason": "policy_violation", "attempt": 2, "run_id": "r1"},
+        {"task_id": "ef", "stage": "execute", "reason": "script_error", "attempt": 1, "run_id": "r1"}])  # fmt: skip
+    tasks = Warehouse(UPath(str(tmp_path))).run("r1").tasks.set_index("task_id")
+    assert (tasks.loc["ef", "fate"], tasks.loc["ef", "reason"]) == ("execute_fail", "policy_violation")
+
+
 def test_run_summaries_give_state_funnel_rates_blocked_and_cost(warehouse):
     r1, r2 = sorted(warehouse.runs(), key=lambda r: r["run_id"])
     assert (r1["state"], r2["state"]) == ("unjudged", "pending")
