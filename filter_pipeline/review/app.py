@@ -56,6 +56,7 @@ def templates() -> Environment:
     env.filters["q"] = lambda value: quote(str(value), safe="")
     env.filters["pct"] = lambda value: "–" if value is None else f"{value:.0%}"
     env.filters["money"] = lambda value: "–" if value is None else f"${value:,.4f}"
+    env.filters["n"] = lambda value: "–" if value is None else value
     env.filters["yesno"] = lambda value: {True: "yes", False: "no"}.get(value, "–")
     env.filters["json"] = lambda value: json.dumps(value, ensure_ascii=False)
     return env

@@ -47,6 +47,7 @@ STATE_COMMITTED = "committed"
 STATE_UNJUDGED = "unjudged"  # committed, with tasks left unjudged (judged again later)
 STATE_PENDING = "pending"  # complete batch not committed yet
 STATE_LEGACY = "legacy"  # filtered by the earlier script (kept.jsonl)
+STATE_UNREADABLE = "unreadable"  # a file of the run cannot be read (the runs page and the queue go on without it)
 
 TASK_COLUMNS = ["task_id", "fate", "reason", "site", "macro", "instruction"]
 CACHED_RUNS = 8  # run tables kept in memory (least recently used dropped first)
@@ -167,7 +168,11 @@ class Warehouse:
             cached = self._light.get(run_id)
         if cached and cached[0] == key:
             return cached[1], cached[2]
-        self.run(run_id)  # (reads the run when its files changed, and keeps its light entry)
+        try:
+            self.run(run_id)  # (reads the run when its files changed, and keeps its light entry)
+        except (OSError, ValueError) as exc:  # (Arrow's errors are ValueErrors) one run, not the whole page
+            with self._lock:
+                self._light[run_id] = (key, unreadable_summary(run_id, exc), pd.DataFrame(columns=JUDGED_COLUMNS))
         with self._lock:
             return self._light[run_id][1], self._light[run_id][2]
 
@@ -367,6 +372,16 @@ def summarize(t: RunTables) -> dict:
         "blocked": blocked,
         "cost": float(cost.sum()) if len(cost) else None,
     }
+
+
+def unreadable_summary(run_id: str, error: Exception) -> dict:
+    """The runs page's line of a run whose files cannot be read: why, in one line, and no figures (its own page
+    gives the same error)."""
+    reason = " ".join(str(error).split())[:300] or type(error).__name__
+    return {"run_id": run_id, "state": f"{STATE_UNREADABLE} ({reason})", "walked_at": None, "tasks": None,
+            "attempts": None, "rejects": None, "with_ok_attempt": None, "judged": None, "passed": None,
+            **dict.fromkeys(FATES), "surplus_by_reason": {}, "keep_rate": None, "judge_pass_rate": None,
+            "blocked": None, "cost": None}  # fmt: skip
 
 
 def run_state(t: RunTables, fates: dict) -> str:

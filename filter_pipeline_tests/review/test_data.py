@@ -234,3 +234,23 @@ def test_a_legacy_run_nested_too_deep_is_shown_as_far_as_it_can_be(tmp_path):
     )  # fmt: skip
     shown = Warehouse(UPath(str(tmp_path))).run("r0").tasks.set_index("task_id")["dedup_key"].to_dict()
     assert shown == {"a": deep}
+
+
+def test_a_run_with_an_unreadable_file_is_one_line_on_the_runs_page_and_the_queue_goes_on(tmp_path):
+    from filter_pipeline.review.app import Review
+    from filter_pipeline.review.queue import QueueMemo
+
+    write_run(tmp_path, "r1")
+    write_run(tmp_path, "r2")
+    broken = tmp_path / "warehouse" / "dpo_pairs" / "r2.parquet"
+    broken.parent.mkdir(parents=True, exist_ok=True)
+    broken.write_bytes(b"PAR1 cut short")
+    warehouse = Warehouse(UPath(str(tmp_path)))
+    r2, r1 = warehouse.runs()
+    assert r2["run_id"] == "r2" and r2["state"].startswith("unreadable (") and r2["tasks"] is None
+    assert len(r2["state"].splitlines()) == 1 and r1["state"] == "unjudged"
+    labels = pd.DataFrame(columns=["dir", "run_id", "task_id", "success", "line"])
+    queue = QueueMemo().state(warehouse, labels)[0]
+    assert set(queue["run_id"]) == {"r1"} and len(queue) == 4
+    page_html = Review(UPath(str(tmp_path))).html("runs.html", runs=warehouse.runs()).body.decode()
+    assert "unreadable (" in page_html and ">None<" not in page_html
