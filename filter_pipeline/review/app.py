@@ -151,12 +151,18 @@ def queue_page(request: Request) -> Response:
         return review.html("queue.html", item=None, figures=figures, pos=0, total=0, s=None, blind=True)
     still_open = np.flatnonzero(~done)
     pos = _int(request, "pos", int(still_open[0]) if len(still_open) else len(queue) - 1, 0, len(queue) - 1)
+    if request.query_params.get("dir"):  # (after a label: the attempt itself, wherever the label moved it)
+        at = np.flatnonzero(queue["dir"].to_numpy(object) == request.query_params["dir"])
+        if not len(at):
+            raise ReviewError(f"no judged attempt with dir {request.query_params['dir']!r} in the queue")
+        pos = int(at[0])
     current = item(queue, pos)
     blind = request.query_params.get("blind", "1") != "0" and not done[pos]
     found = story(review.warehouse, current.run_id, current.task_id, review.labels.frame())
     later = still_open[still_open > pos]
+    after_label = "/queue?" + urlencode({"dir": current.dir})
     return review.html("queue.html", item=current, figures=figures, pos=pos, total=len(queue), s=found, blind=blind,
-                       labelled=bool(done[pos]), remaining=len(still_open), after_label=f"/queue?pos={pos}",
+                       labelled=bool(done[pos]), remaining=len(still_open), after_label=after_label,
                        next_pos=int(later[0]) if len(later) else pos + 1)  # fmt: skip
 
 

@@ -2,8 +2,11 @@
 
 Order: first a uniform random sample of every judged attempt (so the precision measured on it is an unbiased
 estimate of the judge's precision on the whole warehouse), then attempts whose votes split (where the judge
-itself hesitated), then attempts of sites with no label yet, then the rest, in random order. The order is
-fixed by a seed, so positions stay the same between requests while the warehouse does not change.
+itself hesitated), then attempts of sites with no label yet, then the rest, in random order. The random order
+is that of a hash of each attempt's dir: the same on every request, and an attempt keeps its place among the
+others as runs are added, so the sample (the SAMPLE_SIZE attempts hashed lowest) changes only by new attempts
+that hash lower (it stays a uniform sample). A label moves its site's other attempts out of "site with no
+label", so after a label the app addresses the attempt by its dir, not its position.
 """
 
 import threading
@@ -15,9 +18,9 @@ import pandas as pd
 from filter_pipeline.review.data import JUDGED_COLUMNS, Warehouse
 from filter_pipeline.rules import calibration
 from filter_pipeline.rules.calibration import wilson_interval
+from filter_pipeline.rules.schemas import key_hashes, pylist
 
 SAMPLE_SIZE = 200  # attempts in the uniform random sample served first
-SEED = 33
 
 PHASE_SAMPLE = "random sample"
 PHASE_SPLIT = "split votes"
@@ -65,7 +68,7 @@ def split_mask(votes: pd.Series) -> np.ndarray:
 def order(attempts: pd.DataFrame, labelled_sites: set) -> pd.DataFrame:
     """Every judged attempt once, in queue order (see the module's docstring): QUEUE_COLUMNS."""
     unique = attempts.drop_duplicates("dir").reset_index(drop=True)
-    shuffled = unique.iloc[np.random.default_rng(SEED).permutation(len(unique))].reset_index(drop=True)
+    shuffled = unique.iloc[np.argsort(key_hashes(pylist(unique["dir"])), kind="stable")].reset_index(drop=True)
     rank = np.full(len(shuffled), PHASES.index(PHASE_REST))
     rank[~shuffled["site"].isin(labelled_sites).to_numpy(bool)] = PHASES.index(PHASE_UNLABELLED_SITE)
     rank[split_mask(shuffled["votes"])] = PHASES.index(PHASE_SPLIT)
@@ -93,12 +96,15 @@ def precision(labelled: pd.DataFrame) -> dict:
 
 
 def queue_state(attempts: pd.DataFrame, labels: pd.DataFrame) -> tuple[pd.DataFrame, np.ndarray, dict]:
-    """(the queue over `attempts`, which of its attempts are labelled already, precision figures)."""
+    """(the queue over `attempts`, which of its attempts are labelled already, precision figures: over every
+    labelled attempt, and under `sample` over the random sample's alone, the unbiased estimate)."""
     latest = latest_labels(labels, attempts)
     labelled = attempts.merge(latest, on="dir")
     queue = order(attempts, set(labelled["site"].dropna()))
     done = queue["dir"].isin(set(latest["dir"])).to_numpy(bool)
-    return queue, done, {**precision(labelled), "label_lines": len(labels), "attempts": len(queue)}
+    sampled = labelled["dir"].isin(set(queue.loc[queue["phase"] == PHASE_SAMPLE, "dir"]))
+    figures = {**precision(labelled), "sample": precision(labelled[sampled.to_numpy(bool)])}
+    return queue, done, {**figures, "label_lines": len(labels), "attempts": len(queue)}
 
 
 class QueueMemo:

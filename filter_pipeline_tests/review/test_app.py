@@ -199,11 +199,14 @@ def test_the_queue_is_blind_until_labelled_and_shows_the_precision_interval(serv
     _, _, html = get(served, "/queue")
     assert "Blind:" in html and "Verdict:" not in html and "The walk&#39;s decision" not in html
     assert "95% interval" in html and "16 label lines" in html
-    position = int(html.split("Item ", 1)[1].split(" ", 1)[0]) - 1
     form_dir = html.split('data-dir="', 1)[1].split('"', 1)[0]
+    after_label = html.split('data-after="', 1)[1].split('"', 1)[0].replace("&amp;", "&")
     assert post(served, {"dir": form_dir, "success": True})[0] == 201
-    _, _, after = get(served, f"/queue?pos={position}")
+    _, _, after = get(served, after_label)  # where the page goes once the label is saved
+    assert f'data-dir="{form_dir}"' in after  # the attempt just labelled, wherever the label moved it
     assert "Verdict:" in after and "Blind:" not in after and "17 label lines" in after
+    assert "random sample (the unbiased estimate)" in after
+    assert get(served, "/queue?dir=runs/nope")[0] == 404
 
 
 def test_run_page_links_to_dagster_when_its_url_is_set(monkeypatch, sample_root):

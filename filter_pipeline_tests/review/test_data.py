@@ -170,7 +170,7 @@ def test_the_task_page_shows_the_parts_escaped_and_hides_them_when_blind(warehou
     assert "a CAPTCHA &lt;b&gt;wall&lt;/b&gt;" in html and "<b>wall" not in html
     from filter_pipeline.review.queue import QueueItem
 
-    figures = {"labelled": 0, "unsure": 0, "label_lines": 0, "precision": None}
+    figures = {"labelled": 0, "unsure": 0, "label_lines": 0, "precision": None, "sample": {"precision": None}}
     item = QueueItem("r1", "jf", "runs/r1/traj/jf/1", "s-jf", "random sample")
     blind = review.html("queue.html", s=found, item=item, figures=figures, blind=True, pos=0, total=1, next_pos=1,
                         remaining=1).body.decode()  # fmt: skip

@@ -1,5 +1,6 @@
 """The labelling queue's order and the judge's precision interval; label lines as the review app reads them."""
 
+import json
 import math
 
 import pandas as pd
@@ -13,6 +14,7 @@ from filter_pipeline.review.queue import (
     latest_labels,
     order,
     precision,
+    queue_state,
     split_votes,
 )
 from filter_pipeline.review.story import inside_run
@@ -50,6 +52,36 @@ def test_the_queue_serves_a_uniform_sample_then_split_votes_then_unlabelled_site
     # the sample is drawn uniformly (a shuffle), not the first rows, and the same on every request
     assert [it.task_id for it in items[:10]] != [f"t{i:03}" for i in range(10)]
     assert order(frame, {"old"}).equals(queue)
+
+
+def test_attempts_keep_their_order_and_the_sample_its_members_as_runs_are_added(monkeypatch):
+    from filter_pipeline.review import queue as queue_module
+
+    monkeypatch.setattr(queue_module, "SAMPLE_SIZE", 10)
+    first = attempts(60)
+    later = pd.concat(
+        [first, attempts(60).assign(run_id="r2", dir=lambda f: f["dir"].str.replace("runs/r/", "runs/r2/"))]
+    )
+    before, after = order(first, {"s0", "s1", "s2"}), order(later, {"s0", "s1", "s2"})
+    assert after[after["dir"].isin(set(first["dir"]))]["dir"].tolist() == before["dir"].tolist()
+    sample_before = set(before.loc[before["phase"] == PHASE_SAMPLE, "dir"])
+    sample_after = set(after.loc[after["phase"] == PHASE_SAMPLE, "dir"])
+    assert len(sample_after) == 10 and sample_after - sample_before <= set(later["dir"]) - set(first["dir"])
+    assert sample_after != sample_before  # (new attempts do enter it, as a uniform sample of all needs)
+
+
+def test_the_unbiased_precision_counts_the_random_samples_labels_alone(monkeypatch):
+    from filter_pipeline.review import queue as queue_module
+
+    monkeypatch.setattr(queue_module, "SAMPLE_SIZE", 2)
+    frame = attempts(6)
+    queue = order(frame, set())
+    sampled, rest = queue["dir"].tolist()[:2], queue["dir"].tolist()[2:]
+    lines = "".join(json.dumps({"dir": d, "success": True}) + "\n" for d in sampled)
+    lines += "".join(json.dumps({"dir": d, "success": False}) + "\n" for d in rest)
+    figures = queue_state(frame, parse_labels(lines.encode())[0])[2]
+    assert (figures["sample"]["precision"], figures["sample"]["judge_passed_labelled"]) == (1.0, 2)
+    assert (figures["precision"], figures["judge_passed_labelled"]) == (2 / 6, 6)
 
 
 def test_a_later_label_of_the_same_attempt_replaces_the_earlier_and_unsure_is_not_counted():
