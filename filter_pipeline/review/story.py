@@ -51,12 +51,20 @@ def inside_run(run_id: str, dir_: str | None) -> bool:
     return all(part not in ("", ".", "..") for part in parts) and "\\" not in dir_
 
 
+def resolves_inside_run(root: UPath, run_id: str, path: UPath) -> bool:
+    """Whether `path`, its symlinks resolved, lies inside the run's folder (object storage has no symlinks)."""
+    if not is_local(path):
+        return True
+    real, run_folder = UPath(path.path).resolve(), (root / "runs" / run_id).resolve()
+    return run_folder.path in [str(p) for p in real.parents]
+
+
 def trajectory(root: UPath, run_id: str, dir_: str | None) -> dict:
     """The attempt's trajectory.json (instruction, steps, final url and page text) and its screenshots'
     names; `problem` says what could not be read."""
-    if not inside_run(run_id, dir_):
+    folder = root / dir_ if inside_run(run_id, dir_) else None
+    if folder is None or not resolves_inside_run(root, run_id, folder / "trajectory.json"):
         return {"problem": "no trajectory folder inside the run", "steps": [], "screenshots": []}
-    folder = root / dir_
     found: dict = {"steps": [], "screenshots": []}
     try:
         found["screenshots"] = sorted(p.name for p in folder.iterdir() if SCREENSHOT_NAME.match(p.name))
@@ -150,7 +158,8 @@ def task_rejects(rejects: pd.DataFrame, task_id: str, most: int = 20) -> list[di
     if rejects.empty:
         return []
     raw, message = rejects["raw"].fillna("").astype(str), rejects["message"].fillna("").astype(str)
-    mine = raw.str.contains(f'"{task_id}"', regex=False) | message.str.startswith(f"{task_id}:")
+    named = r'"task_id"\s*:\s*' + re.escape(json.dumps(task_id, ensure_ascii=False))  # (its value, not any string)
+    mine = raw.str.contains(named, regex=True) | message.str.startswith(f"{task_id}:")
     return plain(rejects[mine.to_numpy(bool)].head(most).to_dict("records"))
 
 
@@ -161,10 +170,8 @@ def screenshot(warehouse: Warehouse, run_id: str, task_id: str, attempt: int, na
     if not rows or not SCREENSHOT_NAME.match(name or "") or not inside_run(run_id, rows[0].get("dir")):
         raise ReviewError("no such screenshot")
     path = warehouse.root / rows[0]["dir"] / name
-    if is_local(path):
-        real, run_folder = UPath(path.path).resolve(), (warehouse.root / "runs" / run_id).resolve()
-        if run_folder.path not in [str(p) for p in real.parents]:
-            raise ReviewError("no such screenshot")  # a symlink out of the run's folder
+    if not resolves_inside_run(warehouse.root, run_id, path):
+        raise ReviewError("no such screenshot")  # a symlink out of the run's folder
     try:
         return path.read_bytes()
     except (FileNotFoundError, IsADirectoryError, OSError):

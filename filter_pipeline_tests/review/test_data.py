@@ -254,3 +254,44 @@ def test_a_run_with_an_unreadable_file_is_one_line_on_the_runs_page_and_the_queu
     assert set(queue["run_id"]) == {"r1"} and len(queue) == 4
     page_html = Review(UPath(str(tmp_path))).html("runs.html", runs=warehouse.runs()).body.decode()
     assert "unreadable (" in page_html and ">None<" not in page_html
+
+
+def test_a_trajectory_folder_that_leads_out_of_the_run_is_not_read(tmp_path):
+    from filter_pipeline.review.story import trajectory
+
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "trajectory.json").write_text(json.dumps({"instruction": "SECRET-OUTSIDE", "steps": []}))
+    inside = tmp_path / "runs" / "r1" / "traj" / "k"
+    inside.mkdir(parents=True)
+    (inside / "1").symlink_to(outside)  # the folder itself
+    (inside / "2").mkdir()
+    (inside / "2" / "trajectory.json").symlink_to(outside / "trajectory.json")  # or its file
+    (inside / "3").mkdir()
+    (inside / "3" / "trajectory.json").write_text(json.dumps({"instruction": "mine", "steps": []}))
+    root = UPath(str(tmp_path))
+    for n in (1, 2):
+        found = trajectory(root, "r1", f"runs/r1/traj/k/{n}")
+        assert found["problem"] == "no trajectory folder inside the run" and "instruction" not in found
+    assert trajectory(root, "r1", "runs/r1/traj/k/3")["instruction"] == "mine"
+
+
+def test_a_tasks_rejects_are_the_lines_naming_it_as_their_task_id():
+    from filter_pipeline.review.story import task_rejects
+
+    raw = ['{"task_id": "site", "attempt": 1, "ok": "yes"}', '{"task_id": "t2", "site": "site"}',
+           '{"task_id":"site","attempt":2}', '{"task_id": "sites"}']  # fmt: skip
+    rejects = pd.DataFrame({"file": "executions.jsonl", "line": [1, 2, 3, 4], "message": "m", "raw": raw})
+    assert [r["line"] for r in task_rejects(rejects, "site")] == [1, 3]
+
+
+def test_a_filter_choice_is_sent_as_it_is_whitespace_included(warehouse):
+    from filter_pipeline.review.app import Review
+
+    spaced = "  spaced  site  "
+    html = Review(warehouse.root).html(
+        "run.html", run_id="r1", summary=warehouse.run("r1").summary, choices={"site": [spaced], "macro": [], "reason": []},
+        links={"prev": None, "next": None}, page_count=1, total=0, offset=0, limit=100,
+        filters={"fate": None, "site": spaced, "macro": None, "reason": None}, tasks=[],
+    ).body.decode()  # fmt: skip
+    assert f'<option value="{spaced}" selected>' in html  # (a browser sends an option's text with its spaces collapsed)
