@@ -295,3 +295,14 @@ def test_a_filter_choice_is_sent_as_it_is_whitespace_included(warehouse):
         filters={"fate": None, "site": spaced, "macro": None, "reason": None}, tasks=[],
     ).body.decode()  # fmt: skip
     assert f'<option value="{spaced}" selected>' in html  # (a browser sends an option's text with its spaces collapsed)
+
+
+def test_a_page_past_the_last_row_says_so(warehouse):
+    from filter_pipeline.review.app import Review
+
+    html = Review(warehouse.root).html(
+        "run.html", run_id="r1", summary=warehouse.run("r1").summary, choices={"site": [], "macro": [], "reason": []},
+        links={"prev": None, "next": None}, page_count=1, total=7, offset=500, limit=100,
+        filters={"fate": None, "site": None, "macro": None, "reason": None}, tasks=[],
+    ).body.decode()  # fmt: skip
+    assert "7 tasks match; no row at 501 or after." in html
