@@ -233,12 +233,12 @@ def materialize(args: argparse.Namespace, signals: Signals | None = None) -> int
         else {r.run_id: r for r in rejudging_due(instance, read_commits(data.warehouse), set(), wait=False)}
     )
     run_ids = sorted(set(run_ids) | set(rejudge)) if rejudge else run_ids
+    # every job run here is rebuilt from the environment (see cli_filter_job): the settings travel through it
+    os.environ[DATA_ENV], os.environ[ENV["kind"]] = data.path, judge.kind
     if not run_ids:
         status = _nothing_to_materialize(instance, data, args, refused)
     else:
         _register(instance, run_ids)
-        # the job is rebuilt from the environment (see cli_filter_job), so the settings travel through it
-        os.environ[DATA_ENV], os.environ[ENV["kind"]] = data.path, judge.kind
         failed, unjudged = _run_batches(instance, data, caps, run_ids, rejudge, signals)
         status = EXIT_RUN_FAILED if failed or refused else EXIT_UNJUDGED if unjudged else 0
         if unjudged:

@@ -3,6 +3,7 @@ OpenAI-compatible server; its verdicts reused the second time; the warehouse's c
 
 import hashlib
 import json
+import subprocess
 
 import dagster as dg
 import pandas as pd
@@ -10,6 +11,7 @@ import pytest
 
 from filter_pipeline.cli.main import main
 from filter_pipeline_tests.builders import attempt, task, write_batch
+from filter_pipeline_tests.conftest import CLI
 from filter_pipeline_tests.judge.test_judging import Pipeline, llm, sample_batch
 from filter_pipeline_tests.judge.test_verdict_parts import v3
 from filter_pipeline_tests.openai_server import FakeOpenAI, Reply, error_body
@@ -133,3 +135,21 @@ def test_materialize_naming_no_run_refreshes_judge_calibration_when_labels_chang
     assert again.returncode == 0 and "refreshing" not in again.stdout
     table = pd.read_parquet(data_root / "warehouse" / "judge_calibration.parquet")
     assert table[table["site"] == "(all)"]["n"].tolist() == [2, 2]
+
+
+@pytest.mark.slow
+def test_a_calibration_refresh_with_the_data_root_given_by_argument_writes_there(cli_env, data_root, tmp_path):
+    write_batch(data_root, "r1", [task("a"), task("b")], [attempt("a"), attempt("b")])
+    env = {k: v for k, v in cli_env.items() if k != "FILTER_PIPELINE_DATA"}
+    elsewhere = tmp_path / "elsewhere"  # the working directory, whose ./data is not the data root
+    elsewhere.mkdir()
+    run = lambda: subprocess.run([*CLI, "materialize", "--data", str(data_root)], env=env, cwd=elsewhere,  # noqa: E731
+                                 capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert run().returncode == 0
+    (data_root / "labels.jsonl").write_text('{"run_id": "r1", "task_id": "a", "success": false}\n')
+    refreshed = run()
+    assert refreshed.returncode == 0 and "refreshing it" in refreshed.stdout, refreshed.stderr
+    assert "judge_calibration: gate: precision 0.00" in refreshed.stdout
+    table = pd.read_parquet(data_root / "warehouse" / "judge_calibration.parquet")
+    assert table[table["site"] == "(all)"]["n"].tolist() == [1, 1]
+    assert list(elsewhere.iterdir()) == [] and "refreshing" not in run().stdout
