@@ -36,6 +36,9 @@ class Signals:
 
     def _terminate(self, signum: int, _frame) -> None:
         self.received = signum
+        if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+            # (a shell starts a script's `cmd &` with SIGINT ignored: sending it would do nothing)
+            raise KeyboardInterrupt
         os.kill(os.getpid(), signal.SIGINT)
 
     @property

@@ -4,6 +4,8 @@ finishes the run."""
 
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -12,9 +14,24 @@ from filter_pipeline_tests.builders import attempt, task, write_batch
 from filter_pipeline_tests.conftest import assert_verified
 from filter_pipeline_tests.test_fenced_walks import paused
 
-pytestmark = pytest.mark.slow
 
 
+def test_sigterm_stops_a_call_that_ignores_sigint_as_a_scripts_background_job_does():
+    script = (
+        "import os, signal, sys, time\n"
+        "signal.signal(signal.SIGINT, signal.SIG_IGN)  # what a shell leaves to a script's `cmd &`\n"
+        "from filter_pipeline.cli.interrupts import Signals\n"
+        "signals = Signals()\n"
+        "try:\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(30)\n"
+        "except KeyboardInterrupt:\n"
+        "    sys.exit(signals.exit_status)\n"
+    )
+    assert subprocess.run([sys.executable, "-c", script], timeout=60).returncode == 143
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("signum, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_an_interrupted_walk_says_what_was_saved_and_exits_with_the_signals_status(
     cli,
