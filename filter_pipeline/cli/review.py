@@ -2,6 +2,7 @@
 
 import argparse
 import os
+import socket
 import sys
 
 from filter_pipeline.settings import DATA_ENV, DEFAULT_DATA, ENDPOINT_ENV, data_path
@@ -35,11 +36,19 @@ def review(args: argparse.Namespace) -> int:
     if not 0 < args.port < 65536:
         print(f"filter-pipeline: --port {args.port}: expected 1 to 65535", file=sys.stderr)
         return 2
+    try:  # (listening first: a port in use is one line, before any run is read)
+        family = socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM)[0][0]
+        listening = socket.create_server((args.host, args.port), family=family)
+    except OSError as exc:
+        why = os.strerror(exc.errno) if exc.errno else str(exc)
+        print(f"filter-pipeline: cannot listen on {args.host}:{args.port} ({why}): is another app on it? choose "
+              "another --port", file=sys.stderr)  # fmt: skip
+        return 2
     print(f"review app for {root}: http://{args.host}:{args.port}/ (Ctrl-C to stop)", flush=True)
     if args.host not in LOOPBACK:
         print(f"filter-pipeline: the review app has no login: anyone who reaches {args.host}:{args.port} can read "
               "the trajectories and write labels", file=sys.stderr, flush=True)  # fmt: skip
     app = create_app(root, host=args.host)
     app.state.review.warehouse.warm_in_background()  # the newest runs' pages answer at once
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[listening])
     return 0

@@ -15,7 +15,6 @@ from filter_pipeline_tests.conftest import assert_verified
 from filter_pipeline_tests.test_fenced_walks import paused
 
 
-
 def test_sigterm_stops_a_call_that_ignores_sigint_as_a_scripts_background_job_does():
     script = (
         "import os, signal, sys, time\n"

@@ -1,6 +1,7 @@
 """`filter-pipeline review` as a user starts it: a process serving the app on loopback, and its one-line errors."""
 
 import os
+import socket
 import subprocess
 import time
 import urllib.request
@@ -39,3 +40,13 @@ def test_review_refuses_a_missing_data_root_and_a_bad_port_in_one_line(tmp_path,
     for args in [("--data", str(tmp_path / "missing")), ("--data", str(filtered_sample), "--port", "70000")]:
         done = subprocess.run([*CLI, "review", *args], cwd=REPO, capture_output=True, text=True, timeout=60)
         assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_review_on_a_port_in_use_says_so_in_one_line_and_exits(filtered_sample):  # noqa: F811
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        done = subprocess.run([*CLI, "review", "--data", str(filtered_sample), "--port", str(port)], cwd=REPO,
+                              capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 2 and done.stdout == "", done.stderr
+    assert done.stderr.startswith(f"filter-pipeline: cannot listen on 127.0.0.1:{port} (Address already in use)")
+    assert len(done.stderr.strip().splitlines()) == 1
