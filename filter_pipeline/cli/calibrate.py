@@ -19,7 +19,7 @@ from filter_pipeline.judge.client import EndpointRefused, JudgeSetupError, ssl_c
 from filter_pipeline.judge.driver import RecordSteps
 from filter_pipeline.judge.resource import ENV, JudgeResource, judge_from_env
 from filter_pipeline.rules import calibration
-from filter_pipeline.rules.schemas import conform
+from filter_pipeline.rules.schemas import STATUS_ERROR, conform
 from filter_pipeline.shell.warehouse import DataRoot, encode, read_folder, read_parquet, write_bytes
 
 JUDGE_EVAL_FOLDER = "judge_eval"  # warehouse/judge_eval/<candidate>.parquet
@@ -115,8 +115,12 @@ def side_by_side(labels: pd.DataFrame, frames: tuple, candidate: pd.DataFrame, n
     return lines
 
 
+EXIT_UNJUDGED = 3  # as `materialize`'s: labelled attempts left unjudged, asked again by the next call
+
+
 def calibrate(args: argparse.Namespace) -> int:
-    """Exit status 0 when the candidate was scored; 1 when it could not judge (endpoint refused); 2 bad input."""
+    """Exit status 0 when the candidate judged every labelled attempt and was scored; 1 when it could not judge
+    (endpoint refused); 2 bad input; 3 when attempts were left unjudged (scored on the others, if any)."""
     data = DataRoot.from_env(args.data)
     if not data.root.exists():
         raise CalibrateError(f"{data.path}: no such folder (point --data or FILTER_PIPELINE_DATA at the data root)")
@@ -143,6 +147,11 @@ def calibrate(args: argparse.Namespace) -> int:
     print(f"asked {spent['requests']} requests now{paid}; verdicts in {file}", flush=True)
     for line in side_by_side(labels, frames, verdicts, name):
         print(line, flush=True)
+    unjudged = int((verdicts["status"] == STATUS_ERROR).sum())
+    if unjudged:
+        print(f"filter-pipeline: the candidate left {unjudged} of {len(verdicts)} labelled attempts unjudged (the "
+              "endpoint did not answer in time); run calibrate again to ask for those alone", file=sys.stderr)  # fmt: skip
+        return EXIT_UNJUDGED
     return 0
 
 

@@ -103,6 +103,21 @@ def test_calibrate_against_an_endpoint_that_refuses_is_exit_1_with_one_line_and_
     assert not (labelled / "warehouse" / "judge_eval").exists()
 
 
+def test_calibrate_with_attempts_left_unjudged_is_exit_3_and_a_rerun_asks_for_those_alone(
+    labelled, monkeypatch, capsys
+):
+    monkeypatch.setenv("FILTER_JUDGE_MODEL", "judge-test")
+    monkeypatch.setenv("FILTER_JUDGE_TASK_BUDGET", "0.5")
+    down = lambda call, n: Reply(status=503, body="down") if "do a" in call.prompt else candidate(call, n)  # noqa: E731
+    with FakeOpenAI(down) as server:
+        assert main(["calibrate", "--data", str(labelled), "--base-url", server.base_url]) == 3
+    err = capsys.readouterr().err
+    assert "the candidate left 1 of 3 labelled attempts unjudged" in err and len(err.strip().splitlines()) == 1
+    with FakeOpenAI(candidate) as healthy:
+        assert main(["calibrate", "--data", str(labelled), "--base-url", healthy.base_url]) == 0
+        assert len(healthy.calls) == 1  # a alone
+
+
 def test_calibrate_without_labels_or_endpoint_says_so_in_one_line(data_root, monkeypatch, capsys):
     assert main(["calibrate", "--data", str(data_root / "nope")]) == 2
     assert capsys.readouterr().err.startswith(f"filter-pipeline: {data_root / 'nope'}: no such folder")
