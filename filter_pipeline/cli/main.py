@@ -34,8 +34,8 @@ def _parser() -> argparse.ArgumentParser:
     m = commands.add_parser(
         "materialize",
         help="register and materialize execution batches",
-        description="Register and materialize the given runs in the given order (none given: every complete "
-        "batch not yet filtered, in run_id order). Exit status 0 only if all succeeded.",
+        description="Register and materialize the given runs (none given: every complete batch not yet filtered), "
+        "in the order the ledger accepts: first walks in run_id order. Exit status 0 only if all succeeded.",
     )
     m.add_argument("run_ids", nargs="*", metavar="RUN_ID", help="run_id folders under <data>/runs/")
     m.add_argument("--data", default=None, help=f"data root (default: ${DATA_ENV} or '{DEFAULT_DATA}')")
