@@ -319,13 +319,14 @@ class _Driver:
                 self._free_slot()
                 raise
             self.keys[i], self.evidence[i] = key, evidence
-            if key in self.reusable_at:
-                self.source[i], self.ref[i] = Source.REUSED, self.reusable_at[key]
-                self.stats.reused += 1
-                self.stats.resumed += int(self.from_progress[self.ref[i]])
-            elif key in self.leaders:  # the same prompt is (being) asked for another task: copy its verdict
+            if key in self.leaders:  # the same prompt is (being) asked, or reused, for another task: a copy
                 self.source[i], self.ref[i] = Source.COPY, self.leaders[key]
                 self.stats.deduplicated += 1
+            elif key in self.reusable_at:  # (its cost is counted once, on the task that reuses it)
+                self.source[i], self.ref[i] = Source.REUSED, self.reusable_at[key]
+                self.leaders[key] = i
+                self.stats.reused += 1
+                self.stats.resumed += int(self.from_progress[self.ref[i]])
             else:
                 self.leaders[key] = i
                 self.group.create_task(self._ask(i, messages))
@@ -401,11 +402,15 @@ class _Driver:
             first = min(followers)
             if first > leader:
                 continue
-            for name in VERDICT_FIELDS:
-                self.fresh[name][first] = self.fresh[name][leader]
-            self.source[first], self.source[leader] = Source.ASKED, Source.COPY
+            if self.source[leader] == Source.REUSED:
+                self.ref[first] = self.ref[leader]  # (the verdict's row on file)
+            else:
+                for name in VERDICT_FIELDS:
+                    self.fresh[name][first] = self.fresh[name][leader]
+            self.source[first], self.source[leader] = self.source[leader], Source.COPY
             for i in [leader, *followers]:
-                self.ref[i] = first
+                if i != first:
+                    self.ref[i] = first
 
     def frame(self) -> pd.DataFrame:
         """One row per request: the verdict fields, asked, reused or copied, with cache_key and evidence."""

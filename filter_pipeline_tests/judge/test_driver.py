@@ -183,6 +183,12 @@ def test_identical_prompts_are_asked_once_and_the_verdict_copied(data_root):
     assert v["cache_key"][0] == v["cache_key"][1] == v["cache_key"][3] != v["cache_key"][2]
     meta = judgement.metadata
     assert (meta["deduplicated"], meta["requests"], meta["prompt_tokens"]) == (2, 2, 2000)
+    with FakeOpenAI() as again:  # materialized again: every verdict reused, each cost still counted once
+        reused = judge_batch(data_root, llm(again, votes=1), previous=v)
+        assert again.calls == []
+    assert rows(reused.verdicts, "task_id", "cached", "deduplicated", "requests", "prompt_tokens") == [
+        ["a", True, False, 1, 1000], ["b", False, True, 0, 0], ["c", True, False, 1, 1000], ["d", False, True, 0, 0],
+    ]  # fmt: skip
 
 
 def test_tokens_and_cost_at_the_configured_price(data_root, monkeypatch):
