@@ -9,6 +9,7 @@ from upath import UPath
 from filter_pipeline.rules.schemas import to_arrow
 from filter_pipeline.storage.audit import audit
 from filter_pipeline.storage.files import input_fingerprints
+from filter_pipeline.storage.history import read_commits
 from filter_pipeline_tests.builders import (
     attempt,
     commit_files,
@@ -74,20 +75,32 @@ def test_a_key_kept_by_two_runs_is_found_unless_one_is_retired(tmp_path):
 
 def test_a_cap_exceeded_with_the_history_a_run_read_is_found_with_its_recorded_caps(tmp_path):
     committed_run(tmp_path, "r1", [("a", ["k", 1], "m", "s")])
-    committed_run(
-        tmp_path, "r2", [("b", ["k", 2], "m", "s")], history={"r1": "x"}, caps={"per_site_cap": 1, "caps": {}}
-    )
+    r1 = read_commits(UPath(tmp_path) / "warehouse")["r1"].digest  # the record r2 and r4 read
+    committed_run(tmp_path, "r2", [("b", ["k", 2], "m", "s")], history={"r1": r1}, caps={"per_site_cap": 1, "caps": {}})
     committed_run(tmp_path, "r3", [("c", ["k", 3], "m", "s")], caps={"per_site_cap": 1, "caps": {}})  # read no history
     committed_run(
         tmp_path,
         "r4",
         [("d", ["k", 4], "n", "s")],
-        history={"r1": "x"},
+        history={"r1": r1},
         caps={"per_site_cap": 9, "caps": {"n": {"target": 0}}},
     )
     assert lines(tmp_path) == [
         "run r2: m/s holds 2 kept rows with the history it read, over its site cap 1",
         "run r4: macro n holds 1 kept rows with the history it read, over its target 0",
+    ]
+
+
+def test_a_cap_exceeded_only_since_a_run_it_read_was_walked_again_names_that_run(tmp_path):
+    committed_run(tmp_path, "r1", [("a", ["k", 1], "m", "s")])
+    r1 = read_commits(UPath(tmp_path) / "warehouse")["r1"].digest
+    committed_run(tmp_path, "r2", [("b", ["k", 2], "m", "s")], history={"r1": r1}, caps={"per_site_cap": 2, "caps": {}})
+    assert lines(tmp_path) == []
+    # r1 walked again with a one-off cap, keeping one row more: r2's walk counted the r1 it read
+    committed_run(tmp_path, "r1", [("a", ["k", 1], "m", "s"), ("a2", ["k", 5], "m", "s")], caps={"per_site_cap": 5})
+    assert lines(tmp_path) == [
+        "run r2: m/s holds 3 kept rows with its history as it is now (r1 walked again since it read them), over "
+        "its site cap 2"
     ]
 
 
