@@ -25,6 +25,7 @@ from filter_pipeline.rules.batch import (
     parse_attempts,
     parse_tasks,
 )
+from filter_pipeline.rules.commits import COMMITS_DIR, parse_commit
 from filter_pipeline.storage.files import (
     atomic_write,
     files_in,
@@ -135,12 +136,21 @@ def judged_inputs(warehouse: UPath, run_id: str) -> dict | None:
 def inputs_to_commit(warehouse: UPath, run_dir: UPath, run_id: str) -> tuple[dict, list[str]]:
     """The input fingerprints the run's commit records, and the input files changed since. Those are the
     fingerprints of the bytes its verdicts were made from, so that a batch rewritten after it was judged is
-    reported as changed once committed (`complete_batches`, `verify`); for verdicts judged before such
-    fingerprints were recorded, the files as they are now."""
-    judged = judged_inputs(warehouse, run_id)
+    reported as changed once committed (`complete_batches`, `verify`). For verdicts judged before such
+    fingerprints were recorded: those of its standing commit, if any (a re-walk of a changed batch stays
+    reported as changed), else the files as they are now."""
+    judged = judged_inputs(warehouse, run_id) or _committed_inputs(warehouse, run_id)
     if judged is None:
         return input_fingerprints(run_dir), []
     return judged, inputs_changed(run_dir, judged)
+
+
+def _committed_inputs(warehouse: UPath, run_id: str) -> dict | None:
+    path = warehouse / COMMITS_DIR / f"{run_id}.json"
+    try:
+        return parse_commit(path.read_bytes(), f"warehouse/{COMMITS_DIR}/{run_id}.json", run_id).inputs or None
+    except (FileNotFoundError, ValueError):  # (none, or unreadable: the walk's history check says so)
+        return None
 
 
 def changed_since_judged(run_id: str, changed: list[str]) -> str:

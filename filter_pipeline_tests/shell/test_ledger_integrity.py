@@ -219,6 +219,19 @@ def test_a_batch_rewritten_between_its_judging_and_its_walk_commits_what_was_jud
     ]
 
 
+def test_a_rewalk_of_a_changed_batch_without_judged_inputs_on_record_keeps_it_reported_changed(instance, data_root):
+    same_keys_batches(data_root, "r1")
+    assert materialize(instance, data_root, "r1").success
+    (data_root / "warehouse" / "_judged_inputs" / "r1.json").unlink()  # as judged by an earlier version
+    with open(data_root / "runs" / "r1" / "tasks.jsonl", "a") as f:
+        f.write(json.dumps(task("late")) + "\n")
+    defs = build_defs(str(data_root), JudgeResource(), caps={})
+    rewalk = defs.resolve_job_def("ledger_job").execute_in_process(instance=instance, partition_key="r1")
+    assert rewalk.success  # (a re-walk alone, from the launchpad: the old verdicts walked again)
+    data = DataRoot(path=str(data_root))
+    assert [(b.filtered, b.changed) for b in complete_batches(data.runs, data.warehouse)] == [(True, True)]
+
+
 def test_a_batch_changed_since_it_was_filtered_is_reported_by_the_sensor_and_not_rerun(instance, data_root):
     same_keys_batches(data_root, "r1")
     assert materialize(instance, data_root, "r1").success
