@@ -21,6 +21,14 @@ def add_parser(commands) -> None:
     r.add_argument("--data", default=None, help=f"data root (default: ${DATA_ENV} or '{DEFAULT_DATA}')")
     r.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default {DEFAULT_HOST}: this machine only)")
     r.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
+    r.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a name the app is also reached by (a reverse proxy's public name, this machine's name on the LAN); "
+        "repeatable. Requests naming any other host are refused, unless --host is 0.0.0.0 or ::",
+    )
 
 
 def review(args: argparse.Namespace) -> int:
@@ -48,7 +56,7 @@ def review(args: argparse.Namespace) -> int:
     if args.host not in LOOPBACK:
         print(f"filter-pipeline: the review app has no login: anyone who reaches {args.host}:{args.port} can read "
               "the trajectories and write labels", file=sys.stderr, flush=True)  # fmt: skip
-    app = create_app(root, host=args.host)
+    app = create_app(root, host=args.host, allowed_hosts=tuple(args.allowed_host))
     app.state.review.warehouse.warm_in_background()  # the newest runs' pages answer at once
     uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[listening])
     return 0

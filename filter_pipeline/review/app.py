@@ -10,7 +10,7 @@ import json
 import os
 from math import ceil
 from pathlib import Path
-from urllib.parse import quote, urlencode
+from urllib.parse import quote, urlencode, urlsplit
 
 import numpy as np
 from jinja2 import Environment, FileSystemLoader, select_autoescape
@@ -159,7 +159,9 @@ def queue_page(request: Request) -> Response:
     current = item(queue, pos)
     blind = request.query_params.get("blind", "1") != "0" and not done[pos]
     found = story(review.warehouse, current.run_id, current.task_id, review.labels.frame())
-    later = still_open[still_open > pos]
+    # the next item to label: after a label (addressed by dir), the first still open, wherever the label moved
+    # this one; else the first open after it
+    later = still_open[still_open != pos] if request.query_params.get("dir") else still_open[still_open > pos]
     after_label = "/queue?" + urlencode({"dir": current.dir})
     return review.html("queue.html", item=current, figures=figures, pos=pos, total=len(queue), s=found, blind=blind,
                        labelled=bool(done[pos]), remaining=len(still_open), after_label=after_label,
@@ -212,12 +214,15 @@ def _refuse_other_sites(request: Request) -> None:
     if request.headers.get("content-type", "").partition(";")[0].strip().lower() != "application/json":
         raise HTTPException(415, "expected Content-Type: application/json")
     site, origin = request.headers.get("sec-fetch-site"), request.headers.get("origin")
-    if site not in (None, "same-origin", "none") or (origin is not None and origin != _own_origin(request)):
+    if site not in (None, "same-origin", "none") or (origin is not None and not _allowed_origin(request, origin)):
         raise HTTPException(403, "labels are written from this app's own pages or by a client that is not a browser")
 
 
-def _own_origin(request: Request) -> str:
-    return f"{request.url.scheme}://{request.headers.get('host', '')}"
+def _allowed_origin(request: Request, origin: str) -> bool:
+    """This app's own origin, as the request names it, or one of the names it is also reached by (a reverse
+    proxy's public name: the proxy may pass the app another Host and scheme than the browser's)."""
+    own = f"{request.url.scheme}://{request.headers.get('host', '')}"
+    return origin == own or urlsplit(origin).hostname in request.app.state.also_reached_as
 
 
 async def _body(request: Request, limit: int) -> bytes:
@@ -243,8 +248,9 @@ def label_record(review: Review, body) -> dict:
     note = body.get("note")
     if note is not None and (not _is_text(note) or len(note) > MAX_NOTE_CHARS):
         raise BadRequest(f"note: expected text of at most {MAX_NOTE_CHARS} characters")
-    if body.get("labeler") is not None and not _is_text(body["labeler"]):
-        raise BadRequest("labeler: expected text")
+    for name in ("labeler", "dir", "run_id", "task_id"):
+        if body.get(name) is not None and isinstance(body[name], str) and not _is_text(body[name]):
+            raise BadRequest(f"{name}: expected text (it holds a lone surrogate)")
     if isinstance(body.get("dir"), str):
         dir_ = body["dir"]
         run_id = dir_.split("/")[1] if dir_.count("/") >= 2 else ""
@@ -311,9 +317,12 @@ class SecurityHeaders:
         await self.app(scope, receive, sending)
 
 
-def create_app(root: UPath, labeler: str | None = None, host: str = LOOPBACK[0]) -> Starlette:
+def create_app(
+    root: UPath, labeler: str | None = None, host: str = LOOPBACK[0], allowed_hosts: tuple[str, ...] = ()
+) -> Starlette:
     """The review app over the data root `root`, served on the address `host`. A request naming another host
-    than that or a loopback name is refused, so that a page of another site whose name was pointed at this
+    than that, a loopback name or one of `allowed_hosts` (the names it is also reached by: a reverse proxy's,
+    this machine's on the LAN) is refused, so that a page of another site whose name was pointed at this
     machine (DNS rebinding) cannot read it or write labels; served on every address (0.0.0.0, ::), any
     name is answered."""
     routes = [
@@ -333,7 +342,9 @@ def create_app(root: UPath, labeler: str | None = None, host: str = LOOPBACK[0])
                 Exception: on_any_error}  # fmt: skip
     app = Starlette(routes=routes, exception_handlers=handlers)
     app.state.review = Review(root, labeler)
-    hosts = ["*"] if host in ANY_ADDRESS else [*LOOPBACK, host]
+    app.state.also_reached_as = {name.lower() for name in allowed_hosts}
+    named = [*LOOPBACK, host, *allowed_hosts]
+    hosts = ["*"] if host in ANY_ADDRESS else [*named, *(f"[{name}]" for name in named if ":" in name)]
     app.add_middleware(TrustedHostMiddleware, allowed_hosts=hosts, www_redirect=False)
     app.add_middleware(SecurityHeaders)  # (added last: outermost, so a refused host's answer carries them too)
     return app

@@ -64,10 +64,11 @@ def sample_root(filtered_sample, tmp_path) -> Path:
 class Served:
     """A uvicorn server running the review app in a thread on a free loopback port."""
 
-    def __init__(self, root: UPath, labeler: str = "tester"):
+    def __init__(self, root: UPath, labeler: str = "tester", **app_options):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(create_app(root, labeler), host="127.0.0.1", port=self.port, log_level="warning")
+        app = create_app(root, labeler, **app_options)
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()

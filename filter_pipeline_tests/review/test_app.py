@@ -150,6 +150,24 @@ def test_a_label_post_another_site_could_make_is_refused_and_writes_nothing(serv
     assert post(served, LABEL, headers={"Host": f"localhost:{served.port}"})[0] == 201
 
 
+def test_the_app_answers_its_loopback_names_and_the_names_it_is_allowed(sample_root):
+    from upath import UPath
+
+    from filter_pipeline_tests.review.conftest import Served
+
+    app = Served(UPath(str(sample_root)), allowed_hosts=("review.example.com",))
+    try:
+        for host, code in [(f"[::1]:{app.port}", 200), (f"localhost:{app.port}", 200), ("review.example.com", 200),
+                           ("other.example.com", 400)]:  # fmt: skip
+            assert get_with(app, "/api/runs", {"Host": host})[0] == code, host
+        # behind a proxy that passes the app its own address, the browser's origin is the public name
+        proxied = {"Origin": "https://review.example.com", "Sec-Fetch-Site": "same-origin"}
+        assert post(app, LABEL, headers=proxied)[0] == 201
+        assert post(app, LABEL, headers={"Origin": "https://other.example.com"})[0] == 403
+    finally:
+        app.stop()
+
+
 def get_with(served, path: str, headers: dict) -> tuple[int, str]:
     request = urllib.request.Request(served.url + path, headers=headers)
     try:
@@ -166,6 +184,8 @@ def test_a_label_post_too_large_too_deep_or_not_unicode_is_a_one_line_4xx(served
         (None, b"[" * 20_000 + b"]" * 20_000, 400),  # deeper than json follows
         (None, json.dumps({**LABEL, "note": "\ud83d"}).encode(), 400),  # a lone surrogate, as JSON escapes it
         (None, json.dumps({**LABEL, "labeler": "\udc00"}).encode(), 400),
+        (None, json.dumps({**LABEL, "dir": "runs/2026-11-29/\ud83d/x"}).encode(), 400),
+        (None, json.dumps({"run_id": "2026-11-29", "task_id": "\ud83d", "success": True}).encode(), 400),
     ]:
         status, text = post(served, body, raw)
         assert status == code and len(text.strip().splitlines()) == 1 and "Traceback" not in text, text
@@ -207,6 +227,23 @@ def test_the_queue_is_blind_until_labelled_and_shows_the_precision_interval(serv
     assert "Verdict:" in after and "Blind:" not in after and "17 label lines" in after
     assert "random sample (the unbiased estimate)" in after
     assert get(served, "/queue?dir=runs/nope")[0] == 404
+
+
+def test_after_a_label_that_moves_its_attempt_the_next_to_label_is_the_first_still_open(served, monkeypatch):
+    from filter_pipeline.review import queue
+
+    monkeypatch.setattr(queue, "SAMPLE_SIZE", 0)  # past the sample: a label moves its site's attempts on
+    _, _, html = get(served, "/queue")
+    first_open = int(html.split("Item ", 1)[1].split(" ", 1)[0]) - 1
+    form_dir = html.split('data-dir="', 1)[1].split('"', 1)[0]
+    after_label = html.split('data-after="', 1)[1].split('"', 1)[0].replace("&amp;", "&")
+    assert post(served, {"dir": form_dir, "success": True})[0] == 201
+    _, _, after = get(served, after_label)
+    moved_to = int(after.split("Item ", 1)[1].split(" ", 1)[0]) - 1
+    assert f'data-dir="{form_dir}"' in after and moved_to > first_open
+    _, _, fresh = get(served, "/queue")  # the first item still to label, in the order as it is now
+    still_first = int(fresh.split("Item ", 1)[1].split(" ", 1)[0]) - 1
+    assert still_first < moved_to and f'id="next" href="/queue?pos={still_first}"' in after
 
 
 def test_run_page_links_to_dagster_when_its_url_is_set(monkeypatch, sample_root):
