@@ -97,13 +97,18 @@ def precision(labelled: pd.DataFrame) -> dict:
 
 def queue_state(attempts: pd.DataFrame, labels: pd.DataFrame) -> tuple[pd.DataFrame, np.ndarray, dict]:
     """(the queue over `attempts`, which of its attempts are labelled already, precision figures: over every
-    labelled attempt, and under `sample` over the random sample's alone, the unbiased estimate)."""
+    labelled attempt, and under `sample` over the random sample's labels as far as all of it is labelled, in
+    queue order: the unbiased estimate)."""
     latest = latest_labels(labels, attempts)
     labelled = attempts.merge(latest, on="dir")
     queue = order(attempts, set(labelled["site"].dropna()))
     done = queue["dir"].isin(set(latest["dir"])).to_numpy(bool)
-    sampled = labelled["dir"].isin(set(queue.loc[queue["phase"] == PHASE_SAMPLE, "dir"]))
-    figures = {**precision(labelled), "sample": precision(labelled[sampled.to_numpy(bool)])}
+    # the sample's labels up to its first attempt not labelled yet, in queue order: labels given elsewhere, or
+    # before new runs moved the sample on, would make it a chosen subset rather than a random one
+    sample = queue.loc[queue["phase"] == PHASE_SAMPLE, "dir"].to_numpy(object)
+    gaps = np.flatnonzero(~done[: len(sample)])
+    prefix = set(sample[: gaps[0] if len(gaps) else len(sample)])
+    figures = {**precision(labelled), "sample": precision(labelled[labelled["dir"].isin(prefix).to_numpy(bool)])}
     return queue, done, {**figures, "label_lines": len(labels), "attempts": len(queue)}
 
 

@@ -82,6 +82,10 @@ def test_the_unbiased_precision_counts_the_random_samples_labels_alone(monkeypat
     figures = queue_state(frame, parse_labels(lines.encode())[0])[2]
     assert (figures["sample"]["precision"], figures["sample"]["judge_passed_labelled"]) == (1.0, 2)
     assert (figures["precision"], figures["judge_passed_labelled"]) == (2 / 6, 6)
+    # a sample labelled out of order counts up to its first gap: the labels past it were chosen, not drawn
+    second_only = json.dumps({"dir": sampled[1], "success": True}) + "\n"
+    figures = queue_state(frame, parse_labels(second_only.encode())[0])[2]
+    assert figures["sample"]["judge_passed_labelled"] == 0 and figures["judge_passed_labelled"] == 1
 
 
 def test_a_later_label_of_the_same_attempt_replaces_the_earlier_and_unsure_is_not_counted():
