@@ -24,7 +24,7 @@ def add_parser(commands) -> None:
 
 
 def explain(args: argparse.Namespace) -> int:
-    from filter_pipeline.review.data import ReviewError, Warehouse, open_root
+    from filter_pipeline.review.data import ReviewError, UnreadableRun, Warehouse, open_root
     from filter_pipeline.review.story import Labels, story
 
     root = open_root(data_path(args.data), os.environ.get(ENDPOINT_ENV))
@@ -34,7 +34,7 @@ def explain(args: argparse.Namespace) -> int:
     warehouse = Warehouse(root)
     try:
         found = story(warehouse, args.run_id, args.task_id, Labels(root).frame())
-    except ReviewError as exc:
+    except (ReviewError, UnreadableRun) as exc:
         print(f"filter-pipeline: {exc}", file=sys.stderr)
         return 1
     print("\n".join(story_lines(found)))

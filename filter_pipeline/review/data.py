@@ -75,6 +75,10 @@ class ReviewError(LookupError):
     """A run or task that does not exist, or a request that cannot be answered: one line for the user."""
 
 
+class UnreadableRun(ValueError):
+    """A file of the run cannot be read: one line naming the run and why."""
+
+
 def signature(path: UPath) -> tuple | None:
     """What changes when the file at `path` is rewritten; None when it does not exist."""
     try:
@@ -151,7 +155,11 @@ class Warehouse:
             if cached and cached[0] == key:
                 self._cache.move_to_end(run_id)
                 return cached[1]
-        tables = load_run(run_id, self._files(run_id))
+        try:
+            tables = load_run(run_id, self._files(run_id))
+        except (OSError, ValueError) as exc:  # (Arrow's errors are ValueErrors)
+            reason = " ".join(str(exc).split())[:300] or type(exc).__name__
+            raise UnreadableRun(f"run {run_id} cannot be read: {reason}") from exc
         with self._lock:
             self._cache[run_id] = (key, tables)
             self._cache.move_to_end(run_id)
@@ -376,8 +384,9 @@ def summarize(t: RunTables) -> dict:
 
 def unreadable_summary(run_id: str, error: Exception) -> dict:
     """The runs page's line of a run whose files cannot be read: why, in one line, and no figures (its own page
-    gives the same error)."""
+    answers 500 with the same line)."""
     reason = " ".join(str(error).split())[:300] or type(error).__name__
+    reason = reason.removeprefix(f"run {run_id} cannot be read: ")
     return {"run_id": run_id, "state": f"{STATE_UNREADABLE} ({reason})", "walked_at": None, "tasks": None,
             "attempts": None, "rejects": None, "with_ok_attempt": None, "judged": None, "passed": None,
             **dict.fromkeys(FATES), "surplus_by_reason": {}, "keep_rate": None, "judge_pass_rate": None,

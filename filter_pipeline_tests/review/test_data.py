@@ -10,7 +10,7 @@ import pyarrow as pa
 import pytest
 from upath import UPath
 
-from filter_pipeline.review.data import ReviewError, Warehouse, _rejected_tasks, page
+from filter_pipeline.review.data import ReviewError, UnreadableRun, Warehouse, _rejected_tasks, page
 from filter_pipeline.review.story import story
 from filter_pipeline.rules.commits import CommitRecord
 from filter_pipeline.rules.history import parse_legacy
@@ -254,6 +254,9 @@ def test_a_run_with_an_unreadable_file_is_one_line_on_the_runs_page_and_the_queu
     assert set(queue["run_id"]) == {"r1"} and len(queue) == 4
     page_html = Review(UPath(str(tmp_path))).html("runs.html", runs=warehouse.runs()).body.decode()
     assert "unreadable (" in page_html and ">None<" not in page_html
+    with pytest.raises(UnreadableRun, match=r"^run r2 cannot be read: ") as raised:
+        warehouse.run("r2")  # (its own page: a 500 with that line)
+    assert r2["state"] == f"unreadable ({str(raised.value).removeprefix('run r2 cannot be read: ')})"
 
 
 def test_a_trajectory_folder_that_leads_out_of_the_run_is_not_read(tmp_path):
