@@ -107,13 +107,15 @@ def _dagster_home() -> str:
     return home
 
 
-def _runs_to_materialize(data: DataRoot, requested: list[str], refused: list[str]) -> list[str]:
+def _runs_to_materialize(data: DataRoot, requested: list[str], refused: list[str], changed: set[str]) -> list[str]:
     """The run_ids to materialize; with none requested, every complete batch not yet filtered, and each
-    complete folder refused for its name appended to `refused` (one line each)."""
+    complete folder refused for its name appended to `refused` (one line each). The filtered batches changed
+    since, and not requested, are added to `changed` (a warning each)."""
     batches = complete_batches(data.runs, data.warehouse, log=None, refused=None if requested else refused)
     for b in batches:
         if b.changed and b.run_id not in requested:
             print(f"filter-pipeline: warning: {changed_warning(b.run_id)}", file=sys.stderr)
+            changed.add(b.run_id)
     if not requested:
         return [b.run_id for b in batches if not b.filtered]
     for run_id in requested:
@@ -215,8 +217,9 @@ def materialize(args: argparse.Namespace, signals: Signals | None = None) -> int
     signals = signals or Signals()
     data, caps, home, judge = _checked_arguments(args)
     refused: list[str] = []
+    changed: set[str] = set()
     try:
-        found = _runs_to_materialize(data, args.run_ids, refused)
+        found = _runs_to_materialize(data, args.run_ids, refused, changed)
     except BrokenPipeError:
         raise
     except OSError as exc:  # an unreadable runs/ or batch folder: one line, before anything is registered
@@ -230,7 +233,8 @@ def materialize(args: argparse.Namespace, signals: Signals | None = None) -> int
     rejudge = (
         {}
         if args.run_ids
-        else {r.run_id: r for r in rejudging_due(instance, read_commits(data.warehouse), set(), wait=False)}
+        # (a changed batch is re-filtered only when named: re-judging would parse its new files)
+        else {r.run_id: r for r in rejudging_due(instance, read_commits(data.warehouse), changed, wait=False)}
     )
     run_ids = sorted(set(run_ids) | set(rejudge)) if rejudge else run_ids
     # every job run here is rebuilt from the environment (see cli_filter_job): the settings travel through it

@@ -374,7 +374,9 @@ def build_batch_sensor() -> dg.SensorDefinition:
         requests = [dg.RunRequest(job_name=JUDGE_JOB, partition_key=r, run_key=r) for r in to_judge]
         if to_walk:
             requests.append(ledger_request(to_walk, registration_order))
-        requests += rejudge_requests(context, commits, busy | set(to_walk) | set(to_judge))
+        # (a changed batch is re-filtered only when named: re-judging would parse its new files)
+        changed = {b.run_id for b in batches if b.changed}
+        requests += rejudge_requests(context, commits, busy | set(to_walk) | set(to_judge) | changed)
         fingerprint = kept_fingerprint(data)
         if fingerprint is not None and not to_walk and not busy:
             requests.append(dg.RunRequest(job_name=across_runs_job.name, run_key=f"across-runs:{fingerprint}"))

@@ -1,10 +1,12 @@
 """The CLI keeps the ledger's order (first walks in run_id order, exit 2 when an unnamed lower batch blocks),
 and runs with unjudged tasks exit 3 and are judged again by a later `materialize` naming no run."""
 
+import json
+
 import pandas as pd
 import pytest
 
-from filter_pipeline_tests.builders import attempt, task, write_batch
+from filter_pipeline_tests.builders import attempt, commit_files, task, write_batch, write_kept
 from filter_pipeline_tests.openai_server import FakeOpenAI, Reply
 
 pytestmark = pytest.mark.slow
@@ -103,3 +105,19 @@ def test_the_cap_on_tries_is_respected_and_a_run_that_spent_it_is_named_until_ju
         (data_root / "retired.json").write_text('[{"run_id": "b1", "reason": "endpoint never judged it"}]')
         retired = cli("--judge", "llm", env=env)  # retired: no longer waiting for anything
         assert retired.returncode == 0 and "still hold unjudged" not in retired.stdout
+
+
+def test_a_run_with_unjudged_tasks_whose_batch_changed_is_not_judged_again_unless_named(cli, data_root):
+    from upath import UPath
+
+    from filter_pipeline.storage.files import input_fingerprints
+
+    write_batch(data_root, "b1", [task("a")], [attempt("a")])
+    write_kept(data_root, "b1", ("a", ["k"], "m", "s"))
+    inputs = input_fingerprints(UPath(data_root) / "runs" / "b1")
+    commit_files(data_root, "b1", {"kept": data_root / "warehouse" / "kept" / "b1.parquet"}, unjudged=1, inputs=inputs)
+    with open(data_root / "runs" / "b1" / "tasks.jsonl", "a") as f:  # the batch ran again since
+        f.write(json.dumps(task("late")) + "\n")
+    done = cli()
+    assert "judging its unjudged tasks again" not in done.stdout and "nothing to materialize" in done.stdout
+    assert "runs/b1 changed since it was filtered" in done.stderr

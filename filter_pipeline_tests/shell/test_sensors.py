@@ -1,6 +1,7 @@
 """The batch sensor: registration, judge runs for new complete batches, one ledger run at a time for the judged
 batches waiting in a row, walked in run_id order."""
 
+import json
 import logging
 
 import dagster as dg
@@ -331,6 +332,25 @@ def test_a_filtered_run_with_unjudged_tasks_is_judged_again_after_a_backoff_unde
     run_in_instance(instance, tags={"filter_pipeline/rejudge_of": "b1", "filter_pipeline/rejudge_try": "2"},
                     status=dg.DagsterRunStatus.SUCCESS)  # fmt: skip
     assert rejudge(tick(instance, data_root)) == []  # the cap: 2 tries
+
+
+def test_a_run_with_unjudged_tasks_whose_batch_changed_is_not_judged_again_unless_named(
+    instance, data_root, monkeypatch
+):
+    from filter_pipeline.storage.files import input_fingerprints
+
+    monkeypatch.setenv("FILTER_PIPELINE_REJUDGE_BACKOFF_SECONDS", "0")
+    write_batch(data_root, "b1", [task("a")], [attempt("a")])
+    judged(data_root, "b1")
+    write_kept(data_root, "b1", ("a", ["k"], "m", "s"))
+    instance.add_dynamic_partitions("run_id", ["b1"])
+    inputs = input_fingerprints(DataRoot(path=str(data_root)).run_dir("b1"))
+    commit_files(data_root, "b1", {"kept": data_root / "warehouse" / "kept" / "b1.parquet"}, unjudged=1, inputs=inputs)
+    rejudged = lambda: [r.run_key for r in tick(instance, data_root).run_requests if r.job_name == "rejudge_job"]  # noqa: E731
+    assert rejudged() == ["b1:rejudge:1"]
+    with open(data_root / "runs" / "b1" / "tasks.jsonl", "a") as f:  # the batch ran again meanwhile
+        f.write(json.dumps(task("late")) + "\n")
+    assert rejudged() == []
 
 
 # --- the labels sensor ---------------------------------------------------------------------------------
