@@ -28,7 +28,9 @@ from filter_pipeline.rules.schemas import (
     STATUS_ERROR,
     STATUS_JUDGED,
     isin,
+    key_hashes,
     positions,
+    pylist,
     to_pandas,
 )
 from filter_pipeline.storage.files import is_local
@@ -413,7 +415,13 @@ def page(tasks: pd.DataFrame, filters: dict, offset: int, limit: int) -> tuple[i
     return int(len(matching)), shown.where(shown.notna(), None).to_dict("records")
 
 
-JUDGED_COLUMNS = ["run_id", "task_id", "dir", "site", "votes", "passed"]
+# draw: a hash of the dir, the labelling queue's random order (computed once per run as it is read)
+JUDGED_COLUMNS = ["run_id", "task_id", "dir", "site", "votes", "passed", "draw"]
+
+
+def draw(dirs: pd.Series) -> np.ndarray:
+    """Each dir's place in the labelling queue's random order: its key_hash (BLAKE2b), the same everywhere."""
+    return key_hashes(pylist(dirs))
 
 
 def judged_attempts(t: RunTables) -> pd.DataFrame:
@@ -423,7 +431,7 @@ def judged_attempts(t: RunTables) -> pd.DataFrame:
         return pd.DataFrame(columns=JUDGED_COLUMNS)
     v = v[v["status"] == STATUS_JUDGED]
     return pd.DataFrame({"run_id": t.run_id, "task_id": v["task_id"], "dir": v["dir"], "site": v["site"],
-                         "votes": v["votes"], "passed": v["passed"]})[JUDGED_COLUMNS]  # fmt: skip
+                         "votes": v["votes"], "passed": v["passed"], "draw": draw(v["dir"])})[JUDGED_COLUMNS]  # fmt: skip
 
 
 def open_root(path: str, endpoint_url: str | None = None) -> UPath:

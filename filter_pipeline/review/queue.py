@@ -3,7 +3,7 @@
 Order: first a uniform random sample of every judged attempt (so the precision measured on it is an unbiased
 estimate of the judge's precision on the whole warehouse), then attempts whose votes split (where the judge
 itself hesitated), then attempts of sites with no label yet, then the rest, in random order. The random order
-is that of a hash of each attempt's dir: the same on every request, and an attempt keeps its place among the
+is that of a hash of each attempt's dir (`data.draw`): the same on every request, and an attempt keeps its place among the
 others as runs are added, so the sample (the SAMPLE_SIZE attempts hashed lowest) changes only by new attempts
 that hash lower (it stays a uniform sample). A label moves its site's other attempts out of "site with no
 label", so after a label the app addresses the attempt by its dir, not its position.
@@ -18,7 +18,6 @@ import pandas as pd
 from filter_pipeline.review.data import JUDGED_COLUMNS, Warehouse
 from filter_pipeline.rules import calibration
 from filter_pipeline.rules.calibration import wilson_interval
-from filter_pipeline.rules.schemas import key_hashes, pylist
 
 SAMPLE_SIZE = 200  # attempts in the uniform random sample served first
 
@@ -68,7 +67,7 @@ def split_mask(votes: pd.Series) -> np.ndarray:
 def order(attempts: pd.DataFrame, labelled_sites: set) -> pd.DataFrame:
     """Every judged attempt once, in queue order (see the module's docstring): QUEUE_COLUMNS."""
     unique = attempts.drop_duplicates("dir").reset_index(drop=True)
-    shuffled = unique.iloc[np.argsort(key_hashes(pylist(unique["dir"])), kind="stable")].reset_index(drop=True)
+    shuffled = unique.iloc[np.argsort(unique["draw"].to_numpy(np.int64), kind="stable")].reset_index(drop=True)
     rank = np.full(len(shuffled), PHASES.index(PHASE_REST))
     rank[~shuffled["site"].isin(labelled_sites).to_numpy(bool)] = PHASES.index(PHASE_UNLABELLED_SITE)
     rank[split_mask(shuffled["votes"])] = PHASES.index(PHASE_SPLIT)

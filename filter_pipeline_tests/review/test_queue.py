@@ -5,6 +5,7 @@ import math
 
 import pandas as pd
 
+from filter_pipeline.review.data import draw
 from filter_pipeline.review.queue import (
     PHASE_REST,
     PHASE_SAMPLE,
@@ -21,10 +22,11 @@ from filter_pipeline.review.story import inside_run
 from filter_pipeline.rules.calibration import parse_labels, wilson_interval
 
 
-def attempts(n: int, votes=lambda i: "3/0", site=lambda i: f"s{i % 3}") -> pd.DataFrame:
-    return pd.DataFrame({"run_id": "r", "task_id": [f"t{i:03}" for i in range(n)],
-                         "dir": [f"runs/r/traj/t{i:03}/1" for i in range(n)], "site": [site(i) for i in range(n)],
-                         "votes": [votes(i) for i in range(n)], "passed": True})  # fmt: skip
+def attempts(n: int, votes=lambda i: "3/0", site=lambda i: f"s{i % 3}", run_id: str = "r") -> pd.DataFrame:
+    dirs = pd.Series([f"runs/{run_id}/traj/t{i:03}/1" for i in range(n)])
+    return pd.DataFrame({"run_id": run_id, "task_id": [f"t{i:03}" for i in range(n)], "dir": dirs,
+                         "site": [site(i) for i in range(n)], "votes": [votes(i) for i in range(n)], "passed": True,
+                         "draw": draw(dirs)})  # fmt: skip
 
 
 def test_split_votes_are_both_sides_non_zero():
@@ -59,9 +61,7 @@ def test_attempts_keep_their_order_and_the_sample_its_members_as_runs_are_added(
 
     monkeypatch.setattr(queue_module, "SAMPLE_SIZE", 10)
     first = attempts(60)
-    later = pd.concat(
-        [first, attempts(60).assign(run_id="r2", dir=lambda f: f["dir"].str.replace("runs/r/", "runs/r2/"))]
-    )
+    later = pd.concat([first, attempts(60, run_id="r2")])
     before, after = order(first, {"s0", "s1", "s2"}), order(later, {"s0", "s1", "s2"})
     assert after[after["dir"].isin(set(first["dir"]))]["dir"].tolist() == before["dir"].tolist()
     sample_before = set(before.loc[before["phase"] == PHASE_SAMPLE, "dir"])
