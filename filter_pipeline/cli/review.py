@@ -1,6 +1,7 @@
 """`filter-pipeline review`: the review web app over the data root (pages, JSON API, labelling)."""
 
 import argparse
+import errno
 import os
 import socket
 import sys
@@ -45,12 +46,9 @@ def review(args: argparse.Namespace) -> int:
         print(f"filter-pipeline: --port {args.port}: expected 1 to 65535", file=sys.stderr)
         return 2
     try:  # (listening first: a port in use is one line, before any run is read)
-        family = socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM)[0][0]
-        listening = socket.create_server((args.host, args.port), family=family)
+        listening = _listen(args.host, args.port)
     except OSError as exc:
-        why = os.strerror(exc.errno) if exc.errno else str(exc)
-        print(f"filter-pipeline: cannot listen on {args.host}:{args.port} ({why}): is another app on it? choose "
-              "another --port", file=sys.stderr)  # fmt: skip
+        print(f"filter-pipeline: {_cannot_listen(args.host, args.port, exc)}", file=sys.stderr)
         return 2
     print(f"review app for {root}: http://{args.host}:{args.port}/ (Ctrl-C to stop)", flush=True)
     if args.host not in LOOPBACK:
@@ -60,3 +58,20 @@ def review(args: argparse.Namespace) -> int:
     app.state.review.warehouse.warm_in_background()  # the newest runs' pages answer at once
     uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[listening])
     return 0
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A socket listening on host:port as uvicorn would bind it: IPv6 for an address with a colon (`::` on
+    IPv4 too, where the system can), IPv4 otherwise."""
+    if ":" not in host:
+        return socket.create_server((host, port), family=socket.AF_INET)
+    dual = host == "::" and socket.has_dualstack_ipv6()
+    return socket.create_server((host, port), family=socket.AF_INET6, dualstack_ipv6=dual)
+
+
+def _cannot_listen(host: str, port: int, exc: OSError) -> str:
+    if isinstance(exc, socket.gaierror) or (exc.errno or 0) < 0:  # (create_server re-raises the resolver's)
+        return f"--host {host}: no such address (the name does not resolve to one)"
+    why = os.strerror(exc.errno) if exc.errno else str(exc)
+    advice = ": is another app on it? choose another --port" if exc.errno == errno.EADDRINUSE else ""
+    return f"cannot listen on {host}:{port} ({why}){advice}"

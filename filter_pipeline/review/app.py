@@ -222,7 +222,15 @@ def _allowed_origin(request: Request, origin: str) -> bool:
     """This app's own origin, as the request names it, or one of the names it is also reached by (a reverse
     proxy's public name: the proxy may pass the app another Host and scheme than the browser's)."""
     own = f"{request.url.scheme}://{request.headers.get('host', '')}"
-    return origin == own or urlsplit(origin).hostname in request.app.state.also_reached_as
+    if origin == own:
+        return True
+    try:
+        parts = urlsplit(origin)
+        port = parts.port
+    except ValueError:
+        return False
+    # (on its scheme's default port: another port of the same name is another site)
+    return parts.scheme in ("http", "https") and port is None and parts.hostname in request.app.state.also_reached_as
 
 
 async def _body(request: Request, limit: int) -> bytes:
@@ -248,8 +256,10 @@ def label_record(review: Review, body) -> dict:
     note = body.get("note")
     if note is not None and (not _is_text(note) or len(note) > MAX_NOTE_CHARS):
         raise BadRequest(f"note: expected text of at most {MAX_NOTE_CHARS} characters")
-    for name in ("labeler", "dir", "run_id", "task_id"):
-        if body.get(name) is not None and isinstance(body[name], str) and not _is_text(body[name]):
+    if body.get("labeler") is not None and not _is_text(body["labeler"]):
+        raise BadRequest("labeler: expected text")
+    for name in ("dir", "run_id", "task_id"):
+        if isinstance(body.get(name), str) and not _is_text(body[name]):
             raise BadRequest(f"{name}: expected text (it holds a lone surrogate)")
     if isinstance(body.get("dir"), str):
         dir_ = body["dir"]

@@ -50,3 +50,23 @@ def test_review_on_a_port_in_use_says_so_in_one_line_and_exits(filtered_sample):
     assert done.returncode == 2 and done.stdout == "", done.stderr
     assert done.stderr.startswith(f"filter-pipeline: cannot listen on 127.0.0.1:{port} (Address already in use)")
     assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_review_on_an_address_it_cannot_have_says_why_without_blaming_the_port(filtered_sample):  # noqa: F811
+    for host, said in [("nosuchhost.invalid", "--host nosuchhost.invalid: no such address"),
+                       ("192.0.2.1", "cannot listen on 192.0.2.1:")]:  # fmt: skip
+        done = subprocess.run([*CLI, "review", "--data", str(filtered_sample), "--host", host, "--port", "18999"],
+                              cwd=REPO, capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert done.returncode == 2 and done.stderr.startswith(f"filter-pipeline: {said}"), done.stderr
+        assert "--port" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_review_on_every_ipv6_address_answers_ipv4_too(filtered_sample):  # noqa: F811
+    if not socket.has_dualstack_ipv6():
+        pytest.skip("this system cannot listen on IPv6 and IPv4 with one socket")
+    from filter_pipeline.cli.review import _listen
+
+    with _listen("::", 0) as listening:
+        port = listening.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass

@@ -163,7 +163,8 @@ def test_the_app_answers_its_loopback_names_and_the_names_it_is_allowed(sample_r
         # behind a proxy that passes the app its own address, the browser's origin is the public name
         proxied = {"Origin": "https://review.example.com", "Sec-Fetch-Site": "same-origin"}
         assert post(app, LABEL, headers=proxied)[0] == 201
-        assert post(app, LABEL, headers={"Origin": "https://other.example.com"})[0] == 403
+        for other in ("https://other.example.com", "http://review.example.com:9999"):  # another site, or port
+            assert post(app, LABEL, headers={"Origin": other})[0] == 403
     finally:
         app.stop()
 
@@ -184,6 +185,7 @@ def test_a_label_post_too_large_too_deep_or_not_unicode_is_a_one_line_4xx(served
         (None, b"[" * 20_000 + b"]" * 20_000, 400),  # deeper than json follows
         (None, json.dumps({**LABEL, "note": "\ud83d"}).encode(), 400),  # a lone surrogate, as JSON escapes it
         (None, json.dumps({**LABEL, "labeler": "\udc00"}).encode(), 400),
+        (None, json.dumps({**LABEL, "labeler": 5}).encode(), 400),
         (None, json.dumps({**LABEL, "dir": "runs/2026-11-29/\ud83d/x"}).encode(), 400),
         (None, json.dumps({"run_id": "2026-11-29", "task_id": "\ud83d", "success": True}).encode(), 400),
     ]:
