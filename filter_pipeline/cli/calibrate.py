@@ -150,7 +150,8 @@ def calibrate(args: argparse.Namespace) -> int:
     unjudged = int((verdicts["status"] == STATUS_ERROR).sum())
     if unjudged:
         print(f"filter-pipeline: the candidate left {unjudged} of {len(verdicts)} labelled attempts unjudged (the "
-              "endpoint did not answer in time); run calibrate again to ask for those alone", file=sys.stderr)  # fmt: skip
+              "endpoint did not answer in time); run calibrate again to ask for those alone",
+              file=sys.stderr)  # fmt: skip
         return EXIT_UNJUDGED
     return 0
 

@@ -431,7 +431,7 @@ def judged_attempts(t: RunTables) -> pd.DataFrame:
         return pd.DataFrame(columns=JUDGED_COLUMNS)
     v = v[v["status"] == STATUS_JUDGED]
     return pd.DataFrame({"run_id": t.run_id, "task_id": v["task_id"], "dir": v["dir"], "site": v["site"],
-                         "votes": v["votes"], "passed": v["passed"], "draw": draw(v["dir"])})[JUDGED_COLUMNS]  # fmt: skip
+                         "votes": v["votes"], "passed": v["passed"], "draw": draw(v["dir"])})  # fmt: skip
 
 
 def open_root(path: str, endpoint_url: str | None = None) -> UPath:

@@ -3,10 +3,10 @@
 Order: first a uniform random sample of every judged attempt (so the precision measured on it is an unbiased
 estimate of the judge's precision on the whole warehouse), then attempts whose votes split (where the judge
 itself hesitated), then attempts of sites with no label yet, then the rest, in random order. The random order
-is that of a hash of each attempt's dir (`data.draw`): the same on every request, and an attempt keeps its place among the
-others as runs are added, so the sample (the SAMPLE_SIZE attempts hashed lowest) changes only by new attempts
-that hash lower (it stays a uniform sample). A label moves its site's other attempts out of "site with no
-label", so after a label the app addresses the attempt by its dir, not its position.
+is that of a hash of each attempt's dir (`data.draw`): the same on every request, and an attempt keeps its
+place among the others as runs are added, so the sample (the SAMPLE_SIZE attempts hashed lowest) changes only
+by new attempts that hash lower (it stays a uniform sample). A label moves its site's other attempts out of
+"site with no label", so after a label the app addresses the attempt by its dir, not its position.
 """
 
 import threading
