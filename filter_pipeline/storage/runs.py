@@ -35,6 +35,7 @@ from filter_pipeline.storage.files import (
     read_input,
 )
 from filter_pipeline.storage.history import read_commits
+from filter_pipeline.storage.publish import commit_path
 
 _LOG = logging.getLogger(__name__)
 # warehouse/_judged_inputs/<run_id>.json: the fingerprints of the input bytes the run's verdicts were made from
@@ -146,9 +147,9 @@ def inputs_to_commit(warehouse: UPath, run_dir: UPath, run_id: str) -> tuple[dic
 
 
 def _committed_inputs(warehouse: UPath, run_id: str) -> dict | None:
-    path = warehouse / COMMITS_DIR / f"{run_id}.json"
+    path = commit_path(warehouse, run_id)
     try:
-        return parse_commit(path.read_bytes(), f"warehouse/{COMMITS_DIR}/{run_id}.json", run_id).inputs or None
+        return parse_commit(path.read_bytes(), f"warehouse/{COMMITS_DIR}/{path.name}", run_id).inputs or None
     except (FileNotFoundError, ValueError):  # (none, or unreadable: the walk's history check says so)
         return None
 
