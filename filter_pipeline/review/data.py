@@ -78,7 +78,11 @@ class ReviewError(LookupError):
 
 
 class UnreadableRun(ValueError):
-    """A file of the run cannot be read: one line naming the run and why."""
+    """A file of the run cannot be read: one line naming the run and why (`reason`)."""
+
+    def __init__(self, run_id: str, reason: str):
+        super().__init__(f"run {run_id} cannot be read: {reason}")
+        self.reason = reason
 
 
 def signature(path: UPath) -> tuple | None:
@@ -160,8 +164,7 @@ class Warehouse:
         try:
             tables = load_run(run_id, self._files(run_id))
         except (OSError, ValueError) as exc:  # (Arrow's errors are ValueErrors)
-            reason = " ".join(str(exc).split())[:300] or type(exc).__name__
-            raise UnreadableRun(f"run {run_id} cannot be read: {reason}") from exc
+            raise UnreadableRun(run_id, " ".join(str(exc).split())[:300] or type(exc).__name__) from exc
         with self._lock:
             self._cache[run_id] = (key, tables)
             self._cache.move_to_end(run_id)
@@ -180,9 +183,13 @@ class Warehouse:
             return cached[1], cached[2]
         try:
             self.run(run_id)  # (reads the run when its files changed, and keeps its light entry)
-        except (OSError, ValueError) as exc:  # (Arrow's errors are ValueErrors) one run, not the whole page
+        except UnreadableRun as exc:  # one run, not the whole page
             with self._lock:
-                self._light[run_id] = (key, unreadable_summary(run_id, exc), pd.DataFrame(columns=JUDGED_COLUMNS))
+                self._light[run_id] = (
+                    key,
+                    unreadable_summary(run_id, exc.reason),
+                    pd.DataFrame(columns=JUDGED_COLUMNS),
+                )
         with self._lock:
             return self._light[run_id][1], self._light[run_id][2]
 
@@ -384,11 +391,9 @@ def summarize(t: RunTables) -> dict:
     }
 
 
-def unreadable_summary(run_id: str, error: Exception) -> dict:
+def unreadable_summary(run_id: str, reason: str) -> dict:
     """The runs page's line of a run whose files cannot be read: why, in one line, and no figures (its own page
-    answers 500 with the same line)."""
-    reason = " ".join(str(error).split())[:300] or type(error).__name__
-    reason = reason.removeprefix(f"run {run_id} cannot be read: ")
+    answers 500 with the same reason)."""
     return {"run_id": run_id, "state": f"{STATE_UNREADABLE} ({reason})", "walked_at": None, "tasks": None,
             "attempts": None, "rejects": None, "with_ok_attempt": None, "judged": None, "passed": None,
             **dict.fromkeys(FATES), "surplus_by_reason": {}, "keep_rate": None, "judge_pass_rate": None,
