@@ -133,6 +133,11 @@ STR = pa.large_string()
 INT = pa.int64()
 BOOL = pa.bool_()
 
+# A judge_verdicts frame carries in `attrs[JUDGED_INPUTS]` the fingerprints of the input bytes it was judged
+# from (`Batch.inputs`). pyarrow keeps a frame's attrs in the Parquet file's pandas metadata and restores them
+# on reading, so whoever loads a verdicts file gets the fingerprints of exactly those verdicts.
+JUDGED_INPUTS = "judged_inputs"
+
 _VERDICT_FIELDS = [
     ("task_id", STR),
     ("macro", STR),

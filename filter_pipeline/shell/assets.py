@@ -18,6 +18,7 @@ from filter_pipeline.rules.coverage import coverage_chart, coverage_markdown, co
 from filter_pipeline.rules.schemas import (
     COLUMN_DESCRIPTIONS,
     FAILURE_REASONS,
+    JUDGED_INPUTS,
     SCHEMAS,
     STATUS_ERROR,
     STATUS_JUDGED,
@@ -28,7 +29,7 @@ from filter_pipeline.shell.warehouse import DataRoot, read_folder, read_parquet,
 from filter_pipeline.storage import failures
 from filter_pipeline.storage.audit import audit
 from filter_pipeline.storage.history import kept_counts, load_retired
-from filter_pipeline.storage.runs import count_records, read_batch, record_judged_inputs
+from filter_pipeline.storage.runs import count_records, read_batch
 
 run_id_partitions = dg.DynamicPartitionsDefinition(name="run_id")
 
@@ -158,13 +159,12 @@ def judge_batch(context: dg.AssetExecutionContext, judge: JudgeResource, data: D
     requests = filtering.attempts_to_judge(batch.tasks, batch.attempts, batch.task_at)
     judgement = _judge(context, judge, data, run_id, requests)
     verdicts = judgement.verdicts.assign(backend=judgement.verdicts["backend_detail"], run_id=run_id)
+    # written into the verdicts file (its pandas metadata): what the run's commit records as the input judged
+    verdicts.attrs[JUDGED_INPUTS] = batch.inputs
     yield dg.Output(
         verdicts, output_name="judge_verdicts", metadata=_verdicts_metadata(verdicts, batch, requests, judgement)
     )
-    # resumed after the IO manager has written the partition: the saved progress is in it now, and the
-    # verdicts are those of the input bytes recorded here (what the run's commit records)
-    judgement.written()
-    record_judged_inputs(data.warehouse, run_id, batch.inputs)
+    judgement.written()  # (resumed once the IO manager has written the partition: the saved progress is in it)
     yield _all_tasks_judged(verdicts)
     executed = filtering.execute_failures(batch.tasks, batch.attempts, batch.task_at)
     failures = pd.concat([executed, filtering.judge_failures(verdicts)], ignore_index=True)

@@ -384,7 +384,8 @@ def _walk_the_ledger(
 
 def _walk_staged(context, config, data, run_id, judge_verdicts, failure_pool, batch_attempts, source, lease, staged):
     """`_walk_the_ledger`'s body: its files written to `staged`, then (its checks held) its commit published."""
-    inputs, changed = inputs_to_commit(data.warehouse, data.run_dir(run_id), run_id)
+    inputs, changed = inputs_to_commit(data.warehouse, data.run_dir(run_id), run_id, judge_verdicts)
+    judge_verdicts.attrs.clear()  # (those fingerprints belong to the verdicts file: not carried into kept)
     if changed:
         context.log.warning(changed_since_judged(run_id, changed))
     index = build_prior_index(data.root, run_id, judge_verdicts[["dedup_key", "key_hash"]], load_retired(data.root))

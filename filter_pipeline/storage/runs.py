@@ -2,7 +2,6 @@
 that need the file system (trajectory dirs behind symlinks, the record count of executions.jsonl), and which
 input bytes a run's verdicts were made from."""
 
-import json
 import logging
 import os
 import time
@@ -26,8 +25,8 @@ from filter_pipeline.rules.batch import (
     parse_tasks,
 )
 from filter_pipeline.rules.commits import COMMITS_DIR, parse_commit
+from filter_pipeline.rules.schemas import JUDGED_INPUTS
 from filter_pipeline.storage.files import (
-    atomic_write,
     files_in,
     input_fingerprints,
     inputs_changed,
@@ -38,8 +37,6 @@ from filter_pipeline.storage.history import read_commits
 from filter_pipeline.storage.publish import commit_path
 
 _LOG = logging.getLogger(__name__)
-# warehouse/_judged_inputs/<run_id>.json: the fingerprints of the input bytes the run's verdicts were made from
-JUDGED_INPUTS_DIR = "_judged_inputs"
 
 
 def complete_batches(
@@ -111,39 +108,22 @@ def read_batch(run_dir: UPath, run_id: str) -> Batch:
     return replace(parsed, seconds=time.perf_counter() - started, inputs=inputs)
 
 
-def judged_inputs_path(warehouse: UPath, run_id: str) -> UPath:
-    return warehouse / JUDGED_INPUTS_DIR / f"{run_id}.json"
-
-
-def record_judged_inputs(warehouse: UPath, run_id: str, inputs: dict) -> None:
-    """Record `inputs` (`Batch.inputs`) as the input files the run's judge_verdicts were made from; called once
-    the verdicts are written. A step killed in between leaves the previous record, naming older bytes than the
-    verdicts: a change reported later that was not one, never a change missed."""
-    body = json.dumps(inputs, sort_keys=True).encode()
-    atomic_write(judged_inputs_path(warehouse, run_id), body, sync_folder=False)
-
-
-def judged_inputs(warehouse: UPath, run_id: str) -> dict | None:
-    """What `record_judged_inputs` recorded for the run; None when nothing readable was (verdicts judged by an
-    earlier version of this project)."""
-    try:
-        recorded = json.loads(judged_inputs_path(warehouse, run_id).read_bytes())
-    except (FileNotFoundError, ValueError):
-        return None
-    readable = isinstance(recorded, dict) and all(isinstance(v, dict) for v in recorded.values())
-    return recorded if readable else None
-
-
-def inputs_to_commit(warehouse: UPath, run_dir: UPath, run_id: str) -> tuple[dict, list[str]]:
+def inputs_to_commit(warehouse: UPath, run_dir: UPath, run_id: str, verdicts: pd.DataFrame) -> tuple[dict, list[str]]:
     """The input fingerprints the run's commit records, and the input files changed since. Those are the
-    fingerprints of the bytes its verdicts were made from, so that a batch rewritten after it was judged is
-    reported as changed once committed (`complete_batches`, `verify`). For verdicts judged before such
-    fingerprints were recorded: those of its standing commit, if any (a re-walk of a changed batch stays
-    reported as changed), else the files as they are now."""
-    judged = judged_inputs(warehouse, run_id) or _committed_inputs(warehouse, run_id)
+    fingerprints of the bytes `verdicts` (the run's, as the walk loaded them) were made from, so that a batch
+    rewritten after it was judged is reported as changed once committed (`complete_batches`, `verify`). For
+    verdicts judged before they carried fingerprints: those of its standing commit, if any (a re-walk of a
+    changed batch stays reported as changed), else the files as they are now."""
+    judged = _judged_inputs(verdicts) or _committed_inputs(warehouse, run_id)
     if judged is None:
         return input_fingerprints(run_dir), []
     return judged, inputs_changed(run_dir, judged)
+
+
+def _judged_inputs(verdicts: pd.DataFrame) -> dict | None:
+    recorded = verdicts.attrs.get(JUDGED_INPUTS)
+    readable = isinstance(recorded, dict) and recorded and all(isinstance(v, dict) for v in recorded.values())
+    return recorded if readable else None
 
 
 def _committed_inputs(warehouse: UPath, run_id: str) -> dict | None:

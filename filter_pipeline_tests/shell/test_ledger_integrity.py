@@ -219,10 +219,39 @@ def test_a_batch_rewritten_between_its_judging_and_its_walk_commits_what_was_jud
     ]
 
 
-def test_a_rewalk_of_a_changed_batch_without_judged_inputs_on_record_keeps_it_reported_changed(instance, data_root):
+def test_the_walk_commits_the_fingerprints_its_verdicts_were_judged_from_not_a_later_judging(instance, data_root):
+    same_keys_batches(data_root, "r1")
+    instance.add_dynamic_partitions("run_id", ["r1"])
+    defs = build_defs(str(data_root), JudgeResource(), caps={})
+    judge = defs.resolve_job_def("judge_job")
+    assert judge.execute_in_process(instance=instance, partition_key="r1").success
+    verdicts_file = data_root / "warehouse" / "judge_verdicts" / "r1.parquet"
+    first_verdicts, judged_size = verdicts_file.read_bytes(), (data_root / "runs" / "r1" / "tasks.jsonl").stat().st_size
+    with open(data_root / "runs" / "r1" / "tasks.jsonl", "a") as f:
+        f.write(json.dumps(task("late")) + "\n")
+    assert judge.execute_in_process(instance=instance, partition_key="r1").success  # judged again meanwhile...
+    verdicts_file.write_bytes(first_verdicts)  # ... after the walk loaded the first judging's verdicts
+    assert defs.resolve_job_def("ledger_job").execute_in_process(instance=instance, partition_key="r1").success
+    assert read_commits(UPath(data_root) / "warehouse")["r1"].inputs["tasks.jsonl"]["size"] == judged_size
+    data = DataRoot(path=str(data_root))
+    assert [(b.filtered, b.changed) for b in complete_batches(data.runs, data.warehouse)] == [(True, True)]
+    # what a user reading the files finds: the verdicts' own fingerprints, none in the files walked from them
+    assert pd.read_parquet(verdicts_file).attrs["judged_inputs"]["tasks.jsonl"]["size"] == judged_size
+    assert pd.read_parquet(data_root / "warehouse" / "kept" / "r1.parquet").attrs == {}
+
+
+def without_judged_inputs(path):
+    """The verdicts file as an earlier version of this project wrote it: no fingerprints in its metadata."""
+    table = pq.read_table(path)
+    pandas_metadata = json.loads(table.schema.metadata[b"pandas"])
+    assert pandas_metadata.pop("attributes")["judged_inputs"]["tasks.jsonl"]["sha256"]
+    pq.write_table(table.replace_schema_metadata({b"pandas": json.dumps(pandas_metadata)}), path)
+
+
+def test_a_rewalk_of_a_changed_batch_judged_without_fingerprints_keeps_it_reported_changed(instance, data_root):
     same_keys_batches(data_root, "r1")
     assert materialize(instance, data_root, "r1").success
-    (data_root / "warehouse" / "_judged_inputs" / "r1.json").unlink()  # as judged by an earlier version
+    without_judged_inputs(data_root / "warehouse" / "judge_verdicts" / "r1.parquet")
     with open(data_root / "runs" / "r1" / "tasks.jsonl", "a") as f:
         f.write(json.dumps(task("late")) + "\n")
     defs = build_defs(str(data_root), JudgeResource(), caps={})
