@@ -17,6 +17,7 @@ import pyarrow.parquet as pq
 from upath import UPath
 
 # The one module of the review package that reads commit state (kept in one place for the storage move).
+from filter_pipeline.rules.batch import LEGACY_KEPT_FILE, SUCCESS_FILE, check_run_id
 from filter_pipeline.rules.commits import COMMITS_DIR, parse_commit
 from filter_pipeline.rules.history import legacy_key_text
 from filter_pipeline.rules.records import as_text, read_json
@@ -41,13 +42,16 @@ FATE_SURPLUS = "surplus"  # reason: duplicate / site_cap / target
 FATE_JUDGE_FAIL = REASON_JUDGE_FAIL
 FATE_UNJUDGED = "unjudged"  # the judge could not judge it (judge_verdicts status error)
 FATE_EXECUTE_FAIL = "execute_fail"  # every attempt failed: execute failures only, never judged
+REASON_NO_ATTEMPT = "no_attempt"  # an execute_fail's reason when executions.jsonl holds no attempt of the task
 FATE_REJECT = "reject"  # its line in tasks.jsonl was unusable (batch_rejects)
-FATE_PENDING = "pending"  # judged and passed, in a run whose walk is not committed yet
+FATE_PENDING = "pending"  # judged and passed in a run whose walk is not committed yet, or any task of a run
+# whose judge step has not written its verdicts yet (nothing of it is decided)
 FATES = (FATE_KEPT, FATE_SURPLUS, FATE_JUDGE_FAIL, FATE_UNJUDGED, FATE_EXECUTE_FAIL, FATE_REJECT, FATE_PENDING)
 
 STATE_COMMITTED = "committed"
 STATE_UNJUDGED = "unjudged"  # committed, with tasks left unjudged (judged again later)
 STATE_PENDING = "pending"  # complete batch not committed yet
+STATE_INCOMPLETE = "incomplete"  # batch folder without _SUCCESS: the harness is still writing it
 STATE_LEGACY = "legacy"  # filtered by the earlier script (kept.jsonl)
 STATE_UNREADABLE = "unreadable"  # a file of the run cannot be read (the runs page and the queue go on without it)
 
@@ -64,12 +68,14 @@ class RunTables:
     tasks: pd.DataFrame  # TASK_COLUMNS + dedup_key, plus reject rows
     attempts: pd.DataFrame
     verdicts: pd.DataFrame
+    judged: bool  # the run's judge_verdicts file exists
     surplus: pd.DataFrame
     failure_pool: pd.DataFrame
     rejects: pd.DataFrame
     dpo_pairs: pd.DataFrame
     prior_counts: pd.DataFrame  # prior_kept_counts: history's kept rows per (macro, site) when the run was walked
     legacy: UPath | None = None  # kept.jsonl of a run filtered by the earlier script
+    complete: bool = True  # False: its batch folder lacks _SUCCESS (the harness is still writing it)
     summary: dict = field(default_factory=dict)
 
 
@@ -127,15 +133,16 @@ class Warehouse:
         return self.warehouse / asset / f"{run_id}.parquet"
 
     def run_ids(self) -> list[str]:
-        """Every run the data root knows: batch folders, commit records and judged runs, in run_id order."""
-        found = set()
-        for folder, suffix in ((self.root / "runs", ""), (self.warehouse / COMMITS_DIR, ".json"),
-                               (self.warehouse / "judge_verdicts", ".parquet")):  # fmt: skip
-            try:
-                names = [p.name for p in folder.iterdir()]
-            except (FileNotFoundError, NotADirectoryError):
-                continue
-            found.update(n.removesuffix(suffix) for n in names if n.endswith(suffix) and not n.startswith("."))
+        """Every run the data root knows, in run_id order: batch folders with a name the stage accepts (not a
+        file such as runs/README.md, nor a folder it refuses to filter), commit records and judged runs."""
+        found = {name for name, kind in _entries(self.root / "runs") if kind == "directory" and _plain(name)}
+        for folder, suffix in (
+            (self.warehouse / COMMITS_DIR, ".json"),
+            (self.warehouse / "judge_verdicts", ".parquet"),
+        ):
+            found.update(
+                n.removesuffix(suffix) for n, _ in _entries(folder) if n.endswith(suffix) and not n.startswith(".")
+            )
         return sorted(found)
 
     def check_run(self, run_id: str) -> str:
@@ -146,7 +153,8 @@ class Warehouse:
     def _files(self, run_id: str) -> dict[str, UPath]:
         files = {a: self.asset_file(a, run_id) for a in ASSETS}
         files["commit"] = self.warehouse / COMMITS_DIR / f"{run_id}.json"
-        files["legacy"] = self.root / "runs" / run_id / "kept.jsonl"
+        files["legacy"] = self.root / "runs" / run_id / LEGACY_KEPT_FILE
+        files["complete"] = self.root / "runs" / run_id / SUCCESS_FILE
         return files
 
     def _key(self, run_id: str) -> tuple:
@@ -212,16 +220,36 @@ class Warehouse:
         return [self.light(run_id)[0] for run_id in reversed(self.run_ids())]
 
 
+def _entries(folder: UPath) -> list[tuple[str, str]]:
+    """(name, "directory" or "file") of each entry of `folder`, from one listing (no stat per entry on object
+    storage); none when the folder does not exist."""
+    try:
+        listed = folder.fs.ls(folder.path, detail=True)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return [(entry["name"].rstrip("/").rsplit("/", 1)[-1], entry["type"]) for entry in listed]
+
+
+def _plain(name: str) -> bool:
+    try:
+        check_run_id(name)
+    except ValueError:
+        return False
+    return True
+
+
 ASSETS = ("batch_tasks", "batch_attempts", "judge_verdicts", "kept", "surplus", "failure_pool", "batch_rejects",
           "dpo_pairs", "prior_kept_counts")  # fmt: skip
 
 
-def _verdicts(path: UPath) -> pd.DataFrame:
-    """judge_verdicts, every column this version of the stage or a newer one wrote (the raw replies left out:
-    nothing shows them); an empty frame of the basic columns when the run has no verdicts."""
+def _verdicts(path: UPath) -> tuple[pd.DataFrame, bool]:
+    """(judge_verdicts, whether the run has that file): every column this version of the stage or a newer one
+    wrote (the raw replies left out: nothing shows them); an empty frame of the basic columns without the file."""
     found = read_table(path, exclude=("raw_replies",))
+    if found is not None:
+        return found, True
     basic = ["task_id", "site", "status", "passed", "dir", "attempt", "votes", "cost"]
-    return found if found is not None else pd.DataFrame({c: pd.Series(dtype="object") for c in basic})
+    return pd.DataFrame({c: pd.Series(dtype="object") for c in basic}), False
 
 
 def load_run(run_id: str, files: dict[str, UPath]) -> RunTables:
@@ -234,6 +262,7 @@ def load_run(run_id: str, files: dict[str, UPath]) -> RunTables:
         pass
     except ValueError as exc:
         commit = {"error": str(exc)}
+    verdicts, judged = _verdicts(files["judge_verdicts"])
     tables = RunTables(
         run_id=run_id,
         commit=commit,
@@ -242,7 +271,8 @@ def load_run(run_id: str, files: dict[str, UPath]) -> RunTables:
             files["batch_attempts"],
             ["task_id", "attempt", "ok", "error", "dir", "n_actions", "backend_ok", "backend_detail"],
         ),  # fmt: skip
-        verdicts=_verdicts(files["judge_verdicts"]),
+        verdicts=verdicts,
+        judged=judged,
         surplus=frame(files["surplus"], ["task_id", "dropped", "dup_of_run_id", "dup_of_task_id"]),
         failure_pool=frame(
             files["failure_pool"],
@@ -263,6 +293,7 @@ def load_run(run_id: str, files: dict[str, UPath]) -> RunTables:
             ],
         ),  # fmt: skip
         legacy=files["legacy"] if files["legacy"].exists() else None,
+        complete=commit is not None or files["complete"].exists() or not files["complete"].parent.exists(),
     )
     kept_ids = frame(files["kept"], ["task_id"])["task_id"]
     tables.tasks = task_table(tables, kept_ids)
@@ -302,7 +333,11 @@ def task_table(t: RunTables, kept_ids: pd.Series) -> pd.DataFrame:
                      default=FATE_EXECUTE_FAIL)  # fmt: skip
     reason = np.where(in_surplus, dropped.astype("object").to_numpy(), None)
     reason = np.where(judge_failed & ~in_surplus & ~kept, REASON_JUDGE_FAIL, reason)
-    reason = np.where(fate == FATE_EXECUTE_FAIL, _by_task(execute_rows, "reason", ids).to_numpy(), reason)
+    executed = isin(ids, t.attempts["task_id"])
+    execute_reason = np.where(executed, _by_task(execute_rows, "reason", ids).to_numpy(), REASON_NO_ATTEMPT)
+    reason = np.where(fate == FATE_EXECUTE_FAIL, execute_reason, reason)
+    if not t.judged:  # (the judge step has not written its verdicts, nor the failure pool: nothing is decided)
+        fate, reason = np.full(len(ids), FATE_PENDING, dtype=object), np.full(len(ids), None)
     table = tasks.assign(fate=fate, reason=reason)
     parts = [table, _rejected_tasks(t.rejects)]
     if t.legacy and tasks.empty:
@@ -402,7 +437,7 @@ def unreadable_summary(run_id: str, reason: str) -> dict:
 
 def run_state(t: RunTables, fates: dict) -> str:
     if t.commit is None:
-        return STATE_LEGACY if t.legacy else STATE_PENDING
+        return STATE_LEGACY if t.legacy else STATE_PENDING if t.complete else STATE_INCOMPLETE
     if "error" in t.commit:
         return f"{STATE_PENDING} (unreadable commit record)"
     return STATE_UNJUDGED if fates.get(FATE_UNJUDGED, 0) else STATE_COMMITTED

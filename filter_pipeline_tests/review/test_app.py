@@ -278,8 +278,17 @@ def test_over_s3_pages_answer_and_concurrent_label_posts_lose_none(filtered_samp
     for name in ("runs", "warehouse"):
         fs.put(f"{filtered_sample / name}/", f"{s3_bucket}/filter/{name}/", recursive=True)
     fs.put(str(filtered_sample / "labels.jsonl"), f"{s3_bucket}/filter/labels.jsonl")
+    fs.pipe(f"{s3_bucket}/filter/runs/README.md", b"not a run")
+    fs.pipe(f"{s3_bucket}/filter/runs/2026-11-30/tasks.jsonl", b"")  # being written: no _SUCCESS yet
     app = Served(open_root(f"s3://{s3_bucket}/filter", s3_server.endpoint))
     try:
+        runs = json.loads(get(app, "/api/runs")[2])["runs"]
+        assert [(r["run_id"], r["state"]) for r in runs] == [
+            ("2026-11-30", "incomplete"),
+            ("2026-11-29", "committed"),
+            ("2026-11-28", "committed"),
+            ("2026-11-27", "legacy"),
+        ]
         status, _, body = get(app, "/api/runs/2026-11-29/tasks?fate=kept")
         assert status == 200 and json.loads(body)["total"] == 1
         assert get(app, "/runs/2026-11-29/tasks/2026-11-29-t004")[0] == 200

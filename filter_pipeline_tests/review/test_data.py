@@ -41,6 +41,7 @@ def _write(
 
 def write_run(root: Path, run_id: str, committed: bool = True, newer_columns: bool = False) -> None:
     (root / "runs" / run_id).mkdir(parents=True, exist_ok=True)
+    (root / "runs" / run_id / "_SUCCESS").touch()
     task = lambda t: {"task_id": t, "site": f"s-{t}", "macro": "m", "instruction": f"do {t}", "run_id": run_id}  # noqa: E731
     _write(root, "batch_tasks", run_id, [task(t) | {"dedup_key": f'["s","#x","{t}"]'} for t in TASKS])
     _write(root, "batch_attempts", run_id, [{"task_id": t, "attempt": 1, "ok": t != "ef", "run_id": run_id,
@@ -93,12 +94,43 @@ def test_an_execute_failures_reason_is_its_last_attempts_whatever_the_files_orde
     assert (tasks.loc["ef", "fate"], tasks.loc["ef", "reason"]) == ("execute_fail", "policy_violation")
 
 
+def test_a_task_without_any_attempt_is_an_execute_fail_that_says_so(tmp_path):
+    write_run(tmp_path, "r1")
+    tasks = [{"task_id": t, "site": "s", "macro": "m", "run_id": "r1"} for t in [*TASKS, "never-run"]]
+    _write(tmp_path, "batch_tasks", "r1", tasks)
+    fates = Warehouse(UPath(str(tmp_path))).run("r1").tasks.set_index("task_id")
+    assert (fates.loc["never-run", "fate"], fates.loc["never-run", "reason"]) == ("execute_fail", "no_attempt")
+    assert (fates.loc["ef", "fate"], fates.loc["ef", "reason"]) == ("execute_fail", "backend_fail")
+
+
+def test_a_run_whose_judging_has_not_finished_decides_nothing_yet(tmp_path):
+    write_run(tmp_path, "r1", committed=False)
+    for asset in ("judge_verdicts", "failure_pool"):  # (written when the judge step ends)
+        (tmp_path / "warehouse" / asset / "r1.parquet").unlink()
+    tasks = Warehouse(UPath(str(tmp_path))).run("r1").tasks
+    decided = tasks[tasks["fate"] != "reject"]
+    assert set(decided["fate"]) == {"pending"} and decided["reason"].isna().all() and len(decided) == len(TASKS)
+
+
 def test_run_summaries_give_state_funnel_rates_blocked_and_cost(warehouse):
     r1, r2 = sorted(warehouse.runs(), key=lambda r: r["run_id"])
     assert (r1["state"], r2["state"]) == ("unjudged", "pending")
     assert (r1["tasks"], r1["judged"], r1["passed"], r1["kept"], r1["reject"]) == (6, 4, 3, 1, 1)
     assert r1["judge_pass_rate"] == 0.75 and r1["keep_rate"] == 1 / 6 and r1["cost"] == 2.5
     assert r1["blocked"] == 1 and r2["blocked"] is None  # the newer column counted where the file has it
+
+
+def test_only_batch_folders_the_stage_accepts_are_runs_and_one_still_being_written_says_so(tmp_path):
+    write_run(tmp_path, "r1")
+    (tmp_path / "runs" / "README.md").write_text("what the harness writes here")
+    (tmp_path / "runs" / "bad name").mkdir()  # (refused by the sensor and `materialize`: never filtered)
+    (tmp_path / "runs" / "_SUCCESS" / "x").mkdir(parents=True)
+    (tmp_path / "runs" / "r2" / "traj").mkdir(parents=True)  # the harness is still writing r2
+    warehouse = Warehouse(UPath(str(tmp_path)))
+    assert warehouse.run_ids() == ["r1", "r2"]
+    assert [(r["run_id"], r["state"]) for r in warehouse.runs()] == [("r2", "incomplete"), ("r1", "unjudged")]
+    (tmp_path / "runs" / "r2" / "_SUCCESS").touch()
+    assert warehouse.runs()[0]["state"] == "pending"
 
 
 def test_a_page_is_filtered_and_sliced(warehouse):
