@@ -70,10 +70,20 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--model", default=None, help="the candidate's model (default: FILTER_JUDGE_MODEL)")
     c.add_argument("--base-url", default=None, help="the candidate's endpoint (default: FILTER_JUDGE_BASE_URL)")
     c.add_argument("--prompt-version", default=None, help="the candidate's prompt version (default: the current)")
-    c.add_argument("--votes", type=int, default=None, help="votes per task (default: FILTER_JUDGE_VOTES)")
+    c.add_argument("--votes", type=_at_least_one, default=None, help="votes per task (default: FILTER_JUDGE_VOTES)")
     review.add_parser(commands)
     explain.add_parser(commands)
     return parser
+
+
+def _at_least_one(text: str) -> int:
+    try:
+        number = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"{number}: at least 1")
+    return number
 
 
 def verify(args: argparse.Namespace) -> int:

@@ -130,18 +130,24 @@ class LLMJudgeConfig(dg.Config):
             raise ValueError(f"the llm judge needs {' and '.join(missing)}")
         _check_endpoint(self.base_url, self.api_key)
         if self.votes < 1:
-            raise ValueError(f"judge votes={self.votes}: at least 1")
+            raise ValueError(f"judge {self._named('votes')}: at least 1")
         if self.votes > 1 and self.temperature <= 0 and not self.reasoning_model:
             raise ValueError(
-                f"judge votes={self.votes} at temperature={self.temperature}: identical samples at temperature 0 "
+                f"judge {self._named('votes')} at {self._named('temperature')}: identical samples at temperature 0 "
                 "cannot disagree; set votes=1, or a temperature above 0 (e.g. 0.7) for a majority of samples"
             )
         if self.concurrency < 1:
-            raise ValueError(f"judge concurrency={self.concurrency}: at least 1")
+            raise ValueError(f"judge {self._named('concurrency')}: at least 1")
         if self.max_tokens < 0:
-            raise ValueError(f"judge max_tokens={self.max_tokens}: 0 (not sent) or more")
-        if not self.task_budget_seconds > 0 or not self.timeout_seconds > 0:
-            raise ValueError("judge task_budget_seconds and timeout_seconds must be above 0")
+            raise ValueError(f"judge {self._named('max_tokens')}: 0 (not sent) or more")
+        for name in ("task_budget_seconds", "timeout_seconds"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"judge {self._named(name)}: must be above 0")
+
+    def _named(self, field: str) -> str:
+        """A setting as an error names it: its field, value and the variable that sets it, if any."""
+        env = env_name(field)
+        return f"{field}={getattr(self, field)}" + (f" ({env})" if env else "")
 
     def identity(self) -> list:
         """What of the settings decides a verdict, for the cache key (with the prompt version and messages)."""

@@ -215,6 +215,33 @@ def test_a_bad_setting_in_the_environment_is_one_line(env, capsys, dagster_home,
     nothing_registered_or_written(dagster_home, data_root)
 
 
+@pytest.mark.parametrize(
+    "name, value, line",
+    [
+        ("FILTER_JUDGE_CONCURRENCY", "0", "judge concurrency=0 (FILTER_JUDGE_CONCURRENCY): at least 1"),
+        ("FILTER_JUDGE_VOTES", "0", "judge votes=0 (FILTER_JUDGE_VOTES): at least 1"),
+        ("FILTER_JUDGE_TIMEOUT", "0", "judge timeout_seconds=0.0 (FILTER_JUDGE_TIMEOUT): must be above 0"),
+        ("FILTER_JUDGE_MAX_TOKENS", "-1", "judge max_tokens=-1 (FILTER_JUDGE_MAX_TOKENS): 0 (not sent) or more"),
+    ],
+)
+def test_an_llm_judge_setting_out_of_range_is_one_line_naming_its_variable(
+    env, capsys, dagster_home, data_root, name, value, line
+):
+    env.setenv("FILTER_JUDGE_BASE_URL", "http://127.0.0.1:9/v1")
+    env.setenv("FILTER_JUDGE_MODEL", "m")
+    env.setenv(name, value)
+    assert refused(capsys, "--judge", "llm") == f"filter-pipeline: {line}"
+    nothing_registered_or_written(dagster_home, data_root)
+
+
+@pytest.mark.parametrize("value, why", [("0", "0: at least 1"), ("two", "'two' is not a whole number")])
+def test_calibrate_votes_below_one_is_refused_by_its_flag(env, capsys, value, why):
+    with pytest.raises(SystemExit) as exited:
+        main(["calibrate", "--votes", value])
+    assert exited.value.code == 2
+    assert f"argument --votes: {why}" in capsys.readouterr().err
+
+
 def test_the_llm_judge_without_its_endpoint_is_one_line_before_anything_is_registered(
     env, capsys, dagster_home, data_root
 ):

@@ -74,7 +74,10 @@ def test_usage_without_cached_tokens_counts_zero():
 
 
 def test_several_votes_at_temperature_0_are_refused_before_any_request():
-    with pytest.raises(ValueError, match="votes=3 at temperature=0.0: identical samples"):
+    with pytest.raises(
+        ValueError,
+        match=r"votes=3 \(FILTER_JUDGE_VOTES\) at temperature=0.0 \(FILTER_JUDGE_TEMPERATURE\): identical samples",
+    ):
         JudgeClient(LLMJudgeConfig(base_url="http://x", model="m", votes=3))
     assert JudgeClient(LLMJudgeConfig(base_url="http://x", model="m", votes=3, temperature=0.7)).config.votes == 3
 
