@@ -114,7 +114,7 @@ COLUMN_DESCRIPTIONS: dict[str, str] = {
     "predictor passes more than it should.",
     "agreement": "(tp + tn) / n: the share of labels the predictor agrees with.",
     # report
-    "section": "Part of the report: funnel, site, macro, surplus or cost.",
+    "section": "Part of the report: funnel, site, macro, surplus, cost or caps (the caps the walk used).",
     "key": "What the row is about within its section: a funnel step, a site, a macro, a dropped reason or a "
     "cost figure's name.",
     "metric": "The figure's name (e.g. count, keep_rate, a failure reason).",

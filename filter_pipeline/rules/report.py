@@ -12,6 +12,7 @@ import pandas as pd
 import pygal
 from pygal.style import Style
 
+from filter_pipeline.rules.filtering import Caps
 from filter_pipeline.rules.schemas import (
     DROPPED_REASONS,
     EVIDENCE_TRAJECTORY,
@@ -33,12 +34,23 @@ class Figures:
     surplus: pd.DataFrame  # dropped, count
     agreement_by_site: pd.DataFrame
     cost: dict
+    caps: pd.DataFrame  # macro (DEFAULT_CAPS: every other macro), site_cap, target: the caps the walk used
+    caps_source: str  # "deployment" or "run config"
+
+
+DEFAULT_CAPS = "(every other macro)"  # the caps table's row of the run's per_site_cap
 
 
 def figures(
-    attempts: pd.DataFrame, verdicts: pd.DataFrame, pool: pd.DataFrame, kept: pd.DataFrame, surplus: pd.DataFrame
+    attempts: pd.DataFrame,
+    verdicts: pd.DataFrame,
+    pool: pd.DataFrame,
+    kept: pd.DataFrame,
+    surplus: pd.DataFrame,
+    caps: Caps,
+    caps_source: str,
 ) -> Figures:
-    """Every figure of the report from one run's outputs."""
+    """Every figure of the report from one run's outputs, and the caps its walk used (from `caps_source`)."""
     is_judged = (verdicts["status"] == STATUS_JUDGED).to_numpy(dtype=bool)
     judged = verdicts.loc[is_judged, ["macro", "site"]]  # (only what the tables group by: no copy of every column)
     passed = int((verdicts["passed"][is_judged] == True).sum())  # noqa: E712
@@ -57,6 +69,21 @@ def figures(
         ),
         agreement_by_site=agreement(verdicts, "site"),
         cost=judge_cost(verdicts, passed, len(judged)),
+        caps=caps_table(caps),
+        caps_source=caps_source,
+    )
+
+
+def caps_table(caps: Caps) -> pd.DataFrame:
+    """The caps as a table: the per_site_cap first, then each macro with limits of its own."""
+    rows = [(DEFAULT_CAPS, caps.per_site_cap, None)]
+    rows += [(macro, caps.site_cap(macro), limits.target) for macro, limits in sorted(caps.macros.items())]
+    return pd.DataFrame(
+        {
+            "macro": [r[0] for r in rows],
+            "site_cap": pd.array([r[1] for r in rows], dtype="Int64"),
+            "target": pd.array([r[2] for r in rows], dtype="Int64"),
+        }
     )
 
 
@@ -209,6 +236,8 @@ def markdown(f: Figures, images: dict[str, bytes], run_id: str) -> str:
             _table_md(f.agreement_by_site),
             "### Judge and cost",
             cost,
+            f"### Caps ({f.caps_source})",
+            _table_md(f.caps),
         ]
     )
 
@@ -239,7 +268,8 @@ def html(f: Figures, images: dict[str, bytes], run_id: str) -> str:
         f"<h2>Per site</h2>{image('reasons_per_site')}{table(f.by_site)}"
         f"<h2>Per macro</h2>{table(f.by_macro)}<h2>Surplus</h2>{table(f.surplus)}"
         f"<h2>Judge agreement with the gate, per site</h2>{table(f.agreement_by_site)}"
-        f"<h2>Judge and cost</h2><ul>{cost}</ul></body></html>"
+        f"<h2>Judge and cost</h2><ul>{cost}</ul>"
+        f"<h2>Caps ({html_lib.escape(f.caps_source)})</h2>{table(f.caps)}</body></html>"
     )
 
 
@@ -255,5 +285,7 @@ def long_form(f: Figures) -> pd.DataFrame:
     parts.append(
         pd.DataFrame({"section": "cost", "key": list(f.cost), "metric": "value", "value": list(f.cost.values())})
     )
+    caps = f.caps.melt(id_vars=["macro"], var_name="metric", value_name="value").rename(columns={"macro": "key"})
+    parts.append(caps[caps["value"].notna()].assign(section="caps"))
     frame = pd.concat(parts, ignore_index=True)[["section", "key", "metric", "value"]]
     return frame.assign(key=frame["key"].astype(str), value=pd.to_numeric(frame["value"], errors="coerce"))

@@ -445,7 +445,9 @@ def _derived_frames(config, run_id, source, result, failure_pool, batch_attempts
     """The assets derived from the walk: ((frame, metadata) of dpo_pairs and filter_report, the report's
     standalone HTML page)."""
     pairs = dpo.dpo_pairs(result.kept, failure_pool, include_judge_failures=config.include_judge_failures)
-    figures = report.figures(batch_attempts, judge_verdicts, failure_pool, result.kept, result.surplus)
+    figures = report.figures(
+        batch_attempts, judge_verdicts, failure_pool, result.kept, result.surplus, config.to_caps(), source
+    )
     images = report.charts(figures)
     url = settings.review_run_url(run_id)
     frames = {

@@ -6,6 +6,7 @@ import pandas as pd
 from filter_pipeline.definitions import build_defs
 from filter_pipeline.judge.resource import JudgeResource
 from filter_pipeline.rules import report
+from filter_pipeline.rules.filtering import Caps, MacroLimits
 from filter_pipeline_tests.builders import attempt, chart_bars, task, write_batch
 
 
@@ -40,6 +41,26 @@ def test_report_figures_match_a_hand_count(data_root):
     assert page.startswith("<!doctype html>") and page.count("<img") == 2 and "Filter report: r1" in page
 
 
+def test_the_report_says_which_caps_the_walk_used_and_where_they_came_from(data_root):
+    write_batch(data_root, "r1", [task("a", macro="buy"), task("b", macro="buy")], [attempt("a"), attempt("b")])
+    caps = {"per_site_cap": 5, "caps": {"buy": {"site_cap": 1, "target": 9}, "search": {"target": 4}}}
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions("run_id", ["r1"])
+        job = build_defs(str(data_root), JudgeResource(), caps={}).resolve_job_def("filter_job")
+        run_config = {"ops": {"ledger": {"config": caps}}}
+        assert job.execute_in_process(instance=instance, partition_key="r1", run_config=run_config).success
+    frame = pd.read_parquet(data_root / "warehouse" / "filter_report" / "r1.parquet")
+    used = frame[frame["section"] == "caps"].set_index(["key", "metric"])["value"].to_dict()
+    assert used == {
+        (report.DEFAULT_CAPS, "site_cap"): 5, ("buy", "site_cap"): 1, ("buy", "target"): 9,
+        ("search", "site_cap"): 5, ("search", "target"): 4,
+    }  # fmt: skip
+    page = (data_root / "warehouse" / "filter_report_html" / "r1.html").read_text()
+    assert "<h2>Caps (run config)</h2>" in page and "<td>buy</td><td>1</td><td>9</td>" in page
+    assert (data_root / "warehouse" / "kept" / "r1.parquet").exists()
+    assert len(pd.read_parquet(data_root / "warehouse" / "kept" / "r1.parquet")) == 1  # (buy's site_cap of 1 held)
+
+
 def test_funnel_only_narrows(data_root):
     sample_run(data_root)
     frame = pd.read_parquet(data_root / "warehouse" / "filter_report" / "r1.parquet")
@@ -56,6 +77,7 @@ def test_charts_show_the_funnel_top_down_and_failure_reasons_of_the_busiest_site
         pool=pd.DataFrame({"site": ["s", "t", "t"], "macro": ["m"] * 3, "reason": ["unknown", "unknown", "script_error"]}),
         kept=pd.DataFrame({"site": ["s"], "macro": ["m"]}),
         surplus=pd.DataFrame({"dropped": pd.Series(["duplicate"], dtype=object)}),
+        caps=Caps(per_site_cap=3), caps_source="deployment",
     )  # fmt: skip
     images = report.charts(f, top_sites=1)
     assert set(images) == {"funnel", "reasons_per_site"}
@@ -78,9 +100,12 @@ def test_the_html_page_holds_every_table_cell_escaped_with_missing_values_blank(
         surplus=pd.DataFrame({"dropped": ["duplicate"], "count": [1]}),
         agreement_by_site=pd.DataFrame({"site": []}),
         cost={"calls": 0},
+        caps=report.caps_table(Caps(3, {"<i>m</i>": MacroLimits(target=2)})),
+        caps_source="run config",
     )
     page = report.html(f, {"funnel": b"", "reasons_per_site": b""}, "r1")
     assert "<td>&lt;b&gt;x&lt;/b&gt;</td><td>0.5</td>" in page
+    assert "<td>&lt;i&gt;m&lt;/i&gt;</td><td>3</td><td>2</td>" in page
     assert "<tr><td>y</td><td></td></tr>" in page
     assert "<th>site</th><th>keep_rate</th>" in page
 
@@ -92,7 +117,7 @@ def test_blocked_judge_failures_show_per_site_so_a_site_that_keeps_blocking_stan
                          "reason": ["judge_fail", "judge_fail", "judge_fail", "script_error"],
                          "blocked": pd.array([True, True, False, None], dtype="boolean")})  # fmt: skip
     empty = pd.DataFrame({"site": [], "macro": [], "dropped": []})
-    f = report.figures(pd.DataFrame({"ok": [True] * 3}), verdicts, pool, empty, empty)
+    f = report.figures(pd.DataFrame({"ok": [True] * 3}), verdicts, pool, empty, empty, Caps(3), "deployment")
     assert f.by_site.set_index("site")[["judge_fail", "blocked"]].to_dict("index") == {
         "s1": {"judge_fail": 2, "blocked": 2},
         "s2": {"judge_fail": 1, "blocked": 0},
