@@ -51,8 +51,23 @@ class BadRequest(ValueError):
     """A request the app cannot answer: one line, sent with a 400."""
 
 
+def task_href(run_id: str, task_id: str) -> str:
+    """A task page's address: the task_id in the path, or in the query for one a path cannot carry (`.` and `..`,
+    which browsers resolve away even escaped, and one with a line break, which no route matches)."""
+    base = f"/runs/{quote(run_id, safe='')}/tasks/"
+    if task_id in (".", "..") or "\n" in task_id:
+        return base + "?" + urlencode({"task_id": task_id})
+    return base + quote(task_id, safe="")
+
+
+def _task_id(request: Request) -> str:
+    """The task_id of a task address (`task_href`'s two forms)."""
+    return request.path_params["task_id"] or request.query_params.get("task_id", "")
+
+
 def templates() -> Environment:
     env = Environment(loader=FileSystemLoader(HERE / "templates"), autoescape=select_autoescape(default=True))
+    env.globals["task_href"] = task_href
     env.filters["q"] = lambda value: quote(str(value), safe="")
     env.filters["pct"] = lambda value: "–" if value is None else f"{value:.0%}"
     env.filters["money"] = lambda value: "–" if value is None else f"${value:,.4f}"
@@ -136,7 +151,7 @@ def run_page(request: Request) -> Response:
 
 def task_page(request: Request) -> Response:
     review = request.app.state.review
-    run_id, task_id = request.path_params["run_id"], request.path_params["task_id"]
+    run_id, task_id = request.path_params["run_id"], _task_id(request)
     found = story(review.warehouse, run_id, task_id, review.labels.frame())
     tasks = review.warehouse.run(run_id).tasks["task_id"]
     at = int(tasks.index[tasks == task_id][0])
@@ -186,9 +201,7 @@ def api_tasks(request: Request) -> Response:
 
 def api_task(request: Request) -> Response:
     review = request.app.state.review
-    found = story(
-        review.warehouse, request.path_params["run_id"], request.path_params["task_id"], review.labels.frame()
-    )
+    found = story(review.warehouse, request.path_params["run_id"], _task_id(request), review.labels.frame())
     return JSONResponse(found)
 
 

@@ -321,3 +321,39 @@ def test_the_review_link_is_set_only_with_its_url(monkeypatch):
     monkeypatch.setenv(REVIEW_URL_ENV, "https://review.example/team/")
     assert review_run_url("2026-11-28") == "https://review.example/team/runs/2026-11-28"
     assert review_run_url("a b/c") == "https://review.example/team/runs/a%20b%2Fc"
+
+
+@pytest.mark.parametrize("task_id", ["..", ".", "line\nbreak", "a/../b"])
+def test_a_task_opens_from_its_link_whatever_its_task_id(tmp_path, task_id):
+    import html
+    import re
+
+    import dagster as dg
+    from upath import UPath
+
+    from filter_pipeline.definitions import build_defs
+    from filter_pipeline.judge.resource import JudgeResource
+    from filter_pipeline_tests.builders import attempt, task, write_batch
+    from filter_pipeline_tests.review.conftest import Served
+
+    write_batch(
+        tmp_path, "r1", [task("first"), task(task_id), task("last")], [attempt(t) for t in ("first", task_id, "last")]
+    )
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions("run_id", ["r1"])
+        job = build_defs(str(tmp_path), JudgeResource(), caps={}).resolve_job_def("filter_job")
+        assert job.execute_in_process(instance=instance, partition_key="r1").success
+    app = Served(UPath(str(tmp_path)))
+    try:
+        pages = {"run": "/runs/r1", "previous": f"/runs/r1/tasks/{quote('last', safe='')}",
+                 "next": f"/runs/r1/tasks/{quote('first', safe='')}"}  # fmt: skip
+        for name, page in pages.items():
+            links = [html.unescape(h) for h in re.findall(r'href="([^"]*)"', get(app, page)[2])]
+            [link] = [h for h in links if "/tasks/" in h and "first" not in h and "last" not in h]
+            followed = urllib.parse.urljoin(app.url + page, link)  # (as a browser resolves it: dot segments too)
+            status, _, body = get(app, followed.removeprefix(app.url))
+            assert status == 200 and f"<h2>Task {html.escape(task_id)} " in body, (name, link)
+        status, _, body = get(app, "/api/runs/r1/tasks/?" + urllib.parse.urlencode({"task_id": task_id}))
+        assert status == 200 and json.loads(body)["task"]["task_id"] == task_id
+    finally:
+        app.stop()
