@@ -145,9 +145,10 @@ class LLMJudgeConfig(dg.Config):
                 raise ValueError(f"judge {self._named(name)}: must be above 0")
 
     def _named(self, field: str) -> str:
-        """A setting as an error names it: its field, value and the variable that sets it, if any."""
+        """A setting as an error names it: its field and value, and the variable it came from when that is set
+        (it may come from Dagster's config or a command's option instead)."""
         env = env_name(field)
-        return f"{field}={getattr(self, field)}" + (f" ({env})" if env else "")
+        return f"{field}={getattr(self, field)}" + (f" ({env})" if env in os.environ else "")
 
     def identity(self) -> list:
         """What of the settings decides a verdict, for the cache key (with the prompt version and messages)."""

@@ -135,7 +135,7 @@ class Warehouse:
     def run_ids(self) -> list[str]:
         """Every run the data root knows, in run_id order: batch folders with a name the stage accepts (not a
         file such as runs/README.md, nor a folder it refuses to filter), commit records and judged runs."""
-        found = {name for name, kind in _entries(self.root / "runs") if kind == "directory" and _plain(name)}
+        found = {name for name, is_dir in _entries(self.root / "runs") if is_dir and _plain(name)}
         for folder, suffix in (
             (self.warehouse / COMMITS_DIR, ".json"),
             (self.warehouse / "judge_verdicts", ".parquet"),
@@ -220,14 +220,20 @@ class Warehouse:
         return [self.light(run_id)[0] for run_id in reversed(self.run_ids())]
 
 
-def _entries(folder: UPath) -> list[tuple[str, str]]:
-    """(name, "directory" or "file") of each entry of `folder`, from one listing (no stat per entry on object
-    storage); none when the folder does not exist."""
+def _entries(folder: UPath) -> list[tuple[str, bool]]:
+    """(name, whether it is a folder) of each entry of `folder`, from one listing (no stat per entry on object
+    storage; on local disk a symlink is followed, as the stage follows it); none when the folder does not exist."""
     try:
         listed = folder.fs.ls(folder.path, detail=True)
     except (FileNotFoundError, NotADirectoryError):
         return []
-    return [(entry["name"].rstrip("/").rsplit("/", 1)[-1], entry["type"]) for entry in listed]
+    return [
+        (
+            entry["name"].rstrip("/").rsplit("/", 1)[-1],
+            entry["type"] == "directory" or bool(entry.get("islink")) and folder.fs.isdir(entry["name"]),
+        )
+        for entry in listed
+    ]
 
 
 def _plain(name: str) -> bool:

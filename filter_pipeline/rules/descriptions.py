@@ -115,8 +115,8 @@ COLUMN_DESCRIPTIONS: dict[str, str] = {
     "agreement": "(tp + tn) / n: the share of labels the predictor agrees with.",
     # report
     "section": "Part of the report: funnel, site, macro, surplus, cost or caps (the caps the walk used).",
-    "key": "What the row is about within its section: a funnel step, a site, a macro, a dropped reason or a "
-    "cost figure's name.",
+    "key": "What the row is about within its section: a funnel step, a site, a macro, a dropped reason, a "
+    "cost figure's name, or for caps a macro with limits of its own or (every other macro).",
     "metric": "The figure's name (e.g. count, keep_rate, a failure reason).",
     "value": "The figure's value.",
     # DPO pairs

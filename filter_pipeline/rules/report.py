@@ -199,11 +199,12 @@ def charts(f: Figures, top_sites: int = 15) -> dict[str, bytes]:
 
 
 def _table_md(frame: pd.DataFrame) -> str:
-    header = "| " + " | ".join(frame.columns) + " |"
+    def cell(value) -> str:
+        return "" if pd.isna(value) else str(value).replace("|", "\\|")  # (a bare | would end the cell)
+
+    header = "| " + " | ".join(map(cell, frame.columns)) + " |"
     rule = "|" + "---|" * len(frame.columns)
-    body = [
-        "| " + " | ".join("" if pd.isna(v) else str(v) for v in row) + " |" for row in frame.itertuples(index=False)
-    ]
+    body = ["| " + " | ".join(map(cell, row)) + " |" for row in frame.itertuples(index=False)]
     return "\n".join([header, rule, *body])
 
 

@@ -123,7 +123,9 @@ def read_folder(folder: UPath, columns: list[str], filters=None) -> pd.DataFrame
         tables.append(table.filter(expression).select(columns) if expression is not None else table)
     if not tables:
         return pd.DataFrame({name: pd.Series(dtype=object) for name in columns})
-    return to_pandas(pa.concat_tables(tables, promote_options="default"))
+    frame = to_pandas(pa.concat_tables(tables, promote_options="default"))
+    frame.attrs.clear()  # (the first file's, kept by the concatenation: say nothing of the others)
+    return frame
 
 
 class ParquetWarehouseIOManager(dg.UPathIOManager):

@@ -2,6 +2,7 @@
 that need the file system (trajectory dirs behind symlinks, the record count of executions.jsonl), and which
 input bytes a run's verdicts were made from."""
 
+import json
 import logging
 import os
 import time
@@ -112,18 +113,34 @@ def inputs_to_commit(warehouse: UPath, run_dir: UPath, run_id: str, verdicts: pd
     """The input fingerprints the run's commit records, and the input files changed since. Those are the
     fingerprints of the bytes `verdicts` (the run's, as the walk loaded them) were made from, so that a batch
     rewritten after it was judged is reported as changed once committed (`complete_batches`, `verify`). For
-    verdicts judged before they carried fingerprints: those of its standing commit, if any (a re-walk of a
-    changed batch stays reported as changed), else the files as they are now."""
-    judged = _judged_inputs(verdicts) or _committed_inputs(warehouse, run_id)
+    verdicts judged before they carried fingerprints: those an earlier version recorded beside them, else those
+    of its standing commit, if any (a re-walk of a changed batch stays reported as changed), else the files as
+    they are now."""
+    judged = (
+        _judged_inputs(verdicts) or _legacy_judged_inputs(warehouse, run_id) or _committed_inputs(warehouse, run_id)
+    )
     if judged is None:
         return input_fingerprints(run_dir), []
     return judged, inputs_changed(run_dir, judged)
 
 
 def _judged_inputs(verdicts: pd.DataFrame) -> dict | None:
-    recorded = verdicts.attrs.get(JUDGED_INPUTS)
+    return _fingerprints_or_none(verdicts.attrs.get(JUDGED_INPUTS))
+
+
+def _fingerprints_or_none(recorded) -> dict | None:
     readable = isinstance(recorded, dict) and recorded and all(isinstance(v, dict) for v in recorded.values())
     return recorded if readable else None
+
+
+def _legacy_judged_inputs(warehouse: UPath, run_id: str) -> dict | None:
+    """The record an earlier version wrote beside the verdicts it judged (warehouse/_judged_inputs/<run_id>.json,
+    read only): the fingerprints of verdicts judged before the verdicts file carried them."""
+    try:
+        recorded = json.loads((warehouse / "_judged_inputs" / f"{run_id}.json").read_bytes())
+    except (FileNotFoundError, ValueError):
+        return None
+    return _fingerprints_or_none(recorded)
 
 
 def _committed_inputs(warehouse: UPath, run_id: str) -> dict | None:

@@ -73,11 +73,13 @@ def test_usage_without_cached_tokens_counts_zero():
     assert (v.prompt_tokens, v.completion_tokens, v.cached_tokens) == (100, 10, 0)
 
 
-def test_several_votes_at_temperature_0_are_refused_before_any_request():
-    with pytest.raises(
-        ValueError,
-        match=r"votes=3 \(FILTER_JUDGE_VOTES\) at temperature=0.0 \(FILTER_JUDGE_TEMPERATURE\): identical samples",
-    ):
+def test_several_votes_at_temperature_0_are_refused_before_any_request(monkeypatch):
+    for name in ("FILTER_JUDGE_VOTES", "FILTER_JUDGE_TEMPERATURE"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ValueError, match="^judge votes=3 at temperature=0.0: identical samples"):
+        JudgeClient(LLMJudgeConfig(base_url="http://x", model="m", votes=3))
+    monkeypatch.setenv("FILTER_JUDGE_VOTES", "3")  # (where the value came from, when it came from there)
+    with pytest.raises(ValueError, match=r"^judge votes=3 \(FILTER_JUDGE_VOTES\) at temperature=0.0: identical"):
         JudgeClient(LLMJudgeConfig(base_url="http://x", model="m", votes=3))
     assert JudgeClient(LLMJudgeConfig(base_url="http://x", model="m", votes=3, temperature=0.7)).config.votes == 3
 

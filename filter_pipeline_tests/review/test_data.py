@@ -133,6 +133,16 @@ def test_only_batch_folders_the_stage_accepts_are_runs_and_one_still_being_writt
     assert warehouse.runs()[0]["state"] == "pending"
 
 
+def test_a_batch_folder_behind_a_symlink_is_a_run_as_the_stage_takes_it(tmp_path):
+    (tmp_path / "elsewhere" / "r1").mkdir(parents=True)  # a batch not judged yet: known by its folder only
+    (tmp_path / "elsewhere" / "r1" / "_SUCCESS").touch()
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "r1").symlink_to(tmp_path / "elsewhere" / "r1")
+    (tmp_path / "runs" / "r2").symlink_to(tmp_path / "nowhere")  # (dangling: no folder, no run)
+    warehouse = Warehouse(UPath(str(tmp_path)))
+    assert warehouse.run_ids() == ["r1"] and warehouse.runs()[0]["state"] == "pending"
+
+
 def test_a_page_is_filtered_and_sliced(warehouse):
     tasks = warehouse.run("r1").tasks
     assert page(tasks, {"fate": "surplus"}, 0, 10)[0] == 2

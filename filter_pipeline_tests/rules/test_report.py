@@ -100,10 +100,12 @@ def test_the_html_page_holds_every_table_cell_escaped_with_missing_values_blank(
         surplus=pd.DataFrame({"dropped": ["duplicate"], "count": [1]}),
         agreement_by_site=pd.DataFrame({"site": []}),
         cost={"calls": 0},
-        caps=report.caps_table(Caps(3, {"<i>m</i>": MacroLimits(target=2)})),
+        caps=report.caps_table(Caps(3, {"<i>m</i>": MacroLimits(target=2), "a|b": MacroLimits(site_cap=1)})),
         caps_source="run config",
     )
     page = report.html(f, {"funnel": b"", "reasons_per_site": b""}, "r1")
+    markdown = report.markdown(f, {"funnel": b"", "reasons_per_site": b""}, "r1")
+    assert "| <i>m</i> | 3 | 2 |" in markdown and "| a\\|b | 1 |  |" in markdown  # (a | inside a cell escaped)
     assert "<td>&lt;b&gt;x&lt;/b&gt;</td><td>0.5</td>" in page
     assert "<td>&lt;i&gt;m&lt;/i&gt;</td><td>3</td><td>2</td>" in page
     assert "<tr><td>y</td><td></td></tr>" in page

@@ -248,6 +248,24 @@ def without_judged_inputs(path):
     pq.write_table(table.replace_schema_metadata({b"pandas": json.dumps(pandas_metadata)}), path)
 
 
+def test_verdicts_judged_by_the_earlier_version_are_walked_with_the_fingerprints_it_recorded(instance, data_root):
+    same_keys_batches(data_root, "r1")
+    instance.add_dynamic_partitions("run_id", ["r1"])
+    defs = build_defs(str(data_root), JudgeResource(), caps={})
+    assert defs.resolve_job_def("judge_job").execute_in_process(instance=instance, partition_key="r1").success
+    verdicts_file = data_root / "warehouse" / "judge_verdicts" / "r1.parquet"
+    judged = pd.read_parquet(verdicts_file).attrs["judged_inputs"]
+    without_judged_inputs(verdicts_file)  # as the earlier version wrote them, with its record beside them
+    (data_root / "warehouse" / "_judged_inputs").mkdir()
+    (data_root / "warehouse" / "_judged_inputs" / "r1.json").write_text(json.dumps(judged))
+    with open(data_root / "runs" / "r1" / "tasks.jsonl", "a") as f:  # rewritten before its first walk
+        f.write(json.dumps(task("late")) + "\n")
+    assert defs.resolve_job_def("ledger_job").execute_in_process(instance=instance, partition_key="r1").success
+    assert read_commits(UPath(data_root) / "warehouse")["r1"].inputs == judged
+    data = DataRoot(path=str(data_root))
+    assert [(b.filtered, b.changed) for b in complete_batches(data.runs, data.warehouse)] == [(True, True)]
+
+
 def test_a_rewalk_of_a_changed_batch_judged_without_fingerprints_keeps_it_reported_changed(instance, data_root):
     same_keys_batches(data_root, "r1")
     assert materialize(instance, data_root, "r1").success

@@ -86,6 +86,16 @@ def test_read_folder_gives_every_partition_file_with_the_rows_the_filters_keep(t
     assert warehouse.read_folder(folder, ["dir"])["dir"].tolist() == ["d1", "d2", "d3"]
 
 
+def test_a_folder_read_as_one_frame_carries_no_one_files_attributes(tmp_path):
+    folder = UPath(tmp_path) / "warehouse" / "judge_verdicts"
+    for run_id in ("r1", "r2"):
+        verdicts = pd.DataFrame({"task_id": [f"{run_id}-a"], "run_id": run_id})
+        verdicts.attrs["judged_inputs"] = {"tasks.jsonl": {"size": len(run_id)}}  # (each file's own)
+        write_parquet(to_arrow(verdicts, "judge_verdicts"), folder / f"{run_id}.parquet")
+    assert read_parquet(folder / "r2.parquet").attrs["judged_inputs"] == {"tasks.jsonl": {"size": 2}}
+    assert warehouse.read_folder(folder, ["task_id"]).attrs == {}
+
+
 def test_local_write_is_atomic_and_cleans_temp_files_of_a_killed_write(tmp_path, monkeypatch):
     target = UPath(tmp_path) / "kept" / "r1.parquet"
     write_parquet(to_arrow(empty_frame("kept"), "kept"), target)
