@@ -19,7 +19,7 @@ import pandas as pd
 import pytest
 
 from filter_pipeline.shell.jobs import FIRST_WALK_TAG, RANGE_END_TAG, RANGE_START_TAG
-from filter_pipeline.shell.ledger import DEFERRED_TAG
+from filter_pipeline.shell.waiting import DEFERRED_TAG
 from filter_pipeline_tests.builders import attempt, task, write_batch
 from filter_pipeline_tests.conftest import CLI, REPO, assert_verified
 from filter_pipeline_tests.dagster_dev import dagster_dev

@@ -31,7 +31,6 @@ from filter_pipeline.shell.jobs import (
     across_runs_job,
     filter_job,
 )
-from filter_pipeline.shell.ledger import ORDER_MAX_WAIT_TAG
 from filter_pipeline.shell.sensors import (
     CALIBRATION,
     changed_warning,
@@ -41,6 +40,7 @@ from filter_pipeline.shell.sensors import (
     rejudge_tags,
     rejudging_due,
 )
+from filter_pipeline.shell.waiting import ORDER_MAX_WAIT_TAG
 from filter_pipeline.shell.warehouse import DATA_ENV, DataRoot, read_parquet
 from filter_pipeline.storage import failures
 from filter_pipeline.storage.history import load_retired, read_commits

@@ -24,7 +24,7 @@ from filter_pipeline.rules.schemas import (
     STATUS_JUDGED,
     type_name,
 )
-from filter_pipeline.shell.config import caps_source, deployment_caps_config, run_caps_problem
+from filter_pipeline.shell.config import caps_source, deployment_caps_config, refuse_invalid_run_caps
 from filter_pipeline.shell.warehouse import DataRoot, read_folder, read_parquet, write_parquet
 from filter_pipeline.storage import failures
 from filter_pipeline.storage.audit import audit
@@ -54,15 +54,6 @@ def count_by(values: pd.Series, names: Iterable[str], prefix: str) -> dict:
 
 
 # --- the execution batch ----------------------------------------------------------------------------
-
-
-def refuse_invalid_run_caps(context: dg.AssetExecutionContext) -> None:
-    """Fail the step at once, with one line, when the run's config carries invalid caps (a negative cap from
-    the launchpad): Dagster checks only their types at launch, and the ledger would see them only after the
-    batch was parsed and judged."""
-    problem = run_caps_problem(context.run.run_config or {})
-    if problem is not None:
-        raise dg.Failure(description=f"{problem}; nothing was written or judged")
 
 
 JUDGE_PROGRESS_FOLDER = "_judge_progress"  # warehouse/_judge_progress/<run_id>/: verdicts saved as they arrive
@@ -272,7 +263,8 @@ def build_coverage(deployment_caps: dict) -> dg.AssetsDefinition:
         "materialization). Refreshed by the batch sensor whenever the set of kept files changes.",
         metadata=column_schema("coverage"),
     )
-    def coverage(config: caps_config, data: DataRoot):
+    def coverage(context: dg.AssetExecutionContext, config: caps_config, data: DataRoot):
+        refuse_invalid_run_caps(context)
         counts, runs = kept_counts(data.root, load_retired(data.root))
         table = coverage_table(counts, config.to_caps())
         sites = table[table["level"] == "site"]

@@ -11,7 +11,7 @@ from typing import Any
 
 import dagster as dg
 import yaml
-from pydantic import Field, ValidationError, create_model, field_validator
+from pydantic import Field, ValidationError, create_model
 
 from filter_pipeline.rules.filtering import Caps, MacroLimits
 from filter_pipeline.rules.schemas import DEFAULT_PER_SITE_CAP
@@ -42,14 +42,13 @@ class MacroCapsConfig(dg.Config):
         description="Most kept rows for this macro over all sites, history included (default: none).",
     )
 
-    @field_validator("site_cap", "target")
-    @classmethod
-    def _non_negative(cls, value: int | None) -> int | None:
-        return _non_negative(value)
-
 
 class CapsConfig(dg.Config):
-    """Caps applied by the ledger walk. Counts include every earlier run's non-retired kept rows."""
+    """Caps applied by the ledger walk. Counts include every earlier run's non-retired kept rows.
+
+    Their ranges are checked by `parse_caps` (a step checks its run's config with it as it starts), not by
+    validators here: Dagster builds this config before the step runs, where a validator's error would reach
+    the user as pydantic's traceback instead of one line."""
 
     per_site_cap: int = Field(
         default=DEFAULT_PER_SITE_CAP,
@@ -59,11 +58,6 @@ class CapsConfig(dg.Config):
     caps: dict[str, MacroCapsConfig] = Field(
         default={}, description="Per-macro limits: {macro: {site_cap, target}}; either may be left out."
     )
-
-    @field_validator("per_site_cap")
-    @classmethod
-    def _non_negative(cls, value: int) -> int:
-        return _non_negative(value)
 
     def to_caps(self) -> Caps:
         return Caps(
@@ -96,12 +90,20 @@ def parse_caps(raw: Any, where: str) -> dict:
         if extra:
             raise ValueError(f"{where}: caps.{macro} has unknown key(s) {', '.join(sorted(map(str, extra)))}")
     try:
-        CapsConfig(**raw)
+        parsed = CapsConfig(**raw)
     except ValidationError as exc:
         first = exc.errors()[0]
         field = ".".join(str(p) for p in first["loc"])
-        got = f" (got {_shown(first['input'])})" if first["type"] != "value_error" else ""
-        raise ValueError(f"{where}: {field}: {first['msg'].removeprefix('Value error, ')}{got}") from None
+        raise ValueError(f"{where}: {field}: {first['msg']} (got {_shown(first['input'])})") from None
+    limits = [("per_site_cap", parsed.per_site_cap)]
+    limits += [
+        (f"caps.{m}.{name}", getattr(c, name)) for m, c in parsed.caps.items() for name in ("site_cap", "target")
+    ]
+    for field, value in limits:
+        try:
+            _non_negative(value)
+        except ValueError as exc:
+            raise ValueError(f"{where}: {field}: {exc}") from None
     return raw
 
 
@@ -237,3 +239,12 @@ def run_caps_problem(run_config: dict, ops: tuple[str, ...] = ("ledger", "covera
         except ValueError as exc:
             return str(exc)
     return None
+
+
+def refuse_invalid_run_caps(context: dg.AssetExecutionContext) -> None:
+    """Fail the step at once, with one line, when the run's config carries invalid caps (a negative cap from
+    the launchpad): Dagster checks only their types at launch. Called first by every step that takes caps or
+    runs before one that does, so nothing is parsed, judged or written with them."""
+    problem = run_caps_problem(context.run.run_config or {})
+    if problem is not None:
+        raise dg.Failure(description=f"{problem}; nothing was written or judged")

@@ -11,7 +11,6 @@ committed meanwhile is reported as already filtered, not walked again.
 (No `from __future__ import annotations` here: Dagster reads the `context` annotation at runtime.)
 """
 
-import math
 import time
 from typing import Any
 
@@ -23,11 +22,18 @@ from filter_pipeline.rules import checks, commits, dpo, filtering, order, report
 from filter_pipeline.rules.commits import CommitRecord, parse_commit
 from filter_pipeline.rules.schemas import DROPPED_REASONS, STATUS_ERROR
 from filter_pipeline.shell.assets import blocking_check, check_result, column_schema, count_by, run_id_partitions
-from filter_pipeline.shell.config import CapsConfig, LedgerConfig, caps_source, deployment_caps_config
-from filter_pipeline.shell.jobs import FIRST_WALK_TAG, PARTITION_TAG, PRIORITY_TAG
+from filter_pipeline.shell.config import (
+    CapsConfig,
+    LedgerConfig,
+    caps_source,
+    deployment_caps_config,
+    refuse_invalid_run_caps,
+)
+from filter_pipeline.shell.jobs import FIRST_WALK_TAG, PRIORITY_TAG
+from filter_pipeline.shell.waiting import DEFERRED_TAG, Deferred, retry_later, wait_for_lower_runs
 from filter_pipeline.shell.warehouse import DataRoot, encode
 from filter_pipeline.storage import failures
-from filter_pipeline.storage.history import build_prior_index, load_retired, read_commits
+from filter_pipeline.storage.history import build_prior_index, load_retired
 from filter_pipeline.storage.lease import Lease, LedgerBusy, StoreIgnoresConditions, ledger_lease
 from filter_pipeline.storage.publish import (
     CommitState,
@@ -38,23 +44,13 @@ from filter_pipeline.storage.publish import (
     complete_published,
     pause_point,
 )
-from filter_pipeline.storage.runs import changed_since_judged, complete_batches, inputs_to_commit
-
-# run tag: the most seconds this run's ledger step waits for lower runs (the CLI sets 0: it orders its own runs)
-ORDER_MAX_WAIT_TAG = "filter_pipeline/order_max_wait_seconds"
+from filter_pipeline.storage.runs import changed_since_judged, inputs_to_commit
 
 _WALK_INPUTS = [dg.AssetKey("judge_verdicts"), dg.AssetKey("prior_dedup_index"), dg.AssetKey("prior_kept_counts")]
 
 
 # the walk's checks on `kept` (functions of rules/checks.py of the same names)
 KEPT_CHECKS = ("verdicts_conserved", "no_key_kept_twice", "caps_respected")
-# run tag: why this run's ledger step deferred its walk to the batch sensor (shown on the run in the UI)
-DEFERRED_TAG = "filter_pipeline/deferred"
-
-
-class Deferred(Exception):
-    """The step leaves its walk to the batch sensor (the runs it waits for are stuck in the run queue behind
-    it); str(): why, in one line."""
 
 
 def _spec(name: str, description: str, deps: list, group: str = "ledger") -> dg.AssetSpec:
@@ -142,13 +138,14 @@ def build_ledger(deployment_caps: dict) -> dg.AssetsDefinition:
             frames if isinstance(frames, dict) else {run_ids[0]: frames}
             for frames in (judge_verdicts, failure_pool, batch_attempts)
         ]
+        refuse_invalid_run_caps(context)  # (Dagster checked only their types)
         source = caps_source(config, deployment_caps)
         if source != "deployment":
             context.log.info(f"caps from the run config, not the deployment's: {config.model_dump()}")
         try:
             yield from _walk_under_lease(context, config, data, run_ids, inputs, source)
         except LedgerBusy as exc:
-            _retry_later(context, f"another walker holds the data root's lease ({exc})", honour_tag=False)
+            retry_later(context, f"another walker holds the data root's lease ({exc})", honour_tag=False)
         except Deferred as exc:
             yield from _deferred(context, str(exc))
         except (PublishRefused, PublishIncomplete, StoreIgnoresConditions) as exc:
@@ -182,49 +179,6 @@ def _walk_under_lease(context, config, data: DataRoot, run_ids: list[str], input
         yield from walk
 
 
-# --- the order ----------------------------------------------------------------------------------------
-
-
-def _order_settings(context: dg.AssetExecutionContext, honour_tag: bool = True) -> tuple[int, int, str]:
-    """(seconds between tries, most seconds to wait, what set that wait) for this run (its run tag may lower
-    the wait for lower runs; a wait for the lease is not lowered: the other walker will be done soon)."""
-    interval = max(1, settings.int_setting(settings.ORDER_RETRY_SECONDS_ENV))
-    max_wait, source = settings.int_setting(settings.ORDER_MAX_WAIT_SECONDS_ENV), settings.ORDER_MAX_WAIT_SECONDS_ENV
-    tagged = context.run.tags.get(ORDER_MAX_WAIT_TAG)
-    if honour_tag and tagged is not None and tagged.isdigit() and int(tagged) < max_wait:
-        max_wait, source = int(tagged), f"this run's tag {ORDER_MAX_WAIT_TAG}"
-    return interval, max_wait, source
-
-
-def _retry_later(context: dg.AssetExecutionContext, why: str, honour_tag: bool = True) -> None:
-    """Ask Dagster to run this step again in a while, or fail it with `why` once the wait is used up."""
-    interval, max_wait, source = _order_settings(context, honour_tag)
-    tries = math.ceil(max_wait / interval)
-    if context.retry_number >= tries:
-        waited = f"after waiting {max_wait} s" if max_wait else "without waiting"
-        raise dg.Failure(description=f"{why}; gave up {waited} ({source})")
-    context.log.info(f"{why}; trying again in {interval} s (try {context.retry_number + 1} of {tries})")
-    raise dg.RetryRequested(max_retries=tries, seconds_to_wait=interval)
-
-
-def wait_for_lower_runs(context: dg.AssetExecutionContext, data: DataRoot, run_ids: list[str]) -> None:
-    """Return when every run in `run_ids` may be walked now, in that order; else retry the step later, or
-    raise Deferred at once when a run it waits for is stuck in the run queue (`_stuck_in_queue`)."""
-    batches = complete_batches(data.runs, data.warehouse, log=None)
-    committed = set(read_commits(data.warehouse)) | {b.run_id for b in batches if b.filtered}
-    failed = failures.read_failures(data.warehouse)
-    retired = load_retired(data.root).runs
-    complete = [b.run_id for b in batches]
-    for position, run_id in enumerate(run_ids):
-        blockers = order.blocking_runs(run_id, complete, committed, failed, retired, walked_before=run_ids[:position])
-        if blockers:
-            why = order.describe_wait(run_id, blockers)
-            stuck = _stuck_in_queue(context.instance, blockers)
-            if stuck:
-                raise Deferred(order.describe_stuck(why, run_id, stuck))
-            _retry_later(context, why)
-
-
 def _deferred(context: dg.AssetExecutionContext, why: str):
     """A walk left to the batch sensor: the run succeeds without materializing; the reason is on the run's tag
     `filter_pipeline/deferred`, in its log and on each check (a warning: not walked here)."""
@@ -234,25 +188,6 @@ def _deferred(context: dg.AssetExecutionContext, why: str):
         yield dg.AssetCheckResult(
             check_name=check, asset_key="kept", passed=False, severity=dg.AssetCheckSeverity.WARN, description=why
         )
-
-
-def _stuck_in_queue(instance: dg.DagsterInstance, blockers: list[str]) -> dict[str, float]:
-    """Blockers with a run queued for ORDER_QUEUED_SECONDS or more (`order.stuck_in_queue`)."""
-    limit = settings.int_setting(settings.ORDER_QUEUED_SECONDS_ENV)
-    records = instance.get_run_records(dg.RunsFilter(statuses=[dg.DagsterRunStatus.QUEUED]))
-    queued = [
-        (run_id, r.create_timestamp.timestamp())
-        for r in records
-        for run_id in walks_of(r.dagster_run.tags)
-        if run_id in blockers
-    ]
-    return order.stuck_in_queue(queued, time.time(), limit)
-
-
-def walks_of(tags: dict[str, str]) -> list[str]:
-    """The run_ids a run is for: its partition, or those a sensor's ledger run over several walks (it has no
-    partition tag, its range being in registration order)."""
-    return [tags[PARTITION_TAG]] if PARTITION_TAG in tags else tags.get(FIRST_WALK_TAG, "").split()
 
 
 # --- the walk -----------------------------------------------------------------------------------------

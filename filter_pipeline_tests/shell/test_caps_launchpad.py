@@ -73,6 +73,27 @@ def test_a_negative_cap_in_the_run_config_is_refused_before_any_step_writes_or_j
     assert not (data_root / "warehouse").exists()
 
 
+@pytest.mark.parametrize("job, op", [("ledger_job", "ledger"), ("across_runs_job", "coverage")])
+def test_a_negative_cap_given_to_a_job_whose_first_step_takes_caps_is_one_line_not_a_traceback(
+    instance, data_root, job, op
+):
+    write_batch(data_root, "r1", [task("a")], [attempt("a")])
+    instance.add_dynamic_partitions("run_id", ["r1"])
+    defs = build_defs(str(data_root), JudgeResource(), caps={})
+    assert defs.resolve_job_def("judge_job").execute_in_process(instance=instance, partition_key="r1").success
+    result = defs.resolve_job_def(job).execute_in_process(
+        instance=instance,
+        partition_key="r1" if job == "ledger_job" else None,
+        run_config={"ops": {op: {"config": {"caps": {"m": {"site_cap": -5}}}}}},
+        raise_on_error=False,
+    )
+    failures = [e for e in result.all_events if e.event_type == dg.DagsterEventType.STEP_FAILURE]
+    assert [(e.step_key, e.step_failure_data.error.cls_name) for e in failures] == [(op, "Failure")]
+    [line] = failures[0].step_failure_data.error.message.strip().splitlines()
+    assert line.endswith(f": run config ops.{op}.config: caps.m.site_cap: must be 0 or more, got -5; nothing was "
+                         "written or judged")  # fmt: skip
+
+
 def test_a_mistyped_cap_is_refused_at_launch(instance, data_root):
     defs = build_defs(str(data_root), JudgeResource(), caps={})
     with pytest.raises(dg.DagsterInvalidConfigError):

@@ -16,7 +16,7 @@ from filter_pipeline.definitions import build_defs
 from filter_pipeline.judge.resource import JudgeResource
 from filter_pipeline.settings import ORDER_MAX_WAIT_SECONDS_ENV, ORDER_RETRY_SECONDS_ENV
 from filter_pipeline.shell.jobs import PARTITION_TAG, RANGE_END_TAG, RANGE_START_TAG
-from filter_pipeline.shell.ledger import ORDER_MAX_WAIT_TAG
+from filter_pipeline.shell.waiting import ORDER_MAX_WAIT_TAG
 from filter_pipeline.storage.failures import read_failures
 from filter_pipeline_tests.builders import attempt, task, write_batch
 
@@ -283,7 +283,7 @@ def test_a_ranged_ledger_step_stops_at_a_run_its_checks_left_uncommitted(instanc
 
 def test_a_run_queued_for_several_walks_counts_as_queued_for_each_when_a_step_decides_to_defer():
     from filter_pipeline.shell.jobs import FIRST_WALK_TAG
-    from filter_pipeline.shell.ledger import walks_of
+    from filter_pipeline.shell.waiting import walks_of
 
     # the sensor's ledger run over several batches has no partition tag: its range is in registration order
     assert walks_of({FIRST_WALK_TAG: "b0 b1", RANGE_START_TAG: "b1", RANGE_END_TAG: "b0"}) == ["b0", "b1"]

@@ -1,0 +1,86 @@
+"""The ledger step's wait for lower runs, as Dagster runs it: a run's first walk waits until every lower complete
+batch is walked, retired or recorded as failed (CONTRACT §4). The step asks Dagster to retry it later while it
+waits, and leaves its walk to the batch sensor (`Deferred`) when a run it waits for is stuck in the run queue
+behind it. The order itself is the pure rule of `rules/order.py`."""
+
+import math
+import time
+
+import dagster as dg
+
+from filter_pipeline import settings
+from filter_pipeline.rules import order
+from filter_pipeline.shell.jobs import FIRST_WALK_TAG, PARTITION_TAG
+from filter_pipeline.shell.warehouse import DataRoot
+from filter_pipeline.storage import failures
+from filter_pipeline.storage.history import load_retired, read_commits
+from filter_pipeline.storage.runs import complete_batches
+
+# run tag: the most seconds this run's ledger step waits for lower runs (the CLI sets 0: it orders its own runs)
+ORDER_MAX_WAIT_TAG = "filter_pipeline/order_max_wait_seconds"
+# run tag: why this run's ledger step deferred its walk to the batch sensor (shown on the run in the UI)
+DEFERRED_TAG = "filter_pipeline/deferred"
+
+
+class Deferred(Exception):
+    """The step leaves its walk to the batch sensor (the runs it waits for are stuck in the run queue behind
+    it); str(): why, in one line."""
+
+
+def _order_settings(context: dg.AssetExecutionContext, honour_tag: bool = True) -> tuple[int, int, str]:
+    """(seconds between tries, most seconds to wait, what set that wait) for this run (its run tag may lower
+    the wait for lower runs; a wait for the lease is not lowered: the other walker will be done soon)."""
+    interval = max(1, settings.int_setting(settings.ORDER_RETRY_SECONDS_ENV))
+    max_wait, source = settings.int_setting(settings.ORDER_MAX_WAIT_SECONDS_ENV), settings.ORDER_MAX_WAIT_SECONDS_ENV
+    tagged = context.run.tags.get(ORDER_MAX_WAIT_TAG)
+    if honour_tag and tagged is not None and tagged.isdigit() and int(tagged) < max_wait:
+        max_wait, source = int(tagged), f"this run's tag {ORDER_MAX_WAIT_TAG}"
+    return interval, max_wait, source
+
+
+def retry_later(context: dg.AssetExecutionContext, why: str, honour_tag: bool = True) -> None:
+    """Ask Dagster to run this step again in a while, or fail it with `why` once the wait is used up."""
+    interval, max_wait, source = _order_settings(context, honour_tag)
+    tries = math.ceil(max_wait / interval)
+    if context.retry_number >= tries:
+        waited = f"after waiting {max_wait} s" if max_wait else "without waiting"
+        raise dg.Failure(description=f"{why}; gave up {waited} ({source})")
+    context.log.info(f"{why}; trying again in {interval} s (try {context.retry_number + 1} of {tries})")
+    raise dg.RetryRequested(max_retries=tries, seconds_to_wait=interval)
+
+
+def wait_for_lower_runs(context: dg.AssetExecutionContext, data: DataRoot, run_ids: list[str]) -> None:
+    """Return when every run in `run_ids` may be walked now, in that order; else retry the step later, or
+    raise Deferred at once when a run it waits for is stuck in the run queue (`_stuck_in_queue`)."""
+    batches = complete_batches(data.runs, data.warehouse, log=None)
+    committed = set(read_commits(data.warehouse)) | {b.run_id for b in batches if b.filtered}
+    failed = failures.read_failures(data.warehouse)
+    retired = load_retired(data.root).runs
+    complete = [b.run_id for b in batches]
+    for position, run_id in enumerate(run_ids):
+        blockers = order.blocking_runs(run_id, complete, committed, failed, retired, walked_before=run_ids[:position])
+        if blockers:
+            why = order.describe_wait(run_id, blockers)
+            stuck = _stuck_in_queue(context.instance, blockers)
+            if stuck:
+                raise Deferred(order.describe_stuck(why, run_id, stuck))
+            retry_later(context, why)
+
+
+def _stuck_in_queue(instance: dg.DagsterInstance, blockers: list[str]) -> dict[str, float]:
+    """Blockers with a run queued for ORDER_QUEUED_SECONDS or more (`order.stuck_in_queue`)."""
+    limit = settings.int_setting(settings.ORDER_QUEUED_SECONDS_ENV)
+    records = instance.get_run_records(dg.RunsFilter(statuses=[dg.DagsterRunStatus.QUEUED]))
+    queued = [
+        (run_id, r.create_timestamp.timestamp())
+        for r in records
+        for run_id in walks_of(r.dagster_run.tags)
+        if run_id in blockers
+    ]
+    return order.stuck_in_queue(queued, time.time(), limit)
+
+
+def walks_of(tags: dict[str, str]) -> list[str]:
+    """The run_ids a run is for: its partition, or those a sensor's ledger run over several walks (it has no
+    partition tag, its range being in registration order)."""
+    return [tags[PARTITION_TAG]] if PARTITION_TAG in tags else tags.get(FIRST_WALK_TAG, "").split()
