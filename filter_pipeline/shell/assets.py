@@ -203,9 +203,9 @@ def _parse(context: dg.AssetExecutionContext, data: DataRoot, run_id: str):
         batch = read_batch(data.run_dir(run_id), run_id)
     except BatchError as exc:
         # recorded, so that later batches stop waiting for this one (CONTRACT §4); its walk, once the batch
-        # is fixed, removes the record
+        # is fixed, removes the record. One line on the run (no retry: the batch must be fixed first).
         failures.record_failure(data.warehouse, run_id, str(exc))
-        raise
+        raise dg.Failure(description=str(exc), allow_retries=False) from exc
     context.log.info(
         f"parsed runs/{run_id}: {len(batch.tasks)} tasks, {len(batch.attempts)} attempts, "
         f"{len(batch.rejects)} rejected lines in {batch.seconds:.1f} s"

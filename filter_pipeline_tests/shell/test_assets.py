@@ -146,6 +146,19 @@ def test_nonsense_caps_fail_the_ledger_with_a_clear_message(instance, data_root)
     assert not (data_root / "warehouse" / "kept").exists()
 
 
+def test_a_batch_with_no_valid_task_fails_its_run_with_one_line_saying_why(instance, data_root):
+    write_batch(data_root, "r1", [], [])
+    (data_root / "runs" / "r1" / "tasks.jsonl").write_text("garbage\n")
+    result = materialize(instance, data_root, "r1")
+    [failure] = [e for e in result.all_events if e.event_type == dg.DagsterEventType.STEP_FAILURE]
+    error = failure.step_failure_data.error  # (what the UI shows first: not Dagster's wrapper)
+    assert (failure.step_key, error.cls_name) == ("judge_batch", "Failure")
+    assert error.message.strip().endswith(
+        ": runs/r1/tasks.jsonl holds no valid task (1 line(s) rejected, first: tasks.jsonl:1: line is not JSON "
+        "(Expecting value at column 1))"
+    )
+
+
 def test_coverage_counts_every_non_retired_run(instance, data_root):
     write_batch(data_root, "r1", [task("a"), task("b", site="s2")], [attempt("a"), attempt("b")])
     write_batch(data_root, "r2", [task("c")], [attempt("c")])
