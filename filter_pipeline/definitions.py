@@ -13,7 +13,7 @@ from filter_pipeline.shell.assets import (
     judge_calibration,
     warehouse_verified,
 )
-from filter_pipeline.shell.config import CAPS_ENV, load_caps_file
+from filter_pipeline.shell.config import caps_from_env
 from filter_pipeline.shell.jobs import across_runs_job, filter_job, judge_job, ledger_job, rejudge_job
 from filter_pipeline.shell.ledger import build_ledger
 from filter_pipeline.shell.sensors import build_batch_sensor, build_labels_sensor
@@ -53,11 +53,10 @@ def build_defs(
 
 def defs_from_env() -> dg.Definitions:
     check_whole_number_settings()
-    caps_file = os.environ.get(CAPS_ENV)
     return build_defs(
         data=DataRoot.from_env(),
         judge=judge_from_env(),
-        caps=load_caps_file(caps_file) if caps_file else {},
+        caps=caps_from_env(),
         executor=os.environ.get(EXECUTOR_ENV) or DEFAULT_EXECUTOR,
     )
 

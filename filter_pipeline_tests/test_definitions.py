@@ -27,6 +27,15 @@ def test_an_unknown_executor_name_is_refused_with_the_choices():
         build_defs("data", JudgeResource(), caps={}, executor="threads")
 
 
+def test_bad_deployment_caps_fail_the_code_location_naming_the_variable(monkeypatch, tmp_path):
+    caps = tmp_path / "caps.yaml"
+    caps.write_text("caps:\n  buy: {tagret: 10}\n")
+    monkeypatch.setenv("FILTER_PIPELINE_CAPS", str(caps))
+    with pytest.raises(ValueError) as refused:  # (what the UI shows as the code location's load error)
+        defs_from_env()
+    assert str(refused.value) == f"FILTER_PIPELINE_CAPS: caps file {caps}: caps.buy has unknown key(s) tagret"
+
+
 def test_the_environment_chooses_data_root_endpoint_and_executor(monkeypatch):
     monkeypatch.setenv(DATA_ENV, "s3://bucket/prefix")
     monkeypatch.setenv(ENDPOINT_ENV, "http://127.0.0.1:9")

@@ -137,12 +137,8 @@ def _materialize(args: argparse.Namespace, signals) -> int:
         # the code location reads its settings (FILTER_PIPELINE_EXECUTOR, FILTER_JUDGE_*, FILTER_PIPELINE_CAPS)
         # from the environment as it is imported
         from filter_pipeline.cli.materialize import CliError, materialize
-    except ValueError as exc:
-        from filter_pipeline.shell.config import CAPS_ENV
-
-        caps_file = os.environ.get(CAPS_ENV)
-        named = f"{CAPS_ENV}: " if caps_file and str(exc).startswith(f"caps file {caps_file}") else ""
-        print(f"filter-pipeline: {named}{one_line(exc)}", file=sys.stderr)
+    except ValueError as exc:  # (each names the setting it is about)
+        print(f"filter-pipeline: {one_line(exc)}", file=sys.stderr)
         return 2
     try:
         return materialize(args, signals)

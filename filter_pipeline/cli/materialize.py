@@ -23,7 +23,7 @@ from filter_pipeline.rules.batch import SUCCESS_FILE, check_run_id
 from filter_pipeline.rules.schemas import DROPPED_REASONS, FAILURE_REASONS, STATUS_ERROR
 from filter_pipeline.settings import REJUDGE_MAX_TRIES_ENV
 from filter_pipeline.shell.assets import run_id_partitions
-from filter_pipeline.shell.config import CAPS_ENV, load_caps_file, parse_caps
+from filter_pipeline.shell.config import caps_from_env, load_caps_file, parse_caps
 from filter_pipeline.shell.jobs import (
     ACROSS_RUNS_ASSETS,
     FIRST_WALK_TAG,
@@ -60,11 +60,10 @@ class CliError(Exception):
 def _caps(args: argparse.Namespace) -> dict:
     """The run config caps of --caps and --per-site-cap, validated; FILTER_PIPELINE_CAPS (which the code
     location reads for the sensor) is validated too. Raises CliError (one line) before anything is written."""
-    if os.environ.get(CAPS_ENV):
-        try:
-            load_caps_file(os.environ[CAPS_ENV])
-        except ValueError as exc:
-            raise CliError(f"{CAPS_ENV}: {exc}") from None
+    try:
+        caps_from_env()
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
     try:
         caps = load_caps_file(args.caps) if args.caps else {}
         if args.per_site_cap is not None:

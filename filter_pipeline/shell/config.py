@@ -6,6 +6,7 @@ run config check, and every error is one line naming the file and the field.
 """
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -178,6 +179,19 @@ def load_caps_file(path: str | Path) -> dict:
         raise ValueError(f"caps file {path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     raw = _read_caps(text, path)
     return parse_caps({} if raw is None else raw, f"caps file {path}")
+
+
+def caps_from_env() -> dict:
+    """The deployment's caps: the caps file FILTER_PIPELINE_CAPS names, validated ({} when it is unset). Raises
+    ValueError with one line that starts with the variable's name (the code location's load error, in the UI,
+    says which setting to fix)."""
+    path = os.environ.get(CAPS_ENV)
+    if not path:
+        return {}
+    try:
+        return load_caps_file(path)
+    except ValueError as exc:
+        raise ValueError(f"{CAPS_ENV}: {exc}") from None
 
 
 # --- the deployment's caps as the run config's defaults ------------------------------------------------------
