@@ -12,7 +12,7 @@ COLUMN_DESCRIPTIONS: dict[str, str] = {
     "run_id": "The execution batch (folder runs/<run_id>/) this row belongs to.",
     "task_id": "The task's id, unique within its run (tasks.jsonl).",
     "macro": "The task template the generator made the task from; per-macro caps and targets apply to it.",
-    "site": "The website the task runs on (judge_calibration: '(all)' on the overall rows).",
+    "site": "The website the task runs on.",
     "instruction": "The natural-language instruction the agent was given.",
     "start_kind": "How the task starts: the `kind` of the task's `start` object.",
     "dedup_key": "The dedup key as canonical JSON text of [site, target element, argument] (compact, no "
@@ -24,7 +24,7 @@ COLUMN_DESCRIPTIONS: dict[str, str] = {
     "n_actions": "Number of actions (steps) in the attempt.",
     "ok": "Whether the attempt passed the deterministic backend gate (the script's own assertion, re-checked).",
     "error": "The attempt's error text as recorded (null when the attempt has none).",
-    "backend_ok": "The backend check's own `ok` on the attempt (false when absent; null on judge rows). A failed "
+    "backend_ok": "The backend check's own `ok` on the attempt (false when absent). A failed "
     "attempt with backend_ok true reached the goal anyway: not a clean DPO negative.",
     "backend_detail": "The backend check's detail text on the attempt (null when absent).",
     "line": "1-based line number of the record in its file (tasks.jsonl or executions.jsonl).",
@@ -44,7 +44,7 @@ COLUMN_DESCRIPTIONS: dict[str, str] = {
     "status": "judged (the verdict counts) or error (could not be judged: neither kept nor a failure, judged "
     "again later).",
     "judge": "Which judge decided: gate or llm.",
-    "model": "The LLM that judged (null for the gate; judge_calibration: the model whose verdicts a judge row scores).",
+    "model": "The LLM that judged (null for the gate).",
     "prompt_version": "Version of the judge prompt; part of the verdict cache key (null for the gate).",
     # the verdict's parts
     "judge_passed": "The LLM judge's own verdict (the majority of its votes), before FILTER_JUDGE_MIN_SCORE: "
@@ -69,7 +69,8 @@ COLUMN_DESCRIPTIONS: dict[str, str] = {
     "the verdict carries. Null for the gate.",
     "cache_key": "Hash of prompt version, model, votes, temperature and the exact messages shown: a verdict "
     "with the same key is reused, not asked again.",
-    "cached": "Whether the verdict was reused from this partition's previous materialization (no call made).",
+    "cached": "Whether the verdict was reused (no call made): from this partition's previous materialization or "
+    "from the progress a killed materialization saved.",
     "latency_ms": "Wall time spent on this verdict's calls, in milliseconds.",
     "raw_replies": "JSON list of the model's replies, each cut to 500 characters (the API key redacted).",
     "replies_sha256": "SHA-256 of the full replies, to tell replies apart beyond the stored cut.",
@@ -143,3 +144,25 @@ COLUMN_DESCRIPTIONS: dict[str, str] = {
     "'record_steps: <why>' (trajectory.json missing, unreadable, not JSON, not an object, outside the data "
     "root: the record's steps, no page text). Null for the gate judge, which reads no evidence.",
 }
+
+# Where a column means something more, or else, in one asset: shown there instead of COLUMN_DESCRIPTIONS'.
+ASSET_COLUMN_DESCRIPTIONS: dict[str, dict[str, str]] = {
+    "judge_calibration": {
+        "site": "The website the row scores: '(all)' on the overall rows.",
+        "model": "The model whose verdicts a judge row scores (null for the gate's rows).",
+    },
+    "failure_pool": {
+        "backend_ok": COLUMN_DESCRIPTIONS["backend_ok"].replace(
+            "(false when absent)", "(false when absent; null on judge rows)"
+        ),
+    },
+    "prior_dedup_index": {
+        "run_id": "The earlier run that kept this key (history), not this batch.",
+        "task_id": "The task of that run that kept this key.",
+    },
+}
+
+
+def column_description(asset: str, column: str) -> str | None:
+    """What `column` means in `asset`."""
+    return ASSET_COLUMN_DESCRIPTIONS.get(asset, {}).get(column) or COLUMN_DESCRIPTIONS.get(column)

@@ -109,6 +109,32 @@ def judge_cost(verdicts: pd.DataFrame, passed: int, judged: int) -> dict:
     }
 
 
+# how the report's page and markdown name each judge_cost figure (the long form keeps the keys)
+COST_LABELS = {
+    "judge": "judge",
+    "requests": "requests, all verdicts (reused ones count what they cost when asked)",
+    "prompt_tokens": "prompt tokens, all verdicts",
+    "completion_tokens": "completion tokens, all verdicts",
+    "cached_tokens": "of the prompt tokens, served from the endpoint's prompt cache",
+    "cost": "cost, all verdicts",
+    "requests_now": "requests this materialization made",
+    "cost_now": "cost of this materialization",
+    "cache_hits": "verdicts reused (no request)",
+    "deduplicated": "verdicts copied from an identical prompt of this batch",
+    "evidence_missing": "verdicts made without the attempt's trajectory.json (the record's steps instead)",
+    "unjudged": "tasks left unjudged (judged again later)",
+    "judge_pass_rate": "judge pass rate",
+}
+
+
+def _cost_lines(cost: dict) -> list[tuple[str, str]]:
+    """(label, value) of each judge_cost figure as the page and markdown show it (a missing price: not priced)."""
+    shown = lambda key, value: "not priced" if value is None and key.startswith("cost") else value  # noqa: E731
+    return [
+        (COST_LABELS.get(key, key), "–" if (v := shown(key, value)) is None else str(v)) for key, value in cost.items()
+    ]
+
+
 def _by(judged: pd.DataFrame, kept: pd.DataFrame, pool: pd.DataFrame, key: str) -> pd.DataFrame:
     groups = sorted(pd.Index(judged[key].unique()).union(pd.Index(pool[key].dropna().unique())).tolist())
     table = pd.DataFrame({key: groups})
@@ -220,7 +246,7 @@ def image_md(name: str, image: bytes) -> str:
 
 def markdown(f: Figures, images: dict[str, bytes], run_id: str) -> str:
     """The report as markdown with the charts inline (what the Dagster UI shows)."""
-    cost = "\n".join(f"- {k}: {v}" for k, v in f.cost.items())
+    cost = "\n".join(f"- {label}: {value}" for label, value in _cost_lines(f.cost))
     return "\n\n".join(
         [
             f"## Filter report: {run_id}",
@@ -259,7 +285,9 @@ def html(f: Figures, images: dict[str, bytes], run_id: str) -> str:
     def image(name: str) -> str:
         return f'<img alt="{name}" src="{data_uri(images[name])}">'
 
-    cost = "".join(f"<li>{html_lib.escape(str(k))}: {html_lib.escape(str(v))}</li>" for k, v in f.cost.items())
+    cost = "".join(
+        f"<li>{html_lib.escape(label)}: {html_lib.escape(value)}</li>" for label, value in _cost_lines(f.cost)
+    )
     title = html_lib.escape(f"Filter report: {run_id}")
     return (
         f"<!doctype html><html><head><meta charset='utf-8'><title>{title}</title>"
@@ -283,8 +311,9 @@ def long_form(f: Figures) -> pd.DataFrame:
     parts.append(
         f.surplus.assign(section="surplus", key=f.surplus["dropped"], metric="count").rename(columns={"count": "value"})
     )
+    numbers = {key: value for key, value in f.cost.items() if not isinstance(value, str)}  # (the judge's kind: text)
     parts.append(
-        pd.DataFrame({"section": "cost", "key": list(f.cost), "metric": "value", "value": list(f.cost.values())})
+        pd.DataFrame({"section": "cost", "key": list(numbers), "metric": "value", "value": list(numbers.values())})
     )
     caps = f.caps.melt(id_vars=["macro"], var_name="metric", value_name="value").rename(columns={"macro": "key"})
     parts.append(caps[caps["value"].notna()].assign(section="caps"))

@@ -4,6 +4,7 @@ Lineage: execution batch -> judge_verdicts -> failure_pool; judge_verdicts + pri
 (No `from __future__ import annotations` here: Dagster reads the `context` annotation at runtime.)
 """
 
+import inspect
 from collections.abc import Iterable
 
 import dagster as dg
@@ -15,8 +16,8 @@ from filter_pipeline.judge.resource import JudgeResource
 from filter_pipeline.rules import calibration, checks, filtering, report, verify
 from filter_pipeline.rules.batch import EXECUTIONS_FILE, TASKS_FILE, BatchError
 from filter_pipeline.rules.coverage import coverage_chart, coverage_markdown, coverage_table
+from filter_pipeline.rules.descriptions import column_description
 from filter_pipeline.rules.schemas import (
-    COLUMN_DESCRIPTIONS,
     FAILURE_REASONS,
     JUDGED_INPUTS,
     SCHEMAS,
@@ -40,7 +41,7 @@ def column_schema(asset: str) -> dict:
     return {
         "dagster/column_schema": dg.TableSchema(
             columns=[
-                dg.TableColumn(name=f.name, type=type_name(f.type), description=COLUMN_DESCRIPTIONS.get(f.name))
+                dg.TableColumn(name=f.name, type=type_name(f.type), description=column_description(asset, f.name))
                 for f in schema
             ]
         )
@@ -61,7 +62,8 @@ BATCH_KEYS = [dg.AssetKey(k) for k in ("batch_tasks", "batch_attempts", "batch_r
 
 
 def blocking_check(name: str, asset: str, description: str) -> dg.AssetCheckSpec:
-    return dg.AssetCheckSpec(name, asset=asset, blocking=True, description=description)
+    """A blocking check; `description` may be a docstring (its indentation is removed: the UI renders markdown)."""
+    return dg.AssetCheckSpec(name, asset=asset, blocking=True, description=inspect.cleandoc(description))
 
 
 def check_result(check: str, asset: str, outcome: checks.CheckOutcome) -> dg.AssetCheckResult:
@@ -292,7 +294,8 @@ WAREHOUSE_VERIFIED = dg.AssetCheckKey(dg.AssetKey("coverage"), "warehouse_verifi
 @dg.asset_check(
     asset=WAREHOUSE_VERIFIED.asset_key,
     name=WAREHOUSE_VERIFIED.name,
-    description=audit.__doc__ + " " + (verify.__doc__ or "").split("\n\n")[1],
+    description="The audit of the whole warehouse, as `filter-pipeline verify` does it (a warning when it finds "
+    "anything). " + inspect.cleandoc(verify.__doc__ or "").split("\n\n")[1],
 )
 def warehouse_verified(data: DataRoot) -> dg.AssetCheckResult:
     """The audit of `filter-pipeline verify`, over the whole warehouse. Its own step, outside the batch's

@@ -44,12 +44,11 @@ class MacroCapsConfig(dg.Config):
     )
 
 
+# Ranges are checked by `parse_caps` (each step that takes caps checks its run's config with it as it starts),
+# not by validators here: Dagster builds this config before the step runs, where a validator's error would reach
+# the user as pydantic's traceback instead of one line.
 class CapsConfig(dg.Config):
-    """Caps applied by the ledger walk. Counts include every earlier run's non-retired kept rows.
-
-    Their ranges are checked by `parse_caps` (a step checks its run's config with it as it starts), not by
-    validators here: Dagster builds this config before the step runs, where a validator's error would reach
-    the user as pydantic's traceback instead of one line."""
+    """Caps applied by the ledger walk. Counts include every earlier run's non-retired kept rows."""
 
     per_site_cap: int = Field(
         default=DEFAULT_PER_SITE_CAP,

@@ -11,6 +11,7 @@ committed meanwhile is reported as already filtered, not walked again.
 (No `from __future__ import annotations` here: Dagster reads the `context` annotation at runtime.)
 """
 
+import json
 import time
 from typing import Any
 
@@ -141,7 +142,8 @@ def build_ledger(deployment_caps: dict) -> dg.AssetsDefinition:
         refuse_invalid_run_caps(context)  # (Dagster checked only their types)
         source = caps_source(config, deployment_caps)
         if source != "deployment":
-            context.log.info(f"caps from the run config, not the deployment's: {config.model_dump()}")
+            caps = config.model_dump(include=set(CapsConfig.model_fields), exclude_none=True)
+            context.log.info(f"caps from the run config, not the deployment's: {json.dumps(caps)}")
         try:
             yield from _walk_under_lease(context, config, data, run_ids, inputs, source)
         except LedgerBusy as exc:

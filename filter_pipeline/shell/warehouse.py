@@ -26,11 +26,9 @@ from filter_pipeline.storage.files import LOCAL_PROTOCOLS, atomic_write, files_i
 
 
 class DataRoot(dg.ConfigurableResource):
-    """The data root: `runs/<run_id>/` batches, `retired.json`, and the `warehouse/` of outputs.
-
-    On object storage, credentials come from the store's own environment (for S3: AWS_ACCESS_KEY_ID /
-    AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN, a profile, or the pod's IAM role), never from this config.
-    """
+    """The data root: `runs/<run_id>/` batches, `retired.json`, and the `warehouse/` of outputs. On object
+    storage, credentials come from the store's own environment (for S3: AWS_ACCESS_KEY_ID /
+    AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN, a profile, or the pod's IAM role), never from this config."""
 
     path: str = Field(
         default=DEFAULT_DATA,

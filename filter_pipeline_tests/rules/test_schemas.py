@@ -11,6 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from filter_pipeline.rules.descriptions import ASSET_COLUMN_DESCRIPTIONS, column_description
 from filter_pipeline.rules.schemas import (
     COLUMN_DESCRIPTIONS,
     SCHEMAS,
@@ -58,6 +59,19 @@ def test_every_column_of_every_schema_has_a_description():
 def test_no_description_is_left_for_a_column_no_schema_has():
     stale = set(COLUMN_DESCRIPTIONS) - {name for schema in SCHEMAS.values() for name in schema.names}
     assert not stale, f"COLUMN_DESCRIPTIONS describes columns no schema has: {sorted(stale)}"
+    stale = [f"{a}.{c}" for a, columns in ASSET_COLUMN_DESCRIPTIONS.items() for c in columns
+             if a not in SCHEMAS or c not in SCHEMAS[a].names]  # fmt: skip
+    assert not stale, f"ASSET_COLUMN_DESCRIPTIONS describes columns their asset does not have: {stale}"
+
+
+def test_a_column_that_means_something_else_in_one_asset_says_so_there_only():
+    assert "kept this key" in column_description("prior_dedup_index", "run_id")
+    assert "kept this key" not in column_description("kept", "run_id")
+    assert "judge rows" in column_description("failure_pool", "backend_ok")
+    assert "judge rows" not in column_description("batch_attempts", "backend_ok")  # (it has none)
+    assert "(all)" in column_description("judge_calibration", "site") and "(all)" not in column_description(
+        "kept", "site"
+    )
 
 
 def test_the_contract_page_names_every_asset_and_column():

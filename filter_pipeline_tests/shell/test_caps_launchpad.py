@@ -55,6 +55,9 @@ def test_a_run_without_caps_config_walks_with_the_deployments_caps(instance, dat
     assert kept.materialization.metadata["caps_source"].value == "run config"
     [run_report] = [m for m in again.get_asset_materialization_events() if m.asset_key.path[-1] == "filter_report"]
     assert run_report.materialization.metadata["caps_source"].value == "run config"
+    said = [e.user_message for e in instance.all_logs(again.run_id) if "caps from the run config" in e.user_message]
+    assert said == ['caps from the run config, not the deployment\'s: {"per_site_cap": 4, "caps": {"m": '
+                    '{"site_cap": 2, "target": 5}}}']  # fmt: skip
 
 
 @pytest.mark.parametrize("caps", [{"per_site_cap": -1}, {"caps": {"m": {"site_cap": -3}}}])
