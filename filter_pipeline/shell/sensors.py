@@ -426,6 +426,8 @@ def build_labels_sensor() -> dg.SensorDefinition:
     )
     def labels_sensor(context: dg.SensorEvaluationContext, data: DataRoot) -> dg.SensorResult:
         changed = labels_changed(context.instance, data)
+        if changed is None and not (data.warehouse / "judge_verdicts").exists():
+            return dg.SensorResult(skip_reason="nothing to score yet: no judge_verdicts in the warehouse")
         if changed is None:
             return dg.SensorResult(skip_reason="judge_calibration is up to date with labels.jsonl")
         current, recorded = changed

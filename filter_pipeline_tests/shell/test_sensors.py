@@ -368,7 +368,10 @@ def test_the_labels_sensor_refreshes_judge_calibration_alone_when_labels_change(
     from filter_pipeline.judge.resource import JudgeResource
 
     write_batch(data_root, "r1", [task("a"), task("b")], [attempt("a"), attempt("b", ok=False, error="x")])
-    assert labels_tick(instance, data_root).run_requests == []  # no verdicts yet: nothing to score
+    first = labels_tick(instance, data_root)
+    assert first.run_requests == [] and first.skip_reason.skip_message == (
+        "nothing to score yet: no judge_verdicts in the warehouse"
+    )
     instance.add_dynamic_partitions("run_id", ["r1"])
     defs = build_defs(str(data_root), JudgeResource(), caps={})
     assert defs.resolve_job_def("filter_job").execute_in_process(instance=instance, partition_key="r1").success
@@ -380,7 +383,8 @@ def test_the_labels_sensor_refreshes_judge_calibration_alone_when_labels_change(
     assert request.run_key.startswith("labels:")
     across = defs.resolve_job_def("across_runs_job")
     assert across.execute_in_process(instance=instance, asset_selection=request.asset_selection).success
-    assert labels_tick(instance, data_root).run_requests == []  # up to date
+    up_to_date = labels_tick(instance, data_root)
+    assert up_to_date.run_requests == [] and "up to date" in up_to_date.skip_reason.skip_message
     calibration = pd.read_parquet(data_root / "warehouse" / "judge_calibration.parquet")
     assert calibration[calibration["site"] == "(all)"]["n"].tolist() == [1, 1]
 
