@@ -242,13 +242,14 @@ def caps_source(config: CapsConfig, deployment: dict) -> str:
 def run_caps_problem(run_config: dict, ops: tuple[str, ...] = ("ledger", "coverage")) -> str | None:
     """One line naming the first invalid caps in a run's config (ops.<op>.config), None if they are valid.
     Dagster checks only the types of run config at launch; ranges are checked here, by the first step of
-    the run, before anything is written or judged."""
+    the run, before anything is written or judged. Only the caps are checked: the op's other settings
+    (the ledger's include_judge_failures) are Dagster's to check."""
     for op in ops:
         raw = ((run_config.get("ops") or {}).get(op) or {}).get("config")
         if raw is None:
             continue
         try:
-            parse_caps(raw, f"run config ops.{op}.config")
+            parse_caps({k: v for k, v in raw.items() if k in CapsConfig.model_fields}, f"run config ops.{op}.config")
         except ValueError as exc:
             return str(exc)
     return None
@@ -260,4 +261,4 @@ def refuse_invalid_run_caps(context: dg.AssetExecutionContext) -> None:
     runs before one that does, so nothing is parsed, judged or written with them."""
     problem = run_caps_problem(context.run.run_config or {})
     if problem is not None:
-        raise dg.Failure(description=f"{problem}; nothing was written or judged")
+        raise dg.Failure(description=f"{problem}; nothing was judged, walked or written with them")

@@ -94,7 +94,21 @@ def test_a_negative_cap_given_to_a_job_whose_first_step_takes_caps_is_one_line_n
     assert [(e.step_key, e.step_failure_data.error.cls_name) for e in failures] == [(op, "Failure")]
     [line] = failures[0].step_failure_data.error.message.strip().splitlines()
     assert line.endswith(f": run config ops.{op}.config: caps.m.site_cap: must be 0 or more, got -5; nothing was "
-                         "written or judged")  # fmt: skip
+                         "judged, walked or written with them")  # fmt: skip
+
+
+@pytest.mark.parametrize("job", ["filter_job", "ledger_job"])
+def test_the_ledgers_other_settings_beside_the_caps_are_taken(instance, data_root, job):
+    write_batch(data_root, "r1", [task("a")], [attempt("a")])
+    instance.add_dynamic_partitions("run_id", ["r1"])
+    defs = build_defs(str(data_root), JudgeResource(), caps={})
+    if job == "ledger_job":
+        assert defs.resolve_job_def("judge_job").execute_in_process(instance=instance, partition_key="r1").success
+    config = {"per_site_cap": 2, "include_judge_failures": True}
+    result = defs.resolve_job_def(job).execute_in_process(
+        instance=instance, partition_key="r1", run_config={"ops": {"ledger": {"config": config}}}
+    )
+    assert result.success
 
 
 def test_a_mistyped_cap_is_refused_at_launch(instance, data_root):
