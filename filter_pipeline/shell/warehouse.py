@@ -69,7 +69,10 @@ def storage_options(path: str, endpoint_url: str | None) -> dict:
     """fsspec options for the data root at `path`. Raises ValueError for an endpoint on a non-S3 root."""
     protocol = fsspec.utils.get_protocol(path)
     if endpoint_url and protocol not in ("s3", "s3a"):
-        raise ValueError(f"an endpoint URL applies to an s3:// data root, not {protocol}://")
+        raise ValueError(
+            f"an endpoint URL ({ENDPOINT_ENV}, or the data resource's endpoint_url) applies to an s3:// data root, "
+            f"not {protocol}://"
+        )
     if protocol in LOCAL_PROTOCOLS:
         return {}
     # fsspec caches directory listings per filesystem instance, for the life of the process: the sensor's

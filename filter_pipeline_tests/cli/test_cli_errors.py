@@ -205,7 +205,8 @@ def test_a_dagster_yaml_that_is_not_valid_is_one_line(env, capsys, dagster_home,
         (
             "FILTER_PIPELINE_ENDPOINT_URL",
             "http://127.0.0.1:9",
-            "an endpoint URL applies to an s3:// data root, not file://",
+            "an endpoint URL (FILTER_PIPELINE_ENDPOINT_URL, or the data resource's endpoint_url) applies to an "
+            "s3:// data root, not file://",
         ),
     ],
 )
