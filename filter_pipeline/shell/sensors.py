@@ -301,6 +301,7 @@ def register_legacy_runs(
     if new_legacy:
         instance.add_dynamic_partitions(run_id_partitions.name, new_legacy)
         registration_order += new_legacy
+        context.log.info(f"registered {len(new_legacy)} legacy run(s) (filtered by the earlier script)")
     for run_id in record_legacy_runs(instance, data, legacy):
         context.log.info(f"{run_id}: recorded as materialized ({LEGACY_SOURCE})")
     return registration_order
@@ -380,7 +381,7 @@ def build_batch_sensor() -> dg.SensorDefinition:
         fingerprint = kept_fingerprint(data)
         if fingerprint is not None and not to_walk and not busy:
             requests.append(dg.RunRequest(job_name=across_runs_job.name, run_key=f"across-runs:{fingerprint}"))
-        context.log.info(f"registered {len(to_register)}, judging {len(to_judge)}; {why}")
+        context.log.info(f"registered {len(to_register)} new batch(es), judging {len(to_judge)}; {why}")
         return dg.SensorResult(
             run_requests=requests,
             dynamic_partitions_requests=[run_id_partitions.build_add_request(to_register)] if to_register else [],

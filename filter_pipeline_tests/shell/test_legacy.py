@@ -1,5 +1,7 @@
 """Legacy runs (runs/<run>/kept.jsonl of the earlier script) show as materialized, never as missing."""
 
+import logging
+
 import dagster as dg
 import pytest
 
@@ -17,6 +19,15 @@ def instance():
         yield instance
 
 
+class Collect(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
 def test_the_recorded_assets_are_every_run_id_partitioned_asset():
     graph = build_defs("data", JudgeResource(), caps={}).resolve_asset_graph()
     partitioned = {k.path[-1] for k in graph.get_all_asset_keys() if graph.get(k).partitions_def is not None}
@@ -29,8 +40,14 @@ def test_a_legacy_run_is_materialized_with_its_row_count_once_and_not_missing(in
     write_batch(data_root, "new", [task("c")], [attempt("c")])
     sensor = build_batch_sensor()
     context = lambda: dg.build_sensor_context(instance=instance, resources={"data": DataRoot(path=str(data_root))})  # noqa: E731
-    result = sensor(context())
+    first = context()
+    said = Collect()
+    first.log.addHandler(said)
+    result = sensor(first)
     sensor(context())  # a second tick records nothing more
+    assert said.lines[:2] == ["registered 1 legacy run(s) (filtered by the earlier script)",
+                              "legacy: recorded as materialized (legacy kept.jsonl)"]  # fmt: skip
+    assert said.lines[-1].startswith("registered 1 new batch(es), judging 1;")
 
     assert [r.partition_key for r in result.run_requests if r.job_name == "judge_job"] == ["new"]
     assert set(instance.get_dynamic_partitions("run_id")) >= {"legacy"}
