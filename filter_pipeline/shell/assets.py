@@ -61,9 +61,10 @@ JUDGE_PROGRESS_FOLDER = "_judge_progress"  # warehouse/_judge_progress/<run_id>/
 BATCH_KEYS = [dg.AssetKey(k) for k in ("batch_tasks", "batch_attempts", "batch_rejects")]
 
 
-def blocking_check(name: str, asset: str, description: str) -> dg.AssetCheckSpec:
+def blocking_check(name: str, asset: str, description: str | None) -> dg.AssetCheckSpec:
     """A blocking check; `description` may be a docstring (its indentation is removed: the UI renders markdown)."""
-    return dg.AssetCheckSpec(name, asset=asset, blocking=True, description=inspect.cleandoc(description))
+    text = inspect.cleandoc(description) if description else None
+    return dg.AssetCheckSpec(name, asset=asset, blocking=True, description=text)
 
 
 def check_result(check: str, asset: str, outcome: checks.CheckOutcome) -> dg.AssetCheckResult:
