@@ -1,6 +1,7 @@
 """Small builders so each test reads as the rule it checks."""
 
 import json
+import logging
 from pathlib import Path
 
 import pandas as pd
@@ -212,3 +213,14 @@ def chart_bars(svg: bytes) -> dict[str, dict[str, int]]:
         if bars:  # (a series' group is repeated for its text overlay, without bars)
             shown[names[index] if index < len(names) else f"serie-{index}"] = {label: v for _, label, v in sorted(bars)}
     return shown
+
+
+class LogLines(logging.Handler):
+    """The messages logged to a logger it is added to, at `level` and above (a sensor's log, for one)."""
+
+    def __init__(self, level: int = logging.INFO):
+        super().__init__(level)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())

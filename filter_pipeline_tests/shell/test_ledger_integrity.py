@@ -18,7 +18,7 @@ from filter_pipeline.shell.warehouse import DataRoot
 from filter_pipeline.storage.audit import audit
 from filter_pipeline.storage.history import read_commits
 from filter_pipeline.storage.runs import complete_batches
-from filter_pipeline_tests.builders import attempt, task, write_batch
+from filter_pipeline_tests.builders import LogLines, attempt, task, write_batch
 
 pytestmark = pytest.mark.slow  # (each test runs the whole job in process, several seconds a run)
 
@@ -185,15 +185,6 @@ def test_an_uncommitted_kept_file_of_another_run_is_not_history(instance, data_r
     assert kept(data_root, "r2") == ["r2-0", "r2-1", "r2-2"]
 
 
-class Collect(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.lines: list[str] = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
-
-
 def test_a_batch_rewritten_between_its_judging_and_its_walk_commits_what_was_judged_and_is_reported_changed(
     instance, data_root
 ):
@@ -288,7 +279,7 @@ def test_a_batch_changed_since_it_was_filtered_is_reported_by_the_sensor_and_not
         f.write(json.dumps(task("late")) + "\n")
     assert [(b.filtered, b.changed) for b in complete_batches(data.runs, data.warehouse)] == [(True, True)]
     context = dg.build_sensor_context(instance=instance, resources={"data": data})
-    collected = Collect()
+    collected = LogLines(logging.WARNING)
     context.log.addHandler(collected)
     result = build_batch_sensor()(context)
     assert [line for line in collected.lines if "changed" in line] == [

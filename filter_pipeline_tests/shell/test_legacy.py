@@ -1,7 +1,5 @@
 """Legacy runs (runs/<run>/kept.jsonl of the earlier script) show as materialized, never as missing."""
 
-import logging
-
 import dagster as dg
 import pytest
 
@@ -10,22 +8,13 @@ from filter_pipeline.judge.resource import JudgeResource
 from filter_pipeline.shell.assets import run_id_partitions
 from filter_pipeline.shell.sensors import PARTITIONED_ASSETS, build_batch_sensor
 from filter_pipeline.shell.warehouse import DataRoot
-from filter_pipeline_tests.builders import attempt, task, write_batch, write_legacy_kept
+from filter_pipeline_tests.builders import LogLines, attempt, task, write_batch, write_legacy_kept
 
 
 @pytest.fixture
 def instance():
     with dg.instance_for_test() as instance:
         yield instance
-
-
-class Collect(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
 
 
 def test_the_recorded_assets_are_every_run_id_partitioned_asset():
@@ -41,7 +30,7 @@ def test_a_legacy_run_is_materialized_with_its_row_count_once_and_not_missing(in
     sensor = build_batch_sensor()
     context = lambda: dg.build_sensor_context(instance=instance, resources={"data": DataRoot(path=str(data_root))})  # noqa: E731
     first = context()
-    said = Collect()
+    said = LogLines()
     first.log.addHandler(said)
     result = sensor(first)
     sensor(context())  # a second tick records nothing more
