@@ -129,10 +129,12 @@ COST_LABELS = {
 
 def _cost_lines(cost: dict) -> list[tuple[str, str]]:
     """(label, value) of each judge_cost figure as the page and markdown show it (a missing price: not priced)."""
-    shown = lambda key, value: "not priced" if value is None and key.startswith("cost") else value  # noqa: E731
-    return [
-        (COST_LABELS.get(key, key), "–" if (v := shown(key, value)) is None else str(v)) for key, value in cost.items()
-    ]
+    lines = []
+    for key, value in cost.items():
+        if value is None:
+            value = "not priced" if key.startswith("cost") else "–"
+        lines.append((COST_LABELS.get(key, key), str(value)))
+    return lines
 
 
 def _by(judged: pd.DataFrame, kept: pd.DataFrame, pool: pd.DataFrame, key: str) -> pd.DataFrame:
