@@ -402,6 +402,11 @@ def labels_changed(instance: dg.DagsterInstance, data: DataRoot) -> tuple[str, s
     and there are verdicts to score; None when the calibration is up to date (or there is nothing to score)."""
     if not (data.warehouse / "judge_verdicts").exists():
         return None
+    return labels_vs_calibration(instance, data)
+
+
+def labels_vs_calibration(instance: dg.DagsterInstance, data: DataRoot) -> tuple[str, str | None] | None:
+    """labels_changed without looking for verdicts first: (now, recorded) when they differ, else None."""
     current = labels_fingerprint(labels_bytes(data)) or NO_LABELS
     event = instance.get_latest_materialization_event(CALIBRATION)
     entry = (
@@ -426,9 +431,9 @@ def build_labels_sensor() -> dg.SensorDefinition:
         "without a new batch.",
     )
     def labels_sensor(context: dg.SensorEvaluationContext, data: DataRoot) -> dg.SensorResult:
-        changed = labels_changed(context.instance, data)
-        if changed is None and not (data.warehouse / "judge_verdicts").exists():
+        if not (data.warehouse / "judge_verdicts").exists():
             return dg.SensorResult(skip_reason="nothing to score yet: no judge_verdicts in the warehouse")
+        changed = labels_vs_calibration(context.instance, data)
         if changed is None:
             return dg.SensorResult(skip_reason="judge_calibration is up to date with labels.jsonl")
         current, recorded = changed
