@@ -1,6 +1,6 @@
 """A real HTTP reverse proxy on 127.0.0.1 in front of moto's S3 server, answering some requests the way other
 stores or a bad network do: AWS's 409 `ConditionalRequestConflict`, a store that ignores `If-None-Match` /
-`If-Match` (older MinIO, some Ceph gateways), a reply lost after the store applied the write.
+`If-Match` (older MinIO, some Ceph gateways), a reply lost after the store applied the write, a store out of reach.
 
 `with S3Faults(moto_endpoint) as proxy:` point the client at `proxy.endpoint`; set `proxy.fault` to a function of
 the request (`Request`) that returns None (forward it as is) or one of the actions below.
@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 CONFLICT = "conflict"  # 409 ConditionalRequestConflict, the write not applied (AWS, two conditional writes at once)
 IGNORE_CONDITIONS = "ignore conditions"  # forwarded without If-None-Match / If-Match: applied unconditionally
 LOSE_REPLY = "lose reply"  # forwarded and applied, then the connection closed without an answer
+DROP = "drop"  # the connection closed without an answer, nothing forwarded: the store out of reach
 
 _CONFLICT_BODY = (
     b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>ConditionalRequestConflict</Code><Message>A conflicting '
@@ -70,6 +71,9 @@ class S3Faults:
                     outer.applied.append((action, request))
                 if action == CONFLICT:
                     self._answer(409, {"Content-Type": "application/xml"}, _CONFLICT_BODY)
+                    return
+                if action == DROP:
+                    self.close_connection = True
                     return
                 if action == IGNORE_CONDITIONS:
                     headers = {k: v for k, v in headers.items() if k not in _CONDITIONS}

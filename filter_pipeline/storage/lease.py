@@ -381,8 +381,10 @@ def _object_lease(warehouse: UPath, holder: str, ttl_seconds: float) -> Iterator
         if not lease.lost:
             try:
                 fs.call_s3("delete_object", **_bucket_key(fs, path), IfMatch=state["etag"])
-            except (OSError, FileNotFoundError):
-                pass  # taken over meanwhile: it is the taker's now
+            except Exception:  # noqa: BLE001 - botocore's connection errors are not OSErrors
+                # taken over meanwhile (it is the taker's now), or the store out of reach: the lease then
+                # expires by its TTL, and the walk's own outcome (or error) stands
+                pass
             fs.invalidate_cache(path)
 
 

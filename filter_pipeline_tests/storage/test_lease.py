@@ -217,6 +217,27 @@ def test_a_renewal_applied_whose_reply_was_lost_keeps_the_lease(s3_server, s3_bu
 
 
 @pytest.mark.slow  # moto's S3 server is a process of its own
+def test_a_store_out_of_reach_when_the_lease_is_released_leaves_the_walks_own_error(s3_server, s3_bucket, s3_faults):
+    from filter_pipeline_tests.s3_faults import DROP
+
+    # (one try each in s3fs and botocore: their retries of a dropped connection take half a minute)
+    root = UPath(
+        f"s3://{s3_bucket}/data",
+        endpoint_url=s3_faults.endpoint,
+        use_listings_cache=False,
+        config_kwargs={"retries": {"max_attempts": 1}},
+    )
+    root.fs.retries = 1  # (s3fs takes it as an attribute only; this proxy's port makes the instance this test's)
+    with pytest.raises(ValueError, match="^the walk's own error$"):
+        with ledger_lease(root, "run r1", ttl_seconds=60):
+            s3_faults.fault = lambda request: DROP  # the network gone: the release's DELETE gets no answer
+            raise ValueError("the walk's own error")
+    assert [request.method for _, request in s3_faults.applied][:1] == ["DELETE"]
+    # not deleted: it stays until its TTL is over
+    assert json.loads(s3_server.filesystem().cat_file(f"{s3_bucket}/data/warehouse/{LEASE_FILE}"))["holder"] == "run r1"
+
+
+@pytest.mark.slow  # moto's S3 server is a process of its own
 def test_a_live_lease_of_the_previous_version_is_not_taken_over(s3_server, s3_bucket):
     root = s3_root(s3_server, s3_bucket)
     lease_record(root, expires=time.time() + 120)  # no ttl_seconds, no token: as the earlier version wrote it
