@@ -2,10 +2,9 @@
 
 import argparse
 import json
-import os
 import sys
 
-from filter_pipeline.settings import DATA_ENV, DEFAULT_DATA, ENDPOINT_ENV, data_path
+from filter_pipeline.settings import DATA_ENV, DEFAULT_DATA
 
 PAGE_TEXT_CHARS = 1200  # of the final page text printed (the review page shows it all)
 
@@ -24,12 +23,12 @@ def add_parser(commands) -> None:
 
 
 def explain(args: argparse.Namespace) -> int:
-    from filter_pipeline.review.data import ReviewError, UnreadableRun, Warehouse, open_root
+    from filter_pipeline.cli.data_root import existing_root
+    from filter_pipeline.review.data import ReviewError, UnreadableRun, Warehouse
     from filter_pipeline.review.story import Labels, story
 
-    root = open_root(data_path(args.data), os.environ.get(ENDPOINT_ENV))
-    if not root.exists():
-        print(f"filter-pipeline: data root {root} does not exist (--data or ${DATA_ENV})", file=sys.stderr)
+    root = existing_root(args.data)
+    if root is None:
         return 2
     warehouse = Warehouse(root)
     try:

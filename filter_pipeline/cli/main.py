@@ -8,8 +8,6 @@ import argparse
 import os
 import sys
 
-from upath import UPath
-
 from filter_pipeline.cli import explain, review
 from filter_pipeline.rules.history import HistoryError
 from filter_pipeline.settings import (
@@ -88,20 +86,17 @@ def _at_least_one(text: str) -> int:
 
 def verify(args: argparse.Namespace) -> int:
     """Print one line per finding of the warehouse audit; 0 when clean, 1 otherwise (2: no data root)."""
-    from filter_pipeline.settings import ENDPOINT_ENV
+    from filter_pipeline.cli.data_root import existing_root
     from filter_pipeline.storage.audit import audit
 
-    path = data_path(args.data)
-    endpoint = os.environ.get(ENDPOINT_ENV)
-    root = UPath(path, **({"endpoint_url": endpoint, "use_listings_cache": False} if endpoint else {}))
-    if not root.exists():
-        print(f"filter-pipeline: data root {path} does not exist (--data or ${DATA_ENV})", file=sys.stderr)
+    root = existing_root(args.data)
+    if root is None:
         return 2
     findings = audit(root)
     for finding in findings:
         print(finding.line)
     if not findings:
-        print(f"{path}: warehouse verified, no finding")
+        print(f"{data_path(args.data)}: warehouse verified, no finding")
     return 1 if findings else 0
 
 

@@ -6,7 +6,7 @@ import os
 import socket
 import sys
 
-from filter_pipeline.settings import DATA_ENV, DEFAULT_DATA, ENDPOINT_ENV, data_path
+from filter_pipeline.settings import DATA_ENV, DEFAULT_DATA
 
 DEFAULT_HOST = "127.0.0.1"  # loopback: the app has no login, so it is reachable from this machine only unless told
 DEFAULT_PORT = 8765
@@ -35,12 +35,11 @@ def add_parser(commands) -> None:
 def review(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from filter_pipeline.cli.data_root import existing_root
     from filter_pipeline.review.app import LOOPBACK, create_app
-    from filter_pipeline.review.data import open_root
 
-    root = open_root(data_path(args.data), os.environ.get(ENDPOINT_ENV))
-    if not root.exists():
-        print(f"filter-pipeline: data root {root} does not exist (--data or ${DATA_ENV})", file=sys.stderr)
+    root = existing_root(args.data)
+    if root is None:
         return 2
     if not 0 < args.port < 65536:
         print(f"filter-pipeline: --port {args.port}: expected 1 to 65535", file=sys.stderr)

@@ -34,7 +34,6 @@ from filter_pipeline.rules.schemas import (
     pylist,
     to_pandas,
 )
-from filter_pipeline.storage.files import is_local
 
 # A task's fate, in the words of the outputs
 FATE_KEPT = "kept"
@@ -478,12 +477,3 @@ def judged_attempts(t: RunTables) -> pd.DataFrame:
     v = v[v["status"] == STATUS_JUDGED]
     return pd.DataFrame({"run_id": t.run_id, "task_id": v["task_id"], "dir": v["dir"], "site": v["site"],
                          "votes": v["votes"], "passed": v["passed"], "draw": draw(v["dir"])})  # fmt: skip
-
-
-def open_root(path: str, endpoint_url: str | None = None) -> UPath:
-    """The data root at `path` (a folder or s3:// URL) for a long-lived reader: on object storage without
-    fsspec's listings cache, so runs and labels written after the first listing are seen."""
-    root = UPath(path)
-    if is_local(root):
-        return root
-    return UPath(path, use_listings_cache=False, **({"endpoint_url": endpoint_url} if endpoint_url else {}))

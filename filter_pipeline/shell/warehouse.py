@@ -7,7 +7,6 @@ Both take the data root from the same `DataRoot` resource, so the ledger step, w
 import os
 
 import dagster as dg
-import fsspec.utils
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -22,7 +21,7 @@ from filter_pipeline.rules.schemas import (
     to_pandas,
 )
 from filter_pipeline.settings import DATA_ENV, DEFAULT_DATA, ENDPOINT_ENV, data_path
-from filter_pipeline.storage.files import LOCAL_PROTOCOLS, atomic_write, files_in
+from filter_pipeline.storage.files import atomic_write, files_in, open_root
 
 
 class DataRoot(dg.ConfigurableResource):
@@ -47,7 +46,7 @@ class DataRoot(dg.ConfigurableResource):
 
     @property
     def root(self) -> UPath:
-        return UPath(self.path, **storage_options(self.path, self.endpoint_url))
+        return open_root(self.path, self.endpoint_url)
 
     @property
     def runs(self) -> UPath:
@@ -63,24 +62,6 @@ class DataRoot(dg.ConfigurableResource):
     def asset_file(self, asset: str, run_id: str) -> UPath:
         """`warehouse/<asset>/<run_id>.parquet`: the same path the IO manager writes."""
         return self.warehouse / asset / f"{run_id}.parquet"
-
-
-def storage_options(path: str, endpoint_url: str | None) -> dict:
-    """fsspec options for the data root at `path`. Raises ValueError for an endpoint on a non-S3 root."""
-    protocol = fsspec.utils.get_protocol(path)
-    if endpoint_url and protocol not in ("s3", "s3a"):
-        raise ValueError(
-            f"an endpoint URL ({ENDPOINT_ENV}, or the data resource's endpoint_url) applies to an s3:// data root, "
-            f"not {protocol}://"
-        )
-    if protocol in LOCAL_PROTOCOLS:
-        return {}
-    # fsspec caches directory listings per filesystem instance, for the life of the process: the sensor's
-    # long-lived code server would never see a batch that arrives after its first listing.
-    options: dict = {"use_listings_cache": False}
-    if endpoint_url:
-        options["endpoint_url"] = endpoint_url
-    return options
 
 
 def write_parquet(table: pa.Table, path: UPath) -> None:

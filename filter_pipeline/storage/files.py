@@ -8,12 +8,39 @@ import socket
 import time
 import uuid
 
+import fsspec.utils
 from upath import UPath
 
 from filter_pipeline.rules.commits import HASH_CHUNK, INPUT_FILES
+from filter_pipeline.settings import ENDPOINT_ENV
 
 # fsspec protocols of a local data root; anything else is object storage (no symlinks, no rename, no flock)
 LOCAL_PROTOCOLS = ("", "file", "local")
+
+
+def storage_options(path: str, endpoint_url: str | None) -> dict:
+    """fsspec options for the data root at `path`. Raises ValueError for an endpoint on a non-S3 root."""
+    protocol = fsspec.utils.get_protocol(path)
+    if endpoint_url and protocol not in ("s3", "s3a"):
+        raise ValueError(
+            f"an endpoint URL ({ENDPOINT_ENV}, or the data resource's endpoint_url) applies to an s3:// data root, "
+            f"not {protocol}://"
+        )
+    if protocol in LOCAL_PROTOCOLS:
+        return {}
+    # fsspec caches directory listings per filesystem instance, for the life of the process: the sensor's
+    # long-lived code server would never see a batch that arrives after its first listing.
+    options: dict = {"use_listings_cache": False}
+    if endpoint_url:
+        options["endpoint_url"] = endpoint_url
+    return options
+
+
+def open_root(path: str, endpoint_url: str | None = None) -> UPath:
+    """The data root at `path` (a folder or an s3:// URL), as every reader and writer of this project opens it
+    (`storage_options`)."""
+    return UPath(path, **storage_options(path, endpoint_url))
+
 
 HOST = socket.gethostname()
 # how an object store refuses a conditional write (`store_refusal`)

@@ -217,6 +217,20 @@ def test_a_bad_setting_in_the_environment_is_one_line(env, capsys, dagster_home,
 
 
 @pytest.mark.parametrize(
+    "argv", [["verify"], ["explain", "b1", "a"], ["review", "--port", "1"], ["calibrate"]], ids=lambda a: a[0]
+)
+def test_an_endpoint_url_for_a_local_data_root_is_refused_by_every_command_in_one_line(env, capsys, argv):
+    env.setenv("FILTER_PIPELINE_ENDPOINT_URL", "http://127.0.0.1:9")
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert (out, err) == (
+        "",
+        "filter-pipeline: an endpoint URL (FILTER_PIPELINE_ENDPOINT_URL, or the data resource's endpoint_url) "
+        "applies to an s3:// data root, not file://\n",
+    )
+
+
+@pytest.mark.parametrize(
     "name, value, line",
     [
         ("FILTER_JUDGE_CONCURRENCY", "0", "judge concurrency=0 (FILTER_JUDGE_CONCURRENCY): at least 1"),

@@ -271,7 +271,7 @@ def test_the_api_never_shows_the_judge_api_key(served, monkeypatch):
 def test_over_s3_pages_answer_and_concurrent_label_posts_lose_none(filtered_sample, s3_server, s3_bucket):
     from upath import UPath
 
-    from filter_pipeline.review.data import open_root
+    from filter_pipeline.storage.files import open_root
     from filter_pipeline_tests.review.conftest import Served
 
     fs = s3_server.filesystem()

@@ -1,0 +1,25 @@
+"""The data root of the commands that only read it (`verify`, `review`, `explain`)."""
+
+import os
+import sys
+
+from upath import UPath
+
+from filter_pipeline.settings import DATA_ENV, ENDPOINT_ENV, data_path
+from filter_pipeline.storage.files import open_root
+
+
+def existing_root(data: str | None) -> UPath | None:
+    """The data root `data` (--data) or $FILTER_PIPELINE_DATA names, opened as the stage opens it (with
+    $FILTER_PIPELINE_ENDPOINT_URL on S3). None, after one line on stderr, when that setting is refused or the
+    root does not exist: the command then exits with status 2."""
+    path = data_path(data)
+    try:
+        root = open_root(path, os.environ.get(ENDPOINT_ENV) or None)
+    except ValueError as exc:
+        print(f"filter-pipeline: {exc}", file=sys.stderr)
+        return None
+    if not root.exists():
+        print(f"filter-pipeline: data root {path} does not exist (--data or ${DATA_ENV})", file=sys.stderr)
+        return None
+    return root
