@@ -69,11 +69,12 @@ def labelled_requests(data: DataRoot, labels: pd.DataFrame) -> tuple[pd.DataFram
     return requests.reset_index(drop=True), (attempts, verdicts, tasks)
 
 
-def judge_candidate(judge: JudgeResource, data: DataRoot, requests: pd.DataFrame, file) -> tuple[pd.DataFrame, dict]:
+def judge_candidate(
+    judge: JudgeResource, data: DataRoot, requests: pd.DataFrame, previous: pd.DataFrame | None
+) -> tuple[pd.DataFrame, dict]:
     """The candidate's verdicts on `requests` (run by run: each run's records give steps where a trajectory.json
-    cannot be used), reusing those already in `file`; (verdicts, requests and cost paid now)."""
+    cannot be used), reusing those in `previous` (its file); (verdicts, requests and cost paid now)."""
     log = logging.getLogger("filter_pipeline.calibrate")
-    previous = read_parquet(file) if file.exists() else None
     frames, spent = [], {"requests": 0, "cost": 0.0, "priced": judge.prices().priced}
     for run_id, part in requests.groupby("run_id", sort=True):
         judgement = judge.judge(
@@ -85,6 +86,23 @@ def judge_candidate(judge: JudgeResource, data: DataRoot, requests: pd.DataFrame
         spent["cost"] += cost if isinstance(cost, float) else 0.0
     verdicts = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=VERDICT_COLUMNS)
     return conform(verdicts.assign(backend=verdicts.get("backend_detail")), "judge_verdicts"), spent
+
+
+def on_file(previous: pd.DataFrame | None, verdicts: pd.DataFrame) -> pd.DataFrame:
+    """The candidate's file after this call: `verdicts`, and every verdict of `previous` on an attempt not judged
+    now, so that attempts labelled earlier (a label replaced, a labels file cut short) are not paid for again."""
+    if previous is None:
+        return verdicts
+    return pd.concat([verdicts, previous[~previous["dir"].isin(verdicts["dir"])]], ignore_index=True)
+
+
+def _judged_by(verdicts: pd.DataFrame, row: dict) -> pd.DataFrame:
+    """The verdicts of the calibration row's judge: its model and prompt version (none: the gate judge)."""
+    same = pd.Series(True, index=verdicts.index)
+    for column in ("model", "prompt_version"):
+        wanted = "" if row[column] is None or pd.isna(row[column]) else str(row[column])
+        same &= verdicts[column].astype(object).fillna("").astype(str) == wanted
+    return verdicts[same]
 
 
 def _cost(verdicts: pd.DataFrame) -> str:
@@ -108,7 +126,7 @@ def side_by_side(labels: pd.DataFrame, frames: tuple, candidate: pd.DataFrame, n
             overall = overall[overall["predictor"] == "judge"]
         labelled = verdicts.merge(candidate[["dir"]], on="dir", how="inner")  # the same attempts' verdicts
         for row in overall.to_dict("records"):
-            cost = "" if row["predictor"] == "gate" else f"; {_cost(labelled)}"
+            cost = "" if row["predictor"] == "gate" else f"; {_cost(_judged_by(labelled, row))}"
             lines.append(f"{label}: {calibration.who(row)}: {calibration.summary(row)}{cost}")
         if overall.empty:
             lines.append(f"{label}: no labelled attempt judged")
@@ -133,16 +151,20 @@ def calibrate(args: argparse.Namespace) -> int:
     labels, rejects = calibration.parse_labels(raw)
     for message in rejects[: calibration.MAX_REJECTS_SHOWN]:
         print(f"filter-pipeline: warning: {message}", file=sys.stderr)
+    if labels.empty:
+        refused = f" ({len(rejects)} line(s) refused, above)" if rejects else ""
+        raise CalibrateError(f"{data.path}: {calibration.LABELS_FILE} holds no label{refused}: label some attempts")
     requests, frames = labelled_requests(data, labels)
     name = candidate_name(judge)
     file = data.warehouse / JUDGE_EVAL_FOLDER / f"{name}.parquet"
+    previous = read_parquet(file) if file.exists() else None
     print(f"judging {len(requests)} labelled attempts with the candidate {name}", flush=True)
     try:
-        verdicts, spent = judge_candidate(judge, data, requests, file)
+        verdicts, spent = judge_candidate(judge, data, requests, previous)
     except EndpointRefused as exc:
         print(f"filter-pipeline: {exc}", file=sys.stderr)
         return 1
-    write_bytes(encode(verdicts, "judge_verdicts")[1], file)
+    write_bytes(encode(on_file(previous, verdicts), "judge_verdicts")[1], file)
     paid = f", cost {spent['cost']:.4f}" if spent["priced"] else ""
     print(f"asked {spent['requests']} requests now{paid}; verdicts in {file}", flush=True)
     for line in side_by_side(labels, frames, verdicts, name):

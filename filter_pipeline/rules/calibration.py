@@ -188,11 +188,14 @@ def summary(row: dict) -> str:
 
 
 def who(row: dict) -> str:
-    """The predictor of a calibration row: `gate`, or `judge <model> <prompt_version>`."""
+    """The predictor of a calibration row: `gate`, `judge <model> <prompt_version>`, or the judge of runs the
+    gate judge decided (no model)."""
     if row["predictor"] == "gate":
         return "gate"
-    named = ("judge", row["model"], row["prompt_version"])
-    return " ".join(str(v) for v in named if v is not None and not pd.isna(v) and str(v).strip())
+    named = [
+        str(v) for v in (row["model"], row["prompt_version"]) if v is not None and not pd.isna(v) and str(v).strip()
+    ]
+    return " ".join(["judge", *named]) if named else "judge (the gate judge: no model)"
 
 
 def markdown(table: pd.DataFrame) -> str:

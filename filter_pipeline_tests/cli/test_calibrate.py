@@ -10,6 +10,7 @@ import pandas as pd
 import pytest
 
 from filter_pipeline.cli.main import main
+from filter_pipeline.judge.resource import JudgeResource
 from filter_pipeline_tests.builders import attempt, task, write_batch
 from filter_pipeline_tests.conftest import CLI
 from filter_pipeline_tests.judge.test_judging import Pipeline, llm, sample_batch
@@ -86,6 +87,51 @@ def test_calibrate_asks_once_per_labelled_attempt_then_never_and_leaves_the_ware
         .startswith("precision 1.00 [0.21, 1.00], recall 1.00 [0.21, 1.00], kappa 1.00 on 3 labels")
     )
     assert "2 requests" in lines["production: judge judge-test v3"]  # what production paid for those attempts
+
+
+def test_a_calibration_on_fewer_labels_keeps_the_other_verdicts_on_file_and_pays_for_none_again(
+    labelled, monkeypatch, capsys
+):
+    monkeypatch.setenv("FILTER_JUDGE_MODEL", "judge-test")
+    labels = labelled / "labels.jsonl"
+    eval_file = labelled / "warehouse" / "judge_eval" / "strict-model_v3_votes1.parquet"
+    on_file = lambda: sorted(pd.read_parquet(eval_file)["dir"])  # noqa: E731
+    with FakeOpenAI(candidate) as server:
+        args = ["calibrate", "--data", str(labelled), "--model", "strict-model", "--base-url", server.base_url]
+        assert main(args) == 0 and len(server.calls) == 3
+        everything = labels.read_text()
+        labels.write_text(everything.splitlines(keepends=True)[0])  # a alone
+        assert main(args) == 0 and len(server.calls) == 3
+        assert on_file() == ["runs/r/traj/a/1", "runs/r/traj/b/1", "runs/r/traj/e/1"]
+        labels.write_text("not a label\n")
+        assert main(args) == 2
+        assert on_file() == ["runs/r/traj/a/1", "runs/r/traj/b/1", "runs/r/traj/e/1"]
+        labels.write_text(everything)
+        assert main(args) == 0 and len(server.calls) == 3
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        "filter-pipeline: warning: labels.jsonl:1: not JSON (Expecting value at column 1)",
+        f"filter-pipeline: {labelled}: labels.jsonl holds no label (1 line(s) refused, above): label some attempts",
+    ]
+
+
+def test_each_production_judge_is_priced_on_its_own_verdicts(labelled, monkeypatch, capsys):
+    tasks = [task("g"), task("h", site="s2")]
+    write_batch(labelled, "r2", tasks, [attempt(t["task_id"], dir=f"runs/r2/traj/{t['task_id']}/1") for t in tasks])
+    with dg.instance_for_test() as instance:
+        Pipeline(labelled, instance).run(JudgeResource(kind="gate"), run_id="r2")
+    with open(labelled / "labels.jsonl", "a") as f:
+        f.write(json.dumps({"dir": "runs/r2/traj/g/1", "success": True}) + "\n")
+    monkeypatch.setenv("FILTER_JUDGE_MODEL", "judge-test")
+    with FakeOpenAI(candidate) as server:
+        assert main(["calibrate", "--data", str(labelled), "--model", "strict", "--base-url", server.base_url]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("production: judge")]
+    assert [line.split(": precision")[0] for line in lines] == [
+        "production: judge (the gate judge: no model)",
+        "production: judge judge-test v3",
+    ]
+    assert lines[0].endswith("; 0 requests, 0 tokens, not priced")
+    assert "; 2 requests, " in lines[1] and "not priced" not in lines[1]
 
 
 def test_calibrate_against_an_endpoint_that_refuses_is_exit_1_with_one_line_and_writes_nothing(
