@@ -26,7 +26,7 @@ from upath import UPath
 
 from filter_pipeline.review.data import FATES, ReviewError, UnreadableRun, Warehouse, page
 from filter_pipeline.review.queue import QueueMemo, item
-from filter_pipeline.review.story import Labels, inside_run, screenshot, story
+from filter_pipeline.review.story import Labels, inside_run, plain, screenshot, story
 from filter_pipeline.rules.records import as_text
 from filter_pipeline.settings import DAGSTER_URL_ENV
 from filter_pipeline.storage.labels import LabelWriteError, append_label, now_iso
@@ -36,6 +36,7 @@ LABELER_ENV = "FILTER_PIPELINE_LABELER"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")  # what this machine's own browser may call the app
 ANY_ADDRESS = ("0.0.0.0", "::", "")
 DEFAULT_LIMIT, MAX_LIMIT = 100, 1000
+REJECTED_LINES_SHOWN = 50  # on a run's page; batch_rejects holds them all
 MAX_NOTE_CHARS = 2000
 MAX_LABEL_BYTES = 64 << 10  # a label request's body; a note is at most MAX_NOTE_CHARS
 SECURITY_HEADERS = {
@@ -145,7 +146,9 @@ def run_page(request: Request) -> Response:
              "next": found["offset"] + found["limit"] if found["offset"] + found["limit"] < found["total"] else None}  # fmt: skip
     links = {k: None if v is None else "?" + urlencode({**query, "offset": v, "limit": found["limit"]})
              for k, v in pages.items()}  # fmt: skip
+    rejected = tables.rejects.sort_values(["file", "line"]).head(REJECTED_LINES_SHOWN)
     return review.html("run.html", summary=tables.summary, choices=choices, links=links,
+                       rejected_lines=plain(rejected[["message"]].to_dict("records")),
                        page_count=max(1, ceil(found["total"] / found["limit"])), **found)  # fmt: skip
 
 

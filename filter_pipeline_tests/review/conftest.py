@@ -25,7 +25,8 @@ SECRET_FILE = "secret.txt"  # outside the data root: the path-traversal attempts
 
 
 def _plant(root: Path) -> None:
-    """A script in one page text, a screenshot in a judged attempt, and a symlinked screenshot pointing out."""
+    """A script in one page text, a screenshot in a judged attempt, a symlinked screenshot pointing out, and two
+    rejected lines in 2026-11-29's executions.jsonl."""
     folder = root / "runs" / "2026-11-28" / "traj" / HOSTILE_TASK / "1"
     record = json.loads((folder / "trajectory.json").read_text())
     record["final"]["observation"] = f"before {SCRIPT} after"
@@ -33,6 +34,8 @@ def _plant(root: Path) -> None:
     (folder / "step-1.png").write_bytes(PNG)
     (root.parent / SECRET_FILE).write_text("do not serve me")
     (folder / "leak.png").symlink_to(root.parent / SECRET_FILE)
+    with open(root / "runs" / "2026-11-29" / "executions.jsonl", "a") as f:  # two lines its checks reject
+        f.write('not json\n{"task_id": "ghost", "attempt": 1, "ok": true, "dir": "traj/ghost/1", "steps": []}\n')
 
 
 @pytest.fixture(scope="session")

@@ -61,6 +61,17 @@ def test_runs_page_and_api_show_state_funnel_and_rates(served):
     assert '<a href="/runs/2026-11-29">2026-11-29</a>' in html and "committed" in html
 
 
+def test_the_rejected_lines_of_a_run_are_counted_on_the_runs_page_and_listed_on_its_page(served):
+    _, _, runs = get(served, "/")
+    row = runs[runs.rindex("<tr>", 0, runs.index('<a href="/runs/2026-11-29">')) :].split("</tr>")[0]
+    cells = [cell.split(">", 1)[1].split("</td>")[0] for cell in row.split("<td")[1:]]
+    assert cells[9:11] == ["0", "2"]  # no task line rejected (reject), two lines of executions.jsonl
+    _, _, html = get(served, "/runs/2026-11-29")
+    assert "2 rejected lines of the batch's files" in html
+    assert "<li>executions.jsonl:25: line is not JSON (Expecting value at column 1)</li>" in html
+    assert "<li>executions.jsonl:26: attempt of task_id &#39;ghost&#39; which is not in tasks.jsonl</li>" in html
+
+
 def test_task_table_is_filtered_and_paged_on_the_server(served):
     _, _, body = get(served, "/api/runs/2026-11-29/tasks?fate=surplus&limit=4")
     found = json.loads(body)
