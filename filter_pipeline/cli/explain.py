@@ -72,7 +72,8 @@ def story_lines(s: dict) -> list[str]:
     for label in s["labels"]:
         said = {True: "success", False: "failure"}.get(label["success"], "unsure")
         lines.append(f"label: {said} by {label['labeler'] or '?'} at {label['labeled_at'] or '?'}"
-                     + (f": {label['note']}" if label.get("note") else ""))  # fmt: skip
+                     + (f": {label['note']}" if label.get("note") else "")
+                     + ("" if label["current"] else " (replaced by a later label)"))  # fmt: skip
     return lines
 
 

@@ -8,6 +8,7 @@ import pandas as pd
 from upath import UPath
 
 from filter_pipeline.review.data import FATE_KEPT, FATE_SURPLUS, ReviewError, RunTables, Warehouse, signature
+from filter_pipeline.rules.batch import SUCCESS_FILE
 from filter_pipeline.rules.calibration import LABEL_COLUMNS, parse_labels
 from filter_pipeline.rules.records import as_text, read_json
 from filter_pipeline.rules.schemas import DROPPED_DUPLICATE, DROPPED_SITE_CAP
@@ -125,6 +126,8 @@ def story(warehouse: Warehouse, run_id: str, task_id: str, labels: pd.DataFrame 
     t = warehouse.run(run_id)
     match = t.tasks[t.tasks["task_id"] == task_id] if isinstance(task_id, str) else t.tasks.iloc[:0]
     if match.empty and t.legacy is None and not warehouse.asset_file("batch_tasks", run_id).exists():
+        if not t.complete:
+            raise ReviewError(f"run {run_id!r} is not complete (no {SUCCESS_FILE}): it is filtered once it is")
         raise ReviewError(f"run {run_id!r} is not filtered yet: filter-pipeline materialize {run_id}")
     if match.empty:
         raise ReviewError(f"no task {task_id!r} in run {run_id!r}")
@@ -198,11 +201,15 @@ class Labels:
 
 
 def task_labels(labels: pd.DataFrame | None, run_id: str, task_id: str, dirs: list, judged_dir) -> list[dict]:
-    """The task's labels in file order: by dir of any of its attempts, or by run and task."""
+    """The task's labels in file order: by dir of any of its attempts, or by run and task (the judged attempt's).
+    `current` is False on a label a later one of the same attempt replaces (calibration reads the latest)."""
     if labels is None or labels.empty:
         return []
     mine = labels["dir"].isin([d for d in dirs if d]) | ((labels["run_id"] == run_id) & (labels["task_id"] == task_id))
     found = plain(labels[mine.fillna(False).astype(bool)].to_dict("records"))
     for label in found:
         label["dir"] = label["dir"] or judged_dir
+    last = {label["dir"]: i for i, label in enumerate(found)}
+    for i, label in enumerate(found):
+        label["current"] = last[label["dir"]] == i
     return found

@@ -39,6 +39,7 @@ def test_explain_tells_execute_failures_with_their_reasons_and_labels(filtered_s
     assert done.returncode == 0 and done.stdout.startswith("task 2026-11-28-t013 of run 2026-11-28: execute_fail")
     assert "reason action_refused" in done.stdout and "reason backend_fail" in done.stdout
     assert done.stdout.count("label: failure") == 2
+    assert "replaced by a later label" not in done.stdout  # one label per attempt there
 
 
 def test_explain_of_a_missing_run_or_task_exits_1_with_one_line(filtered_sample, tmp_path):  # noqa: F811

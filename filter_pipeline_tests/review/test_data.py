@@ -167,7 +167,8 @@ def test_a_story_shows_the_judges_parts_when_the_file_has_them_and_does_without(
         story(warehouse, "r1", "zz")
     with pytest.raises(ReviewError, match="no run 'r9'"):
         warehouse.run("r9")
-    (warehouse.root / "runs" / "r3").mkdir()  # a batch not materialized yet
+    (warehouse.root / "runs" / "r3").mkdir()  # a complete batch not materialized yet
+    (warehouse.root / "runs" / "r3" / "_SUCCESS").touch()
     with pytest.raises(ReviewError, match="run 'r3' is not filtered yet: filter-pipeline materialize r3"):
         story(warehouse, "r3", "a")
 
@@ -319,6 +320,28 @@ def test_a_trajectory_folder_that_leads_out_of_the_run_is_not_read(tmp_path):
         found = trajectory(root, "r1", f"runs/r1/traj/k/{n}")
         assert found["problem"] == "no trajectory folder inside the run" and "instruction" not in found
     assert trajectory(root, "r1", "runs/r1/traj/k/3")["instruction"] == "mine"
+
+
+def test_of_an_attempts_labels_only_the_latest_counts_and_the_story_says_which(warehouse):
+    from filter_pipeline.rules.calibration import parse_labels
+
+    labels, _ = parse_labels(
+        '{"dir": "runs/r1/traj/k/1", "success": false}\n'
+        '{"run_id": "r1", "task_id": "k", "success": true}\n'  # the same attempt: the task's judged one
+        '{"dir": "runs/r1/traj/d/1", "success": true}\n'
+    )
+    found = story(warehouse, "r1", "k", labels)["labels"]
+    assert [(label["success"], label["current"]) for label in found] == [(False, False), (True, True)]
+
+
+def test_a_story_of_a_run_still_being_written_says_it_is_filtered_once_complete(tmp_path):
+    (tmp_path / "runs" / "r3").mkdir(parents=True)
+    (tmp_path / "runs" / "r3" / "tasks.jsonl").write_text('{"task_id": "a"}\n')
+    with pytest.raises(ReviewError, match=r"^run 'r3' is not complete \(no _SUCCESS\): it is filtered once it is$"):
+        story(Warehouse(UPath(str(tmp_path))), "r3", "a")
+    (tmp_path / "runs" / "r3" / "_SUCCESS").touch()
+    with pytest.raises(ReviewError, match=r"^run 'r3' is not filtered yet: filter-pipeline materialize r3$"):
+        story(Warehouse(UPath(str(tmp_path))), "r3", "a")
 
 
 def test_a_tasks_rejects_are_the_lines_naming_it_as_their_task_id():
