@@ -46,11 +46,15 @@ def _yes(value) -> str:
 
 def story_lines(s: dict) -> list[str]:
     """The story as lines of text."""
+    from filter_pipeline.review.data import REASON_RETIRED
+
     task, decision = s["task"], s["decision"]
     lines = [f"task {task['task_id']} of run {s['run_id']}: {decision['fate']}"
              + (f" ({decision['reason']})" if decision.get("reason") else ""),
              f"  site {task['site']}, macro {task['macro']}", f"  instruction: {task['instruction']}",
              f"  dedup key: {task['dedup_key']}"]  # fmt: skip
+    if decision.get("reason") == REASON_RETIRED:
+        lines.append("  retired by retired.json: it stays in kept but no longer counts for dedup or caps")
     if decision.get("duplicate_of"):
         dup = decision["duplicate_of"]
         lines.append(f"  duplicate of task {dup['task_id']} of run {dup['run_id']}, which kept the key first")

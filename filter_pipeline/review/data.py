@@ -19,7 +19,7 @@ from upath import UPath
 # The one module of the review package that reads commit state (kept in one place for the storage move).
 from filter_pipeline.rules.batch import LEGACY_KEPT_FILE, SUCCESS_FILE, check_run_id
 from filter_pipeline.rules.commits import COMMITS_DIR, parse_commit
-from filter_pipeline.rules.history import legacy_key_text
+from filter_pipeline.rules.history import RETIRED_FILE, HistoryError, Retired, legacy_key_text, parse_retired
 from filter_pipeline.rules.records import as_text, read_json
 from filter_pipeline.rules.schemas import (
     DROPPED_REASONS,
@@ -41,6 +41,7 @@ FATE_SURPLUS = "surplus"  # reason: duplicate / site_cap / target
 FATE_JUDGE_FAIL = REASON_JUDGE_FAIL
 FATE_UNJUDGED = "unjudged"  # the judge could not judge it (judge_verdicts status error)
 FATE_EXECUTE_FAIL = "execute_fail"  # every attempt failed: execute failures only, never judged
+REASON_RETIRED = "retired"  # a kept row retired.json retires: it no longer counts for dedup or caps
 REASON_NO_ATTEMPT = "no_attempt"  # an execute_fail's reason when executions.jsonl holds no attempt of the task
 FATE_REJECT = "reject"  # its line in tasks.jsonl was unusable (batch_rejects)
 FATE_PENDING = "pending"  # judged and passed in a run whose walk is not committed yet, or any task of a run
@@ -75,6 +76,7 @@ class RunTables:
     prior_counts: pd.DataFrame  # prior_kept_counts: history's kept rows per (macro, site) when the run was walked
     legacy: UPath | None = None  # kept.jsonl of a run filtered by the earlier script
     complete: bool = True  # False: its batch folder lacks _SUCCESS (the harness is still writing it)
+    retired: Retired = field(default_factory=Retired)  # retired.json (its kept rows show reason `retired`)
     summary: dict = field(default_factory=dict)
 
 
@@ -154,6 +156,7 @@ class Warehouse:
         files["commit"] = self.warehouse / COMMITS_DIR / f"{run_id}.json"
         files["legacy"] = self.root / "runs" / run_id / LEGACY_KEPT_FILE
         files["complete"] = self.root / "runs" / run_id / SUCCESS_FILE
+        files["retired"] = self.root / RETIRED_FILE
         return files
 
     def _key(self, run_id: str) -> tuple:
@@ -299,6 +302,7 @@ def load_run(run_id: str, files: dict[str, UPath]) -> RunTables:
         ),  # fmt: skip
         legacy=files["legacy"] if files["legacy"].exists() else None,
         complete=commit is not None or files["complete"].exists() or not files["complete"].parent.exists(),
+        retired=_retired(files["retired"]),
     )
     kept_ids = frame(files["kept"], ["task_id"])["task_id"]
     tables.tasks = task_table(tables, kept_ids)
@@ -317,6 +321,14 @@ def _by_task(table: pd.DataFrame, column: str, ids: pd.Series) -> pd.Series:
     found = positions(ids, last["task_id"])  # (an Arrow hash lookup: a pandas reindex on text is slower)
     values = last[column].astype("object").to_numpy()
     return pd.Series(np.where(found >= 0, values[np.maximum(found, 0)], None), index=ids.index, dtype="object")
+
+
+def _retired(path: UPath) -> Retired:
+    """retired.json; nothing retired when it is absent or has a shape the stage refuses (the stage says why)."""
+    try:
+        return parse_retired(path.read_bytes())
+    except (FileNotFoundError, HistoryError):
+        return Retired()
 
 
 def task_table(t: RunTables, kept_ids: pd.Series) -> pd.DataFrame:
@@ -348,6 +360,8 @@ def task_table(t: RunTables, kept_ids: pd.Series) -> pd.DataFrame:
     if t.legacy and tasks.empty:
         parts.append(read_legacy_kept(t.legacy))
     table = pd.concat([p for p in parts if len(p)] or [table], ignore_index=True)
+    retired = t.run_id in t.retired.runs or table["task_id"].isin(t.retired.tasks.get(t.run_id, ()))
+    table.loc[(table["fate"] == FATE_KEPT) & retired, "reason"] = REASON_RETIRED
     reason = table["reason"].astype("object")  # (None, not NaN, where a task has no reason)
     return table[[*TASK_COLUMNS, "dedup_key"]].assign(reason=reason.where(reason.notna(), None))
 

@@ -344,6 +344,17 @@ def test_a_story_of_a_run_still_being_written_says_it_is_filtered_once_complete(
         story(Warehouse(UPath(str(tmp_path))), "r3", "a")
 
 
+def test_a_kept_row_retired_json_retires_shows_reason_retired_as_soon_as_the_file_says_so(warehouse):
+    assert story(warehouse, "r1", "k")["decision"] == {"fate": "kept", "reason": None}
+    retired = warehouse.root / "retired.json"
+    retired.write_text(json.dumps([{"run_id": "r1", "task_ids": ["k"], "reason": "wrong site"}]))
+    assert story(warehouse, "r1", "k")["decision"] == {"fate": "kept", "reason": "retired"}
+    retired.write_text(json.dumps([{"run_id": "r1", "reason": "bad batch"}]))  # the whole run
+    tasks = warehouse.run("r1").tasks
+    assert tasks.loc[tasks["fate"] == "kept", "reason"].tolist() == ["retired"]
+    assert tasks.loc[tasks["fate"] != "kept", "reason"].ne("retired").all()  # only kept rows are retired
+
+
 def test_a_tasks_rejects_are_the_lines_naming_it_as_their_task_id():
     from filter_pipeline.review.story import task_rejects
 
