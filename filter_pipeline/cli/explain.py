@@ -46,7 +46,7 @@ def _yes(value) -> str:
 
 def story_lines(s: dict) -> list[str]:
     """The story as lines of text."""
-    from filter_pipeline.review.data import REASON_RETIRED
+    from filter_pipeline.review.fates import REASON_RETIRED
 
     task, decision = s["task"], s["decision"]
     lines = [f"task {task['task_id']} of run {s['run_id']}: {decision['fate']}"

@@ -24,7 +24,8 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from upath import UPath
 
-from filter_pipeline.review.data import FATES, ReviewError, UnreadableRun, Warehouse, page
+from filter_pipeline.review.data import ReviewError, UnreadableRun, Warehouse, page
+from filter_pipeline.review.fates import FATES
 from filter_pipeline.review.queue import QueueMemo, item
 from filter_pipeline.review.story import Labels, inside_run, plain, screenshot, story
 from filter_pipeline.rules.records import as_text

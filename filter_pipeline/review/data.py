@@ -8,7 +8,6 @@ so a page of a 300k-task run is a filter over frames in memory; a rewritten file
 import json
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
@@ -16,68 +15,29 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from upath import UPath
 
+from filter_pipeline.review.fates import (
+    FATE_KEPT,
+    TASK_COLUMNS,
+    RunTables,
+    json_text,
+    summarize,
+    task_table,
+    unreadable_summary,
+)
+
 # The one module of the review package that reads commit state (kept in one place for the storage move).
-from filter_pipeline.rules.batch import LEGACY_KEPT_FILE, SUCCESS_FILE, check_run_id
+from filter_pipeline.rules.batch import LEGACY_KEPT_FILE, SUCCESS_FILE, TASKS_FILE, check_run_id
 from filter_pipeline.rules.commits import COMMITS_DIR, parse_commit
 from filter_pipeline.rules.history import RETIRED_FILE, HistoryError, Retired, legacy_key_text, parse_retired
-from filter_pipeline.rules.records import as_text, read_json
 from filter_pipeline.rules.schemas import (
-    DROPPED_REASONS,
-    REASON_JUDGE_FAIL,
-    STAGE_EXECUTE,
-    STAGE_JUDGE,
-    STATUS_ERROR,
     STATUS_JUDGED,
-    isin,
     key_hashes,
-    positions,
     pylist,
     to_pandas,
 )
+from filter_pipeline.storage.runs import unparsed_tasks
 
-# A task's fate, in the words of the outputs
-FATE_KEPT = "kept"
-FATE_SURPLUS = "surplus"  # reason: duplicate / site_cap / target
-FATE_JUDGE_FAIL = REASON_JUDGE_FAIL
-FATE_UNJUDGED = "unjudged"  # the judge could not judge it (judge_verdicts status error)
-FATE_EXECUTE_FAIL = "execute_fail"  # every attempt failed: execute failures only, never judged
-REASON_RETIRED = "retired"  # a kept row retired.json retires: it no longer counts for dedup or caps
-REASON_NO_ATTEMPT = "no_attempt"  # an execute_fail's reason when executions.jsonl holds no attempt of the task
-FATE_REJECT = "reject"  # its line in tasks.jsonl was unusable (batch_rejects)
-FATE_PENDING = "pending"  # judged and passed in a run whose walk is not committed yet, or any task of a run
-# whose judge step has not written its verdicts yet (nothing of it is decided)
-FATES = (FATE_KEPT, FATE_SURPLUS, FATE_JUDGE_FAIL, FATE_UNJUDGED, FATE_EXECUTE_FAIL, FATE_REJECT, FATE_PENDING)
-
-STATE_COMMITTED = "committed"
-STATE_UNJUDGED = "unjudged"  # committed, with tasks left unjudged (judged again later)
-STATE_PENDING = "pending"  # complete batch not committed yet
-STATE_INCOMPLETE = "incomplete"  # batch folder without _SUCCESS: the harness is still writing it
-STATE_LEGACY = "legacy"  # filtered by the earlier script (kept.jsonl)
-STATE_UNREADABLE = "unreadable"  # a file of the run cannot be read (the runs page and the queue go on without it)
-
-TASK_COLUMNS = ["task_id", "fate", "reason", "site", "macro", "instruction"]
 CACHED_RUNS = 8  # run tables kept in memory (least recently used dropped first)
-
-
-@dataclass
-class RunTables:
-    """Everything the warehouse holds about one run, read once."""
-
-    run_id: str
-    commit: dict | None  # the commit record as JSON, None when the run is not committed
-    tasks: pd.DataFrame  # TASK_COLUMNS + dedup_key, plus reject rows
-    attempts: pd.DataFrame
-    verdicts: pd.DataFrame
-    judged: bool  # the run's judge_verdicts file exists
-    surplus: pd.DataFrame
-    failure_pool: pd.DataFrame
-    rejects: pd.DataFrame
-    dpo_pairs: pd.DataFrame
-    prior_counts: pd.DataFrame  # prior_kept_counts: history's kept rows per (macro, site) when the run was walked
-    legacy: UPath | None = None  # kept.jsonl of a run filtered by the earlier script
-    complete: bool = True  # False: its batch folder lacks _SUCCESS (the harness is still writing it)
-    retired: Retired = field(default_factory=Retired)  # retired.json (its kept rows show reason `retired`)
-    summary: dict = field(default_factory=dict)
 
 
 class ReviewError(LookupError):
@@ -157,6 +117,7 @@ class Warehouse:
         files["legacy"] = self.root / "runs" / run_id / LEGACY_KEPT_FILE
         files["complete"] = self.root / "runs" / run_id / SUCCESS_FILE
         files["retired"] = self.root / RETIRED_FILE
+        files["tasks.jsonl"] = self.root / "runs" / run_id / TASKS_FILE  # (read until batch_tasks is written)
         return files
 
     def _key(self, run_id: str) -> tuple:
@@ -260,6 +221,14 @@ def _verdicts(path: UPath) -> tuple[pd.DataFrame, bool]:
     return pd.DataFrame({c: pd.Series(dtype="object") for c in basic}), False
 
 
+def _retired(path: UPath) -> Retired:
+    """retired.json; nothing retired when it is absent or has a shape the stage refuses (the stage says why)."""
+    try:
+        return parse_retired(path.read_bytes())
+    except (FileNotFoundError, HistoryError):
+        return Retired()
+
+
 def load_run(run_id: str, files: dict[str, UPath]) -> RunTables:
     """Read the run's files and derive each task's fate."""
     commit = None
@@ -274,7 +243,7 @@ def load_run(run_id: str, files: dict[str, UPath]) -> RunTables:
     tables = RunTables(
         run_id=run_id,
         commit=commit,
-        tasks=frame(files["batch_tasks"], ["task_id", "site", "macro", "instruction", "dedup_key"]),
+        tasks=_tasks(run_id, files),
         attempts=frame(
             files["batch_attempts"],
             ["task_id", "attempt", "ok", "error", "dir", "n_actions", "backend_ok", "backend_detail"],
@@ -305,81 +274,19 @@ def load_run(run_id: str, files: dict[str, UPath]) -> RunTables:
         retired=_retired(files["retired"]),
     )
     kept_ids = frame(files["kept"], ["task_id"])["task_id"]
-    tables.tasks = task_table(tables, kept_ids)
+    legacy = read_legacy_kept(tables.legacy) if tables.legacy and tables.tasks.empty else None
+    tables.tasks = task_table(tables, kept_ids, legacy)
     tables.summary = summarize(tables)
     return tables
 
 
-def _by_task(table: pd.DataFrame, column: str, ids: pd.Series) -> pd.Series:
-    """`table[column]` looked up by task_id for each of `ids`, <NA> when none: the row of a task's highest
-    attempt wins (its last row in a table without attempts)."""
-    if table.empty or column not in table.columns:
-        return pd.Series([pd.NA] * len(ids), index=ids.index, dtype="object")
-    if "attempt" in table.columns:
-        table = table.sort_values("attempt", kind="stable")
-    last = table.drop_duplicates("task_id", keep="last")
-    found = positions(ids, last["task_id"])  # (an Arrow hash lookup: a pandas reindex on text is slower)
-    values = last[column].astype("object").to_numpy()
-    return pd.Series(np.where(found >= 0, values[np.maximum(found, 0)], None), index=ids.index, dtype="object")
-
-
-def _retired(path: UPath) -> Retired:
-    """retired.json; nothing retired when it is absent or has a shape the stage refuses (the stage says why)."""
-    try:
-        return parse_retired(path.read_bytes())
-    except (FileNotFoundError, HistoryError):
-        return Retired()
-
-
-def task_table(t: RunTables, kept_ids: pd.Series) -> pd.DataFrame:
-    """One row per task: TASK_COLUMNS + dedup_key; tasks.jsonl rejects appended with fate `reject`."""
-    tasks = t.tasks.reset_index(drop=True)
-    ids = tasks["task_id"]
-    committed = t.commit is not None and "error" not in t.commit
-    status = _by_task(t.verdicts, "status", ids)
-    dropped = _by_task(t.surplus, "dropped", ids)
-    pool = t.failure_pool
-    judge_rows = pool[pool["stage"] == STAGE_JUDGE] if "stage" in pool else pool.iloc[:0]
-    execute_rows = pool[pool["stage"] == STAGE_EXECUTE] if "stage" in pool else pool.iloc[:0]
-    judge_failed = _by_task(judge_rows, "reason", ids).notna().to_numpy()
-    kept = isin(ids, kept_ids) if committed else np.zeros(len(ids), bool)
-    in_surplus = dropped.notna().to_numpy() & committed
-    conditions = [kept, in_surplus, judge_failed, (status == STATUS_ERROR).fillna(False).to_numpy(bool),
-                  status.notna().to_numpy()]  # fmt: skip
-    fate = np.select(conditions, [FATE_KEPT, FATE_SURPLUS, FATE_JUDGE_FAIL, FATE_UNJUDGED, FATE_PENDING],
-                     default=FATE_EXECUTE_FAIL)  # fmt: skip
-    reason = np.where(in_surplus, dropped.astype("object").to_numpy(), None)
-    reason = np.where(judge_failed & ~in_surplus & ~kept, REASON_JUDGE_FAIL, reason)
-    executed = isin(ids, t.attempts["task_id"])
-    execute_reason = np.where(executed, _by_task(execute_rows, "reason", ids).to_numpy(), REASON_NO_ATTEMPT)
-    reason = np.where(fate == FATE_EXECUTE_FAIL, execute_reason, reason)
-    if not t.judged:  # (the judge step has not written its verdicts, nor the failure pool: nothing is decided)
-        fate, reason = np.full(len(ids), FATE_PENDING, dtype=object), np.full(len(ids), None)
-    table = tasks.assign(fate=fate, reason=reason)
-    parts = [table, _rejected_tasks(t.rejects)]
-    if t.legacy and tasks.empty:
-        parts.append(read_legacy_kept(t.legacy))
-    table = pd.concat([p for p in parts if len(p)] or [table], ignore_index=True)
-    retired = t.run_id in t.retired.runs or table["task_id"].isin(t.retired.tasks.get(t.run_id, ()))
-    table.loc[(table["fate"] == FATE_KEPT) & retired, "reason"] = REASON_RETIRED
-    reason = table["reason"].astype("object")  # (None, not NaN, where a task has no reason)
-    return table[[*TASK_COLUMNS, "dedup_key"]].assign(reason=reason.where(reason.notna(), None))
-
-
-def _rejected_tasks(rejects: pd.DataFrame) -> pd.DataFrame:
-    """The unusable lines of tasks.jsonl as task rows (fate reject), with what the raw line says of the task."""
-    rows = []
-    for record in rejects[rejects["file"] == "tasks.jsonl"].to_dict("records") if "file" in rejects else []:
-        try:
-            raw = read_json(record.get("raw") or "")  # (a line rejected for an over-long integer still names its task)
-        except ValueError:
-            raw = None
-        raw = raw if isinstance(raw, dict) else {}
-        named = _text(raw.get("task_id"))
-        rows.append({"task_id": named or f"tasks.jsonl:{record['line']}", "fate": FATE_REJECT,
-                     "reason": record.get("message"), "site": _text(raw.get("site")),
-                     "macro": _text(raw.get("macro")), "instruction": _text(raw.get("instruction"))})  # fmt: skip
-    return pd.DataFrame(rows, columns=TASK_COLUMNS)
+def _tasks(run_id: str, files: dict[str, UPath]) -> pd.DataFrame:
+    """batch_tasks; before the judge step wrote it, the tasks of the batch's tasks.jsonl (all pending)."""
+    columns = ["task_id", "site", "macro", "instruction", "dedup_key"]
+    found = read_table(files["batch_tasks"], columns)
+    if found is None and not files["legacy"].exists():
+        found = unparsed_tasks(files["complete"].parent, run_id)
+    return frame(files["batch_tasks"], columns) if found is None else found[columns]
 
 
 def read_legacy_kept(path: UPath) -> pd.DataFrame:
@@ -391,9 +298,9 @@ def read_legacy_kept(path: UPath) -> pd.DataFrame:
         except (ValueError, RecursionError):  # (the ledger refuses such a file: the page shows what it can)
             continue
         if isinstance(record, dict) and isinstance(record.get("task_id"), str):
-            rows.append({"task_id": _text(record["task_id"]), "fate": FATE_KEPT, "reason": None,
-                         "site": _text(record.get("site")), "macro": _text(record.get("macro")),
-                         "instruction": _text(record.get("instruction")),
+            rows.append({"task_id": json_text(record["task_id"]), "fate": FATE_KEPT, "reason": None,
+                         "site": json_text(record.get("site")), "macro": json_text(record.get("macro")),
+                         "instruction": json_text(record.get("instruction")),
                          "dedup_key": _legacy_key(record.get("dedup_key"))})  # fmt: skip
     return pd.DataFrame(rows, columns=[*TASK_COLUMNS, "dedup_key"])
 
@@ -410,56 +317,6 @@ def _legacy_key(key) -> str:
         return json.dumps(key, ensure_ascii=False)
     except RecursionError:
         return "(a key nested too deep to show)"
-
-
-def _text(value) -> str | None:
-    """A decoded JSON string as UTF-8 can carry it (a rejected line may hold a lone surrogate), else None."""
-    return as_text(value) if isinstance(value, str) else None
-
-
-def summarize(t: RunTables) -> dict:
-    """The run's line on the runs page: state, funnel, rates, blocked attempts and cost."""
-    fates = t.tasks["fate"].value_counts().to_dict()
-    verdicts = t.verdicts
-    judged = verdicts[verdicts["status"] == STATUS_JUDGED] if "status" in verdicts else verdicts.iloc[:0]
-    passed = int(judged["passed"].fillna(False).astype(bool).sum()) if "passed" in judged else 0
-    n_tasks = int(len(t.tasks) - fates.get(FATE_REJECT, 0))
-    blocked = int(verdicts["blocked"].fillna(False).astype(bool).sum()) if "blocked" in verdicts else None
-    cost = verdicts["cost"].dropna() if "cost" in verdicts else pd.Series(dtype=float)
-    return {
-        "run_id": t.run_id,
-        "state": run_state(t, fates),
-        "walked_at": (t.commit or {}).get("walked_at"),
-        "tasks": n_tasks,
-        "attempts": int(len(t.attempts)),
-        "rejects": int(len(t.rejects)),
-        "with_ok_attempt": int(len(verdicts)),
-        "judged": int(len(judged)),
-        "passed": passed,
-        **{fate: int(fates.get(fate, 0)) for fate in FATES},
-        "surplus_by_reason": {r: int((t.surplus.get("dropped") == r).sum()) for r in DROPPED_REASONS},
-        "keep_rate": fates.get(FATE_KEPT, 0) / n_tasks if n_tasks else None,
-        "judge_pass_rate": passed / len(judged) if len(judged) else None,
-        "blocked": blocked,
-        "cost": float(cost.sum()) if len(cost) else None,
-    }
-
-
-def unreadable_summary(run_id: str, reason: str) -> dict:
-    """The runs page's line of a run whose files cannot be read: why, in one line, and no figures (its own page
-    answers 500 with the same reason)."""
-    return {"run_id": run_id, "state": f"{STATE_UNREADABLE} ({reason})", "walked_at": None, "tasks": None,
-            "attempts": None, "rejects": None, "with_ok_attempt": None, "judged": None, "passed": None,
-            **dict.fromkeys(FATES), "surplus_by_reason": {}, "keep_rate": None, "judge_pass_rate": None,
-            "blocked": None, "cost": None}  # fmt: skip
-
-
-def run_state(t: RunTables, fates: dict) -> str:
-    if t.commit is None:
-        return STATE_LEGACY if t.legacy else STATE_PENDING if t.complete else STATE_INCOMPLETE
-    if "error" in t.commit:
-        return f"{STATE_PENDING} (unreadable commit record)"
-    return STATE_UNJUDGED if fates.get(FATE_UNJUDGED, 0) else STATE_COMMITTED
 
 
 def page(tasks: pd.DataFrame, filters: dict, offset: int, limit: int) -> tuple[int, list[dict]]:

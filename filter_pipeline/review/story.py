@@ -7,7 +7,8 @@ import re
 import pandas as pd
 from upath import UPath
 
-from filter_pipeline.review.data import FATE_KEPT, FATE_SURPLUS, ReviewError, RunTables, Warehouse, signature
+from filter_pipeline.review.data import ReviewError, Warehouse, signature
+from filter_pipeline.review.fates import FATE_KEPT, FATE_SURPLUS, RunTables
 from filter_pipeline.rules.batch import SUCCESS_FILE
 from filter_pipeline.rules.calibration import LABEL_COLUMNS, parse_labels
 from filter_pipeline.rules.records import as_text, read_json

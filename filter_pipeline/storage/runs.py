@@ -109,6 +109,15 @@ def read_batch(run_dir: UPath, run_id: str) -> Batch:
     return replace(parsed, seconds=time.perf_counter() - started, inputs=inputs)
 
 
+def unparsed_tasks(run_dir: UPath, run_id: str) -> pd.DataFrame | None:
+    """The valid tasks of `runs/<run_id>/tasks.jsonl` as the judge step will parse them, for a batch it has not
+    parsed yet; None when the file is absent or holds no valid task."""
+    try:
+        return parse_tasks((run_dir / TASKS_FILE).read_bytes(), run_id)[0]
+    except (FileNotFoundError, BatchError):
+        return None
+
+
 def inputs_to_commit(warehouse: UPath, run_dir: UPath, run_id: str, verdicts: pd.DataFrame) -> tuple[dict, list[str]]:
     """The input fingerprints the run's commit records, and the input files changed since. Those are the
     fingerprints of the bytes `verdicts` (the run's, as the walk loaded them) were made from, so that a batch

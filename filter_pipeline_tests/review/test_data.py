@@ -10,7 +10,8 @@ import pyarrow as pa
 import pytest
 from upath import UPath
 
-from filter_pipeline.review.data import ReviewError, UnreadableRun, Warehouse, _rejected_tasks, page
+from filter_pipeline.review.data import ReviewError, UnreadableRun, Warehouse, page
+from filter_pipeline.review.fates import _rejected_tasks
 from filter_pipeline.review.story import story
 from filter_pipeline.rules.commits import CommitRecord
 from filter_pipeline.rules.history import parse_legacy
@@ -353,6 +354,19 @@ def test_a_kept_row_retired_json_retires_shows_reason_retired_as_soon_as_the_fil
     tasks = warehouse.run("r1").tasks
     assert tasks.loc[tasks["fate"] == "kept", "reason"].tolist() == ["retired"]
     assert tasks.loc[tasks["fate"] != "kept", "reason"].ne("retired").all()  # only kept rows are retired
+
+
+def test_a_batch_not_parsed_yet_shows_the_valid_tasks_of_its_tasks_jsonl_as_pending(tmp_path):
+    from filter_pipeline_tests.builders import attempt, task, write_batch
+
+    write_batch(tmp_path, "r5", [task("a"), task("b", site="s2"), task("a")], [attempt("a")])
+    warehouse = Warehouse(UPath(str(tmp_path)))
+    tasks = warehouse.run("r5").tasks
+    assert tasks[["task_id", "fate", "site"]].values.tolist() == [["a", "pending", "s"], ["b", "pending", "s2"]]
+    assert warehouse.runs()[0]["tasks"] == 2 and warehouse.runs()[0]["state"] == "pending"
+    assert story(warehouse, "r5", "b")["decision"] == {"fate": "pending", "reason": None}
+    _write(tmp_path, "batch_tasks", "r5", [{"task_id": "c", "run_id": "r5"}])  # the judge step parsed it
+    assert warehouse.run("r5").tasks["task_id"].tolist() == ["c"]
 
 
 def test_a_tasks_rejects_are_the_lines_naming_it_as_their_task_id():
