@@ -15,6 +15,7 @@ import sys
 
 import pandas as pd
 
+from filter_pipeline.cli import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_UNJUDGED
 from filter_pipeline.judge.client import EndpointRefused, JudgeSetupError, ssl_context
 from filter_pipeline.judge.driver import RecordSteps
 from filter_pipeline.judge.resource import ENV, JudgeResource, judge_from_env
@@ -133,9 +134,6 @@ def side_by_side(labels: pd.DataFrame, frames: tuple, candidate: pd.DataFrame, n
     return lines
 
 
-EXIT_UNJUDGED = 3  # as `materialize`'s: labelled attempts left unjudged, asked again by the next call
-
-
 def calibrate(args: argparse.Namespace) -> int:
     """Exit status 0 when the candidate judged every labelled attempt and was scored; 1 when it could not judge
     (endpoint refused); 2 bad input; 3 when attempts were left unjudged (scored on the others, if any)."""
@@ -163,7 +161,7 @@ def calibrate(args: argparse.Namespace) -> int:
         verdicts, spent = judge_candidate(judge, data, requests, previous)
     except EndpointRefused as exc:
         print(f"filter-pipeline: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_FAILED
     write_bytes(encode(on_file(previous, verdicts), "judge_verdicts")[1], file)
     paid = f", cost {spent['cost']:.4f}" if spent["priced"] else ""
     print(f"asked {spent['requests']} requests now{paid}; verdicts in {file}", flush=True)
@@ -186,4 +184,4 @@ def run(args: argparse.Namespace) -> int:
         from filter_pipeline.cli.main import one_line
 
         print(f"filter-pipeline: {one_line(exc)}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT

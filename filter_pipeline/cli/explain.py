@@ -4,6 +4,7 @@ import argparse
 import json
 import sys
 
+from filter_pipeline.cli import EXIT_BAD_INPUT, EXIT_FAILED
 from filter_pipeline.settings import DATA_ENV, DEFAULT_DATA
 
 PAGE_TEXT_CHARS = 1200  # of the final page text printed (the review page shows it all)
@@ -29,13 +30,13 @@ def explain(args: argparse.Namespace) -> int:
 
     root = existing_root(args.data)
     if root is None:
-        return 2
+        return EXIT_BAD_INPUT
     warehouse = Warehouse(root)
     try:
         found = story(warehouse, args.run_id, args.task_id, Labels(root).frame())
     except (ReviewError, UnreadableRun) as exc:
         print(f"filter-pipeline: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_FAILED
     print("\n".join(story_lines(found)))
     return 0
 

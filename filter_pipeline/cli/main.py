@@ -8,7 +8,7 @@ import argparse
 import os
 import sys
 
-from filter_pipeline.cli import explain, review
+from filter_pipeline.cli import EXIT_BAD_INPUT, EXIT_FAILED, explain, review
 from filter_pipeline.rules.history import HistoryError
 from filter_pipeline.settings import (
     DATA_ENV,
@@ -91,13 +91,13 @@ def verify(args: argparse.Namespace) -> int:
 
     root = existing_root(args.data)
     if root is None:
-        return 2
+        return EXIT_BAD_INPUT
     findings = audit(root)
     for finding in findings:
         print(finding.line)
     if not findings:
         print(f"{data_path(args.data)}: warehouse verified, no finding")
-    return 1 if findings else 0
+    return EXIT_FAILED if findings else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,12 +134,12 @@ def _materialize(args: argparse.Namespace, signals) -> int:
         from filter_pipeline.cli.materialize import CliError, materialize
     except ValueError as exc:  # (each names the setting it is about)
         print(f"filter-pipeline: {one_line(exc)}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     try:
         return materialize(args, signals)
     except (CliError, ValueError, HistoryError) as exc:
         print(f"filter-pipeline: {one_line(exc)}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
 
 
 def one_line(exc: Exception) -> str:

@@ -13,6 +13,7 @@ import sys
 
 import dagster as dg
 
+from filter_pipeline.cli import EXIT_FAILED, EXIT_UNJUDGED
 from filter_pipeline.cli.interrupts import Interrupted, Signals, saved_line, was_interrupted
 from filter_pipeline.definitions import defs_from_env
 from filter_pipeline.judge.client import ssl_context
@@ -47,10 +48,6 @@ from filter_pipeline.storage.history import load_retired, read_commits
 from filter_pipeline.storage.lease import LedgerBusy, StoreIgnoresConditions, ledger_lease
 from filter_pipeline.storage.publish import STAGING_DIR, commit_state, complete_published
 from filter_pipeline.storage.runs import complete_batches
-
-EXIT_RUN_FAILED = 1
-EXIT_BAD_INPUT = 2  # (main.py maps CliError, ValueError and HistoryError to it)
-EXIT_UNJUDGED = 3
 
 
 class CliError(Exception):
@@ -243,7 +240,7 @@ def materialize(args: argparse.Namespace, signals: Signals | None = None) -> int
     else:
         _register(instance, run_ids)
         failed, unjudged = _run_batches(instance, data, caps, run_ids, rejudge, signals)
-        status = EXIT_RUN_FAILED if failed or refused else EXIT_UNJUDGED if unjudged else 0
+        status = EXIT_FAILED if failed or refused else EXIT_UNJUDGED if unjudged else 0
         if unjudged:
             print(
                 f"{unjudged} run(s) left tasks unjudged: a later `filter-pipeline materialize` naming no run judges "
@@ -294,12 +291,12 @@ def _checked_arguments(args: argparse.Namespace):
 def _nothing_to_materialize(instance: dg.DagsterInstance, data: DataRoot, args, refused: list[str]) -> int:
     """No batch to run: say so, and refresh judge_calibration if labels.jsonl changed since it was built."""
     if refused:
-        return EXIT_RUN_FAILED  # something complete was not filtered
+        return EXIT_FAILED  # something complete was not filtered
     print("nothing to materialize: every complete batch is already filtered")
     if not args.run_ids and labels_changed(instance, data) is not None:
         print("labels.jsonl changed since judge_calibration was built: refreshing it", flush=True)
         if not _refresh_across_runs(instance, only=[CALIBRATION]):
-            return EXIT_RUN_FAILED
+            return EXIT_FAILED
         _print_calibration(data)
     return 0
 

@@ -6,6 +6,7 @@ import os
 import socket
 import sys
 
+from filter_pipeline.cli import EXIT_BAD_INPUT
 from filter_pipeline.settings import DATA_ENV, DEFAULT_DATA
 
 DEFAULT_HOST = "127.0.0.1"  # loopback: the app has no login, so it is reachable from this machine only unless told
@@ -40,15 +41,15 @@ def review(args: argparse.Namespace) -> int:
 
     root = existing_root(args.data)
     if root is None:
-        return 2
+        return EXIT_BAD_INPUT
     if not 0 < args.port < 65536:
         print(f"filter-pipeline: --port {args.port}: expected 1 to 65535", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     try:  # (listening first: a port in use is one line, before any run is read)
         listening = _listen(args.host, args.port)
     except OSError as exc:
         print(f"filter-pipeline: {_cannot_listen(args.host, args.port, exc)}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     print(f"review app for {root}: http://{args.host}:{args.port}/ (Ctrl-C to stop)", flush=True)
     if args.host not in LOOPBACK:
         print(f"filter-pipeline: the review app has no login: anyone who reaches {args.host}:{args.port} can read "
