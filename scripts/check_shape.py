@@ -5,7 +5,7 @@
 One line per violation, then exit 1; silent with exit 0 when the shape holds:
 - `rules/` is pure: it imports none of fcntl, threading, concurrent.futures, upath, fsspec, s3fs, and calls no
   file function (builtin `open`, `os.open`/`os.replace`/`os.scandir`/..., `os.path.exists`/..., a path's
-  `.open(`/`.read_bytes(`/`.iterdir(`/...);
+  `.open(`/`.read_bytes(`/`.iterdir(`/...) and reads no clock (`time.time`, `datetime.now`, ...);
 - no function (or method) is longer than MAX_FUNCTION_LINES lines, from its `def` to its last line;
 - no `global` statement;
 - no module is longer than MAX_MODULE_LINES lines.
@@ -26,6 +26,9 @@ OS_FILE_CALLS = {
            "mkdir", "rmdir", "stat", "walk", "utime", "chmod", "link", "symlink", "truncate", "write", "read"},
     "os.path": {"exists", "isfile", "isdir", "getsize", "getmtime", "islink", "lexists"},
 }  # fmt: skip
+# clocks: a rule given the same data gives the same answer, so the time comes in as data
+CLOCK_CALLS = {"time.time", "time.time_ns", "time.monotonic", "time.perf_counter", "datetime.now", "datetime.utcnow",
+               "datetime.today", "date.today", "datetime.datetime.now", "datetime.datetime.utcnow"}  # fmt: skip
 # methods of a path object (pathlib, UPath) that touch the file system: `path.open(...)`, `path.iterdir()`
 PATH_FILE_METHODS = {"open", "read_bytes", "read_text", "write_bytes", "write_text", "iterdir", "rglob", "mkdir",
                      "unlink", "rmdir", "touch"}  # fmt: skip
@@ -72,6 +75,8 @@ def _purity(tree: ast.Module, where: str) -> list[str]:
             break
         if isinstance(node, ast.Call) and (call := _file_call(node)):
             found.append(f"{where}:{node.lineno}: calls {call} ({PURE_PACKAGE}/ must not touch files)")
+        if isinstance(node, ast.Call) and _dotted(node.func) in CLOCK_CALLS:
+            found.append(f"{where}:{node.lineno}: calls {_dotted(node.func)} ({PURE_PACKAGE}/ must not read clocks)")
     return found
 
 

@@ -31,7 +31,8 @@ from upath import UPath
 from filter_pipeline.judge import prompt as judge_prompt
 from filter_pipeline.rules.batch import EXECUTIONS_FILE
 from filter_pipeline.rules.records import read_json
-from filter_pipeline.rules.schemas import JUDGE_PROGRESS_SCHEMA, STATUS_JUDGED, pylist, read_parquet_file
+from filter_pipeline.rules.schemas import JUDGE_PROGRESS_SCHEMA, STATUS_JUDGED, pylist
+from filter_pipeline.storage.files import HASH_CHUNK, read_parquet_file
 
 if TYPE_CHECKING:
     from filter_pipeline.judge.config import LLMJudgeConfig
@@ -74,8 +75,6 @@ class RecordSteps:
     cannot be used. The file's line offsets are found once, on first use, a slice at a time; each record is
     then read on its own. Safe to call from several threads."""
 
-    CHUNK = 8 << 20
-
     def __init__(self, run_dir: UPath):
         self.path = run_dir / EXECUTIONS_FILE
         self._starts: np.ndarray | None = None
@@ -86,7 +85,7 @@ class RecordSteps:
             if self._starts is None:
                 ends, offset = [], 0
                 with self.path.open("rb") as f:
-                    while chunk := f.read(self.CHUNK):
+                    while chunk := f.read(HASH_CHUNK):
                         ends.append(np.flatnonzero(np.frombuffer(chunk, dtype=np.uint8) == 10) + offset)
                         offset += len(chunk)
                 self._starts = np.concatenate([[0], *(e + 1 for e in ends), [offset + 1]]).astype(np.int64)

@@ -12,18 +12,11 @@ The record and its parsing; reading and writing them is `storage/`'s (history.py
 import hashlib
 import json
 from dataclasses import asdict, dataclass, fields
-from datetime import UTC, datetime
+from datetime import datetime
 
 COMMITS_DIR = "_commits"  # <data>/warehouse/_commits/<run_id>.json
 LEGACY_PREFIX = "legacy:"  # history entry of a legacy run: "legacy:<sha256 of its kept.jsonl>"
 INPUT_FILES = ("tasks.jsonl", "executions.jsonl")
-HASH_CHUNK = 8 << 20
-
-
-def walked_now() -> str:
-    """A commit's walked_at for a walk committing now: ISO 8601 in UTC, to the microsecond (a re-walk launched
-    in the same second as the commit before it must still be told apart from it)."""
-    return datetime.now(UTC).isoformat(timespec="microseconds")
 
 
 class HistoryIntegrityError(ValueError):

@@ -421,24 +421,6 @@ def parquet_bytes(table: pa.Table, asset: str | None = None) -> pa.Buffer:
 _PANDAS_TYPES = {BOOL: pd.BooleanDtype(), INT: pd.Int64Dtype()}
 
 
-def read_parquet_file(source, columns: list[str] | None = None, read_dictionary: list[str] | None = None) -> pa.Table:
-    """One Parquet file (a path, file object or buffer) as an Arrow table, read to the end before it returns.
-
-    Not `pq.read_table`: that goes through Arrow's dataset scanner, whose background read-ahead can still be
-    winding down when the call returns; a process that exits then aborts with "terminate called without an
-    active exception" (apache/arrow#34314, #39862). `ParquetFile.read` reads synchronously.
-
-    A Python file object (what fsspec opens) is first copied whole into memory Arrow owns, and parsed from
-    there: given the file object itself, Arrow reads it ahead on its IO threads, and a read still finishing
-    when the process exits releases a Python buffer without the interpreter, which aborts the process
-    ("terminate called without an active exception", apache/arrow#50482; seen in this project's CI)."""
-    if not isinstance(source, (pa.NativeFile, str)):
-        with pa.BufferOutputStream() as owned:  # (a copy: no Python object is left for Arrow's threads to release)
-            owned.write(source.read())
-            source = pa.BufferReader(owned.getvalue())
-    return pq.ParquetFile(source, read_dictionary=read_dictionary).read(columns=columns)
-
-
 def to_pandas(table: pa.Table) -> pd.DataFrame:
     """An Arrow table as pandas with nullable bool/int dtypes and pandas' default string dtype."""
     return table.to_pandas(types_mapper=_PANDAS_TYPES.get)

@@ -44,6 +44,7 @@ from filter_pipeline.storage.publish import (
     commit_state,
     complete_published,
     pause_point,
+    walked_now,
 )
 from filter_pipeline.storage.runs import changed_since_judged, inputs_to_commit
 
@@ -412,7 +413,7 @@ def _commit_record(config, run_id, judge_verdicts, kept, index, files, source, i
     """The run's commit record: its files, caps, judge, the history it read and its inputs' hashes."""
     return commits.CommitRecord(
         run_id=run_id,
-        walked_at=commits.walked_now(),
+        walked_at=walked_now(),
         files=files,
         kept_keys=len(kept),  # (all distinct: no_key_kept_twice held, or nothing is committed)
         caps={k: v for k, v in config.model_dump().items() if k in CapsConfig.model_fields},

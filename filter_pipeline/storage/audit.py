@@ -7,7 +7,6 @@ from upath import UPath
 
 from filter_pipeline.rules.commits import COMMITS_DIR, CommitRecord, HistoryIntegrityError, parse_commit
 from filter_pipeline.rules.history import HistoryError, drop_retired, parse_legacy
-from filter_pipeline.rules.schemas import read_parquet_file
 from filter_pipeline.rules.verify import (
     Finding,
     cap_findings,
@@ -18,7 +17,7 @@ from filter_pipeline.rules.verify import (
     suspect_rows,
     unreadable_verdicts,
 )
-from filter_pipeline.storage.files import files_in, inputs_changed, is_local
+from filter_pipeline.storage.files import files_in, inputs_changed, is_local, read_parquet_file
 from filter_pipeline.storage.history import kept_files, legacy_kept_files, load_retired, verified_bytes
 from filter_pipeline.storage.lease import lease_live
 from filter_pipeline.storage.publish import MANIFEST, incomplete_publishes, relative

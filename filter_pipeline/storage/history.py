@@ -23,8 +23,7 @@ from filter_pipeline.rules.history import (
     refilter,
     whole_runs_counted,
 )
-from filter_pipeline.rules.schemas import read_parquet_file
-from filter_pipeline.storage.files import files_in
+from filter_pipeline.storage.files import files_in, read_parquet_file
 from filter_pipeline.storage.publish import staged_copy
 
 

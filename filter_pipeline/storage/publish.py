@@ -28,6 +28,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime
 
 from upath import UPath
 
@@ -48,9 +49,14 @@ MANIFEST = "_publish.json"
 # fault injection for the tests of stalls and kills: "<point>:<file>" makes the walk write its pid to <file> and
 # stop itself (SIGSTOP) at <point>; the test resumes it (SIGCONT) or kills it
 PAUSE_ENV = "FILTER_PIPELINE_PAUSE_AT"
-PAUSE_POINTS = ("history_read", "files_staged", "before_publish", "published")
 # AWS answers 409 to a conditional write while another one on the same key is in flight: try again, briefly
 CONFLICT_TRIES, CONFLICT_PAUSE_SECONDS = 4, 0.25
+
+
+def walked_now() -> str:
+    """A commit's walked_at for a walk committing now: ISO 8601 in UTC, to the microsecond (a re-walk launched
+    in the same second as the commit before it must still be told apart from it)."""
+    return datetime.now(UTC).isoformat(timespec="microseconds")
 
 
 def commit_path(warehouse: UPath, run_id: str) -> UPath:

@@ -8,9 +8,9 @@ from datetime import UTC, datetime
 import pytest
 from upath import UPath
 
-from filter_pipeline.rules.commits import CommitRecord, HistoryIntegrityError, walked_now
+from filter_pipeline.rules.commits import CommitRecord, HistoryIntegrityError
 from filter_pipeline.storage.history import read_commits
-from filter_pipeline.storage.publish import write_commit
+from filter_pipeline.storage.publish import walked_now, write_commit
 
 
 def record(run_id="r1", **changes) -> CommitRecord:

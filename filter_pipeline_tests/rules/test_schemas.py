@@ -82,7 +82,7 @@ def test_the_contract_page_names_every_asset_and_column():
 
 
 EXIT_AFTER_READING = (
-    "import sys; from filter_pipeline.rules.schemas import read_parquet_file; "
+    "import sys; from filter_pipeline.storage.files import read_parquet_file; "
     "f = open(sys.argv[1], 'rb'); print(read_parquet_file(f, columns=['a']).num_rows)"
 )
 RUNS = 40
