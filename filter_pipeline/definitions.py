@@ -61,10 +61,4 @@ def defs_from_env() -> dg.Definitions:
     )
 
 
-def filter_job_from_env() -> dg.JobDefinition:
-    """`filter_job` as the environment configures it. The CLI runs it through `dg.reconstructable` and
-    `dg.execute_job`: `execute_in_process` would hold every step's output in memory until the run ends."""
-    return defs_from_env().resolve_job_def(filter_job.name)
-
-
 defs = defs_from_env()

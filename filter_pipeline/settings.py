@@ -11,11 +11,10 @@ ENDPOINT_ENV = "FILTER_PIPELINE_ENDPOINT_URL"
 
 EXECUTOR_ENV = "FILTER_PIPELINE_EXECUTOR"
 # Dagster's stock executors. in_process (default): a run's steps one after the other in the run's process, which
-# suits this pipeline (each step is one vectorised pass; a process per step costs seconds on a small machine;
-# batches run in parallel as separate runs, one process or pod each). multiprocess: each step in its own
+# suits this pipeline (each step is one vectorised pass; a process per step pays Python's and Dagster's start-up
+# again; batches run in parallel as separate runs, one process or pod each). multiprocess: each step in its own
 # process, as a deployment that isolates steps wants.
 DEFAULT_EXECUTOR = "in_process"
-STEPS_IN_RUN_PROCESS = ("in_process",)  # the executors that run steps in the run's own process
 
 JUDGE_KINDS = ("gate", "llm")
 JUDGE_KIND_ENV = "FILTER_JUDGE_KIND"

@@ -322,6 +322,7 @@ def warehouse_verified(data: DataRoot) -> dg.AssetCheckResult:
 
 
 LABELS_FINGERPRINT = "labels_fingerprint"  # judge_calibration's metadata entry: the labels it was built from
+NO_LABELS = "no labels file"  # the fingerprint recorded when there is no labels.jsonl
 
 
 def labels_bytes(data: DataRoot) -> bytes | None:
@@ -347,7 +348,7 @@ def judge_calibration(context: dg.AssetExecutionContext, data: DataRoot) -> dg.O
     never a failure: the batch's run stays a success."""
     raw = labels_bytes(data)
     verdicts_dir = data.warehouse / "judge_verdicts"
-    fingerprint = {LABELS_FINGERPRINT: calibration.labels_fingerprint(raw) or "no labels file"}
+    fingerprint = {LABELS_FINGERPRINT: calibration.labels_fingerprint(raw) or NO_LABELS}
     if raw is None or not verdicts_dir.exists():
         return dg.Output(
             calibration.calibration(pd.DataFrame()),

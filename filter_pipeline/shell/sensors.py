@@ -20,7 +20,7 @@ from filter_pipeline.rules import order
 from filter_pipeline.rules.batch import LEGACY_KEPT_FILE, BatchState
 from filter_pipeline.rules.calibration import labels_fingerprint
 from filter_pipeline.rules.commits import CommitRecord
-from filter_pipeline.shell.assets import LABELS_FINGERPRINT, labels_bytes, run_id_partitions
+from filter_pipeline.shell.assets import LABELS_FINGERPRINT, NO_LABELS, labels_bytes, run_id_partitions
 from filter_pipeline.shell.jobs import (
     FIRST_WALK_TAG,
     PARTITION_TAG,
@@ -393,7 +393,6 @@ def build_batch_sensor() -> dg.SensorDefinition:
 
 # --- the labels sensor --------------------------------------------------------------------------------
 
-NO_LABELS = "no labels file"
 CALIBRATION = dg.AssetKey("judge_calibration")
 
 

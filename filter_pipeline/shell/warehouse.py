@@ -16,12 +16,11 @@ from upath import UPath
 from filter_pipeline.rules.schemas import (
     SCHEMAS,
     parquet_bytes,
-    read_parquet_file,
     to_arrow,
     to_pandas,
 )
 from filter_pipeline.settings import DATA_ENV, DEFAULT_DATA, ENDPOINT_ENV, data_path
-from filter_pipeline.storage.files import atomic_write, files_in, open_root
+from filter_pipeline.storage.files import atomic_write, files_in, open_root, read_parquet_file
 
 
 class DataRoot(dg.ConfigurableResource):
@@ -68,8 +67,8 @@ def write_parquet(table: pa.Table, path: UPath) -> None:
     """Write `table` to `path` atomically (`write_bytes`), every column dictionary-encoded and with
     statistics (`schemas.parquet_bytes`).
 
-    The file is encoded in Arrow's memory and written in one call: Arrow writing to a Python file object takes
-    the GIL for every chunk it writes, and beside the judge's HTTP threads each of those waits its turn."""
+    The file is encoded in Arrow's memory and written in one call (one PUT on object storage), not streamed
+    through a Python file object, which takes the GIL for every chunk Arrow writes."""
     write_bytes(parquet_bytes(table), path)
 
 
@@ -132,7 +131,7 @@ class ParquetWarehouseIOManager(dg.UPathIOManager):
 class WarehouseIOManager(dg.ConfigurableIOManagerFactory):
     """Parquet files under `<data root>/warehouse/`, one per asset and run_id; works on any fsspec path."""
 
-    data: DataRoot
+    data: DataRoot = Field(description="The data root whose warehouse/ holds the files (the `data` resource).")
 
     def create_io_manager(self, context: dg.InitResourceContext) -> ParquetWarehouseIOManager:
         return ParquetWarehouseIOManager(base_path=self.data.warehouse)

@@ -85,9 +85,9 @@ def steps(instance, run_id, event_type) -> list[str]:
 # one process per run, as a backfill's runs are launched: filter_job for one partition on the instance at DAGSTER_HOME
 LAUNCH = """
 import sys, dagster as dg
-from filter_pipeline.definitions import filter_job_from_env
+from filter_pipeline.cli.materialize import cli_filter_job
 with dg.DagsterInstance.get() as instance:
-    with dg.execute_job(dg.reconstructable(filter_job_from_env), instance, tags={"dagster/partition": sys.argv[1]}) as result:
+    with dg.execute_job(dg.reconstructable(cli_filter_job), instance, tags={"dagster/partition": sys.argv[1]}) as result:
         print(result.run_id)
         sys.exit(0 if result.success else 1)
 """
