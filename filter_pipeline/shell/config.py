@@ -59,6 +59,10 @@ class CapsConfig(dg.Config):
         default={}, description="Per-macro limits: {macro: {site_cap, target}}; either may be left out."
     )
 
+    def caps_document(self) -> dict:
+        """The caps alone (a subclass's other fields left out), as the commit record keeps them."""
+        return self.model_dump(include=set(CapsConfig.model_fields))
+
     def to_caps(self) -> Caps:
         return Caps(
             per_site_cap=self.per_site_cap,

@@ -24,7 +24,6 @@ from filter_pipeline.rules.commits import CommitRecord, parse_commit
 from filter_pipeline.rules.schemas import DROPPED_REASONS, STATUS_ERROR
 from filter_pipeline.shell.assets import blocking_check, check_result, column_schema, count_by, run_id_partitions
 from filter_pipeline.shell.config import (
-    CapsConfig,
     LedgerConfig,
     caps_source,
     deployment_caps_config,
@@ -143,8 +142,7 @@ def build_ledger(deployment_caps: dict) -> dg.AssetsDefinition:
         refuse_invalid_run_caps(context)  # (Dagster checked only their types)
         source = caps_source(config, deployment_caps)
         if source != "deployment":
-            caps = config.model_dump(include=set(CapsConfig.model_fields), exclude_none=True)
-            context.log.info(f"caps from the run config, not the deployment's: {json.dumps(caps)}")
+            context.log.info(f"caps from the run config, not the deployment's: {json.dumps(config.caps_document())}")
         try:
             yield from _walk_under_lease(context, config, data, run_ids, inputs, source)
         except LedgerBusy as exc:
@@ -416,7 +414,7 @@ def _commit_record(config, run_id, judge_verdicts, kept, index, files, source, i
         walked_at=walked_now(),
         files=files,
         kept_keys=len(kept),  # (all distinct: no_key_kept_twice held, or nothing is committed)
-        caps={k: v for k, v in config.model_dump().items() if k in CapsConfig.model_fields},
+        caps=config.caps_document(),
         caps_source=source,
         judge=judge_settings(judge_verdicts),
         history=index.history,
