@@ -20,7 +20,7 @@ import pandas as pd
 
 from filter_pipeline import settings
 from filter_pipeline.rules import checks, commits, dpo, filtering, order, report
-from filter_pipeline.rules.commits import CommitRecord, parse_commit
+from filter_pipeline.rules.commits import CommitRecord
 from filter_pipeline.rules.schemas import DROPPED_REASONS, STATUS_ERROR
 from filter_pipeline.shell.assets import blocking_check, check_result, column_schema, count_by, run_id_partitions
 from filter_pipeline.shell.config import (
@@ -33,7 +33,7 @@ from filter_pipeline.shell.jobs import FIRST_WALK_TAG, PRIORITY_TAG
 from filter_pipeline.shell.waiting import DEFERRED_TAG, Deferred, retry_later, wait_for_lower_runs
 from filter_pipeline.shell.warehouse import DataRoot, encode
 from filter_pipeline.storage import failures
-from filter_pipeline.storage.history import build_prior_index, load_retired
+from filter_pipeline.storage.history import build_prior_index, load_retired, read_commit
 from filter_pipeline.storage.lease import Lease, LedgerBusy, StoreIgnoresConditions, ledger_lease
 from filter_pipeline.storage.publish import (
     CommitState,
@@ -228,8 +228,7 @@ def filtered_meanwhile(
     for run_id, state in read.items():
         if not state.exists or (tagged is not None and run_id not in tagged.split()):
             continue
-        path = data.warehouse / commits.COMMITS_DIR / f"{run_id}.json"
-        committed = parse_commit(path.read_bytes(), f"warehouse/{commits.COMMITS_DIR}/{run_id}.json", run_id)
+        committed = read_commit(data.warehouse, run_id)
         if tagged is not None or (created is not None and committed.walked_timestamp >= created):
             found[run_id] = committed
     return found

@@ -5,7 +5,7 @@ records, kept files verified against them, legacy kept.jsonl, verdicts, batch in
 import pyarrow as pa
 from upath import UPath
 
-from filter_pipeline.rules.commits import COMMITS_DIR, CommitRecord, HistoryIntegrityError, parse_commit
+from filter_pipeline.rules.commits import COMMITS_DIR, CommitRecord, HistoryIntegrityError
 from filter_pipeline.rules.history import HistoryError, drop_retired, parse_legacy
 from filter_pipeline.rules.verify import (
     Finding,
@@ -18,16 +18,16 @@ from filter_pipeline.rules.verify import (
     unreadable_verdicts,
 )
 from filter_pipeline.storage.files import files_in, inputs_changed, is_local, read_parquet_file
-from filter_pipeline.storage.history import kept_files, legacy_kept_files, load_retired, verified_bytes
+from filter_pipeline.storage.history import kept_files, legacy_kept_files, load_retired, read_commit, verified_bytes
 from filter_pipeline.storage.lease import lease_live
 from filter_pipeline.storage.publish import MANIFEST, incomplete_publishes, relative
 
 
 def _commits(warehouse: UPath) -> tuple[dict[str, CommitRecord], list[Finding]]:
     records, findings = {}, []
-    for run_id, path in files_in(warehouse / COMMITS_DIR, ".json").items():
+    for run_id in files_in(warehouse / COMMITS_DIR, ".json"):
         try:
-            records[run_id] = parse_commit(path.read_bytes(), f"warehouse/{COMMITS_DIR}/{path.name}", run_id)
+            records[run_id] = read_commit(warehouse, run_id)
         except HistoryIntegrityError as exc:
             findings.append(Finding("commit", str(exc)))
     return records, findings

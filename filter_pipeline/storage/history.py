@@ -24,15 +24,21 @@ from filter_pipeline.rules.history import (
     whole_runs_counted,
 )
 from filter_pipeline.storage.files import files_in, read_parquet_file
-from filter_pipeline.storage.publish import staged_copy
+from filter_pipeline.storage.publish import commit_path, staged_copy
+
+
+def read_commit(warehouse: UPath, run_id: str) -> CommitRecord | None:
+    """The run's commit record; None when it has none. Raises HistoryIntegrityError on a record that is not one."""
+    try:
+        data = commit_path(warehouse, run_id).read_bytes()
+    except FileNotFoundError:
+        return None
+    return parse_commit(data, f"warehouse/{COMMITS_DIR}/{run_id}.json", run_id)
 
 
 def read_commits(warehouse: UPath) -> dict[str, CommitRecord]:
     """Every committed run: run_id -> its record. Raises HistoryIntegrityError on a record that is not one."""
-    return {
-        run_id: parse_commit(path.read_bytes(), f"{warehouse.name}/{COMMITS_DIR}/{path.name}", run_id)
-        for run_id, path in files_in(warehouse / COMMITS_DIR, ".json").items()
-    }
+    return {run_id: read_commit(warehouse, run_id) for run_id in files_in(warehouse / COMMITS_DIR, ".json")}
 
 
 def load_retired(data_root: UPath) -> Retired:

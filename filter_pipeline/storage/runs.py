@@ -25,7 +25,6 @@ from filter_pipeline.rules.batch import (
     parse_attempts,
     parse_tasks,
 )
-from filter_pipeline.rules.commits import COMMITS_DIR, parse_commit
 from filter_pipeline.rules.schemas import JUDGED_INPUTS
 from filter_pipeline.storage.files import (
     files_in,
@@ -34,8 +33,7 @@ from filter_pipeline.storage.files import (
     is_local,
     read_input,
 )
-from filter_pipeline.storage.history import read_commits
-from filter_pipeline.storage.publish import commit_path
+from filter_pipeline.storage.history import read_commit, read_commits
 
 _LOG = logging.getLogger(__name__)
 
@@ -153,11 +151,11 @@ def _legacy_judged_inputs(warehouse: UPath, run_id: str) -> dict | None:
 
 
 def _committed_inputs(warehouse: UPath, run_id: str) -> dict | None:
-    path = commit_path(warehouse, run_id)
     try:
-        return parse_commit(path.read_bytes(), f"warehouse/{COMMITS_DIR}/{path.name}", run_id).inputs or None
-    except (FileNotFoundError, ValueError):  # (none, or unreadable: the walk's history check says so)
+        record = read_commit(warehouse, run_id)
+    except ValueError:  # (unreadable: the walk's history check says so)
         return None
+    return (record.inputs or None) if record else None
 
 
 def changed_since_judged(run_id: str, changed: list[str]) -> str:
