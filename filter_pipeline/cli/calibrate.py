@@ -22,6 +22,7 @@ from filter_pipeline.judge.resource import ENV, JudgeResource, judge_from_env
 from filter_pipeline.rules import calibration
 from filter_pipeline.rules.schemas import STATUS_ERROR, conform
 from filter_pipeline.shell.warehouse import DataRoot, encode, read_folder, read_parquet, write_bytes
+from filter_pipeline.storage.labels import read_labels
 
 JUDGE_EVAL_FOLDER = "judge_eval"  # warehouse/judge_eval/<candidate>.parquet
 TASK_COLUMNS = ["run_id", "task_id", "macro", "site", "dedup_key", "start_kind", "instruction"]
@@ -140,7 +141,7 @@ def calibrate(args: argparse.Namespace) -> int:
     data = DataRoot.from_env(args.data)
     if not data.root.exists():
         raise CalibrateError(f"{data.path}: no such folder (point --data or FILTER_PIPELINE_DATA at the data root)")
-    raw = (data.root / calibration.LABELS_FILE).read_bytes() if (data.root / calibration.LABELS_FILE).exists() else None
+    raw = read_labels(data.root)
     if raw is None:
         raise CalibrateError(f"{data.path}: no {calibration.LABELS_FILE}: label some attempts first")
     if not (data.warehouse / "judge_verdicts").exists():

@@ -30,6 +30,7 @@ from filter_pipeline.shell.warehouse import DataRoot, read_folder, read_parquet,
 from filter_pipeline.storage import failures
 from filter_pipeline.storage.audit import audit
 from filter_pipeline.storage.history import kept_counts, load_retired
+from filter_pipeline.storage.labels import read_labels
 from filter_pipeline.storage.runs import count_records, read_batch
 
 run_id_partitions = dg.DynamicPartitionsDefinition(name="run_id")
@@ -325,14 +326,6 @@ LABELS_FINGERPRINT = "labels_fingerprint"  # judge_calibration's metadata entry:
 NO_LABELS = "no labels file"  # the fingerprint recorded when there is no labels.jsonl
 
 
-def labels_bytes(data: DataRoot) -> bytes | None:
-    """The labels file's content (None: there is none)."""
-    try:
-        return (data.root / calibration.LABELS_FILE).read_bytes()
-    except FileNotFoundError:
-        return None
-
-
 @dg.asset(
     group_name="reports",
     deps=[dg.AssetKey("judge_verdicts"), dg.AssetKey("batch_attempts"), dg.AssetKey("batch_tasks")],
@@ -346,7 +339,7 @@ def labels_bytes(data: DataRoot) -> bytes | None:
 def judge_calibration(context: dg.AssetExecutionContext, data: DataRoot) -> dg.Output[pd.DataFrame]:
     """Lines of labels.jsonl that are not labels are reported (a count, the first lines, a warning each),
     never a failure: the batch's run stays a success."""
-    raw = labels_bytes(data)
+    raw = read_labels(data.root)
     verdicts_dir = data.warehouse / "judge_verdicts"
     fingerprint = {LABELS_FINGERPRINT: calibration.labels_fingerprint(raw) or NO_LABELS}
     if raw is None or not verdicts_dir.exists():

@@ -20,7 +20,7 @@ from filter_pipeline.rules import order
 from filter_pipeline.rules.batch import LEGACY_KEPT_FILE, BatchState
 from filter_pipeline.rules.calibration import labels_fingerprint
 from filter_pipeline.rules.commits import CommitRecord
-from filter_pipeline.shell.assets import LABELS_FINGERPRINT, NO_LABELS, labels_bytes, run_id_partitions
+from filter_pipeline.shell.assets import LABELS_FINGERPRINT, NO_LABELS, run_id_partitions
 from filter_pipeline.shell.jobs import (
     FIRST_WALK_TAG,
     PARTITION_TAG,
@@ -38,6 +38,7 @@ from filter_pipeline.shell.warehouse import DataRoot
 from filter_pipeline.storage import failures
 from filter_pipeline.storage.files import files_in
 from filter_pipeline.storage.history import load_retired, read_commits
+from filter_pipeline.storage.labels import read_labels
 from filter_pipeline.storage.runs import complete_batches
 
 JUDGE_JOB = judge_job.name
@@ -406,7 +407,7 @@ def labels_changed(instance: dg.DagsterInstance, data: DataRoot) -> tuple[str, s
 
 def labels_vs_calibration(instance: dg.DagsterInstance, data: DataRoot) -> tuple[str, str | None] | None:
     """labels_changed without looking for verdicts first: (now, recorded) when they differ, else None."""
-    current = labels_fingerprint(labels_bytes(data)) or NO_LABELS
+    current = labels_fingerprint(read_labels(data.root)) or NO_LABELS
     event = instance.get_latest_materialization_event(CALIBRATION)
     entry = (
         event.asset_materialization.metadata.get(LABELS_FINGERPRINT) if event and event.asset_materialization else None

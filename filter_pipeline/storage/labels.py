@@ -30,6 +30,14 @@ class LabelWriteError(OSError):
     """The label could not be written: one line saying why."""
 
 
+def read_labels(data_root: UPath) -> bytes | None:
+    """The labels file's bytes; None when there is none."""
+    try:
+        return (data_root / LABELS_FILE).read_bytes()
+    except FileNotFoundError:
+        return None
+
+
 def now_iso() -> str:
     """The current time as ISO-8601 UTC to the second, e.g. 2026-12-03T21:00:00Z."""
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
