@@ -445,6 +445,7 @@ def pylist(values: pd.Series) -> list:
 
 # judge_verdicts fields saved as the LLM judge goes (warehouse/_judge_progress/<run_id>/*.parquet): what a
 # killed run's next materialization reuses by cache_key instead of asking again.
+JUDGE_PROGRESS_FOLDER = "_judge_progress"  # warehouse/_judge_progress/<run_id>/
 JUDGE_PROGRESS_SCHEMA = pa.schema(
     [f for f in _VERDICT_FIELDS if f[0] in (
         "cache_key", "judge_passed", "why", "votes", "status", "requests", "prompt_tokens", "completion_tokens",

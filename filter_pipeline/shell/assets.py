@@ -19,6 +19,7 @@ from filter_pipeline.rules.coverage import coverage_chart, coverage_markdown, co
 from filter_pipeline.rules.descriptions import column_description
 from filter_pipeline.rules.schemas import (
     FAILURE_REASONS,
+    JUDGE_PROGRESS_FOLDER,
     JUDGED_INPUTS,
     SCHEMAS,
     STATUS_ERROR,
@@ -58,7 +59,6 @@ def count_by(values: pd.Series, names: Iterable[str], prefix: str) -> dict:
 # --- the execution batch ----------------------------------------------------------------------------
 
 
-JUDGE_PROGRESS_FOLDER = "_judge_progress"  # warehouse/_judge_progress/<run_id>/: verdicts saved as they arrive
 BATCH_KEYS = [dg.AssetKey(k) for k in ("batch_tasks", "batch_attempts", "batch_rejects")]
 
 

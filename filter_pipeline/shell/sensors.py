@@ -39,7 +39,7 @@ from filter_pipeline.storage import failures
 from filter_pipeline.storage.files import files_in
 from filter_pipeline.storage.history import load_retired, read_commits
 from filter_pipeline.storage.labels import read_labels
-from filter_pipeline.storage.runs import complete_batches
+from filter_pipeline.storage.runs import complete_batches, count_records
 
 JUDGE_JOB = judge_job.name
 LEDGER_JOB = ledger_job.name
@@ -250,12 +250,6 @@ def rejudge_tags(item: order.Rejudge) -> dict[str, str]:
     return {REJUDGE_OF_TAG: item.run_id, REJUDGE_TRY_TAG: str(item.try_number)}
 
 
-def legacy_rows(data: DataRoot, run_id: str) -> int:
-    """Kept rows of a legacy run: the non-blank lines of its kept.jsonl."""
-    with (data.run_dir(run_id) / LEGACY_KEPT_FILE).open("rb") as f:
-        return sum(1 for line in f if line.strip())
-
-
 def record_legacy_runs(instance: dg.DagsterInstance, data: DataRoot, run_ids: list[str]) -> list[str]:
     """Record each legacy run (registered as a partition) as materialized for every partitioned asset, once:
     `kept` with its row count, the others with a note. Returns the run_ids recorded now."""
@@ -266,7 +260,7 @@ def record_legacy_runs(instance: dg.DagsterInstance, data: DataRoot, run_ids: li
     for run_id in run_ids:
         if status.get(run_id) == dg.AssetPartitionStatus.MATERIALIZED:
             continue
-        n = legacy_rows(data, run_id)
+        n = count_records(data.run_dir(run_id), LEGACY_KEPT_FILE)
         for asset in PARTITIONED_ASSETS:
             metadata = {"source": LEGACY_SOURCE}
             if asset == "kept":

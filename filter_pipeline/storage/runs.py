@@ -166,10 +166,11 @@ def changed_since_judged(run_id: str, changed: list[str]) -> str:
     )
 
 
-def count_records(run_dir: UPath) -> int:
-    """Non-blank lines of executions.jsonl, counted afresh (what every attempt must be accounted against).
-    Read line by line: the count runs beside other steps' work, so it holds one line at a time."""
-    with (run_dir / EXECUTIONS_FILE).open("rb") as f:
+def count_records(run_dir: UPath, file: str = EXECUTIONS_FILE) -> int:
+    """Non-blank lines of the run's `file`, counted afresh: of executions.jsonl, what every attempt must be
+    accounted against; of a legacy run's kept.jsonl, its kept rows. Read line by line: the count runs beside
+    other steps' work, so it holds one line at a time."""
+    with (run_dir / file).open("rb") as f:
         return sum(1 for line in f if line.strip())
 
 
