@@ -50,10 +50,12 @@ def story_lines(s: dict) -> list[str]:
     from filter_pipeline.review.fates import REASON_RETIRED
 
     task, decision = s["task"], s["decision"]
+    reason = decision.get("reason")
     lines = [f"task {task['task_id']} of run {s['run_id']}: {decision['fate']}"
-             + (f" ({decision['reason']})" if decision.get("reason") else ""),
-             f"  site {task['site']}, macro {task['macro']}", f"  instruction: {task['instruction']}",
-             f"  dedup key: {task['dedup_key']}"]  # fmt: skip
+             + (f" ({reason})" if reason and reason != decision["fate"] else ""),
+             f"  {decision['where']}" if decision.get("where") else "  -",
+             f"  site {task['site'] or '-'}, macro {task['macro'] or '-'}", f"  instruction: {task['instruction'] or '-'}",
+             f"  dedup key: {task.get('dedup_key') or '-'}"]  # fmt: skip
     if decision.get("reason") == REASON_RETIRED:
         lines.append("  retired by retired.json: it stays in kept but no longer counts for dedup or caps")
     if decision.get("duplicate_of"):
@@ -67,7 +69,7 @@ def story_lines(s: dict) -> list[str]:
     for a in s["attempts"]:
         failure = f", reason {a['failure']['reason']}" if a.get("failure") else ""
         lines.append(f"  {a['attempt']}{' (judged)' if a['judged'] else ''}: ok {_yes(a['ok'])}, error "
-                     f"{a['error'] or '-'}{failure}, backend {_yes(a['backend_ok'])} {a['backend_detail'] or ''}, "
+                     f"{a['error'] or '-'}{failure}, backend ok {_yes(a['backend_ok'])} ({a['backend_detail'] or '-'}), "
                      f"{a['n_actions']} steps, {a['dir']}")  # fmt: skip
     lines += [f"  reject: {r['message']}" for r in s["rejects"]]
     lines += _trajectory_lines(s.get("trajectory")) + _verdict_lines(s.get("verdict"))

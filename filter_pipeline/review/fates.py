@@ -41,6 +41,16 @@ STATE_LEGACY = "legacy"  # filtered by the earlier script (kept.jsonl)
 STATE_UNREADABLE = "unreadable"  # a file of the run cannot be read (the runs page and the queue go on without it)
 
 TASK_COLUMNS = ["task_id", "fate", "reason", "site", "macro", "instruction"]
+# where each fate leaves the task's rows, in the outputs' words (the task page and `explain` say it)
+FATE_WHERE = {
+    FATE_KEPT: "its judged attempt is a row of kept (training data)",
+    FATE_SURPLUS: "its judged attempt is a row of surplus (valid, dropped by dedup or a cap)",
+    FATE_JUDGE_FAIL: "its judged attempt is a row of failure_pool (stage judge)",
+    FATE_UNJUDGED: "no row yet: the next materialization of the run asks the judge again",
+    FATE_EXECUTE_FAIL: "its attempts are rows of failure_pool (stage execute)",
+    FATE_REJECT: "its line is a batch_rejects row",
+    FATE_PENDING: "not decided yet: the run is not walked (or not judged) yet",
+}
 
 
 @dataclass

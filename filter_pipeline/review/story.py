@@ -8,7 +8,7 @@ import pandas as pd
 from upath import UPath
 
 from filter_pipeline.review.data import ReviewError, Warehouse, signature
-from filter_pipeline.review.fates import FATE_KEPT, FATE_SURPLUS, RunTables
+from filter_pipeline.review.fates import FATE_KEPT, FATE_SURPLUS, FATE_WHERE, RunTables
 from filter_pipeline.rules.batch import SUCCESS_FILE
 from filter_pipeline.rules.calibration import LABEL_COLUMNS, parse_labels
 from filter_pipeline.rules.records import as_text, read_json
@@ -97,7 +97,7 @@ def _as_text(value):
 def decision(t: RunTables, task: dict) -> dict:
     """The walk's decision about the task: its fate and reason; for a duplicate, who kept the key first; for a
     cap, the cap the walk applied and the count it met (history's kept rows plus the run's own)."""
-    found = {"fate": task["fate"], "reason": task["reason"]}
+    found = {"fate": task["fate"], "reason": task["reason"], "where": FATE_WHERE.get(task["fate"])}
     if task["fate"] != FATE_SURPLUS:
         return found
     row = rows_of(t.surplus, task["task_id"])[-1:]
@@ -136,7 +136,7 @@ def story(warehouse: Warehouse, run_id: str, task_id: str, labels: pd.DataFrame 
     verdict_rows = rows_of(t.verdicts, task_id)
     verdict = verdict_rows[-1] if verdict_rows else None
     judged_dir = verdict.get("dir") if verdict else None
-    attempts = rows_of(t.attempts, task_id)
+    attempts = sorted(rows_of(t.attempts, task_id), key=lambda a: (a.get("attempt") is None, a.get("attempt") or 0))
     failures = {(r.get("attempt"), r.get("stage")): r for r in rows_of(t.failure_pool, task_id)}
     for a in attempts:
         a["failure"] = failures.get((a.get("attempt"), "execute"))

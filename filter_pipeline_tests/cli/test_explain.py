@@ -42,6 +42,12 @@ def test_explain_tells_execute_failures_with_their_reasons_and_labels(filtered_s
     assert "replaced by a later label" not in done.stdout  # one label per attempt there
 
 
+def test_explain_says_where_a_tasks_rows_went(filtered_sample):  # noqa: F811
+    done = explain(filtered_sample, "2026-11-28", "2026-11-28-t013")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[1] == "  its attempts are rows of failure_pool (stage execute)"
+
+
 def test_explain_of_a_missing_run_or_task_exits_1_with_one_line(filtered_sample, tmp_path):  # noqa: F811
     for args in [("nope", "t"), ("2026-11-28", "nope")]:
         done = explain(filtered_sample, *args)

@@ -346,10 +346,14 @@ def test_a_story_of_a_run_still_being_written_says_it_is_filtered_once_complete(
 
 
 def test_a_kept_row_retired_json_retires_shows_reason_retired_as_soon_as_the_file_says_so(warehouse):
-    assert story(warehouse, "r1", "k")["decision"] == {"fate": "kept", "reason": None}
+    assert story(warehouse, "r1", "k")["decision"] == {
+        "fate": "kept",
+        "reason": None,
+        "where": "its judged attempt is a row of kept (training data)",
+    }
     retired = warehouse.root / "retired.json"
     retired.write_text(json.dumps([{"run_id": "r1", "task_ids": ["k"], "reason": "wrong site"}]))
-    assert story(warehouse, "r1", "k")["decision"] == {"fate": "kept", "reason": "retired"}
+    assert story(warehouse, "r1", "k")["decision"]["reason"] == "retired"
     retired.write_text(json.dumps([{"run_id": "r1", "reason": "bad batch"}]))  # the whole run
     tasks = warehouse.run("r1").tasks
     assert tasks.loc[tasks["fate"] == "kept", "reason"].tolist() == ["retired"]
@@ -364,7 +368,7 @@ def test_a_batch_not_parsed_yet_shows_the_valid_tasks_of_its_tasks_jsonl_as_pend
     tasks = warehouse.run("r5").tasks
     assert tasks[["task_id", "fate", "site"]].values.tolist() == [["a", "pending", "s"], ["b", "pending", "s2"]]
     assert warehouse.runs()[0]["tasks"] == 2 and warehouse.runs()[0]["state"] == "pending"
-    assert story(warehouse, "r5", "b")["decision"] == {"fate": "pending", "reason": None}
+    assert story(warehouse, "r5", "b")["decision"]["fate"] == "pending"
     _write(tmp_path, "batch_tasks", "r5", [{"task_id": "c", "run_id": "r5"}])  # the judge step parsed it
     assert warehouse.run("r5").tasks["task_id"].tolist() == ["c"]
 
