@@ -24,7 +24,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from upath import UPath
 
-from filter_pipeline.review.data import ReviewError, UnreadableRun, Warehouse, page
+from filter_pipeline.review.data import ReviewError, UnreadableRun, Warehouse, matching, page
 from filter_pipeline.review.fates import FATES
 from filter_pipeline.review.queue import QueueMemo, item
 from filter_pipeline.review.story import Labels, inside_run, plain, screenshot, story
@@ -53,13 +53,15 @@ class BadRequest(ValueError):
     """A request the app cannot answer: one line, sent with a 400."""
 
 
-def task_href(run_id: str, task_id: str) -> str:
+def task_href(run_id: str, task_id: str, filters: dict | None = None) -> str:
     """A task page's address: the task_id in the path, or in the query for one a path cannot carry (`.` and `..`,
-    which browsers resolve away even escaped, and one with a line break, which no route matches)."""
+    which browsers resolve away even escaped, and one with a line break, which no route matches); with the run
+    page's `filters`, so that its previous and next are those of the same list."""
     base = f"/runs/{quote(run_id, safe='')}/tasks/"
+    query = {k: v for k, v in (filters or {}).items() if v}
     if task_id in (".", "..") or "\n" in task_id:
-        return base + "?" + urlencode({"task_id": task_id})
-    return base + quote(task_id, safe="")
+        return base + "?" + urlencode({"task_id": task_id, **query})
+    return base + quote(task_id, safe="") + ("?" + urlencode(query) if query else "")
 
 
 def _task_id(request: Request) -> str:
@@ -157,10 +159,17 @@ def task_page(request: Request) -> Response:
     review = request.app.state.review
     run_id, task_id = request.path_params["run_id"], _task_id(request)
     found = story(review.warehouse, run_id, task_id, review.labels.frame())
-    tasks = review.warehouse.run(run_id).tasks["task_id"]
+    filters = _filters(request)
+    tasks = matching(review.warehouse.run(run_id).tasks, filters)["task_id"].reset_index(drop=True)
+    if not (tasks == task_id).any():  # (a task outside the list it was reached from: the whole run's order)
+        filters = dict.fromkeys(filters)
+        tasks = review.warehouse.run(run_id).tasks["task_id"].reset_index(drop=True)
     at = int(tasks.index[tasks == task_id][0])
     near = {"prev": tasks.iloc[at - 1] if at > 0 else None, "next": tasks.iloc[at + 1] if at + 1 < len(tasks) else None}
-    return review.html("task.html", s=found, near=near, blind=False)
+    query = {k: v for k, v in filters.items() if v}
+    back = f"/runs/{quote(run_id, safe='')}" + ("?" + urlencode(query) if query else "")
+    within = ", ".join(f"{k}={v}" for k, v in query.items())
+    return review.html("task.html", s=found, near=near, filters=filters, back=back, within=within, blind=False)
 
 
 def queue_page(request: Request) -> Response:

@@ -319,16 +319,22 @@ def _legacy_key(key) -> str:
         return "(a key nested too deep to show)"
 
 
-def page(tasks: pd.DataFrame, filters: dict, offset: int, limit: int) -> tuple[int, list[dict]]:
-    """(rows matching, the rows at offset..offset+limit) of the task table under `filters` (column -> value,
-    for fate, site, macro, reason)."""
+def matching(tasks: pd.DataFrame, filters: dict) -> pd.DataFrame:
+    """The rows of the task table under `filters` (column -> value, for fate, site, macro, reason; None: any)."""
     mask = np.ones(len(tasks), bool)
     for column, value in filters.items():
         if value:
             mask &= (tasks[column] == value).to_numpy(bool)
-    matching = tasks[mask] if not mask.all() else tasks
-    shown = matching.iloc[offset : offset + limit][TASK_COLUMNS].astype("object")  # (only the page made JSON-ready)
-    return int(len(matching)), shown.where(shown.notna(), None).to_dict("records")
+    return tasks[mask] if not mask.all() else tasks
+
+
+def page(tasks: pd.DataFrame, filters: dict, offset: int, limit: int) -> tuple[int, list[dict]]:
+    """(rows matching, the rows at offset..offset+limit) of the task table under `filters` (`matching`)."""
+    matching_rows = matching(tasks, filters)
+    shown = matching_rows.iloc[offset : offset + limit][TASK_COLUMNS].astype(
+        "object"
+    )  # (only the page made JSON-ready)
+    return int(len(matching_rows)), shown.where(shown.notna(), None).to_dict("records")
 
 
 # draw: a hash of the dir, the labelling queue's random order (computed once per run as it is read)

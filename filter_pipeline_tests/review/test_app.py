@@ -84,6 +84,22 @@ def test_task_table_is_filtered_and_paged_on_the_server(served):
     assert "9 tasks match" in html and 'id="next"' in html
 
 
+def test_from_a_filtered_list_previous_and_next_stay_in_it(served):
+    _, _, body = get(served, "/api/runs/2026-11-29/tasks?fate=surplus")
+    surplus = [t["task_id"] for t in json.loads(body)["tasks"]]
+    _, _, listing = get(served, "/runs/2026-11-29?fate=surplus")
+    assert f'href="/runs/2026-11-29/tasks/{surplus[1]}?fate=surplus"' in listing
+    _, _, html = get(served, f"/runs/2026-11-29/tasks/{surplus[1]}?fate=surplus")
+    assert f'id="prev" href="/runs/2026-11-29/tasks/{surplus[0]}?fate=surplus"' in html
+    assert f'id="next" href="/runs/2026-11-29/tasks/{surplus[2]}?fate=surplus"' in html
+    assert 'id="list" href="/runs/2026-11-29?fate=surplus">back to the list (fate=surplus)' in html
+    _, _, whole = get(served, "/api/runs/2026-11-29/tasks?limit=1000")
+    everything = [t["task_id"] for t in json.loads(whole)["tasks"]]
+    at = everything.index(surplus[1])
+    _, _, unfiltered = get(served, f"/runs/2026-11-29/tasks/{surplus[1]}")
+    assert f'id="next" href="/runs/2026-11-29/tasks/{everything[at + 1]}"' in unfiltered
+
+
 def test_task_story_has_attempts_verdict_decision_and_labels(served):
     status, _, body = get(served, "/api/runs/2026-11-29/tasks/2026-11-29-t004")
     story = json.loads(body)
