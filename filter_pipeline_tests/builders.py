@@ -160,8 +160,9 @@ def commit_files(
     record = CommitRecord(
         run_id=run_id, files=entries, kept_keys=kept_keys,
         caps=caps or {"per_site_cap": 3, "caps": {}}, caps_source="deployment",
-        judge={"kind": "gate", "model": None, "prompt_version": None, "votes": None},
-        history=history or {}, inputs=inputs or {}, **{"unjudged": 0, "walked_at": "2026-12-01T00:00:00+00:00", **changes},
+        history=history or {}, inputs=inputs or {},
+        **{"unjudged": 0, "walked_at": "2026-12-01T00:00:00+00:00",
+           "judge": {"kind": "gate", "model": None, "prompt_version": None, "votes": None}, **changes},
     )  # fmt: skip
     write_commit(root / "warehouse", record)
 
@@ -224,3 +225,15 @@ class LogLines(logging.Handler):
 
     def emit(self, record):
         self.lines.append(record.getMessage())
+
+
+def sensor_context(instance, data_root, judge=None):
+    """A sensor's evaluation context on `instance` with the resources the definitions give it: the data root at
+    `data_root` and `judge` (default: the gate)."""
+    import dagster as dg
+
+    from filter_pipeline.judge.resource import JudgeResource
+    from filter_pipeline.shell.warehouse import DataRoot
+
+    resources = {"data": DataRoot(path=str(data_root)), "judge": judge or JudgeResource()}
+    return dg.build_sensor_context(instance=instance, resources=resources)

@@ -7,17 +7,17 @@ some left tasks unjudged (a later `materialize` naming no run judges them again)
 """
 
 import argparse
-import logging
 import os
 import sys
 
 import dagster as dg
 
 from filter_pipeline.cli import EXIT_FAILED, EXIT_UNJUDGED
+from filter_pipeline.cli.console import one_line_console
 from filter_pipeline.cli.interrupts import Interrupted, Signals, saved_line, was_interrupted
 from filter_pipeline.definitions import defs_from_env
 from filter_pipeline.judge.client import ssl_context
-from filter_pipeline.judge.resource import ENV, judge_from_env
+from filter_pipeline.judge.resource import ENV, JudgeResource, judge_from_env
 from filter_pipeline.rules import calibration as calibration_rules
 from filter_pipeline.rules import order
 from filter_pipeline.rules.batch import SUCCESS_FILE, check_run_id
@@ -226,12 +226,8 @@ def materialize(args: argparse.Namespace, signals: Signals | None = None) -> int
     for line in refused:
         print(line, file=sys.stderr, flush=True)
     _register_legacy_runs(instance, data)
-    rejudge = (
-        {}
-        if args.run_ids
-        # (a changed batch is re-filtered only when named: re-judging would parse its new files)
-        else {r.run_id: r for r in rejudging_due(instance, read_commits(data.warehouse), changed, wait=False)}
-    )
+    # (a changed batch is re-filtered only when named: re-judging would parse its new files)
+    rejudge, other_judge = ({}, set()) if args.run_ids else _rejudging(instance, data, changed, judge)
     run_ids = sorted(set(run_ids) | set(rejudge)) if rejudge else run_ids
     # every job run here is rebuilt from the environment (see cli_filter_job): the settings travel through it
     os.environ[DATA_ENV], os.environ[ENV["kind"]] = data.path, judge.kind
@@ -247,14 +243,23 @@ def materialize(args: argparse.Namespace, signals: Signals | None = None) -> int
                 "them again",
                 flush=True,
             )
-    spent = [] if args.run_ids else _tries_spent(data, set(run_ids))
+    spent = [] if args.run_ids else _tries_spent(data, set(run_ids) | other_judge)
     if spent:
         print(
             f"{len(spent)} run(s) still hold unjudged tasks after their last try ({REJUDGE_MAX_TRIES_ENV}): "
             f"name them to judge them again: filter-pipeline materialize {' '.join(spent)}",
             flush=True,
         )
-    return status or (EXIT_UNJUDGED if spent else 0)
+    return status or (EXIT_UNJUDGED if spent or other_judge else 0)
+
+
+def _rejudging(instance, data: DataRoot, changed: set[str], judge: JudgeResource) -> tuple[dict, set[str]]:
+    """(run_id -> Rejudge of the committed runs whose unjudged tasks this call judges again; the runs another
+    judge judged, left as they are, each said in one line)."""
+    due, other_judge = rejudging_due(instance, read_commits(data.warehouse), changed, judge.identity(), wait=False)
+    for line in other_judge.values():
+        print(f"filter-pipeline: {line}", file=sys.stderr, flush=True)
+    return {r.run_id: r for r in due}, set(other_judge)
 
 
 def _unreadable(data: DataRoot, exc: OSError) -> CliError:
@@ -450,32 +455,6 @@ def _print_calibration(data: DataRoot) -> None:
     calibration = read_parquet(data.warehouse / "judge_calibration.parquet")
     for row in calibration[calibration["site"] == calibration_rules.ALL_SITES].to_dict("records"):
         print(f"judge_calibration: {calibration_rules.who(row)}: {calibration_rules.summary(row)}", flush=True)
-
-
-# --- the console of the CLI's runs ------------------------------------------------------------------
-
-
-class _WithoutTraces(logging.Formatter):
-    """Dagster's console line, without the error and stack trace Dagster appends to a failure event after
-    a blank line (the CLI prints the failure in one line; the run's event log keeps the whole trace)."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        return super().format(record).split("\n\n", 1)[0]
-
-
-@dg.logger(
-    config_schema={
-        "log_level": dg.Field(str, is_required=False, default_value="INFO", description="The logger's threshold."),
-        "name": dg.Field(str, is_required=False, default_value="dagster", description="The logger's name."),
-    },
-    description="The CLI's console: Dagster's lines on stderr, one line per event (no stack traces).",
-)
-def one_line_console(init_context) -> logging.Logger:
-    log = logging.Logger(init_context.logger_config["name"], level=init_context.logger_config["log_level"].upper())
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_WithoutTraces("%(asctime)s - %(name)s - %(levelname)s - %(message)s"))
-    log.addHandler(handler)
-    return log
 
 
 def _cli_job(name: str) -> dg.JobDefinition:

@@ -71,6 +71,13 @@ class JudgeResource(dg.ConfigurableResource):
             raise ValueError(f"judge kind {kind!r} is not one of {', '.join(JUDGE_KINDS)}")
         return kind
 
+    def identity(self) -> dict:
+        """This judge as a commit record names it (`commits.JUDGE_IDENTITY`): kind, and the LLM's model and
+        prompt version."""
+        if self.kind == "gate":
+            return {"kind": "gate", "model": None, "prompt_version": None}
+        return {"kind": self.kind, "model": self.llm.model, "prompt_version": self.llm.prompt_version}
+
     def settings(self) -> LLMJudgeConfig:
         """The LLM settings, checked: a missing endpoint or model, or settings that cannot work, in one line."""
         self.llm.check()

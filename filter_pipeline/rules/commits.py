@@ -14,6 +14,8 @@ import json
 from dataclasses import asdict, dataclass, fields
 from datetime import datetime
 
+import pandas as pd
+
 COMMITS_DIR = "_commits"  # <data>/warehouse/_commits/<run_id>.json
 LEGACY_PREFIX = "legacy:"  # history entry of a legacy run: "legacy:<sha256 of its kept.jsonl>"
 INPUT_FILES = ("tasks.jsonl", "executions.jsonl")
@@ -82,3 +84,32 @@ def parse_commit(data: bytes, where: str, run_id: str) -> CommitRecord:
         if not isinstance(entry, dict) or not {"path", "size", "sha256"} <= set(entry):
             raise HistoryIntegrityError(f"{where}: files.{asset} lacks path, size or sha256: {redo}")
     return record
+
+
+def judge_settings(verdicts: pd.DataFrame) -> dict:
+    """Which judge decided the walked verdicts (kind, model, prompt version, votes per task); never its key."""
+
+    def first(column: str):
+        values = verdicts[column].dropna().unique() if column in verdicts else []
+        return str(values[0]) if len(values) else None
+
+    votes = first("votes")
+    return {"kind": first("judge"), "model": first("model"), "prompt_version": first("prompt_version"),
+            "votes": votes.partition("/")[2] or votes if votes else None}  # fmt: skip
+
+
+JUDGE_IDENTITY = ("kind", "model", "prompt_version")  # what tells one judge from another (votes only add requests)
+
+
+def another_judge(recorded: dict | None, current: dict) -> str | None:
+    """How the judge `current` (JUDGE_IDENTITY) differs from the one a commit `recorded`, or None when it is the
+    same one (or the record names none). A run's unjudged tasks are judged again only by the judge that judged
+    the rest: another would judge the run anew (the gate takes every task; another model asks every task again),
+    mixing two judges' verdicts or paying twice for them."""
+    if not recorded or not recorded.get("kind"):
+        return None
+    differ = [k for k in JUDGE_IDENTITY if (recorded.get(k) or None) != (current.get(k) or None)]
+    if not differ:
+        return None
+    named = lambda judge: " ".join(str(judge.get(k)) for k in JUDGE_IDENTITY if judge.get(k))  # noqa: E731
+    return f"judged by {named(recorded)}, not by {named(current)}"

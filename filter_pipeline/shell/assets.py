@@ -15,6 +15,7 @@ from filter_pipeline.judge.driver import ProgressStore, RecordSteps
 from filter_pipeline.judge.resource import JudgeResource
 from filter_pipeline.rules import calibration, checks, filtering, report, verify
 from filter_pipeline.rules.batch import EXECUTIONS_FILE, TASKS_FILE, BatchError
+from filter_pipeline.rules.commits import another_judge, judge_settings
 from filter_pipeline.rules.coverage import coverage_chart, coverage_markdown, coverage_table
 from filter_pipeline.rules.descriptions import column_description
 from filter_pipeline.rules.schemas import (
@@ -222,19 +223,36 @@ def _parse(context: dg.AssetExecutionContext, data: DataRoot, run_id: str):
 def _judge(context: dg.AssetExecutionContext, judge: JudgeResource, data: DataRoot, run_id: str, requests):
     """The judgement of `requests` (rows of `filtering.attempts_to_judge`: each task's last ok attempt)."""
     previous_file = data.asset_file("judge_verdicts", run_id)
+    previous = read_parquet(previous_file) if previous_file.exists() else None
+    _refuse_another_judge(context, judge, run_id, previous)
     progress = ProgressStore(data.warehouse / JUDGE_PROGRESS_FOLDER / run_id, write=write_parquet)
     try:
         judgement = judge.judge(
             requests,
             data.root,
             record_steps=RecordSteps(data.run_dir(run_id)),
-            previous=read_parquet(previous_file) if previous_file.exists() else None,
+            previous=previous,
             log=context.log,
             progress=progress,
         )
     except (EndpointRefused, JudgeSetupError) as exc:  # one line, no traceback: retrying cannot help
         raise dg.Failure(description=str(exc), allow_retries=False) from None
     return judgement
+
+
+def _refuse_another_judge(context, judge: JudgeResource, run_id: str, previous: pd.DataFrame | None) -> None:
+    """A re-judging of a run's unjudged tasks by a judge other than the one that judged the rest fails in one
+    line, before anything is asked or written (`commits.another_judge`: it would judge the run anew)."""
+    from filter_pipeline.shell.jobs import REJUDGE_OF_TAG, rejudge_job  # (jobs.py imports this module)
+
+    rejudging = context.job_name == rejudge_job.name or REJUDGE_OF_TAG in context.run.tags
+    differs = rejudging and previous is not None and another_judge(judge_settings(previous), judge.identity())
+    if differs:
+        raise dg.Failure(
+            description=f"{run_id}: its unjudged tasks are judged again only by the judge that judged the rest: "
+            f"the run was {differs} (set FILTER_JUDGE_* as they were)",
+            allow_retries=False,
+        )
 
 
 def _batch_outputs(batch) -> Iterable[dg.Output]:

@@ -194,18 +194,6 @@ def _deferred(context: dg.AssetExecutionContext, why: str):
 # --- the walk -----------------------------------------------------------------------------------------
 
 
-def judge_settings(verdicts: pd.DataFrame) -> dict:
-    """Which judge decided the walked verdicts (kind, model, prompt version, votes per task); never its key."""
-
-    def first(column: str):
-        values = verdicts[column].dropna().unique() if column in verdicts else []
-        return str(values[0]) if len(values) else None
-
-    votes = first("votes")
-    return {"kind": first("judge"), "model": first("model"), "prompt_version": first("prompt_version"),
-            "votes": votes.partition("/")[2] or votes if votes else None}  # fmt: skip
-
-
 def _write(data: DataRoot, staged: StagedWalk, run_id: str, asset: str, frame: pd.DataFrame) -> dict:
     """Stage the asset's file of this run, from bytes encoded and hashed in memory (so the hash is of what was
     written); returns its commit entry."""
@@ -415,7 +403,7 @@ def _commit_record(config, run_id, judge_verdicts, kept, index, files, source, i
         kept_keys=len(kept),  # (all distinct: no_key_kept_twice held, or nothing is committed)
         caps=config.caps_document(),
         caps_source=source,
-        judge=judge_settings(judge_verdicts),
+        judge=commits.judge_settings(judge_verdicts),
         history=index.history,
         inputs=inputs,
         unjudged=int((judge_verdicts["status"] == STATUS_ERROR).sum()),

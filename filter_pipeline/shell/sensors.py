@@ -16,10 +16,11 @@ from collections.abc import Iterable
 import dagster as dg
 
 from filter_pipeline import settings
+from filter_pipeline.judge.resource import JudgeResource
 from filter_pipeline.rules import order
 from filter_pipeline.rules.batch import LEGACY_KEPT_FILE, BatchState
 from filter_pipeline.rules.calibration import labels_fingerprint
-from filter_pipeline.rules.commits import CommitRecord
+from filter_pipeline.rules.commits import CommitRecord, another_judge
 from filter_pipeline.shell.assets import LABELS_FINGERPRINT, NO_LABELS, run_id_partitions
 from filter_pipeline.shell.jobs import (
     FIRST_WALK_TAG,
@@ -227,15 +228,22 @@ def rejudge_tries(instance: dg.DagsterInstance, run_id: str) -> tuple[int, float
 
 
 def rejudging_due(
-    instance: dg.DagsterInstance, commits: dict[str, CommitRecord], busy: set[str], wait: bool = True
-) -> list[order.Rejudge]:
-    """Committed runs with unjudged tasks to judge again now (`wait`: respect the backoff; the sensor does,
-    a user's `materialize` does not), under the cap on tries."""
+    instance: dg.DagsterInstance, commits: dict[str, CommitRecord], busy: set[str], judge: dict, wait: bool = True
+) -> tuple[list[order.Rejudge], dict[str, str]]:
+    """(committed runs with unjudged tasks to judge again now, under the cap on tries; the runs left alone
+    because `judge` (`JudgeResource.identity`) is not the one that judged them, each with a line saying so).
+    `wait`: respect the backoff (the sensor does, a user's `materialize` does not)."""
     backoff = settings.int_setting(settings.REJUDGE_BACKOFF_SECONDS_ENV)
     max_tries = settings.int_setting(settings.REJUDGE_MAX_TRIES_ENV)
-    due = []
+    due, other_judge = [], {}
     for run_id, record in sorted(commits.items()):
         if record.unjudged <= 0 or run_id in busy:
+            continue
+        if differs := another_judge(record.judge, judge):
+            other_judge[run_id] = (
+                f"{run_id}: {record.unjudged} unjudged tasks left as they are: the run was {differs} (judge them "
+                f"again with that judge: --judge, FILTER_JUDGE_KIND, FILTER_JUDGE_MODEL, FILTER_JUDGE_PROMPT_VERSION)"
+            )
             continue
         tries, last = rejudge_tries(instance, run_id)
         found = order.rejudge_due(
@@ -243,7 +251,7 @@ def rejudging_due(
         )
         if found is not None:
             due.append(found)
-    return due
+    return due, other_judge
 
 
 def rejudge_tags(item: order.Rejudge) -> dict[str, str]:
@@ -303,10 +311,13 @@ def register_legacy_runs(
 
 
 def rejudge_requests(
-    context: dg.SensorEvaluationContext, commits: dict[str, CommitRecord], busy: set[str]
+    context: dg.SensorEvaluationContext, commits: dict[str, CommitRecord], busy: set[str], judge: dict
 ) -> list[dg.RunRequest]:
     requests = []
-    for item in rejudging_due(context.instance, commits, busy):
+    due, other_judge = rejudging_due(context.instance, commits, busy, judge)
+    for line in other_judge.values():
+        context.log.info(line)
+    for item in due:
         context.log.info(
             f"{item.run_id}: {commits[item.run_id].unjudged} unjudged tasks, judging again (try {item.try_number})"
         )
@@ -360,7 +371,7 @@ def build_batch_sensor() -> dg.SensorDefinition:
         "a cap on tries. When the set of kept files changes and nothing is in flight, it refreshes coverage "
         "and judge calibration.",
     )
-    def batch_sensor(context: dg.SensorEvaluationContext, data: DataRoot) -> dg.SensorResult:
+    def batch_sensor(context: dg.SensorEvaluationContext, data: DataRoot, judge: JudgeResource) -> dg.SensorResult:
         batches = complete_batches(data.runs, data.warehouse, context.log)
         for b in batches:
             if b.changed:
@@ -372,7 +383,7 @@ def build_batch_sensor() -> dg.SensorDefinition:
             requests.append(ledger_request(to_walk, registration_order))
         # (a changed batch is re-filtered only when named: re-judging would parse its new files)
         changed = {b.run_id for b in batches if b.changed}
-        requests += rejudge_requests(context, commits, busy | set(to_walk) | set(to_judge) | changed)
+        requests += rejudge_requests(context, commits, busy | set(to_walk) | set(to_judge) | changed, judge.identity())
         fingerprint = kept_fingerprint(data)
         if fingerprint is not None and not to_walk and not busy:
             requests.append(dg.RunRequest(job_name=across_runs_job.name, run_key=f"across-runs:{fingerprint}"))

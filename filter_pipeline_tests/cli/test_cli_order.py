@@ -72,6 +72,25 @@ def test_unjudged_tasks_exit_3_and_a_later_materialize_judges_only_those_again(c
         assert "nothing to materialize" in cli("--judge", "llm", env=env).stdout
 
 
+def test_unjudged_tasks_of_an_llm_run_are_not_judged_again_by_the_gate(cli, data_root):
+    write_batch(data_root, "b1", [task("a"), task("b")], [attempt("a"), attempt("b")])
+    down = lambda call, n: Reply(status=500, body='{"error": "down"}') if "do b" in call.prompt else Reply()  # noqa: E731
+    with FakeOpenAI(down) as server:
+        env = {"FILTER_JUDGE_BASE_URL": server.base_url, "FILTER_JUDGE_MODEL": "m", "FILTER_JUDGE_VOTES": "1",
+               "FILTER_JUDGE_TASK_BUDGET": "1"}  # fmt: skip
+        assert cli("--judge", "llm", env=env).returncode == 3
+    verdicts = (data_root / "warehouse" / "judge_verdicts" / "b1.parquet").read_bytes()
+    gate = cli()  # FILTER_JUDGE_KIND unset: the gate
+    assert gate.returncode == 3, gate.stderr
+    assert gate.stdout.splitlines() == ["nothing to materialize: every complete batch is already filtered"]
+    assert gate.stderr.strip() == (
+        "filter-pipeline: b1: 1 unjudged tasks left as they are: the run was judged by llm m v3, not by gate "
+        "(judge them again with that judge: --judge, FILTER_JUDGE_KIND, FILTER_JUDGE_MODEL, "
+        "FILTER_JUDGE_PROMPT_VERSION)"
+    )
+    assert (data_root / "warehouse" / "judge_verdicts" / "b1.parquet").read_bytes() == verdicts  # paid for, kept
+
+
 def test_the_cap_on_tries_is_respected_and_a_run_that_spent_it_is_named_until_judged_or_retired(cli, data_root):
     write_batch(data_root, "b1", [task("a")], [attempt("a")])
     responder = lambda call, n: Reply(status=500, body='{"error": "down"}') if "do a" in call.prompt else Reply()  # noqa: E731

@@ -126,6 +126,25 @@ def test_outage_leaves_tasks_unjudged_and_the_next_materialization_judges_only_t
     assert pipeline.output("kept")["task_id"].tolist() == ["a", "c", "d"]
 
 
+def test_a_rejudging_by_another_judge_fails_in_one_line_and_keeps_the_verdicts_paid_for(pipeline):
+    from filter_pipeline.shell.jobs import REJUDGE_OF_TAG
+
+    sample_batch(pipeline.data_root)
+    with FakeOpenAI(lambda call, n: Reply(status=503, body="down") if "do a" in call.prompt else Reply()) as server:
+        pipeline.run(llm(server, task_budget_seconds=0.5))  # a left unjudged
+    verdicts = (pipeline.data_root / "warehouse" / "judge_verdicts" / "r1.parquet").read_bytes()
+    for job_name, tags in (("rejudge_job", {}), ("filter_job", {REJUDGE_OF_TAG: "r1"})):  # the sensor's, the CLI's
+        job = build_defs(str(pipeline.data_root), JudgeResource(kind="gate"), caps={}).resolve_job_def(job_name)
+        result = job.execute_in_process(instance=pipeline.instance, partition_key="r1", tags=tags, raise_on_error=False)
+        assert not result.success
+        [failure] = [e for e in result.all_events if e.event_type_value == "STEP_FAILURE"]
+        assert failure.step_failure_data.user_failure_data.description == (
+            "r1: its unjudged tasks are judged again only by the judge that judged the rest: the run was judged by "
+            "llm judge-test v3, not by gate (set FILTER_JUDGE_* as they were)"
+        )
+        assert (pipeline.data_root / "warehouse" / "judge_verdicts" / "r1.parquet").read_bytes() == verdicts
+
+
 def test_a_refusing_endpoint_fails_the_step_in_one_line_within_ten_requests(pipeline):
     sample_batch(pipeline.data_root)
     pipeline.instance.add_dynamic_partitions("run_id", ["r1"])

@@ -77,3 +77,23 @@ def test_a_record_under_another_runs_name_is_refused(tmp_path):
     os.rename(tmp_path / "warehouse" / "_commits" / "r1.json", tmp_path / "warehouse" / "_commits" / "r2.json")
     with pytest.raises(HistoryIntegrityError, match="is not the commit record of run r2"):
         read_commits(warehouse)
+
+
+LLM_V3 = {"kind": "llm", "model": "m", "prompt_version": "v3", "votes": "1"}
+
+
+@pytest.mark.parametrize(
+    "recorded, current, differs",
+    [
+        (LLM_V3, {"kind": "llm", "model": "m", "prompt_version": "v3"}, None),  # votes do not tell judges apart
+        ({"kind": "gate", "model": "", "prompt_version": None}, {"kind": "gate", "model": None}, None),
+        (None, {"kind": "gate"}, None),  # a record that names no judge: nothing to compare
+        (LLM_V3, {"kind": "gate", "model": None, "prompt_version": None}, "judged by llm m v3, not by gate"),
+        (LLM_V3, {"kind": "llm", "model": "m2", "prompt_version": "v3"}, "judged by llm m v3, not by llm m2 v3"),
+        (LLM_V3, {"kind": "llm", "model": "m", "prompt_version": "v4"}, "judged by llm m v3, not by llm m v4"),
+    ],
+)
+def test_another_judge_is_told_by_kind_model_and_prompt_version(recorded, current, differs):
+    from filter_pipeline.rules.commits import another_judge
+
+    assert another_judge(recorded, current) == differs

@@ -18,7 +18,7 @@ from filter_pipeline.shell.warehouse import DataRoot
 from filter_pipeline.storage.audit import audit
 from filter_pipeline.storage.history import read_commits
 from filter_pipeline.storage.runs import complete_batches
-from filter_pipeline_tests.builders import LogLines, attempt, task, write_batch
+from filter_pipeline_tests.builders import LogLines, attempt, sensor_context, task, write_batch
 
 pytestmark = pytest.mark.slow  # (each test runs the whole job in process, several seconds a run)
 
@@ -278,7 +278,7 @@ def test_a_batch_changed_since_it_was_filtered_is_reported_by_the_sensor_and_not
     with open(data_root / "runs" / "r1" / "tasks.jsonl", "a") as f:
         f.write(json.dumps(task("late")) + "\n")
     assert [(b.filtered, b.changed) for b in complete_batches(data.runs, data.warehouse)] == [(True, True)]
-    context = dg.build_sensor_context(instance=instance, resources={"data": data})
+    context = sensor_context(instance, data.path)
     collected = LogLines(logging.WARNING)
     context.log.addHandler(collected)
     result = build_batch_sensor()(context)

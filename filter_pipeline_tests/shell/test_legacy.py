@@ -7,8 +7,7 @@ from filter_pipeline.definitions import build_defs
 from filter_pipeline.judge.resource import JudgeResource
 from filter_pipeline.shell.assets import run_id_partitions
 from filter_pipeline.shell.sensors import PARTITIONED_ASSETS, build_batch_sensor
-from filter_pipeline.shell.warehouse import DataRoot
-from filter_pipeline_tests.builders import LogLines, attempt, task, write_batch, write_legacy_kept
+from filter_pipeline_tests.builders import LogLines, attempt, sensor_context, task, write_batch, write_legacy_kept
 
 
 @pytest.fixture
@@ -28,7 +27,7 @@ def test_a_legacy_run_is_materialized_with_its_row_count_once_and_not_missing(in
     write_legacy_kept(data_root, "legacy", ("a", ["k1"], "m", "s"), ("b", ["k2"], "m", "s"))
     write_batch(data_root, "new", [task("c")], [attempt("c")])
     sensor = build_batch_sensor()
-    context = lambda: dg.build_sensor_context(instance=instance, resources={"data": DataRoot(path=str(data_root))})  # noqa: E731
+    context = lambda: sensor_context(instance, data_root)  # noqa: E731
     first = context()
     said = LogLines()
     first.log.addHandler(said)

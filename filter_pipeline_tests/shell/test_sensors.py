@@ -13,7 +13,16 @@ from filter_pipeline.shell.jobs import FIRST_WALK_TAG, RANGE_END_TAG, RANGE_STAR
 from filter_pipeline.shell.sensors import LEDGER_RANGE_LIMIT, build_batch_sensor, plan_tick, registered_block
 from filter_pipeline.shell.warehouse import DataRoot
 from filter_pipeline.storage.runs import complete_batches
-from filter_pipeline_tests.builders import attempt, commit_files, task, write_batch, write_kept, write_legacy_kept
+from filter_pipeline_tests.builders import (
+    LogLines,
+    attempt,
+    commit_files,
+    sensor_context,
+    task,
+    write_batch,
+    write_kept,
+    write_legacy_kept,
+)
 
 
 @pytest.fixture
@@ -24,8 +33,7 @@ def instance():
 
 def tick(instance, data_root) -> dg.SensorResult:
     sensor = build_batch_sensor()
-    context = dg.build_sensor_context(instance=instance, resources={"data": DataRoot(path=str(data_root))})
-    return sensor(context)
+    return sensor(sensor_context(instance, data_root))
 
 
 def judged(data_root, run_id):
@@ -334,6 +342,41 @@ def test_a_filtered_run_with_unjudged_tasks_is_judged_again_after_a_backoff_unde
     assert rejudge(tick(instance, data_root)) == []  # the cap: 2 tries
 
 
+def test_unjudged_tasks_are_judged_again_only_by_the_judge_that_judged_the_rest(instance, data_root, monkeypatch):
+    from filter_pipeline.judge.resource import JudgeResource, LLMJudgeConfig
+
+    monkeypatch.setenv("FILTER_PIPELINE_REJUDGE_BACKOFF_SECONDS", "0")
+    write_batch(data_root, "b1", [task("a")], [attempt("a")])
+    judged(data_root, "b1")
+    write_kept(data_root, "b1", ("a", ["k"], "m", "s"))
+    instance.add_dynamic_partitions("run_id", ["b1"])
+    kept_file = data_root / "warehouse" / "kept" / "b1.parquet"
+    llm = {"kind": "llm", "model": "judge-a", "prompt_version": "v3", "votes": "1"}
+    commit_files(data_root, "b1", {"kept": kept_file}, unjudged=1, judge=llm, walked_at="2001-01-01T00:00:00+00:00")
+    sensor = build_batch_sensor()
+
+    def rejudged(judge) -> tuple[list[str], list[str]]:
+        context = sensor_context(instance, data_root, judge)
+        said = LogLines()
+        context.log.addHandler(said)
+        result = sensor(context)
+        return [r.partition_key for r in result.run_requests if r.job_name == "rejudge_job"], said.lines
+
+    asked, said = rejudged(JudgeResource(kind="gate"))
+    assert (
+        asked == []
+        and (
+            "b1: 1 unjudged tasks left as they are: the run was judged by llm judge-a v3, not by gate (judge them "
+            "again with that judge: --judge, FILTER_JUDGE_KIND, FILTER_JUDGE_MODEL, FILTER_JUDGE_PROMPT_VERSION)"
+        )
+        in said
+    )
+    another_model = JudgeResource(kind="llm", llm=LLMJudgeConfig(base_url="http://127.0.0.1:9/v1", model="judge-b"))
+    assert rejudged(another_model)[0] == []
+    same = JudgeResource(kind="llm", llm=LLMJudgeConfig(base_url="http://127.0.0.1:9/v1", model="judge-a"))
+    assert rejudged(same)[0] == ["b1"]
+
+
 def test_a_run_with_unjudged_tasks_whose_batch_changed_is_not_judged_again_unless_named(
     instance, data_root, monkeypatch
 ):
@@ -359,8 +402,7 @@ def test_a_run_with_unjudged_tasks_whose_batch_changed_is_not_judged_again_unles
 def labels_tick(instance, data_root) -> dg.SensorResult:
     from filter_pipeline.shell.sensors import build_labels_sensor
 
-    context = dg.build_sensor_context(instance=instance, resources={"data": DataRoot(path=str(data_root))})
-    return build_labels_sensor()(context)
+    return build_labels_sensor()(sensor_context(instance, data_root))
 
 
 def test_the_labels_sensor_refreshes_judge_calibration_alone_when_labels_change(instance, data_root):
