@@ -1,4 +1,5 @@
-"""Screenshots of the Dagster UI for the README, taken from a real `dagster dev` over the sample data.
+"""Screenshots of the Dagster UI and the review app for the README, taken from a real `dagster dev` over the
+sample data and `filter-pipeline review` over what it filtered.
 
     .venv/bin/python scripts/screenshots.py [--out docs/images] [--chromium PATH] [--install]
 
@@ -8,7 +9,9 @@ pages with headless Chromium:
 
 - `asset-graph.png`: the lineage around `kept`, by group: batch -> judging -> ledger -> training, reports;
 - `kept-partitions.png`: the `kept` asset's partitions (one per run_id);
-- `filter-report.png`: the latest `filter_report` materialization, with its funnel chart.
+- `filter-report.png`: the latest `filter_report` materialization, with its funnel chart;
+
+then four of the review app (`REVIEW_PAGES`): the runs, the latest run's tasks, a task's story, the queue.
 
 Needs a Chromium binary (Debian: `apt-get install -y chromium`); `--install` runs that apt-get itself when
 none is found, otherwise the script installs nothing. Exit status 1 with one line when a step fails.
@@ -34,6 +37,13 @@ FILTER_SECONDS = 300
 # the UI is a JS app that keeps polling: give it this much virtual time to fetch and lay out each page
 VIRTUAL_TIME_MS = 20000
 MAX_BYTES = 300_000
+REVIEW_TASK = "2026-11-29-t004"  # a duplicate: its story links the task that kept the key first
+REVIEW_PAGES = {
+    "review-runs.png": "/",
+    "review-run.png": "/runs/2026-11-29",
+    "review-task.png": f"/runs/2026-11-29/tasks/{REVIEW_TASK}",
+    "review-queue.png": "/queue",
+}
 
 
 def find_chromium(given: str | None, install: bool) -> str:
@@ -80,6 +90,36 @@ def filtered(server: DagsterDev, run_ids: list[str]) -> bool:
     return kept and coverage and bool(runs) and all(r.status in ("SUCCESS", "FAILURE", "CANCELED") for r in runs)
 
 
+def review_pages(chromium: str, data: Path, out: Path, work: Path) -> None:
+    """The review app's pages over the filtered data root, served by `filter-pipeline review` on loopback."""
+    import urllib.request
+
+    from filter_pipeline_tests.servers import free_port
+
+    port = free_port()
+    command = [str(REPO / ".venv" / "bin" / "filter-pipeline"), "review", "--data", str(data), "--port", str(port)]
+    app = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 60
+        while True:
+            try:
+                urllib.request.urlopen(url + "/", timeout=5).read()
+                break
+            except OSError:
+                if time.time() > deadline or app.poll() is not None:
+                    raise SystemExit(f"the review app did not answer at {url}: {app.stderr.read()[-1500:]}") from None
+                time.sleep(0.5)
+        for name, path in REVIEW_PAGES.items():
+            target = out / name
+            screenshot(chromium, url + path, target, work / f"profile-{name}")
+            shrink(target)
+            print(f"{target}  {target.stat().st_size // 1000} KB  {path}")
+    finally:
+        app.terminate()
+        app.wait(timeout=30)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "images")
@@ -120,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                 screenshot(chromium, url, target, work / f"profile-{name}")
                 shrink(target)
                 print(f"{target}  {target.stat().st_size // 1000} KB  {url.removeprefix(server.url)}")
+        review_pages(chromium, data, args.out, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0

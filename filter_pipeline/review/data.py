@@ -24,8 +24,6 @@ from filter_pipeline.review.fates import (
     task_table,
     unreadable_summary,
 )
-
-# The one module of the review package that reads commit state (kept in one place for the storage move).
 from filter_pipeline.rules.batch import LEGACY_KEPT_FILE, SUCCESS_FILE, TASKS_FILE, check_run_id
 from filter_pipeline.rules.commits import COMMITS_DIR, parse_commit
 from filter_pipeline.rules.history import RETIRED_FILE, HistoryError, Retired, legacy_key_text, parse_retired
