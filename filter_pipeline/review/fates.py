@@ -148,7 +148,8 @@ def summarize(t: RunTables) -> dict:
     verdicts = t.verdicts
     judged = verdicts[verdicts["status"] == STATUS_JUDGED] if "status" in verdicts else verdicts.iloc[:0]
     passed = int(judged["passed"].fillna(False).astype(bool).sum()) if "passed" in judged else 0
-    n_tasks = int(len(t.tasks) - fates.get(FATE_REJECT, 0))
+    # (a run the earlier script filtered is known by its kept rows alone: how many tasks it had is not known)
+    n_tasks = None if t.legacy and t.commit is None else int(len(t.tasks) - fates.get(FATE_REJECT, 0))
     blocked = int(verdicts["blocked"].fillna(False).astype(bool).sum()) if "blocked" in verdicts else None
     cost = verdicts["cost"].dropna() if "cost" in verdicts else pd.Series(dtype=float)
     return {

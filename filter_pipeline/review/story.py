@@ -131,7 +131,8 @@ def story(warehouse: Warehouse, run_id: str, task_id: str, labels: pd.DataFrame 
             raise ReviewError(f"run {run_id!r} is not complete (no {SUCCESS_FILE}): it is filtered once it is")
         raise ReviewError(f"run {run_id!r} is not filtered yet: filter-pipeline materialize {run_id}")
     if match.empty:
-        raise ReviewError(f"no task {task_id!r} in run {run_id!r}")
+        legacy = " (filtered by the earlier script: only its kept rows, kept.jsonl, are known)" if t.legacy else ""
+        raise ReviewError(f"no task {task_id!r} in run {run_id!r}{legacy}")
     task = plain(match.iloc[:1].to_dict("records"))[0]
     verdict_rows = rows_of(t.verdicts, task_id)
     verdict = verdict_rows[-1] if verdict_rows else None

@@ -53,6 +53,11 @@ def test_explain_of_a_missing_run_or_task_exits_1_with_one_line(filtered_sample,
         done = explain(filtered_sample, *args)
         assert done.returncode == 1 and done.stdout == "" and len(done.stderr.splitlines()) == 1, done.stderr
         assert "nope" in done.stderr
+    legacy = explain(filtered_sample, "2026-11-27", "2026-11-27-t004")  # in its tasks.jsonl, not kept
+    assert legacy.returncode == 1 and legacy.stderr.strip() == (
+        "filter-pipeline: no task '2026-11-27-t004' in run '2026-11-27' (filtered by the earlier script: only its "
+        "kept rows, kept.jsonl, are known)"
+    )
     done = explain(tmp_path / "missing", "r", "t")
     assert done.returncode == 2 and len(done.stderr.splitlines()) == 1
 

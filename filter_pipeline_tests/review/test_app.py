@@ -56,7 +56,10 @@ def test_runs_page_and_api_show_state_funnel_and_rates(served):
     assert (r29["state"], r29["tasks"], r29["kept"], r29["surplus"], r29["execute_fail"]) == ("committed", 14, 1, 9, 4)
     assert r29["surplus_by_reason"] == {"duplicate": 6, "site_cap": 3, "target": 0}
     assert r29["judge_pass_rate"] == 1.0 and abs(r29["keep_rate"] - 1 / 14) < 1e-9
-    assert runs["2026-11-27"]["state"] == "legacy"
+    legacy = runs["2026-11-27"]
+    assert (legacy["state"], legacy["kept"], legacy["tasks"], legacy["keep_rate"]) == ("legacy", 5, None, None)
+    _, _, page = get(served, "/runs/2026-11-27")
+    assert "Filtered by the earlier script: its <code>kept.jsonl</code> holds the 5 kept rows below" in page
     _, _, html = get(served, "/")
     assert '<a href="/runs/2026-11-29">2026-11-29</a>' in html and "committed" in html
 
