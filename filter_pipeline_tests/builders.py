@@ -227,13 +227,13 @@ class LogLines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def sensor_context(instance, data_root, judge=None):
+def sensor_context(instance, data_root, judge=None, cursor: str | None = None):
     """A sensor's evaluation context on `instance` with the resources the definitions give it: the data root at
-    `data_root` and `judge` (default: the gate)."""
+    `data_root` and `judge` (default: the gate); `cursor`: the one the previous tick returned."""
     import dagster as dg
 
     from filter_pipeline.judge.resource import JudgeResource
     from filter_pipeline.shell.warehouse import DataRoot
 
     resources = {"data": DataRoot(path=str(data_root)), "judge": judge or JudgeResource()}
-    return dg.build_sensor_context(instance=instance, resources=resources)
+    return dg.build_sensor_context(instance=instance, resources=resources, cursor=cursor)

@@ -256,7 +256,8 @@ def materialize(args: argparse.Namespace, signals: Signals | None = None) -> int
 def _rejudging(instance, data: DataRoot, changed: set[str], judge: JudgeResource) -> tuple[dict, set[str]]:
     """(run_id -> Rejudge of the committed runs whose unjudged tasks this call judges again; the runs another
     judge judged, left as they are, each said in one line)."""
-    due, other_judge = rejudging_due(instance, read_commits(data.warehouse), changed, judge.identity(), wait=False)
+    left_alone = changed | load_retired(data.root).runs
+    due, other_judge = rejudging_due(instance, read_commits(data.warehouse), left_alone, judge.identity(), wait=False)
     for line in other_judge.values():
         print(f"filter-pipeline: {line}", file=sys.stderr, flush=True)
     return {r.run_id: r for r in due}, set(other_judge)

@@ -72,11 +72,12 @@ class JudgeResource(dg.ConfigurableResource):
         return kind
 
     def identity(self) -> dict:
-        """This judge as a commit record names it (`commits.JUDGE_IDENTITY`): kind, and the LLM's model and
-        prompt version."""
+        """This judge as a commit record names it (`commits.JUDGE_IDENTITY`, `commits.judge_settings`): kind, and
+        the LLM's model, prompt version and votes per task."""
         if self.kind == "gate":
-            return {"kind": "gate", "model": None, "prompt_version": None}
-        return {"kind": self.kind, "model": self.llm.model, "prompt_version": self.llm.prompt_version}
+            return {"kind": "gate", "model": None, "prompt_version": None, "votes": "gate"}
+        return {"kind": self.kind, "model": self.llm.model, "prompt_version": self.llm.prompt_version,
+                "votes": str(self.llm.votes)}  # fmt: skip
 
     def settings(self) -> LLMJudgeConfig:
         """The LLM settings, checked: a missing endpoint or model, or settings that cannot work, in one line."""

@@ -75,7 +75,11 @@ def read_table(path: UPath, columns: list[str] | None = None, exclude: tuple = (
 def frame(path: UPath, columns: list[str]) -> pd.DataFrame:
     """`read_table`, with an empty frame of `columns` for an absent file."""
     found = read_table(path, columns)
-    return found if found is not None else pd.DataFrame({c: pd.Series(dtype="object") for c in columns})
+    return found if found is not None else _empty(columns)
+
+
+def _empty(columns: list[str]) -> pd.DataFrame:
+    return pd.DataFrame({c: pd.Series(dtype="object") for c in columns})
 
 
 class Warehouse:
@@ -283,8 +287,9 @@ def _tasks(run_id: str, files: dict[str, UPath]) -> pd.DataFrame:
     columns = ["task_id", "site", "macro", "instruction", "dedup_key"]
     found = read_table(files["batch_tasks"], columns)
     if found is None and not files["legacy"].exists():
-        found = unparsed_tasks(files["complete"].parent, run_id)
-    return frame(files["batch_tasks"], columns) if found is None else found[columns]
+        parsed = unparsed_tasks(files["complete"].parent, run_id)
+        found = None if parsed is None else parsed.reindex(columns=columns)
+    return _empty(columns) if found is None else found
 
 
 def read_legacy_kept(path: UPath) -> pd.DataFrame:
@@ -328,11 +333,9 @@ def matching(tasks: pd.DataFrame, filters: dict) -> pd.DataFrame:
 
 def page(tasks: pd.DataFrame, filters: dict, offset: int, limit: int) -> tuple[int, list[dict]]:
     """(rows matching, the rows at offset..offset+limit) of the task table under `filters` (`matching`)."""
-    matching_rows = matching(tasks, filters)
-    shown = matching_rows.iloc[offset : offset + limit][TASK_COLUMNS].astype(
-        "object"
-    )  # (only the page made JSON-ready)
-    return int(len(matching_rows)), shown.where(shown.notna(), None).to_dict("records")
+    rows = matching(tasks, filters)
+    shown = rows.iloc[offset : offset + limit][TASK_COLUMNS].astype("object")  # (only the page made JSON-ready)
+    return int(len(rows)), shown.where(shown.notna(), None).to_dict("records")
 
 
 # draw: a hash of the dir, the labelling queue's random order (computed once per run as it is read)

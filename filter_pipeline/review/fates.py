@@ -46,7 +46,7 @@ FATE_WHERE = {
     FATE_KEPT: "its judged attempt is a row of kept (training data)",
     FATE_SURPLUS: "its judged attempt is a row of surplus (valid, dropped by dedup or a cap)",
     FATE_JUDGE_FAIL: "its judged attempt is a row of failure_pool (stage judge)",
-    FATE_UNJUDGED: "no row yet: the next materialization of the run asks the judge again",
+    FATE_UNJUDGED: "no row yet: the judge that judged the rest of the run is asked again later",
     FATE_EXECUTE_FAIL: "its attempts are rows of failure_pool (stage execute)",
     FATE_REJECT: "its line is a batch_rejects row",
     FATE_PENDING: "not decided yet: the run is not walked (or not judged) yet",

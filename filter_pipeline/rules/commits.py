@@ -98,18 +98,26 @@ def judge_settings(verdicts: pd.DataFrame) -> dict:
             "votes": votes.partition("/")[2] or votes if votes else None}  # fmt: skip
 
 
-JUDGE_IDENTITY = ("kind", "model", "prompt_version")  # what tells one judge from another (votes only add requests)
+# What tells one judge from another in a commit record: settings that enter the verdict cache key. (Its
+# temperature, screenshot and prompt-size settings enter it too, but are not recorded, so not compared.)
+JUDGE_IDENTITY = ("kind", "model", "prompt_version", "votes")
 
 
-def another_judge(recorded: dict | None, current: dict) -> str | None:
+def another_judge(recorded, current: dict) -> str | None:
     """How the judge `current` (JUDGE_IDENTITY) differs from the one a commit `recorded`, or None when it is the
-    same one (or the record names none). A run's unjudged tasks are judged again only by the judge that judged
-    the rest: another would judge the run anew (the gate takes every task; another model asks every task again),
-    mixing two judges' verdicts or paying twice for them."""
-    if not recorded or not recorded.get("kind"):
+    same one (or the record names none: each setting is compared where the record names it). A run's unjudged
+    tasks are judged again only by the judge that judged the rest: another would judge the run anew (the gate
+    takes every task; another model, prompt or number of votes asks every task again), mixing two judges'
+    verdicts or paying twice for them."""
+    if not isinstance(recorded, dict) or not recorded.get("kind"):
         return None
-    differ = [k for k in JUDGE_IDENTITY if (recorded.get(k) or None) != (current.get(k) or None)]
+    differ = [k for k in JUDGE_IDENTITY if recorded.get(k) and recorded[k] != (current.get(k) or None)]
     if not differ:
         return None
-    named = lambda judge: " ".join(str(judge.get(k)) for k in JUDGE_IDENTITY if judge.get(k))  # noqa: E731
-    return f"judged by {named(recorded)}, not by {named(current)}"
+    return f"judged by {_named(recorded)}, not by {_named(current)}"
+
+
+def _named(judge: dict) -> str:
+    if judge.get("kind") != "llm":
+        return str(judge.get("kind"))
+    return f"llm {judge.get('model')} {judge.get('prompt_version')} (votes {judge.get('votes') or '?'})"

@@ -31,7 +31,7 @@ from filter_pipeline.shell.config import caps_source, deployment_caps_config, re
 from filter_pipeline.shell.warehouse import DataRoot, read_folder, read_parquet, write_parquet
 from filter_pipeline.storage import failures
 from filter_pipeline.storage.audit import audit
-from filter_pipeline.storage.history import kept_counts, load_retired
+from filter_pipeline.storage.history import kept_counts, load_retired, read_commit
 from filter_pipeline.storage.labels import read_labels
 from filter_pipeline.storage.runs import count_records, read_batch
 
@@ -224,7 +224,7 @@ def _judge(context: dg.AssetExecutionContext, judge: JudgeResource, data: DataRo
     """The judgement of `requests` (rows of `filtering.attempts_to_judge`: each task's last ok attempt)."""
     previous_file = data.asset_file("judge_verdicts", run_id)
     previous = read_parquet(previous_file) if previous_file.exists() else None
-    _refuse_another_judge(context, judge, run_id, previous)
+    _refuse_another_judge(context, judge, data, run_id, previous)
     progress = ProgressStore(data.warehouse / JUDGE_PROGRESS_FOLDER / run_id, write=write_parquet)
     try:
         judgement = judge.judge(
@@ -240,13 +240,15 @@ def _judge(context: dg.AssetExecutionContext, judge: JudgeResource, data: DataRo
     return judgement
 
 
-def _refuse_another_judge(context, judge: JudgeResource, run_id: str, previous: pd.DataFrame | None) -> None:
+def _refuse_another_judge(context, judge: JudgeResource, data: DataRoot, run_id: str, previous) -> None:
     """A re-judging of a run's unjudged tasks by a judge other than the one that judged the rest fails in one
     line, before anything is asked or written (`commits.another_judge`: it would judge the run anew)."""
     from filter_pipeline.shell.jobs import REJUDGE_OF_TAG, rejudge_job  # (jobs.py imports this module)
 
-    rejudging = context.job_name == rejudge_job.name or REJUDGE_OF_TAG in context.run.tags
-    differs = rejudging and previous is not None and another_judge(judge_settings(previous), judge.identity())
+    if not (context.job_name == rejudge_job.name or REJUDGE_OF_TAG in context.run.tags) or previous is None:
+        return
+    record = read_commit(data.warehouse, run_id)  # (what the sensor and the CLI compare; else the verdicts file)
+    differs = another_judge(record.judge if record else judge_settings(previous), judge.identity())
     if differs:
         raise dg.Failure(
             description=f"{run_id}: its unjudged tasks are judged again only by the judge that judged the rest: "

@@ -10,6 +10,7 @@ cannot walk out of order either.
 """
 
 import hashlib
+import json
 import time
 from collections.abc import Iterable
 
@@ -228,16 +229,17 @@ def rejudge_tries(instance: dg.DagsterInstance, run_id: str) -> tuple[int, float
 
 
 def rejudging_due(
-    instance: dg.DagsterInstance, commits: dict[str, CommitRecord], busy: set[str], judge: dict, wait: bool = True
+    instance: dg.DagsterInstance, commits: dict[str, CommitRecord], left_alone: set[str], judge: dict, wait: bool = True
 ) -> tuple[list[order.Rejudge], dict[str, str]]:
-    """(committed runs with unjudged tasks to judge again now, under the cap on tries; the runs left alone
-    because `judge` (`JudgeResource.identity`) is not the one that judged them, each with a line saying so).
-    `wait`: respect the backoff (the sensor does, a user's `materialize` does not)."""
+    """(committed runs with unjudged tasks to judge again now, under the cap on tries, but those in `left_alone`
+    (in flight, changed, retired); the runs left as they are because `judge` (`JudgeResource.identity`) is not
+    the one that judged them, each with a line saying so). `wait`: respect the backoff (the sensor does, a
+    user's `materialize` does not)."""
     backoff = settings.int_setting(settings.REJUDGE_BACKOFF_SECONDS_ENV)
     max_tries = settings.int_setting(settings.REJUDGE_MAX_TRIES_ENV)
     due, other_judge = [], {}
     for run_id, record in sorted(commits.items()):
-        if record.unjudged <= 0 or run_id in busy:
+        if record.unjudged <= 0 or run_id in left_alone:
             continue
         if differs := another_judge(record.judge, judge):
             other_judge[run_id] = (
@@ -311,12 +313,15 @@ def register_legacy_runs(
 
 
 def rejudge_requests(
-    context: dg.SensorEvaluationContext, commits: dict[str, CommitRecord], busy: set[str], judge: dict
-) -> list[dg.RunRequest]:
+    context: dg.SensorEvaluationContext, commits: dict[str, CommitRecord], left_alone: set[str], judge: dict
+) -> tuple[list[dg.RunRequest], str]:
+    """(the re-judging runs to launch now; the sensor's cursor: the runs another judge judged, each said once)."""
     requests = []
-    due, other_judge = rejudging_due(context.instance, commits, busy, judge)
-    for line in other_judge.values():
-        context.log.info(line)
+    due, other_judge = rejudging_due(context.instance, commits, left_alone, judge)
+    told = set(json.loads(context.cursor)) if context.cursor else set()
+    for run_id, line in other_judge.items():
+        if run_id not in told:
+            context.log.info(line)
     for item in due:
         context.log.info(
             f"{item.run_id}: {commits[item.run_id].unjudged} unjudged tasks, judging again (try {item.try_number})"
@@ -329,7 +334,7 @@ def rejudge_requests(
                 tags=rejudge_tags(item),
             )
         )
-    return requests
+    return requests, json.dumps(sorted(other_judge))
 
 
 def plan_ledger(
@@ -383,7 +388,9 @@ def build_batch_sensor() -> dg.SensorDefinition:
             requests.append(ledger_request(to_walk, registration_order))
         # (a changed batch is re-filtered only when named: re-judging would parse its new files)
         changed = {b.run_id for b in batches if b.changed}
-        requests += rejudge_requests(context, commits, busy | set(to_walk) | set(to_judge) | changed, judge.identity())
+        left_alone = busy | set(to_walk) | set(to_judge) | changed | load_retired(data.root).runs
+        rejudging, cursor = rejudge_requests(context, commits, left_alone, judge.identity())
+        requests += rejudging
         fingerprint = kept_fingerprint(data)
         if fingerprint is not None and not to_walk and not busy:
             requests.append(dg.RunRequest(job_name=across_runs_job.name, run_key=f"across-runs:{fingerprint}"))
@@ -392,6 +399,7 @@ def build_batch_sensor() -> dg.SensorDefinition:
             run_requests=requests,
             dynamic_partitions_requests=[run_id_partitions.build_add_request(to_register)] if to_register else [],
             skip_reason=None if requests or to_register else why,
+            cursor=cursor,
         )
 
     return batch_sensor

@@ -38,7 +38,8 @@ def read_commit(warehouse: UPath, run_id: str) -> CommitRecord | None:
 
 def read_commits(warehouse: UPath) -> dict[str, CommitRecord]:
     """Every committed run: run_id -> its record. Raises HistoryIntegrityError on a record that is not one."""
-    return {run_id: read_commit(warehouse, run_id) for run_id in files_in(warehouse / COMMITS_DIR, ".json")}
+    found = {run_id: read_commit(warehouse, run_id) for run_id in files_in(warehouse / COMMITS_DIR, ".json")}
+    return {run_id: record for run_id, record in found.items() if record is not None}  # (one deleted meanwhile)
 
 
 def load_retired(data_root: UPath) -> Retired:

@@ -84,7 +84,7 @@ def test_unjudged_tasks_of_an_llm_run_are_not_judged_again_by_the_gate(cli, data
     assert gate.returncode == 3, gate.stderr
     assert gate.stdout.splitlines() == ["nothing to materialize: every complete batch is already filtered"]
     assert gate.stderr.strip() == (
-        "filter-pipeline: b1: 1 unjudged tasks left as they are: the run was judged by llm m v3, not by gate "
+        "filter-pipeline: b1: 1 unjudged tasks left as they are: the run was judged by llm m v3 (votes 1), not by gate "
         "(judge them again with that judge: --judge, FILTER_JUDGE_KIND, FILTER_JUDGE_MODEL, "
         "FILTER_JUDGE_PROMPT_VERSION)"
     )

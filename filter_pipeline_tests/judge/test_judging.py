@@ -140,9 +140,16 @@ def test_a_rejudging_by_another_judge_fails_in_one_line_and_keeps_the_verdicts_p
         [failure] = [e for e in result.all_events if e.event_type_value == "STEP_FAILURE"]
         assert failure.step_failure_data.user_failure_data.description == (
             "r1: its unjudged tasks are judged again only by the judge that judged the rest: the run was judged by "
-            "llm judge-test v3, not by gate (set FILTER_JUDGE_* as they were)"
+            "llm judge-test v3 (votes 1), not by gate (set FILTER_JUDGE_* as they were)"
         )
         assert (pipeline.data_root / "warehouse" / "judge_verdicts" / "r1.parquet").read_bytes() == verdicts
+    with FakeOpenAI() as server:  # the judge that judged the rest, with more votes: another judge too
+        job = build_defs(str(pipeline.data_root), llm(server, votes=3), caps={}).resolve_job_def("rejudge_job")
+        assert not job.execute_in_process(instance=pipeline.instance, partition_key="r1", raise_on_error=False).success
+        assert server.calls == []
+        job = build_defs(str(pipeline.data_root), llm(server), caps={}).resolve_job_def("rejudge_job")
+        assert job.execute_in_process(instance=pipeline.instance, partition_key="r1").success
+        assert ["do a" in call.prompt for call in server.calls] == [True]  # the unjudged task alone
 
 
 def test_a_refusing_endpoint_fails_the_step_in_one_line_within_ten_requests(pipeline):

@@ -80,20 +80,24 @@ def test_a_record_under_another_runs_name_is_refused(tmp_path):
 
 
 LLM_V3 = {"kind": "llm", "model": "m", "prompt_version": "v3", "votes": "1"}
+GATE = {"kind": "gate", "model": None, "prompt_version": None, "votes": "gate"}
 
 
 @pytest.mark.parametrize(
     "recorded, current, differs",
     [
-        (LLM_V3, {"kind": "llm", "model": "m", "prompt_version": "v3"}, None),  # votes do not tell judges apart
-        ({"kind": "gate", "model": "", "prompt_version": None}, {"kind": "gate", "model": None}, None),
-        (None, {"kind": "gate"}, None),  # a record that names no judge: nothing to compare
-        (LLM_V3, {"kind": "gate", "model": None, "prompt_version": None}, "judged by llm m v3, not by gate"),
-        (LLM_V3, {"kind": "llm", "model": "m2", "prompt_version": "v3"}, "judged by llm m v3, not by llm m2 v3"),
-        (LLM_V3, {"kind": "llm", "model": "m", "prompt_version": "v4"}, "judged by llm m v3, not by llm m v4"),
+        (LLM_V3, {**LLM_V3}, None),
+        ({"kind": "gate", "model": "", "prompt_version": None, "votes": "gate"}, GATE, None),
+        (None, GATE, None),  # a record that names no judge: nothing to compare
+        ("not a dict", GATE, None),
+        ({**LLM_V3, "votes": None}, {**LLM_V3, "votes": "3"}, None),  # a setting the record does not name
+        (LLM_V3, GATE, "judged by llm m v3 (votes 1), not by gate"),
+        (LLM_V3, {**LLM_V3, "model": "m2"}, "judged by llm m v3 (votes 1), not by llm m2 v3 (votes 1)"),
+        (LLM_V3, {**LLM_V3, "prompt_version": "v4"}, "judged by llm m v3 (votes 1), not by llm m v4 (votes 1)"),
+        (LLM_V3, {**LLM_V3, "votes": "3"}, "judged by llm m v3 (votes 1), not by llm m v3 (votes 3)"),
     ],
 )
-def test_another_judge_is_told_by_kind_model_and_prompt_version(recorded, current, differs):
+def test_another_judge_is_told_by_kind_model_prompt_version_and_votes(recorded, current, differs):
     from filter_pipeline.rules.commits import another_judge
 
     assert another_judge(recorded, current) == differs

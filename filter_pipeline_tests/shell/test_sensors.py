@@ -355,26 +355,33 @@ def test_unjudged_tasks_are_judged_again_only_by_the_judge_that_judged_the_rest(
     commit_files(data_root, "b1", {"kept": kept_file}, unjudged=1, judge=llm, walked_at="2001-01-01T00:00:00+00:00")
     sensor = build_batch_sensor()
 
+    cursor = {"last": None}
+
     def rejudged(judge) -> tuple[list[str], list[str]]:
-        context = sensor_context(instance, data_root, judge)
+        context = sensor_context(instance, data_root, judge, cursor["last"])
         said = LogLines()
         context.log.addHandler(said)
         result = sensor(context)
-        return [r.partition_key for r in result.run_requests if r.job_name == "rejudge_job"], said.lines
+        cursor["last"] = result.cursor
+        left = [line for line in said.lines if "left as they are" in line]
+        return [r.partition_key for r in result.run_requests if r.job_name == "rejudge_job"], left
 
     asked, said = rejudged(JudgeResource(kind="gate"))
     assert (
         asked == []
         and (
-            "b1: 1 unjudged tasks left as they are: the run was judged by llm judge-a v3, not by gate (judge them "
+            "b1: 1 unjudged tasks left as they are: the run was judged by llm judge-a v3 (votes 1), not by gate (judge them "
             "again with that judge: --judge, FILTER_JUDGE_KIND, FILTER_JUDGE_MODEL, FILTER_JUDGE_PROMPT_VERSION)"
         )
         in said
     )
+    assert rejudged(JudgeResource(kind="gate")) == ([], [])  # said once: the sensor's cursor remembers it
     another_model = JudgeResource(kind="llm", llm=LLMJudgeConfig(base_url="http://127.0.0.1:9/v1", model="judge-b"))
     assert rejudged(another_model)[0] == []
     same = JudgeResource(kind="llm", llm=LLMJudgeConfig(base_url="http://127.0.0.1:9/v1", model="judge-a"))
     assert rejudged(same)[0] == ["b1"]
+    (data_root / "retired.json").write_text('[{"run_id": "b1", "reason": "never judged"}]')
+    assert rejudged(same) == ([], [])  # retired: left alone
 
 
 def test_a_run_with_unjudged_tasks_whose_batch_changed_is_not_judged_again_unless_named(
