@@ -52,7 +52,8 @@ def test_each_violation_is_one_line_naming_its_place(tmp_path):
                 return f.read(), os.listdir(path), os.path.exists(path), UPath(path).read_bytes()
 
         def stamp(frame):
-            return frame.assign(at=datetime.now(UTC), took=time.perf_counter())
+            return frame.assign(at=datetime.now(UTC), took=time.perf_counter(), day=pd.Timestamp.now())
+        from time import monotonic_ns
         """,
     )
     write(package, "shell/state.py", "counter = 0\n\n\ndef bump():\n    global counter\n    counter += 1\n")
@@ -73,9 +74,11 @@ def test_each_violation_is_one_line_naming_its_place(tmp_path):
         "pkg/rules/impure.py:10: calls .read_bytes( (rules/ must not touch files)",
         "pkg/rules/impure.py:13: calls datetime.now (rules/ must not read clocks)",
         "pkg/rules/impure.py:13: calls time.perf_counter (rules/ must not read clocks)",
+        "pkg/rules/impure.py:13: calls pd.Timestamp.now (rules/ must not read clocks)",
+        "pkg/rules/impure.py:14: imports time.monotonic_ns (rules/ must not read clocks)",
         "pkg/shell/long.py:1: sixty_one is 61 lines (at most 60)",
         "pkg/shell/state.py:5: global counter (no global statements)",
     ]
     done = subprocess.run([sys.executable, str(SCRIPT), str(package)], capture_output=True, text=True)
     assert done.returncode == 1
-    assert done.stdout.splitlines()[-1].startswith("check_shape: 14 violation(s)")
+    assert done.stdout.splitlines()[-1].startswith("check_shape: 16 violation(s)")

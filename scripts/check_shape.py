@@ -27,8 +27,11 @@ OS_FILE_CALLS = {
     "os.path": {"exists", "isfile", "isdir", "getsize", "getmtime", "islink", "lexists"},
 }  # fmt: skip
 # clocks: a rule given the same data gives the same answer, so the time comes in as data
-CLOCK_CALLS = {"time.time", "time.time_ns", "time.monotonic", "time.perf_counter", "datetime.now", "datetime.utcnow",
-               "datetime.today", "date.today", "datetime.datetime.now", "datetime.datetime.utcnow"}  # fmt: skip
+CLOCK_FUNCTIONS = {"time": {"time", "time_ns", "monotonic", "monotonic_ns", "perf_counter", "perf_counter_ns"}}
+CLOCK_CALLS = {f"time.{name}" for name in CLOCK_FUNCTIONS["time"]} | {
+    "datetime.now", "datetime.utcnow", "datetime.today", "date.today", "datetime.datetime.now",
+    "datetime.datetime.utcnow", "pd.Timestamp.now", "pd.Timestamp.utcnow", "pandas.Timestamp.now", "Timestamp.now",
+}  # fmt: skip
 # methods of a path object (pathlib, UPath) that touch the file system: `path.open(...)`, `path.iterdir()`
 PATH_FILE_METHODS = {"open", "read_bytes", "read_text", "write_bytes", "write_text", "iterdir", "rglob", "mkdir",
                      "unlink", "rmdir", "touch"}  # fmt: skip
@@ -75,6 +78,12 @@ def _purity(tree: ast.Module, where: str) -> list[str]:
             break
         if isinstance(node, ast.Call) and (call := _file_call(node)):
             found.append(f"{where}:{node.lineno}: calls {call} ({PURE_PACKAGE}/ must not touch files)")
+        if isinstance(node, ast.ImportFrom) and node.module in CLOCK_FUNCTIONS:
+            for alias in node.names:
+                if alias.name in CLOCK_FUNCTIONS[node.module]:
+                    found.append(
+                        f"{where}:{node.lineno}: imports {node.module}.{alias.name} ({PURE_PACKAGE}/ must not read clocks)"
+                    )
         if isinstance(node, ast.Call) and _dotted(node.func) in CLOCK_CALLS:
             found.append(f"{where}:{node.lineno}: calls {_dotted(node.func)} ({PURE_PACKAGE}/ must not read clocks)")
     return found
