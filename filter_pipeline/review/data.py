@@ -33,6 +33,7 @@ from filter_pipeline.rules.schemas import (
     pylist,
     to_pandas,
 )
+from filter_pipeline.storage.files import RUNS_DIR, WAREHOUSE_DIR
 from filter_pipeline.storage.runs import unparsed_tasks
 
 CACHED_RUNS = 8  # run tables kept in memory (least recently used dropped first)
@@ -87,7 +88,7 @@ class Warehouse:
 
     def __init__(self, root: UPath):
         self.root = root
-        self.warehouse = root / "warehouse"
+        self.warehouse = root / WAREHOUSE_DIR
         self._cache: OrderedDict[str, tuple[tuple, RunTables]] = OrderedDict()
         self._light: dict[str, tuple[tuple, dict, pd.DataFrame]] = {}  # run_id -> (key, summary, judged attempts)
         self._lock = threading.Lock()
@@ -98,7 +99,7 @@ class Warehouse:
     def run_ids(self) -> list[str]:
         """Every run the data root knows, in run_id order: batch folders with a name the stage accepts (not a
         file such as runs/README.md, nor a folder it refuses to filter), commit records and judged runs."""
-        found = {name for name, is_dir in _entries(self.root / "runs") if is_dir and _plain(name)}
+        found = {name for name, is_dir in _entries(self.root / RUNS_DIR) if is_dir and _plain(name)}
         for folder, suffix in (
             (self.warehouse / COMMITS_DIR, ".json"),
             (self.warehouse / "judge_verdicts", ".parquet"),
@@ -116,10 +117,10 @@ class Warehouse:
     def _files(self, run_id: str) -> dict[str, UPath]:
         files = {a: self.asset_file(a, run_id) for a in ASSETS}
         files["commit"] = self.warehouse / COMMITS_DIR / f"{run_id}.json"
-        files["legacy"] = self.root / "runs" / run_id / LEGACY_KEPT_FILE
-        files["complete"] = self.root / "runs" / run_id / SUCCESS_FILE
+        files["legacy"] = self.root / RUNS_DIR / run_id / LEGACY_KEPT_FILE
+        files["complete"] = self.root / RUNS_DIR / run_id / SUCCESS_FILE
         files["retired"] = self.root / RETIRED_FILE
-        files["tasks.jsonl"] = self.root / "runs" / run_id / TASKS_FILE  # (read until batch_tasks is written)
+        files["tasks.jsonl"] = self.root / RUNS_DIR / run_id / TASKS_FILE  # (read until batch_tasks is written)
         return files
 
     def _key(self, run_id: str) -> tuple:

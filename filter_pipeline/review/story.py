@@ -13,7 +13,7 @@ from filter_pipeline.rules.batch import SUCCESS_FILE
 from filter_pipeline.rules.calibration import LABEL_COLUMNS, parse_labels
 from filter_pipeline.rules.records import as_text, read_json
 from filter_pipeline.rules.schemas import DROPPED_DUPLICATE, DROPPED_SITE_CAP
-from filter_pipeline.storage.files import is_local
+from filter_pipeline.storage.files import RUNS_DIR, is_local
 from filter_pipeline.storage.labels import LABELS_FILE
 
 SCREENSHOT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}\.png$")
@@ -57,7 +57,7 @@ def resolves_inside_run(root: UPath, run_id: str, path: UPath) -> bool:
     """Whether `path`, its symlinks resolved, lies inside the run's folder (object storage has no symlinks)."""
     if not is_local(path):
         return True
-    real, run_folder = UPath(path.path).resolve(), (root / "runs" / run_id).resolve()
+    real, run_folder = UPath(path.path).resolve(), (root / RUNS_DIR / run_id).resolve()
     return run_folder.path in [str(p) for p in real.parents]
 
 

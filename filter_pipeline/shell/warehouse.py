@@ -20,7 +20,7 @@ from filter_pipeline.rules.schemas import (
     to_pandas,
 )
 from filter_pipeline.settings import DATA_ENV, DEFAULT_DATA, ENDPOINT_ENV, data_path
-from filter_pipeline.storage.files import atomic_write, files_in, open_root, read_parquet_file
+from filter_pipeline.storage.files import RUNS_DIR, WAREHOUSE_DIR, atomic_write, files_in, open_root, read_parquet_file
 
 
 class DataRoot(dg.ConfigurableResource):
@@ -49,14 +49,14 @@ class DataRoot(dg.ConfigurableResource):
 
     @property
     def runs(self) -> UPath:
-        return self.root / "runs"
+        return self.root / RUNS_DIR
 
     def run_dir(self, run_id: str) -> UPath:
         return self.runs / run_id
 
     @property
     def warehouse(self) -> UPath:
-        return self.root / "warehouse"
+        return self.root / WAREHOUSE_DIR
 
     def asset_file(self, asset: str, run_id: str) -> UPath:
         """`warehouse/<asset>/<run_id>.parquet`: the same path the IO manager writes."""

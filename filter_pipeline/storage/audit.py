@@ -5,6 +5,7 @@ records, kept files verified against them, legacy kept.jsonl, verdicts, batch in
 import pyarrow as pa
 from upath import UPath
 
+from filter_pipeline.rules.batch import LEGACY_KEPT_FILE
 from filter_pipeline.rules.commits import COMMITS_DIR, CommitRecord, HistoryIntegrityError
 from filter_pipeline.rules.history import HistoryError, drop_retired, parse_legacy
 from filter_pipeline.rules.verify import (
@@ -17,7 +18,7 @@ from filter_pipeline.rules.verify import (
     suspect_rows,
     unreadable_verdicts,
 )
-from filter_pipeline.storage.files import files_in, inputs_changed, is_local, read_parquet_file
+from filter_pipeline.storage.files import RUNS_DIR, WAREHOUSE_DIR, files_in, inputs_changed, is_local, read_parquet_file
 from filter_pipeline.storage.history import kept_files, legacy_kept_files, load_retired, read_commit, verified_bytes
 from filter_pipeline.storage.lease import lease_live
 from filter_pipeline.storage.publish import MANIFEST, incomplete_publishes, relative
@@ -56,7 +57,7 @@ def _kept_rows(
 
 
 def _legacy(data_root: UPath, run_id: str) -> pa.Table:
-    return parse_legacy((data_root / "runs" / run_id / "kept.jsonl").read_bytes(), run_id)[0]
+    return parse_legacy((data_root / RUNS_DIR / run_id / LEGACY_KEPT_FILE).read_bytes(), run_id)[0]
 
 
 def _kept(data_root: UPath, records: dict[str, CommitRecord], retired, findings: list[Finding]) -> dict[str, pa.Table]:
@@ -75,7 +76,7 @@ def _kept(data_root: UPath, records: dict[str, CommitRecord], retired, findings:
                 findings.append(Finding("file", str(exc)))
         if table is not None:
             kept[run_id] = table
-    for run_id in legacy_kept_files(data_root / "runs"):
+    for run_id in legacy_kept_files(data_root / RUNS_DIR):
         if run_id not in records:
             try:
                 kept[run_id] = _legacy(data_root, run_id)
@@ -86,7 +87,7 @@ def _kept(data_root: UPath, records: dict[str, CommitRecord], retired, findings:
 
 def audit(data_root: UPath) -> list[Finding]:
     """Every finding on the warehouse under `data_root` (empty: clean)."""
-    warehouse = data_root / "warehouse"
+    warehouse = data_root / WAREHOUSE_DIR
     try:
         retired = load_retired(data_root)
     except HistoryError as exc:
@@ -117,7 +118,7 @@ def audit(data_root: UPath) -> list[Finding]:
                 "`filter-pipeline materialize` moves them",
             ))  # fmt: skip
     for run_id, record in records.items():
-        changed = inputs_changed(data_root / "runs" / run_id, record.inputs)
+        changed = inputs_changed(data_root / RUNS_DIR / run_id, record.inputs)
         if changed:
             findings.append(Finding(
                 "changed",
@@ -153,7 +154,7 @@ def _duplicates(
 def _conservation(data_root: UPath, records: dict[str, CommitRecord]) -> list[Finding]:
     findings = []
     for run_id, record in records.items():
-        path = data_root / "warehouse" / "judge_verdicts" / f"{run_id}.parquet"
+        path = data_root / WAREHOUSE_DIR / "judge_verdicts" / f"{run_id}.parquet"
         try:
             with path.open("rb") as f:
                 verdicts = read_parquet_file(f, columns=["status", "passed"])

@@ -16,6 +16,7 @@ from upath import UPath
 from filter_pipeline.rules.commits import INPUT_FILES
 from filter_pipeline.settings import ENDPOINT_ENV
 
+RUNS_DIR, WAREHOUSE_DIR = "runs", "warehouse"  # <data>/runs/<run_id>/: the batches; <data>/warehouse/: outputs
 HASH_CHUNK = 8 << 20  # bytes read at a time where a file is read in pieces (hashing, line offsets)
 # fsspec protocols of a local data root; anything else is object storage (no symlinks, no rename, no flock)
 LOCAL_PROTOCOLS = ("", "file", "local")

@@ -23,7 +23,7 @@ from filter_pipeline.rules.history import (
     refilter,
     whole_runs_counted,
 )
-from filter_pipeline.storage.files import files_in, read_parquet_file
+from filter_pipeline.storage.files import RUNS_DIR, WAREHOUSE_DIR, files_in, read_parquet_file
 from filter_pipeline.storage.publish import commit_path, staged_copy
 
 
@@ -101,7 +101,7 @@ def history_sources(data_root: UPath, commits: dict[str, CommitRecord]) -> dict[
     """run_id -> ("warehouse", its committed kept file, the commit's entry) for each committed run, or
     ("legacy", runs/<run>/kept.jsonl, None) for a run with a legacy file and no commit."""
     sources: dict[str, tuple[str, UPath, dict | None]] = {
-        r: ("legacy", p, None) for r, p in legacy_kept_files(data_root / "runs").items() if r not in commits
+        r: ("legacy", p, None) for r, p in legacy_kept_files(data_root / RUNS_DIR).items() if r not in commits
     }
     for run_id, record in commits.items():
         entry = record.files.get("kept")
@@ -138,7 +138,7 @@ def build_prior_index(
     HistoryIntegrityError (one line: the file, what is wrong, what to do) when a committed kept file is
     missing, changed, unreadable or not a kept file. `commits`: the warehouse's commit records (read when
     not given)."""
-    commits = read_commits(data_root / "warehouse") if commits is None else commits
+    commits = read_commits(data_root / WAREHOUSE_DIR) if commits is None else commits
     sources = history_sources(data_root, commits)
     others = {r: s for r, s in sources.items() if r != run_id and not retired.run_is_retired(r)}
     return prior_index(batch_keys, retired, _read_sources(data_root, others, commits))
@@ -149,7 +149,7 @@ def kept_counts(data_root: UPath, retired: Retired) -> tuple[pd.DataFrame, int]:
     Every committed kept file is verified against its commit as `build_prior_index` verifies it; when the
     newest walk read all the other runs as they stand (`covering_walk`), its prior_kept_counts plus its own
     kept file are counted instead of decoding every run's file again."""
-    commits = read_commits(data_root / "warehouse")
+    commits = read_commits(data_root / WAREHOUSE_DIR)
     sources = history_sources(data_root, commits)
     live = {r for r in sources if not retired.run_is_retired(r)}
     walk = covering_walk(commits, live, retired)

@@ -38,6 +38,7 @@ from filter_pipeline.storage.files import (
     CONFLICT,
     PRECONDITION,
     STALE_TEMP_SECONDS,
+    WAREHOUSE_DIR,
     atomic_write,
     is_local,
     store_refusal,
@@ -109,7 +110,7 @@ def ledger_lease(data_root: UPath, holder: str, ttl_seconds: float | None = None
 
     `holder`: who walks (e.g. "run r1 (dagster run 1a2b...)"), shown to whoever finds the ledger busy.
     """
-    warehouse = data_root / "warehouse"
+    warehouse = data_root / WAREHOUSE_DIR
     ttl_seconds = ttl_seconds or default_ttl_seconds()
     if is_local(warehouse):
         with _local_lock(warehouse, holder) as lease:

@@ -37,6 +37,7 @@ from filter_pipeline.storage.files import (
     HOST,
     PRECONDITION,
     STALE_TEMP_SECONDS,
+    WAREHOUSE_DIR,
     alive,
     atomic_write,
     is_local,
@@ -181,7 +182,7 @@ class StagedWalk:
 
     def __init__(self, data_root: UPath, read: CommitState):
         self.data_root, self.read = data_root, read
-        self.folder = data_root / "warehouse" / STAGING_DIR / f"{read.run_id}.{HOST}.{os.getpid()}.{uuid.uuid4().hex}"
+        self.folder = data_root / WAREHOUSE_DIR / STAGING_DIR / f"{read.run_id}.{HOST}.{os.getpid()}.{uuid.uuid4().hex}"
         self.moves: dict[str, str] = {}  # staged path -> final path, both relative to the data root
         self.published = False
         self.unsettled = False
@@ -210,7 +211,7 @@ class StagedWalk:
                 # until the store answers, the record may stand (a PUT interrupted, or with its reply lost, may
                 # still be applied): the staged files stay for the next launcher unless the answer is known
                 self.unsettled = True
-                why = _put_commit(self.data_root / "warehouse", record, self.read)
+                why = _put_commit(self.data_root / WAREHOUSE_DIR, record, self.read)
                 self.published = why is None  # (before unsettled is cleared: an interrupt may come between)
                 self.unsettled = False
         except Exception as exc:
@@ -262,7 +263,7 @@ def _move_all(data_root: UPath, folder: UPath, manifest: dict) -> None:
             missing.append(final)
     _remove(folder)
     run_id = manifest["run_id"]
-    if missing and _standing_digest(data_root / "warehouse", run_id) == manifest["digest"]:  # (else superseded)
+    if missing and _standing_digest(data_root / WAREHOUSE_DIR, run_id) == manifest["digest"]:  # (else superseded)
         raise PublishIncomplete(
             f"{run_id}: its commit was published, but its staged files ({', '.join(missing)}) were removed before they "
             f"were moved into place (the walk stalled for longer than {STALE_TEMP_SECONDS} s, and another launcher took "
@@ -324,7 +325,7 @@ def _abandoned(name: str, folder: UPath) -> bool:
 
 def _staged_walks(data_root: UPath) -> Iterator[tuple[UPath, dict | None, bool]]:
     """(folder, its manifest or None, whether its commit record stands) for each staging folder, in name order."""
-    staging = data_root / "warehouse" / STAGING_DIR
+    staging = data_root / WAREHOUSE_DIR / STAGING_DIR
     if not staging.exists():
         return
     for folder in sorted(staging.iterdir(), key=lambda p: p.name):
@@ -336,7 +337,7 @@ def _staged_walks(data_root: UPath) -> Iterator[tuple[UPath, dict | None, bool]]
         yield (
             folder,
             manifest,
-            manifest is not None and _standing_digest(data_root / "warehouse", run_id) == manifest["digest"],
+            manifest is not None and _standing_digest(data_root / WAREHOUSE_DIR, run_id) == manifest["digest"],
         )
 
 
