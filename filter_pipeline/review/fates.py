@@ -164,7 +164,8 @@ def summarize(t: RunTables) -> dict:
         "passed": passed,
         **{fate: int(fates.get(fate, 0)) for fate in FATES},
         "surplus_by_reason": {r: int((t.surplus.get("dropped") == r).sum()) for r in DROPPED_REASONS},
-        "keep_rate": fates.get(FATE_KEPT, 0) / n_tasks if n_tasks else None,
+        # (only a walk decides what is kept: a run not committed yet has no keep rate)
+        "keep_rate": fates.get(FATE_KEPT, 0) / n_tasks if n_tasks and t.commit is not None else None,
         "judge_pass_rate": passed / len(judged) if len(judged) else None,
         "blocked": blocked,
         "cost": float(cost.sum()) if len(cost) else None,
