@@ -5,6 +5,8 @@ fills from FILTER_JUDGE_* in one loop over its fields, and what the client, the 
 per-batch driver take as it is.
 """
 
+import hashlib
+import json
 import os
 from urllib.parse import urlsplit
 
@@ -153,6 +155,12 @@ class LLMJudgeConfig(dg.Config):
     def identity(self) -> list:
         """What of the settings decides a verdict, for the cache key (with the prompt version and messages)."""
         return [self.model, self.votes, self.temperature]
+
+    def settings_digest(self) -> str:
+        """A short digest of every setting that enters a verdict's cache key (`prompt.cache_key`) besides the
+        trajectory itself: the prompt version, `identity()`, and what shapes the messages (screenshot, size)."""
+        material = [self.prompt_version, *self.identity(), self.include_screenshot, self.max_prompt_chars]
+        return hashlib.sha256(json.dumps(material).encode()).hexdigest()[:16]
 
     def redact(self, text: str | None) -> str | None:
         """`text` with the API key replaced by ***: nothing the judge writes or raises carries it."""

@@ -73,11 +73,11 @@ class JudgeResource(dg.ConfigurableResource):
 
     def identity(self) -> dict:
         """This judge as a commit record names it (`commits.JUDGE_IDENTITY`, `commits.judge_settings`): kind, and
-        the LLM's model, prompt version and votes per task."""
+        the LLM's model, prompt version, votes per task and a digest of every setting its cache key depends on."""
         if self.kind == "gate":
-            return {"kind": "gate", "model": None, "prompt_version": None, "votes": "gate"}
+            return {"kind": "gate", "model": None, "prompt_version": None, "votes": "gate", "settings": None}
         return {"kind": self.kind, "model": self.llm.model, "prompt_version": self.llm.prompt_version,
-                "votes": str(self.llm.votes)}  # fmt: skip
+                "votes": str(self.llm.votes), "settings": self.llm.settings_digest()}  # fmt: skip
 
     def settings(self) -> LLMJudgeConfig:
         """The LLM settings, checked: a missing endpoint or model, or settings that cannot work, in one line."""

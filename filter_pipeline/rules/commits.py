@@ -16,6 +16,8 @@ from datetime import datetime
 
 import pandas as pd
 
+from filter_pipeline.rules.schemas import JUDGED_BY
+
 COMMITS_DIR = "_commits"  # <data>/warehouse/_commits/<run_id>.json
 LEGACY_PREFIX = "legacy:"  # history entry of a legacy run: "legacy:<sha256 of its kept.jsonl>"
 INPUT_FILES = ("tasks.jsonl", "executions.jsonl")
@@ -87,7 +89,8 @@ def parse_commit(data: bytes, where: str, run_id: str) -> CommitRecord:
 
 
 def judge_settings(verdicts: pd.DataFrame) -> dict:
-    """Which judge decided the walked verdicts (kind, model, prompt version, votes per task); never its key."""
+    """Which judge decided the walked verdicts (kind, model, prompt version, votes per task, the digest of its
+    settings the verdicts' attrs carry, JUDGED_BY); never its key."""
 
     def first(column: str):
         values = verdicts[column].dropna().unique() if column in verdicts else []
@@ -95,12 +98,14 @@ def judge_settings(verdicts: pd.DataFrame) -> dict:
 
     votes = first("votes")
     return {"kind": first("judge"), "model": first("model"), "prompt_version": first("prompt_version"),
-            "votes": votes.partition("/")[2] or votes if votes else None}  # fmt: skip
+            "votes": votes.partition("/")[2] or votes if votes else None,
+            "settings": (verdicts.attrs.get(JUDGED_BY) or {}).get("settings")}  # fmt: skip
 
 
-# What tells one judge from another in a commit record: settings that enter the verdict cache key. (Its
-# temperature, screenshot and prompt-size settings enter it too, but are not recorded, so not compared.)
-JUDGE_IDENTITY = ("kind", "model", "prompt_version", "votes")
+# What tells one judge from another in a commit record: what enters the verdict cache key (`settings`: a digest
+# of all of it, temperature and the prompt's screenshot and size settings included; absent from records written
+# before it was recorded, where the rest is compared).
+JUDGE_IDENTITY = ("kind", "model", "prompt_version", "votes", "settings")
 
 
 def another_judge(recorded, current: dict) -> str | None:
@@ -114,7 +119,8 @@ def another_judge(recorded, current: dict) -> str | None:
     differ = [k for k in JUDGE_IDENTITY if recorded.get(k) and recorded[k] != (current.get(k) or None)]
     if not differ:
         return None
-    return f"judged by {_named(recorded)}, not by {_named(current)}"
+    others = " (other temperature, screenshot or prompt-size settings)" if differ == ["settings"] else ""
+    return f"judged by {_named(recorded)}, not by {_named(current)}{others}"
 
 
 def _named(judge: dict) -> str:

@@ -137,6 +137,8 @@ BOOL = pa.bool_()
 # from (`Batch.inputs`). pyarrow keeps a frame's attrs in the Parquet file's pandas metadata and restores them
 # on reading, so whoever loads a verdicts file gets the fingerprints of exactly those verdicts.
 JUDGED_INPUTS = "judged_inputs"
+# and in `attrs[JUDGED_BY]` the judge that judged them (`JudgeResource.identity`: what its commit record names)
+JUDGED_BY = "judged_by"
 
 _VERDICT_FIELDS = [
     ("task_id", STR),

@@ -21,6 +21,7 @@ from filter_pipeline.rules.descriptions import column_description
 from filter_pipeline.rules.schemas import (
     FAILURE_REASONS,
     JUDGE_PROGRESS_FOLDER,
+    JUDGED_BY,
     JUDGED_INPUTS,
     SCHEMAS,
     STATUS_ERROR,
@@ -157,6 +158,7 @@ def judge_batch(context: dg.AssetExecutionContext, judge: JudgeResource, data: D
     verdicts = judgement.verdicts.assign(backend=judgement.verdicts["backend_detail"], run_id=run_id)
     # written into the verdicts file (its pandas metadata): what the run's commit records as the input judged
     verdicts.attrs[JUDGED_INPUTS] = batch.inputs
+    verdicts.attrs[JUDGED_BY] = judge.identity()
     yield dg.Output(
         verdicts, output_name="judge_verdicts", metadata=_verdicts_metadata(verdicts, batch, requests, judgement)
     )

@@ -308,7 +308,8 @@ def _walk_the_ledger(
 def _walk_staged(context, config, data, run_id, judge_verdicts, failure_pool, batch_attempts, source, lease, staged):
     """`_walk_the_ledger`'s body: its files written to `staged`, then (its checks held) its commit published."""
     inputs, changed = inputs_to_commit(data.warehouse, data.run_dir(run_id), run_id, judge_verdicts)
-    judge_verdicts.attrs.clear()  # (those fingerprints belong to the verdicts file: not carried into kept)
+    judged_by = commits.judge_settings(judge_verdicts)
+    judge_verdicts.attrs.clear()  # (the fingerprints and the judge belong to the verdicts file: not carried into kept)
     if changed:
         context.log.warning(changed_since_judged(run_id, changed))
     index = build_prior_index(data.root, run_id, judge_verdicts[["dedup_key", "key_hash"]], load_retired(data.root))
@@ -343,7 +344,7 @@ def _walk_staged(context, config, data, run_id, judge_verdicts, failure_pool, ba
         # materializes nothing: its files were never published, so no partition may point at them.
         context.log.error(f"{run_id}: not committed ({', '.join(failing)} failed): nothing of this walk is kept")
     else:
-        record = _commit_record(config, run_id, judge_verdicts, result.kept, index, files, source, inputs)
+        record = _commit_record(config, run_id, judge_verdicts, judged_by, result.kept, index, files, source, inputs)
         _publish(context, data, staged, record, lease)
         for asset, (frame, metadata) in {**frames, **derived}.items():
             yield dg.MaterializeResult(
@@ -394,8 +395,8 @@ def _derived_frames(config, run_id, source, result, failure_pool, batch_attempts
     return frames, report.html(figures, images, run_id).encode()
 
 
-def _commit_record(config, run_id, judge_verdicts, kept, index, files, source, inputs) -> CommitRecord:
-    """The run's commit record: its files, caps, judge, the history it read and its inputs' hashes."""
+def _commit_record(config, run_id, judge_verdicts, judged_by, kept, index, files, source, inputs) -> CommitRecord:
+    """The run's commit record: its files, caps, judge (`judged_by`), the history it read and its inputs' hashes."""
     return commits.CommitRecord(
         run_id=run_id,
         walked_at=walked_now(),
@@ -403,7 +404,7 @@ def _commit_record(config, run_id, judge_verdicts, kept, index, files, source, i
         kept_keys=len(kept),  # (all distinct: no_key_kept_twice held, or nothing is committed)
         caps=config.caps_document(),
         caps_source=source,
-        judge=commits.judge_settings(judge_verdicts),
+        judge=judged_by,
         history=index.history,
         inputs=inputs,
         unjudged=int((judge_verdicts["status"] == STATUS_ERROR).sum()),

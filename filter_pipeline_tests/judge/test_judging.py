@@ -143,9 +143,11 @@ def test_a_rejudging_by_another_judge_fails_in_one_line_and_keeps_the_verdicts_p
             "llm judge-test v3 (votes 1), not by gate (set FILTER_JUDGE_* as they were)"
         )
         assert (pipeline.data_root / "warehouse" / "judge_verdicts" / "r1.parquet").read_bytes() == verdicts
-    with FakeOpenAI() as server:  # the judge that judged the rest, with more votes: another judge too
-        job = build_defs(str(pipeline.data_root), llm(server, votes=3), caps={}).resolve_job_def("rejudge_job")
-        assert not job.execute_in_process(instance=pipeline.instance, partition_key="r1", raise_on_error=False).success
+    with FakeOpenAI() as server:  # the judge that judged the rest, with more votes or warmer: another judge too
+        for changed in ({"votes": 3}, {"temperature": 0.7}):
+            job = build_defs(str(pipeline.data_root), llm(server, **changed), caps={}).resolve_job_def("rejudge_job")
+            result = job.execute_in_process(instance=pipeline.instance, partition_key="r1", raise_on_error=False)
+            assert not result.success
         assert server.calls == []
         job = build_defs(str(pipeline.data_root), llm(server), caps={}).resolve_job_def("rejudge_job")
         assert job.execute_in_process(instance=pipeline.instance, partition_key="r1").success

@@ -79,8 +79,8 @@ def test_a_record_under_another_runs_name_is_refused(tmp_path):
         read_commits(warehouse)
 
 
-LLM_V3 = {"kind": "llm", "model": "m", "prompt_version": "v3", "votes": "1"}
-GATE = {"kind": "gate", "model": None, "prompt_version": None, "votes": "gate"}
+LLM_V3 = {"kind": "llm", "model": "m", "prompt_version": "v3", "votes": "1", "settings": "d1"}
+GATE = {"kind": "gate", "model": None, "prompt_version": None, "votes": "gate", "settings": None}
 
 
 @pytest.mark.parametrize(
@@ -95,9 +95,16 @@ GATE = {"kind": "gate", "model": None, "prompt_version": None, "votes": "gate"}
         (LLM_V3, {**LLM_V3, "model": "m2"}, "judged by llm m v3 (votes 1), not by llm m2 v3 (votes 1)"),
         (LLM_V3, {**LLM_V3, "prompt_version": "v4"}, "judged by llm m v3 (votes 1), not by llm m v4 (votes 1)"),
         (LLM_V3, {**LLM_V3, "votes": "3"}, "judged by llm m v3 (votes 1), not by llm m v3 (votes 3)"),
+        (
+            LLM_V3,
+            {**LLM_V3, "settings": "d2"},  # another temperature, say
+            "judged by llm m v3 (votes 1), not by llm m v3 (votes 1) (other temperature, screenshot or prompt-size "
+            "settings)",
+        ),
+        ({k: v for k, v in LLM_V3.items() if k != "settings"}, {**LLM_V3, "settings": "d2"}, None),  # an older record
     ],
 )
-def test_another_judge_is_told_by_kind_model_prompt_version_and_votes(recorded, current, differs):
+def test_another_judge_is_told_by_kind_model_prompt_version_votes_and_settings(recorded, current, differs):
     from filter_pipeline.rules.commits import another_judge
 
     assert another_judge(recorded, current) == differs
