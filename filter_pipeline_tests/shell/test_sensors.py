@@ -314,17 +314,24 @@ def test_on_s3_a_batch_completed_after_the_first_listing_is_seen_by_the_same_pro
     assert [b.run_id for b in complete_batches(data.runs, data.warehouse)] == ["b1", "b2", "b3"]
 
 
-def test_a_filtered_run_with_unjudged_tasks_is_judged_again_after_a_backoff_under_a_cap(
-    instance, data_root, monkeypatch
-):
-    monkeypatch.setenv("FILTER_PIPELINE_REJUDGE_BACKOFF_SECONDS", "1000")
-    monkeypatch.setenv("FILTER_PIPELINE_REJUDGE_MAX_TRIES", "2")
+def filtered_with_unjudged_tasks(instance, data_root, unjudged: int, **record) -> None:
+    """b1, registered and filtered long ago with `unjudged` tasks left unjudged (`record`: other fields of its
+    commit record)."""
     write_batch(data_root, "b1", [task("a")], [attempt("a")])
     judged(data_root, "b1")
     write_kept(data_root, "b1", ("a", ["k"], "m", "s"))
     instance.add_dynamic_partitions("run_id", ["b1"])
     kept_file = data_root / "warehouse" / "kept" / "b1.parquet"
-    commit_files(data_root, "b1", {"kept": kept_file}, unjudged=2, walked_at="2001-01-01T00:00:00+00:00")  # long ago
+    commit_files(data_root, "b1", {"kept": kept_file}, unjudged=unjudged, walked_at="2001-01-01T00:00:00+00:00",
+                 **record)  # fmt: skip
+
+
+def test_a_filtered_run_with_unjudged_tasks_is_judged_again_after_a_backoff_under_a_cap(
+    instance, data_root, monkeypatch
+):
+    monkeypatch.setenv("FILTER_PIPELINE_REJUDGE_BACKOFF_SECONDS", "1000")
+    monkeypatch.setenv("FILTER_PIPELINE_REJUDGE_MAX_TRIES", "2")
+    filtered_with_unjudged_tasks(instance, data_root, 2)
 
     def rejudge(result):
         return [(r.job_name, r.run_key, r.tags) for r in result.run_requests if r.job_name == "rejudge_job"]
@@ -346,13 +353,8 @@ def test_unjudged_tasks_are_judged_again_only_by_the_judge_that_judged_the_rest(
     from filter_pipeline.judge.resource import JudgeResource, LLMJudgeConfig
 
     monkeypatch.setenv("FILTER_PIPELINE_REJUDGE_BACKOFF_SECONDS", "0")
-    write_batch(data_root, "b1", [task("a")], [attempt("a")])
-    judged(data_root, "b1")
-    write_kept(data_root, "b1", ("a", ["k"], "m", "s"))
-    instance.add_dynamic_partitions("run_id", ["b1"])
-    kept_file = data_root / "warehouse" / "kept" / "b1.parquet"
-    llm = {"kind": "llm", "model": "judge-a", "prompt_version": "v3", "votes": "1"}
-    commit_files(data_root, "b1", {"kept": kept_file}, unjudged=1, judge=llm, walked_at="2001-01-01T00:00:00+00:00")
+    filtered_with_unjudged_tasks(instance, data_root, 1, judge={"kind": "llm", "model": "judge-a",
+                                                                "prompt_version": "v3", "votes": "1"})  # fmt: skip
     sensor = build_batch_sensor()
 
     cursor = {"last": None}
