@@ -6,6 +6,7 @@ from pathlib import Path
 import dagster as dg
 import pandas as pd
 import pytest
+from upath import UPath
 
 from filter_pipeline.definitions import build_defs
 from filter_pipeline.judge.config import LLMJudgeConfig
@@ -128,10 +129,13 @@ def test_outage_leaves_tasks_unjudged_and_the_next_materialization_judges_only_t
 
 def test_a_rejudging_by_another_judge_fails_in_one_line_and_keeps_the_verdicts_paid_for(pipeline):
     from filter_pipeline.shell.jobs import REJUDGE_OF_TAG
+    from filter_pipeline.storage.history import read_commit
 
     sample_batch(pipeline.data_root)
     with FakeOpenAI(lambda call, n: Reply(status=503, body="down") if "do a" in call.prompt else Reply()) as server:
-        pipeline.run(llm(server, task_budget_seconds=0.5))  # a left unjudged
+        judge = llm(server, task_budget_seconds=0.5)
+        pipeline.run(judge)  # a left unjudged
+    assert read_commit(UPath(pipeline.data_root) / "warehouse", "r1").judge == judge.identity()  # what is compared
     verdicts = (pipeline.data_root / "warehouse" / "judge_verdicts" / "r1.parquet").read_bytes()
     for job_name, tags in (("rejudge_job", {}), ("filter_job", {REJUDGE_OF_TAG: "r1"})):  # the sensor's, the CLI's
         job = build_defs(str(pipeline.data_root), JudgeResource(kind="gate"), caps={}).resolve_job_def(job_name)

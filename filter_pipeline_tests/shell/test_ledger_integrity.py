@@ -82,7 +82,7 @@ def test_a_walk_commits_every_file_it_wrote_with_sizes_hashes_caps_judge_inputs_
     assert (r1.kept_keys, r2.kept_keys) == (3, 0)
     assert (r1.caps_source, r1.caps) == ("deployment", {"per_site_cap": 3, "caps": {}})
     assert (r2.caps_source, r2.caps) == ("run config", {"per_site_cap": 2, "caps": {}})
-    assert r2.judge == {"kind": "gate", "model": None, "prompt_version": None, "votes": "gate"}
+    assert r2.judge == {"kind": "gate", "model": None, "prompt_version": None, "votes": "gate", "settings": None}
     assert r2.history == {"r1": r1.digest}
     assert sorted(r2.inputs) == ["executions.jsonl", "tasks.jsonl"] and r2.unjudged == 0
     assert audit(UPath(data_root)) == []
