@@ -58,10 +58,15 @@ def task_href(run_id: str, task_id: str, filters: dict | None = None) -> str:
     which browsers resolve away even escaped, and one with a line break, which no route matches); with the run
     page's `filters`, so that its previous and next are those of the same list."""
     base = f"/runs/{quote(run_id, safe='')}/tasks/"
-    query = {k: v for k, v in (filters or {}).items() if v}
+    query = _query(filters)
     if task_id in (".", "..") or "\n" in task_id:
         return base + "?" + urlencode({"task_id": task_id, **query})
     return base + quote(task_id, safe="") + ("?" + urlencode(query) if query else "")
+
+
+def _query(filters: dict | None) -> dict:
+    """The run page's filters that are set, as a query's parameters."""
+    return {k: v for k, v in (filters or {}).items() if v}
 
 
 def _task_id(request: Request) -> str:
@@ -144,7 +149,7 @@ def run_page(request: Request) -> Response:
     found = _tasks_page(review, request)
     tables = review.warehouse.run(found["run_id"])
     choices = {c: sorted(v for v in tables.tasks[c].dropna().unique()) for c in ("site", "macro", "reason")}
-    query = {k: v for k, v in found["filters"].items() if v}
+    query = _query(found["filters"])
     pages = {"prev": max(0, found["offset"] - found["limit"]) if found["offset"] else None,
              "next": found["offset"] + found["limit"] if found["offset"] + found["limit"] < found["total"] else None}  # fmt: skip
     links = {k: None if v is None else "?" + urlencode({**query, "offset": v, "limit": found["limit"]})
@@ -166,7 +171,7 @@ def task_page(request: Request) -> Response:
         tasks = review.warehouse.run(run_id).tasks["task_id"].reset_index(drop=True)
     at = int(tasks.index[tasks == task_id][0])
     near = {"prev": tasks.iloc[at - 1] if at > 0 else None, "next": tasks.iloc[at + 1] if at + 1 < len(tasks) else None}
-    query = {k: v for k, v in filters.items() if v}
+    query = _query(filters)
     back = f"/runs/{quote(run_id, safe='')}" + ("?" + urlencode(query) if query else "")
     within = ", ".join(f"{k}={v}" for k, v in query.items())
     return review.html("task.html", s=found, near=near, filters=filters, back=back, within=within, blind=False)
