@@ -96,12 +96,14 @@ def _trajectory_lines(t: dict | None) -> list[str]:
 
 
 def _verdict_lines(v: dict | None) -> list[str]:
+    from filter_pipeline.rules.schemas import VERDICT_FLAGS
+
     if not v:
         return []
     outcome = {True: "passed", False: "failed"}.get(v.get("passed"), v.get("status"))
     judge = " ".join(str(v[k]) for k in ("judge", "model", "prompt_version") if v.get(k)) or "-"
     lines = [f"verdict: {outcome} (votes {v.get('votes') or '-'}, judge {judge})", f"  why: {v.get('why') or '-'}"]
-    parts = [f"{p} {_yes(v[p])}" for p in ("success", "side_effects", "looping", "blocked") if v.get(p) is not None]
+    parts = [f"{p} {_yes(v[p])}" for p in VERDICT_FLAGS if v.get(p) is not None]
     if v.get("score") is not None:
         parts.append(f"score {v['score']}/5")
     if parts:

@@ -31,18 +31,19 @@ from upath import UPath
 from filter_pipeline.judge import prompt as judge_prompt
 from filter_pipeline.rules.batch import EXECUTIONS_FILE
 from filter_pipeline.rules.records import read_json
-from filter_pipeline.rules.schemas import JUDGE_PROGRESS_SCHEMA, STATUS_JUDGED, pylist
+from filter_pipeline.rules.schemas import (
+    JUDGE_ANSWER_FIELDS,
+    JUDGE_PROGRESS_SCHEMA,
+    SPEND_COUNTS,
+    STATUS_JUDGED,
+    pylist,
+)
 from filter_pipeline.storage.files import HASH_CHUNK, read_parquet_file
 
 if TYPE_CHECKING:
     from filter_pipeline.judge.config import LLMJudgeConfig
 
-# the verdict fields a fresh answer fills, reused verdicts carry and deduplicated copies share (`judge_passed`:
-# the model's own verdict; `passed` is derived from it and the score by `passes`)
-VERDICT_FIELDS = ("judge_passed", "why", "votes", "status", "requests", "prompt_tokens", "completion_tokens",
-                  "cached_tokens", "latency_ms", "raw_replies", "replies_sha256", "success", "side_effects",
-                  "looping", "blocked", "score", "key_points", "reasoning")  # fmt: skip
-SPEND_FIELDS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens", "latency_ms")  # 0 on copies
+SPEND_FIELDS = (*SPEND_COUNTS, "latency_ms")  # 0 on deduplicated copies
 REQUEST_COLUMNS = ("instruction", "macro", "site", "dedup_key", "start_kind", "dir", "attempt_line")
 MAX_READERS = 8  # threads building prompts (reading trajectory files)
 
@@ -174,7 +175,7 @@ class DriveStats:
 
 @dataclass
 class DriveResult:
-    frame: pd.DataFrame  # one row per request, in order: cache_key, evidence, cached, deduplicated, VERDICT_FIELDS
+    frame: pd.DataFrame  # one row per request, in order: cache_key, evidence, cached, deduplicated, JUDGE_ANSWER_FIELDS
     stats: DriveStats
 
 
@@ -202,9 +203,9 @@ def reusable_verdicts(previous: pd.DataFrame | None, progress: pd.DataFrame | No
         frame = frame.assign(judge_passed=model.astype(object).where(model.notna(), frame.get("passed")))
         judged = frame[(frame["status"] == STATUS_JUDGED) & frame["cache_key"].notna()]
         copy = judged["deduplicated"].fillna(False).astype(bool) if "deduplicated" in judged else False
-        frames.append(judged.reindex(columns=["cache_key", *VERDICT_FIELDS]).assign(_source=source, _copy=copy))
+        frames.append(judged.reindex(columns=["cache_key", *JUDGE_ANSWER_FIELDS]).assign(_source=source, _copy=copy))
     if not frames:
-        return pd.DataFrame(columns=["cache_key", *VERDICT_FIELDS, "_source"]), 0
+        return pd.DataFrame(columns=["cache_key", *JUDGE_ANSWER_FIELDS, "_source"]), 0
     every = pd.concat(frames, ignore_index=True).sort_values("_copy", kind="stable")
     every = every.drop_duplicates("cache_key").drop(columns="_copy").reset_index(drop=True)
     return every, int((every["_source"] == "progress").sum())
@@ -260,7 +261,7 @@ class _Driver:
         self.evidence: list = [None] * n
         self.source = np.full(n, Source.ASKED, dtype=np.int8)
         self.ref = np.full(n, -1, dtype=np.int64)  # REUSED: the reusable row; COPY: the task asked
-        self.fresh = {f: [None] * n for f in VERDICT_FIELDS}
+        self.fresh = {f: [None] * n for f in JUDGE_ANSWER_FIELDS}
         self.stats = DriveStats()
         self.leaders: dict[str, int] = {}
         self._unsaved: list[int] = []
@@ -340,9 +341,8 @@ class _Driver:
             del messages
             self._free_slot()
         self.stats.asked += 1
-        for name in VERDICT_FIELDS[1:]:
-            self.fresh[name][i] = getattr(verdict, name)
-        self.fresh["judge_passed"][i] = verdict.passed
+        for name in JUDGE_ANSWER_FIELDS:
+            self.fresh[name][i] = verdict.passed if name == "judge_passed" else getattr(verdict, name)
         self.stats.latencies_ms.extend(verdict.call_latencies_ms)
         if verdict.status == STATUS_JUDGED:
             self._unsaved.append(i)
@@ -404,7 +404,7 @@ class _Driver:
             if self.source[leader] == Source.REUSED:
                 self.ref[first] = self.ref[leader]  # (the verdict's row on file)
             else:
-                for name in VERDICT_FIELDS:
+                for name in JUDGE_ANSWER_FIELDS:
                     self.fresh[name][first] = self.fresh[name][leader]
             self.source[first], self.source[leader] = self.source[leader], Source.COPY
             for i in [leader, *followers]:
@@ -418,7 +418,7 @@ class _Driver:
         copies = np.flatnonzero(self.source == Source.COPY)
         out = {"cache_key": self.keys, "evidence": self.evidence,
                "cached": self.source == Source.REUSED, "deduplicated": self.source == Source.COPY}  # fmt: skip
-        for name in VERDICT_FIELDS:
+        for name in JUDGE_ANSWER_FIELDS:
             values = np.empty(self.n, dtype=object)
             values[:] = self.fresh[name]
             self.fresh[name] = None  # (the lists go as their columns are built: no second copy of the batch)

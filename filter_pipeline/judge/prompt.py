@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from upath import UPath
 
-from filter_pipeline.judge.replies import PART_FLAGS, SCORE_RANGE
+from filter_pipeline.judge.replies import SCORE_RANGE
 from filter_pipeline.rules.records import as_text, read_json
 from filter_pipeline.rules.schemas import (
     EVIDENCE_TRAJECTORY,
@@ -31,6 +31,7 @@ from filter_pipeline.rules.schemas import (
     TRAJECTORY_NOT_OBJECT,
     TRAJECTORY_OUTSIDE_ROOT,
     TRAJECTORY_UNREADABLE,
+    VERDICT_FLAGS,
     record_steps_evidence,
 )
 from filter_pipeline.storage.files import is_local
@@ -181,7 +182,7 @@ PROMPTS: dict[str, tuple[str, dict]] = {
             {
                 "key_points": {"type": "array", "items": {"type": "string"}},
                 "reasoning": {"type": "string"},
-                **{name: {"type": "boolean"} for name in PART_FLAGS},
+                **{name: {"type": "boolean"} for name in VERDICT_FLAGS},
                 "score": {"type": "integer", "enum": list(range(SCORE_RANGE[0], SCORE_RANGE[1] + 1))},
                 **_VERDICT,
             }

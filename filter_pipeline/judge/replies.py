@@ -11,6 +11,8 @@ from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from typing import Any
 
+from filter_pipeline.rules.schemas import VERDICT_FLAGS
+
 # Reasoning models write their thinking in such blocks; a verdict-shaped object inside one is the model
 # thinking aloud (often quoting the requested format), never its answer.
 _CLOSED_BLOCK = re.compile(r"<(think|thinking|reasoning)\b[^>]*>.*?</\1\s*>", re.DOTALL | re.IGNORECASE)
@@ -18,7 +20,6 @@ _CLOSE_TAG = re.compile(r"</(?:think|thinking|reasoning)\s*>", re.IGNORECASE)
 _OPEN_TAG = re.compile(r"<(?:think|thinking|reasoning)\b[^>]*>", re.IGNORECASE)
 
 
-PART_FLAGS = ("success", "side_effects", "looping", "blocked")  # prompt v3's booleans beside `passed`
 SCORE_RANGE = (1, 5)
 
 
@@ -88,7 +89,7 @@ def parse_reply(text: str | None) -> Verdict | None:
 def read_parts(value: dict, before: str = "") -> Parts:
     """The parts of a verdict object; `before`: the reply's text ahead of it, the reasoning when the object
     has no `reasoning` text of its own."""
-    flags = {name: value.get(name) if isinstance(value.get(name), bool) else None for name in PART_FLAGS}
+    flags = {name: value.get(name) if isinstance(value.get(name), bool) else None for name in VERDICT_FLAGS}
     score = value.get("score")
     if isinstance(score, float) and score.is_integer():
         score = int(score)

@@ -24,6 +24,7 @@ from filter_pipeline.rules.schemas import (
     EVIDENCE_TRAJECTORY,
     GATE_VOTES,
     GATE_WHY,
+    SPEND_COUNTS,
     STATUS_ERROR,
     STATUS_JUDGED,
     evidence_kind,
@@ -182,10 +183,7 @@ def evidence_counts(verdicts: pd.DataFrame) -> dict[str, int]:
 def _llm_metadata(verdicts: pd.DataFrame, stats: driver.DriveStats, config: LLMJudgeConfig, prices) -> dict:
     judged = verdicts[verdicts["status"] == STATUS_JUDGED]
     asked = verdicts[~verdicts["cached"].astype(bool)]  # what this materialization paid for (copies carry 0)
-    spent = {
-        name: int(_ints(asked[name]).sum())
-        for name in ("requests", "prompt_tokens", "completion_tokens", "cached_tokens")
-    }
+    spent = {name: int(_ints(asked[name]).sum()) for name in SPEND_COUNTS}
     latencies = np.frombuffer(stats.latencies_ms, dtype=np.float64) if len(stats.latencies_ms) else np.zeros(0)
     evidence = evidence_counts(verdicts)
     missing = sum(n for kind, n in evidence.items() if kind != EVIDENCE_TRAJECTORY)

@@ -17,13 +17,14 @@ from filter_pipeline.rules.schemas import (
     DROPPED_REASONS,
     EVIDENCE_TRAJECTORY,
     FAILURE_REASONS,
+    SPEND_COUNTS,
     STATUS_ERROR,
     STATUS_JUDGED,
 )
 
 BLOCKED = "blocked"  # the per-site and per-macro column of judge failures the judge found blocked by the site
 FUNNEL_STEPS = ("attempts", "ok attempts", "judged tasks", "passed", "kept")
-COST_COLUMNS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens", "cost")
+COST_COLUMNS = (*SPEND_COUNTS, "cost")
 
 
 @dataclass(frozen=True)

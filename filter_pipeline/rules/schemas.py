@@ -445,13 +445,16 @@ def pylist(values: pd.Series) -> list:
     return pa.array(values).to_pylist()
 
 
-# judge_verdicts fields saved as the LLM judge goes (warehouse/_judge_progress/<run_id>/*.parquet): what a
-# killed run's next materialization reuses by cache_key instead of asking again.
+# the yes/no parts of a verdict (prompt v3), each a column of judge_verdicts beside its score
+VERDICT_FLAGS = ("success", "side_effects", "looping", "blocked")
+# what asking the judge spent on a verdict (0 on deduplicated copies and reused verdicts)
+SPEND_COUNTS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens")
+# the judge_verdicts fields a judge's answer fills: what reused verdicts carry and deduplicated copies share
+# (`judge_passed`: the model's own verdict; `passed` derives from it and the score)
+JUDGE_ANSWER_FIELDS = ("judge_passed", "why", "votes", "status", *SPEND_COUNTS, "latency_ms", "raw_replies",
+                       "replies_sha256", *VERDICT_FLAGS, "score", "key_points", "reasoning")  # fmt: skip
+
+# The answers saved as the LLM judge goes (warehouse/_judge_progress/<run_id>/*.parquet), by cache_key: what a
+# killed run's next materialization reuses instead of asking again.
 JUDGE_PROGRESS_FOLDER = "_judge_progress"  # warehouse/_judge_progress/<run_id>/
-JUDGE_PROGRESS_SCHEMA = pa.schema(
-    [f for f in _VERDICT_FIELDS if f[0] in (
-        "cache_key", "judge_passed", "why", "votes", "status", "requests", "prompt_tokens", "completion_tokens",
-        "cached_tokens", "latency_ms", "raw_replies", "replies_sha256", "success", "side_effects", "looping",
-        "blocked", "score", "key_points", "reasoning",
-    )]
-)  # fmt: skip
+JUDGE_PROGRESS_SCHEMA = pa.schema([f for f in _VERDICT_FIELDS if f[0] in ("cache_key", *JUDGE_ANSWER_FIELDS)])
