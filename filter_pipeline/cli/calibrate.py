@@ -141,7 +141,10 @@ def calibrate(args: argparse.Namespace) -> int:
     data = DataRoot.from_env(args.data)
     if not data.root.exists():
         raise CalibrateError(f"{data.path}: no such folder (point --data or FILTER_PIPELINE_DATA at the data root)")
-    raw = read_labels(data.root)
+    try:
+        raw = read_labels(data.root)
+    except OSError as exc:
+        raise CalibrateError(f"{data.path}: {calibration.LABELS_FILE} cannot be read ({exc.strerror or exc})") from None
     if raw is None:
         raise CalibrateError(f"{data.path}: no {calibration.LABELS_FILE}: label some attempts first")
     if not (data.warehouse / "judge_verdicts").exists():

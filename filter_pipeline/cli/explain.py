@@ -25,7 +25,7 @@ def add_parser(commands) -> None:
 
 def explain(args: argparse.Namespace) -> int:
     from filter_pipeline.cli.data_root import existing_root
-    from filter_pipeline.review.data import ReviewError, UnreadableRun, Warehouse
+    from filter_pipeline.review.data import ReviewError, UnreadableFile, Warehouse
     from filter_pipeline.review.story import Labels, story
 
     root = existing_root(args.data)
@@ -34,7 +34,7 @@ def explain(args: argparse.Namespace) -> int:
     warehouse = Warehouse(root)
     try:
         found = story(warehouse, args.run_id, args.task_id, Labels(root).frame())
-    except (ReviewError, UnreadableRun) as exc:
+    except (ReviewError, UnreadableFile) as exc:
         print(f"filter-pipeline: {exc}", file=sys.stderr)
         return EXIT_FAILED
     print("\n".join(story_lines(found)))

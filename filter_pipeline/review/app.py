@@ -24,7 +24,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from upath import UPath
 
-from filter_pipeline.review.data import ReviewError, UnreadableRun, Warehouse, matching, page
+from filter_pipeline.review.data import ReviewError, UnreadableFile, Warehouse, matching, page
 from filter_pipeline.review.fates import FATES
 from filter_pipeline.review.queue import QueueMemo, item
 from filter_pipeline.review.story import Labels, inside_run, plain, screenshot, story
@@ -322,7 +322,7 @@ async def on_review_error(request: Request, exc: ReviewError) -> Response:
     return _error(request, 404, _one_line(exc.args[0] if exc.args else "not found"))
 
 
-async def on_unreadable_run(request: Request, exc: UnreadableRun) -> Response:
+async def on_unreadable_file(request: Request, exc: UnreadableFile) -> Response:
     return _error(request, 500, _one_line(exc))
 
 
@@ -384,7 +384,7 @@ def create_app(
         Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
     ]
     handlers = {ReviewError: on_review_error, BadRequest: on_bad_request, HTTPException: on_http_error,
-                UnreadableRun: on_unreadable_run, Exception: on_any_error}  # fmt: skip
+                UnreadableFile: on_unreadable_file, Exception: on_any_error}  # fmt: skip
     app = Starlette(routes=routes, exception_handlers=handlers)
     app.state.review = Review(root, labeler)
     app.state.also_reached_as = {name.lower() for name in allowed_hosts}

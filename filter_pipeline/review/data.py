@@ -43,7 +43,11 @@ class ReviewError(LookupError):
     """A run or task that does not exist, or a request that cannot be answered: one line for the user."""
 
 
-class UnreadableRun(ValueError):
+class UnreadableFile(ValueError):
+    """A file of the data root exists but cannot be read: one line naming it and why."""
+
+
+class UnreadableRun(UnreadableFile):
     """A file of the run cannot be read: one line naming the run and why (`reason`)."""
 
     def __init__(self, run_id: str, reason: str):

@@ -7,7 +7,7 @@ import re
 import pandas as pd
 from upath import UPath
 
-from filter_pipeline.review.data import ReviewError, Warehouse, signature
+from filter_pipeline.review.data import ReviewError, UnreadableFile, Warehouse, signature
 from filter_pipeline.review.fates import FATE_KEPT, FATE_SURPLUS, FATE_WHERE, RunTables
 from filter_pipeline.rules.batch import SUCCESS_FILE
 from filter_pipeline.rules.calibration import LABEL_COLUMNS, parse_labels
@@ -195,9 +195,13 @@ class Labels:
         self._frame = pd.DataFrame(columns=LABEL_COLUMNS)
 
     def frame(self) -> pd.DataFrame:
+        """Every valid label; UnreadableFile when the file exists but cannot be read (a folder, no permission)."""
         current = signature(self.path)
         if current != self._seen:
-            data = self.path.read_bytes() if current is not None else b""
+            try:
+                data = self.path.read_bytes() if current is not None else b""
+            except OSError as exc:
+                raise UnreadableFile(f"{LABELS_FILE} cannot be read ({exc.strerror or exc})") from None
             self._frame, self._seen = parse_labels(data)[0], current
         return self._frame
 

@@ -169,6 +169,11 @@ def test_calibrate_without_labels_or_endpoint_says_so_in_one_line(data_root, mon
     assert capsys.readouterr().err.startswith(f"filter-pipeline: {data_root / 'nope'}: no such folder")
     assert main(["calibrate", "--data", str(data_root)]) == 2
     assert capsys.readouterr().err.startswith(f"filter-pipeline: {data_root}: no labels.jsonl")
+    (data_root / "labels.jsonl").mkdir()
+    assert main(["calibrate", "--data", str(data_root)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"filter-pipeline: {data_root}: labels.jsonl cannot be read (Is a directory)\n"
+    (data_root / "labels.jsonl").rmdir()
     sample_batch(data_root)
     (data_root / "labels.jsonl").write_text('{"dir": "runs/r/traj/a/1", "success": true}\n')
     (data_root / "warehouse" / "judge_verdicts").mkdir(parents=True)

@@ -387,3 +387,21 @@ def test_a_task_opens_from_its_link_whatever_its_task_id(tmp_path, task_id):
         assert status == 200 and json.loads(body)["task"]["task_id"] == task_id
     finally:
         app.stop()
+
+
+def test_a_labels_file_that_cannot_be_read_is_a_one_line_500_not_a_page_without_labels(sample_root):
+    from upath import UPath
+
+    from filter_pipeline_tests.review.conftest import Served
+
+    (sample_root / "labels.jsonl").unlink(missing_ok=True)
+    (sample_root / "labels.jsonl").mkdir()
+    app = Served(UPath(str(sample_root)))
+    try:
+        for path in ["/runs/2026-11-28/tasks/2026-11-28-t013", "/api/runs/2026-11-28/tasks/2026-11-28-t013", "/queue"]:
+            status, _, body = get(app, path)
+            assert status == 500 and "labels.jsonl cannot be read (Is a directory)" in body, (path, body)
+            assert "Traceback" not in body and len(body.strip().splitlines()) == 1
+        assert get(app, "/runs/2026-11-28")[0] == 200  # (a run's page reads no labels)
+    finally:
+        app.stop()
