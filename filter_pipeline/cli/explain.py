@@ -57,7 +57,8 @@ def story_lines(s: dict) -> list[str]:
              f"  site {task['site'] or '-'}, macro {task['macro'] or '-'}", f"  instruction: {task['instruction'] or '-'}",
              f"  dedup key: {task.get('dedup_key') or '-'}"]  # fmt: skip
     if decision.get("reason") == REASON_RETIRED:
-        lines.append("  retired by retired.json: it stays in kept but no longer counts for dedup or caps")
+        because = f" ({decision['retired_because']})" if decision.get("retired_because") else ""
+        lines.append(f"  retired by retired.json{because}: it stays in kept but no longer counts for dedup or caps")
     if decision.get("duplicate_of"):
         dup = decision["duplicate_of"]
         lines.append(f"  duplicate of task {dup['task_id']} of run {dup['run_id']}, which kept the key first")

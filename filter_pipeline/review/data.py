@@ -141,6 +141,8 @@ class Warehouse:
                 return cached[1]
         try:
             tables = load_run(run_id, self._files(run_id))
+        except UnreadableFile:  # (retired.json: a file of the data root, not of the run)
+            raise
         except (OSError, ValueError) as exc:  # (Arrow's errors are ValueErrors)
             raise UnreadableRun(run_id, " ".join(str(exc).split())[:300] or type(exc).__name__) from exc
         with self._lock:
@@ -229,11 +231,15 @@ def _verdicts(path: UPath) -> tuple[pd.DataFrame, bool]:
 
 
 def _retired(path: UPath) -> Retired:
-    """retired.json; nothing retired when it is absent or has a shape the stage refuses (the stage says why)."""
+    """retired.json (absent: nothing retired); UnreadableFile when the stage would refuse it, saying why."""
     try:
         return parse_retired(path.read_bytes())
-    except (FileNotFoundError, HistoryError):
+    except FileNotFoundError:
         return Retired()
+    except HistoryError as exc:
+        raise UnreadableFile(f"{exc} (the stage refuses it too: correct it, or remove it)") from None
+    except OSError as exc:
+        raise UnreadableFile(f"{RETIRED_FILE} cannot be read ({exc.strerror or exc})") from None
 
 
 def load_run(run_id: str, files: dict[str, UPath]) -> RunTables:

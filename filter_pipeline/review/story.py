@@ -8,7 +8,7 @@ import pandas as pd
 from upath import UPath
 
 from filter_pipeline.review.data import ReviewError, UnreadableFile, Warehouse, signature
-from filter_pipeline.review.fates import FATE_KEPT, FATE_SURPLUS, FATE_WHERE, RunTables
+from filter_pipeline.review.fates import FATE_KEPT, FATE_SURPLUS, FATE_WHERE, REASON_RETIRED, RunTables
 from filter_pipeline.rules.batch import SUCCESS_FILE
 from filter_pipeline.rules.calibration import LABEL_COLUMNS, parse_labels
 from filter_pipeline.rules.records import as_text, read_json
@@ -95,9 +95,11 @@ def _as_text(value):
 
 
 def decision(t: RunTables, task: dict) -> dict:
-    """The walk's decision about the task: its fate and reason; for a duplicate, who kept the key first; for a
-    cap, the cap the walk applied and the count it met (history's kept rows plus the run's own)."""
+    """The walk's decision about the task: its fate and reason; for a retired row, retired.json's reason; for a
+    duplicate, who kept the key first; for a cap, the cap the walk applied and the count it met (history's kept rows plus the run's own)."""
     found = {"fate": task["fate"], "reason": task["reason"], "where": FATE_WHERE.get(task["fate"])}
+    if task["reason"] == REASON_RETIRED:
+        found["retired_because"] = t.retired.reason_of(t.run_id, task["task_id"])
     if task["fate"] != FATE_SURPLUS:
         return found
     row = rows_of(t.surplus, task["task_id"])[-1:]

@@ -43,9 +43,15 @@ class Retired:
 
     runs: frozenset[str] = frozenset()
     tasks: dict[str, frozenset[str]] = field(default_factory=dict)
+    # each entry's `reason`, where it gives one as text: by (run_id, None) for a whole run, else (run_id, task_id)
+    reasons: dict[tuple[str, str | None], str] = field(default_factory=dict)
 
     def run_is_retired(self, run_id: str) -> bool:
         return run_id in self.runs
+
+    def reason_of(self, run_id: str, task_id: str) -> str | None:
+        """Why the row is retired, as retired.json says (its task's entry first, then its run's); None if unsaid."""
+        return self.reasons.get((run_id, task_id)) or self.reasons.get((run_id, None))
 
 
 def parse_retired(data: bytes | None) -> Retired:
@@ -62,17 +68,21 @@ def parse_retired(data: bytes | None) -> Retired:
         raise HistoryError(f"{where} must be a JSON list of {{run_id, task_ids?, reason}} objects")
     runs: set[str] = set()
     tasks: dict[str, set[str]] = {}
+    reasons: dict[tuple[str, str | None], str] = {}
     for i, entry in enumerate(entries):
         if not isinstance(entry, dict) or not isinstance(entry.get("run_id"), str):
             raise HistoryError(f"{where}[{i}] must be an object with a string 'run_id'")
+        reason = entry.get("reason") if isinstance(entry.get("reason"), str) and entry["reason"].strip() else None
         if "task_ids" not in entry or entry["task_ids"] is None:
             runs.add(entry["run_id"])
+            reasons.update({(entry["run_id"], None): reason} if reason else {})
             continue
         ids = entry["task_ids"]
         if not isinstance(ids, list) or not all(isinstance(t, str) for t in ids):
             raise HistoryError(f"{where}[{i}].task_ids must be a list of strings")
         tasks.setdefault(entry["run_id"], set()).update(ids)
-    return Retired(runs=frozenset(runs), tasks={r: frozenset(t) for r, t in tasks.items()})
+        reasons.update({(entry["run_id"], t): reason for t in ids} if reason else {})
+    return Retired(runs=frozenset(runs), tasks={r: frozenset(t) for r, t in tasks.items()}, reasons=reasons)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,8 @@ import pyarrow as pa
 import pytest
 from upath import UPath
 
-from filter_pipeline.review.data import ReviewError, UnreadableRun, Warehouse, page
+from filter_pipeline.cli.explain import story_lines
+from filter_pipeline.review.data import ReviewError, UnreadableFile, UnreadableRun, Warehouse, page
 from filter_pipeline.review.fates import _rejected_tasks
 from filter_pipeline.review.story import story
 from filter_pipeline.rules.commits import CommitRecord
@@ -353,11 +354,25 @@ def test_a_kept_row_retired_json_retires_shows_reason_retired_as_soon_as_the_fil
     }
     retired = warehouse.root / "retired.json"
     retired.write_text(json.dumps([{"run_id": "r1", "task_ids": ["k"], "reason": "wrong site"}]))
-    assert story(warehouse, "r1", "k")["decision"]["reason"] == "retired"
+    decided = story(warehouse, "r1", "k")["decision"]
+    assert (decided["reason"], decided["retired_because"]) == ("retired", "wrong site")
+    told = story_lines(story(warehouse, "r1", "k"))  # (`explain`)
+    assert "  retired by retired.json (wrong site): it stays in kept but no longer counts for dedup or caps" in told
     retired.write_text(json.dumps([{"run_id": "r1", "reason": "bad batch"}]))  # the whole run
     tasks = warehouse.run("r1").tasks
     assert tasks.loc[tasks["fate"] == "kept", "reason"].tolist() == ["retired"]
     assert tasks.loc[tasks["fate"] != "kept", "reason"].ne("retired").all()  # only kept rows are retired
+    assert story(warehouse, "r1", "k")["decision"]["retired_because"] == "bad batch"
+    retired.write_text(json.dumps([{"run_id": "r1"}]))  # (no reason given)
+    assert story(warehouse, "r1", "k")["decision"]["retired_because"] is None
+
+
+def test_a_retired_json_the_stage_refuses_is_one_line_not_nothing_retired(warehouse):
+    (warehouse.root / "retired.json").write_text(json.dumps([{"task_ids": ["k"]}]))
+    with pytest.raises(
+        UnreadableFile, match=r"^retired.json\[0\] must be an object with a string 'run_id' \(the stage"
+    ):
+        story(warehouse, "r1", "k")
 
 
 def test_a_batch_not_parsed_yet_shows_the_valid_tasks_of_its_tasks_jsonl_as_pending(tmp_path):
