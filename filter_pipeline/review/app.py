@@ -172,7 +172,9 @@ def task_page(request: Request) -> Response:
     at = int(tasks.index[tasks == task_id][0])
     near = {"prev": tasks.iloc[at - 1] if at > 0 else None, "next": tasks.iloc[at + 1] if at + 1 < len(tasks) else None}
     query = _query(filters)
-    back = f"/runs/{quote(run_id, safe='')}" + ("?" + urlencode(query) if query else "")
+    # (back to the page of the list that holds the task, which prev and next may have moved beyond the first)
+    listed = {**query, **({"offset": at - at % DEFAULT_LIMIT} if at >= DEFAULT_LIMIT else {})}
+    back = f"/runs/{quote(run_id, safe='')}" + ("?" + urlencode(listed) if listed else "")
     within = ", ".join(f"{k}={v}" for k, v in query.items())
     return review.html("task.html", s=found, near=near, filters=filters, back=back, within=within, blind=False)
 

@@ -358,21 +358,11 @@ def test_a_task_opens_from_its_link_whatever_its_task_id(tmp_path, task_id):
     import html
     import re
 
-    import dagster as dg
     from upath import UPath
 
-    from filter_pipeline.definitions import build_defs
-    from filter_pipeline.judge.resource import JudgeResource
-    from filter_pipeline_tests.builders import attempt, task, write_batch
     from filter_pipeline_tests.review.conftest import Served
 
-    write_batch(
-        tmp_path, "r1", [task("first"), task(task_id), task("last")], [attempt(t) for t in ("first", task_id, "last")]
-    )
-    with dg.instance_for_test() as instance:
-        instance.add_dynamic_partitions("run_id", ["r1"])
-        job = build_defs(str(tmp_path), JudgeResource(), caps={}).resolve_job_def("filter_job")
-        assert job.execute_in_process(instance=instance, partition_key="r1").success
+    filtered_batch(tmp_path, ["first", task_id, "last"])
     app = Served(UPath(str(tmp_path)))
     try:
         pages = {"run": "/runs/r1", "previous": f"/runs/r1/tasks/{quote('last', safe='')}",
@@ -403,5 +393,40 @@ def test_a_labels_file_that_cannot_be_read_is_a_one_line_500_not_a_page_without_
             assert status == 500 and "labels.jsonl cannot be read (Is a directory)" in body, (path, body)
             assert "Traceback" not in body and len(body.strip().splitlines()) == 1
         assert get(app, "/runs/2026-11-28")[0] == 200  # (a run's page reads no labels)
+    finally:
+        app.stop()
+
+
+def filtered_batch(root, task_ids: list[str]) -> None:
+    """Batch r1 of these tasks, one attempt each, filtered by `filter_job` with the gate judge."""
+    import dagster as dg
+
+    from filter_pipeline.definitions import build_defs
+    from filter_pipeline.judge.resource import JudgeResource
+    from filter_pipeline_tests.builders import attempt, task, write_batch
+
+    write_batch(root, "r1", [task(t) for t in task_ids], [attempt(t) for t in task_ids])
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions("run_id", ["r1"])
+        job = build_defs(str(root), JudgeResource(), caps={}).resolve_job_def("filter_job")
+        assert job.execute_in_process(instance=instance, partition_key="r1").success
+
+
+def test_back_to_the_list_returns_to_the_page_that_holds_the_task(tmp_path):
+    import html
+
+    from upath import UPath
+
+    from filter_pipeline.review.app import DEFAULT_LIMIT
+    from filter_pipeline_tests.review.conftest import Served
+
+    filtered_batch(tmp_path, [f"t{i:03d}" for i in range(DEFAULT_LIMIT + 20)])
+    app = Served(UPath(str(tmp_path)))
+    try:
+        for at, back in [(5, "/runs/r1?macro=m"), (DEFAULT_LIMIT + 5, f"/runs/r1?macro=m&amp;offset={DEFAULT_LIMIT}")]:
+            status, _, body = get(app, f"/runs/r1/tasks/t{at:03d}?macro=m")
+            assert status == 200 and f'id="list" href="{back}"' in body, at
+            status, _, body = get(app, html.unescape(back))
+            assert status == 200 and f'href="/runs/r1/tasks/t{at:03d}?macro=m"' in body, at
     finally:
         app.stop()
