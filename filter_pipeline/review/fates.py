@@ -149,10 +149,11 @@ def summarize(t: RunTables) -> dict:
     judged = verdicts[verdicts["status"] == STATUS_JUDGED] if "status" in verdicts else verdicts.iloc[:0]
     passed = int(judged["passed"].fillna(False).astype(bool).sum()) if "passed" in judged else 0
     # (a run the earlier script filtered is known by its kept rows alone: how many tasks it had is not known)
-    n_tasks = None if t.legacy and t.commit is None else int(len(t.tasks) - fates.get(FATE_REJECT, 0))
+    legacy = t.legacy and t.commit is None
+    n_tasks = None if legacy else int(len(t.tasks) - fates.get(FATE_REJECT, 0))
     blocked = int(verdicts["blocked"].fillna(False).astype(bool).sum()) if "blocked" in verdicts else None
     cost = verdicts["cost"].dropna() if "cost" in verdicts else pd.Series(dtype=float)
-    return {
+    summary = {
         "run_id": t.run_id,
         "state": run_state(t, fates),
         "walked_at": (t.commit or {}).get("walked_at"),
@@ -170,6 +171,10 @@ def summarize(t: RunTables) -> dict:
         "blocked": blocked,
         "cost": float(cost.sum()) if len(cost) else None,
     }
+    if legacy:  # (every figure but its kept rows is unknown, not 0)
+        unknown = ["attempts", "rejects", "with_ok_attempt", "judged", "passed", *(f for f in FATES if f != FATE_KEPT)]
+        summary.update(dict.fromkeys(unknown), surplus_by_reason={})
+    return summary
 
 
 def unreadable_summary(run_id: str, reason: str) -> dict:

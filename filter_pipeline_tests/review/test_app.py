@@ -58,6 +58,8 @@ def test_runs_page_and_api_show_state_funnel_and_rates(served):
     assert r29["judge_pass_rate"] == 1.0 and abs(r29["keep_rate"] - 1 / 14) < 1e-9
     legacy = runs["2026-11-27"]
     assert (legacy["state"], legacy["kept"], legacy["tasks"], legacy["keep_rate"]) == ("legacy", 5, None, None)
+    unknown = ["judged", "surplus", "judge_fail", "unjudged", "execute_fail", "reject", "rejects", "attempts"]
+    assert [legacy[k] for k in unknown] == [None] * len(unknown)  # (only its kept rows are known: not 0)
     _, _, page = get(served, "/runs/2026-11-27")
     assert "Filtered by the earlier script: its <code>kept.jsonl</code> holds the 5 kept rows below" in page
     _, _, html = get(served, "/")
