@@ -14,7 +14,9 @@ import uvicorn
 from upath import UPath
 
 from filter_pipeline.review.app import create_app
+from filter_pipeline.review.data import Warehouse
 from filter_pipeline_tests.conftest import CLI, REPO
+from filter_pipeline_tests.review.small_warehouse import write_run
 from filter_pipeline_tests.servers import free_port
 
 HOSTILE_TASK = "2026-11-28-t004"  # its judged attempt's page text carries a script
@@ -91,3 +93,11 @@ def served(sample_root):
     app = Served(UPath(str(sample_root)))
     yield app
     app.stop()
+
+
+@pytest.fixture
+def warehouse(tmp_path) -> Warehouse:
+    """The small warehouse: run r1 committed (with the judge's newer columns), r2 not committed yet."""
+    write_run(tmp_path, "r1", newer_columns=True)
+    write_run(tmp_path, "r2", committed=False)
+    return Warehouse(UPath(str(tmp_path)))

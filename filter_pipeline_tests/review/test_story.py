@@ -1,0 +1,139 @@
+"""A task's story (`review/story.py`, and `explain`'s text of it): its verdict's parts, its trajectory, its labels,
+retired.json's word on it, and what a run still being written says."""
+
+import json
+
+import pytest
+from upath import UPath
+
+from filter_pipeline.cli.explain import story_lines
+from filter_pipeline.review.data import ReviewError, UnreadableFile, Warehouse
+from filter_pipeline.review.story import story
+
+
+def test_a_story_shows_the_judges_parts_when_the_file_has_them_and_does_without(warehouse):
+    newer = story(warehouse, "r1", "jf")["verdict"]
+    assert (newer["blocked"], newer["score"], newer["reasoning"]) == (True, 1, "a CAPTCHA <b>wall</b>")
+    older = story(warehouse, "r2", "jf")["verdict"]
+    assert older["passed"] is False and "blocked" not in older and "score" not in older
+    duplicate = story(warehouse, "r1", "d")["decision"]
+    assert duplicate["duplicate_of"] == {"run_id": "r0", "task_id": "t0"}
+    cap = story(warehouse, "r1", "c")["decision"]["cap"]
+    assert (cap["reason"], cap["limit"], cap["kept_before"], cap["kept_in_run"]) == ("site_cap", 1, 1, 0)
+    rejected = story(warehouse, "r1", "tasks.jsonl:9")
+    assert rejected["decision"]["fate"] == "reject" and [r["line"] for r in rejected["rejects"]] == [9]
+    with pytest.raises(ReviewError, match="no task 'zz' in run 'r1'"):
+        story(warehouse, "r1", "zz")
+    with pytest.raises(ReviewError, match="no run 'r9'"):
+        warehouse.run("r9")
+    (warehouse.root / "runs" / "r3").mkdir()  # a complete batch not materialized yet
+    (warehouse.root / "runs" / "r3" / "_SUCCESS").touch()
+    with pytest.raises(ReviewError, match="run 'r3' is not filtered yet: filter-pipeline materialize r3"):
+        story(warehouse, "r3", "a")
+
+
+def test_a_trajectory_with_page_text_cut_mid_emoji_is_shown_with_a_replacement_character(warehouse, tmp_path):
+    folder = tmp_path / "runs" / "r1" / "traj" / "k" / "1"
+    folder.mkdir(parents=True)
+    steps = [{"action": "type", "text": "cut \ud83d"}, {"action": "type", "text": "whole \U0001f600"}]
+    (folder / "trajectory.json").write_text(json.dumps({"steps": steps, "final": {"url": "u", "observation": "o"}}))
+    shown = story(warehouse, "r1", "k")["trajectory"]
+    assert [step["text"] for step in shown["steps"]] == ["cut \ufffd", "whole \U0001f600"]
+    json.dumps(shown, ensure_ascii=False).encode("utf-8")  # printable and servable: no UnicodeEncodeError
+
+
+def test_a_trajectory_with_an_integer_too_long_for_python_is_shown_with_its_digits(warehouse, tmp_path):
+    folder = tmp_path / "runs" / "r1" / "traj" / "k" / "1"
+    folder.mkdir(parents=True)
+    digits = "9" * 5000
+    (folder / "trajectory.json").write_text(f'{{"steps": [{{"action": "scroll", "by": {digits}}}], "final": {{}}}}')
+    shown = story(warehouse, "r1", "k")["trajectory"]
+    assert "problem" not in shown and shown["steps"] == [{"action": "scroll", "by": digits}]
+
+
+def test_the_task_page_shows_the_parts_escaped_and_hides_them_when_blind(warehouse):
+    from filter_pipeline.review.app import Review
+
+    review = Review(warehouse.root)
+    found = story(warehouse, "r1", "jf")
+    html = review.html("task.html", s=found, near={"prev": None, "next": None}, blind=False).body.decode()
+    assert "<dt>blocked</dt><dd>yes</dd>" in html and "1 / 5" in html
+    assert "a CAPTCHA &lt;b&gt;wall&lt;/b&gt;" in html and "<b>wall" not in html
+    from filter_pipeline.review.queue import QueueItem
+
+    figures = {"labelled": 0, "unsure": 0, "label_lines": 0, "precision": None, "sample": {"precision": None}}
+    item = QueueItem("r1", "jf", "runs/r1/traj/jf/1", "s-jf", "random sample")
+    blind = review.html("queue.html", s=found, item=item, figures=figures, blind=True, pos=0, total=1, next_pos=1,
+                        remaining=1).body.decode()  # fmt: skip
+    assert "Blind:" in blind and "Task jf" in blind and "CAPTCHA" not in blind and "judge_fail" not in blind
+
+
+def test_a_trajectory_folder_that_leads_out_of_the_run_is_not_read(tmp_path):
+    from filter_pipeline.review.story import trajectory
+
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "trajectory.json").write_text(json.dumps({"instruction": "SECRET-OUTSIDE", "steps": []}))
+    inside = tmp_path / "runs" / "r1" / "traj" / "k"
+    inside.mkdir(parents=True)
+    (inside / "1").symlink_to(outside)  # the folder itself
+    (inside / "2").mkdir()
+    (inside / "2" / "trajectory.json").symlink_to(outside / "trajectory.json")  # or its file
+    (inside / "3").mkdir()
+    (inside / "3" / "trajectory.json").write_text(json.dumps({"instruction": "mine", "steps": []}))
+    root = UPath(str(tmp_path))
+    for n in (1, 2):
+        found = trajectory(root, "r1", f"runs/r1/traj/k/{n}")
+        assert found["problem"] == "no trajectory folder inside the run" and "instruction" not in found
+    assert trajectory(root, "r1", "runs/r1/traj/k/3")["instruction"] == "mine"
+
+
+def test_of_an_attempts_labels_only_the_latest_counts_and_the_story_says_which(warehouse):
+    from filter_pipeline.rules.calibration import parse_labels
+
+    labels, _ = parse_labels(
+        '{"dir": "runs/r1/traj/k/1", "success": false}\n'
+        '{"run_id": "r1", "task_id": "k", "success": true}\n'  # the same attempt: the task's judged one
+        '{"dir": "runs/r1/traj/d/1", "success": true}\n'
+    )
+    found = story(warehouse, "r1", "k", labels)["labels"]
+    assert [(label["success"], label["current"]) for label in found] == [(False, False), (True, True)]
+
+
+def test_a_story_of_a_run_still_being_written_says_it_is_filtered_once_complete(tmp_path):
+    (tmp_path / "runs" / "r3").mkdir(parents=True)
+    (tmp_path / "runs" / "r3" / "tasks.jsonl").write_text('{"task_id": "a"}\n')
+    with pytest.raises(ReviewError, match=r"^run 'r3' is not complete \(no _SUCCESS\): it is filtered once it is$"):
+        story(Warehouse(UPath(str(tmp_path))), "r3", "a")
+    (tmp_path / "runs" / "r3" / "_SUCCESS").touch()
+    with pytest.raises(ReviewError, match=r"^run 'r3' is not filtered yet: filter-pipeline materialize r3$"):
+        story(Warehouse(UPath(str(tmp_path))), "r3", "a")
+
+
+def test_a_kept_row_retired_json_retires_shows_reason_retired_as_soon_as_the_file_says_so(warehouse):
+    assert story(warehouse, "r1", "k")["decision"] == {
+        "fate": "kept",
+        "reason": None,
+        "where": "its judged attempt is a row of kept (training data)",
+    }
+    retired = warehouse.root / "retired.json"
+    retired.write_text(json.dumps([{"run_id": "r1", "task_ids": ["k"], "reason": "wrong site"}]))
+    decided = story(warehouse, "r1", "k")["decision"]
+    assert (decided["reason"], decided["retired_because"]) == ("retired", "wrong site")
+    told = story_lines(story(warehouse, "r1", "k"))  # (`explain`)
+    assert "  retired by retired.json (wrong site): it stays in kept but no longer counts for dedup or caps" in told
+    retired.write_text(json.dumps([{"run_id": "r1", "reason": "bad batch"}]))  # the whole run
+    tasks = warehouse.run("r1").tasks
+    assert tasks.loc[tasks["fate"] == "kept", "reason"].tolist() == ["retired"]
+    assert tasks.loc[tasks["fate"] != "kept", "reason"].ne("retired").all()  # only kept rows are retired
+    assert story(warehouse, "r1", "k")["decision"]["retired_because"] == "bad batch"
+    retired.write_text(json.dumps([{"run_id": "r1"}]))  # (no reason given)
+    assert story(warehouse, "r1", "k")["decision"]["retired_because"] is None
+
+
+def test_a_retired_json_the_stage_refuses_is_one_line_not_nothing_retired(warehouse):
+    (warehouse.root / "retired.json").write_text(json.dumps([{"task_ids": ["k"]}]))
+    with pytest.raises(
+        UnreadableFile, match=r"^retired.json\[0\] must be an object with a string 'run_id' \(the stage"
+    ):
+        story(warehouse, "r1", "k")
