@@ -1,135 +1,85 @@
-"""The warehouse audit (`filter-pipeline verify`): clean is clean, and each kind of finding is one line."""
-
-import json
+"""The audit's rules on tables and records (`rules/verify.py`; `storage/test_audit.py` reads them off a
+warehouse): caps with the history a walk read, keys kept twice, conservation, and how many lines are shown."""
 
 import pyarrow as pa
-import pyarrow.parquet as pq
-from upath import UPath
 
-from filter_pipeline.rules.schemas import to_arrow
-from filter_pipeline.storage.audit import audit
-from filter_pipeline.storage.files import input_fingerprints
-from filter_pipeline.storage.history import read_commits
-from filter_pipeline_tests.builders import (
-    attempt,
-    commit_files,
-    task,
-    verdicts,
-    write_batch,
-    write_kept,
-    write_legacy_kept,
+from filter_pipeline.rules.commits import CommitRecord
+from filter_pipeline.rules.verify import (
+    MAX_LINES_PER_KIND,
+    Finding,
+    cap_findings,
+    capped,
+    conservation,
+    duplicate_findings,
+    duplicate_suspects,
+    suspect_rows,
 )
 
 
-def committed_run(data, run_id, kept_rows, n_verdicts=None, history=None, caps=None, inputs=None):
-    """A run as its walk leaves it: kept rows, its verdicts (all passed), an empty surplus, one commit."""
-    root = UPath(data)
-    write_kept(data, run_id, *kept_rows, commit=False)
-    n = len(kept_rows) if n_verdicts is None else n_verdicts
-    frame = verdicts(*({"task_id": f"{run_id}-v{i}"} for i in range(n)))
-    for folder in ("judge_verdicts", "surplus"):
-        (root / "warehouse" / folder).mkdir(parents=True, exist_ok=True)
-    pq.write_table(
-        to_arrow(frame, "judge_verdicts"), (root / "warehouse" / "judge_verdicts" / f"{run_id}.parquet").path
+def record(run_id: str, caps: dict | None = None, history: dict | None = None, **rows: int) -> CommitRecord:
+    """A commit record of `run_id` with these caps, the history its walk read and the rows it wrote per asset."""
+    return CommitRecord(
+        run_id=run_id, walked_at="2026-12-01T00:00:00+00:00", files={a: {"rows": n} for a, n in rows.items()},
+        kept_keys=rows.get("kept", 0), caps=caps or {}, caps_source="deployment", judge={"kind": "gate"},
+        history=history or {}, inputs={}, unjudged=0,
+    )  # fmt: skip
+
+
+def kept(*rows: tuple) -> pa.Table:
+    """Non-retired kept rows (task_id, dedup_key, macro, site), with the key's hash as the text's."""
+    task_ids, keys, macros, sites = (list(c) for c in zip(*rows))
+    return pa.table({"task_id": task_ids, "dedup_key": keys, "key_hash": [hash(k) for k in keys],
+                     "macro": macros, "site": sites})  # fmt: skip
+
+
+def test_a_site_cap_is_checked_with_the_history_the_walk_read_and_not_with_runs_it_did_not():
+    r1 = record("r1", kept=2)
+    live = {"r1": kept(("a", "k1", "m", "s"), ("b", "k2", "m", "s")), "r2": kept(("c", "k3", "m", "s"))}
+    read_r1 = record("r2", caps={"per_site_cap": 2}, history={"r1": r1.digest}, kept=1)
+    [finding] = cap_findings({"r1": r1, "r2": read_r1}, live)
+    assert finding == Finding("cap", "run r2: m/s holds 3 kept rows with the history it read, over its site cap 2")
+    assert cap_findings({"r1": r1, "r2": record("r2", caps={"per_site_cap": 2}, kept=1)}, live) == []  # (read none)
+
+
+def test_a_breach_made_by_a_run_walked_again_since_is_said_to_be_its():
+    live = {"r1": kept(("a", "k1", "m", "s"), ("b", "k2", "m", "s")), "r2": kept(("c", "k3", "m", "s"))}
+    r2 = record("r2", caps={"per_site_cap": 2}, history={"r1": "the digest of an earlier walk of r1"}, kept=1)
+    [finding] = cap_findings({"r1": record("r1", kept=2), "r2": r2}, live)
+    assert "with its history as it is now (r1 walked again since it read them)" in finding.line
+
+
+def test_a_macro_target_counts_every_site_of_the_macro():
+    r1 = record("r1", kept=2)
+    live = {"r1": kept(("a", "k1", "m", "s1"), ("b", "k2", "m", "s2")), "r2": kept(("c", "k3", "m", "s3"))}
+    r2 = record("r2", caps={"per_site_cap": 10, "caps": {"m": {"target": 2}}}, history={"r1": r1.digest}, kept=1)
+    assert cap_findings({"r1": r1, "r2": r2}, live) == [
+        Finding("cap", "run r2: macro m holds 3 kept rows with the history it read, over its target 2")
+    ]
+
+
+def test_a_key_kept_by_two_runs_is_one_finding_naming_both_and_a_hash_alone_is_none():
+    live = {"r1": kept(("a", "k1", "m", "s"), ("b", "k2", "m", "s")), "r2": kept(("c", "k1", "m", "s"))}
+    runs, suspects = duplicate_suspects(live)
+    assert runs == ["r1", "r2"] and suspects == {hash("k1")}
+    rows = [row for r in runs for row in suspect_rows(r, live[r], suspects)]
+    assert duplicate_findings(rows) == [Finding(
+        "duplicate", "key k1 is kept 2 times (r1/a, r2/c): retire all but one in retired.json, or re-filter the later runs"
+    )]  # fmt: skip
+    same_hash = [("k1", "r1", "a"), ("other text", "r2", "c")]  # (a hash collision: the texts differ)
+    assert duplicate_findings(same_hash) == []
+
+
+def test_conservation_holds_when_every_verdict_is_kept_surplus_a_judge_failure_or_unjudged():
+    verdicts = pa.table({"status": ["judged", "judged", "judged", "error"], "passed": [True, True, False, None]})
+    assert conservation("r1", record("r1", kept=1, surplus=1), verdicts) == []
+    [finding] = conservation("r1", record("r1", kept=1), verdicts)
+    assert finding.kind == "conservation" and "4 verdicts but 1 kept + 0 surplus + 1 judge failures + 1 unjudged" in (
+        finding.line
     )
-    pq.write_table(to_arrow(frame.iloc[0:0], "surplus"), (root / "warehouse" / "surplus" / f"{run_id}.parquet").path)
-    files = {
-        "kept": root / "warehouse" / "kept" / f"{run_id}.parquet",
-        "surplus": root / "warehouse" / "surplus" / f"{run_id}.parquet",
-    }
-    commit_files(data, run_id, files, history=history, caps=caps, kept_keys=len(kept_rows), inputs=inputs)
 
 
-def lines(data) -> list[str]:
-    return [f.line for f in audit(UPath(data))]
-
-
-def test_a_clean_warehouse_has_no_finding(tmp_path):
-    committed_run(tmp_path, "r1", [("a", ["k", 1], "m", "s")])
-    committed_run(tmp_path, "r2", [("b", ["k", 2], "m", "s")], history={"r1": "x"})
-    write_legacy_kept(tmp_path, "old", ("c", ["k", 3], "m", "s2"))
-    assert lines(tmp_path) == []
-
-
-def test_a_missing_or_changed_committed_file_is_one_line_each(tmp_path):
-    committed_run(tmp_path, "r1", [("a", ["k", 1], "m", "s")])
-    committed_run(tmp_path, "r2", [("b", ["k", 2], "m", "s")])
-    (tmp_path / "warehouse" / "kept" / "r1.parquet").unlink()
-    pq.write_table(pa.table({"task_id": ["x"]}), tmp_path / "warehouse" / "surplus" / "r2.parquet")
-    found = lines(tmp_path)
-    assert found[0] == ("warehouse/kept/r1.parquet is missing, but run r1 committed it: restore it, or re-filter r1 "
-                        "with `filter-pipeline materialize r1`")  # fmt: skip
-    assert found[1].startswith("warehouse/surplus/r2.parquet changed since run r2 was committed (sha256 ")
-    assert len(found) == 2
-
-
-def test_a_key_kept_by_two_runs_is_found_unless_one_is_retired(tmp_path):
-    committed_run(tmp_path, "r1", [("a", ["k", 1], "m", "s")])
-    committed_run(tmp_path, "r2", [("b", ["k", 1], "m", "s2")])
-    assert lines(tmp_path) == [
-        'key ["k",1] is kept 2 times (r1/a, r2/b): retire all but one in retired.json, or re-filter the later runs'
-    ]
-    (tmp_path / "retired.json").write_text(json.dumps([{"run_id": "r2", "task_ids": ["b"], "reason": "dup"}]))
-    assert lines(tmp_path) == []
-
-
-def test_a_cap_exceeded_with_the_history_a_run_read_is_found_with_its_recorded_caps(tmp_path):
-    committed_run(tmp_path, "r1", [("a", ["k", 1], "m", "s")])
-    r1 = read_commits(UPath(tmp_path) / "warehouse")["r1"].digest  # the record r2 and r4 read
-    committed_run(tmp_path, "r2", [("b", ["k", 2], "m", "s")], history={"r1": r1}, caps={"per_site_cap": 1, "caps": {}})
-    committed_run(tmp_path, "r3", [("c", ["k", 3], "m", "s")], caps={"per_site_cap": 1, "caps": {}})  # read no history
-    committed_run(
-        tmp_path,
-        "r4",
-        [("d", ["k", 4], "n", "s")],
-        history={"r1": r1},
-        caps={"per_site_cap": 9, "caps": {"n": {"target": 0}}},
-    )
-    assert lines(tmp_path) == [
-        "run r2: m/s holds 2 kept rows with the history it read, over its site cap 1",
-        "run r4: macro n holds 1 kept rows with the history it read, over its target 0",
-    ]
-
-
-def test_a_cap_exceeded_only_since_a_run_it_read_was_walked_again_names_that_run(tmp_path):
-    committed_run(tmp_path, "r1", [("a", ["k", 1], "m", "s")])
-    r1 = read_commits(UPath(tmp_path) / "warehouse")["r1"].digest
-    committed_run(tmp_path, "r2", [("b", ["k", 2], "m", "s")], history={"r1": r1}, caps={"per_site_cap": 2, "caps": {}})
-    assert lines(tmp_path) == []
-    # r1 walked again with a one-off cap, keeping one row more: r2's walk counted the r1 it read
-    committed_run(tmp_path, "r1", [("a", ["k", 1], "m", "s"), ("a2", ["k", 5], "m", "s")], caps={"per_site_cap": 5})
-    assert lines(tmp_path) == [
-        "run r2: m/s holds 3 kept rows with its history as it is now (r1 walked again since it read them), over "
-        "its site cap 2"
-    ]
-
-
-def test_verdicts_not_conserved_are_found(tmp_path):
-    committed_run(tmp_path, "r1", [("a", ["k", 1], "m", "s")], n_verdicts=3)
-    assert lines(tmp_path) == [
-        "run r1: 3 verdicts but 1 kept + 0 surplus + 0 judge failures + 0 unjudged (the verdicts changed since its "
-        "walk?): re-filter r1 with `filter-pipeline materialize r1`"
-    ]
-
-
-def test_an_uncommitted_kept_file_and_an_unreadable_commit_are_found(tmp_path):
-    write_kept(tmp_path, "r9", ("a", ["k", 1], "m", "s"), commit=False)
-    (tmp_path / "warehouse" / "_commits").mkdir()
-    (tmp_path / "warehouse" / "_commits" / "r8.json").write_text("[]")
-    assert lines(tmp_path) == [
-        "warehouse/_commits/r8.json is not a commit record (its fields differ): delete it and re-filter r8 with "
-        "`filter-pipeline materialize r8`",
-        "warehouse/kept/r9.parquet has no commit record (its walk stopped before committing): it is not history; "
-        "`filter-pipeline materialize` walks r9 again and commits it",
-    ]
-
-
-def test_a_batch_changed_since_it_was_filtered_is_found(tmp_path):
-    run = write_batch(tmp_path, "r1", [task("a")], [attempt("a")])
-    committed_run(tmp_path, "r1", [("a", ["k", 1], "m", "s")], inputs=input_fingerprints(run))
-    assert lines(tmp_path) == []
-    write_batch(tmp_path, "r1", [task("a"), task("b")], [attempt("a")])
-    assert lines(tmp_path) == [
-        "runs/r1/tasks.jsonl changed since r1 was filtered: re-filter it with `filter-pipeline materialize r1` (it is "
-        "not re-filtered unless named)"
-    ]
+def test_beyond_the_lines_shown_per_kind_one_line_says_how_many_more():
+    findings = [Finding("cap", f"c{i}") for i in range(MAX_LINES_PER_KIND + 3)] + [Finding("duplicate", "d")]
+    shown = capped(findings)
+    assert [f.line for f in shown if f.kind == "cap"][-1] == "... and 3 more findings of kind 'cap'"
+    assert len(shown) == MAX_LINES_PER_KIND + 2 and Finding("duplicate", "d") in shown
