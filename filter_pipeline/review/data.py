@@ -24,7 +24,7 @@ from filter_pipeline.review.fates import (
     task_table,
     unreadable_summary,
 )
-from filter_pipeline.rules.batch import LEGACY_KEPT_FILE, SUCCESS_FILE, TASKS_FILE, check_run_id
+from filter_pipeline.rules.batch import EXECUTIONS_FILE, LEGACY_KEPT_FILE, SUCCESS_FILE, TASKS_FILE, Batch, check_run_id
 from filter_pipeline.rules.commits import COMMITS_DIR, parse_commit
 from filter_pipeline.rules.history import RETIRED_FILE, HistoryError, Retired, legacy_key_text, parse_retired
 from filter_pipeline.rules.schemas import (
@@ -34,7 +34,7 @@ from filter_pipeline.rules.schemas import (
     to_pandas,
 )
 from filter_pipeline.storage.files import RUNS_DIR, WAREHOUSE_DIR
-from filter_pipeline.storage.runs import unparsed_tasks
+from filter_pipeline.storage.runs import unparsed_batch
 
 CACHED_RUNS = 8  # run tables kept in memory (least recently used dropped first)
 
@@ -124,7 +124,9 @@ class Warehouse:
         files["legacy"] = self.root / RUNS_DIR / run_id / LEGACY_KEPT_FILE
         files["complete"] = self.root / RUNS_DIR / run_id / SUCCESS_FILE
         files["retired"] = self.root / RETIRED_FILE
-        files["tasks.jsonl"] = self.root / RUNS_DIR / run_id / TASKS_FILE  # (read until batch_tasks is written)
+        # (read until the judge step writes batch_tasks)
+        files["tasks.jsonl"] = self.root / RUNS_DIR / run_id / TASKS_FILE
+        files["executions.jsonl"] = self.root / RUNS_DIR / run_id / EXECUTIONS_FILE
         return files
 
     def _key(self, run_id: str) -> tuple:
@@ -253,14 +255,12 @@ def load_run(run_id: str, files: dict[str, UPath]) -> RunTables:
     except ValueError as exc:
         commit = {"error": str(exc)}
     verdicts, judged = _verdicts(files["judge_verdicts"])
+    unparsed = _unparsed(run_id, files)
     tables = RunTables(
         run_id=run_id,
         commit=commit,
-        tasks=_tasks(run_id, files),
-        attempts=frame(
-            files["batch_attempts"],
-            ["task_id", "attempt", "ok", "error", "dir", "n_actions", "backend_ok", "backend_detail"],
-        ),  # fmt: skip
+        tasks=_batch_frame(files["batch_tasks"], TASK_FIELDS, unparsed and unparsed.tasks),
+        attempts=_batch_frame(files["batch_attempts"], ATTEMPT_FIELDS, unparsed and unparsed.attempts),
         verdicts=verdicts,
         judged=judged,
         surplus=frame(files["surplus"], ["task_id", "dropped", "dup_of_run_id", "dup_of_task_id"]),
@@ -268,7 +268,7 @@ def load_run(run_id: str, files: dict[str, UPath]) -> RunTables:
             files["failure_pool"],
             ["task_id", "stage", "reason", "detail", "attempt", "dir", "backend_ok", "votes", "blocked"],
         ),  # fmt: skip
-        rejects=frame(files["batch_rejects"], ["file", "line", "field", "message", "raw"]),
+        rejects=_batch_frame(files["batch_rejects"], REJECT_FIELDS, unparsed and unparsed.rejects),
         prior_counts=frame(files["prior_kept_counts"], ["macro", "site", "n_kept"]),
         dpo_pairs=frame(
             files["dpo_pairs"],
@@ -293,14 +293,23 @@ def load_run(run_id: str, files: dict[str, UPath]) -> RunTables:
     return tables
 
 
-def _tasks(run_id: str, files: dict[str, UPath]) -> pd.DataFrame:
-    """batch_tasks; before the judge step wrote it, the tasks of the batch's tasks.jsonl (all pending)."""
-    columns = ["task_id", "site", "macro", "instruction", "dedup_key"]
-    found = read_table(files["batch_tasks"], columns)
-    if found is None and not files["legacy"].exists():
-        parsed = unparsed_tasks(files["complete"].parent, run_id)
-        found = None if parsed is None else parsed.reindex(columns=columns)
-    return _empty(columns) if found is None else found
+# the columns of batch_tasks, batch_attempts and batch_rejects the pages show
+TASK_FIELDS = ["task_id", "site", "macro", "instruction", "dedup_key"]
+ATTEMPT_FIELDS = ["task_id", "attempt", "ok", "error", "dir", "n_actions", "backend_ok", "backend_detail"]
+REJECT_FIELDS = ["file", "line", "field", "message", "raw"]
+
+
+def _unparsed(run_id: str, files: dict[str, UPath]) -> Batch | None:
+    """The batch as the judge step will parse it, while that step has not written batch_tasks (every task is
+    pending); None once it has, for a legacy run, or without a valid task."""
+    if files["batch_tasks"].exists() or files["legacy"].exists():
+        return None
+    return unparsed_batch(files["complete"].parent, run_id)
+
+
+def _batch_frame(path: UPath, columns: list[str], unparsed: pd.DataFrame | None) -> pd.DataFrame:
+    """The judge step's file at `path`, or before it wrote it, the same rows of the batch parsed here."""
+    return frame(path, columns) if unparsed is None else unparsed.reindex(columns=columns)
 
 
 def read_legacy_kept(path: UPath) -> pd.DataFrame:

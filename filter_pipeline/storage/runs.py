@@ -107,13 +107,19 @@ def read_batch(run_dir: UPath, run_id: str) -> Batch:
     return replace(parsed, seconds=time.perf_counter() - started, inputs=inputs)
 
 
-def unparsed_tasks(run_dir: UPath, run_id: str) -> pd.DataFrame | None:
-    """The valid tasks of `runs/<run_id>/tasks.jsonl` as the judge step will parse them, for a batch it has not
-    parsed yet; None when the file is absent or holds no valid task."""
+def unparsed_batch(run_dir: UPath, run_id: str) -> Batch | None:
+    """The batch in `run_dir` as the judge step will parse it (its tasks, attempts and rejected lines), for a
+    batch it has not parsed yet; None when tasks.jsonl is absent or holds no valid task (without
+    executions.jsonl: no attempts). Dirs are not checked against the data root: nothing is judged from them."""
     try:
-        return parse_tasks((run_dir / TASKS_FILE).read_bytes(), run_id)[0]
+        tasks, rejects = parse_tasks((run_dir / TASKS_FILE).read_bytes(), run_id)
     except (FileNotFoundError, BatchError):
         return None
+    try:
+        executions = (run_dir / EXECUTIONS_FILE).read_bytes()
+    except FileNotFoundError:
+        executions = b""
+    return parse_attempts(executions, tasks, rejects, run_id)
 
 
 def inputs_to_commit(warehouse: UPath, run_dir: UPath, run_id: str, verdicts: pd.DataFrame) -> tuple[dict, list[str]]:

@@ -125,16 +125,21 @@ def test_a_run_with_an_unreadable_file_is_one_line_on_the_runs_page_and_the_queu
     assert r2["state"] == f"unreadable ({str(raised.value).removeprefix('run r2 cannot be read: ')})"
 
 
-def test_a_batch_not_parsed_yet_shows_the_valid_tasks_of_its_tasks_jsonl_as_pending(tmp_path):
+def test_a_batch_not_parsed_yet_shows_its_tasks_attempts_and_rejected_lines_as_the_stage_will_parse_them(tmp_path):
     from filter_pipeline_tests.builders import attempt, task, write_batch
 
-    write_batch(tmp_path, "r5", [task("a"), task("b", site="s2"), task("a")], [attempt("a")])
+    write_batch(tmp_path, "r5", [task("a"), task("b", site="s2"), task("a")], [attempt("a", ok=False), attempt("x")])
     warehouse = Warehouse(UPath(str(tmp_path)))
     tasks = warehouse.run("r5").tasks
-    assert tasks[["task_id", "fate", "site"]].values.tolist() == [["a", "pending", "s"], ["b", "pending", "s2"]]
+    assert tasks[["task_id", "fate", "site"]].values.tolist() == [
+        ["a", "pending", "s"], ["b", "pending", "s2"], ["a", "reject", "s"]]  # fmt: skip
     [line] = warehouse.runs()
-    assert (line["tasks"], line["state"], line["keep_rate"]) == (2, "pending", None)
+    assert (line["tasks"], line["state"], line["keep_rate"], line["rejects"]) == (2, "pending", None, 2)
     assert story(warehouse, "r5", "b")["decision"]["fate"] == "pending"
+    assert [(a["attempt"], a["ok"]) for a in story(warehouse, "r5", "a")["attempts"]] == [(1, False)]
+    messages = warehouse.run("r5").rejects["message"].tolist()
+    assert messages == ["executions.jsonl:2: attempt of task_id 'x' which is not in tasks.jsonl",
+                        "tasks.jsonl:3: task_id 'a' appears earlier in the file"]  # fmt: skip
     write_asset(tmp_path, "batch_tasks", "r5", [{"task_id": "c", "run_id": "r5"}])  # the judge step parsed it
     assert warehouse.run("r5").tasks["task_id"].tolist() == ["c"]
 
