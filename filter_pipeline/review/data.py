@@ -255,12 +255,13 @@ def load_run(run_id: str, files: dict[str, UPath]) -> RunTables:
     except ValueError as exc:
         commit = {"error": str(exc)}
     verdicts, judged = _verdicts(files["judge_verdicts"])
-    unparsed = _unparsed(run_id, files)
+    legacy = files["legacy"] if files["legacy"].exists() else None
+    unparsed = None if legacy else _unparsed(run_id, files)
     tables = RunTables(
         run_id=run_id,
         commit=commit,
-        tasks=_batch_frame(files["batch_tasks"], TASK_FIELDS, unparsed and unparsed.tasks),
-        attempts=_batch_frame(files["batch_attempts"], ATTEMPT_FIELDS, unparsed and unparsed.attempts),
+        tasks=_batch_frame(files["batch_tasks"], BATCH_TASK_COLUMNS, unparsed and unparsed.tasks),
+        attempts=_batch_frame(files["batch_attempts"], BATCH_ATTEMPT_COLUMNS, unparsed and unparsed.attempts),
         verdicts=verdicts,
         judged=judged,
         surplus=frame(files["surplus"], ["task_id", "dropped", "dup_of_run_id", "dup_of_task_id"]),
@@ -268,7 +269,7 @@ def load_run(run_id: str, files: dict[str, UPath]) -> RunTables:
             files["failure_pool"],
             ["task_id", "stage", "reason", "detail", "attempt", "dir", "backend_ok", "votes", "blocked"],
         ),  # fmt: skip
-        rejects=_batch_frame(files["batch_rejects"], REJECT_FIELDS, unparsed and unparsed.rejects),
+        rejects=_batch_frame(files["batch_rejects"], BATCH_REJECT_COLUMNS, unparsed and unparsed.rejects),
         prior_counts=frame(files["prior_kept_counts"], ["macro", "site", "n_kept"]),
         dpo_pairs=frame(
             files["dpo_pairs"],
@@ -282,7 +283,7 @@ def load_run(run_id: str, files: dict[str, UPath]) -> RunTables:
                 "rejected_reason",
             ],
         ),  # fmt: skip
-        legacy=files["legacy"] if files["legacy"].exists() else None,
+        legacy=legacy,
         complete=commit is not None or files["complete"].exists() or not files["complete"].parent.exists(),
         retired=_retired(files["retired"]),
     )
@@ -294,15 +295,15 @@ def load_run(run_id: str, files: dict[str, UPath]) -> RunTables:
 
 
 # the columns of batch_tasks, batch_attempts and batch_rejects the pages show
-TASK_FIELDS = ["task_id", "site", "macro", "instruction", "dedup_key"]
-ATTEMPT_FIELDS = ["task_id", "attempt", "ok", "error", "dir", "n_actions", "backend_ok", "backend_detail"]
-REJECT_FIELDS = ["file", "line", "field", "message", "raw"]
+BATCH_TASK_COLUMNS = ["task_id", "site", "macro", "instruction", "dedup_key"]
+BATCH_ATTEMPT_COLUMNS = ["task_id", "attempt", "ok", "error", "dir", "n_actions", "backend_ok", "backend_detail"]
+BATCH_REJECT_COLUMNS = ["file", "line", "field", "message", "raw"]
 
 
 def _unparsed(run_id: str, files: dict[str, UPath]) -> Batch | None:
     """The batch as the judge step will parse it, while that step has not written batch_tasks (every task is
-    pending); None once it has, for a legacy run, or without a valid task."""
-    if files["batch_tasks"].exists() or files["legacy"].exists():
+    pending); None once it has, or without a valid task."""
+    if files["batch_tasks"].exists():
         return None
     return unparsed_batch(files["complete"].parent, run_id)
 
