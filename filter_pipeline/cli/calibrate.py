@@ -16,6 +16,7 @@ import sys
 import pandas as pd
 
 from filter_pipeline.cli import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_UNJUDGED
+from filter_pipeline.cli.data_root import existing_root
 from filter_pipeline.judge.client import EndpointRefused, JudgeSetupError, ssl_context
 from filter_pipeline.judge.driver import RecordSteps
 from filter_pipeline.judge.resource import ENV, JudgeResource, judge_from_env
@@ -138,9 +139,9 @@ def side_by_side(labels: pd.DataFrame, frames: tuple, candidate: pd.DataFrame, n
 def calibrate(args: argparse.Namespace) -> int:
     """Exit status 0 when the candidate judged every labelled attempt and was scored; 1 when it could not judge
     (endpoint refused); 2 bad input; 3 when attempts were left unjudged (scored on the others, if any)."""
+    if existing_root(args.data) is None:
+        return EXIT_BAD_INPUT
     data = DataRoot.from_env(args.data)
-    if not data.root.exists():
-        raise CalibrateError(f"{data.path}: no such folder (point --data or FILTER_PIPELINE_DATA at the data root)")
     try:
         raw = read_labels(data.root)
     except OSError as exc:

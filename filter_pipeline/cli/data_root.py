@@ -1,4 +1,4 @@
-"""The data root of the commands that only read it (`verify`, `review`, `explain`)."""
+"""The data root of the commands that read it rather than filter it (`verify`, `review`, `explain`, `calibrate`)."""
 
 import os
 import sys

@@ -166,7 +166,10 @@ def test_calibrate_with_attempts_left_unjudged_is_exit_3_and_a_rerun_asks_for_th
 
 def test_calibrate_without_labels_or_endpoint_says_so_in_one_line(data_root, monkeypatch, capsys):
     assert main(["calibrate", "--data", str(data_root / "nope")]) == 2
-    assert capsys.readouterr().err.startswith(f"filter-pipeline: {data_root / 'nope'}: no such folder")
+    assert (
+        capsys.readouterr().err
+        == f"filter-pipeline: data root {data_root / 'nope'} does not exist (--data or $FILTER_PIPELINE_DATA)\n"
+    )
     assert main(["calibrate", "--data", str(data_root)]) == 2
     assert capsys.readouterr().err.startswith(f"filter-pipeline: {data_root}: no labels.jsonl")
     (data_root / "labels.jsonl").mkdir()
