@@ -58,6 +58,18 @@ def test_verify_of_a_missing_data_root_exits_2_with_one_line(cli_env, tmp_path):
     )
 
 
+def test_verify_of_a_folder_that_is_not_the_data_root_exits_2_rather_than_find_nothing(cli, cli_env, data_root):
+    two_batches(data_root)
+    assert cli().returncode == 0
+    for wrong in (data_root / "warehouse", data_root / "runs"):
+        done = verify(cli_env, "--data", str(wrong))
+        assert (done.returncode, done.stdout) == (2, ""), done.stdout
+        assert done.stderr.strip() == (
+            f"filter-pipeline: {wrong} has no runs/ folder, so it holds no execution batch: is it the data root? "
+            "(--data or $FILTER_PIPELINE_DATA)"
+        )
+
+
 def test_a_run_stopped_after_kept_but_before_its_commit_is_completed_by_materialize_naming_no_run(
     cli, cli_env, data_root
 ):
