@@ -88,9 +88,19 @@ def parse_commit(data: bytes, where: str, run_id: str) -> CommitRecord:
     return record
 
 
+# What tells one judge from another in a commit record: what enters the verdict cache key (`settings`: a digest
+# of all of it, temperature and the prompt's screenshot and size settings included; absent from records written
+# before it was recorded, where the rest is compared).
+JUDGE_IDENTITY = ("kind", "model", "prompt_version", "votes", "settings")
+
+
 def judge_settings(verdicts: pd.DataFrame) -> dict:
-    """Which judge decided the walked verdicts (kind, model, prompt version, votes per task, the digest of its
-    settings the verdicts' attrs carry, JUDGED_BY); never its key."""
+    """Which judge decided the walked verdicts (JUDGE_IDENTITY; never its key): the judge the verdicts' attrs
+    name (JUDGED_BY), which holds even when it left every task unjudged; for verdicts written before they named
+    it, what their columns say (no settings)."""
+    judged_by = verdicts.attrs.get(JUDGED_BY)
+    if isinstance(judged_by, dict) and judged_by.get("kind"):
+        return {k: judged_by.get(k) for k in JUDGE_IDENTITY}
 
     def first(column: str):
         values = verdicts[column].dropna().unique() if column in verdicts else []
@@ -98,14 +108,7 @@ def judge_settings(verdicts: pd.DataFrame) -> dict:
 
     votes = first("votes")
     return {"kind": first("judge"), "model": first("model"), "prompt_version": first("prompt_version"),
-            "votes": votes.partition("/")[2] or votes if votes else None,
-            "settings": (verdicts.attrs.get(JUDGED_BY) or {}).get("settings")}  # fmt: skip
-
-
-# What tells one judge from another in a commit record: what enters the verdict cache key (`settings`: a digest
-# of all of it, temperature and the prompt's screenshot and size settings included; absent from records written
-# before it was recorded, where the rest is compared).
-JUDGE_IDENTITY = ("kind", "model", "prompt_version", "votes", "settings")
+            "votes": votes.partition("/")[2] or votes if votes else None, "settings": None}  # fmt: skip
 
 
 def another_judge(recorded, current: dict) -> str | None:

@@ -108,3 +108,18 @@ def test_another_judge_is_told_by_kind_model_prompt_version_votes_and_settings(r
     from filter_pipeline.rules.commits import another_judge
 
     assert another_judge(recorded, current) == differs
+
+
+def test_the_judge_a_record_names_is_the_one_the_verdicts_name_even_when_it_judged_no_task():
+    import pandas as pd
+
+    from filter_pipeline.rules.commits import judge_settings
+    from filter_pipeline.rules.schemas import JUDGED_BY
+
+    all_unjudged = pd.DataFrame({"judge": ["llm"] * 2, "model": ["m"] * 2, "prompt_version": ["v3"] * 2,
+                                 "votes": [None, None], "status": ["error"] * 2})  # fmt: skip
+    all_unjudged.attrs[JUDGED_BY] = LLM_V3
+    assert judge_settings(all_unjudged) == LLM_V3
+    older = all_unjudged.assign(votes=["1/1", None])  # (verdicts written before they named their judge)
+    older.attrs.clear()
+    assert judge_settings(older) == {**LLM_V3, "settings": None}
