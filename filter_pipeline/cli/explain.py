@@ -59,6 +59,9 @@ def story_lines(s: dict) -> list[str]:
     if decision.get("reason") == REASON_RETIRED:
         because = f" ({decision['retired_because']})" if decision.get("retired_because") else ""
         lines.append(f"  retired by retired.json{because}: it stays in kept but no longer counts for dedup or caps")
+    if decision.get("run_refused"):
+        lines.append(f"  its run was refused before its walk ({decision['run_refused']}): correct its files, then "
+                     f"filter-pipeline materialize {s['run_id']}")  # fmt: skip
     if decision.get("duplicate_of"):
         dup = decision["duplicate_of"]
         lines.append(f"  duplicate of task {dup['task_id']} of run {dup['run_id']}, which kept the key first")

@@ -33,6 +33,7 @@ from filter_pipeline.rules.schemas import (
     pylist,
     to_pandas,
 )
+from filter_pipeline.storage.failures import failure_path, read_failure
 from filter_pipeline.storage.files import RUNS_DIR, WAREHOUSE_DIR
 from filter_pipeline.storage.runs import unparsed_batch
 
@@ -124,6 +125,7 @@ class Warehouse:
         files["legacy"] = self.root / RUNS_DIR / run_id / LEGACY_KEPT_FILE
         files["complete"] = self.root / RUNS_DIR / run_id / SUCCESS_FILE
         files["retired"] = self.root / RETIRED_FILE
+        files["failed"] = failure_path(self.warehouse, run_id)
         # (read until the judge step writes batch_tasks)
         files["tasks.jsonl"] = self.root / RUNS_DIR / run_id / TASKS_FILE
         files["executions.jsonl"] = self.root / RUNS_DIR / run_id / EXECUTIONS_FILE
@@ -286,6 +288,7 @@ def load_run(run_id: str, files: dict[str, UPath]) -> RunTables:
         legacy=legacy,
         complete=commit is not None or files["complete"].exists() or not files["complete"].parent.exists(),
         retired=_retired(files["retired"]),
+        failure=None if commit else read_failure(files["failed"]),
     )
     kept_ids = frame(files["kept"], ["task_id"])["task_id"]
     legacy = read_legacy_kept(tables.legacy) if tables.legacy and tables.tasks.empty else None

@@ -38,6 +38,8 @@ STATE_UNJUDGED = "unjudged"  # committed, with tasks left unjudged (judged again
 STATE_PENDING = "pending"  # complete batch not committed yet
 STATE_INCOMPLETE = "incomplete"  # batch folder without _SUCCESS: the harness is still writing it
 STATE_LEGACY = "legacy"  # filtered by the earlier script (kept.jsonl)
+# a complete batch the stage refused before its walk (warehouse/_failed/<run_id>.json): not filtered until corrected
+STATE_FAILED = "failed"
 STATE_UNREADABLE = "unreadable"  # a file of the run cannot be read (the runs page and the queue go on without it)
 
 TASK_COLUMNS = ["task_id", "fate", "reason", "site", "macro", "instruction"]
@@ -71,6 +73,7 @@ class RunTables:
     legacy: UPath | None = None  # kept.jsonl of a run filtered by the earlier script
     complete: bool = True  # False: its batch folder lacks _SUCCESS (the harness is still writing it)
     retired: Retired = field(default_factory=Retired)  # retired.json (its kept rows show reason `retired`)
+    failure: str | None = None  # why the stage refused the batch, when it did and has not walked it since
     summary: dict = field(default_factory=dict)
 
 
@@ -188,7 +191,11 @@ def unreadable_summary(run_id: str, reason: str) -> dict:
 
 def run_state(t: RunTables, fates: dict) -> str:
     if t.commit is None:
-        return STATE_LEGACY if t.legacy else STATE_PENDING if t.complete else STATE_INCOMPLETE
+        if t.legacy:
+            return STATE_LEGACY
+        if t.failure is not None:
+            return f"{STATE_FAILED} ({t.failure})"
+        return STATE_PENDING if t.complete else STATE_INCOMPLETE
     if "error" in t.commit:
         return f"{STATE_PENDING} (unreadable commit record)"
     return STATE_UNJUDGED if fates.get(FATE_UNJUDGED, 0) else STATE_COMMITTED

@@ -100,6 +100,8 @@ def decision(t: RunTables, task: dict) -> dict:
     found = {"fate": task["fate"], "reason": task["reason"], "where": FATE_WHERE.get(task["fate"])}
     if task["reason"] == REASON_RETIRED:
         found["retired_because"] = t.retired.reason_of(t.run_id, task["task_id"])
+    if t.failure is not None:
+        found["run_refused"] = t.failure
     if task["fate"] != FATE_SURPLUS:
         return found
     row = rows_of(t.surplus, task["task_id"])[-1:]
@@ -131,6 +133,9 @@ def story(warehouse: Warehouse, run_id: str, task_id: str, labels: pd.DataFrame 
     if match.empty and t.legacy is None and not warehouse.asset_file("batch_tasks", run_id).exists():
         if not t.complete:
             raise ReviewError(f"run {run_id!r} is not complete (no {SUCCESS_FILE}): it is filtered once it is")
+        if t.failure is not None:
+            raise ReviewError(f"run {run_id!r} was refused before its walk ({t.failure}): correct its files, then "
+                              f"filter-pipeline materialize {run_id}")  # fmt: skip
         raise ReviewError(f"run {run_id!r} is not filtered yet: filter-pipeline materialize {run_id}")
     if match.empty:
         legacy = " (filtered by the earlier script: only its kept rows, kept.jsonl, are known)" if t.legacy else ""

@@ -32,13 +32,21 @@ def clear_failure(warehouse: UPath, run_id: str) -> bool:
     return True
 
 
+UNREADABLE_RECORD = "unreadable failure record"
+
+
 def read_failures(warehouse: UPath) -> dict[str, str]:
     """run_id -> recorded reason, for every batch whose validation failure is recorded."""
-    found = {}
-    for name, path in files_in(warehouse / FAILED_DIR, ".json").items():
-        try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
-            found[raw["run_id"]] = str(raw.get("reason", ""))
-        except (ValueError, KeyError, TypeError):
-            found[name] = "unreadable failure record"
-    return found
+    found = {name: read_failure(path) for name, path in files_in(warehouse / FAILED_DIR, ".json").items()}
+    return {run_id: reason for run_id, reason in found.items() if reason is not None}  # (none: removed meanwhile)
+
+
+def read_failure(path: UPath) -> str | None:
+    """The reason the failure record at `path` gives; None when there is none."""
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except ValueError:
+        return UNREADABLE_RECORD
+    return str(raw.get("reason", "")) if isinstance(raw, dict) else UNREADABLE_RECORD

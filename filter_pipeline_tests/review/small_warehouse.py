@@ -7,6 +7,7 @@ import pandas as pd
 import pyarrow as pa
 from upath import UPath
 
+from filter_pipeline.review.data import Warehouse
 from filter_pipeline.rules.commits import CommitRecord
 from filter_pipeline.rules.schemas import SCHEMAS, parquet_bytes, to_arrow
 from filter_pipeline.storage.publish import write_commit
@@ -61,3 +62,12 @@ def write_run(root: Path, run_id: str, committed: bool = True, newer_columns: bo
         run_id=run_id, walked_at="2026-12-01T00:00:00+00:00", files={}, kept_keys=1,
         caps={"per_site_cap": 3, "caps": {"m": {"site_cap": 1}}}, caps_source="deployment", judge={"kind": "gate"},
         history={}, inputs={}, unjudged=1))  # fmt: skip
+
+
+def refused_batch(root: Path) -> Warehouse:
+    """Batch r5 of one task, without executions.jsonl: the judge step refuses it."""
+    from filter_pipeline_tests.builders import task, write_batch
+
+    write_batch(root, "r5", [task("a")], [])
+    (root / "runs" / "r5" / "executions.jsonl").unlink()
+    return Warehouse(UPath(str(root)))

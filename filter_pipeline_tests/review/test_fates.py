@@ -5,7 +5,7 @@ from upath import UPath
 
 from filter_pipeline.review.data import Warehouse
 from filter_pipeline.review.fates import _rejected_tasks
-from filter_pipeline_tests.review.small_warehouse import TASKS, write_asset, write_run
+from filter_pipeline_tests.review.small_warehouse import TASKS, refused_batch, write_asset, write_run
 
 
 def test_every_fate_and_its_reason(warehouse):
@@ -73,3 +73,14 @@ def test_a_tasks_rejects_are_the_lines_naming_it_as_their_task_id():
            '{"task_id":"site","attempt":2}', '{"task_id": "sites"}']  # fmt: skip
     rejects = pd.DataFrame({"file": "executions.jsonl", "line": [1, 2, 3, 4], "message": "m", "raw": raw})
     assert [r["line"] for r in task_rejects(rejects, "site")] == [1, 3]
+
+
+def test_a_batch_the_stage_refused_before_its_walk_is_failed_with_the_reason_until_walked(tmp_path):
+    from filter_pipeline.storage.failures import clear_failure, record_failure
+
+    warehouse = refused_batch(tmp_path)
+    assert warehouse.runs()[0]["state"] == "pending"
+    record_failure(UPath(str(tmp_path / "warehouse")), "r5", "runs/r5/executions.jsonl does not exist")
+    assert warehouse.runs()[0]["state"] == "failed (runs/r5/executions.jsonl does not exist)"
+    clear_failure(UPath(str(tmp_path / "warehouse")), "r5")  # (as its walk does)
+    assert warehouse.runs()[0]["state"] == "pending"

@@ -137,3 +137,19 @@ def test_a_retired_json_the_stage_refuses_is_one_line_not_nothing_retired(wareho
         UnreadableFile, match=r"^retired.json\[0\] must be an object with a string 'run_id' \(the stage"
     ):
         story(warehouse, "r1", "k")
+
+
+def test_the_story_of_a_task_of_a_refused_batch_says_why_and_what_to_do(tmp_path):
+    from filter_pipeline.storage.failures import record_failure
+    from filter_pipeline_tests.review.small_warehouse import refused_batch
+
+    warehouse = refused_batch(tmp_path)
+    record_failure(UPath(str(tmp_path / "warehouse")), "r5", "runs/r5/executions.jsonl does not exist")
+    decided = story(warehouse, "r5", "a")["decision"]
+    assert (decided["fate"], decided["run_refused"]) == ("pending", "runs/r5/executions.jsonl does not exist")
+    assert (
+        "  its run was refused before its walk (runs/r5/executions.jsonl does not exist): correct its files, then "
+        "filter-pipeline materialize r5"
+    ) in story_lines(story(warehouse, "r5", "a"))
+    with pytest.raises(ReviewError, match=r"^run 'r5' was refused before its walk \(runs/r5/executions.jsonl does"):
+        story(warehouse, "r5", "nope")
