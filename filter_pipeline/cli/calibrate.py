@@ -21,7 +21,7 @@ from filter_pipeline.judge.client import EndpointRefused, JudgeSetupError, ssl_c
 from filter_pipeline.judge.driver import RecordSteps
 from filter_pipeline.judge.resource import ENV, JudgeResource, judge_from_env
 from filter_pipeline.rules import calibration
-from filter_pipeline.rules.schemas import STATUS_ERROR, conform
+from filter_pipeline.rules.schemas import STATUS_ERROR, STATUS_JUDGED, conform
 from filter_pipeline.shell.warehouse import DataRoot, encode, read_folder, read_parquet, write_bytes
 from filter_pipeline.storage.labels import read_labels
 
@@ -119,10 +119,17 @@ def _cost(verdicts: pd.DataFrame) -> str:
 
 
 def side_by_side(labels: pd.DataFrame, frames: tuple, candidate: pd.DataFrame, name: str) -> list[str]:
-    """One line per production predictor and one for the candidate: precision first, recall, kappa, cost."""
+    """One line per production predictor and one for the candidate on the same attempts (those production
+    judged), then, when it was also asked about attempts production never judged (failed executions, which the
+    judge never sees), one for the candidate on every labelled attempt: precision first, recall, kappa, cost."""
     attempts, production, tasks = frames
+    seen = candidate["dir"].isin(production.loc[production["status"] == STATUS_JUDGED, "dir"])
+    compared = [("production", production), (f"candidate {name}", candidate[seen])]
+    if not seen.all():
+        compared.append((f"candidate {name} (every labelled attempt, {int((~seen).sum())} of them never judged "
+                         "in production)", candidate))  # fmt: skip
     lines = []
-    for label, verdicts in (("production", production), (f"candidate {name}", candidate)):
+    for label, verdicts in compared:
         table = calibration.calibration(calibration.resolve(labels, attempts, verdicts, tasks))
         overall = table[table["site"] == calibration.ALL_SITES]
         if label != "production":

@@ -75,14 +75,20 @@ def test_calibrate_asks_once_per_labelled_attempt_then_never_and_leaves_the_ware
     assert verdicts["model"].unique().tolist() == ["strict-model"]
     assert "judging 3 labelled attempts" in first and "asked 3 requests now" in first
     assert "asked 0 requests now" in second
-    # production judged a and b and passed both (precision 1/2, on 2 labels); the candidate judged e too and
-    # passes a only (precision 1/1, on 3 labels)
+    # production judged a and b and passed both (precision 1/2, on 2 labels); the candidate passes a only
+    # (precision 1/1): on those same 2 labels, and on 3 with e, the failed attempt production never judged
     lines = {line.split(": ")[0] + ": " + line.split(": ")[1]: line for line in second.splitlines() if ": " in line}
     assert lines["production: judge judge-test v3"].startswith(
         "production: judge judge-test v3: precision 0.50 [0.09, 0.91], recall 1.00"
     )
     assert (
         lines["candidate strict-model_v3_votes1: judge strict-model v3"]
+        .split(": ", 2)[2]
+        .startswith("precision 1.00 [0.21, 1.00], recall 1.00 [0.21, 1.00], kappa 1.00 on 2 labels")
+    )
+    every = "candidate strict-model_v3_votes1 (every labelled attempt, 1 of them never judged in production)"
+    assert (
+        lines[f"{every}: judge strict-model v3"]
         .split(": ", 2)[2]
         .startswith("precision 1.00 [0.21, 1.00], recall 1.00 [0.21, 1.00], kappa 1.00 on 3 labels")
     )
