@@ -16,7 +16,8 @@ def add_parser(commands) -> None:
         help="why a task was kept or dropped: its whole story as text",
         description="Print a task's story: every attempt, the judged attempt's trajectory, the verdict, the "
         "walk's decision (kept, surplus and why, judge_fail, unjudged, execute failures only, reject), its DPO "
-        "pair and labels. Exit 1 when the run or task does not exist.",
+        "pair and labels. Exit 1 when the run or task does not exist or a file its story needs cannot be read; 2 when "
+        "the data root does not exist.",
     )
     e.add_argument("run_id", metavar="RUN_ID")
     e.add_argument("task_id", metavar="TASK_ID")

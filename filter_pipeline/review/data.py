@@ -72,10 +72,13 @@ def read_table(path: UPath, columns: list[str] | None = None, exclude: tuple = (
         data = path.read_bytes()
     except FileNotFoundError:
         return None
-    parquet = pq.ParquetFile(pa.BufferReader(data))
-    names = parquet.schema_arrow.names
-    wanted = [c for c in (names if columns is None else columns) if c in names and c not in exclude]
-    return to_pandas(parquet.read(columns=wanted))
+    try:
+        parquet = pq.ParquetFile(pa.BufferReader(data))
+        names = parquet.schema_arrow.names
+        wanted = [c for c in (names if columns is None else columns) if c in names and c not in exclude]
+        return to_pandas(parquet.read(columns=wanted))
+    except (pa.ArrowException, ValueError) as exc:  # (the run's page says which of its files, as verify does)
+        raise ValueError(f"{WAREHOUSE_DIR}/{path.parent.name}/{path.name}: {exc}") from exc
 
 
 def frame(path: UPath, columns: list[str]) -> pd.DataFrame:

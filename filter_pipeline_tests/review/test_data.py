@@ -120,7 +120,7 @@ def test_a_run_with_an_unreadable_file_is_one_line_on_the_runs_page_and_the_queu
     assert set(queue["run_id"]) == {"r1"} and len(queue) == 4
     page_html = Review(UPath(str(tmp_path))).html("runs.html", runs=warehouse.runs()).body.decode()
     assert "unreadable (" in page_html and ">None<" not in page_html
-    with pytest.raises(UnreadableRun, match=r"^run r2 cannot be read: ") as raised:
+    with pytest.raises(UnreadableRun, match=r"^run r2 cannot be read: warehouse/dpo_pairs/r2.parquet: ") as raised:
         warehouse.run("r2")  # (its own page: a 500 with that line)
     assert r2["state"] == f"unreadable ({str(raised.value).removeprefix('run r2 cannot be read: ')})"
 
