@@ -300,6 +300,7 @@ def label_record(review: Review, body) -> dict:
         attempts = review.warehouse.run(run_id).attempts if inside_run(run_id, dir_) else None
         if attempts is None or not (attempts["dir"] == dir_).any():
             raise ReviewError(f"no attempt with dir {dir_!r}")
+        _same_attempt(body, dir_, run_id, set(attempts.loc[attempts["dir"] == dir_, "task_id"]))
     elif isinstance(body.get("run_id"), str) and isinstance(body.get("task_id"), str):
         dir_ = story(review.warehouse, body["run_id"], body["task_id"])["judged_dir"]
         if dir_ is None:
@@ -309,6 +310,14 @@ def label_record(review: Review, body) -> dict:
     labeler = body.get("labeler") if isinstance(body.get("labeler"), str) and body["labeler"] else review.labeler
     record = {"dir": dir_, "success": body["success"]}
     return record | ({"note": note} if note else {}) | {"labeler": labeler[:200], "labeled_at": now_iso()}
+
+
+def _same_attempt(body: dict, dir_: str, run_id: str, task_ids: set[str]) -> None:
+    """BadRequest when a POST naming `dir_` (an attempt of one of `task_ids` in run `run_id`) also names another
+    run or task: which of the two was meant cannot be told."""
+    if body.get("run_id") not in (None, run_id) or body.get("task_id") not in (None, *task_ids):
+        raise BadRequest(f"dir {dir_!r} is an attempt of task {', '.join(sorted(task_ids))} of run {run_id}, not of "
+                         "the run_id and task_id given: send the dir alone, or the run_id and task_id alone")  # fmt: skip
 
 
 def _is_text(value) -> bool:

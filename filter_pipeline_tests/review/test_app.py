@@ -220,6 +220,7 @@ def test_a_label_post_too_large_too_deep_or_not_unicode_is_a_one_line_4xx(served
         (None, json.dumps({**LABEL, "labeler": 5}).encode(), 400),
         (None, json.dumps({**LABEL, "dir": "runs/2026-11-29/\ud83d/x"}).encode(), 400),
         (None, json.dumps({"run_id": "2026-11-29", "task_id": "\ud83d", "success": True}).encode(), 400),
+        ({**LABEL, "run_id": "2026-11-29", "task_id": "2026-11-29-t004"}, None, 400),  # which attempt is meant?
     ]:
         status, text = post(served, body, raw)
         assert status == code and len(text.strip().splitlines()) == 1 and "Traceback" not in text, text
@@ -230,8 +231,11 @@ def test_labels_are_appended_in_the_coordination_format_and_counted_by_calibrati
     before = (sample_root / "labels.jsonl").read_bytes()
     assert post(served, {"run_id": "2026-11-29", "task_id": "2026-11-29-t004", "success": True, "note": "ok"})[0] == 201
     assert post(served, {"dir": "runs/2026-11-28/traj/2026-11-28-t001/2", "success": None})[0] == 201
+    agreeing = {"dir": "runs/2026-11-28/traj/2026-11-28-t001/1", "run_id": "2026-11-28", "task_id": "2026-11-28-t001"}
+    assert post(served, {**agreeing, "success": False})[0] == 201  # (the dir and the task agree)
     added = (sample_root / "labels.jsonl").read_bytes()[len(before) :].decode().splitlines()
-    first, second = (json.loads(line) for line in added)
+    first, second, third = (json.loads(line) for line in added)
+    assert third["dir"] == agreeing["dir"] and third["success"] is False
     assert first["dir"] == "runs/2026-11-29/traj/2026-11-29-t004/1" and first["success"] is True
     assert first["note"] == "ok" and first["labeler"] == "tester" and first["labeled_at"].endswith("Z")
     assert second["success"] is None
