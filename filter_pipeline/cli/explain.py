@@ -83,7 +83,7 @@ def story_lines(s: dict) -> list[str]:
                      f"({p['rejected_stage']}: {p['rejected_reason']})")  # fmt: skip
     for label in s["labels"]:
         said = {True: "success", False: "failure"}.get(label["success"], "unsure")
-        lines.append(f"label: {said} by {label['labeler'] or '?'} at {label['labeled_at'] or '?'}"
+        lines.append(f"label: {said} on {label['dir'] or '?'}, by {label['labeler'] or '?'} at {label['labeled_at'] or '?'}"
                      + (f": {label['note']}" if label.get("note") else "")
                      + ("" if label["current"] else " (replaced by a later label)"))  # fmt: skip
     return lines
