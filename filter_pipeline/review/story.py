@@ -98,6 +98,8 @@ def decision(t: RunTables, task: dict) -> dict:
     """The walk's decision about the task: its fate and reason; for a retired row, retired.json's reason; for a
     duplicate, who kept the key first; for a cap, the cap the walk applied and the count it met (history's kept rows plus the run's own)."""
     found = {"fate": task["fate"], "reason": task["reason"], "where": FATE_WHERE.get(task["fate"])}
+    if t.legacy is not None and t.commit is None:  # (the earlier script's kept row: not in warehouse/kept)
+        found["where"] = f"its row is one of {RUNS_DIR}/{t.run_id}/{t.legacy.name}, the earlier script's kept rows"
     if task["reason"] == REASON_RETIRED:
         found["retired_because"] = t.retired.reason_of(t.run_id, task["task_id"])
     if t.failure is not None:

@@ -153,3 +153,14 @@ def test_the_story_of_a_task_of_a_refused_batch_says_why_and_what_to_do(tmp_path
     ) in story_lines(story(warehouse, "r5", "a"))
     with pytest.raises(ReviewError, match=r"^run 'r5' was refused before its walk \(runs/r5/executions.jsonl does"):
         story(warehouse, "r5", "nope")
+
+
+def test_a_legacy_runs_kept_task_is_said_to_be_a_row_of_its_kept_jsonl_not_of_the_warehouse(tmp_path):
+    run = tmp_path / "runs" / "r0"
+    run.mkdir(parents=True)
+    (run / "kept.jsonl").write_text(json.dumps({"task_id": "a", "site": "s", "macro": "m", "dedup_key": ["k"]}) + "\n")
+    decided = story(Warehouse(UPath(str(tmp_path))), "r0", "a")["decision"]
+    assert (decided["fate"], decided["where"]) == (
+        "kept",
+        "its row is one of runs/r0/kept.jsonl, the earlier script's kept rows",
+    )
