@@ -299,8 +299,11 @@ def _nothing_to_materialize(instance: dg.DagsterInstance, data: DataRoot, args, 
     if refused:
         return EXIT_FAILED  # something complete was not filtered
     print("nothing to materialize: every complete batch is already filtered")
-    if not args.run_ids and labels_changed(instance, data) is not None:
-        print("labels.jsonl changed since judge_calibration was built: refreshing it", flush=True)
+    changed = None if args.run_ids else labels_changed(instance, data)
+    if changed is not None:
+        said = ("judge_calibration was not built on this instance yet: building it" if changed[1] is None
+                else "labels.jsonl changed since judge_calibration was built: refreshing it")  # fmt: skip
+        print(said, flush=True)
         if not _refresh_across_runs(instance, only=[CALIBRATION]):
             return EXIT_FAILED
         _print_calibration(data)

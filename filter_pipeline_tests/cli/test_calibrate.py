@@ -193,7 +193,7 @@ def test_calibrate_without_labels_or_endpoint_says_so_in_one_line(data_root, mon
 
 
 @pytest.mark.slow
-def test_materialize_naming_no_run_refreshes_judge_calibration_when_labels_changed(cli, data_root):
+def test_materialize_naming_no_run_refreshes_judge_calibration_when_labels_changed(cli, data_root, tmp_path):
     write_batch(data_root, "r1", [task("a"), task("b")], [attempt("a"), attempt("b")])
     first = cli()
     assert first.returncode == 0, first.stderr
@@ -210,6 +210,11 @@ def test_materialize_naming_no_run_refreshes_judge_calibration_when_labels_chang
     assert again.returncode == 0 and "refreshing" not in again.stdout
     table = pd.read_parquet(data_root / "warehouse" / "judge_calibration.parquet")
     assert table[table["site"] == "(all)"]["n"].tolist() == [2, 2]
+    fresh = tmp_path / "another_instance"  # (a laptop's instance, say, on the same data root)
+    fresh.mkdir()
+    built = cli(env={"DAGSTER_HOME": str(fresh)})
+    assert built.returncode == 0 and "labels.jsonl changed" not in built.stdout
+    assert "judge_calibration was not built on this instance yet: building it" in built.stdout
 
 
 @pytest.mark.slow
