@@ -14,9 +14,10 @@ from filter_pipeline.shell.assets import (
     warehouse_verified,
 )
 from filter_pipeline.shell.config import caps_from_env
+from filter_pipeline.shell.freshness import build_labels_sensor, build_retired_sensor
 from filter_pipeline.shell.jobs import across_runs_job, filter_job, judge_job, ledger_job, rejudge_job
 from filter_pipeline.shell.ledger import build_ledger
-from filter_pipeline.shell.sensors import build_batch_sensor, build_labels_sensor
+from filter_pipeline.shell.sensors import build_batch_sensor
 from filter_pipeline.shell.warehouse import DataRoot, WarehouseIOManager
 
 # Intended: the ledger walks a single-run backfill's partitions in one step, in run_id order; the other assets
@@ -45,7 +46,7 @@ def build_defs(
         ],
         asset_checks=[warehouse_verified],
         jobs=[judge_job, ledger_job, filter_job, across_runs_job, rejudge_job],
-        sensors=[build_batch_sensor(), build_labels_sensor()],
+        sensors=[build_batch_sensor(), build_labels_sensor(), build_retired_sensor()],
         resources={"data": data, "judge": judge, "io_manager": WarehouseIOManager(data=data)},
         executor=EXECUTORS[executor],
     )

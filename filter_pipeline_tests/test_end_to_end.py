@@ -83,7 +83,7 @@ def test_a_dropped_batch_is_filtered_with_no_clicks_and_lineage_is_visible(dagst
         "{ repositoriesOrError { ... on RepositoryConnection { nodes { sensors { name sensorState { status } } } } } }"
     )["repositoriesOrError"]["nodes"]
     sensors = [(s["name"], s["sensorState"]["status"]) for repo in repos for s in repo["sensors"]]
-    assert sorted(sensors) == [("batch_sensor", "RUNNING"), ("labels_sensor", "RUNNING")]
+    assert sorted(sensors) == [("batch_sensor", "RUNNING"), ("labels_sensor", "RUNNING"), ("retired_sensor", "RUNNING")]
     assert_verified(dagster_dev.data)
 
 

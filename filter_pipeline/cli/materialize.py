@@ -25,6 +25,7 @@ from filter_pipeline.rules.schemas import DROPPED_REASONS, FAILURE_REASONS, STAT
 from filter_pipeline.settings import REJUDGE_MAX_TRIES_ENV
 from filter_pipeline.shell.assets import run_id_partitions
 from filter_pipeline.shell.config import caps_from_env, load_caps_file, parse_caps
+from filter_pipeline.shell.freshness import CALIBRATION, COVERAGE, FOLLOWS, stale_across_runs
 from filter_pipeline.shell.jobs import (
     ACROSS_RUNS_ASSETS,
     FIRST_WALK_TAG,
@@ -33,9 +34,7 @@ from filter_pipeline.shell.jobs import (
     filter_job,
 )
 from filter_pipeline.shell.sensors import (
-    CALIBRATION,
     changed_warning,
-    labels_changed,
     legacy_run_ids,
     record_legacy_runs,
     rejudge_tags,
@@ -299,13 +298,16 @@ def _nothing_to_materialize(instance: dg.DagsterInstance, data: DataRoot, args, 
     if refused:
         return EXIT_FAILED  # something complete was not filtered
     print("nothing to materialize: every complete batch is already filtered")
-    changed = None if args.run_ids else labels_changed(instance, data)
-    if changed is not None:
-        said = ("judge_calibration was not built on this instance yet: building it" if changed[1] is None
-                else "labels.jsonl changed since judge_calibration was built: refreshing it")  # fmt: skip
-        print(said, flush=True)
-        if not _refresh_across_runs(instance, only=[CALIBRATION]):
-            return EXIT_FAILED
+    stale = {} if args.run_ids else stale_across_runs(instance, data)
+    for asset, (_, recorded) in stale.items():
+        name = asset.path[-1]
+        print(f"{name} was not built on this instance yet: building it" if recorded is None
+              else f"{FOLLOWS[asset].file} changed since {name} was built: refreshing it", flush=True)  # fmt: skip
+    if stale and not _refresh_across_runs(instance, only=list(stale)):
+        return EXIT_FAILED
+    if COVERAGE in stale:
+        _print_coverage(data)
+    if CALIBRATION in stale:
         _print_calibration(data)
     return 0
 
@@ -444,6 +446,11 @@ def _refresh_across_runs(instance: dg.DagsterInstance, only: list[dg.AssetKey] |
 
 def _print_across_runs(data: DataRoot) -> None:
     """A line for coverage and one per judge calibration predictor, from what was just materialized."""
+    _print_coverage(data)
+    _print_calibration(data)
+
+
+def _print_coverage(data: DataRoot) -> None:
     coverage = read_parquet(data.warehouse / "coverage.parquet")
     sites = coverage[coverage["level"] == "site"]
     print(
@@ -451,7 +458,6 @@ def _print_across_runs(data: DataRoot) -> None:
         f"{int(sites['full'].sum())} full",
         flush=True,
     )
-    _print_calibration(data)
 
 
 def _print_calibration(data: DataRoot) -> None:

@@ -18,6 +18,7 @@ from filter_pipeline.rules.batch import EXECUTIONS_FILE, TASKS_FILE, BatchError
 from filter_pipeline.rules.commits import another_judge, judge_settings
 from filter_pipeline.rules.coverage import coverage_chart, coverage_markdown, coverage_table
 from filter_pipeline.rules.descriptions import column_description
+from filter_pipeline.rules.history import parse_retired, retired_fingerprint
 from filter_pipeline.rules.schemas import (
     FAILURE_REASONS,
     JUDGE_PROGRESS_FOLDER,
@@ -32,7 +33,7 @@ from filter_pipeline.shell.config import caps_source, deployment_caps_config, re
 from filter_pipeline.shell.warehouse import DataRoot, read_folder, read_parquet, write_parquet
 from filter_pipeline.storage import failures
 from filter_pipeline.storage.audit import audit
-from filter_pipeline.storage.history import kept_counts, load_retired, read_commit
+from filter_pipeline.storage.history import kept_counts, load_retired, read_commit, read_retired
 from filter_pipeline.storage.labels import read_labels
 from filter_pipeline.storage.runs import count_records, read_batch
 
@@ -286,12 +287,14 @@ def build_coverage(deployment_caps: dict) -> dg.AssetsDefinition:
         deps=[dg.AssetKey("kept")],
         description="Kept rows per (macro, site) and per macro over every non-retired committed run, against the site "
         "caps and macro targets: what is full, what is short, by how much (a chart and a table on the "
-        "materialization). Refreshed by the batch sensor whenever the set of kept files changes.",
+        "materialization). Refreshed by the batch sensor whenever the set of kept files changes, and by the "
+        "retired_sensor when retired.json does.",
         metadata=column_schema("coverage"),
     )
     def coverage(context: dg.AssetExecutionContext, config: caps_config, data: DataRoot):
         refuse_invalid_run_caps(context)
-        counts, runs = kept_counts(data.root, load_retired(data.root))
+        retired = read_retired(data.root)
+        counts, runs = kept_counts(data.root, parse_retired(retired))
         table = coverage_table(counts, config.to_caps())
         sites = table[table["level"] == "site"]
         return dg.Output(
@@ -300,6 +303,7 @@ def build_coverage(deployment_caps: dict) -> dg.AssetsDefinition:
                 "kept": int(sites["kept"].sum()),
                 "runs": runs,
                 "caps_source": caps_source(config, deployment_caps),
+                RETIRED_FINGERPRINT: retired_fingerprint(retired),
                 "full_sites": int(sites["full"].sum()),
                 "short_sites": int((~sites["full"].astype(bool)).sum()),
                 "coverage": dg.MetadataValue.md(
@@ -345,6 +349,7 @@ def warehouse_verified(data: DataRoot) -> dg.AssetCheckResult:
 
 
 LABELS_FINGERPRINT = "labels_fingerprint"  # judge_calibration's metadata entry: the labels it was built from
+RETIRED_FINGERPRINT = "retired_fingerprint"  # coverage's metadata entry: the retired.json it was built from
 NO_LABELS = "no labels file"  # the fingerprint recorded when there is no labels.jsonl
 
 

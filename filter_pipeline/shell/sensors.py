@@ -20,9 +20,8 @@ from filter_pipeline import settings
 from filter_pipeline.judge.resource import JudgeResource
 from filter_pipeline.rules import order
 from filter_pipeline.rules.batch import LEGACY_KEPT_FILE, BatchState
-from filter_pipeline.rules.calibration import labels_fingerprint
 from filter_pipeline.rules.commits import CommitRecord, another_judge
-from filter_pipeline.shell.assets import LABELS_FINGERPRINT, NO_LABELS, run_id_partitions
+from filter_pipeline.shell.assets import run_id_partitions
 from filter_pipeline.shell.jobs import (
     FIRST_WALK_TAG,
     PARTITION_TAG,
@@ -40,7 +39,6 @@ from filter_pipeline.shell.warehouse import DataRoot
 from filter_pipeline.storage import failures
 from filter_pipeline.storage.files import files_in
 from filter_pipeline.storage.history import load_retired, read_commits
-from filter_pipeline.storage.labels import read_labels
 from filter_pipeline.storage.runs import complete_batches, count_records
 
 JUDGE_JOB = judge_job.name
@@ -50,7 +48,6 @@ NOT_FINISHED_STATUSES = [
     dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.CANCELING,
 ]  # fmt: skip
 SENSOR_INTERVAL_SECONDS = 10
-LABELS_SENSOR_INTERVAL_SECONDS = 30
 IN_FLIGHT_RUNS_LIMIT = 10_000
 # the most batches one ledger run walks: its step holds the judge verdicts of all of them in memory at once
 LEDGER_RANGE_LIMIT = 50
@@ -403,60 +400,3 @@ def build_batch_sensor() -> dg.SensorDefinition:
         )
 
     return batch_sensor
-
-
-# --- the labels sensor --------------------------------------------------------------------------------
-
-CALIBRATION = dg.AssetKey("judge_calibration")
-
-
-def labels_changed(instance: dg.DagsterInstance, data: DataRoot) -> tuple[str, str | None] | None:
-    """(the labels file's fingerprint now, the one judge_calibration was last built from) when they differ
-    and there are verdicts to score; None when the calibration is up to date (or there is nothing to score)."""
-    if not (data.warehouse / "judge_verdicts").exists():
-        return None
-    return labels_vs_calibration(instance, data)
-
-
-def labels_vs_calibration(instance: dg.DagsterInstance, data: DataRoot) -> tuple[str, str | None] | None:
-    """labels_changed without looking for verdicts first: (now, recorded) when they differ, else None."""
-    current = labels_fingerprint(read_labels(data.root)) or NO_LABELS
-    event = instance.get_latest_materialization_event(CALIBRATION)
-    entry = (
-        event.asset_materialization.metadata.get(LABELS_FINGERPRINT) if event and event.asset_materialization else None
-    )
-    recorded = entry.value if entry is not None else None
-    if recorded == current or (recorded is None and current == NO_LABELS):
-        return None
-    return current, recorded
-
-
-def build_labels_sensor() -> dg.SensorDefinition:
-    """The labels sensor: new labels show in judge_calibration without waiting for a new batch."""
-
-    @dg.sensor(
-        name="labels_sensor",
-        jobs=[across_runs_job],
-        minimum_interval_seconds=LABELS_SENSOR_INTERVAL_SECONDS,
-        default_status=dg.DefaultSensorStatus.RUNNING,
-        description="Refreshes judge_calibration (alone) when <data>/labels.jsonl changed since it was last "
-        "built (a fingerprint of the file's bytes, recorded on each materialization), so new labels show "
-        "without a new batch.",
-    )
-    def labels_sensor(context: dg.SensorEvaluationContext, data: DataRoot) -> dg.SensorResult:
-        if not (data.warehouse / "judge_verdicts").exists():
-            return dg.SensorResult(skip_reason="nothing to score yet: no judge_verdicts in the warehouse")
-        changed = labels_vs_calibration(context.instance, data)
-        if changed is None:
-            return dg.SensorResult(skip_reason="judge_calibration is up to date with labels.jsonl")
-        current, recorded = changed
-        context.log.info(f"labels.jsonl changed ({recorded} -> {current}): refreshing judge_calibration")
-        return dg.SensorResult(
-            run_requests=[
-                dg.RunRequest(
-                    job_name=across_runs_job.name, asset_selection=[CALIBRATION], run_key=f"labels:{recorded}:{current}"
-                )
-            ]
-        )
-
-    return labels_sensor

@@ -42,10 +42,17 @@ def read_commits(warehouse: UPath) -> dict[str, CommitRecord]:
     return {run_id: record for run_id, record in found.items() if record is not None}  # (one deleted meanwhile)
 
 
+def read_retired(data_root: UPath) -> bytes | None:
+    """`<data>/retired.json`'s bytes; None when there is none."""
+    try:
+        return (data_root / RETIRED_FILE).read_bytes()
+    except FileNotFoundError:
+        return None
+
+
 def load_retired(data_root: UPath) -> Retired:
     """Parse `<data>/retired.json` (absent: nothing retired). Raises HistoryError on a wrong shape."""
-    path = data_root / RETIRED_FILE
-    return parse_retired(path.read_bytes() if path.exists() else None)
+    return parse_retired(read_retired(data_root))
 
 
 def kept_files(kept_dir: UPath) -> dict[str, UPath]:

@@ -26,3 +26,18 @@ def test_coverage_after_a_one_off_cap_keeps_the_deployments_caps(cli, data_root)
     assert coverage[coverage["level"] == "site"]["full"].astype(bool).all()
     record = json.loads((data_root / "warehouse" / "_commits" / "r1.json").read_text())
     assert record["caps_source"] == "run config" and record["caps"]["per_site_cap"] == 10
+
+
+def test_materialize_naming_no_run_refreshes_coverage_when_retired_json_changed(cli, data_root):
+    tasks = [task(f"r1-{i}", site=f"site{i}", key=["s", "#el", i]) for i in range(3)]
+    write_batch(data_root, "r1", tasks, [attempt(t["task_id"]) for t in tasks])
+    assert cli().returncode == 0
+    (data_root / "retired.json").write_text(json.dumps([{"run_id": "r1", "task_ids": ["r1-0"], "reason": "bad"}]))
+    refreshed = cli()
+    assert refreshed.returncode == 0, refreshed.stderr[-3000:]
+    assert refreshed.stdout.splitlines() == [
+        "nothing to materialize: every complete batch is already filtered",
+        "retired.json changed since coverage was built: refreshing it",
+        "coverage: 2 kept rows over 2 (macro, site) pairs, 0 full",
+    ]
+    assert "refreshing" not in cli().stdout  # up to date now

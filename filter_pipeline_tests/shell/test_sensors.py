@@ -5,7 +5,6 @@ import json
 import logging
 
 import dagster as dg
-import pandas as pd
 import pytest
 
 from filter_pipeline.rules.batch import BatchState
@@ -403,43 +402,3 @@ def test_a_run_with_unjudged_tasks_whose_batch_changed_is_not_judged_again_unles
     with open(data_root / "runs" / "b1" / "tasks.jsonl", "a") as f:  # the batch ran again meanwhile
         f.write(json.dumps(task("late")) + "\n")
     assert rejudged() == []
-
-
-# --- the labels sensor ---------------------------------------------------------------------------------
-
-
-def labels_tick(instance, data_root) -> dg.SensorResult:
-    from filter_pipeline.shell.sensors import build_labels_sensor
-
-    return build_labels_sensor()(sensor_context(instance, data_root))
-
-
-def test_the_labels_sensor_refreshes_judge_calibration_alone_when_labels_change(instance, data_root):
-    from filter_pipeline.definitions import build_defs
-    from filter_pipeline.judge.resource import JudgeResource
-
-    write_batch(data_root, "r1", [task("a"), task("b")], [attempt("a"), attempt("b", ok=False, error="x")])
-    first = labels_tick(instance, data_root)
-    assert first.run_requests == [] and first.skip_reason.skip_message == (
-        "nothing to score yet: no judge_verdicts in the warehouse"
-    )
-    instance.add_dynamic_partitions("run_id", ["r1"])
-    defs = build_defs(str(data_root), JudgeResource(), caps={})
-    assert defs.resolve_job_def("filter_job").execute_in_process(instance=instance, partition_key="r1").success
-    assert labels_tick(instance, data_root).run_requests == []  # no labels file, none scored
-
-    (data_root / "labels.jsonl").write_text('{"run_id": "r1", "task_id": "a", "success": true}\n')
-    [request] = labels_tick(instance, data_root).run_requests
-    assert (request.job_name, request.asset_selection) == ("across_runs_job", [dg.AssetKey("judge_calibration")])
-    assert request.run_key.startswith("labels:")
-    across = defs.resolve_job_def("across_runs_job")
-    assert across.execute_in_process(instance=instance, asset_selection=request.asset_selection).success
-    up_to_date = labels_tick(instance, data_root)
-    assert up_to_date.run_requests == [] and "up to date" in up_to_date.skip_reason.skip_message
-    calibration = pd.read_parquet(data_root / "warehouse" / "judge_calibration.parquet")
-    assert calibration[calibration["site"] == "(all)"]["n"].tolist() == [1, 1]
-
-    with (data_root / "labels.jsonl").open("a") as f:
-        f.write('{"run_id": "r1", "task_id": "b", "success": false}\n')
-    [again] = labels_tick(instance, data_root).run_requests
-    assert again.run_key != request.run_key

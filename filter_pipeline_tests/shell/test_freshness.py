@@ -1,0 +1,93 @@
+"""The across-runs assets kept current with the files beside the warehouse (`shell/freshness.py`): the labels
+sensor refreshes judge_calibration when labels.jsonl changes, the retired sensor coverage when retired.json does."""
+
+import json
+
+import dagster as dg
+import pandas as pd
+import pytest
+
+from filter_pipeline.definitions import build_defs
+from filter_pipeline.judge.resource import JudgeResource
+from filter_pipeline.shell.freshness import build_labels_sensor, build_retired_sensor
+from filter_pipeline_tests.builders import attempt, sensor_context, task, write_batch
+
+
+@pytest.fixture
+def instance():
+    with dg.instance_for_test() as instance:
+        yield instance
+
+
+def labels_tick(instance, data_root) -> dg.SensorResult:
+    return build_labels_sensor()(sensor_context(instance, data_root))
+
+
+def retired_tick(instance, data_root) -> dg.SensorResult:
+    return build_retired_sensor()(sensor_context(instance, data_root))
+
+
+def filtered(instance, data_root, run_id: str, task_ids: list[str]) -> dg.Definitions:
+    """Batch `run_id` of these tasks (one site each, one ok attempt each) filtered with the gate judge."""
+    write_batch(data_root, run_id, [task(t, site=f"s-{t}") for t in task_ids], [attempt(t) for t in task_ids])
+    instance.add_dynamic_partitions("run_id", [run_id])
+    defs = build_defs(str(data_root), JudgeResource(), caps={})
+    assert defs.resolve_job_def("filter_job").execute_in_process(instance=instance, partition_key=run_id).success
+    return defs
+
+
+def test_the_labels_sensor_refreshes_judge_calibration_alone_when_labels_change(instance, data_root):
+    from filter_pipeline.definitions import build_defs
+    from filter_pipeline.judge.resource import JudgeResource
+
+    write_batch(data_root, "r1", [task("a"), task("b")], [attempt("a"), attempt("b", ok=False, error="x")])
+    first = labels_tick(instance, data_root)
+    assert first.run_requests == [] and first.skip_reason.skip_message == (
+        "nothing to score yet: no judge_verdicts in the warehouse"
+    )
+    instance.add_dynamic_partitions("run_id", ["r1"])
+    defs = build_defs(str(data_root), JudgeResource(), caps={})
+    assert defs.resolve_job_def("filter_job").execute_in_process(instance=instance, partition_key="r1").success
+    assert labels_tick(instance, data_root).run_requests == []  # no labels file, none scored
+
+    (data_root / "labels.jsonl").write_text('{"run_id": "r1", "task_id": "a", "success": true}\n')
+    [request] = labels_tick(instance, data_root).run_requests
+    assert (request.job_name, request.asset_selection) == ("across_runs_job", [dg.AssetKey("judge_calibration")])
+    assert request.run_key.startswith("labels:")
+    across = defs.resolve_job_def("across_runs_job")
+    assert across.execute_in_process(instance=instance, asset_selection=request.asset_selection).success
+    up_to_date = labels_tick(instance, data_root)
+    assert up_to_date.run_requests == [] and "up to date" in up_to_date.skip_reason.skip_message
+    calibration = pd.read_parquet(data_root / "warehouse" / "judge_calibration.parquet")
+    assert calibration[calibration["site"] == "(all)"]["n"].tolist() == [1, 1]
+
+    with (data_root / "labels.jsonl").open("a") as f:
+        f.write('{"run_id": "r1", "task_id": "b", "success": false}\n')
+    [again] = labels_tick(instance, data_root).run_requests
+    assert again.run_key != request.run_key
+
+
+def test_the_retired_sensor_refreshes_coverage_alone_when_retired_json_changes(instance, data_root):
+    first = retired_tick(instance, data_root)
+    assert (
+        first.run_requests == [] and first.skip_reason.skip_message == "nothing to count yet: no kept in the warehouse"
+    )
+    defs = filtered(instance, data_root, "r1", ["a", "b"])
+    assert retired_tick(instance, data_root).run_requests == []  # no retired.json: coverage is up to date
+
+    (data_root / "retired.json").write_text(json.dumps([{"run_id": "r1", "task_ids": ["a"], "reason": "wrong"}]))
+    [request] = retired_tick(instance, data_root).run_requests
+    assert (request.job_name, request.asset_selection) == ("across_runs_job", [dg.AssetKey("coverage")])
+    assert request.run_key.startswith("retired:")
+    across = defs.resolve_job_def("across_runs_job")
+    assert across.execute_in_process(instance=instance, asset_selection=request.asset_selection).success
+    up_to_date = retired_tick(instance, data_root)
+    assert up_to_date.run_requests == [] and up_to_date.skip_reason.skip_message == (
+        "coverage is up to date with retired.json"
+    )
+    coverage = pd.read_parquet(data_root / "warehouse" / "coverage.parquet")
+    assert coverage[coverage["level"] == "site"].set_index("site")["kept"].to_dict() == {"s-b": 1}  # (a retired)
+
+    (data_root / "retired.json").unlink()  # retired rows count again
+    [again] = retired_tick(instance, data_root).run_requests
+    assert again.run_key != request.run_key
