@@ -160,7 +160,8 @@ def _in_ledger_order(data: DataRoot, run_ids: list[str], named: bool) -> list[st
 
 
 def summarize(data: DataRoot, run_id: str) -> str:
-    """One line: judged, kept, surplus by reason, failures by reason (reasons with zero rows left out)."""
+    """One line: judged, kept, surplus by reason, failures by reason (reasons with zero rows left out), and the
+    lines the batch checks rejected when there are any."""
 
     def counts(asset: str, column: str, names) -> tuple[int, str]:
         values = read_parquet(data.asset_file(asset, run_id), columns=[column])[column].value_counts()
@@ -172,9 +173,11 @@ def summarize(data: DataRoot, run_id: str) -> str:
     n_kept = len(read_parquet(data.asset_file("kept", run_id), columns=["task_id"]))
     n_surplus, surplus_detail = counts("surplus", "dropped", DROPPED_REASONS)
     n_fail, fail_detail = counts("failure_pool", "reason", FAILURE_REASONS)
+    n_rejected = len(read_parquet(data.asset_file("batch_rejects", run_id), columns=["line"]))
     return (
         f"{run_id}: judged {len(verdicts) - unjudged}, unjudged {unjudged}, kept {n_kept}, "
         f"surplus {n_surplus}{surplus_detail}, failures {n_fail}{fail_detail}"
+        + (f", rejected lines {n_rejected} (batch_rejects)" if n_rejected else "")
     )
 
 
@@ -420,7 +423,7 @@ def _register_legacy_runs(instance: dg.DagsterInstance, data: DataRoot) -> None:
     legacy = legacy_run_ids(data, complete_batches(data.runs, data.warehouse, log=None), read_commits(data.warehouse))
     _register(instance, legacy)
     for run_id in record_legacy_runs(instance, data, legacy):
-        print(f"{run_id}: recorded as materialized (legacy kept.jsonl)", file=sys.stderr)
+        print(f"{run_id}: recorded as materialized (legacy kept.jsonl)", flush=True)
 
 
 def _run_config(caps: dict, ops_with_caps: list[str]) -> dict:

@@ -30,6 +30,8 @@ def read_all(data_root, asset) -> pd.DataFrame:
 
 def test_materializes_every_complete_batch_in_run_id_order_and_prints_a_summary(cli, data_root, dagster_home):
     write_batch(data_root, "b2", [task("x", key=["k"])], [attempt("x")])
+    with open(data_root / "runs" / "b2" / "executions.jsonl", "a") as f:
+        f.write("not JSON\n")  # (a rejected line: counted in b2's line)
     write_batch(
         data_root, "b1", [task("y", key=["k"])], [attempt("y"), attempt("y", 2, ok=False, error="policy violation: z")]
     )
@@ -41,7 +43,7 @@ def test_materializes_every_complete_batch_in_run_id_order_and_prints_a_summary(
     lines = done.stdout.strip().splitlines()
     assert lines == [
         "b1: judged 1, unjudged 0, kept 1, surplus 0, failures 1 (policy_violation 1)",
-        "b2: judged 1, unjudged 0, kept 0, surplus 1 (duplicate 1), failures 0",
+        "b2: judged 1, unjudged 0, kept 0, surplus 1 (duplicate 1), failures 0, rejected lines 1 (batch_rejects)",
         "coverage: 1 kept rows over 1 (macro, site) pairs, 0 full",
     ]
     surplus = read_all(data_root, "surplus")
