@@ -147,9 +147,9 @@ def _judges(seen: pd.DataFrame, predictor: str) -> list[tuple[str | None, str | 
     """(model, prompt_version, rows) per judge: the judge by model and prompt version, the gate as one."""
     if predictor == "gate":
         return [(None, None, seen)]
-    keys = seen[["model", "prompt_version"]].astype(object).fillna("\0")  # (the gate judge: no model)
+    keys = seen[["model", "prompt_version"]].astype(object).fillna("")  # (the gate judge: no model, null or empty)
     return [
-        (None if model == "\0" else model, None if version == "\0" else version, part)
+        (model or None, version or None, part)
         for (model, version), part in seen.groupby([keys["model"], keys["prompt_version"]], sort=True)
     ]
 

@@ -118,3 +118,14 @@ def test_judge_rows_are_per_model_and_prompt_version_beside_the_gate_and_markdow
     assert "| judge m1 v3 | (all) | 1.00 [0.34, 1.00] |" in text and "fewer than 50 labels" in text
     gate = overall[overall["predictor"] == "gate"].iloc[0].to_dict()
     assert summary(gate).startswith("precision 1.00 [0.51, 1.00], recall 1.00") and "under 50 labels" in summary(gate)
+
+
+def test_the_gate_judges_rows_name_no_model_whether_its_verdicts_say_null_or_empty():
+    tasks, attempts, verdicts = frames()
+    verdicts = verdicts.assign(model=["", None, "", None], prompt_version=["", None, "", None])
+    labels, _ = parse_labels("\n".join(f'{{"dir": "{d}", "success": true}}' for d in ("da", "db", "dc", "dd2")))
+    overall = calibration(resolve(labels, attempts, verdicts, tasks)).query("site == '(all)'")
+    assert rows(overall, "predictor", "model", "prompt_version", "n") == [
+        ["judge", None, None, 4],
+        ["gate", None, None, 4],
+    ]
