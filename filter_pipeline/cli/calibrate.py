@@ -18,6 +18,7 @@ import pandas as pd
 from filter_pipeline.cli import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_UNJUDGED
 from filter_pipeline.cli.data_root import existing_root
 from filter_pipeline.judge.client import EndpointRefused, JudgeSetupError, ssl_context
+from filter_pipeline.judge.config import env_name
 from filter_pipeline.judge.driver import RecordSteps
 from filter_pipeline.judge.resource import ENV, JudgeResource, judge_from_env
 from filter_pipeline.rules import calibration
@@ -42,7 +43,11 @@ def candidate_judge(args: argparse.Namespace) -> JudgeResource:
     overrides = {"model": args.model, "base_url": args.base_url, "prompt_version": args.prompt_version,
                  "votes": args.votes, "api_key": os.environ.get(ENV["api_key"]) or None}  # fmt: skip
     judge = judge_from_env("llm", overrides={k: v for k, v in overrides.items() if v is not None})
-    judge.settings()  # a missing model or endpoint: one line
+    missing = [name for name in ("base_url", "model") if not getattr(judge.llm, name)]
+    if missing:  # (named by the options first: they are what a calibration usually sets)
+        flags = " and ".join(f"--{name.replace('_', '-')}" for name in missing)
+        raise CalibrateError(f"the candidate judge needs {flags} (or {' and '.join(map(env_name, missing))})")
+    judge.settings()  # settings that cannot work: one line
     ssl_context()
     return judge
 

@@ -189,7 +189,12 @@ def test_calibrate_without_labels_or_endpoint_says_so_in_one_line(data_root, mon
     monkeypatch.delenv("FILTER_JUDGE_MODEL", raising=False)
     monkeypatch.delenv("FILTER_JUDGE_BASE_URL", raising=False)
     assert main(["calibrate", "--data", str(data_root)]) == 2
-    assert "the llm judge needs FILTER_JUDGE_BASE_URL and FILTER_JUDGE_MODEL" in capsys.readouterr().err
+    assert capsys.readouterr().err == (
+        "filter-pipeline: the candidate judge needs --base-url and --model (or FILTER_JUDGE_BASE_URL and "
+        "FILTER_JUDGE_MODEL)\n"
+    )
+    assert main(["calibrate", "--data", str(data_root), "--model", "m"]) == 2
+    assert "the candidate judge needs --base-url (or FILTER_JUDGE_BASE_URL)" in capsys.readouterr().err
 
 
 @pytest.mark.slow
