@@ -87,7 +87,7 @@ class RateController:
                 task.start(now)  # this task probes
             elif task.started is None and self.down:
                 raise Unanswered(
-                    f"not asked: the judge endpoint has answered nothing for a whole task budget "
+                    f"not asked: the judge endpoint has given no answer it could use for a whole task budget "
                     f"({self.budget:.0f} s; last: {self.last_problem})"
                 )
             if now < self.not_before:

@@ -249,9 +249,9 @@ class Transport:
             self.rate.gave_up(task)
             if self.rate.down and not was_down:
                 self.report(
-                    f"the judge endpoint {self.public_url} answered nothing for a whole task budget "
-                    f"({task.budget:g} s): tasks not yet asked end unjudged (a later materialization judges "
-                    f"them again), but for one probe every {self.rate.probe_interval:g} s"
+                    f"the judge endpoint {self.public_url} gave no answer it could use for a whole task budget "
+                    f"({task.budget:g} s): tasks not yet asked end unjudged (asked again the next time "
+                    f"they are judged), but for one probe every {self.rate.probe_interval:g} s"
                 )
             spent = time.monotonic() - (task.started or time.monotonic())
             raise Unanswered(

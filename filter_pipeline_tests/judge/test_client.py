@@ -387,7 +387,9 @@ def test_an_outage_leaves_tasks_unjudged_and_later_tasks_are_not_even_asked():
     assert all(v.status == "error" and v.passed is None for v in first + later)
     assert all("HTTP 503 from the judge endpoint: upstream down" in v.why and v.requests >= 1 for v in first), first
     assert sum(v.requests for v in first) >= 3  # retried within their budgets
-    assert all(v.requests == 0 and "not asked: the judge endpoint has answered nothing" in v.why for v in later)
+    assert all(
+        v.requests == 0 and "not asked: the judge endpoint has given no answer it could use" in v.why for v in later
+    )
     assert seconds < 0.5 and not any("later" in c.prompt for c in server.calls)  # (waiting would take the 1 s budget)
 
 
@@ -406,8 +408,8 @@ def test_endpoint_trouble_is_told_as_it_happens_once_not_per_retry_and_the_outag
     assert told == [
         f"the judge endpoint {server.base_url}/chat/completions: HTTP 503 from the judge endpoint: upstream down "
         "***; retrying (each task for up to 0.5 s, FILTER_JUDGE_TASK_BUDGET)",
-        f"the judge endpoint {server.base_url}/chat/completions answered nothing for a whole task budget (0.5 s): "
-        "tasks not yet asked end unjudged (a later materialization judges them again), but for one probe every 0.5 s",
+        f"the judge endpoint {server.base_url}/chat/completions gave no answer it could use for a whole task budget (0.5 s): "
+        "tasks not yet asked end unjudged (asked again the next time they are judged), but for one probe every 0.5 s",
     ]
 
 
