@@ -36,58 +36,55 @@ def filtered(instance, data_root, run_id: str, task_ids: list[str]) -> dg.Defini
     return defs
 
 
-def test_the_labels_sensor_refreshes_judge_calibration_alone_when_labels_change(instance, data_root):
-    from filter_pipeline.definitions import build_defs
-    from filter_pipeline.judge.resource import JudgeResource
+def refreshed(instance, defs: dg.Definitions, tick, asset: str) -> dg.RunRequest:
+    """The one run the sensor's `tick` asks for, checked to refresh `asset` alone, after running it."""
+    [request] = tick().run_requests
+    assert (request.job_name, request.asset_selection) == ("across_runs_job", [dg.AssetKey(asset)])
+    across = defs.resolve_job_def("across_runs_job")
+    assert across.execute_in_process(instance=instance, asset_selection=request.asset_selection).success
+    return request
 
-    write_batch(data_root, "r1", [task("a"), task("b")], [attempt("a"), attempt("b", ok=False, error="x")])
-    first = labels_tick(instance, data_root)
+
+def test_the_labels_sensor_refreshes_judge_calibration_alone_when_labels_change(instance, data_root):
+    tick = lambda: labels_tick(instance, data_root)  # noqa: E731
+    first = tick()
     assert first.run_requests == [] and first.skip_reason.skip_message == (
         "nothing to score yet: no judge_verdicts in the warehouse"
     )
-    instance.add_dynamic_partitions("run_id", ["r1"])
-    defs = build_defs(str(data_root), JudgeResource(), caps={})
-    assert defs.resolve_job_def("filter_job").execute_in_process(instance=instance, partition_key="r1").success
-    assert labels_tick(instance, data_root).run_requests == []  # no labels file, none scored
+    defs = filtered(instance, data_root, "r1", ["a", "b"])
+    assert tick().run_requests == []  # no labels file, none scored
 
     (data_root / "labels.jsonl").write_text('{"run_id": "r1", "task_id": "a", "success": true}\n')
-    [request] = labels_tick(instance, data_root).run_requests
-    assert (request.job_name, request.asset_selection) == ("across_runs_job", [dg.AssetKey("judge_calibration")])
+    request = refreshed(instance, defs, tick, "judge_calibration")
     assert request.run_key.startswith("labels:")
-    across = defs.resolve_job_def("across_runs_job")
-    assert across.execute_in_process(instance=instance, asset_selection=request.asset_selection).success
-    up_to_date = labels_tick(instance, data_root)
-    assert up_to_date.run_requests == [] and "up to date" in up_to_date.skip_reason.skip_message
+    assert tick().run_requests == [] and tick().skip_reason.skip_message == (
+        "judge_calibration is up to date with labels.jsonl"
+    )
     calibration = pd.read_parquet(data_root / "warehouse" / "judge_calibration.parquet")
     assert calibration[calibration["site"] == "(all)"]["n"].tolist() == [1, 1]
 
     with (data_root / "labels.jsonl").open("a") as f:
         f.write('{"run_id": "r1", "task_id": "b", "success": false}\n')
-    [again] = labels_tick(instance, data_root).run_requests
+    [again] = tick().run_requests
     assert again.run_key != request.run_key
 
 
 def test_the_retired_sensor_refreshes_coverage_alone_when_retired_json_changes(instance, data_root):
-    first = retired_tick(instance, data_root)
-    assert (
-        first.run_requests == [] and first.skip_reason.skip_message == "nothing to count yet: no kept in the warehouse"
+    tick = lambda: retired_tick(instance, data_root)  # noqa: E731
+    first = tick()
+    assert first.run_requests == [] and first.skip_reason.skip_message == (
+        "nothing to count yet: no kept in the warehouse"
     )
     defs = filtered(instance, data_root, "r1", ["a", "b"])
-    assert retired_tick(instance, data_root).run_requests == []  # no retired.json: coverage is up to date
+    assert tick().run_requests == []  # no retired.json: coverage is up to date
 
     (data_root / "retired.json").write_text(json.dumps([{"run_id": "r1", "task_ids": ["a"], "reason": "wrong"}]))
-    [request] = retired_tick(instance, data_root).run_requests
-    assert (request.job_name, request.asset_selection) == ("across_runs_job", [dg.AssetKey("coverage")])
+    request = refreshed(instance, defs, tick, "coverage")
     assert request.run_key.startswith("retired:")
-    across = defs.resolve_job_def("across_runs_job")
-    assert across.execute_in_process(instance=instance, asset_selection=request.asset_selection).success
-    up_to_date = retired_tick(instance, data_root)
-    assert up_to_date.run_requests == [] and up_to_date.skip_reason.skip_message == (
-        "coverage is up to date with retired.json"
-    )
+    assert tick().run_requests == [] and tick().skip_reason.skip_message == "coverage is up to date with retired.json"
     coverage = pd.read_parquet(data_root / "warehouse" / "coverage.parquet")
     assert coverage[coverage["level"] == "site"].set_index("site")["kept"].to_dict() == {"s-b": 1}  # (a retired)
 
     (data_root / "retired.json").unlink()  # retired rows count again
-    [again] = retired_tick(instance, data_root).run_requests
+    [again] = tick().run_requests
     assert again.run_key != request.run_key
