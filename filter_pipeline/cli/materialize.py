@@ -297,15 +297,16 @@ def _checked_arguments(args: argparse.Namespace):
 
 
 def _nothing_to_materialize(instance: dg.DagsterInstance, data: DataRoot, args, refused: list[str]) -> int:
-    """No batch to run: say so, and refresh judge_calibration if labels.jsonl changed since it was built."""
+    """No batch to run: say so, and refresh judge_calibration if labels.jsonl changed since it was built, and
+    coverage if retired.json did."""
     if refused:
         return EXIT_FAILED  # something complete was not filtered
     print("nothing to materialize: every complete batch is already filtered")
     stale = {} if args.run_ids else stale_across_runs(instance, data)
-    for asset, (_, recorded) in stale.items():
-        name = asset.path[-1]
-        print(f"{name} was not built on this instance yet: building it" if recorded is None
-              else f"{FOLLOWS[asset].file} changed since {name} was built: refreshing it", flush=True)  # fmt: skip
+    for asset, found in stale.items():
+        name, file = asset.path[-1], FOLLOWS[asset].file
+        print(f"{name} has no record of the {file} it was built from on this instance: building it"
+              if found.recorded is None else f"{file} changed since {name} was built: refreshing it", flush=True)  # fmt: skip
     if stale and not _refresh_across_runs(instance, only=list(stale)):
         return EXIT_FAILED
     if COVERAGE in stale:

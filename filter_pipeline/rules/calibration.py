@@ -6,7 +6,6 @@ unsure: the line stays in the file and is never counted. A later line for the sa
 one (file order); other fields (`note`, `labeler`, `labeled_at`) are allowed and ignored here.
 """
 
-import hashlib
 import json
 import math
 
@@ -22,11 +21,6 @@ PREDICTORS = ("judge", "gate")
 MAX_REJECTS_SHOWN = 20  # bad label lines listed in judge_calibration's metadata and log
 LABEL_NOTES = ("note", "labeler", "labeled_at")  # optional text a label may carry: shown, never counted
 LABEL_COLUMNS = ["dir", "run_id", "task_id", "success", *LABEL_NOTES, "line"]
-
-
-def labels_fingerprint(data: bytes | None) -> str | None:
-    """A hash of the labels file's bytes (None: no file): calibration is stale exactly when it changes."""
-    return None if data is None else hashlib.sha256(data).hexdigest()[:16]
 
 
 def parse_labels(data: bytes | str) -> tuple[pd.DataFrame, list[str]]:

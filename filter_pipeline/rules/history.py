@@ -54,14 +54,6 @@ class Retired:
         return self.reasons.get((run_id, task_id)) or self.reasons.get((run_id, None))
 
 
-NO_RETIRED = "no retired.json"  # the fingerprint coverage records when there is none
-
-
-def retired_fingerprint(data: bytes | None) -> str:
-    """A hash of retired.json's bytes (NO_RETIRED: no file): coverage is stale exactly when it changes."""
-    return NO_RETIRED if data is None else hashlib.sha256(data).hexdigest()[:16]
-
-
 def parse_retired(data: bytes | None) -> Retired:
     """`<data>/retired.json`'s bytes as a Retired (None, the file absent: nothing retired). Raises HistoryError
     on a wrong shape."""

@@ -121,6 +121,12 @@ def key_hash(text: str | bytes) -> int:
 _HASH_BYTES = np.dtype("<i8")  # what `key_hash` reads a digest as: a little-endian signed 64-bit integer
 
 
+def file_fingerprint(data: bytes | None, name: str) -> str:
+    """A hash of a file's bytes, or `no <name>` when there is no such file: what an asset built from the file
+    records, so that it is known to be stale exactly when the file changes."""
+    return f"no {name}" if data is None else hashlib.sha256(data).hexdigest()[:16]
+
+
 def _digest(data: bytes) -> bytes:
     return hashlib.blake2b(data, digest_size=8).digest()
 

@@ -18,7 +18,7 @@ from filter_pipeline.rules.batch import EXECUTIONS_FILE, TASKS_FILE, BatchError
 from filter_pipeline.rules.commits import another_judge, judge_settings
 from filter_pipeline.rules.coverage import coverage_chart, coverage_markdown, coverage_table
 from filter_pipeline.rules.descriptions import column_description
-from filter_pipeline.rules.history import parse_retired, retired_fingerprint
+from filter_pipeline.rules.history import RETIRED_FILE, parse_retired
 from filter_pipeline.rules.schemas import (
     FAILURE_REASONS,
     JUDGE_PROGRESS_FOLDER,
@@ -27,6 +27,7 @@ from filter_pipeline.rules.schemas import (
     SCHEMAS,
     STATUS_ERROR,
     STATUS_JUDGED,
+    file_fingerprint,
     type_name,
 )
 from filter_pipeline.shell.config import caps_source, deployment_caps_config, refuse_invalid_run_caps
@@ -303,7 +304,7 @@ def build_coverage(deployment_caps: dict) -> dg.AssetsDefinition:
                 "kept": int(sites["kept"].sum()),
                 "runs": runs,
                 "caps_source": caps_source(config, deployment_caps),
-                RETIRED_FINGERPRINT: retired_fingerprint(retired),
+                RETIRED_FINGERPRINT: file_fingerprint(retired, RETIRED_FILE),
                 "full_sites": int(sites["full"].sum()),
                 "short_sites": int((~sites["full"].astype(bool)).sum()),
                 "coverage": dg.MetadataValue.md(
@@ -350,7 +351,6 @@ def warehouse_verified(data: DataRoot) -> dg.AssetCheckResult:
 
 LABELS_FINGERPRINT = "labels_fingerprint"  # judge_calibration's metadata entry: the labels it was built from
 RETIRED_FINGERPRINT = "retired_fingerprint"  # coverage's metadata entry: the retired.json it was built from
-NO_LABELS = "no labels file"  # the fingerprint recorded when there is no labels.jsonl
 
 
 @dg.asset(
@@ -368,7 +368,7 @@ def judge_calibration(context: dg.AssetExecutionContext, data: DataRoot) -> dg.O
     never a failure: the batch's run stays a success."""
     raw = read_labels(data.root)
     verdicts_dir = data.warehouse / "judge_verdicts"
-    fingerprint = {LABELS_FINGERPRINT: calibration.labels_fingerprint(raw) or NO_LABELS}
+    fingerprint = {LABELS_FINGERPRINT: file_fingerprint(raw, calibration.LABELS_FILE)}
     if raw is None or not verdicts_dir.exists():
         return dg.Output(
             calibration.calibration(pd.DataFrame()),

@@ -10,10 +10,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import dagster as dg
+from upath import UPath
 
-from filter_pipeline.rules.calibration import labels_fingerprint
-from filter_pipeline.rules.history import NO_RETIRED, retired_fingerprint
-from filter_pipeline.shell.assets import LABELS_FINGERPRINT, NO_LABELS, RETIRED_FINGERPRINT
+from filter_pipeline.rules.calibration import LABELS_FILE
+from filter_pipeline.rules.history import RETIRED_FILE
+from filter_pipeline.rules.schemas import file_fingerprint
+from filter_pipeline.shell.assets import LABELS_FINGERPRINT, RETIRED_FINGERPRINT
 from filter_pipeline.shell.jobs import across_runs_job
 from filter_pipeline.shell.warehouse import DataRoot
 from filter_pipeline.storage.history import read_retired
@@ -23,57 +25,58 @@ FRESHNESS_SENSOR_INTERVAL_SECONDS = 30
 CALIBRATION = dg.AssetKey("judge_calibration")
 COVERAGE = dg.AssetKey("coverage")
 
-Stale = tuple[str, str | None]  # (the file's fingerprint now, the one the asset was last built from: None, never)
 
+@dataclass(frozen=True)
+class Stale:
+    """An across-runs asset built from another version of its file: the file's fingerprint now, the one the
+    asset recorded (None: never built on this instance, or built before it recorded one), and the Dagster run
+    that built it (None: none), which tells each refresh apart even when the file comes back to an earlier
+    version."""
 
-def _compare(instance: dg.DagsterInstance, asset: dg.AssetKey, entry: str, current: str, absent: str) -> Stale | None:
-    """(current, recorded) when `asset`'s last materialization recorded another fingerprint under `entry`, else
-    None. An asset never built (or built before it recorded one) is stale only if the file exists now."""
-    event = instance.get_latest_materialization_event(asset)
-    found = event.asset_materialization.metadata.get(entry) if event and event.asset_materialization else None
-    recorded = found.value if found is not None else None
-    if recorded == current or (recorded is None and current == absent):
-        return None
-    return current, recorded
-
-
-def labels_vs_calibration(instance: dg.DagsterInstance, data: DataRoot) -> Stale | None:
-    """Whether judge_calibration is stale with labels.jsonl: (now, recorded) when it is, else None."""
-    current = labels_fingerprint(read_labels(data.root)) or NO_LABELS
-    return _compare(instance, CALIBRATION, LABELS_FINGERPRINT, current, NO_LABELS)
-
-
-def retired_vs_coverage(instance: dg.DagsterInstance, data: DataRoot) -> Stale | None:
-    """Whether coverage is stale with retired.json: (now, recorded) when it is, else None."""
-    current = retired_fingerprint(read_retired(data.root))
-    return _compare(instance, COVERAGE, RETIRED_FINGERPRINT, current, NO_RETIRED)
+    current: str
+    recorded: str | None
+    built: str | None
 
 
 @dataclass(frozen=True)
 class Follows:
-    """An across-runs asset's file beside the warehouse: its name, how the asset is compared with it, and the
-    warehouse folder the asset reads (without it there is nothing to refresh yet, and `nothing_yet` says so)."""
+    """An across-runs asset's file beside the warehouse: its name, how it is read, the metadata entry the asset
+    records its fingerprint under, and the warehouse folder the asset reads (without it there is nothing to
+    refresh yet, and `nothing_yet` says so)."""
 
     file: str
-    compare: Callable[[dg.DagsterInstance, DataRoot], Stale | None]
+    read: Callable[[UPath], bytes | None]
+    entry: str
     needs: str
     nothing_yet: str
 
-    def stale(self, instance: dg.DagsterInstance, data: DataRoot) -> Stale | None:
-        """(now, recorded) when the asset is stale and there is something to refresh, else None."""
-        return self.compare(instance, data) if (data.warehouse / self.needs).exists() else None
+    def compare(self, instance: dg.DagsterInstance, asset: dg.AssetKey, data: DataRoot) -> Stale | None:
+        """Stale when the asset's last materialization recorded another fingerprint of the file, else None. An
+        asset never built (or built before it recorded one) is stale only if the file exists now."""
+        current = file_fingerprint(self.read(data.root), self.file)
+        event = instance.get_latest_materialization_event(asset)
+        found = event.asset_materialization.metadata.get(self.entry) if event and event.asset_materialization else None
+        recorded = found.value if found is not None else None
+        if recorded == current or (recorded is None and current == file_fingerprint(None, self.file)):
+            return None
+        return Stale(current, recorded, event.run_id if event else None)
+
+    def stale(self, instance: dg.DagsterInstance, asset: dg.AssetKey, data: DataRoot) -> Stale | None:
+        """`compare`, when there is something to refresh (else None)."""
+        return self.compare(instance, asset, data) if (data.warehouse / self.needs).exists() else None
 
 
 FOLLOWS = {
-    CALIBRATION: Follows("labels.jsonl", labels_vs_calibration, "judge_verdicts",
+    CALIBRATION: Follows(LABELS_FILE, read_labels, LABELS_FINGERPRINT, "judge_verdicts",
                          "nothing to score yet: no judge_verdicts in the warehouse"),
-    COVERAGE: Follows("retired.json", retired_vs_coverage, "kept", "nothing to count yet: no kept in the warehouse"),
+    COVERAGE: Follows(RETIRED_FILE, read_retired, RETIRED_FINGERPRINT, "kept",
+                      "nothing to count yet: no kept in the warehouse"),
 }  # fmt: skip
 
 
 def stale_across_runs(instance: dg.DagsterInstance, data: DataRoot) -> dict[dg.AssetKey, Stale]:
-    """The across-runs assets stale with the file each follows: asset -> (now, recorded)."""
-    found = {asset: follows.stale(instance, data) for asset, follows in FOLLOWS.items()}
+    """The across-runs assets stale with the file each follows."""
+    found = {asset: follows.stale(instance, asset, data) for asset, follows in FOLLOWS.items()}
     return {asset: stale for asset, stale in found.items() if stale is not None}
 
 
@@ -90,12 +93,13 @@ def _freshness_sensor(name: str, asset: dg.AssetKey, description: str) -> dg.Sen
     def sensor(context: dg.SensorEvaluationContext, data: DataRoot) -> dg.SensorResult:
         if not (data.warehouse / follows.needs).exists():
             return dg.SensorResult(skip_reason=follows.nothing_yet)
-        stale = follows.compare(context.instance, data)
+        stale = follows.compare(context.instance, asset, data)
         if stale is None:
             return dg.SensorResult(skip_reason=f"{asset.path[-1]} is up to date with {follows.file}")
-        current, recorded = stale
-        context.log.info(f"{follows.file} changed ({recorded} -> {current}): refreshing {asset.path[-1]}")
-        key = f"{follows.file.split('.')[0]}:{recorded}:{current}"
+        context.log.info(f"{follows.file} changed ({stale.recorded} -> {stale.current}): refreshing {asset.path[-1]}")
+        # (a run key is run once: the materialization it refreshes makes it new when the file comes back to an
+        # earlier version)
+        key = f"{follows.file}:{stale.built}:{stale.current}"
         return dg.SensorResult(
             run_requests=[dg.RunRequest(job_name=across_runs_job.name, asset_selection=[asset], run_key=key)]
         )

@@ -219,7 +219,9 @@ def test_materialize_naming_no_run_refreshes_judge_calibration_when_labels_chang
     fresh.mkdir()
     built = cli(env={"DAGSTER_HOME": str(fresh)})
     assert built.returncode == 0 and "labels.jsonl changed" not in built.stdout
-    assert "judge_calibration was not built on this instance yet: building it" in built.stdout
+    assert "judge_calibration has no record of the labels.jsonl it was built from on this instance: building it" in (
+        built.stdout
+    )
 
 
 @pytest.mark.slow

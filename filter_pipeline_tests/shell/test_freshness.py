@@ -56,7 +56,7 @@ def test_the_labels_sensor_refreshes_judge_calibration_alone_when_labels_change(
 
     (data_root / "labels.jsonl").write_text('{"run_id": "r1", "task_id": "a", "success": true}\n')
     request = refreshed(instance, defs, tick, "judge_calibration")
-    assert request.run_key.startswith("labels:")
+    assert request.run_key.startswith("labels.jsonl:")
     assert tick().run_requests == [] and tick().skip_reason.skip_message == (
         "judge_calibration is up to date with labels.jsonl"
     )
@@ -78,13 +78,15 @@ def test_the_retired_sensor_refreshes_coverage_alone_when_retired_json_changes(i
     defs = filtered(instance, data_root, "r1", ["a", "b"])
     assert tick().run_requests == []  # no retired.json: coverage is up to date
 
-    (data_root / "retired.json").write_text(json.dumps([{"run_id": "r1", "task_ids": ["a"], "reason": "wrong"}]))
+    retire_a = json.dumps([{"run_id": "r1", "task_ids": ["a"], "reason": "wrong"}])
+    (data_root / "retired.json").write_text(retire_a)
     request = refreshed(instance, defs, tick, "coverage")
-    assert request.run_key.startswith("retired:")
+    assert request.run_key.startswith("retired.json:")
     assert tick().run_requests == [] and tick().skip_reason.skip_message == "coverage is up to date with retired.json"
     coverage = pd.read_parquet(data_root / "warehouse" / "coverage.parquet")
     assert coverage[coverage["level"] == "site"].set_index("site")["kept"].to_dict() == {"s-b": 1}  # (a retired)
 
     (data_root / "retired.json").unlink()  # retired rows count again
-    [again] = tick().run_requests
-    assert again.run_key != request.run_key
+    back = refreshed(instance, defs, tick, "coverage")
+    (data_root / "retired.json").write_text(retire_a)  # and are retired again: a run key not run before
+    assert refreshed(instance, defs, tick, "coverage").run_key not in {request.run_key, back.run_key}
