@@ -33,6 +33,8 @@ def explain(args: argparse.Namespace) -> int:
     if root is None:
         return EXIT_BAD_INPUT
     warehouse = Warehouse(root)
+    if problem := warehouse.problem():
+        print(f"filter-pipeline: warning: {problem}", file=sys.stderr)
     try:
         found = story(warehouse, args.run_id, args.task_id, Labels(root).frame())
     except (ReviewError, UnreadableFile) as exc:

@@ -98,7 +98,9 @@ class Review:
         self.dagster_url = os.environ.get(DAGSTER_URL_ENV, "").strip().rstrip("/") or None
 
     def html(self, name: str, status: int = 200, **context) -> HTMLResponse:
-        content = self.env.get_template(name).render(dagster_url=self.dagster_url, fates=FATES, **context)
+        content = self.env.get_template(name).render(
+            dagster_url=self.dagster_url, fates=FATES, problem=self.warehouse.problem(), **context
+        )
         return HTMLResponse(content, status_code=status)
 
 

@@ -35,6 +35,7 @@ from filter_pipeline.rules.schemas import (
 )
 from filter_pipeline.storage.failures import failure_path, read_failure
 from filter_pipeline.storage.files import RUNS_DIR, WAREHOUSE_DIR
+from filter_pipeline.storage.history import read_retired
 from filter_pipeline.storage.runs import unparsed_batch
 
 CACHED_RUNS = 8  # run tables kept in memory (least recently used dropped first)
@@ -104,6 +105,10 @@ class Warehouse:
     def asset_file(self, asset: str, run_id: str) -> UPath:
         return self.warehouse / asset / f"{run_id}.parquet"
 
+    def problem(self) -> str | None:
+        """What every page says above its content: a retired.json the stage refuses (`retired_problem`)."""
+        return retired_problem(self.root)
+
     def run_ids(self) -> list[str]:
         """Every run the data root knows, in run_id order: batch folders with a name the stage accepts (not a
         file such as runs/README.md, nor a folder it refuses to filter), commit records and judged runs."""
@@ -148,8 +153,6 @@ class Warehouse:
                 return cached[1]
         try:
             tables = load_run(run_id, self._files(run_id))
-        except UnreadableFile:  # (retired.json: a file of the data root, not of the run)
-            raise
         except (OSError, ValueError) as exc:  # (Arrow's errors are ValueErrors)
             raise UnreadableRun(run_id, " ".join(str(exc).split())[:300] or type(exc).__name__) from exc
         with self._lock:
@@ -237,16 +240,26 @@ def _verdicts(path: UPath) -> tuple[pd.DataFrame, bool]:
     return pd.DataFrame({c: pd.Series(dtype="object") for c in basic}), False
 
 
-def _retired(path: UPath) -> Retired:
-    """retired.json (absent: nothing retired); UnreadableFile when the stage would refuse it, saying why."""
+def retired_problem(root: UPath) -> str | None:
+    """Why the stage refuses the data root's retired.json, in one line; None when it is absent or valid. Every
+    page says so above its content (`explain` on stderr), and shows no row as retired meanwhile."""
     try:
-        return parse_retired(path.read_bytes())
-    except FileNotFoundError:
-        return Retired()
+        parse_retired(read_retired(root))
     except HistoryError as exc:
-        raise UnreadableFile(f"{exc} (the stage refuses it too: correct it, or remove it)") from None
+        problem = str(exc)
     except OSError as exc:
-        raise UnreadableFile(f"{RETIRED_FILE} cannot be read ({exc.strerror or exc})") from None
+        problem = f"{RETIRED_FILE} cannot be read ({exc.strerror or exc})"
+    else:
+        return None
+    return f"{problem}: the stage refuses it, and walks no batch until it is corrected or removed; no row is shown as retired meanwhile"
+
+
+def _retired(root: UPath) -> Retired:
+    """retired.json as the stage reads it; nothing retired when it is absent or refused (`retired_problem`)."""
+    try:
+        return parse_retired(read_retired(root))
+    except (HistoryError, OSError):
+        return Retired()
 
 
 def load_run(run_id: str, files: dict[str, UPath]) -> RunTables:
@@ -290,7 +303,7 @@ def load_run(run_id: str, files: dict[str, UPath]) -> RunTables:
         ),  # fmt: skip
         legacy=legacy,
         complete=commit is not None or files["complete"].exists() or not files["complete"].parent.exists(),
-        retired=_retired(files["retired"]),
+        retired=_retired(files["retired"].parent),
         failure=None if commit else read_failure(files["failed"]),
     )
     kept_ids = frame(files["kept"], ["task_id"])["task_id"]

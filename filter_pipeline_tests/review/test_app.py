@@ -61,6 +61,8 @@ def test_runs_page_and_api_show_state_funnel_and_rates(served):
     unknown = ["judged", "surplus", "judge_fail", "unjudged", "execute_fail", "reject", "rejects", "attempts"]
     assert [legacy[k] for k in unknown] == [None] * len(unknown)  # (only its kept rows are known: not 0)
     _, _, page = get(served, "/runs/2026-11-27")
+    assert "kept: 5</a>" in page and "surplus: –</a>" in page and "None" not in page
+    _, _, page = get(served, "/runs/2026-11-27")
     assert "Filtered by the earlier script: its <code>kept.jsonl</code> holds the 5 kept rows below" in page
     _, _, html = get(served, "/")
     assert '<a href="/runs/2026-11-29">2026-11-29</a>' in html and "committed" in html
@@ -381,6 +383,22 @@ def test_a_task_opens_from_its_link_whatever_its_task_id(tmp_path, task_id):
             assert status == 200 and f"<h2>Task {html.escape(task_id)} " in body, (name, link)
         status, _, body = get(app, "/api/runs/r1/tasks/?" + urllib.parse.urlencode({"task_id": task_id}))
         assert status == 200 and json.loads(body)["task"]["task_id"] == task_id
+    finally:
+        app.stop()
+
+
+def test_a_retired_json_the_stage_refuses_is_said_above_every_page_and_labelling_goes_on(sample_root):
+    from upath import UPath
+
+    from filter_pipeline_tests.review.conftest import Served
+
+    (sample_root / "retired.json").write_text("{")
+    app = Served(UPath(str(sample_root)))
+    try:
+        for path in ["/", "/runs/2026-11-28", "/runs/2026-11-28/tasks/2026-11-28-t013", "/queue"]:
+            status, _, body = get(app, path)
+            assert status == 200 and '<p class="problem" role="alert">retired.json is not valid JSON' in body, path
+        assert post(app, LABEL)[0] == 201
     finally:
         app.stop()
 

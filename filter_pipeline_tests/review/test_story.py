@@ -7,7 +7,7 @@ import pytest
 from upath import UPath
 
 from filter_pipeline.cli.explain import story_lines
-from filter_pipeline.review.data import ReviewError, UnreadableFile, Warehouse
+from filter_pipeline.review.data import ReviewError, Warehouse
 from filter_pipeline.review.story import story
 
 
@@ -131,12 +131,14 @@ def test_a_kept_row_retired_json_retires_shows_reason_retired_as_soon_as_the_fil
     assert story(warehouse, "r1", "k")["decision"]["retired_because"] is None
 
 
-def test_a_retired_json_the_stage_refuses_is_one_line_not_nothing_retired(warehouse):
-    (warehouse.root / "retired.json").write_text(json.dumps([{"task_ids": ["k"]}]))
-    with pytest.raises(
-        UnreadableFile, match=r"^retired.json\[0\] must be an object with a string 'run_id' \(the stage"
-    ):
-        story(warehouse, "r1", "k")
+def test_a_retired_json_the_stage_refuses_is_said_above_the_story_not_taken_as_nothing_retired(warehouse):
+    assert warehouse.problem() is None
+    (warehouse.root / "retired.json").write_text(json.dumps([{"run_id": "r1", "task_ids": ["k"]}, {"task_ids": []}]))
+    assert warehouse.problem() == (
+        "retired.json[1] must be an object with a string 'run_id': the stage refuses it, and walks no batch until "
+        "it is corrected or removed; no row is shown as retired meanwhile"
+    )
+    assert story(warehouse, "r1", "k")["decision"]["reason"] is None  # (the story is still told)
 
 
 def test_the_story_of_a_task_of_a_refused_batch_says_why_and_what_to_do(tmp_path):
