@@ -24,7 +24,7 @@ from filter_pipeline.review.fates import (
     task_table,
     unreadable_summary,
 )
-from filter_pipeline.rules.batch import EXECUTIONS_FILE, LEGACY_KEPT_FILE, SUCCESS_FILE, TASKS_FILE, Batch, check_run_id
+from filter_pipeline.rules.batch import EXECUTIONS_FILE, LEGACY_KEPT_FILE, SUCCESS_FILE, TASKS_FILE, check_run_id
 from filter_pipeline.rules.commits import COMMITS_DIR, parse_commit
 from filter_pipeline.rules.history import RETIRED_FILE, HistoryError, Retired, legacy_key_text, parse_retired
 from filter_pipeline.rules.schemas import (
@@ -274,7 +274,10 @@ def load_run(run_id: str, files: dict[str, UPath]) -> RunTables:
         commit = {"error": str(exc)}
     verdicts, judged = _verdicts(files["judge_verdicts"])
     legacy = files["legacy"] if files["legacy"].exists() else None
-    unparsed = None if legacy else _unparsed(run_id, files)
+    # (before the judge step parsed the batch, it is parsed here as that step will; once it has, a failure on
+    # record is one it has since got past)
+    parsed = files["batch_tasks"].exists()
+    unparsed = None if legacy or parsed else unparsed_batch(files["complete"].parent, run_id)
     tables = RunTables(
         run_id=run_id,
         commit=commit,
@@ -304,7 +307,7 @@ def load_run(run_id: str, files: dict[str, UPath]) -> RunTables:
         legacy=legacy,
         complete=commit is not None or files["complete"].exists() or not files["complete"].parent.exists(),
         retired=_retired(files["retired"].parent),
-        failure=None if commit else read_failure(files["failed"]),
+        failure=None if commit or parsed else read_failure(files["failed"]),
     )
     kept_ids = frame(files["kept"], ["task_id"])["task_id"]
     legacy = read_legacy_kept(tables.legacy) if tables.legacy and tables.tasks.empty else None
@@ -317,14 +320,6 @@ def load_run(run_id: str, files: dict[str, UPath]) -> RunTables:
 BATCH_TASK_COLUMNS = ["task_id", "site", "macro", "instruction", "dedup_key"]
 BATCH_ATTEMPT_COLUMNS = ["task_id", "attempt", "ok", "error", "dir", "n_actions", "backend_ok", "backend_detail"]
 BATCH_REJECT_COLUMNS = ["file", "line", "field", "message", "raw"]
-
-
-def _unparsed(run_id: str, files: dict[str, UPath]) -> Batch | None:
-    """The batch as the judge step will parse it, while that step has not written batch_tasks (every task is
-    pending); None once it has, or without a valid task."""
-    if files["batch_tasks"].exists():
-        return None
-    return unparsed_batch(files["complete"].parent, run_id)
 
 
 def _batch_frame(path: UPath, columns: list[str], unparsed: pd.DataFrame | None) -> pd.DataFrame:

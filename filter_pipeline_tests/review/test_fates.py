@@ -75,12 +75,15 @@ def test_a_tasks_rejects_are_the_lines_naming_it_as_their_task_id():
     assert [r["line"] for r in task_rejects(rejects, "site")] == [1, 3]
 
 
-def test_a_batch_the_stage_refused_before_its_walk_is_failed_with_the_reason_until_walked(tmp_path):
+def test_a_batch_the_stage_refused_is_failed_with_the_reason_until_it_is_parsed_or_walked(tmp_path):
     from filter_pipeline.storage.failures import clear_failure, record_failure
 
     warehouse = refused_batch(tmp_path)
     assert warehouse.runs()[0]["state"] == "pending"
     record_failure(UPath(str(tmp_path / "warehouse")), "r5", "runs/r5/executions.jsonl does not exist")
     assert warehouse.runs()[0]["state"] == "failed (runs/r5/executions.jsonl does not exist)"
+    write_asset(tmp_path, "batch_tasks", "r5", [{"task_id": "a", "run_id": "r5"}])  # corrected, parsed, not walked
+    assert warehouse.runs()[0]["state"] == "pending"
+    (tmp_path / "warehouse" / "batch_tasks" / "r5.parquet").unlink()
     clear_failure(UPath(str(tmp_path / "warehouse")), "r5")  # (as its walk does)
     assert warehouse.runs()[0]["state"] == "pending"
