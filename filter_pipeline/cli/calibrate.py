@@ -156,8 +156,8 @@ def calibrate(args: argparse.Namespace) -> int:
     data = DataRoot.from_env(args.data)
     try:
         raw = read_labels(data.root)
-    except OSError as exc:
-        raise CalibrateError(f"{data.path}: {calibration.LABELS_FILE} cannot be read ({exc.strerror or exc})") from None
+    except ValueError as exc:  # (one that exists but cannot be read)
+        raise CalibrateError(f"{data.path}: {exc}") from None
     if raw is None:
         raise CalibrateError(f"{data.path}: no {calibration.LABELS_FILE}: label some attempts first")
     if not (data.warehouse / "judge_verdicts").exists():

@@ -247,8 +247,6 @@ def retired_problem(root: UPath) -> str | None:
         parse_retired(read_retired(root))
     except HistoryError as exc:
         problem = str(exc)
-    except OSError as exc:
-        problem = f"{RETIRED_FILE} cannot be read ({exc.strerror or exc})"
     else:
         return None
     return f"{problem}: the stage refuses it, and walks no batch until it is corrected or removed; no row is shown as retired meanwhile"
@@ -258,7 +256,7 @@ def _retired(root: UPath) -> Retired:
     """retired.json as the stage reads it; nothing retired when it is absent or refused (`retired_problem`)."""
     try:
         return parse_retired(read_retired(root))
-    except (HistoryError, OSError):
+    except HistoryError:
         return Retired()
 
 

@@ -12,6 +12,7 @@ from filter_pipeline.rules.batch import LEGACY_KEPT_FILE
 from filter_pipeline.rules.commits import COMMITS_DIR, CommitRecord, HistoryIntegrityError, parse_commit
 from filter_pipeline.rules.history import (
     RETIRED_FILE,
+    HistoryError,
     PriorIndex,
     Retired,
     Source,
@@ -43,11 +44,14 @@ def read_commits(warehouse: UPath) -> dict[str, CommitRecord]:
 
 
 def read_retired(data_root: UPath) -> bytes | None:
-    """`<data>/retired.json`'s bytes; None when there is none."""
+    """`<data>/retired.json`'s bytes; None when there is none. HistoryError, in one line, when it exists but
+    cannot be read (a folder, no permission): whoever refuses a malformed one refuses it too."""
     try:
         return (data_root / RETIRED_FILE).read_bytes()
     except FileNotFoundError:
         return None
+    except OSError as exc:
+        raise HistoryError(f"{RETIRED_FILE} cannot be read ({exc.strerror or exc})") from None
 
 
 def load_retired(data_root: UPath) -> Retired:

@@ -31,11 +31,14 @@ class LabelWriteError(OSError):
 
 
 def read_labels(data_root: UPath) -> bytes | None:
-    """The labels file's bytes; None when there is none."""
+    """The labels file's bytes; None when there is none. ValueError, in one line, when it exists but cannot be
+    read (a folder, no permission)."""
     try:
         return (data_root / LABELS_FILE).read_bytes()
     except FileNotFoundError:
         return None
+    except OSError as exc:
+        raise ValueError(f"{LABELS_FILE} cannot be read ({exc.strerror or exc})") from None
 
 
 def now_iso() -> str:

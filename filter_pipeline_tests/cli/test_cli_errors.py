@@ -145,6 +145,14 @@ def test_a_data_root_that_does_not_exist_or_has_no_runs_folder_is_one_line(env, 
     assert _no_partitions(dagster_home)
 
 
+def test_a_retired_json_that_cannot_be_read_is_one_line_before_anything_is_registered(
+    env, capsys, dagster_home, data_root
+):
+    (data_root / "retired.json").mkdir()
+    assert refused(capsys) == "filter-pipeline: retired.json cannot be read (Is a directory)"
+    nothing_registered_or_written(dagster_home, data_root)
+
+
 def test_a_data_root_that_cannot_be_read_is_one_line_before_anything_is_registered(
     env, capsys, dagster_home, data_root
 ):

@@ -89,3 +89,12 @@ def test_an_s3_write_that_fails_for_another_reason_is_one_line(s3_bucket):
     with pytest.raises(labels_module.LabelWriteError) as caught:
         append_label(root, _record(1))
     assert len(str(caught.value).splitlines()) == 1
+
+
+def test_a_labels_file_that_exists_but_cannot_be_read_is_one_line_and_none_is_no_file(tmp_path):
+    from filter_pipeline.storage.labels import read_labels
+
+    assert read_labels(UPath(str(tmp_path))) is None
+    (tmp_path / "labels.jsonl").mkdir()
+    with pytest.raises(ValueError, match=r"^labels.jsonl cannot be read \(Is a directory\)$"):
+        read_labels(UPath(str(tmp_path)))
