@@ -1,4 +1,5 @@
-"""The data root of the commands that read it rather than filter it (`verify`, `review`, `explain`, `calibrate`)."""
+"""The data root a command is given (--data, else $FILTER_PIPELINE_DATA, else `data`), checked the same way by
+every command: it exists and holds runs/."""
 
 import os
 import sys
@@ -9,22 +10,36 @@ from filter_pipeline.settings import DATA_ENV, ENDPOINT_ENV, data_path
 from filter_pipeline.storage.files import RUNS_DIR, open_root
 
 
+def named(data: str | None) -> str:
+    """The data root as the user gave it, for a message: `--data X`, `FILTER_PIPELINE_DATA=X` or the default."""
+    if data:
+        return f"--data {data}"
+    path = data_path(None)
+    return f"{DATA_ENV}={path}" if os.environ.get(DATA_ENV) else f"data root {path} (the default)"
+
+
+def root_problem(root: UPath, data: str | None) -> str | None:
+    """Why `root` (opened from `data`, --data) is not a data root, in one line; None when it is. A folder
+    without runs/ (one inside the data root, or another one) is refused: a command over it would check
+    nothing and find it clean."""
+    if not root.exists():
+        return f"{named(data)}: no such folder (point --data or {DATA_ENV} at the folder that holds {RUNS_DIR}/)"
+    if not (root / RUNS_DIR).exists():
+        return f"{named(data)}: has no {RUNS_DIR}/ folder, so it holds no execution batch ({RUNS_DIR}/<run_id>/); is it the data root?"
+    return None
+
+
 def existing_root(data: str | None) -> UPath | None:
     """The data root `data` (--data) or $FILTER_PIPELINE_DATA names, opened as the stage opens it (with
-    $FILTER_PIPELINE_ENDPOINT_URL on S3). None, after one line on stderr, when that setting is refused, the root
-    does not exist or it has no runs/ folder (a folder inside the data root, or another one): the command then
-    exits with status 2."""
-    path = data_path(data)
+    $FILTER_PIPELINE_ENDPOINT_URL on S3), for the commands that read it (`verify`, `review`, `explain`,
+    `calibrate`). None, after one line on stderr, when that setting is refused or it is not a data root
+    (`root_problem`): the command then exits with status 2."""
     try:
-        root = open_root(path, os.environ.get(ENDPOINT_ENV) or None)
+        root = open_root(data_path(data), os.environ.get(ENDPOINT_ENV) or None)
     except ValueError as exc:
         print(f"filter-pipeline: {exc}", file=sys.stderr)
         return None
-    if not root.exists():
-        print(f"filter-pipeline: data root {path} does not exist (--data or ${DATA_ENV})", file=sys.stderr)
-        return None
-    if not (root / RUNS_DIR).exists():  # (a folder inside the root, or another one: nothing would be checked)
-        print(f"filter-pipeline: {path} has no {RUNS_DIR}/ folder, so it holds no execution batch: is it the data "
-              f"root? (--data or ${DATA_ENV})", file=sys.stderr)  # fmt: skip
+    if problem := root_problem(root, data):
+        print(f"filter-pipeline: {problem}", file=sys.stderr)
         return None
     return root

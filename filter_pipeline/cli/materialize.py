@@ -14,6 +14,7 @@ import dagster as dg
 
 from filter_pipeline.cli import EXIT_FAILED, EXIT_UNJUDGED
 from filter_pipeline.cli.console import one_line_console
+from filter_pipeline.cli.data_root import root_problem
 from filter_pipeline.cli.interrupts import Interrupted, Signals, saved_line, was_interrupted
 from filter_pipeline.definitions import defs_from_env
 from filter_pipeline.judge.client import ssl_context
@@ -72,19 +73,8 @@ def _caps(args: argparse.Namespace) -> dict:
 def _data_root(path: str | None) -> DataRoot:
     """The data root --data or FILTER_PIPELINE_DATA names, if it exists and holds runs/; else CliError."""
     data = DataRoot.from_env(path)
-    named = (
-        f"--data {path}"
-        if path
-        else f"{DATA_ENV}={data.path}"
-        if os.environ.get(DATA_ENV)
-        else f"data root {data.path} (the default)"
-    )
-    if not data.root.exists():
-        raise CliError(f"{named}: no such folder (point --data or {DATA_ENV} at the folder that holds runs/)")
-    if not data.runs.exists():
-        raise CliError(
-            f"{named}: has no runs/ folder, so it holds no execution batch (runs/<run_id>/); is it the data root?"
-        )
+    if problem := root_problem(data.root, path):
+        raise CliError(problem)
     return data
 
 

@@ -174,7 +174,8 @@ def test_calibrate_without_labels_or_endpoint_says_so_in_one_line(data_root, mon
     assert main(["calibrate", "--data", str(data_root / "nope")]) == 2
     assert (
         capsys.readouterr().err
-        == f"filter-pipeline: data root {data_root / 'nope'} does not exist (--data or $FILTER_PIPELINE_DATA)\n"
+        == f"filter-pipeline: --data {data_root / 'nope'}: no such folder (point --data or FILTER_PIPELINE_DATA at "
+        "the folder that holds runs/)\n"
     )
     assert main(["calibrate", "--data", str(data_root)]) == 2
     assert capsys.readouterr().err.startswith(f"filter-pipeline: {data_root}: no labels.jsonl")

@@ -352,7 +352,9 @@ def test_bad_records_a_refused_folder_and_bad_labels_each_get_their_line_and_the
     first = cli("b1")  # bad records alone: the batch is filtered, exit 0
 
     assert first.returncode == 0, first.stderr
-    assert first.stdout.splitlines()[0] == "b1: judged 1, unjudged 0, kept 1, surplus 0, failures 0"
+    assert first.stdout.splitlines()[0] == (
+        "b1: judged 1, unjudged 0, kept 1, surplus 0, failures 0, rejected lines 5 (batch_rejects)"
+    )
     assert "Traceback" not in first.stderr
     done = cli()  # the rest: b2, and two folders refused for their names
 

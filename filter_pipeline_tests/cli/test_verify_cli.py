@@ -54,7 +54,8 @@ def test_verify_of_a_missing_data_root_exits_2_with_one_line(cli_env, tmp_path):
     assert (done.returncode, done.stdout) == (2, "")
     assert (
         done.stderr.strip()
-        == f"filter-pipeline: data root {tmp_path / 'nope'} does not exist (--data or $FILTER_PIPELINE_DATA)"
+        == f"filter-pipeline: --data {tmp_path / 'nope'}: no such folder (point --data or FILTER_PIPELINE_DATA at "
+        "the folder that holds runs/)"
     )
 
 
@@ -65,8 +66,8 @@ def test_verify_of_a_folder_that_is_not_the_data_root_exits_2_rather_than_find_n
         done = verify(cli_env, "--data", str(wrong))
         assert (done.returncode, done.stdout) == (2, ""), done.stdout
         assert done.stderr.strip() == (
-            f"filter-pipeline: {wrong} has no runs/ folder, so it holds no execution batch: is it the data root? "
-            "(--data or $FILTER_PIPELINE_DATA)"
+            f"filter-pipeline: --data {wrong}: has no runs/ folder, so it holds no execution batch (runs/<run_id>/); "
+            "is it the data root?"
         )
 
 
