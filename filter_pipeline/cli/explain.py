@@ -63,8 +63,7 @@ def story_lines(s: dict) -> list[str]:
         because = f" ({decision['retired_because']})" if decision.get("retired_because") else ""
         lines.append(f"  retired by retired.json{because}: it stays in kept but no longer counts for dedup or caps")
     if decision.get("run_refused"):
-        lines.append(f"  its run was refused before its walk ({decision['run_refused']}): correct its files, then "
-                     f"filter-pipeline materialize {s['run_id']}")  # fmt: skip
+        lines.append(f"  {decision['run_refused']}")
     if decision.get("duplicate_of"):
         dup = decision["duplicate_of"]
         lines.append(f"  duplicate of task {dup['task_id']} of run {dup['run_id']}, which kept the key first")

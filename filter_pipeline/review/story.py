@@ -94,6 +94,12 @@ def _as_text(value):
     return value if clean == text else json.loads(clean)
 
 
+def refused(t: RunTables) -> str:
+    """What to say of a run the stage refused before its walk: why, and what to do."""
+    return (f"its batch was refused before its walk ({t.failure}): correct its files, then "
+            f"filter-pipeline materialize {t.run_id}")  # fmt: skip
+
+
 def decision(t: RunTables, task: dict) -> dict:
     """The walk's decision about the task: its fate and reason; for a retired row, retired.json's reason; for a
     duplicate, who kept the key first; for a cap, the cap the walk applied and the count it met (history's kept rows plus the run's own)."""
@@ -103,7 +109,7 @@ def decision(t: RunTables, task: dict) -> dict:
     if task["reason"] == REASON_RETIRED:
         found["retired_because"] = t.retired.reason_of(t.run_id, task["task_id"])
     if t.failure is not None:
-        found["run_refused"] = t.failure
+        found["run_refused"] = refused(t)
     if task["fate"] != FATE_SURPLUS:
         return found
     row = rows_of(t.surplus, task["task_id"])[-1:]
@@ -136,8 +142,7 @@ def story(warehouse: Warehouse, run_id: str, task_id: str, labels: pd.DataFrame 
         if not t.complete:
             raise ReviewError(f"run {run_id!r} is not complete (no {SUCCESS_FILE}): it is filtered once it is")
         if t.failure is not None:
-            raise ReviewError(f"run {run_id!r} was refused before its walk ({t.failure}): correct its files, then "
-                              f"filter-pipeline materialize {run_id}")  # fmt: skip
+            raise ReviewError(f"run {run_id!r}: {refused(t)}")
         raise ReviewError(f"run {run_id!r} is not filtered yet: filter-pipeline materialize {run_id}")
     if match.empty:
         legacy = " (filtered by the earlier script: only its kept rows, kept.jsonl, are known)" if t.legacy else ""

@@ -148,12 +148,13 @@ def test_the_story_of_a_task_of_a_refused_batch_says_why_and_what_to_do(tmp_path
     warehouse = refused_batch(tmp_path)
     record_failure(UPath(str(tmp_path / "warehouse")), "r5", "runs/r5/executions.jsonl does not exist")
     decided = story(warehouse, "r5", "a")["decision"]
-    assert (decided["fate"], decided["run_refused"]) == ("pending", "runs/r5/executions.jsonl does not exist")
-    assert (
-        "  its run was refused before its walk (runs/r5/executions.jsonl does not exist): correct its files, then "
+    told = (
+        "its batch was refused before its walk (runs/r5/executions.jsonl does not exist): correct its files, then "
         "filter-pipeline materialize r5"
-    ) in story_lines(story(warehouse, "r5", "a"))
-    with pytest.raises(ReviewError, match=r"^run 'r5' was refused before its walk \(runs/r5/executions.jsonl does"):
+    )
+    assert (decided["fate"], decided["run_refused"]) == ("pending", told)
+    assert f"  {told}" in story_lines(story(warehouse, "r5", "a"))
+    with pytest.raises(ReviewError, match=r"^run 'r5': its batch was refused before its walk \(runs/r5/executions"):
         story(warehouse, "r5", "nope")
 
 
