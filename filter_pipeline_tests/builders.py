@@ -3,12 +3,18 @@
 import json
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pandas as pd
 from upath import UPath
 
 from filter_pipeline.rules.schemas import STATUS_JUDGED, canonical_key, conform, key_hash
 from filter_pipeline.storage.runs import read_batch
+
+if TYPE_CHECKING:
+    import dagster as dg
+
+    from filter_pipeline.judge.resource import JudgeResource
 
 
 def task(task_id: str, macro: str = "m", site: str = "s", key: list | None = None, **extra) -> dict:
@@ -237,3 +243,29 @@ def sensor_context(instance, data_root, judge=None, cursor: str | None = None):
 
     resources = {"data": DataRoot(path=str(data_root)), "judge": judge or JudgeResource()}
     return dg.build_sensor_context(instance=instance, resources=resources, cursor=cursor)
+
+
+class Pipeline:
+    """Materializes partitions of the real definitions on one test instance."""
+
+    def __init__(self, data_root: Path, instance: "dg.DagsterInstance"):
+        self.data_root, self.instance = data_root, instance
+
+    def run(
+        self, judge: "JudgeResource", run_id: str = "r1", judging_only: bool = False
+    ) -> "dg.ExecuteInProcessResult":
+        """One run of filter_job; `judging_only`: only judge_batch's step (the batch, judge_verdicts and
+        failure_pool), for tests that read nothing the ledger or the reports make."""
+        if run_id not in self.instance.get_dynamic_partitions("run_id"):
+            self.instance.add_dynamic_partitions("run_id", [run_id])
+        from filter_pipeline.definitions import build_defs
+        from filter_pipeline.shell.assets import judge_batch
+
+        job = build_defs(str(self.data_root), judge, caps={}).resolve_job_def("filter_job")
+        selection = list(judge_batch.keys) if judging_only else None
+        result = job.execute_in_process(instance=self.instance, partition_key=run_id, asset_selection=selection)
+        assert result.success
+        return result
+
+    def output(self, asset: str, run_id: str = "r1") -> pd.DataFrame:
+        return pd.read_parquet(self.data_root / "warehouse" / asset / f"{run_id}.parquet")

@@ -21,7 +21,7 @@ from filter_pipeline.judge.prompt import prompt_of
 from filter_pipeline.judge.rate import EndpointRefused, RateController, TaskBudget, Unanswered
 from filter_pipeline.judge.replies import Choice, Parts, parse_reply, strip_reasoning
 from filter_pipeline.judge.transport import JudgeSetupError, Rejected, Transport, ssl_context
-from filter_pipeline.rules.schemas import REASONING_MAX_CHARS, STATUS_ERROR, STATUS_JUDGED, VERDICT_FLAGS
+from filter_pipeline.rules.schemas import REASONING_MAX_CHARS, STATUS_ERROR, STATUS_JUDGED, VERDICT_FLAGS, VERDICT_PARTS
 
 if TYPE_CHECKING:
     from filter_pipeline.judge.config import LLMJudgeConfig
@@ -93,7 +93,7 @@ def combine_parts(votes: list[Vote], passed: bool | None) -> dict:
     middle one of an even count, so always a score a vote gave); `key_points` and `reasoning` are those of
     the vote whose `why` the verdict carries (the first vote on the winning side). All None when unjudged."""
     if passed is None:
-        return {name: None for name in (*VERDICT_FLAGS, "score", "key_points", "reasoning")}
+        return dict.fromkeys(VERDICT_PARTS)
     answered = [v.parts for v in votes if v.passed is not None]
     out: dict = {}
     for name in VERDICT_FLAGS:

@@ -12,16 +12,14 @@ from filter_pipeline.review.fates import FATE_KEPT, FATE_SURPLUS, FATE_WHERE, RE
 from filter_pipeline.rules.batch import SUCCESS_FILE
 from filter_pipeline.rules.calibration import LABEL_COLUMNS, parse_labels
 from filter_pipeline.rules.records import as_text, read_json
-from filter_pipeline.rules.schemas import DROPPED_DUPLICATE, DROPPED_SITE_CAP, SPEND_COUNTS, VERDICT_FLAGS
+from filter_pipeline.rules.schemas import DROPPED_DUPLICATE, DROPPED_SITE_CAP, SPEND_COUNTS, VERDICT_PARTS
 from filter_pipeline.storage.files import RUNS_DIR, is_local
 from filter_pipeline.storage.labels import LABELS_FILE
 
 SCREENSHOT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}\.png$")
-# The parts of a verdict the judge may give beside passed / why (shown when the file has them)
-VERDICT_PARTS = (*VERDICT_FLAGS, "score")
+# The verdict fields a story shows (its parts where the file has them)
 VERDICT_FIELDS = ("status", "passed", "why", "votes", "judge", "model", "prompt_version", *VERDICT_PARTS,
-                  "key_points", "reasoning", *SPEND_COUNTS,
-                  "cost", "latency_ms", "evidence", "cached")  # fmt: skip
+                  *SPEND_COUNTS, "cost", "latency_ms", "evidence", "cached")  # fmt: skip
 
 
 def plain(records: list[dict]) -> list[dict]:

@@ -453,12 +453,14 @@ def pylist(values: pd.Series) -> list:
 
 # the yes/no parts of a verdict (prompt v3), each a column of judge_verdicts beside its score
 VERDICT_FLAGS = ("success", "side_effects", "looping", "blocked")
+# every part of a verdict beside passed and why (prompt v3; null for the gate and where the model did not say)
+VERDICT_PARTS = (*VERDICT_FLAGS, "score", "key_points", "reasoning")
 # what asking the judge spent on a verdict (0 on deduplicated copies and reused verdicts)
 SPEND_COUNTS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens")
 # the judge_verdicts fields a judge's answer fills: what reused verdicts carry and deduplicated copies share
 # (`judge_passed`: the model's own verdict; `passed` derives from it and the score)
 JUDGE_ANSWER_FIELDS = ("judge_passed", "why", "votes", "status", *SPEND_COUNTS, "latency_ms", "raw_replies",
-                       "replies_sha256", *VERDICT_FLAGS, "score", "key_points", "reasoning")  # fmt: skip
+                       "replies_sha256", *VERDICT_PARTS)  # fmt: skip
 
 # The answers saved as the LLM judge goes (warehouse/_judge_progress/<run_id>/*.parquet), by cache_key: what a
 # killed run's next materialization reuses instead of asking again.

@@ -11,9 +11,9 @@ import pytest
 
 from filter_pipeline.cli.main import main
 from filter_pipeline.judge.resource import JudgeResource
-from filter_pipeline_tests.builders import attempt, task, write_batch
+from filter_pipeline_tests.builders import Pipeline, attempt, task, write_batch
 from filter_pipeline_tests.conftest import CLI
-from filter_pipeline_tests.judge.test_resource import Pipeline, llm, sample_batch
+from filter_pipeline_tests.judge.test_resource import llm, sample_batch
 from filter_pipeline_tests.judge.test_verdict_parts import v3
 from filter_pipeline_tests.openai_server import FakeOpenAI, Reply, error_body
 

@@ -18,8 +18,8 @@ from filter_pipeline.judge import prompt as judge_prompt
 from filter_pipeline.judge.config import LLMJudgeConfig
 from filter_pipeline.judge.resource import judge_from_env
 from filter_pipeline.rules import filtering, report
-from filter_pipeline_tests.builders import attempt, parse, rows, task, write_batch
-from filter_pipeline_tests.judge.test_resource import Pipeline, llm, verdict_metadata
+from filter_pipeline_tests.builders import Pipeline, attempt, parse, rows, task, write_batch
+from filter_pipeline_tests.judge.test_resource import llm, verdict_metadata
 from filter_pipeline_tests.openai_server import FakeOpenAI, Reply
 
 PASS = '{"criteria": [{"criterion": "final state", "met": true}], "reasoning": "cart shows it", "passed": true, "why": "done"}'

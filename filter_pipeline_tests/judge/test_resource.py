@@ -12,8 +12,7 @@ from filter_pipeline.definitions import build_defs
 from filter_pipeline.judge.config import LLMJudgeConfig
 from filter_pipeline.judge.resource import JudgeResource, judge_from_env
 from filter_pipeline.rules.report import agreement
-from filter_pipeline.shell.assets import judge_batch
-from filter_pipeline_tests.builders import attempt, rows, task, verdicts, write_batch
+from filter_pipeline_tests.builders import Pipeline, attempt, rows, task, verdicts, write_batch
 from filter_pipeline_tests.openai_server import FakeOpenAI, Reply
 
 PASS = '{"passed": true, "why": "done"}'
@@ -49,27 +48,6 @@ def sample_batch(data_root: Path, run_id: str = "r1") -> None:
         attempt("e", ok=False, error="action refused: x"),
     ]
     write_batch(data_root, run_id, tasks, attempts)
-
-
-class Pipeline:
-    """Materializes partitions of the real definitions on one test instance."""
-
-    def __init__(self, data_root: Path, instance: dg.DagsterInstance):
-        self.data_root, self.instance = data_root, instance
-
-    def run(self, judge: JudgeResource, run_id: str = "r1", judging_only: bool = False) -> dg.ExecuteInProcessResult:
-        """One run of filter_job; `judging_only`: only judge_batch's step (the batch, judge_verdicts and
-        failure_pool), for tests that read nothing the ledger or the reports make."""
-        if run_id not in self.instance.get_dynamic_partitions("run_id"):
-            self.instance.add_dynamic_partitions("run_id", [run_id])
-        job = build_defs(str(self.data_root), judge, caps={}).resolve_job_def("filter_job")
-        selection = list(judge_batch.keys) if judging_only else None
-        result = job.execute_in_process(instance=self.instance, partition_key=run_id, asset_selection=selection)
-        assert result.success
-        return result
-
-    def output(self, asset: str, run_id: str = "r1") -> pd.DataFrame:
-        return pd.read_parquet(self.data_root / "warehouse" / asset / f"{run_id}.parquet")
 
 
 @pytest.fixture

@@ -9,12 +9,13 @@ import pytest
 from filter_pipeline.judge.client import judge_prompts
 from filter_pipeline.judge.replies import Parts, parse_reply
 from filter_pipeline.judge.resource import JudgeResource
-from filter_pipeline.rules.schemas import REASONING_MAX_CHARS
+from filter_pipeline.rules.schemas import REASONING_MAX_CHARS, VERDICT_PARTS
+from filter_pipeline_tests.builders import Pipeline
 from filter_pipeline_tests.judge.test_client import prompt, settings
-from filter_pipeline_tests.judge.test_resource import Pipeline, llm, sample_batch
+from filter_pipeline_tests.judge.test_resource import llm, sample_batch
 from filter_pipeline_tests.openai_server import FakeOpenAI, Reply
 
-PARTS = ("success", "side_effects", "looping", "blocked", "score", "key_points", "reasoning")
+PARTS = VERDICT_PARTS
 
 
 def v3(passed: bool = True, why: str = "w", **parts) -> str:

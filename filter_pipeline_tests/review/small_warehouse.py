@@ -9,14 +9,14 @@ from upath import UPath
 
 from filter_pipeline.review.data import Warehouse
 from filter_pipeline.rules.commits import CommitRecord
-from filter_pipeline.rules.schemas import SCHEMAS, parquet_bytes, to_arrow
+from filter_pipeline.rules.schemas import SCHEMAS, VERDICT_PARTS, parquet_bytes, to_arrow
 from filter_pipeline.storage.publish import write_commit
 
 TASKS = ["k", "d", "c", "jf", "u", "ef"]  # kept, duplicate, site_cap, judge_fail, unjudged, execute failures only
 
 
 # the columns an older version of the stage (judge prompt v2) did not write
-OLDER_VERSION_LACKS = ("success", "side_effects", "looping", "blocked", "score", "key_points", "reasoning")
+OLDER_VERSION_LACKS = VERDICT_PARTS
 
 
 def write_asset(

@@ -425,15 +425,12 @@ def filtered_batch(root, task_ids: list[str]) -> None:
     """Batch r1 of these tasks, one attempt each, filtered by `filter_job` with the gate judge."""
     import dagster as dg
 
-    from filter_pipeline.definitions import build_defs
     from filter_pipeline.judge.resource import JudgeResource
-    from filter_pipeline_tests.builders import attempt, task, write_batch
+    from filter_pipeline_tests.builders import Pipeline, attempt, task, write_batch
 
     write_batch(root, "r1", [task(t) for t in task_ids], [attempt(t) for t in task_ids])
     with dg.instance_for_test() as instance:
-        instance.add_dynamic_partitions("run_id", ["r1"])
-        job = build_defs(str(root), JudgeResource(), caps={}).resolve_job_def("filter_job")
-        assert job.execute_in_process(instance=instance, partition_key="r1").success
+        Pipeline(root, instance).run(JudgeResource())
 
 
 def test_back_to_the_list_returns_to_the_page_that_holds_the_task(tmp_path):

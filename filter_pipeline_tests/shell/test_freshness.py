@@ -10,7 +10,7 @@ import pytest
 from filter_pipeline.definitions import build_defs
 from filter_pipeline.judge.resource import JudgeResource
 from filter_pipeline.shell.freshness import build_labels_sensor, build_retired_sensor
-from filter_pipeline_tests.builders import attempt, sensor_context, task, write_batch
+from filter_pipeline_tests.builders import Pipeline, attempt, sensor_context, task, write_batch
 
 
 @pytest.fixture
@@ -30,10 +30,8 @@ def retired_tick(instance, data_root) -> dg.SensorResult:
 def filtered(instance, data_root, run_id: str, task_ids: list[str]) -> dg.Definitions:
     """Batch `run_id` of these tasks (one site each, one ok attempt each) filtered with the gate judge."""
     write_batch(data_root, run_id, [task(t, site=f"s-{t}") for t in task_ids], [attempt(t) for t in task_ids])
-    instance.add_dynamic_partitions("run_id", [run_id])
-    defs = build_defs(str(data_root), JudgeResource(), caps={})
-    assert defs.resolve_job_def("filter_job").execute_in_process(instance=instance, partition_key=run_id).success
-    return defs
+    Pipeline(data_root, instance).run(JudgeResource(), run_id)
+    return build_defs(str(data_root), JudgeResource(), caps={})
 
 
 def refreshed(instance, defs: dg.Definitions, tick, asset: str) -> dg.RunRequest:
