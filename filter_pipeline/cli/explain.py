@@ -17,7 +17,7 @@ def add_parser(commands) -> None:
         description="Print a task's story: every attempt, the judged attempt's trajectory, the verdict, the "
         "walk's decision (kept, surplus and why, judge_fail, unjudged, execute failures only, reject), its DPO "
         "pair and labels. Exit 1 when the run or task does not exist or a file its story needs cannot be read; 2 when "
-        "the data root does not exist.",
+        "the data root does not exist or has no runs/.",
     )
     e.add_argument("run_id", metavar="RUN_ID")
     e.add_argument("task_id", metavar="TASK_ID")

@@ -52,7 +52,7 @@ def _parser() -> argparse.ArgumentParser:
         help="audit the whole warehouse",
         description="Audit the warehouse: every committed file present and unchanged, no key kept twice across "
         "non-retired runs, caps respected with history, verdicts conserved per run, no kept file without a commit, "
-        "no batch changed since it was filtered. Exit 0 when clean, 1 with one line per finding.",
+        "no batch changed since it was filtered. Exit 0 when clean, 1 with one line per finding, 2 when the data root does not exist or has no runs/.",
     )
     v.add_argument("--data", default=None, help=f"data root (default: ${DATA_ENV} or '{DEFAULT_DATA}')")
     c = commands.add_parser(

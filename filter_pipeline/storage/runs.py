@@ -108,18 +108,18 @@ def read_batch(run_dir: UPath, run_id: str) -> Batch:
 
 
 def unparsed_batch(run_dir: UPath, run_id: str) -> Batch | None:
-    """The batch in `run_dir` as the judge step will parse it (its tasks, attempts and rejected lines), for a
-    batch it has not parsed yet; None when tasks.jsonl is absent or holds no valid task (without
-    executions.jsonl: no attempts). Dirs are not checked against the data root: nothing is judged from them."""
+    """The batch in `run_dir` parsed as the judge step parses it (`read_batch`), for a batch it has not parsed
+    yet; one the step refuses as a whole gives its tasks alone (without executions.jsonl, say), or None
+    without a valid task."""
+    try:
+        return read_batch(run_dir, run_id)
+    except BatchError:
+        pass
     try:
         tasks, rejects = parse_tasks((run_dir / TASKS_FILE).read_bytes(), run_id)
     except (FileNotFoundError, BatchError):
         return None
-    try:
-        executions = (run_dir / EXECUTIONS_FILE).read_bytes()
-    except FileNotFoundError:
-        executions = b""
-    return parse_attempts(executions, tasks, rejects, run_id)
+    return parse_attempts(b"", tasks, rejects, run_id)
 
 
 def inputs_to_commit(warehouse: UPath, run_dir: UPath, run_id: str, verdicts: pd.DataFrame) -> tuple[dict, list[str]]:
