@@ -158,6 +158,7 @@ def run_page(request: Request) -> Response:
              for k, v in pages.items()}  # fmt: skip
     rejected = tables.rejects.sort_values(["file", "line"]).head(REJECTED_LINES_SHOWN)
     return review.html("run.html", summary=tables.summary, choices=choices, links=links,
+                       listing=_listing(found["filters"], found["limit"]),
                        rejected_lines=plain(rejected[["message"]].to_dict("records")),
                        page_count=max(1, ceil(found["total"] / found["limit"])), **found)  # fmt: skip
 
@@ -173,12 +174,19 @@ def task_page(request: Request) -> Response:
         tasks = review.warehouse.run(run_id).tasks["task_id"].reset_index(drop=True)
     at = int(tasks.index[tasks == task_id][0])
     near = {"prev": tasks.iloc[at - 1] if at > 0 else None, "next": tasks.iloc[at + 1] if at + 1 < len(tasks) else None}
-    query = _query(filters)
+    query, listing = _query(filters), _listing(filters, _int(request, "limit", DEFAULT_LIMIT, 1, MAX_LIMIT))
     # (back to the page of the list that holds the task, which prev and next may have moved beyond the first)
-    listed = {**query, **({"offset": at - at % DEFAULT_LIMIT} if at >= DEFAULT_LIMIT else {})}
+    limit = listing.get("limit", DEFAULT_LIMIT)
+    listed = {**_query(listing), **({"offset": at - at % limit} if at >= limit else {})}
     back = f"/runs/{quote(run_id, safe='')}" + ("?" + urlencode(listed) if listed else "")
     within = ", ".join(f"{k}={v}" for k, v in query.items())
-    return review.html("task.html", s=found, near=near, filters=filters, back=back, within=within, blind=False)
+    return review.html("task.html", s=found, near=near, filters=listing, back=back, within=within, blind=False)
+
+
+def _listing(filters: dict, limit: int) -> dict:
+    """The run page's filters and page size (when not the default): what a task's links carry, so that its
+    previous, next and the way back stay in the same list, on the same page size."""
+    return {**filters, **({"limit": limit} if limit != DEFAULT_LIMIT else {})}
 
 
 def queue_page(request: Request) -> Response:

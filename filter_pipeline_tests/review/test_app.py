@@ -449,5 +449,11 @@ def test_back_to_the_list_returns_to_the_page_that_holds_the_task(tmp_path):
             assert status == 200 and f'id="list" href="{back}"' in body, at
             status, _, body = get(app, html.unescape(back))
             assert status == 200 and f'href="/runs/r1/tasks/t{at:03d}?macro=m"' in body, at
+        # on a page size of its own, the list's links carry it, and so does the way back
+        status, _, body = get(app, "/runs/r1?macro=m&limit=50&offset=50")
+        assert status == 200 and 'href="/runs/r1/tasks/t055?macro=m&amp;limit=50"' in body
+        status, _, body = get(app, "/runs/r1/tasks/t055?macro=m&limit=50")
+        assert 'id="list" href="/runs/r1?macro=m&amp;limit=50&amp;offset=50"' in body
+        assert 'id="next" href="/runs/r1/tasks/t056?macro=m&amp;limit=50"' in body
     finally:
         app.stop()
