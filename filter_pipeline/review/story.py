@@ -13,7 +13,7 @@ from filter_pipeline.rules.batch import SUCCESS_FILE
 from filter_pipeline.rules.calibration import LABEL_COLUMNS, parse_labels
 from filter_pipeline.rules.records import as_text, read_json
 from filter_pipeline.rules.schemas import DROPPED_DUPLICATE, DROPPED_SITE_CAP, SPEND_COUNTS, VERDICT_PARTS
-from filter_pipeline.storage.files import RUNS_DIR, is_local
+from filter_pipeline.storage.files import RUNS_DIR, is_local, read_if_present
 from filter_pipeline.storage.labels import LABELS_FILE
 
 SCREENSHOT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}\.png$")
@@ -210,11 +210,8 @@ class Labels:
         """Every valid label; UnreadableFile when the file exists but cannot be read (a folder, no permission)."""
         current = signature(self.path)
         if current != self._seen:
-            try:
-                data = self.path.read_bytes() if current is not None else b""
-            except OSError as exc:
-                raise UnreadableFile(f"{LABELS_FILE} cannot be read ({exc.strerror or exc})") from None
-            self._frame, self._seen = parse_labels(data)[0], current
+            data = read_if_present(self.path, UnreadableFile) if current is not None else None
+            self._frame, self._seen = parse_labels(data or b"")[0], current
         return self._frame
 
 

@@ -119,6 +119,17 @@ def replace_locally(target: str, write, sync_folder: bool) -> os.stat_result:
             os.unlink(tmp)
 
 
+def read_if_present(path: UPath, error: type[Exception] = ValueError) -> bytes | None:
+    """The file's bytes; None when it does not exist; `error`, in one line naming it, when it exists but cannot
+    be read (a folder, no permission)."""
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise error(f"{path.name} cannot be read ({exc.strerror or exc})") from None
+
+
 def sha256_of(path: UPath) -> str:
     """SHA-256 of a file's bytes, read in chunks."""
     digest = hashlib.sha256()

@@ -24,7 +24,7 @@ from filter_pipeline.rules.history import (
     refilter,
     whole_runs_counted,
 )
-from filter_pipeline.storage.files import RUNS_DIR, WAREHOUSE_DIR, files_in, read_parquet_file
+from filter_pipeline.storage.files import RUNS_DIR, WAREHOUSE_DIR, files_in, read_if_present, read_parquet_file
 from filter_pipeline.storage.publish import commit_path, staged_copy
 
 
@@ -46,12 +46,7 @@ def read_commits(warehouse: UPath) -> dict[str, CommitRecord]:
 def read_retired(data_root: UPath) -> bytes | None:
     """`<data>/retired.json`'s bytes; None when there is none. HistoryError, in one line, when it exists but
     cannot be read (a folder, no permission): whoever refuses a malformed one refuses it too."""
-    try:
-        return (data_root / RETIRED_FILE).read_bytes()
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        raise HistoryError(f"{RETIRED_FILE} cannot be read ({exc.strerror or exc})") from None
+    return read_if_present(data_root / RETIRED_FILE, HistoryError)
 
 
 def load_retired(data_root: UPath) -> Retired:

@@ -21,7 +21,7 @@ from datetime import UTC, datetime
 from upath import UPath
 
 from filter_pipeline.rules.calibration import LABELS_FILE
-from filter_pipeline.storage.files import is_local
+from filter_pipeline.storage.files import is_local, read_if_present
 
 MAX_TRIES = 50  # conditional writes lost to other writers before giving up on object storage
 
@@ -33,12 +33,7 @@ class LabelWriteError(OSError):
 def read_labels(data_root: UPath) -> bytes | None:
     """The labels file's bytes; None when there is none. ValueError, in one line, when it exists but cannot be
     read (a folder, no permission)."""
-    try:
-        return (data_root / LABELS_FILE).read_bytes()
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        raise ValueError(f"{LABELS_FILE} cannot be read ({exc.strerror or exc})") from None
+    return read_if_present(data_root / LABELS_FILE)
 
 
 def now_iso() -> str:
