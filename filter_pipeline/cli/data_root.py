@@ -22,9 +22,13 @@ def root_problem(root: UPath, data: str | None) -> str | None:
     """Why `root` (opened from `data`, --data) is not a data root, in one line; None when it is. A folder
     without runs/ (one inside the data root, or another one) is refused: a command over it would check
     nothing and find it clean."""
-    if not root.exists():
+    try:
+        exists, has_runs = root.exists(), (root / RUNS_DIR).exists()
+    except Exception as exc:  # (an object store that cannot be reached: no credentials, no endpoint, no bucket)
+        return f"{named(data)}: cannot be read ({type(exc).__name__}: {' '.join(str(exc).split())})"
+    if not exists:
         return f"{named(data)}: no such folder (point --data or {DATA_ENV} at the folder that holds {RUNS_DIR}/)"
-    if not (root / RUNS_DIR).exists():
+    if not has_runs:
         return f"{named(data)}: has no {RUNS_DIR}/ folder, so it holds no execution batch ({RUNS_DIR}/<run_id>/); is it the data root?"
     return None
 

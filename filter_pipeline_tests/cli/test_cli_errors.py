@@ -12,6 +12,7 @@ import pytest
 
 from filter_pipeline.cli.main import main
 from filter_pipeline_tests.builders import attempt, task, write_batch
+from filter_pipeline_tests.servers import free_port
 
 SURROGATE = "\\ud800"
 
@@ -235,6 +236,24 @@ def test_an_endpoint_url_for_a_local_data_root_is_refused_by_every_command_in_on
         "",
         "filter-pipeline: an endpoint URL (FILTER_PIPELINE_ENDPOINT_URL, or the data resource's endpoint_url) "
         "applies to an s3:// data root, not file://\n",
+    )
+
+
+@pytest.mark.parametrize(
+    "argv", [["materialize"], ["verify"], ["explain", "b1", "a"], ["review", "--port", "1"], ["calibrate"]],
+    ids=lambda a: a[0],
+)  # fmt: skip
+def test_an_object_store_that_cannot_be_reached_is_one_line_for_every_command(env, capsys, argv):
+    # nothing listens on the port: the store refuses the connection (asked once, not after botocore's retries)
+    env.setenv("FILTER_PIPELINE_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
+    for name, value in {"AWS_ACCESS_KEY_ID": "id", "AWS_SECRET_ACCESS_KEY": "secret-never-shown",
+                        "AWS_DEFAULT_REGION": "us-east-1", "AWS_MAX_ATTEMPTS": "1"}.items():  # fmt: skip
+        env.setenv(name, value)
+    assert main([*argv, "--data", "s3://bucket/filter"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1 and "secret-never-shown" not in err
+    assert err.startswith(
+        "filter-pipeline: --data s3://bucket/filter: cannot be read (EndpointConnectionError: Could not connect"
     )
 
 
