@@ -51,6 +51,14 @@ class TaskBudget:
             self.started, self.deadline = now, now + self.budget
 
 
+def asked_to_wait(problem: str, seconds: float, task: TaskBudget) -> Unanswered:
+    """Why `task` ends unanswered when the endpoint asks for a wait that ends past its budget."""
+    return Unanswered(
+        f"{problem} (the endpoint asked to wait {seconds:.1f} s, past this task's budget of {task.budget:g} s; "
+        f"{task.requests} requests made)"
+    )
+
+
 class RateController:
     """One per client: every request of every task acquires a slot here first."""
 
@@ -86,17 +94,16 @@ class RateController:
                 self.probe_at = now + self.probe_interval
                 task.start(now)  # this task probes
             elif task.started is None and self.down:
+                self._wake()  # (a task woken for a slot that leaves without it passes the slot on)
                 raise Unanswered(
                     f"not asked: the judge endpoint has given no answer it could use for a whole task budget "
-                    f"({self.budget:.0f} s; last: {self.last_problem})"
+                    f"({self.budget:g} s; last: {self.last_problem})"
                 )
             if now < self.not_before:
                 task.start(now)
                 if self.not_before >= task.deadline:
-                    raise Unanswered(
-                        f"{self.last_problem} (the endpoint asked to wait {self.not_before - now:.1f} s, "
-                        f"past this task's budget of {task.budget:.0f} s; {task.requests} requests made)"
-                    )
+                    self._wake()
+                    raise asked_to_wait(self.last_problem, self.not_before - now, task)
                 await asyncio.sleep(self.not_before - now)
                 continue
             if self._open() > 0:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlsplit, urlunsplit
 from urllib.request import getproxies, proxy_bypass
 
-from filter_pipeline.judge.rate import EndpointRefused, RateController, TaskBudget, Unanswered
+from filter_pipeline.judge.rate import EndpointRefused, RateController, TaskBudget, Unanswered, asked_to_wait
 from filter_pipeline.judge.replies import Choice, Usage, error_message, read_completion, retry_hint
 
 if TYPE_CHECKING:  # aiohttp itself is imported when a client opens: gate-judged runs never load it
@@ -196,8 +196,9 @@ class Transport:
                 problem = f"{before}; the task budget ran out during the next request"
             elif isinstance(exc, asyncio.TimeoutError):
                 problem = f"timeout ({timeout:.1f} s) waiting for the judge endpoint"
-            else:
-                problem = f"{type(exc).__name__} talking to the judge endpoint"
+            else:  # (aiohttp's text names the host and port and what happened: "Connect call failed")
+                said = self.config.redacted(str(exc), SERVER_TEXT_MAX_CHARS, one_line=True, cut_mark="...")
+                problem = f"{type(exc).__name__} talking to the judge endpoint" + (f" ({said})" if said else "")
             return _Answer(None, {}, "", problem)
         finally:
             task.latencies_ms.append((time.perf_counter() - start) * 1000)
@@ -244,6 +245,9 @@ class Transport:
         # (the exponent bounded: a float overflows past 2 ** 1023, long after the doubling reached the maximum)
         base = min(c.backoff_max_seconds, c.backoff_initial_seconds * 2.0 ** min(tries - 1, 64))
         wait = fault.hint if fault.hint is not None else base / 2 + random.uniform(0, base / 2)
+        if fault.hint is not None and fault.hint >= task.budget:
+            # (not an outage: the endpoint answered, asking for longer than any task may wait)
+            raise asked_to_wait(fault.problem, fault.hint, task)
         if time.monotonic() + wait >= task.deadline:
             was_down = self.rate.down
             self.rate.gave_up(task)
@@ -256,7 +260,7 @@ class Transport:
             spent = time.monotonic() - (task.started or time.monotonic())
             raise Unanswered(
                 f"{fault.problem} (gave up after {task.requests} requests in {spent:.1f} s; "
-                f"task budget {task.budget:.0f} s)"
+                f"task budget {task.budget:g} s)"
             )
         if not fault.shared:
             await asyncio.sleep(wait)

@@ -428,6 +428,27 @@ def test_a_key_the_server_echoes_across_the_cut_of_its_message_is_redacted_whole
     assert not any("sk-secret" in text for text in [verdict.why, *told]), told
 
 
+def test_a_pause_asked_past_every_tasks_budget_ends_each_task_unjudged_none_left_waiting():
+    # the first request is told to wait an hour (a spent quota); the requests beside it succeed, and the tasks
+    # queued for their slots, once woken, find the pause past their budget: each must pass its slot on
+    def responder(call, n):
+        if n == 0:
+            return Reply(status=429, headers={"Retry-After": "3600"}, body=error_body("quota exceeded"))
+        return Reply(content=PASS, delay=0.2)
+
+    result = []
+    with FakeOpenAI(responder) as server:
+        s = settings(server, concurrency=4, task_budget_seconds=10)
+        judging = threading.Thread(
+            target=lambda: result.extend(judge_prompts([prompt(str(i)) for i in range(20)], s)), daemon=True
+        )
+        judging.start()
+        judging.join(timeout=30)
+    assert not judging.is_alive(), "tasks left waiting for a slot nobody gives"
+    assert len(result) == 20 and sum(v.status == "judged" for v in result) == 3  # the three beside the first
+    assert all("asked to wait" in v.why for v in result if v.status == "error")
+
+
 def test_while_down_one_task_probes_now_and_then_and_its_success_ends_the_outage():
     healthy = threading.Event()
     down = Reply(status=503, body=error_body("upstream down", "server_error"))
@@ -455,7 +476,10 @@ def test_an_unreachable_endpoint_is_unjudged_not_a_crash():
     [v] = judge_prompts(
         [prompt("a")], LLMJudgeConfig(base_url=url, model="m", task_budget_seconds=0.3, backoff_initial_seconds=0.01)
     )
-    assert v.status == "error" and "talking to the judge endpoint" in v.why and v.requests >= 2
+    assert v.status == "error" and v.requests >= 2
+    # which host refused, and how: a mistyped port reads as one
+    port = url.split(":")[-1].split("/")[0]
+    assert "ClientConnectorError talking to the judge endpoint (Cannot connect to host 127.0.0.1:" + port in v.why
 
 
 # --- refusals ---------------------------------------------------------------------------------------
