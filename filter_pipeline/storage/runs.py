@@ -5,6 +5,7 @@ input bytes a run's verdicts were made from."""
 import json
 import logging
 import os
+import posixpath
 import time
 from dataclasses import replace
 
@@ -218,8 +219,9 @@ def dirs_outside_root(run_dir: UPath, dirs: pd.Series) -> set[str]:
             outside.update(under.to_pylist())
             continue
         links = tuple(os.path.relpath(p, root) + "/" for p in _symlinks_below(os.path.join(root, top)))
-        if links:
-            outside.update(d for d in under.to_pylist() if (d + "/").startswith(links) and not inside(d))
+        if links:  # (a dir is compared in its normal form: `traj/./link` and `traj//link` are behind `traj/link`)
+            behind = (d for d in under.to_pylist() if (posixpath.normpath(d) + "/").startswith(links))
+            outside.update(d for d in behind if not inside(d))
     return outside
 
 

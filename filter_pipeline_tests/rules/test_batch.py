@@ -152,6 +152,20 @@ def test_dir_resolving_outside_the_data_root_through_a_symlink_is_rejected(tmp_p
     assert "resolves outside the data root" in b.rejects["message"].item()
 
 
+@pytest.mark.parametrize(
+    "spelled", ["runs/r/traj/./evil/1", "runs/r/traj//evil/1", "./runs/r/traj/evil/1", "runs/r/./traj/evil"]
+)
+def test_a_dir_spelled_with_dots_or_double_slashes_through_a_symlink_out_is_rejected_too(tmp_path, spelled):
+    data = tmp_path / "data"
+    (tmp_path / "elsewhere").mkdir()
+    run = write_batch(data, "r", [task("a")], [{**attempt("a"), "dir": spelled}])
+    (run / "traj").mkdir()
+    (run / "traj" / "evil").symlink_to(tmp_path / "elsewhere")
+    b = read_batch(UPath(run), "r")
+    assert b.attempts.empty
+    assert b.rejects[["line", "field"]].values.tolist() == [[1, "dir"]]
+
+
 def test_dirs_under_other_top_folders_are_checked_too(tmp_path):
     data = tmp_path / "data"
     outside = tmp_path / "elsewhere"
