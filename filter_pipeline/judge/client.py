@@ -108,10 +108,6 @@ def combine_parts(votes: list[Vote], passed: bool | None) -> dict:
     return out
 
 
-class _NRejected(Exception):
-    """The server does not take `n` > 1."""
-
-
 async def _all(coros: Iterable[Awaitable]) -> list:
     """Results of `coros`, run at once; the first exception cancels the others and propagates."""
     tasks = [asyncio.ensure_future(c) for c in coros]
@@ -180,12 +176,9 @@ class JudgeClient:
             return await _all(self._vote(messages, task) for _ in range(n))
         try:
             choices = await self._ask(messages, task, n=n)
-        except _NRejected:
-            choices = []
         except Unanswered as exc:
             return [Vote(error=str(exc))] * n
-        if choices:
-            self.n_ok = len(choices) >= n  # fewer choices: the server ignores n
+        self.n_ok = len(choices) >= n  # fewer choices: the server ignores n, or took the request only without it
         got = await _all(self._read(messages, c, task) for c in choices[:n])
         return got + await _all(self._vote(messages, task) for _ in range(n - len(got)))
 
@@ -255,13 +248,14 @@ class JudgeClient:
     async def _ask(self, messages: list[dict], task: TaskBudget, n: int, token_factor: int = 1) -> list[Choice]:
         """The choices of one completion (at least one; fewer than `n` once `n` is known not to work).
         Downgrades what the server rejects, for the client's lifetime: structured output (a 400/422 naming
-        it, or one that goes away without it), n (400/422, or a 5xx but a gateway's before n ever worked:
-        llama.cpp answers 500). What a request carries is decided when it gets its slot, so every request
-        that starts after a downgrade has it. Raises _NRejected, Unanswered, EndpointRefused."""
-        without_schema = False
+        it, or one that goes away without it) and n (a 400/422, or a 5xx but a gateway's, before n ever
+        worked (llama.cpp answers 500), that goes away without it: a 400 of this prompt alone, as a context
+        length, leaves n as it was). What a request carries is decided when it gets its slot, so every request
+        that starts after a downgrade has it. Raises Unanswered, EndpointRefused."""
+        without_schema = without_n = False
 
         def body() -> dict:
-            asked = n if self.n_ok is not False else 1
+            asked = n if self.n_ok is not False and not without_n else 1
             return self._body(messages, asked, token_factor, self.structured and not without_schema)
 
         while True:
@@ -271,9 +265,13 @@ class JudgeClient:
                 if sent_schema and _MENTIONS_SCHEMA.search(result.text):
                     self.structured = False
                     continue
-                if sent.get("n", 1) > 1 and (result.status in (400, 422) or result.status >= 500):
-                    self.n_ok = False
-                    raise _NRejected
+                if (
+                    sent.get("n", 1) > 1
+                    and self.n_ok is not True
+                    and (result.status in (400, 422) or result.status >= 500)
+                ):
+                    without_n = True  # (the caller then knows n is not taken, from the one choice it gets)
+                    continue
                 if sent_schema and result.status in (400, 422):
                     without_schema = True
                     continue

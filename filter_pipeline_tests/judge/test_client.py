@@ -127,6 +127,29 @@ def test_a_server_rejecting_n_gets_separate_requests_for_the_clients_lifetime(mo
     assert (first.votes, first.status, first.requests, second.requests) == ("3/3", "judged", 4, 3)
 
 
+@pytest.mark.parametrize(
+    "order, n_sent, requests",
+    [
+        # n known to work: the 400 is the prompt's own (asked once more without the schema, as any 400 is)
+        (["a", "long", "b"], [3, 3, 3, 3], [1, 2, 1]),
+        # n not known yet: asked without n, then without the schema, each still a 400; n stays on
+        (["long", "a", "b"], [3, None, None, 3, 3], [3, 1, 1]),
+    ],
+)
+def test_a_400_of_one_prompt_alone_does_not_turn_n_off_for_the_others(order, n_sent, requests):
+    too_long = Reply(status=400, body=error_body("This model's maximum context length is 8192 tokens."))
+    with FakeOpenAI(
+        lambda call, n: too_long if "task long" in json.dumps(call.body) else Reply(content=PASS)
+    ) as server:
+        result = judge_prompts(
+            [prompt(name) for name in order], settings(server, votes=3, temperature=0.7, concurrency=1)
+        )
+    assert [c.body.get("n") for c in server.calls] == n_sent
+    assert [v.requests for v in result] == requests
+    assert [v.status for v in result] == ["error" if name == "long" else "judged" for name in order]
+    assert "maximum context length" in result[order.index("long")].why
+
+
 def test_a_rejected_response_format_is_dropped_for_the_clients_lifetime():
     with FakeOpenAI(lambda call, n: Reply(content=PASS), response_format="reject") as server:
         result = judge_prompts([prompt("a"), prompt("b")], settings(server, concurrency=1))
