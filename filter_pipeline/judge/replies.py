@@ -228,25 +228,30 @@ def duration_seconds(text: str) -> float | None:
     return sum(float(n) * _UNIT_SECONDS[u] for n, u in parts)
 
 
-def _seconds_or_date(text: str, now: datetime) -> float | None:
-    seconds = duration_seconds(text)
-    if seconds is not None:
-        return seconds
+def _http_date(text: str | None) -> datetime | None:
     try:
         when = parsedate_to_datetime(text)
     except (TypeError, ValueError, IndexError):
         return None
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=UTC)
-    return max((when - now).total_seconds(), 0.0)
+    return when.replace(tzinfo=UTC) if when.tzinfo is None else when
+
+
+def _seconds_or_date(text: str, now: datetime) -> float | None:
+    seconds = duration_seconds(text)
+    if seconds is not None:
+        return seconds
+    when = _http_date(text)
+    return None if when is None else max((when - now).total_seconds(), 0.0)
 
 
 def retry_hint(headers: Mapping[str, str], now: datetime | None = None) -> float | None:
     """Seconds the endpoint asks to wait before the next request, from (first found) `retry-after-ms`,
     `Retry-After` (seconds or an HTTP-date), LiteLLM's `llm_provider-retry-after(-ms)`, else the longest of
-    `x-ratelimit-reset-requests` / `x-ratelimit-reset-tokens` (`1s`, `6m0s`, `20ms`). None: no hint."""
-    now = now or datetime.now(UTC)
+    `x-ratelimit-reset-requests` / `x-ratelimit-reset-tokens` (`1s`, `6m0s`, `20ms`). None: no hint.
+    An HTTP-date counts from the response's own `Date` (the server's clock, which set it: this machine's
+    may be minutes off), else from `now` (this machine's clock)."""
     h = {k.lower(): v for k, v in headers.items()}
+    now = _http_date(h.get("date")) or now or datetime.now(UTC)
     for prefix in ("", "llm_provider-"):
         ms = h.get(f"{prefix}retry-after-ms")
         if ms is not None and (seconds := duration_seconds(ms)) is not None:

@@ -190,6 +190,17 @@ def test_retry_hint_reads_every_form(headers, seconds):
     assert retry_hint(headers, now=NOW) == seconds
 
 
+@pytest.mark.parametrize("skew", [-600, 0, 600])
+def test_a_retry_after_date_counts_from_the_responses_own_date_whatever_this_clock_says(skew):
+    server_now = NOW + timedelta(seconds=skew)  # the server's clock; this machine's is NOW
+    headers = {"Date": format_datetime(server_now, usegmt=True),
+               "Retry-After": format_datetime(server_now + timedelta(seconds=30), usegmt=True)}  # fmt: skip
+    assert retry_hint(headers, now=NOW) == 30.0
+    assert retry_hint({**headers, "Date": "not a date"}, now=NOW) == max(
+        30.0 + skew, 0.0
+    )  # (no usable Date: this clock)
+
+
 @pytest.mark.parametrize(
     "text, seconds",
     [("1s", 1.0), ("6m0s", 360.0), ("20ms", 0.02), ("1h2m3.5s", 3723.5), ("7", 7.0), ("x1s", None), ("-1", None)],
