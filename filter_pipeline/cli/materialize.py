@@ -288,10 +288,10 @@ def _checked_arguments(args: argparse.Namespace):
 
 def _nothing_to_materialize(instance: dg.DagsterInstance, data: DataRoot, args, refused: list[str]) -> int:
     """No batch to run: say so, and refresh judge_calibration if labels.jsonl changed since it was built, and
-    coverage if retired.json did."""
-    if refused:
-        return EXIT_FAILED  # something complete was not filtered
-    print("nothing to materialize: every complete batch is already filtered")
+    coverage if retired.json did. EXIT_FAILED when a folder was `refused` (something complete was not filtered;
+    each was named on stderr), which holds back no refresh."""
+    if not refused:
+        print("nothing to materialize: every complete batch is already filtered")
     stale = {} if args.run_ids else stale_across_runs(instance, data)
     for asset, found in stale.items():
         name, file = asset.path[-1], FOLLOWS[asset].file
@@ -303,7 +303,7 @@ def _nothing_to_materialize(instance: dg.DagsterInstance, data: DataRoot, args, 
         _print_coverage(data)
     if CALIBRATION in stale:
         _print_calibration(data)
-    return 0
+    return EXIT_FAILED if refused else 0
 
 
 def _run_batches(instance, data: DataRoot, caps, run_ids: list[str], rejudge: dict, signals: Signals):

@@ -41,3 +41,13 @@ def test_materialize_naming_no_run_refreshes_coverage_when_retired_json_changed(
         "coverage: 2 kept rows over 2 (macro, site) pairs, 0 full",
     ]
     assert "refreshing" not in cli().stdout  # up to date now
+    # a folder the stage refuses fails the call (exit 1), but does not hold back the refresh
+    (data_root / "runs" / "bad name").mkdir()
+    (data_root / "runs" / "bad name" / "_SUCCESS").touch()
+    (data_root / "retired.json").write_text("[]")
+    despite = cli()
+    assert despite.returncode == 1 and "runs/bad name: refused" in despite.stderr, despite.stderr[-3000:]
+    assert despite.stdout.splitlines() == [
+        "retired.json changed since coverage was built: refreshing it",
+        "coverage: 3 kept rows over 3 (macro, site) pairs, 0 full",
+    ]
