@@ -1,5 +1,6 @@
 """The batch sensor: picks up each complete new batch, launches its judge run at once and its ledger run in
-run_id order, re-judges filtered runs that left tasks unjudged, and records legacy runs as materialized.
+run_id order, re-judges filtered runs that left tasks unjudged, and records as materialized the runs filtered
+elsewhere (legacy runs, and runs another instance or the CLI committed to the same warehouse).
 
 Judging (slow, costly) starts as soon as a batch is complete, for many batches at once. The ledger step,
 whose result depends on which runs were walked before, is requested for every judged batch waiting in a row
@@ -12,7 +13,7 @@ cannot walk out of order either.
 import hashlib
 import json
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import dagster as dg
 
@@ -59,6 +60,7 @@ PARTITIONED_ASSETS = (
     "prior_dedup_index", "prior_kept_counts", "kept", "surplus", "dpo_pairs", "filter_report",
 )  # fmt: skip
 LEGACY_SOURCE = "legacy kept.jsonl"
+COMMITTED_SOURCE = "committed by a walk this instance has no record of"
 
 
 def kept_fingerprint(data: DataRoot) -> str | None:
@@ -260,27 +262,56 @@ def rejudge_tags(item: order.Rejudge) -> dict[str, str]:
 def record_legacy_runs(instance: dg.DagsterInstance, data: DataRoot, run_ids: list[str]) -> list[str]:
     """Record each legacy run (registered as a partition) as materialized for every partitioned asset, once:
     `kept` with its row count, the others with a note. Returns the run_ids recorded now."""
+
+    def metadata(run_id: str, asset: str) -> dict:
+        if asset == "kept":
+            return {"source": LEGACY_SOURCE, "dagster/row_count": count_records(data.run_dir(run_id), LEGACY_KEPT_FILE)}
+        note = f"filtered by the earlier script: only kept rows exist (runs/{run_id}/{LEGACY_KEPT_FILE})"
+        return {"source": LEGACY_SOURCE, "note": note}
+
+    return _record_as_materialized(instance, run_ids, metadata)
+
+
+def record_committed_elsewhere(
+    instance: dg.DagsterInstance, run_ids: list[str], commits: dict[str, CommitRecord]
+) -> list[str]:
+    """Record each committed run (registered as a partition) whose walk this instance has no record of (a CLI
+    or another deployment on the same warehouse walked it) as materialized, once: each asset the walk wrote
+    with its row count and sha256 from the commit record, the judge step's with the record named. Returns the
+    run_ids recorded now."""
+
+    def metadata(run_id: str, asset: str) -> dict:
+        record = commits[run_id]
+        found = {"source": f"{COMMITTED_SOURCE} (warehouse/_commits/{run_id}.json, walked at {record.walked_at})"}
+        if entry := record.files.get(asset):
+            found |= {"dagster/row_count": int(entry.get("rows") or 0), "sha256": entry.get("sha256", "")}
+        return found
+
+    return _record_as_materialized(instance, run_ids, metadata)
+
+
+def _record_as_materialized(
+    instance: dg.DagsterInstance, run_ids: list[str], metadata: Callable[[str, str], dict]
+) -> list[str]:
+    """For each run_id whose `kept` this instance has no materialization of, a runless materialization of
+    every partitioned asset it has none of, with `metadata(run_id, asset)`: so that the run shows as filled
+    and "Materialize missing" leaves it alone. Returns those run_ids."""
     if not run_ids:
         return []
-    status = instance.get_status_by_partition(dg.AssetKey("kept"), run_ids, run_id_partitions) or {}
-    recorded = []
-    for run_id in run_ids:
-        if status.get(run_id) == dg.AssetPartitionStatus.MATERIALIZED:
-            continue
-        n = count_records(data.run_dir(run_id), LEGACY_KEPT_FILE)
-        for asset in PARTITIONED_ASSETS:
-            metadata = {"source": LEGACY_SOURCE}
-            if asset == "kept":
-                metadata["dagster/row_count"] = n
-            else:
-                metadata["note"] = (
-                    f"filtered by the earlier script: only kept rows exist (runs/{run_id}/{LEGACY_KEPT_FILE})"
+    kept = instance.get_status_by_partition(dg.AssetKey("kept"), run_ids, run_id_partitions) or {}
+    missing = [r for r in run_ids if kept.get(r) != dg.AssetPartitionStatus.MATERIALIZED]
+    for asset in PARTITIONED_ASSETS if missing else ():
+        status = (
+            {}
+            if asset == "kept"
+            else instance.get_status_by_partition(dg.AssetKey(asset), missing, run_id_partitions) or {}
+        )
+        for run_id in missing:
+            if status.get(run_id) != dg.AssetPartitionStatus.MATERIALIZED:
+                instance.report_runless_asset_event(
+                    dg.AssetMaterialization(asset_key=asset, partition=run_id, metadata=metadata(run_id, asset))
                 )
-            instance.report_runless_asset_event(
-                dg.AssetMaterialization(asset_key=asset, partition=run_id, metadata=metadata)
-            )
-        recorded.append(run_id)
-    return recorded
+    return missing
 
 
 def legacy_run_ids(data: DataRoot, batches: list[BatchState], commits: dict[str, CommitRecord]) -> list[str]:
@@ -341,6 +372,9 @@ def plan_ledger(
     registration order: (to register, to judge, to walk, why, busy run_ids, registration order)."""
     registration_order = register_legacy_runs(context, data, batches, commits)
     busy = in_flight_partitions(context.instance, registration_order)
+    elsewhere = [r for r in registration_order if r in commits and r not in busy]
+    for run_id in record_committed_elsewhere(context.instance, elsewhere, commits):
+        context.log.info(f"{run_id}: recorded as materialized ({COMMITTED_SOURCE})")
     waiting = [b.run_id for b in batches if not b.filtered and b.run_id not in busy]
     failed_ledger = failed_ledger_runs(context.instance, waiting, commits)
     for r in sorted(failed_ledger):
@@ -368,8 +402,8 @@ def build_batch_sensor() -> dg.SensorDefinition:
         "its judge run (run_key = run_id); then one ledger run at a time for every judged batch waiting in a "
         f"row from the lowest run_id on (up to {LEDGER_RANGE_LIMIT}), walked in run_id order (run_key = "
         "<lowest run_id>:ledger; the tag filter_pipeline/first_walk lists them). Batches already filtered "
-        "(committed, or a legacy kept file) are registered, never re-run; legacy ones are recorded as "
-        "materialized. Filtered runs that left tasks unjudged are judged and walked again, with a backoff and "
+        "(committed, or a legacy kept file) are registered, never re-run; legacy ones, and committed ones this "
+        "instance has no record of (walked by the CLI or another deployment), are recorded as materialized. Filtered runs that left tasks unjudged are judged and walked again, with a backoff and "
         "a cap on tries. When the set of kept files changes and nothing is in flight, it refreshes coverage "
         "and judge calibration.",
     )

@@ -1,4 +1,7 @@
-"""Legacy runs (runs/<run>/kept.jsonl of the earlier script) show as materialized, never as missing."""
+"""Runs filtered elsewhere show as materialized, never as missing: legacy runs (runs/<run>/kept.jsonl of the
+earlier script), and runs another instance or the CLI committed to the same warehouse."""
+
+import json
 
 import dagster as dg
 import pytest
@@ -7,7 +10,15 @@ from filter_pipeline.definitions import build_defs
 from filter_pipeline.judge.resource import JudgeResource
 from filter_pipeline.shell.assets import run_id_partitions
 from filter_pipeline.shell.sensors import PARTITIONED_ASSETS, build_batch_sensor
-from filter_pipeline_tests.builders import LogLines, attempt, sensor_context, task, write_batch, write_legacy_kept
+from filter_pipeline_tests.builders import (
+    LogLines,
+    Pipeline,
+    attempt,
+    sensor_context,
+    task,
+    write_batch,
+    write_legacy_kept,
+)
 
 
 @pytest.fixture
@@ -51,3 +62,34 @@ def test_a_legacy_run_is_materialized_with_its_row_count_once_and_not_missing(in
     [record] = events.records
     metadata = record.asset_materialization.metadata
     assert metadata["dagster/row_count"].value == 2 and metadata["source"].value == "legacy kept.jsonl"
+
+
+def kept_materializations(instance, run_id: str) -> list:
+    filter = dg.AssetRecordsFilter(asset_key=dg.AssetKey("kept"), asset_partitions=[run_id])
+    return [r.asset_materialization for r in instance.fetch_materializations(filter, limit=10).records]
+
+
+def test_a_run_another_instance_committed_is_recorded_as_materialized_once_from_its_commit(instance, data_root):
+    write_batch(data_root, "r1", [task("a"), task("b", key=["s", "#b", 2])], [attempt("a"), attempt("b")])
+    with dg.instance_for_test() as deployment:  # (the CLI's instance, say, on the same warehouse)
+        Pipeline(data_root, deployment).run(JudgeResource(), "r1")
+        sensor_context_there = sensor_context(deployment, data_root)
+        build_batch_sensor()(sensor_context_there)
+        assert len(kept_materializations(deployment, "r1")) == 1  # its own walk's: nothing recorded there
+    sensor = build_batch_sensor()
+    instance.add_dynamic_partitions("run_id", ["r1"])  # (registered by this instance's first tick)
+    first = sensor_context(instance, data_root)
+    said = LogLines()
+    first.log.addHandler(said)
+    result = sensor(first)
+    sensor(sensor_context(instance, data_root))  # a second tick records nothing more
+    assert "r1: recorded as materialized (committed by a walk this instance has no record of)" in said.lines
+    assert [r.job_name for r in result.run_requests] == ["across_runs_job"]  # nothing judged or walked again
+    for asset in PARTITIONED_ASSETS:
+        status = instance.get_status_by_partition(dg.AssetKey(asset), ["r1"], run_id_partitions)
+        assert status["r1"] == dg.AssetPartitionStatus.MATERIALIZED, asset
+    [kept] = kept_materializations(instance, "r1")
+    record = json.loads((data_root / "warehouse" / "_commits" / "r1.json").read_text())
+    assert kept.metadata["dagster/row_count"].value == 2 == record["files"]["kept"]["rows"]
+    assert kept.metadata["sha256"].value == record["files"]["kept"]["sha256"]
+    assert "warehouse/_commits/r1.json" in kept.metadata["source"].value
