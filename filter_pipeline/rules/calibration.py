@@ -90,6 +90,21 @@ def latest_labels(
     return both[["run_id", "task_id", "dir", "success", "gate"]].reset_index(drop=True)
 
 
+def unmatched_labels(labels: pd.DataFrame, attempts: pd.DataFrame, tasks: pd.DataFrame) -> list[str]:
+    """One line per label that names no attempt of `attempts` (by dir) and no task of `tasks` (by run_id and
+    task_id), in file order: a typo, or a batch not parsed yet. Such a label counts once it matches."""
+    by_task = pd.MultiIndex.from_frame(labels[["run_id", "task_id"]].astype(object))
+    found = by_task.isin(pd.MultiIndex.from_frame(tasks[["run_id", "task_id"]].astype(object)))
+    by_dir = labels["dir"].notna().to_numpy()
+    found[by_dir] = labels["dir"][by_dir].isin(attempts["dir"]).to_numpy()
+    return [
+        f"{LABELS_FILE}:{row.line}: names no attempt of a parsed batch ("
+        + (f"dir {row.dir!r}" if isinstance(row.dir, str) else f"run_id {row.run_id!r}, task_id {row.task_id!r}")
+        + "): a typo, or a batch not parsed yet (it counts once it matches)"
+        for row in labels[~found].itertuples()
+    ]
+
+
 def resolve(labels: pd.DataFrame, attempts: pd.DataFrame, verdicts: pd.DataFrame, tasks: pd.DataFrame) -> pd.DataFrame:
     """Each labelled attempt's latest label with what the gate and the judge said: (site, success, gate, judge,
     model, prompt_version); judge is <NA> where the judge did not see that attempt."""

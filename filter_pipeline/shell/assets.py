@@ -372,21 +372,31 @@ def judge_calibration(context: dg.AssetExecutionContext, data: DataRoot) -> dg.O
     if raw is None or not verdicts_dir.exists():
         return dg.Output(
             calibration.calibration(pd.DataFrame()),
-            metadata={"labels": 0, "matched": 0, "rejected_lines": 0, **fingerprint},
+            metadata={"labels": 0, "matched": 0, "unmatched": 0, "rejected_lines": 0, **fingerprint},
         )
     labels, rejects = calibration.parse_labels(raw)
-    shown = rejects[: calibration.MAX_REJECTS_SHOWN]
-    for message in shown:
-        context.log.warning(message)
-    if len(rejects) > len(shown):
-        context.log.warning(f"{calibration.LABELS_FILE}: {len(rejects) - len(shown)} more line(s) rejected")
-    resolved = calibration.resolve(labels, *read_for_calibration(data, labels))
+    shown = _warn_each(context, rejects, "more line(s) rejected")
+    attempts, verdicts, tasks = read_for_calibration(data, labels)
+    unmatched = calibration.unmatched_labels(labels, attempts, tasks)
+    _warn_each(context, unmatched, "more label(s) name no attempt of a parsed batch")
+    resolved = calibration.resolve(labels, attempts, verdicts, tasks)
     table = calibration.calibration(resolved)
-    metadata = {"labels": len(labels), "matched": len(resolved), "rejected_lines": len(rejects), **fingerprint}
+    metadata = {"labels": len(labels), "matched": len(resolved), "unmatched": len(unmatched),
+                "rejected_lines": len(rejects), **fingerprint}  # fmt: skip
     metadata["calibration"] = dg.MetadataValue.md(calibration.markdown(table))
     if rejects:
         metadata["rejects"] = dg.MetadataValue.md("\n".join(f"- `{m}`" for m in shown))
     return dg.Output(table, metadata=metadata)
+
+
+def _warn_each(context: dg.AssetExecutionContext, messages: list[str], more: str) -> list[str]:
+    """A warning per message, up to MAX_REJECTS_SHOWN of them, then one counting the rest; the ones shown."""
+    shown = messages[: calibration.MAX_REJECTS_SHOWN]
+    for message in shown:
+        context.log.warning(message)
+    if len(messages) > len(shown):
+        context.log.warning(f"{calibration.LABELS_FILE}: {len(messages) - len(shown)} {more}")
+    return shown
 
 
 def read_for_calibration(data: DataRoot, labels: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:

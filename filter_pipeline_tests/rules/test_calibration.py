@@ -12,6 +12,7 @@ from filter_pipeline.rules.calibration import (
     resolve,
     scores,
     summary,
+    unmatched_labels,
     wilson_interval,
 )
 from filter_pipeline_tests.builders import rows
@@ -99,6 +100,23 @@ def test_a_later_label_replaces_an_earlier_one_and_unsure_labels_are_not_counted
     tasks, attempts, verdicts = frames()
     resolved = resolve(labels, attempts, verdicts, tasks)
     assert resolved[["success", "judge"]].astype(object).values.tolist() == [[True, True]]
+
+
+def test_labels_naming_no_parsed_attempt_or_task_are_each_named_by_their_line():
+    labels, _ = parse_labels(
+        '{"dir": "da", "success": true}\n'
+        '{"dir": "da/", "success": true}\n'  # a trailing slash: not the attempt's dir
+        '{"run_id": "r", "task_id": "b", "success": false}\n'
+        '{"run_id": "r2", "task_id": "a", "success": false}\n'  # a batch not parsed (yet)
+    )
+    tasks, attempts, _ = frames()
+    assert unmatched_labels(labels, attempts, tasks) == [
+        "labels.jsonl:2: names no attempt of a parsed batch (dir 'da/'): a typo, or a batch not parsed yet "
+        "(it counts once it matches)",
+        "labels.jsonl:4: names no attempt of a parsed batch (run_id 'r2', task_id 'a'): a typo, or a batch not "
+        "parsed yet (it counts once it matches)",
+    ]
+    assert unmatched_labels(labels.iloc[:0], attempts, tasks) == []
 
 
 def test_judge_rows_are_per_model_and_prompt_version_beside_the_gate_and_markdown_puts_precision_first():

@@ -211,6 +211,23 @@ def test_bad_lines_in_labels_jsonl_are_reported_by_judge_calibration_without_fai
     assert output(data_root, "kept", "r1")["task_id"].tolist() == ["a"]
 
 
+def test_labels_naming_no_attempt_are_warned_by_judge_calibration_and_counted(instance, data_root):
+    write_batch(data_root, "r1", [task("a")], [attempt("a")])
+    (data_root / "labels.jsonl").write_text(
+        '{"dir": "runs/r/traj/a/1", "success": true}\n{"dir": "runs/r/traj/a/1/", "success": true}\n'
+    )
+    result = materialize(instance, data_root, "r1")
+    assert result.success
+    meta = metadata(result, "judge_calibration")
+    assert (meta["labels"], meta["matched"], meta["unmatched"]) == (2, 1, 1)
+    logged = instance.all_logs(result.run_id)
+    warnings = [e.user_message for e in logged if e.step_key == "judge_calibration" and e.level == logging.WARNING]
+    assert warnings == [
+        "labels.jsonl:2: names no attempt of a parsed batch (dir 'runs/r/traj/a/1/'): a typo, or a batch not "
+        "parsed yet (it counts once it matches)"
+    ]
+
+
 @pytest.mark.slow  # moto's S3 server is a process of its own
 def test_on_s3_with_only_the_endpoint_setting_every_asset_reaches_the_store(s3_server, monkeypatch, instance):
     # no AWS_ENDPOINT_URL: the endpoint comes from the DataRoot setting alone, across-runs assets included
