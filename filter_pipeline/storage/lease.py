@@ -8,8 +8,9 @@ process, Dagster instance or machine runs it (CONTRACT §4 "walks never overlap 
 - Object storage (s3://): `<data>/warehouse/_ledger.lease`, created only if absent (S3 conditional write
   `If-None-Match: *`), naming its holder and its TTL; a heartbeat thread renews it (`If-Match` its own
   ETag) well before it expires. A lease is expired when the store's clock says so (its `LastModified` plus
-  the TTL against the `Date` of the store's answer), so machines whose clocks disagree agree on it; it is then
-  taken over with a write conditional on the old ETag, so of two takers exactly one wins. It is deleted at the
+  the TTL against the `Date` of the store's answer), so machines whose clocks disagree agree on it, or when its
+  holder was a process of this host that is gone (killed); it is then taken over with a write conditional on
+  the old ETag, so of two takers exactly one wins. It is deleted at the
   end. A lease alone cannot stop a holder that was paused past its expiry: what it writes is fenced by the
   conditional publish of `storage/publish.py`. Both need a store that honours conditional writes: each lease
   first checks that it does (`check_conditional_writes`).
@@ -22,7 +23,6 @@ import fcntl
 import json
 import math
 import os
-import socket
 import threading
 import time
 import uuid
@@ -36,9 +36,11 @@ from upath import UPath
 from filter_pipeline import settings
 from filter_pipeline.storage.files import (
     CONFLICT,
+    HOST,
     PRECONDITION,
     STALE_TEMP_SECONDS,
     WAREHOUSE_DIR,
+    alive,
     atomic_write,
     is_local,
     store_refusal,
@@ -67,7 +69,7 @@ def _holder_record(holder: str, ttl_seconds: float, since: str | None = None, to
     """Who holds the ledger. On object storage its expiry is judged by the store's clock from `ttl_seconds`;
     `expires` (this machine's clock) is for people reading the file."""
     now = time.time()
-    return {"host": socket.gethostname(), "pid": os.getpid(), "holder": holder, "since": since or _now_iso(now),
+    return {"host": HOST, "pid": os.getpid(), "holder": holder, "since": since or _now_iso(now),
             "expires": now + ttl_seconds, "ttl_seconds": ttl_seconds, "token": token}  # fmt: skip
 
 
@@ -263,6 +265,14 @@ def _store_now(head: dict) -> datetime:
     return now if now.tzinfo else now.replace(tzinfo=UTC)
 
 
+def _holder_gone(record: dict) -> bool:
+    """Whether the lease's holder was a process of this host that no longer runs (killed: it could not delete its
+    lease), so its TTL need not be waited out. Were another machine to share this hostname, a walk it runs would
+    lose its lease and not commit: the publish is fenced (`storage/publish.py`)."""
+    pid = record.get("pid")
+    return record.get("host") == HOST and type(pid) is int and pid != os.getpid() and not alive(pid)
+
+
 def _take(fs, path: str, holder: str, ttl_seconds: float, token: str, where: str) -> str:
     """Create the lease, or take over an expired one; its ETag. Raises LedgerBusy when it is held. A write whose
     reply was lost (and whose retry the store refused) is recognised by `token` in the record it left."""
@@ -293,7 +303,7 @@ def _take(fs, path: str, holder: str, ttl_seconds: float, token: str, where: str
         expired = _store_says_expired(fs, path, current)
     except FileNotFoundError:
         raise released from None
-    if not expired:
+    if not expired and not _holder_gone(current):
         raise LedgerBusy(_describe(where, current))
     try:
         return _put(fs, path, record, IfMatch=_etag(info))
@@ -316,7 +326,8 @@ def lease_live(warehouse: UPath) -> bool | None:
     fs, path = warehouse.fs, (warehouse / LEASE_FILE).path
     try:
         current = json.loads(fs.cat_file(path))
-        return not _store_says_expired(fs, path, current if isinstance(current, dict) else {})
+        current = current if isinstance(current, dict) else {}
+        return not (_store_says_expired(fs, path, current) or _holder_gone(current))
     except FileNotFoundError:
         return False
     except ValueError:

@@ -1,6 +1,8 @@
 """The ledger lease on the data root (CONTRACT §4: walks never overlap on one warehouse): local disk and S3."""
 
 import json
+import os
+import socket
 import subprocess
 import sys
 import threading
@@ -244,6 +246,34 @@ def test_a_live_lease_of_the_previous_version_is_not_taken_over(s3_server, s3_bu
     with pytest.raises(LedgerBusy, match=r"held by run r1 \(elsewhere\)"):
         with ledger_lease(root, "run r2"):
             pass
+
+
+def a_dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+@pytest.mark.slow  # moto's S3 server is a process of its own
+@pytest.mark.parametrize("host, pid, outcome", [
+    ("here", "dead", "taken"),  # killed (kill -9 leaves its lease): no need to wait out its TTL
+    ("here", "alive", "busy"),
+    ("elsewhere", "dead", "busy"),  # a pid of another machine says nothing here
+])  # fmt: skip
+def test_a_live_lease_of_a_process_of_this_host_that_is_gone_is_taken_over_at_once(
+    s3_server, s3_bucket, host, pid, outcome
+):
+    root = s3_root(s3_server, s3_bucket)
+    holder = {"host": socket.gethostname() if host == "here" else "elsewhere",
+              "pid": a_dead_pid() if pid == "dead" else os.getppid()}  # fmt: skip
+    lease_record(root, expires=time.time() + 120, ttl_seconds=120, **holder)
+    if outcome == "busy":
+        with pytest.raises(LedgerBusy, match=r"held by run r1 \(elsewhere\)"):
+            with ledger_lease(root, "run r2"):
+                pass
+        return
+    with ledger_lease(root, "run r2"):
+        assert json.loads(root.fs.cat_file((root / "warehouse" / LEASE_FILE).path))["holder"] == "run r2"
 
 
 @pytest.mark.slow  # moto's S3 server is a process of its own
