@@ -71,6 +71,7 @@ class Call:
     headers: dict
     at: float = 0.0  # time.monotonic() of its arrival
     status: int = 0  # what the server answered
+    query: str = ""  # the request URL's query (Azure OpenAI's `api-version=...`)
 
     @property
     def prompt(self) -> str:
@@ -122,11 +123,12 @@ class FakeOpenAI:
             def do_POST(self):  # noqa: N802
                 length = int(self.headers.get("Content-Length", 0))
                 body = json.loads(self.rfile.read(length))
-                call = Call(body=body, headers=dict(self.headers), at=time.monotonic())
+                path, _, query = self.path.partition("?")
+                call = Call(body=body, headers=dict(self.headers), at=time.monotonic(), query=query)
                 with outer._lock:
                     count = len(outer.calls)
                     outer.calls.append(call)
-                if self.path.rstrip("/") != "/v1/chat/completions":
+                if path.rstrip("/") != "/v1/chat/completions":
                     return self._send(call, Reply(status=404, body=error_body(f"no route {self.path}")))
                 self._send(call, outer._answer(call, count))
 

@@ -117,16 +117,18 @@ class _Answer:
 
 
 class Transport:
-    """One aiohttp session to `{base_url}/chat/completions` and the rate controller every request passes."""
+    """One aiohttp session to `{base_url}/chat/completions` (its query, if any, after the path) and the rate
+    controller every request passes."""
 
     def __init__(self, config: "LLMJudgeConfig", report: Callable[[str], None] | None = None):
         self.config = config
         self.report = report or (lambda line: None)  # where endpoint trouble is told as it happens
         self._reported_at = -math.inf
-        self.url = config.base_url.rstrip("/") + "/chat/completions"
+        base = urlsplit(config.base_url)  # (a query stays after the path: Azure OpenAI's ?api-version=...)
+        self.url = urlunsplit(base._replace(path=base.path.rstrip("/") + "/chat/completions"))
         self.public_url = public_url(self.url)
-        if config.api_key and "@" in urlsplit(self.url).netloc:
-            self.url = self.public_url  # the bearer token authenticates; aiohttp refuses both at once
+        if config.api_key and "@" in base.netloc:  # the bearer token authenticates; aiohttp refuses both at once
+            self.url = urlunsplit(urlsplit(self.public_url)._replace(query=base.query))
         self.headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
         self.rate = RateController(config.concurrency, config.task_budget_seconds)
         self.session: aiohttp.ClientSession | None = None

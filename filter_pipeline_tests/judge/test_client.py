@@ -601,6 +601,14 @@ def test_a_base_url_with_a_user_but_no_password_sends_the_key_as_the_bearer_toke
     assert v.status == "judged" and server.calls[0].headers.get("Authorization") == "Bearer sk-test-123"
 
 
+@pytest.mark.parametrize("userinfo", ["", "tok@"])
+def test_a_base_url_with_a_query_keeps_it_after_the_path(userinfo):  # Azure OpenAI's ?api-version=...
+    with FakeOpenAI() as server:
+        url = server.base_url.replace("http://", f"http://{userinfo}") + "?api-version=2024-10-21"
+        [v] = judge_prompts([prompt("a")], settings(server, base_url=url, api_key="sk-test-123"))
+    assert v.status == "judged" and server.calls[0].query == "api-version=2024-10-21"
+
+
 def test_api_key_is_sent_as_bearer_token_only_when_set():
     with FakeOpenAI() as server:
         judge_prompts([prompt("a")], settings(server, api_key="sk-test-123"))
