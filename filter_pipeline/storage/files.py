@@ -68,11 +68,12 @@ def remove_stale_temps(folder: str, prefix: str) -> None:
     for name in os.listdir(folder):
         if not (name.startswith(prefix) and name.endswith(".tmp")):
             continue
-        host, _, rest = name[len(prefix) :].partition(".")
-        pid = rest.partition(".")[0]
+        # (named <prefix><host>.<pid>.<hex>.tmp: a hostname may hold dots, so only this host's own files are read)
+        ours = name[len(prefix) :].startswith(f"{HOST}.")
+        pid = name[len(prefix) + len(HOST) + 1 :].partition(".")[0] if ours else ""
         path = os.path.join(folder, name)
         try:
-            dead = host == HOST and pid.isdigit() and not alive(int(pid))
+            dead = pid.isdigit() and not alive(int(pid))
             if dead or time.time() - os.stat(path).st_mtime > STALE_TEMP_SECONDS:
                 os.unlink(path)
         except FileNotFoundError:

@@ -174,7 +174,9 @@ def test_a_write_in_progress_elsewhere_is_left_alone(tmp_path):
     assert in_progress.exists()
 
 
-def test_a_dead_writers_temp_file_goes_at_once_and_a_live_ones_stays(tmp_path):
+@pytest.mark.parametrize("host", ["vm", "ip-10-0-0-1.ec2.internal"])  # (a hostname may hold dots)
+def test_a_dead_writers_temp_file_goes_at_once_and_a_live_ones_stays(tmp_path, monkeypatch, host):
+    monkeypatch.setattr(files, "HOST", host)
     target = UPath(tmp_path) / "kept" / "r1.parquet"
     (tmp_path / "kept").mkdir()
     finished = subprocess.Popen(["true"])
