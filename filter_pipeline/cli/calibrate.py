@@ -139,7 +139,7 @@ def side_by_side(labels: pd.DataFrame, frames: tuple, candidate: pd.DataFrame, n
         overall = table[table["site"] == calibration.ALL_SITES]
         if label != "production":
             overall = overall[overall["predictor"] == "judge"]
-        labelled = verdicts.merge(candidate[["dir"]], on="dir", how="inner")  # the same attempts' verdicts
+        labelled = verdicts[verdicts["dir"].isin(candidate["dir"])]  # the same attempts' verdicts, each once
         for row in overall.to_dict("records"):
             cost = "" if row["predictor"] == "gate" else f"; {_cost(_judged_by(labelled, row))}"
             lines.append(f"{label}: {calibration.who(row)}: {calibration.summary(row)}{cost}")

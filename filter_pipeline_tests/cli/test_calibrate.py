@@ -3,6 +3,7 @@ OpenAI-compatible server; its verdicts reused the second time; the warehouse's c
 
 import hashlib
 import json
+import shutil
 import subprocess
 
 import dagster as dg
@@ -119,6 +120,20 @@ def test_a_calibration_on_fewer_labels_keeps_the_other_verdicts_on_file_and_pays
         "filter-pipeline: warning: labels.jsonl:1: not JSON (Expecting value at column 1)",
         f"filter-pipeline: {labelled}: labels.jsonl holds no label (1 line(s) refused, above): label some attempts",
     ]
+
+
+def test_verdicts_are_priced_once_where_two_runs_name_the_same_dirs(labelled, monkeypatch, capsys):
+    shutil.copytree(labelled / "runs" / "r1", labelled / "runs" / "r1-copy")  # (cp -r: the dirs still say runs/r/)
+    with dg.instance_for_test() as instance, FakeOpenAI() as production:
+        Pipeline(labelled, instance).run(llm(production, price_per_million_prompt_tokens=1.0), run_id="r1-copy")
+    monkeypatch.setenv("FILTER_JUDGE_MODEL", "judge-test")
+    with FakeOpenAI(candidate) as server:
+        assert main(["calibrate", "--data", str(labelled), "--model", "strict", "--base-url", server.base_url]) == 0
+    out = capsys.readouterr().out
+    assert "asked 6 requests now" in out  # a, b and e of each run
+    same, every = [line for line in out.splitlines() if line.startswith("candidate strict_v3_votes1")]
+    assert "; 4 requests, " in same  # a and b of each run: the attempts production judged
+    assert "; 6 requests, " in every  # each verdict once, however many labelled attempts share its dir
 
 
 def test_each_production_judge_is_priced_on_its_own_verdicts(labelled, monkeypatch, capsys):
