@@ -37,11 +37,11 @@ class QueueItem:
 
 
 def split_votes(votes) -> bool:
-    """`P/N` with both sides non-zero: the judge's votes disagreed."""
+    """`P/N` (P passing votes of the N asked) with 0 < P < N: the judge's votes disagreed."""
     if not isinstance(votes, str) or "/" not in votes:
         return False
-    yes, _, no = votes.partition("/")
-    return yes.isdigit() and no.isdigit() and int(yes) > 0 and int(no) > 0
+    passing, _, asked = votes.partition("/")
+    return passing.isdigit() and asked.isdigit() and 0 < int(passing) < int(asked)
 
 
 def latest_labels(labels: pd.DataFrame, attempts: pd.DataFrame) -> pd.DataFrame:
@@ -61,7 +61,8 @@ PHASES = (PHASE_SAMPLE, PHASE_SPLIT, PHASE_UNLABELLED_SITE, PHASE_REST)
 def split_mask(votes: pd.Series) -> np.ndarray:
     """`split_votes` of each value, vectorised."""
     parts = votes.astype("object").where(votes.notna(), "").astype(str).str.extract(r"^(\d+)/(\d+)$")
-    return ((pd.to_numeric(parts[0]) > 0) & (pd.to_numeric(parts[1]) > 0)).to_numpy(bool)
+    passing, asked = pd.to_numeric(parts[0]), pd.to_numeric(parts[1])
+    return ((passing > 0) & (passing < asked)).to_numpy(bool)
 
 
 def order(attempts: pd.DataFrame, labelled_sites: set) -> pd.DataFrame:

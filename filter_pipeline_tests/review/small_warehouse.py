@@ -43,7 +43,7 @@ def write_run(root: Path, run_id: str, committed: bool = True, newer_columns: bo
                                               "dir": f"runs/{run_id}/traj/{t}/1", "n_actions": 2} for t in TASKS])  # fmt: skip
     judged = [t for t in TASKS if t != "ef"]
     verdicts = [task(t) | {"attempt": 1, "dir": f"runs/{run_id}/traj/{t}/1", "status": "error" if t == "u" else "judged",
-                           "passed": None if t == "u" else t != "jf", "votes": "2/1", "cost": 0.5} for t in judged]  # fmt: skip
+                           "passed": None if t == "u" else t != "jf", "votes": "2/3", "cost": 0.5} for t in judged]  # fmt: skip
     extra = {"blocked": ([False, False, False, True, None], pa.bool_()), "score": ([5, 4, 4, 1, None], pa.int64()),
              "reasoning": (["fine", "fine", "fine", "a CAPTCHA <b>wall</b>", None], pa.large_string())}  # fmt: skip
     write_asset(root, "judge_verdicts", run_id, verdicts, extra=extra if newer_columns else None)

@@ -16,29 +16,31 @@ from filter_pipeline.review.queue import (
     order,
     precision,
     queue_state,
+    split_mask,
     split_votes,
 )
 from filter_pipeline.review.story import inside_run
 from filter_pipeline.rules.calibration import parse_labels, wilson_interval
 
 
-def attempts(n: int, votes=lambda i: "3/0", site=lambda i: f"s{i % 3}", run_id: str = "r") -> pd.DataFrame:
+def attempts(n: int, votes=lambda i: "3/3", site=lambda i: f"s{i % 3}", run_id: str = "r") -> pd.DataFrame:
     dirs = pd.Series([f"runs/{run_id}/traj/t{i:03}/1" for i in range(n)])
     return pd.DataFrame({"run_id": run_id, "task_id": [f"t{i:03}" for i in range(n)], "dir": dirs,
                          "site": [site(i) for i in range(n)], "votes": [votes(i) for i in range(n)], "passed": True,
                          "draw": draw(dirs)})  # fmt: skip
 
 
-def test_split_votes_are_both_sides_non_zero():
-    assert [split_votes(v) for v in ["2/1", "1/2", "3/0", "0/3", "gate", None, "a/b"]] == [
-        True, True, False, False, False, False, False]  # fmt: skip
+def test_votes_split_when_some_but_not_all_of_those_asked_passed():
+    votes = ["2/3", "1/3", "1/2", "3/3", "1/1", "0/3", "0/1", "gate", None, "a/b", "3/2"]
+    assert [split_votes(v) for v in votes] == [True, True, True] + [False] * 8
+    assert split_mask(pd.Series(votes, dtype=object)).tolist() == [split_votes(v) for v in votes]
 
 
 def test_the_queue_serves_a_uniform_sample_then_split_votes_then_unlabelled_sites(monkeypatch):
     from filter_pipeline.review import queue
 
     monkeypatch.setattr(queue, "SAMPLE_SIZE", 10)
-    frame = attempts(60, votes=lambda i: "2/1" if i % 10 == 7 else "3/0", site=lambda i: "new" if i >= 55 else "old")
+    frame = attempts(60, votes=lambda i: "2/3" if i % 10 == 7 else "3/3", site=lambda i: "new" if i >= 55 else "old")
     queue = order(frame, labelled_sites={"old"})
     items = [item(queue, i) for i in range(len(queue))]
     phases = [it.phase for it in items]
