@@ -11,6 +11,7 @@ from filter_pipeline.review.data import ReviewError, UnreadableFile, Warehouse, 
 from filter_pipeline.review.fates import FATE_KEPT, FATE_SURPLUS, FATE_WHERE, REASON_RETIRED, RunTables
 from filter_pipeline.rules.batch import SUCCESS_FILE
 from filter_pipeline.rules.calibration import LABEL_COLUMNS, parse_labels
+from filter_pipeline.rules.filtering import Caps
 from filter_pipeline.rules.records import as_text, read_json
 from filter_pipeline.rules.schemas import DROPPED_DUPLICATE, DROPPED_SITE_CAP, SPEND_COUNTS, VERDICT_PARTS
 from filter_pipeline.storage.files import RUNS_DIR, is_local, read_if_present
@@ -121,13 +122,13 @@ def decision(t: RunTables, task: dict) -> dict:
 def cap_met(t: RunTables, task: dict) -> dict:
     """The cap a surplus row met: for `site_cap` the (macro, site)'s cap and kept rows, for `target` the macro's.
     Once a cap is met no later task of that group is kept, so the run's kept rows of the group are all counted."""
-    caps = t.commit["caps"]
-    per_macro = (caps.get("caps") or {}).get(task.get("macro") or "", {}) or {}
+    caps = Caps.recorded(t.commit["caps"])
     by_site = task["reason"] == DROPPED_SITE_CAP
     prior, kept = t.prior_counts, t.tasks[t.tasks["fate"] == FATE_KEPT]
     same = (prior["macro"] == task["macro"]) & ((prior["site"] == task["site"]) if by_site else True)
     run_same = (kept["macro"] == task["macro"]) & ((kept["site"] == task["site"]) if by_site else True)
-    limit = per_macro.get("site_cap", caps.get("per_site_cap")) if by_site else per_macro.get("target")
+    macro = task.get("macro") or ""
+    limit = caps.site_cap(macro) if by_site else caps.target(macro)
     return {"reason": task["reason"], "limit": limit, "kept_before": int(prior.loc[same, "n_kept"].sum()),
             "kept_in_run": int(run_same.sum()), "caps_source": t.commit.get("caps_source")}  # fmt: skip
 

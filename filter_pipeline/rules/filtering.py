@@ -13,6 +13,7 @@ import pyarrow.compute as pc
 
 from filter_pipeline.rules.schemas import (
     BELOW_MIN_SCORE_DETAIL,
+    DEFAULT_PER_SITE_CAP,
     DETAIL_MAX_CHARS,
     DROPPED_DUPLICATE,
     DROPPED_SITE_CAP,
@@ -151,6 +152,16 @@ class MacroLimits:
 class Caps:
     per_site_cap: int
     macros: dict[str, MacroLimits] = field(default_factory=dict)
+
+    @classmethod
+    def recorded(cls, raw: dict | None) -> "Caps":
+        """The caps as a commit record's `caps` field holds them (a macro's null `site_cap`: the per-site cap)."""
+        raw = raw or {}
+        macros = {
+            m: MacroLimits(site_cap=c.get("site_cap"), target=c.get("target"))
+            for m, c in (raw.get("caps") or {}).items()
+        }
+        return cls(per_site_cap=raw.get("per_site_cap", DEFAULT_PER_SITE_CAP), macros=macros)
 
     def site_cap(self, macro: str) -> int:
         limits = self.macros.get(macro)

@@ -20,10 +20,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from filter_pipeline.rules.commits import CommitRecord
-from filter_pipeline.rules.filtering import Caps, MacroLimits
+from filter_pipeline.rules.filtering import Caps
 from filter_pipeline.rules.history import as_text, kept_pairs, sum_counts
 from filter_pipeline.rules.schemas import (
-    DEFAULT_PER_SITE_CAP,
     STATUS_ERROR,
     STATUS_JUDGED,
     to_pandas,
@@ -37,14 +36,6 @@ MAX_LINES_PER_KIND = 20  # beyond this, one line says how many more of the same 
 class Finding:
     kind: str  # one of FINDING_KINDS
     line: str
-
-
-def caps_of(record: CommitRecord) -> Caps:
-    raw = record.caps or {}
-    macros = {
-        m: MacroLimits(site_cap=c.get("site_cap"), target=c.get("target")) for m, c in (raw.get("caps") or {}).items()
-    }
-    return Caps(per_site_cap=raw.get("per_site_cap", DEFAULT_PER_SITE_CAP), macros=macros)
 
 
 def capped(findings: list[Finding]) -> list[Finding]:
@@ -75,7 +66,7 @@ def cap_findings(records: dict[str, CommitRecord], live: dict[str, pa.Table]) ->
         totals["total"] = totals["n_kept"] + totals["prior"].fillna(0).astype("int64")
         # runs committed again since this walk read them: their files now are not what it counted
         since = [r for r in read_ids if r in records and records[r].digest != record.history[r]]
-        findings += over_caps(run_id, caps_of(record), totals, prior, since)
+        findings += over_caps(run_id, Caps.recorded(record.caps), totals, prior, since)
     return findings
 
 

@@ -32,6 +32,17 @@ def test_a_story_shows_the_judges_parts_when_the_file_has_them_and_does_without(
         story(warehouse, "r3", "a")
 
 
+def test_a_site_cap_met_under_a_macro_that_sets_only_a_target_is_the_per_site_cap(warehouse):
+    record = warehouse.root / "warehouse" / "_commits" / "r1.json"
+    commit = json.loads(record.read_text())
+    # as the ledger records a caps file whose macro names a target alone: its site_cap null
+    record.write_text(
+        json.dumps(commit | {"caps": {"per_site_cap": 2, "caps": {"m": {"site_cap": None, "target": 10}}}})
+    )
+    cap = story(Warehouse(warehouse.root), "r1", "c")["decision"]["cap"]
+    assert (cap["reason"], cap["limit"]) == ("site_cap", 2)
+
+
 def test_a_trajectory_with_page_text_cut_mid_emoji_is_shown_with_a_replacement_character(warehouse, tmp_path):
     folder = tmp_path / "runs" / "r1" / "traj" / "k" / "1"
     folder.mkdir(parents=True)
