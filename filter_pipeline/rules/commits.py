@@ -94,6 +94,13 @@ def parse_commit(data: bytes, where: str, run_id: str) -> CommitRecord:
 JUDGE_IDENTITY = ("kind", "model", "prompt_version", "votes", "settings")
 
 
+def kept_fingerprint(records: dict[str, CommitRecord]) -> str | None:
+    """A short hash of the committed runs' kept files, each by its SHA-256 (None: no kept file committed yet):
+    what coverage counts changes exactly when this does."""
+    files = sorted((run_id, r.files["kept"].get("sha256", "")) for run_id, r in records.items() if "kept" in r.files)
+    return hashlib.sha256(json.dumps(files).encode()).hexdigest()[:16] if files else None
+
+
 def judge_settings(verdicts: pd.DataFrame) -> dict:
     """Which judge decided the walked verdicts (JUDGE_IDENTITY; never its key): the judge the verdicts' attrs
     name (JUDGED_BY), which holds even when it left every task unjudged; for verdicts written before they named

@@ -10,7 +10,6 @@ step itself waits for lower runs (CONTRACT §4), whoever launched it, so a UI ba
 cannot walk out of order either.
 """
 
-import hashlib
 import json
 import time
 from collections.abc import Callable, Iterable
@@ -21,8 +20,8 @@ from filter_pipeline import settings
 from filter_pipeline.judge.resource import JudgeResource
 from filter_pipeline.rules import order
 from filter_pipeline.rules.batch import LEGACY_KEPT_FILE, BatchState
-from filter_pipeline.rules.commits import CommitRecord, another_judge
-from filter_pipeline.shell.assets import run_id_partitions
+from filter_pipeline.rules.commits import CommitRecord, another_judge, kept_fingerprint
+from filter_pipeline.shell.assets import KEPT_FINGERPRINT, run_id_partitions
 from filter_pipeline.shell.jobs import (
     FIRST_WALK_TAG,
     PARTITION_TAG,
@@ -38,7 +37,6 @@ from filter_pipeline.shell.jobs import (
 )
 from filter_pipeline.shell.warehouse import DataRoot
 from filter_pipeline.storage import failures
-from filter_pipeline.storage.files import files_in
 from filter_pipeline.storage.history import load_retired, read_commits
 from filter_pipeline.storage.runs import complete_batches, count_records
 
@@ -63,11 +61,19 @@ LEGACY_SOURCE = "legacy kept.jsonl"
 COMMITTED_SOURCE = "committed by a walk this instance has no record of"
 
 
-def kept_fingerprint(data: DataRoot) -> str | None:
-    """A short hash of which kept files exist and their sizes (None: no kept file yet): coverage is stale
-    exactly when this changes."""
-    files = [(p.name, p.stat().st_size) for p in files_in(data.warehouse / "kept", ".parquet").values()]
-    return hashlib.sha1(repr(files).encode()).hexdigest()[:16] if files else None
+def coverage_refresh(instance: dg.DagsterInstance, commits: dict[str, CommitRecord]) -> list[dg.RunRequest]:
+    """across_runs_job when coverage was built from other kept files than the committed ones now (or never).
+    Its run key names the run that built coverage last, so kept files that come back to an earlier state
+    are counted again too."""
+    current = kept_fingerprint(commits)
+    event = instance.get_latest_materialization_event(dg.AssetKey("coverage"))
+    found = (
+        event.asset_materialization.metadata.get(KEPT_FINGERPRINT) if event and event.asset_materialization else None
+    )
+    if current is None or (found is not None and found.value == current):
+        return []
+    built = event.run_id if event else None
+    return [dg.RunRequest(job_name=across_runs_job.name, run_key=f"across-runs:{built}:{current}")]
 
 
 def changed_warning(run_id: str) -> str:
@@ -422,9 +428,8 @@ def build_batch_sensor() -> dg.SensorDefinition:
         left_alone = busy | set(to_walk) | set(to_judge) | changed | load_retired(data.root).runs
         rejudging, cursor = rejudge_requests(context, commits, left_alone, judge.identity())
         requests += rejudging
-        fingerprint = kept_fingerprint(data)
-        if fingerprint is not None and not to_walk and not busy:
-            requests.append(dg.RunRequest(job_name=across_runs_job.name, run_key=f"across-runs:{fingerprint}"))
+        if not to_walk and not busy:
+            requests += coverage_refresh(context.instance, commits)
         context.log.info(f"registered {len(to_register)} new batch(es), judging {len(to_judge)}; {why}")
         return dg.SensorResult(
             run_requests=requests,

@@ -299,6 +299,29 @@ def test_coverage_is_refreshed_when_the_set_of_kept_files_changes_and_nothing_is
     assert refresh.run_config == {}
 
 
+def test_coverage_is_refreshed_once_per_change_of_the_kept_files_even_back_to_an_earlier_state(instance, data_root):
+    from filter_pipeline.definitions import build_defs
+    from filter_pipeline.judge.resource import JudgeResource
+
+    across_runs = build_defs(str(data_root), JudgeResource(), caps={}).resolve_job_def("across_runs_job")
+
+    def refresh_as_launched() -> list[str]:
+        """The coverage refresh the tick asks for, run (once per run key, as Dagster does)."""
+        keys = coverage_keys(tick(instance, data_root))
+        for key in keys:
+            assert across_runs.execute_in_process(instance=instance, tags={"dagster/run_key": key}).success
+        return keys
+
+    write_kept(data_root, "r1", ("a", ["k1"], "m", "s1"))
+    [first] = refresh_as_launched()
+    assert refresh_as_launched() == []  # built from the kept files there are
+    write_kept(data_root, "r1", ("b", ["k2"], "m", "s2"))  # another row of the same size
+    [second] = refresh_as_launched()
+    write_kept(data_root, "r1", ("a", ["k1"], "m", "s1"))  # back to the first state
+    [third] = refresh_as_launched()
+    assert len({first, second, third}) == 3 and refresh_as_launched() == []
+
+
 @pytest.mark.slow  # moto's S3 server is a process of its own
 def test_on_s3_a_batch_completed_after_the_first_listing_is_seen_by_the_same_process(s3_bucket):
     # the sensor lives in a long-running code server: a cached listing would hide new batches for good
