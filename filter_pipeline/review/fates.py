@@ -116,7 +116,7 @@ def task_table(t: RunTables, kept_ids: pd.Series, legacy: pd.DataFrame | None = 
     if not t.judged:  # (the judge step has not written its verdicts, nor the failure pool: nothing is decided)
         fate, reason = np.full(len(ids), FATE_PENDING, dtype=object), np.full(len(ids), None)
     table = tasks.assign(fate=fate, reason=reason)
-    parts = [table, _rejected_tasks(t.rejects), legacy if legacy is not None else table.iloc[:0]]
+    parts = [table, _rejected_tasks(t.rejects, set(ids)), legacy if legacy is not None else table.iloc[:0]]
     table = pd.concat([p for p in parts if len(p)] or [table], ignore_index=True)
     retired = t.run_id in t.retired.runs or table["task_id"].isin(t.retired.tasks.get(t.run_id, ()))
     table.loc[(table["fate"] == FATE_KEPT) & retired, "reason"] = REASON_RETIRED
@@ -124,8 +124,9 @@ def task_table(t: RunTables, kept_ids: pd.Series, legacy: pd.DataFrame | None = 
     return table[[*TASK_COLUMNS, "dedup_key"]].assign(reason=reason.where(reason.notna(), None))
 
 
-def _rejected_tasks(rejects: pd.DataFrame) -> pd.DataFrame:
-    """The unusable lines of tasks.jsonl as task rows (fate reject), with what the raw line says of the task."""
+def _rejected_tasks(rejects: pd.DataFrame, valid: set) -> pd.DataFrame:
+    """The unusable lines of tasks.jsonl as task rows (fate reject), with what the raw line says of the task; a
+    line naming no task_id, or one of a `valid` task (a second line of it), is named `tasks.jsonl:<line>`."""
     rows = []
     for record in rejects[rejects["file"] == "tasks.jsonl"].to_dict("records") if "file" in rejects else []:
         try:
@@ -134,6 +135,7 @@ def _rejected_tasks(rejects: pd.DataFrame) -> pd.DataFrame:
             raw = None
         raw = raw if isinstance(raw, dict) else {}
         named = json_text(raw.get("task_id"))
+        named = None if named in valid else named
         rows.append({"task_id": named or f"tasks.jsonl:{record['line']}", "fate": FATE_REJECT,
                      "reason": record.get("message"), "site": json_text(raw.get("site")),
                      "macro": json_text(raw.get("macro")), "instruction": json_text(raw.get("instruction"))})  # fmt: skip

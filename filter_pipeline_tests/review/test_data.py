@@ -132,7 +132,7 @@ def test_a_batch_not_parsed_yet_shows_its_tasks_attempts_and_rejected_lines_as_t
     warehouse = Warehouse(UPath(str(tmp_path)))
     tasks = warehouse.run("r5").tasks
     assert tasks[["task_id", "fate", "site"]].values.tolist() == [
-        ["a", "pending", "s"], ["b", "pending", "s2"], ["a", "reject", "s"]]  # fmt: skip
+        ["a", "pending", "s"], ["b", "pending", "s2"], ["tasks.jsonl:3", "reject", "s"]]  # fmt: skip
     [line] = warehouse.runs()
     assert (line["tasks"], line["state"], line["keep_rate"], line["rejects"]) == (2, "pending", None, 2)
     assert story(warehouse, "r5", "b")["decision"]["fate"] == "pending"

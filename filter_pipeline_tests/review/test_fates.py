@@ -54,16 +54,23 @@ def test_run_summaries_give_state_funnel_rates_blocked_and_cost(warehouse):
 
 def test_a_task_rejected_for_an_over_long_integer_in_its_key_is_still_named_by_its_task_id():
     raw = '{"task_id": "lk", "site": "s", "dedup_key": ["s", ' + "1" * 5000 + "]}"
-    rows = _rejected_tasks(pd.DataFrame([{"file": "tasks.jsonl", "line": 3, "message": "m", "raw": raw}]))
+    rows = _rejected_tasks(pd.DataFrame([{"file": "tasks.jsonl", "line": 3, "message": "m", "raw": raw}]), set())
     assert rows[["task_id", "site", "fate"]].values.tolist() == [["lk", "s", "reject"]]
 
 
 def test_a_task_rejected_for_a_lone_surrogate_is_shown_with_a_replacement_character():
     raw = '{"task_id": "t\\ud83d", "site": "s", "macro": "\\ud83d", "instruction": "do \\udc00 it"}'
-    rows = _rejected_tasks(pd.DataFrame([{"file": "tasks.jsonl", "line": 2, "message": "m", "raw": raw}]))
+    rows = _rejected_tasks(pd.DataFrame([{"file": "tasks.jsonl", "line": 2, "message": "m", "raw": raw}]), set())
     assert rows[["task_id", "macro", "instruction", "fate"]].values.tolist() == [
         ["t\ufffd", "\ufffd", "do \ufffd it", "reject"]
     ]
+
+
+def test_a_second_line_of_a_valid_task_is_named_by_its_line_so_its_link_opens_the_reject():
+    rejects = pd.DataFrame([{"file": "tasks.jsonl", "line": 7, "message": "task_id 'a' appears earlier in the file",
+                             "raw": '{"task_id": "a", "site": "s"}'}])  # fmt: skip
+    assert _rejected_tasks(rejects, {"a"})["task_id"].tolist() == ["tasks.jsonl:7"]
+    assert _rejected_tasks(rejects, {"b"})["task_id"].tolist() == ["a"]  # (no valid task of that name)
 
 
 def test_a_tasks_rejects_are_the_lines_naming_it_as_their_task_id():
