@@ -296,27 +296,27 @@ def record_committed_elsewhere(
     return _record_as_materialized(instance, run_ids, metadata)
 
 
+def _unknown(instance: dg.DagsterInstance, asset: str, run_ids: list[str]) -> list[str]:
+    """The run_ids whose partition of `asset` this instance has no status of: never materialized nor tried."""
+    status = instance.get_status_by_partition(dg.AssetKey(asset), run_ids, run_id_partitions) or {}
+    return [r for r in run_ids if status.get(r) is None]
+
+
 def _record_as_materialized(
     instance: dg.DagsterInstance, run_ids: list[str], metadata: Callable[[str, str], dict]
 ) -> list[str]:
-    """For each run_id whose `kept` this instance has no materialization of, a runless materialization of
-    every partitioned asset it has none of, with `metadata(run_id, asset)`: so that the run shows as filled
-    and "Materialize missing" leaves it alone. Returns those run_ids."""
+    """For each run_id whose `kept` this instance has no record of at all (never materialized, never tried: a
+    failed or running attempt here is left as it shows), a runless materialization of every partitioned asset
+    it has no record of, with `metadata(run_id, asset)`: so that the run shows as filled and "Materialize
+    missing" leaves it alone. Returns those run_ids."""
     if not run_ids:
         return []
-    kept = instance.get_status_by_partition(dg.AssetKey("kept"), run_ids, run_id_partitions) or {}
-    missing = [r for r in run_ids if kept.get(r) != dg.AssetPartitionStatus.MATERIALIZED]
+    missing = _unknown(instance, "kept", run_ids)
     for asset in PARTITIONED_ASSETS if missing else ():
-        status = (
-            {}
-            if asset == "kept"
-            else instance.get_status_by_partition(dg.AssetKey(asset), missing, run_id_partitions) or {}
-        )
-        for run_id in missing:
-            if status.get(run_id) != dg.AssetPartitionStatus.MATERIALIZED:
-                instance.report_runless_asset_event(
-                    dg.AssetMaterialization(asset_key=asset, partition=run_id, metadata=metadata(run_id, asset))
-                )
+        for run_id in missing if asset == "kept" else _unknown(instance, asset, missing):
+            instance.report_runless_asset_event(
+                dg.AssetMaterialization(asset_key=asset, partition=run_id, metadata=metadata(run_id, asset))
+            )
     return missing
 
 

@@ -93,3 +93,22 @@ def test_a_run_another_instance_committed_is_recorded_as_materialized_once_from_
     assert kept.metadata["dagster/row_count"].value == 2 == record["files"]["kept"]["rows"]
     assert kept.metadata["sha256"].value == record["files"]["kept"]["sha256"]
     assert "warehouse/_commits/r1.json" in kept.metadata["source"].value
+
+
+def test_a_committed_run_whose_last_attempt_here_failed_is_left_failed(instance, data_root):
+    @dg.asset(name="kept", partitions_def=run_id_partitions)
+    def failing_kept():
+        raise RuntimeError("a walk that failed on this instance")
+
+    write_batch(data_root, "r1", [task("a")], [attempt("a")])
+    with dg.instance_for_test() as elsewhere:
+        Pipeline(data_root, elsewhere).run(JudgeResource(), "r1")  # committed by another instance
+    instance.add_dynamic_partitions("run_id", ["r1"])
+    assert not dg.materialize([failing_kept], instance=instance, partition_key="r1", raise_on_error=False).success
+    said = LogLines()
+    context = sensor_context(instance, data_root)
+    context.log.addHandler(said)
+    build_batch_sensor()(context)
+    assert not any("recorded as materialized" in line for line in said.lines)
+    status = instance.get_status_by_partition(dg.AssetKey("kept"), ["r1"], run_id_partitions)
+    assert status["r1"] == dg.AssetPartitionStatus.FAILED
