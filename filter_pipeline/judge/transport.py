@@ -91,6 +91,22 @@ def public_url(url: str) -> str:
     return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
 
 
+_URL = re.compile(r"https?://[^\s'\"<>]+")
+
+
+def public_urls(text: str) -> str:
+    """`text` with every URL in it as `public_url` gives it: an error's text (aiohttp's names the request URL,
+    or where a redirect pointed) carries no credentials or query."""
+
+    def shown(found: re.Match) -> str:
+        try:
+            return public_url(found.group())
+        except ValueError:  # (a port that is no number: nothing of it is shown)
+            return "<a URL>"
+
+    return _URL.sub(shown, text)
+
+
 def env_proxy(url: str) -> tuple[str | None, dict | None]:
     """(the proxy the environment names for `url`, the headers that authenticate to it): HTTPS_PROXY /
     HTTP_PROXY unless NO_PROXY covers the host, as aiohttp's trust_env finds it (from the same `urllib.request`
@@ -199,7 +215,7 @@ class Transport:
             elif isinstance(exc, asyncio.TimeoutError):
                 problem = f"timeout ({timeout:.1f} s) waiting for the judge endpoint"
             else:  # (aiohttp's text names the host and port and what happened: "Connect call failed")
-                said = self.config.redacted(str(exc), SERVER_TEXT_MAX_CHARS, one_line=True, cut_mark="...")
+                said = self.config.redacted(public_urls(str(exc)), SERVER_TEXT_MAX_CHARS, one_line=True, cut_mark="...")
                 problem = f"{type(exc).__name__} talking to the judge endpoint" + (f" ({said})" if said else "")
             return _Answer(None, {}, "", problem)
         finally:
@@ -292,4 +308,5 @@ class Transport:
 
     def server_text(self, text: str) -> str:
         """The server's message in an error body, redacted and cut, for an exception or a verdict's why."""
-        return self.config.redacted(error_message(text), SERVER_TEXT_MAX_CHARS, cut_mark="...") or "(empty body)"
+        said = public_urls(error_message(text))
+        return self.config.redacted(said, SERVER_TEXT_MAX_CHARS, cut_mark="...") or "(empty body)"

@@ -609,6 +609,17 @@ def test_a_base_url_with_a_query_keeps_it_after_the_path(userinfo):  # Azure Ope
     assert v.status == "judged" and server.calls[0].query == "api-version=2024-10-21"
 
 
+def test_a_query_of_the_base_url_never_reaches_a_verdict_through_an_error_naming_the_url():
+    def redirect_to_itself(call, n):  # a loop: aiohttp's error names the URL, query and all
+        return Reply(status=307, headers={"Location": f"/v1/chat/completions?{call.query}"}, body="")
+
+    with FakeOpenAI(redirect_to_itself) as server:
+        url = server.base_url + "?code=SECRETCODE"
+        [v] = judge_prompts([prompt("a")], settings(server, base_url=url, task_budget_seconds=0.3))
+    assert v.status == "error" and "TooManyRedirects" in v.why, v.why
+    assert "SECRETCODE" not in json.dumps(dataclasses.asdict(v)) and "/v1/chat/completions" in v.why
+
+
 def test_api_key_is_sent_as_bearer_token_only_when_set():
     with FakeOpenAI() as server:
         judge_prompts([prompt("a")], settings(server, api_key="sk-test-123"))
