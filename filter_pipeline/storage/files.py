@@ -47,6 +47,20 @@ def open_root(path: str, endpoint_url: str | None = None) -> UPath:
 
 
 HOST = socket.gethostname()
+
+
+def _machine() -> str | None:
+    """This machine's boot and this process's PID namespace (Linux), or None where the system does not say: a
+    pid names this process only among holders that share both (hostnames are shared by laptops of one default
+    name and by containers on the host's network, each with pids of its own)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as boot:
+            return f"{boot.read().strip()}:{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return None
+
+
+MACHINE = _machine()
 # how an object store refuses a conditional write (`store_refusal`)
 PRECONDITION, CONFLICT = "precondition failed", "conflicting write in flight"
 STALE_TEMP_SECONDS = 3600
@@ -68,12 +82,11 @@ def remove_stale_temps(folder: str, prefix: str) -> None:
     for name in os.listdir(folder):
         if not (name.startswith(prefix) and name.endswith(".tmp")):
             continue
-        # (named <prefix><host>.<pid>.<hex>.tmp: a hostname may hold dots, so only this host's own files are read)
-        ours = name[len(prefix) :].startswith(f"{HOST}.")
-        pid = name[len(prefix) + len(HOST) + 1 :].partition(".")[0] if ours else ""
+        # (named <prefix><host>.<pid>.<hex>.tmp, and a hostname may hold dots: read from the end)
+        host, pid, *_ = [*name[len(prefix) :].rsplit(".", 3), "", ""]
         path = os.path.join(folder, name)
         try:
-            dead = pid.isdigit() and not alive(int(pid))
+            dead = host == HOST and pid.isdigit() and not alive(int(pid))
             if dead or time.time() - os.stat(path).st_mtime > STALE_TEMP_SECONDS:
                 os.unlink(path)
         except FileNotFoundError:

@@ -9,7 +9,7 @@ process, Dagster instance or machine runs it (CONTRACT §4 "walks never overlap 
   `If-None-Match: *`), naming its holder and its TTL; a heartbeat thread renews it (`If-Match` its own
   ETag) well before it expires. A lease is expired when the store's clock says so (its `LastModified` plus
   the TTL against the `Date` of the store's answer), so machines whose clocks disagree agree on it, or when its
-  holder was a process of this host that is gone (killed); it is then taken over with a write conditional on
+  holder was a process of this machine and PID namespace that is gone (killed); it is then taken over with a write conditional on
   the old ETag, so of two takers exactly one wins. It is deleted at the
   end. A lease alone cannot stop a holder that was paused past its expiry: what it writes is fenced by the
   conditional publish of `storage/publish.py`. Both need a store that honours conditional writes: each lease
@@ -37,6 +37,7 @@ from filter_pipeline import settings
 from filter_pipeline.storage.files import (
     CONFLICT,
     HOST,
+    MACHINE,
     PRECONDITION,
     STALE_TEMP_SECONDS,
     WAREHOUSE_DIR,
@@ -69,7 +70,7 @@ def _holder_record(holder: str, ttl_seconds: float, since: str | None = None, to
     """Who holds the ledger. On object storage its expiry is judged by the store's clock from `ttl_seconds`;
     `expires` (this machine's clock) is for people reading the file."""
     now = time.time()
-    return {"host": HOST, "pid": os.getpid(), "holder": holder, "since": since or _now_iso(now),
+    return {"host": HOST, "machine": MACHINE, "pid": os.getpid(), "holder": holder, "since": since or _now_iso(now),
             "expires": now + ttl_seconds, "ttl_seconds": ttl_seconds, "token": token}  # fmt: skip
 
 
@@ -266,11 +267,12 @@ def _store_now(head: dict) -> datetime:
 
 
 def _holder_gone(record: dict) -> bool:
-    """Whether the lease's holder was a process of this host that no longer runs (killed: it could not delete its
-    lease), so its TTL need not be waited out. Were another machine to share this hostname, a walk it runs would
-    lose its lease and not commit: the publish is fenced (`storage/publish.py`)."""
+    """Whether the lease's holder was a process of this machine and PID namespace (`MACHINE`: Linux only) that no
+    longer runs (killed: it could not delete its lease), so its TTL need not be waited out. Elsewhere, or for a
+    holder that does not say, its TTL is waited out."""
     pid = record.get("pid")
-    return record.get("host") == HOST and type(pid) is int and pid != os.getpid() and not alive(pid)
+    same = MACHINE is not None and record.get("machine") == MACHINE and record.get("host") == HOST
+    return same and type(pid) is int and pid != os.getpid() and not alive(pid)
 
 
 def _take(fs, path: str, holder: str, ttl_seconds: float, token: str, where: str) -> str:

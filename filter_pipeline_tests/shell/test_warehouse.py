@@ -183,10 +183,12 @@ def test_a_dead_writers_temp_file_goes_at_once_and_a_live_ones_stays(tmp_path, m
     finished.wait()  # its pid no longer runs
     dead = tmp_path / "kept" / f".r1.parquet.{files.HOST}.{finished.pid}.00ff.tmp"
     live = tmp_path / "kept" / f".r1.parquet.{files.HOST}.{os.getpid()}.00ee.tmp"
-    dead.write_bytes(b"half a file")
-    live.write_bytes(b"half a file")
+    # another host, whose name is this one's and more (its pid may be one that is free here)
+    theirs = tmp_path / "kept" / f".r1.parquet.{host}.{finished.pid}.{finished.pid}.00dd.tmp"
+    for file in (dead, live, theirs):
+        file.write_bytes(b"half a file")
     write_parquet(to_arrow(empty_frame("kept"), "kept"), target)
-    assert not dead.exists() and live.exists()
+    assert not dead.exists() and live.exists() and theirs.exists()
 
 
 def test_two_writers_of_the_same_file_both_succeed(tmp_path):

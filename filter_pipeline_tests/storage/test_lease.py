@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 import pytest
 from upath import UPath
 
-from filter_pipeline.storage import lease
+from filter_pipeline.storage import files, lease
 from filter_pipeline.storage.lease import LEASE_FILE, LedgerBusy, ledger_lease
 
 HOLD = """
@@ -255,16 +255,20 @@ def a_dead_pid() -> int:
 
 
 @pytest.mark.slow  # moto's S3 server is a process of its own
-@pytest.mark.parametrize("host, pid, outcome", [
-    ("here", "dead", "taken"),  # killed (kill -9 leaves its lease): no need to wait out its TTL
-    ("here", "alive", "busy"),
-    ("elsewhere", "dead", "busy"),  # a pid of another machine says nothing here
+@pytest.mark.parametrize("host, machine, pid, outcome", [
+    ("here", "here", "dead", "taken"),  # killed (kill -9 leaves its lease): no need to wait out its TTL
+    ("here", "here", "alive", "busy"),
+    ("elsewhere", "elsewhere", "dead", "busy"),  # a pid of another machine says nothing here
+    ("here", "elsewhere", "dead", "busy"),  # a laptop of the same default name, a container on the host's network
+    ("here", None, "dead", "busy"),  # a holder that does not say (an earlier version)
 ])  # fmt: skip
-def test_a_live_lease_of_a_process_of_this_host_that_is_gone_is_taken_over_at_once(
-    s3_server, s3_bucket, host, pid, outcome
+@pytest.mark.skipif(files.MACHINE is None, reason="this system does not say which boot and PID namespace it is")
+def test_a_live_lease_of_a_process_of_this_machine_that_is_gone_is_taken_over_at_once(
+    s3_server, s3_bucket, host, machine, pid, outcome
 ):
     root = s3_root(s3_server, s3_bucket)
     holder = {"host": socket.gethostname() if host == "here" else "elsewhere",
+              "machine": {"here": files.MACHINE, "elsewhere": "another boot:1"}.get(machine),
               "pid": a_dead_pid() if pid == "dead" else os.getppid()}  # fmt: skip
     lease_record(root, expires=time.time() + 120, ttl_seconds=120, **holder)
     if outcome == "busy":
