@@ -14,10 +14,9 @@ import dagster as dg
 import pandas as pd
 import pytest
 
-from filter_pipeline.rules.commits import kept_fingerprint
 from filter_pipeline.rules.schemas import SCHEMAS
-from filter_pipeline.shell.assets import KEPT_FINGERPRINT
 from filter_pipeline.shell.jobs import ACROSS_RUNS_ASSETS
+from filter_pipeline.shell.sensors import coverage_refresh
 from filter_pipeline.shell.warehouse import DataRoot
 from filter_pipeline.storage.history import read_commits
 from filter_pipeline_tests.conftest import REPO, assert_verified
@@ -104,12 +103,12 @@ def test_two_batches_on_s3_through_the_daemon_on_postgres_equal_the_local_run(
         wait_until(lambda: kept_file(SECOND), f"kept of {SECOND} on S3", daemon.log_path)
 
         def coverage_is_current() -> bool:
-            """coverage built from the kept files committed now, and no run left in flight."""
-            event = instance.get_latest_materialization_event(dg.AssetKey("coverage"))
-            built = event.asset_materialization.metadata.get(KEPT_FINGERPRINT) if event else None
-            current = kept_fingerprint(read_commits(data.warehouse))
-            in_flight = instance.get_run_records(dg.RunsFilter(statuses=IN_FLIGHT))
-            return built is not None and built.value == current and not in_flight
+            """the sensor's refresh after the last walk done, and no run left in flight."""
+            key = coverage_refresh(read_commits(data.warehouse))[0].run_key
+            done = instance.get_run_records(
+                dg.RunsFilter(tags={"dagster/run_key": key}, statuses=[dg.DagsterRunStatus.SUCCESS])
+            )
+            return bool(done) and not instance.get_run_records(dg.RunsFilter(statuses=IN_FLIGHT))
 
         wait_until(coverage_is_current, "coverage over both batches", daemon.log_path)
         runs = instance.get_run_records(dg.RunsFilter())

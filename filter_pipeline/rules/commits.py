@@ -94,11 +94,12 @@ def parse_commit(data: bytes, where: str, run_id: str) -> CommitRecord:
 JUDGE_IDENTITY = ("kind", "model", "prompt_version", "votes", "settings")
 
 
-def kept_fingerprint(records: dict[str, CommitRecord]) -> str | None:
-    """A short hash of the committed runs' kept files, each by its SHA-256 (None: no kept file committed yet):
-    what coverage counts changes exactly when this does."""
-    files = sorted((run_id, r.files["kept"].get("sha256", "")) for run_id, r in records.items() if "kept" in r.files)
-    return hashlib.sha256(json.dumps(files).encode()).hexdigest()[:16] if files else None
+def walks_fingerprint(records: dict[str, CommitRecord]) -> str | None:
+    """A short hash of every committed walk (its run, when it was walked, its kept file's SHA-256), None before
+    the first: it changes with every walk that commits, so the across-runs assets and the audit of the warehouse
+    are refreshed once per change, even when kept files come back to an earlier state."""
+    walks = sorted((run_id, r.walked_at, r.files.get("kept", {}).get("sha256", "")) for run_id, r in records.items())
+    return hashlib.sha256(json.dumps(walks).encode()).hexdigest()[:16] if walks else None
 
 
 def judge_settings(verdicts: pd.DataFrame) -> dict:

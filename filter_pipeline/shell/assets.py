@@ -15,7 +15,7 @@ from filter_pipeline.judge.driver import ProgressStore, RecordSteps
 from filter_pipeline.judge.resource import JudgeResource
 from filter_pipeline.rules import calibration, checks, filtering, report, verify
 from filter_pipeline.rules.batch import EXECUTIONS_FILE, TASKS_FILE, BatchError
-from filter_pipeline.rules.commits import another_judge, judge_settings, kept_fingerprint
+from filter_pipeline.rules.commits import another_judge, judge_settings
 from filter_pipeline.rules.coverage import coverage_chart, coverage_markdown, coverage_table
 from filter_pipeline.rules.descriptions import column_description
 from filter_pipeline.rules.history import RETIRED_FILE, parse_retired
@@ -34,7 +34,7 @@ from filter_pipeline.shell.config import caps_source, deployment_caps_config, re
 from filter_pipeline.shell.warehouse import DataRoot, read_folder, read_parquet, write_parquet
 from filter_pipeline.storage import failures
 from filter_pipeline.storage.audit import audit
-from filter_pipeline.storage.history import kept_counts, load_retired, read_commit, read_commits, read_retired
+from filter_pipeline.storage.history import kept_counts, load_retired, read_commit, read_retired
 from filter_pipeline.storage.labels import read_labels
 from filter_pipeline.storage.runs import count_records, read_batch
 
@@ -294,7 +294,7 @@ def build_coverage(deployment_caps: dict) -> dg.AssetsDefinition:
     )
     def coverage(context: dg.AssetExecutionContext, config: caps_config, data: DataRoot):
         refuse_invalid_run_caps(context)
-        retired, counted = read_retired(data.root), kept_fingerprint(read_commits(data.warehouse))
+        retired = read_retired(data.root)
         counts, runs = kept_counts(data.root, parse_retired(retired))
         table = coverage_table(counts, config.to_caps())
         sites = table[table["level"] == "site"]
@@ -305,7 +305,6 @@ def build_coverage(deployment_caps: dict) -> dg.AssetsDefinition:
                 "runs": runs,
                 "caps_source": caps_source(config, deployment_caps),
                 RETIRED_FINGERPRINT: file_fingerprint(retired, RETIRED_FILE),
-                KEPT_FINGERPRINT: counted or "no kept file",
                 "full_sites": int(sites["full"].sum()),
                 "short_sites": int((~sites["full"].astype(bool)).sum()),
                 "coverage": dg.MetadataValue.md(
@@ -352,7 +351,6 @@ def warehouse_verified(data: DataRoot) -> dg.AssetCheckResult:
 
 LABELS_FINGERPRINT = "labels_fingerprint"  # judge_calibration's metadata entry: the labels it was built from
 RETIRED_FINGERPRINT = "retired_fingerprint"  # coverage's metadata entry: the retired.json it was built from
-KEPT_FINGERPRINT = "kept_fingerprint"  # coverage's metadata entry: the committed kept files it counted
 
 
 @dg.asset(

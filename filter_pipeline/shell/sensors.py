@@ -20,8 +20,8 @@ from filter_pipeline import settings
 from filter_pipeline.judge.resource import JudgeResource
 from filter_pipeline.rules import order
 from filter_pipeline.rules.batch import LEGACY_KEPT_FILE, BatchState
-from filter_pipeline.rules.commits import CommitRecord, another_judge, kept_fingerprint
-from filter_pipeline.shell.assets import KEPT_FINGERPRINT, run_id_partitions
+from filter_pipeline.rules.commits import CommitRecord, another_judge, walks_fingerprint
+from filter_pipeline.shell.assets import run_id_partitions
 from filter_pipeline.shell.jobs import (
     FIRST_WALK_TAG,
     PARTITION_TAG,
@@ -61,19 +61,15 @@ LEGACY_SOURCE = "legacy kept.jsonl"
 COMMITTED_SOURCE = "committed by a walk this instance has no record of"
 
 
-def coverage_refresh(instance: dg.DagsterInstance, commits: dict[str, CommitRecord]) -> list[dg.RunRequest]:
-    """across_runs_job when coverage was built from other kept files than the committed ones now (or never).
-    Its run key names the run that built coverage last, so kept files that come back to an earlier state
-    are counted again too."""
-    current = kept_fingerprint(commits)
-    event = instance.get_latest_materialization_event(dg.AssetKey("coverage"))
-    found = (
-        event.asset_materialization.metadata.get(KEPT_FINGERPRINT) if event and event.asset_materialization else None
+def coverage_refresh(commits: dict[str, CommitRecord]) -> list[dg.RunRequest]:
+    """across_runs_job (coverage, calibration, the audit of the warehouse) once per change of the committed walks
+    (`walks_fingerprint`: a run key runs once)."""
+    fingerprint = walks_fingerprint(commits)
+    return (
+        []
+        if fingerprint is None
+        else [dg.RunRequest(job_name=across_runs_job.name, run_key=f"across-runs:{fingerprint}")]
     )
-    if current is None or (found is not None and found.value == current):
-        return []
-    built = event.run_id if event else None
-    return [dg.RunRequest(job_name=across_runs_job.name, run_key=f"across-runs:{built}:{current}")]
 
 
 def changed_warning(run_id: str) -> str:
@@ -429,7 +425,7 @@ def build_batch_sensor() -> dg.SensorDefinition:
         rejudging, cursor = rejudge_requests(context, commits, left_alone, judge.identity())
         requests += rejudging
         if not to_walk and not busy:
-            requests += coverage_refresh(context.instance, commits)
+            requests += coverage_refresh(commits)
         context.log.info(f"registered {len(to_register)} new batch(es), judging {len(to_judge)}; {why}")
         return dg.SensorResult(
             run_requests=requests,

@@ -299,27 +299,18 @@ def test_coverage_is_refreshed_when_the_set_of_kept_files_changes_and_nothing_is
     assert refresh.run_config == {}
 
 
-def test_coverage_is_refreshed_once_per_change_of_the_kept_files_even_back_to_an_earlier_state(instance, data_root):
-    from filter_pipeline.definitions import build_defs
-    from filter_pipeline.judge.resource import JudgeResource
+def test_coverage_is_refreshed_once_per_walk_even_one_that_brings_kept_back_to_an_earlier_state(instance, data_root):
+    def walk(stamp: str, *row) -> list[str]:
+        """A walk of r1 committing `row` as its kept file at `stamp`, then the tick: its coverage run keys."""
+        write_kept(data_root, "r1", row, commit=False)
+        commit_files(data_root, "r1", {"kept": data_root / "warehouse" / "kept" / "r1.parquet"}, walked_at=stamp)
+        return coverage_keys(tick(instance, data_root))
 
-    across_runs = build_defs(str(data_root), JudgeResource(), caps={}).resolve_job_def("across_runs_job")
-
-    def refresh_as_launched() -> list[str]:
-        """The coverage refresh the tick asks for, run (once per run key, as Dagster does)."""
-        keys = coverage_keys(tick(instance, data_root))
-        for key in keys:
-            assert across_runs.execute_in_process(instance=instance, tags={"dagster/run_key": key}).success
-        return keys
-
-    write_kept(data_root, "r1", ("a", ["k1"], "m", "s1"))
-    [first] = refresh_as_launched()
-    assert refresh_as_launched() == []  # built from the kept files there are
-    write_kept(data_root, "r1", ("b", ["k2"], "m", "s2"))  # another row of the same size
-    [second] = refresh_as_launched()
-    write_kept(data_root, "r1", ("a", ["k1"], "m", "s1"))  # back to the first state
-    [third] = refresh_as_launched()
-    assert len({first, second, third}) == 3 and refresh_as_launched() == []
+    [first] = walk("2026-12-01T00:00:00+00:00", "a", ["k1"], "m", "s1")
+    assert coverage_keys(tick(instance, data_root)) == [first]  # nothing walked since: the same key, run once
+    [second] = walk("2026-12-02T00:00:00+00:00", "b", ["k2"], "m", "s2")  # another row, the same size
+    [third] = walk("2026-12-03T00:00:00+00:00", "a", ["k1"], "m", "s1")  # back to the first kept file
+    assert len({first, second, third}) == 3
 
 
 @pytest.mark.slow  # moto's S3 server is a process of its own
