@@ -91,7 +91,7 @@ def public_url(url: str) -> str:
     return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
 
 
-_URL = re.compile(r"https?://[^\s'\"<>]+")
+_URL = re.compile(r"https?://[^\s'\"<>()]+", re.IGNORECASE)
 
 
 def public_urls(text: str) -> str:

@@ -126,8 +126,9 @@ def task_table(t: RunTables, kept_ids: pd.Series, legacy: pd.DataFrame | None = 
 
 def _rejected_tasks(rejects: pd.DataFrame, valid: set) -> pd.DataFrame:
     """The unusable lines of tasks.jsonl as task rows (fate reject), with what the raw line says of the task; a
-    line naming no task_id, or one of a `valid` task (a second line of it), is named `tasks.jsonl:<line>`."""
-    rows = []
+    line naming no task_id, one of a `valid` task (a second line of it) or one an earlier rejected line named, is
+    named `tasks.jsonl:<line>`: each row's name opens its own story."""
+    rows, named_before = [], set(valid)
     for record in rejects[rejects["file"] == "tasks.jsonl"].to_dict("records") if "file" in rejects else []:
         try:
             raw = read_json(record.get("raw") or "")  # (a line rejected for an over-long integer still names its task)
@@ -135,7 +136,8 @@ def _rejected_tasks(rejects: pd.DataFrame, valid: set) -> pd.DataFrame:
             raw = None
         raw = raw if isinstance(raw, dict) else {}
         named = json_text(raw.get("task_id"))
-        named = None if named in valid else named
+        named = None if named in named_before else named
+        named_before.add(named)
         rows.append({"task_id": named or f"tasks.jsonl:{record['line']}", "fate": FATE_REJECT,
                      "reason": record.get("message"), "site": json_text(raw.get("site")),
                      "macro": json_text(raw.get("macro")), "instruction": json_text(raw.get("instruction"))})  # fmt: skip

@@ -620,6 +620,12 @@ def test_a_query_of_the_base_url_never_reaches_a_verdict_through_an_error_naming
     assert "SECRETCODE" not in json.dumps(dataclasses.asdict(v)) and "/v1/chat/completions" in v.why
 
 
+def test_urls_in_an_error_text_are_shown_without_query_whatever_their_case_or_brackets():
+    from filter_pipeline.judge.transport import public_urls
+
+    assert public_urls("see (HTTPS://h:8/x?token=S) and http://u:p@h/y#f") == "see (https://h:8/x) and http://h/y"
+
+
 def test_api_key_is_sent_as_bearer_token_only_when_set():
     with FakeOpenAI() as server:
         judge_prompts([prompt("a")], settings(server, api_key="sk-test-123"))

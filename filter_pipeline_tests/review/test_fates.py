@@ -71,6 +71,8 @@ def test_a_second_line_of_a_valid_task_is_named_by_its_line_so_its_link_opens_th
                              "raw": '{"task_id": "a", "site": "s"}'}])  # fmt: skip
     assert _rejected_tasks(rejects, {"a"})["task_id"].tolist() == ["tasks.jsonl:7"]
     assert _rejected_tasks(rejects, {"b"})["task_id"].tolist() == ["a"]  # (no valid task of that name)
+    twice = pd.concat([rejects, rejects.assign(line=8)], ignore_index=True)  # two rejected lines of one name
+    assert _rejected_tasks(twice, set())["task_id"].tolist() == ["a", "tasks.jsonl:8"]
 
 
 def test_a_tasks_rejects_are_the_lines_naming_it_as_their_task_id():
