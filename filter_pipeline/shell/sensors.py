@@ -405,9 +405,10 @@ def build_batch_sensor() -> dg.SensorDefinition:
         f"row from the lowest run_id on (up to {LEDGER_RANGE_LIMIT}), walked in run_id order (run_key = "
         "<lowest run_id>:ledger; the tag filter_pipeline/first_walk lists them). Batches already filtered "
         "(committed, or a legacy kept file) are registered, never re-run; legacy ones, and committed ones this "
-        "instance has no record of (walked by the CLI or another deployment), are recorded as materialized. Filtered runs that left tasks unjudged are judged and walked again, with a backoff and "
-        "a cap on tries. When the set of kept files changes and nothing is in flight, it refreshes coverage "
-        "and judge calibration.",
+        "instance has no record of (walked by the CLI or another deployment), are recorded as materialized. "
+        "Filtered runs that left tasks unjudged are judged and walked again, with a backoff and a cap on tries. "
+        "After each walk that commits, once nothing is in flight, it refreshes coverage and judge calibration "
+        "and audits the warehouse (across_runs_job).",
     )
     def batch_sensor(context: dg.SensorEvaluationContext, data: DataRoot, judge: JudgeResource) -> dg.SensorResult:
         batches = complete_batches(data.runs, data.warehouse, context.log)
