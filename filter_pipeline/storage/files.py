@@ -61,6 +61,30 @@ def _machine() -> str | None:
 
 
 MACHINE = _machine()
+
+
+def writer_tag(host: str, machine: str | None) -> str:
+    """Who writes, as temp files and staging folders are named after it: the hostname (its dots made dashes, so
+    a name is read from its end) and, where the system says (`MACHINE`), a digest of this boot and PID namespace:
+    hostnames alone are shared by laptops of one default name and by containers on the host's network."""
+    tag = host.replace(".", "-")
+    return tag if machine is None else f"{tag}-{hashlib.sha256(machine.encode()).hexdigest()[:8]}"
+
+
+WRITER = writer_tag(HOST, MACHINE)
+
+
+def written_by(pid: int) -> str:
+    """`<writer>.<pid>`: the part of a temp file's or staging folder's name that `writer_gone` reads."""
+    return f"{WRITER}.{pid}"
+
+
+def writer_gone(writer: str, pid: str) -> bool:
+    """Whether the writer named `writer` and `pid` (`written_by`) was a process of this machine and PID namespace
+    that no longer runs: what it left can go at once. A writer of elsewhere is judged by the age of its files."""
+    return writer == WRITER and pid.isdigit() and not alive(int(pid))
+
+
 # how an object store refuses a conditional write (`store_refusal`)
 PRECONDITION, CONFLICT = "precondition failed", "conflicting write in flight"
 STALE_TEMP_SECONDS = 3600
@@ -77,17 +101,15 @@ def alive(pid: int) -> bool:
 
 
 def remove_stale_temps(folder: str, prefix: str) -> None:
-    """Temp files a killed earlier write of the same target left: its writer ran on this host and is gone,
-    or nobody touched the file for STALE_TEMP_SECONDS (a live writer's file is left alone)."""
+    """Temp files a killed earlier write of the same target left: its writer is gone (`writer_gone`), or nobody
+    touched the file for STALE_TEMP_SECONDS (a live writer's file is left alone)."""
     for name in os.listdir(folder):
         if not (name.startswith(prefix) and name.endswith(".tmp")):
             continue
-        # (named <prefix><host>.<pid>.<hex>.tmp, and a hostname may hold dots: read from the end)
-        host, pid, *_ = [*name[len(prefix) :].rsplit(".", 3), "", ""]
+        writer, pid, *_ = [*name[len(prefix) :].rsplit(".", 3), "", ""]  # (<prefix><writer>.<pid>.<hex>.tmp)
         path = os.path.join(folder, name)
         try:
-            dead = host == HOST and pid.isdigit() and not alive(int(pid))
-            if dead or time.time() - os.stat(path).st_mtime > STALE_TEMP_SECONDS:
+            if writer_gone(writer, pid) or time.time() - os.stat(path).st_mtime > STALE_TEMP_SECONDS:
                 os.unlink(path)
         except FileNotFoundError:
             pass
@@ -104,8 +126,8 @@ def atomic_write(path: UPath, data, sync_folder: bool = True) -> None:
 
 
 def replace_locally(target: str, write, sync_folder: bool) -> os.stat_result:
-    """Call `write(file)` on a hidden temp file beside the local file `target` (named after this host and
-    pid, so a later write can tell a dead writer's file from a live one's; temp files a killed earlier write
+    """Call `write(file)` on a hidden temp file beside the local file `target` (named after its writer,
+    `written_by`, so a later write can tell a dead writer's file from a live one's; temp files a killed earlier write
     left are removed first), fsync it and rename it over `target`; with `sync_folder`, fsync the folder as
     well. Returns the temp file's stat, taken before the rename (which keeps size and mtime), so another
     process's write right after cannot be mistaken for this one."""
@@ -113,7 +135,7 @@ def replace_locally(target: str, write, sync_folder: bool) -> os.stat_result:
     os.makedirs(folder, exist_ok=True)
     prefix = f".{os.path.basename(target)}."
     remove_stale_temps(folder, prefix)
-    tmp = os.path.join(folder, f"{prefix}{HOST}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
+    tmp = os.path.join(folder, f"{prefix}{written_by(os.getpid())}.{uuid.uuid4().hex}.tmp")
     try:
         with open(tmp, "wb") as f:
             write(f)

@@ -34,18 +34,18 @@ from upath import UPath
 
 from filter_pipeline.rules.commits import COMMITS_DIR, CommitRecord
 from filter_pipeline.storage.files import (
-    HOST,
     PRECONDITION,
     STALE_TEMP_SECONDS,
     WAREHOUSE_DIR,
-    alive,
     atomic_write,
     is_local,
     sha256_of,
     store_refusal,
+    writer_gone,
+    written_by,
 )
 
-STAGING_DIR = "_staging"  # warehouse/_staging/<run_id>.<host>.<pid>.<uuid>/
+STAGING_DIR = "_staging"  # warehouse/_staging/<run_id>.<writer>.<pid>.<uuid>/ (`files.written_by`)
 MANIFEST = "_publish.json"
 # fault injection for the tests of stalls and kills: "<point>:<file>" makes the walk write its pid to <file> and
 # stop itself (SIGSTOP) at <point>; the test resumes it (SIGCONT) or kills it
@@ -182,7 +182,9 @@ class StagedWalk:
 
     def __init__(self, data_root: UPath, read: CommitState):
         self.data_root, self.read = data_root, read
-        self.folder = data_root / WAREHOUSE_DIR / STAGING_DIR / f"{read.run_id}.{HOST}.{os.getpid()}.{uuid.uuid4().hex}"
+        self.folder = (
+            data_root / WAREHOUSE_DIR / STAGING_DIR / f"{read.run_id}.{written_by(os.getpid())}.{uuid.uuid4().hex}"
+        )
         self.moves: dict[str, str] = {}  # staged path -> final path, both relative to the data root
         self.published = False
         self.unsettled = False
@@ -308,10 +310,10 @@ def _move(staged: UPath, final: UPath) -> bool:
 
 
 def _abandoned(name: str, folder: UPath) -> bool:
-    """Whether an unpublished staging folder's walk is gone: its process on this host is dead, or the folder
-    is older than STALE_TEMP_SECONDS (a walk paused past its lease may still resume and must find its files)."""
-    pid = name.rsplit(".", 2)[-2] if name.count(".") >= 3 else ""
-    if f".{HOST}.{pid}." in name and pid.isdigit() and not alive(int(pid)):
+    """Whether an unpublished staging folder's walk is gone: its process is (`writer_gone`), or the folder is
+    older than STALE_TEMP_SECONDS (a walk paused past its lease may still resume and must find its files)."""
+    parts = name.rsplit(".", 3)  # (<run_id>.<writer>.<pid>.<uuid>: a run_id may hold dots, the rest do not)
+    if len(parts) == 4 and writer_gone(parts[1], parts[2]):
         return True
     try:
         found = folder.fs.find(folder.path, detail=True).values()

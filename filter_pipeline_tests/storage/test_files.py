@@ -82,3 +82,10 @@ def test_files_in_lists_a_suffix_in_name_order_without_writes_in_progress(tmp_pa
     assert list(files.files_in(UPath(tmp_path), ".json")) == ["a", "b"]
     assert files.files_in(UPath(tmp_path), ".json")["b"] == UPath(tmp_path) / "b.json"
     assert files.files_in(UPath(tmp_path / "missing"), ".json") == {}
+
+
+def test_a_writer_tag_holds_no_dot_and_tells_pid_namespaces_of_one_hostname_apart():
+    tag = files.writer_tag("ip-10-0-0-1.ec2.internal", None)
+    assert tag == "ip-10-0-0-1-ec2-internal"  # (names holding it are read from their end, split at dots)
+    here, there = files.writer_tag("vm", "boot:1"), files.writer_tag("vm", "boot:2")
+    assert here != there and "." not in here and here.startswith("vm-")
