@@ -8,7 +8,7 @@ import pytest
 
 from filter_pipeline.judge.client import judge_prompts, ssl_context
 from filter_pipeline.judge.transport import env_proxy
-from filter_pipeline_tests.judge.test_client import prompt, settings
+from filter_pipeline_tests.judge.asking import prompt, settings
 from filter_pipeline_tests.openai_server import FakeOpenAI
 from filter_pipeline_tests.proxy_server import LoopbackProxy, self_signed_certificate
 

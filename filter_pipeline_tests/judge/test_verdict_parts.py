@@ -11,7 +11,7 @@ from filter_pipeline.judge.replies import Parts, parse_reply
 from filter_pipeline.judge.resource import JudgeResource
 from filter_pipeline.rules.schemas import REASONING_MAX_CHARS, VERDICT_PARTS
 from filter_pipeline_tests.builders import Pipeline
-from filter_pipeline_tests.judge.test_client import prompt, settings
+from filter_pipeline_tests.judge.asking import prompt, settings
 from filter_pipeline_tests.judge.test_resource import llm, sample_batch
 from filter_pipeline_tests.openai_server import FakeOpenAI, Reply
 
