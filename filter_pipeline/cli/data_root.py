@@ -7,7 +7,7 @@ import sys
 from upath import UPath
 
 from filter_pipeline.settings import DATA_ENV, ENDPOINT_ENV, data_path
-from filter_pipeline.storage.files import RUNS_DIR, open_root
+from filter_pipeline.storage.files import RUNS_DIR, error_line, open_root
 
 
 def named(data: str | None) -> str:
@@ -25,7 +25,7 @@ def root_problem(root: UPath, data: str | None) -> str | None:
     try:
         exists, has_runs = root.exists(), (root / RUNS_DIR).exists()
     except Exception as exc:  # (an object store that cannot be reached: no credentials, no endpoint, no bucket)
-        return f"{named(data)}: cannot be read ({type(exc).__name__}: {' '.join(str(exc).split())})"
+        return f"{named(data)}: cannot be read ({error_line(exc)})"
     if not exists:
         return f"{named(data)}: no such folder (point --data or {DATA_ENV} at the folder that holds {RUNS_DIR}/)"
     if not has_runs:

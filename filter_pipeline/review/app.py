@@ -30,6 +30,7 @@ from filter_pipeline.review.queue import QueueMemo, item
 from filter_pipeline.review.story import Labels, inside_run, plain, screenshot, story
 from filter_pipeline.rules.records import as_text
 from filter_pipeline.settings import DAGSTER_URL_ENV
+from filter_pipeline.storage.files import store_trouble
 from filter_pipeline.storage.labels import LabelWriteError, append_label, now_iso
 
 HERE = Path(__file__).parent
@@ -356,6 +357,8 @@ async def on_http_error(request: Request, exc: HTTPException) -> Response:
 
 
 async def on_any_error(request: Request, exc: Exception) -> Response:
+    if trouble := store_trouble(exc):  # (the store down or refusing: the page may answer once it is back)
+        return _error(request, 503, f"the data root cannot be read now ({trouble})")
     return _error(request, 500, f"internal error ({type(exc).__name__}); the server's log has the details")
 
 

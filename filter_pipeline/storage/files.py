@@ -238,6 +238,19 @@ def files_in(folder: UPath, suffix: str) -> dict[str, UPath]:
     return {p.name.removesuffix(suffix): p for p in sorted(found, key=lambda p: p.name)}
 
 
+def store_trouble(exc: BaseException) -> str | None:
+    """One line naming an error of the data root's storage (the file system; an object store that cannot be
+    reached, has no credentials or refuses), as `<ErrorType>: <its message>`; None for any other error."""
+    from botocore.exceptions import BotoCoreError, ClientError  # (s3fs's; imported only when an error is told)
+
+    return error_line(exc) if isinstance(exc, (OSError, BotoCoreError, ClientError)) else None
+
+
+def error_line(exc: BaseException) -> str:
+    """`<ErrorType>: <its message>` on one line."""
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+
+
 def store_refusal(exc: BaseException) -> str | None:
     """Why an object store refused a conditional write, from s3fs's exception: PRECONDITION (412, or
     `If-None-Match: *` on a key that exists), CONFLICT (409 `ConditionalRequestConflict`: AWS refuses a

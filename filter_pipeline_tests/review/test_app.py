@@ -421,6 +421,27 @@ def test_a_labels_file_that_cannot_be_read_is_a_one_line_500_not_a_page_without_
         app.stop()
 
 
+def test_an_object_store_out_of_reach_is_a_one_line_503_naming_it(monkeypatch):
+    from upath import UPath
+
+    from filter_pipeline_tests.review.conftest import Served
+    from filter_pipeline_tests.servers import free_port
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
+    endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    root = UPath("s3://bucket/data", endpoint_url=endpoint, use_listings_cache=False,
+                 config_kwargs={"retries": {"max_attempts": 1}})  # fmt: skip
+    app = Served(root)
+    try:
+        for path in ["/", "/api/runs"]:
+            status, _, body = get(app, path)
+            assert status == 503 and "the data root cannot be read now (EndpointConnectionError" in body, body
+            assert endpoint in body and "Traceback" not in body
+    finally:
+        app.stop()
+
+
 def filtered_batch(root, task_ids: list[str]) -> None:
     """Batch r1 of these tasks, one attempt each, filtered by `filter_job` with the gate judge."""
     import dagster as dg
