@@ -49,8 +49,9 @@ EXECUTIONS_FILE = "executions.jsonl"
 SUCCESS_FILE = "_SUCCESS"
 LEGACY_KEPT_FILE = "kept.jsonl"
 
-# A run_id is a folder name under runs/: nothing that could climb out of it or hide.
-RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+# A run_id is a folder name under runs/: nothing that could climb out of it or hide. No `..` either: Dagster's
+# partition keys may not hold `...` (its notation of a partition range).
+RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 class BatchError(ValueError):
@@ -59,10 +60,10 @@ class BatchError(ValueError):
 
 def check_run_id(run_id: str) -> str:
     """The run_id itself, if it is a plain folder name; otherwise a ValueError saying why."""
-    if not RUN_ID_PATTERN.match(run_id) or ".." in run_id:
+    if not RUN_ID_PATTERN.fullmatch(run_id) or ".." in run_id:
         raise ValueError(
             f"run_id {run_id!r} is not a plain folder name "
-            "(letters, digits, '.', '_', '-'; starting with a letter or digit; at most 128 characters)"
+            "(letters, digits, '.', '_', '-'; starting with a letter or digit; no '..'; at most 128 characters)"
         )
     return run_id
 

@@ -123,7 +123,7 @@ def test_arrow_reads_executions_as_the_record_checks_do(tmp_path):
     assert careful.attempts.iloc[:-1].equals(fast.attempts)
 
 
-@pytest.mark.parametrize("run_id", ["", ".", "..", "a/b", "../x", ".hidden", "a b", "x" * 129])
+@pytest.mark.parametrize("run_id", ["", ".", "..", "a/b", "../x", ".hidden", "a b", "x" * 129, "r1\n", "a...b"])
 def test_run_id_must_be_a_plain_folder_name(run_id):
     with pytest.raises(ValueError, match="not a plain folder name"):
         check_run_id(run_id)
