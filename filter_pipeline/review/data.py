@@ -35,7 +35,7 @@ from filter_pipeline.rules.schemas import (
 )
 from filter_pipeline.storage.failures import failure_path, read_failure
 from filter_pipeline.storage.files import RUNS_DIR, WAREHOUSE_DIR
-from filter_pipeline.storage.history import read_retired
+from filter_pipeline.storage.history import committed_path, read_retired
 from filter_pipeline.storage.runs import unparsed_batch
 
 CACHED_RUNS = 8  # run tables kept in memory (least recently used dropped first)
@@ -152,7 +152,7 @@ class Warehouse:
                 self._cache.move_to_end(run_id)
                 return cached[1]
         try:
-            tables = load_run(run_id, self._files(run_id))
+            tables = load_run(self.root, run_id, self._files(run_id))
         except (OSError, ValueError) as exc:  # (Arrow's errors are ValueErrors)
             raise UnreadableRun(run_id, " ".join(str(exc).split())[:300] or type(exc).__name__) from exc
         with self._lock:
@@ -260,16 +260,21 @@ def _retired(root: UPath) -> Retired:
         return Retired()
 
 
-def load_run(run_id: str, files: dict[str, UPath]) -> RunTables:
-    """Read the run's files and derive each task's fate."""
+def load_run(root: UPath, run_id: str, files: dict[str, UPath]) -> RunTables:
+    """Read the run's files and derive each task's fate. A file the run's commit names is read where it is
+    (`committed_path`: a publish not complete holds it in its staging folder); HistoryIntegrityError (a
+    ValueError) naming it when it is nowhere: the run's rows are not shown as undecided."""
     commit = None
     try:
         raw = files["commit"].read_bytes()
-        commit = json.loads(parse_commit(raw, f"warehouse/{COMMITS_DIR}/{run_id}.json", run_id).to_json())
+        record = parse_commit(raw, f"warehouse/{COMMITS_DIR}/{run_id}.json", run_id)
+        commit = json.loads(record.to_json())
     except FileNotFoundError:
         pass
     except ValueError as exc:
         commit = {"error": str(exc)}
+    else:
+        files = files | {a: committed_path(root, run_id, e) for a, e in record.files.items() if a in ASSETS}
     verdicts, judged = _verdicts(files["judge_verdicts"])
     legacy = files["legacy"] if files["legacy"].exists() else None
     # (before the judge step parsed the batch, it is parsed here as that step will; once it has, a failure on

@@ -84,10 +84,27 @@ def verified_bytes(data_root: UPath, run_id: str, entry: dict) -> bytes:
         except (FileNotFoundError, HistoryIntegrityError) as exc:
             failure = exc if path is final else failure
     if isinstance(failure, FileNotFoundError):
-        raise HistoryIntegrityError(
-            f"{entry['path']} is missing, but run {run_id} committed it: {refilter(run_id)}"
-        ) from None
+        raise _missing(run_id, entry) from None
     raise failure
+
+
+def committed_path(data_root: UPath, run_id: str, entry: dict) -> UPath:
+    """Where the committed file of `entry` (a commit record's) is now: in place, or in the staging folder of a
+    published walk that has not moved it yet. Raises HistoryIntegrityError naming it when it is in neither
+    (its content is not checked: `verified_bytes` does that)."""
+    final = data_root / entry["path"]
+    if final.exists():
+        return final
+    staged = staged_copy(data_root, run_id, entry["path"])
+    if staged is not None:
+        return staged
+    if final.exists():  # (moved into place between the two looks)
+        return final
+    raise _missing(run_id, entry)
+
+
+def _missing(run_id: str, entry: dict) -> HistoryIntegrityError:
+    return HistoryIntegrityError(f"{entry['path']} is missing, but run {run_id} committed it: {refilter(run_id)}")
 
 
 def _checked(path: UPath, run_id: str, entry: dict) -> bytes:

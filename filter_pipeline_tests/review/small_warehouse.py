@@ -10,7 +10,7 @@ from upath import UPath
 from filter_pipeline.review.data import Warehouse
 from filter_pipeline.rules.commits import CommitRecord
 from filter_pipeline.rules.schemas import SCHEMAS, VERDICT_PARTS, parquet_bytes, to_arrow
-from filter_pipeline.storage.publish import write_commit
+from filter_pipeline.storage.publish import file_entry, write_commit
 
 TASKS = ["k", "d", "c", "jf", "u", "ef"]  # kept, duplicate, site_cap, judge_fail, unjudged, execute failures only
 
@@ -58,8 +58,10 @@ def write_run(root: Path, run_id: str, committed: bool = True, newer_columns: bo
     write_asset(root, "surplus", run_id, [verdicts[1] | {"dropped": "duplicate", "dup_of_run_id": "r0", "dup_of_task_id": "t0"},
                                      verdicts[2] | {"dropped": "site_cap"}])  # fmt: skip
     write_asset(root, "prior_kept_counts", run_id, [{"macro": "m", "site": "s-c", "n_kept": 1}])
+    written = {a: root / "warehouse" / a / f"{run_id}.parquet" for a in ("kept", "surplus", "prior_kept_counts")}
+    files = {a: file_entry(UPath(str(root)), UPath(str(p)), p.read_bytes(), 1) for a, p in written.items()}
     write_commit(UPath(str(root / "warehouse")), CommitRecord(
-        run_id=run_id, walked_at="2026-12-01T00:00:00+00:00", files={}, kept_keys=1,
+        run_id=run_id, walked_at="2026-12-01T00:00:00+00:00", files=files, kept_keys=1,
         caps={"per_site_cap": 3, "caps": {"m": {"site_cap": 1}}}, caps_source="deployment", judge={"kind": "gate"},
         history={}, inputs={}, unjudged=1))  # fmt: skip
 

@@ -66,7 +66,7 @@ def test_the_runs_page_and_the_queue_read_each_of_many_runs_once(tmp_path, monke
     monkeypatch.setattr(data, "CACHED_RUNS", 2)  # fewer run tables in memory than runs
     loads = []
     real = data.load_run
-    monkeypatch.setattr(data, "load_run", lambda run_id, files: loads.append(run_id) or real(run_id, files))
+    monkeypatch.setattr(data, "load_run", lambda root, run_id, files: loads.append(run_id) or real(root, run_id, files))
     warehouse = Warehouse(UPath(str(tmp_path)))
     assert len(warehouse.runs()) == 5 and sorted(loads) == [f"r{i}" for i in range(5)]
     memo, labels = QueueMemo(), pd.DataFrame(columns=["dir", "run_id", "task_id", "success", "line"])
@@ -123,6 +123,34 @@ def test_a_run_with_an_unreadable_file_is_one_line_on_the_runs_page_and_the_queu
     with pytest.raises(UnreadableRun, match=r"^run r2 cannot be read: warehouse/dpo_pairs/r2.parquet: ") as raised:
         warehouse.run("r2")  # (its own page: a 500 with that line)
     assert r2["state"] == f"unreadable ({str(raised.value).removeprefix('run r2 cannot be read: ')})"
+
+
+def test_a_file_a_run_committed_that_is_gone_makes_the_run_unreadable_not_its_rows_undecided(tmp_path):
+    write_run(tmp_path, "r1")
+    (tmp_path / "warehouse" / "kept" / "r1.parquet").unlink()  # (deleted by hand, or lost with a copy)
+    warehouse = Warehouse(UPath(str(tmp_path)))
+    expected = "warehouse/kept/r1.parquet is missing, but run r1 committed it"
+    with pytest.raises(UnreadableRun, match=f"^run r1 cannot be read: {expected}"):
+        warehouse.run("r1")  # (its pages: a 500 with that line; `explain`: exit 1)
+    [r1] = warehouse.runs()
+    assert r1["state"].startswith(f"unreadable ({expected}") and r1["kept"] is None
+
+
+def test_a_file_a_published_walk_has_not_moved_yet_is_read_from_its_staging_folder(tmp_path):
+    from filter_pipeline.storage.history import read_commit
+    from filter_pipeline.storage.publish import MANIFEST, STAGING_DIR
+
+    write_run(tmp_path, "r1")
+    root = UPath(str(tmp_path))
+    # a walk killed after its publish, before moving kept into place (the next launcher completes the move)
+    folder = tmp_path / "warehouse" / STAGING_DIR / "r1.elsewhere.1.ff"
+    (folder / "warehouse" / "kept").mkdir(parents=True)
+    (tmp_path / "warehouse" / "kept" / "r1.parquet").rename(folder / "warehouse" / "kept" / "r1.parquet")
+    moves = {f"warehouse/{STAGING_DIR}/{folder.name}/warehouse/kept/r1.parquet": "warehouse/kept/r1.parquet"}
+    digest = read_commit(root / "warehouse", "r1").digest
+    (folder / MANIFEST).write_text(json.dumps({"run_id": "r1", "digest": digest, "moves": moves}))
+    tasks = Warehouse(root).run("r1").tasks
+    assert tasks.loc[tasks["task_id"] == "k", "fate"].item() == "kept"
 
 
 def test_a_batch_not_parsed_yet_shows_its_tasks_attempts_and_rejected_lines_as_the_stage_will_parse_them(tmp_path):
