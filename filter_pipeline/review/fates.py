@@ -95,7 +95,7 @@ def task_table(t: RunTables, kept_ids: pd.Series, legacy: pd.DataFrame | None = 
     `legacy` rows (a run filtered by the earlier script: its kept.jsonl) with theirs."""
     tasks = t.tasks.reset_index(drop=True)
     ids = tasks["task_id"]
-    committed = t.commit is not None and "error" not in t.commit
+    committed = is_committed(t)
     status = _by_task(t.verdicts, "status", ids)
     dropped = _by_task(t.surplus, "dropped", ids)
     pool = t.failure_pool
@@ -149,6 +149,11 @@ def json_text(value) -> str | None:
     return as_text(value) if isinstance(value, str) else None
 
 
+def is_committed(t: RunTables) -> bool:
+    """Whether the run's walk is committed: its commit record is there and can be read."""
+    return t.commit is not None and "error" not in t.commit
+
+
 def summarize(t: RunTables) -> dict:
     """The run's line on the runs page: state, funnel, rates, blocked attempts and cost."""
     fates = t.tasks["fate"].value_counts().to_dict()
@@ -157,6 +162,7 @@ def summarize(t: RunTables) -> dict:
     passed = int(judged["passed"].fillna(False).astype(bool).sum()) if "passed" in judged else 0
     # (a run the earlier script filtered is known by its kept rows alone: how many tasks it had is not known)
     legacy = t.legacy and t.commit is None
+    committed = is_committed(t)
     n_tasks = None if legacy else int(len(t.tasks) - fates.get(FATE_REJECT, 0))
     blocked = int(verdicts["blocked"].fillna(False).astype(bool).sum()) if "blocked" in verdicts else None
     cost = verdicts["cost"].dropna() if "cost" in verdicts else pd.Series(dtype=float)
@@ -171,9 +177,12 @@ def summarize(t: RunTables) -> dict:
         "judged": int(len(judged)),
         "passed": passed,
         **{fate: int(fates.get(fate, 0)) for fate in FATES},
-        "surplus_by_reason": {r: int((t.surplus.get("dropped") == r).sum()) for r in DROPPED_REASONS},
-        # (only a walk decides what is kept: a run not committed yet has no keep rate)
-        "keep_rate": fates.get(FATE_KEPT, 0) / n_tasks if n_tasks and t.commit is not None else None,
+        # (only a walk's commit decides what is kept and dropped: a run not committed yet, or whose commit record
+        # cannot be read, has no keep rate, and its surplus is counted as its fates are: none)
+        "surplus_by_reason": {
+            r: int((t.surplus.get("dropped") == r).sum()) if committed else 0 for r in DROPPED_REASONS
+        },
+        "keep_rate": fates.get(FATE_KEPT, 0) / n_tasks if n_tasks and committed else None,
         "judge_pass_rate": passed / len(judged) if len(judged) else None,
         "blocked": blocked,
         "cost": float(cost.sum()) if len(cost) else None,

@@ -153,6 +153,16 @@ def test_a_file_a_published_walk_has_not_moved_yet_is_read_from_its_staging_fold
     assert tasks.loc[tasks["task_id"] == "k", "fate"].item() == "kept"
 
 
+def test_a_run_whose_commit_record_cannot_be_read_has_no_keep_rate_and_no_surplus(tmp_path):
+    write_run(tmp_path, "r1")
+    record = tmp_path / "warehouse" / "_commits" / "r1.json"
+    record.write_bytes(record.read_bytes()[:100])  # (cut short)
+    [r1] = Warehouse(UPath(str(tmp_path))).runs()
+    assert r1["state"] == "pending (unreadable commit record)"
+    assert (r1["keep_rate"], r1["kept"], r1["surplus"]) == (None, 0, 0)
+    assert set(r1["surplus_by_reason"].values()) == {0}
+
+
 def test_a_batch_not_parsed_yet_shows_its_tasks_attempts_and_rejected_lines_as_the_stage_will_parse_them(tmp_path):
     from filter_pipeline_tests.builders import attempt, task, write_batch
 
