@@ -51,7 +51,12 @@ def append_label(data_root: UPath, record: dict) -> None:
     line = label_line(record)
     path = data_root / LABELS_FILE
     if is_local(path):
-        _append_locally(path.path, line)
+        try:
+            _append_locally(path.path, line)
+        except LabelWriteError:
+            raise
+        except OSError as exc:  # (a folder in its place, no permission, a full or read-only disk)
+            raise LabelWriteError(f"{path.path}: the label could not be written ({exc.strerror or exc})") from None
     else:
         _append_conditionally(path.fs, path.path, line)
 

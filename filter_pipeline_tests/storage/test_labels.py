@@ -98,3 +98,11 @@ def test_a_labels_file_that_exists_but_cannot_be_read_is_one_line_and_none_is_no
     (tmp_path / "labels.jsonl").mkdir()
     with pytest.raises(ValueError, match=r"^labels.jsonl cannot be read \(Is a directory\)$"):
         read_labels(UPath(str(tmp_path)))
+
+
+def test_a_local_labels_file_that_cannot_be_written_is_one_line(tmp_path):
+    (tmp_path / LABELS_FILE).mkdir()  # (a folder in its place; no permission or a full disk fail the same way)
+    with pytest.raises(
+        labels_module.LabelWriteError, match=r"labels.jsonl: the label could not be written \(Is a directory\)$"
+    ):
+        append_label(UPath(str(tmp_path)), _record(1))
