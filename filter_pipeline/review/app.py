@@ -298,11 +298,11 @@ def label_record(review: Review, body) -> dict:
     if not isinstance(body, dict) or "success" not in body or not _label_value(body["success"]):
         raise BadRequest('expected {"dir" | "run_id" + "task_id", "success": true | false | null, "note"}')
     note = body.get("note")
-    if note is not None and (not _is_text(note) or len(note) > MAX_NOTE_CHARS):
+    if note is not None and (not isinstance(note, str) or len(note) > MAX_NOTE_CHARS):
         raise BadRequest(f"note: expected text of at most {MAX_NOTE_CHARS} characters")
-    if body.get("labeler") is not None and not _is_text(body["labeler"]):
-        raise BadRequest("labeler: expected text")
-    for name in ("dir", "run_id", "task_id"):
+    for name in ("dir", "run_id", "task_id", "labeler", "note"):
+        if body.get(name) is not None and not isinstance(body[name], str):
+            raise BadRequest(f"{name}: expected text")
         if isinstance(body.get(name), str) and not _is_text(body[name]):
             raise BadRequest(f"{name}: expected text (it holds a lone surrogate)")
     if isinstance(body.get("dir"), str):

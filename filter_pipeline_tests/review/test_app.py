@@ -223,9 +223,14 @@ def test_a_label_post_too_large_too_deep_or_not_unicode_is_a_one_line_4xx(served
         (None, json.dumps({**LABEL, "dir": "runs/2026-11-29/\ud83d/x"}).encode(), 400),
         (None, json.dumps({"run_id": "2026-11-29", "task_id": "\ud83d", "success": True}).encode(), 400),
         ({**LABEL, "run_id": "2026-11-29", "task_id": "2026-11-29-t004"}, None, 400),  # which attempt is meant?
+        ({"dir": 5, "run_id": "2026-11-29", "task_id": "2026-11-29-t004", "success": True}, None, 400),  # not ignored
     ]:
         status, text = post(served, body, raw)
         assert status == code and len(text.strip().splitlines()) == 1 and "Traceback" not in text, text
+    assert (
+        "note: expected text (it holds a lone surrogate)"
+        in post(served, None, json.dumps({**LABEL, "note": "\ud83d"}).encode())[1]
+    )
     assert (sample_root / "labels.jsonl").read_bytes() == before
 
 
