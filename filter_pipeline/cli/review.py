@@ -50,7 +50,7 @@ def review(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"filter-pipeline: {_cannot_listen(args.host, args.port, exc)}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    print(f"review app for {root}: http://{args.host}:{args.port}/ (Ctrl-C to stop)", flush=True)
+    print(f"review app for {root}: {app_url(args.host, args.port)} (Ctrl-C to stop)", flush=True)
     if args.host not in LOOPBACK:
         print(f"filter-pipeline: the review app has no login: anyone who reaches {args.host}:{args.port} can read "
               "the trajectories and write labels", file=sys.stderr, flush=True)  # fmt: skip
@@ -58,6 +58,11 @@ def review(args: argparse.Namespace) -> int:
     app.state.review.warehouse.warm_in_background()  # the newest runs' pages answer at once
     uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[listening])
     return 0
+
+
+def app_url(host: str, port: int) -> str:
+    """The address a browser opens: an IPv6 address in brackets (`http://[::1]:8765/`)."""
+    return f"http://[{host}]:{port}/" if ":" in host else f"http://{host}:{port}/"
 
 
 def _listen(host: str, port: int) -> socket.socket:

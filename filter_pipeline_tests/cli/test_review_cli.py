@@ -15,18 +15,31 @@ from filter_pipeline_tests.servers import free_port, stop_process_group
 pytestmark = pytest.mark.slow
 
 
-def test_review_serves_the_data_root_on_loopback(filtered_sample):  # noqa: F811
+def _ipv6_loopback() -> bool:
+    try:
+        socket.create_server(("::1", 0), family=socket.AF_INET6).close()
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize(
+    "host",
+    ["127.0.0.1", pytest.param("::1", marks=pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here"))],
+)
+def test_review_serves_the_data_root_on_loopback_at_the_address_it_prints(filtered_sample, host):  # noqa: F811
     port = free_port()
     env = {**os.environ, "FILTER_PIPELINE_DATA": str(filtered_sample)}
-    proc = subprocess.Popen([*CLI, "review", "--port", str(port)], env=env, cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen([*CLI, "review", "--host", host, "--port", str(port)], env=env, cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
     try:
         first = proc.stdout.readline()
-        assert first.startswith(f"review app for {filtered_sample}: http://127.0.0.1:{port}/"), first
+        url = {"127.0.0.1": f"http://127.0.0.1:{port}/", "::1": f"http://[::1]:{port}/"}[host]
+        assert first.startswith(f"review app for {filtered_sample}: {url} "), first
         deadline = time.monotonic() + 60
         while True:
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/runs", timeout=5) as response:
+                with urllib.request.urlopen(f"{url}api/runs", timeout=5) as response:
                     assert b'"2026-11-29"' in response.read()
                     break
             except OSError:
