@@ -8,7 +8,7 @@ import pandas as pd
 from upath import UPath
 
 from filter_pipeline.review.data import ReviewError, UnreadableFile, Warehouse, signature
-from filter_pipeline.review.fates import FATE_KEPT, FATE_SURPLUS, FATE_WHERE, REASON_RETIRED, RunTables
+from filter_pipeline.review.fates import FATE_JUDGE_FAIL, FATE_KEPT, FATE_SURPLUS, FATE_WHERE, REASON_RETIRED, RunTables
 from filter_pipeline.rules.batch import SUCCESS_FILE
 from filter_pipeline.rules.calibration import LABEL_COLUMNS, parse_labels
 from filter_pipeline.rules.filtering import Caps
@@ -155,6 +155,11 @@ def story(warehouse: Warehouse, run_id: str, task_id: str, labels: pd.DataFrame 
     for a in attempts:
         a["failure"] = failures.get((a.get("attempt"), "execute"))
         a["judged"] = a.get("dir") == judged_dir and judged_dir is not None
+    judge_failure = failures.get((verdict.get("attempt") if verdict else None, "judge"))
+    decided = decision(t, task)
+    if decided["fate"] == FATE_JUDGE_FAIL and judge_failure and judge_failure.get("detail"):
+        # (why it failed: the judge's why, or a verdict the judge passed that FILTER_JUDGE_MIN_SCORE failed)
+        decided["where"] = f"{decided['where']}: {judge_failure['detail']}"
     return {
         "run_id": run_id,
         "task": task,
@@ -163,8 +168,8 @@ def story(warehouse: Warehouse, run_id: str, task_id: str, labels: pd.DataFrame 
         "judged_dir": judged_dir,
         "trajectory": trajectory(warehouse.root, run_id, judged_dir) if judged_dir else None,
         "verdict": verdict and {k: verdict.get(k) for k in VERDICT_FIELDS if k in verdict},
-        "judge_failure": failures.get((verdict.get("attempt") if verdict else None, "judge")),
-        "decision": decision(t, task),
+        "judge_failure": judge_failure,
+        "decision": decided,
         "dpo_pairs": rows_of(t.dpo_pairs, task_id),
         "rejects": task_rejects(t.rejects, task_id),
         "labels": task_labels(labels, run_id, task_id, [a.get("dir") for a in attempts], judged_dir),

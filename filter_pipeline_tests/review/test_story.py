@@ -178,3 +178,17 @@ def test_a_legacy_runs_kept_task_is_said_to_be_a_row_of_its_kept_jsonl_not_of_th
         "kept",
         "its row is one of runs/r0/kept.jsonl, the earlier script's kept rows",
     )
+
+
+def test_a_judge_failure_says_why_it_failed_even_one_the_judge_passed_below_the_minimum_score(warehouse):
+    from pathlib import Path
+
+    from filter_pipeline.rules.schemas import BELOW_MIN_SCORE_DETAIL
+    from filter_pipeline_tests.review.small_warehouse import write_asset
+
+    detail = BELOW_MIN_SCORE_DETAIL.format(score=3, why="fine")
+    write_asset(Path(warehouse.root.path), "failure_pool", "r1", [
+        {"task_id": "jf", "stage": "judge", "reason": "judge_fail", "detail": detail, "attempt": 1, "run_id": "r1"}])  # fmt: skip
+    found = story(warehouse, "r1", "jf")
+    assert found["decision"]["fate"] == "judge_fail" and found["decision"]["where"].endswith(f"(stage judge): {detail}")
+    assert any(line.endswith(detail) for line in story_lines(found))  # (`explain`; the task page shows the same line)
