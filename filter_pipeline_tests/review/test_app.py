@@ -274,6 +274,15 @@ def test_the_queue_is_blind_until_labelled_and_shows_the_precision_interval(serv
     assert get(served, "/queue?dir=runs/nope")[0] == 404
 
 
+def test_a_sample_with_no_label_in_order_says_why_its_precision_is_not_there_yet(served, monkeypatch):
+    from filter_pipeline.review import queue
+
+    monkeypatch.setattr(queue, "SAMPLE_SIZE", 0)  # (no sample: the labels count on every labelled attempt only)
+    _, _, html = get(served, "/queue")
+    said = html.split("random sample (the unbiased estimate): ", 1)[1]
+    assert said.startswith("none yet (it counts the sample's labels from its first item") and "95% interval" in said
+
+
 def test_after_a_label_that_moves_its_attempt_the_next_to_label_is_the_first_still_open(served, monkeypatch):
     from filter_pipeline.review import queue
 
