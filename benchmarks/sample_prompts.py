@@ -1,4 +1,4 @@
-"""Prompt v2 messages for generated tasks, shared by the judge benchmarks."""
+"""The judge's messages (at the current prompt version) for generated tasks, shared by the judge benchmarks."""
 
 from filter_pipeline.judge.config import LLMJudgeConfig
 from filter_pipeline.judge.prompt import Evidence, build_messages, success_criteria

@@ -40,7 +40,12 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument(
         "--judge", choices=JUDGE_KINDS, default=None, help=f"which judge decides (default: ${JUDGE_KIND_ENV} or gate)"
     )
-    m.add_argument("--per-site-cap", type=int, default=None, help="most kept rows per (macro, site); overrides --caps")
+    m.add_argument(
+        "--per-site-cap",
+        type=int,
+        default=None,
+        help="most kept rows per (macro, site); overrides the --caps file's per_site_cap",
+    )
     m.add_argument(
         "--caps",
         default=None,
@@ -52,7 +57,8 @@ def _parser() -> argparse.ArgumentParser:
         help="audit the whole warehouse",
         description="Audit the warehouse: every committed file present and unchanged, no key kept twice across "
         "non-retired runs, caps respected with history, verdicts conserved per run, no kept file without a commit, "
-        "no batch changed since it was filtered. Exit 0 when clean, 1 with one line per finding, 2 when the data root does not exist or has no runs/.",
+        "no publish left half done, no batch changed since it was filtered. Exit 0 when clean, 1 with one line per "
+        "finding (at most 20 of a kind, then a count), 2 when the data root does not exist or has no runs/.",
     )
     v.add_argument("--data", default=None, help=f"data root (default: ${DATA_ENV} or '{DEFAULT_DATA}')")
     c = commands.add_parser(
@@ -67,7 +73,11 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--data", default=None, help=f"data root (default: ${DATA_ENV} or '{DEFAULT_DATA}')")
     c.add_argument("--model", default=None, help="the candidate's model (default: FILTER_JUDGE_MODEL)")
     c.add_argument("--base-url", default=None, help="the candidate's endpoint (default: FILTER_JUDGE_BASE_URL)")
-    c.add_argument("--prompt-version", default=None, help="the candidate's prompt version (default: the current)")
+    c.add_argument(
+        "--prompt-version",
+        default=None,
+        help="the candidate's prompt version (default: FILTER_JUDGE_PROMPT_VERSION, else the current)",
+    )
     c.add_argument("--votes", type=_at_least_one, default=None, help="votes per task (default: FILTER_JUDGE_VOTES)")
     review.add_parser(commands)
     explain.add_parser(commands)

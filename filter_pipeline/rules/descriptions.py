@@ -142,7 +142,8 @@ COLUMN_DESCRIPTIONS: dict[str, str] = {
     "when no price is set.",
     "evidence": "What the LLM judge was shown: 'trajectory' (the attempt's trajectory.json), or "
     "'record_steps: <why>' (trajectory.json missing, unreadable, not JSON, not an object, outside the data "
-    "root: the record's steps, no page text). Null for the gate judge, which reads no evidence.",
+    "root: the record's steps, no page text), or 'trajectory, record_steps: <why>' (trajectory.json without a "
+    "steps list: its page text, the record's steps). Null for the gate judge, which reads no evidence.",
 }
 
 # Where a column means something more, or else, in one asset: shown there instead of COLUMN_DESCRIPTIONS'.

@@ -333,6 +333,7 @@ def warehouse_verified(data: DataRoot) -> dg.AssetCheckResult:
     findings = audit(data.root)
     return dg.AssetCheckResult(
         passed=not findings,
+        severity=dg.AssetCheckSeverity.WARN,
         description="\n".join(f.line for f in findings)
         or "every committed file present and unchanged, no key kept "
         "twice, caps respected, verdicts conserved, no uncommitted kept file, no batch changed since filtered",

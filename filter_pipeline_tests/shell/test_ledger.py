@@ -98,6 +98,10 @@ def test_the_asset_checks_still_run_and_the_across_runs_job_carries_the_warehous
     job = build_defs(str(data_root), JudgeResource(), caps={}).resolve_job_def("across_runs_job")
     audit_run = job.execute_in_process(instance=instance)
     assert {(e.check_name, e.passed) for e in audit_run.get_asset_check_evaluations()} == {("warehouse_verified", True)}
+    with open(data_root / "runs" / "r1" / "tasks.jsonl", "a") as f:
+        f.write("\n")  # (changed since it was filtered: a finding)
+    [found] = job.execute_in_process(instance=instance).get_asset_check_evaluations()
+    assert (found.passed, found.severity) == (False, dg.AssetCheckSeverity.WARN)  # (a warning, as the UI says)
     (data_root / "warehouse" / "kept" / "r1.parquet").unlink()
     with pytest.raises(Exception):  # coverage itself cannot count a missing committed file
         job.execute_in_process(instance=instance)
