@@ -21,14 +21,20 @@ from filter_pipeline.judge.prompt import prompt_of
 from filter_pipeline.judge.rate import EndpointRefused, RateController, TaskBudget, Unanswered
 from filter_pipeline.judge.replies import Choice, Parts, parse_reply, strip_reasoning
 from filter_pipeline.judge.transport import JudgeSetupError, Rejected, Transport, ssl_context
-from filter_pipeline.rules.schemas import REASONING_MAX_CHARS, STATUS_ERROR, STATUS_JUDGED, VERDICT_FLAGS, VERDICT_PARTS
+from filter_pipeline.rules.schemas import (
+    RAW_REPLY_MAX_CHARS,
+    REASONING_MAX_CHARS,
+    STATUS_ERROR,
+    STATUS_JUDGED,
+    VERDICT_FLAGS,
+    VERDICT_PARTS,
+)
 
 if TYPE_CHECKING:
     from filter_pipeline.judge.config import LLMJudgeConfig
 
 __all__ = ["EndpointRefused", "JudgeClient", "JudgeSetupError", "RateController", "judge_prompts", "ssl_context"]
 
-RAW_REPLY_MAX_CHARS = 500
 REFUSAL_MAX_CHARS = 300  # of a model's refusal, quoted in the verdict's why
 REPAIR_PROMPT = (
     'Your reply held no verdict I could read. Answer with only the JSON object {"passed": true or false, '

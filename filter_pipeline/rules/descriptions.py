@@ -1,7 +1,10 @@
 """What each output column means, shown beside it in the UI, and the limits those texts name."""
 
-# judge_verdicts.reasoning: the model's reasoning is kept up to this many characters (raw_replies keep 500)
+# judge_verdicts.reasoning: the model's reasoning is kept up to this many characters
 REASONING_MAX_CHARS = 8000
+RAW_REPLY_MAX_CHARS = 500  # judge_verdicts.raw_replies: each reply cut to this many characters
+DETAIL_MAX_CHARS = 500  # failure_pool.detail of an execute row: the error text cut to this many characters
+RAW_MAX_CHARS = 4096  # batch_rejects.raw: how much of a rejected line is kept
 # judge_calibration rows resting on fewer labels are flagged in its markdown
 CALIBRATION_MIN_LABELS = 50
 
@@ -33,7 +36,7 @@ COLUMN_DESCRIPTIONS: dict[str, str] = {
     "field": "The field that was wrong (e.g. dedup_key, backend.ok); null when the whole line was (not JSON, "
     "not UTF-8, too long).",
     "message": "What was wrong, as one line 'file:line: reason'.",
-    "raw": "The rejected line as read, cut to 4,096 characters.",
+    "raw": f"The rejected line as read, cut to {RAW_MAX_CHARS:,} characters.",
     # verdicts
     "passed": "The judge's verdict: true passes, false fails; null when the task could not be judged. For the "
     "LLM judge: judge_passed, failed where the score is below FILTER_JUDGE_MIN_SCORE.",
@@ -72,13 +75,14 @@ COLUMN_DESCRIPTIONS: dict[str, str] = {
     "cached": "Whether the verdict was reused (no call made): from this partition's previous materialization or "
     "from the progress a killed materialization saved.",
     "latency_ms": "Wall time spent on this verdict's calls, in milliseconds.",
-    "raw_replies": "JSON list of the model's replies, each cut to 500 characters (the API key redacted).",
+    "raw_replies": f"JSON list of the model's replies, each cut to {RAW_REPLY_MAX_CHARS} characters (the API key "
+    "redacted).",
     "replies_sha256": "SHA-256 of the full replies, to tell replies apart beyond the stored cut.",
     # failure pool
     "stage": "Where the attempt failed: execute (the attempt's ok was false) or judge (the judge did not pass it).",
     "reason": "Why it failed: policy_violation, backend_fail, script_assert, action_refused, script_error or "
     "unknown (by the error's prefix, execute rows), judge_fail (judge rows).",
-    "detail": "Execute rows: the error text cut to 500 characters, '' when there is none; judge rows: the why "
+    "detail": f"Execute rows: the error text cut to {DETAIL_MAX_CHARS} characters, '' when there is none; judge rows: the why "
     "(prefixed 'score S is below the minimum score (FILTER_JUDGE_MIN_SCORE)' where the model passed it).",
     # ledger
     "dropped": "Why a passing verdict was not kept: duplicate (key kept before), site_cap ((macro, site) full) "

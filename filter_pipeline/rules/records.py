@@ -18,10 +18,9 @@ from typing import Any
 
 import orjson
 
-from filter_pipeline.rules.schemas import canonical_key, key_hash
+from filter_pipeline.rules.schemas import RAW_MAX_CHARS, canonical_key, key_hash
 
 MAX_LINE_BYTES = 1 << 20  # a record this long is a harness bug, not a trajectory
-RAW_MAX_CHARS = 4096  # how much of a rejected line is kept in batch_rejects
 
 
 def _is_str(v: Any) -> bool:

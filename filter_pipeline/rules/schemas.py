@@ -23,6 +23,15 @@ from filter_pipeline.rules.descriptions import (
     COLUMN_DESCRIPTIONS as COLUMN_DESCRIPTIONS,
 )
 from filter_pipeline.rules.descriptions import (
+    DETAIL_MAX_CHARS as DETAIL_MAX_CHARS,
+)
+from filter_pipeline.rules.descriptions import (
+    RAW_MAX_CHARS as RAW_MAX_CHARS,
+)
+from filter_pipeline.rules.descriptions import (
+    RAW_REPLY_MAX_CHARS as RAW_REPLY_MAX_CHARS,
+)
+from filter_pipeline.rules.descriptions import (
     REASONING_MAX_CHARS as REASONING_MAX_CHARS,
 )
 
@@ -48,7 +57,6 @@ STAGE_EXECUTE = "execute"
 STAGE_JUDGE = "judge"
 # failure_pool.detail of a verdict the model passed but FILTER_JUDGE_MIN_SCORE failed
 BELOW_MIN_SCORE_DETAIL = "score {score} is below the minimum score (FILTER_JUDGE_MIN_SCORE); the judge: {why}"
-DETAIL_MAX_CHARS = 500
 
 DROPPED_DUPLICATE = "duplicate"
 DROPPED_SITE_CAP = "site_cap"

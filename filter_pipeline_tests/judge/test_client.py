@@ -9,7 +9,6 @@ import threading
 import pytest
 
 from filter_pipeline.judge.client import (
-    RAW_REPLY_MAX_CHARS,
     REPAIR_PROMPT,
     JudgeClient,
     Vote,
@@ -17,7 +16,7 @@ from filter_pipeline.judge.client import (
     majority,
 )  # fmt: skip
 from filter_pipeline.judge.config import LLMJudgeConfig
-from filter_pipeline.rules.schemas import REASONING_MAX_CHARS
+from filter_pipeline.rules.schemas import RAW_REPLY_MAX_CHARS, REASONING_MAX_CHARS
 from filter_pipeline_tests.judge.asking import FAIL, PASS, PROSE, prompt, sequence, settings
 from filter_pipeline_tests.openai_server import FakeOpenAI, Reply, error_body
 
