@@ -16,7 +16,9 @@ EXECUTOR_ENV = "FILTER_PIPELINE_EXECUTOR"
 # process, as a deployment that isolates steps wants.
 DEFAULT_EXECUTOR = "in_process"
 
-JUDGE_KINDS = ("gate", "llm")
+JUDGE_GATE, JUDGE_LLM = "gate", "llm"  # the two judges (`--judge`, FILTER_JUDGE_KIND)
+JUDGE_KINDS = (JUDGE_GATE, JUDGE_LLM)
+DEFAULT_JUDGE = JUDGE_GATE
 JUDGE_KIND_ENV = "FILTER_JUDGE_KIND"
 
 

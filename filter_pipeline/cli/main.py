@@ -13,6 +13,7 @@ from filter_pipeline.rules.history import HistoryError
 from filter_pipeline.settings import (
     DATA_ENV,
     DEFAULT_DATA,
+    DEFAULT_JUDGE,
     JUDGE_KIND_ENV,
     JUDGE_KINDS,
     data_path,
@@ -38,7 +39,10 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("run_ids", nargs="*", metavar="RUN_ID", help="run_id folders under <data>/runs/")
     m.add_argument("--data", default=None, help=f"data root (default: ${DATA_ENV} or '{DEFAULT_DATA}')")
     m.add_argument(
-        "--judge", choices=JUDGE_KINDS, default=None, help=f"which judge decides (default: ${JUDGE_KIND_ENV} or gate)"
+        "--judge",
+        choices=JUDGE_KINDS,
+        default=None,
+        help=f"which judge decides (default: ${JUDGE_KIND_ENV} or {DEFAULT_JUDGE})",
     )
     m.add_argument(
         "--per-site-cap",

@@ -29,7 +29,7 @@ from filter_pipeline.rules.schemas import (
     STATUS_JUDGED,
     evidence_kind,
 )
-from filter_pipeline.settings import JUDGE_KINDS
+from filter_pipeline.settings import DEFAULT_JUDGE, JUDGE_GATE, JUDGE_KINDS, JUDGE_LLM
 
 __all__ = ["ENV", "JudgeResource", "judge_from_env"]
 
@@ -41,7 +41,7 @@ def gate_verdicts(requests: pd.DataFrame) -> pd.DataFrame:
         why=GATE_WHY,
         votes=GATE_VOTES,
         status=STATUS_JUDGED,
-        judge="gate",
+        judge=JUDGE_GATE,
         cached=False,
         deduplicated=False,
         requests=0,
@@ -60,7 +60,9 @@ class JudgeResource(dg.ConfigurableResource):
     """Judges each task's last ok attempt. `gate` trusts the deterministic backend gate alone; `llm` asks a
     model behind an OpenAI-compatible endpoint, by majority of `votes`, reusing verdicts already paid for."""
 
-    kind: str = Field(default="gate", description="'gate' (deterministic backend gate only) or 'llm'.")
+    kind: str = Field(
+        default=DEFAULT_JUDGE, description=f"'{JUDGE_GATE}' (deterministic backend gate only) or '{JUDGE_LLM}'."
+    )
     llm: LLMJudgeConfig = Field(
         default_factory=LLMJudgeConfig, description="The LLM judge's settings (used when kind is 'llm')."
     )
@@ -75,8 +77,8 @@ class JudgeResource(dg.ConfigurableResource):
     def identity(self) -> dict:
         """This judge as a commit record names it (`commits.JUDGE_IDENTITY`, `commits.judge_settings`): kind, and
         the LLM's model, prompt version, votes per task and a digest of every setting its cache key depends on."""
-        if self.kind == "gate":
-            return {"kind": "gate", "model": None, "prompt_version": None, "votes": "gate", "settings": None}
+        if self.kind == JUDGE_GATE:
+            return {"kind": JUDGE_GATE, "model": None, "prompt_version": None, "votes": GATE_VOTES, "settings": None}
         return {"kind": self.kind, "model": self.llm.model, "prompt_version": self.llm.prompt_version,
                 "votes": str(self.llm.votes), "settings": self.llm.settings_digest()}  # fmt: skip
 
@@ -108,15 +110,15 @@ class JudgeResource(dg.ConfigurableResource):
         saved by a materialization that did not finish: their matching verdicts are reused. Raises
         EndpointRefused when the endpoint refuses every request.
         """
-        if self.kind == "gate":
+        if self.kind == JUDGE_GATE:
             log.info(f"judged {len(requests)}/{len(requests)} tasks with the deterministic gate")
-            return Judgement(gate_verdicts(requests), {"judge": "gate"})
+            return Judgement(gate_verdicts(requests), {"judge": JUDGE_GATE})
         return _llm_judgement(requests, self, data_root, record_steps, previous, progress, log)
 
 
 def judge_from_env(kind: str | None = None, overrides: dict | None = None) -> JudgeResource:
     """The judge resource configured by FILTER_JUDGE_* variables, `overrides` (LLM settings) in their place."""
-    return JudgeResource(kind=kind or os.environ.get(ENV["kind"], "gate"), llm=config_from_env(overrides))
+    return JudgeResource(kind=kind or os.environ.get(ENV["kind"], DEFAULT_JUDGE), llm=config_from_env(overrides))
 
 
 # --- the LLM path -----------------------------------------------------------------------------------
@@ -146,7 +148,7 @@ def _llm_judgement(
     frame = result.frame.assign(passed=driver.passes(result.frame, config.min_score))
     cost = prices.cost(_ints(frame["prompt_tokens"]), _ints(frame["completion_tokens"]), _ints(frame["cached_tokens"]))
     verdicts = requests.reset_index(drop=True).assign(
-        **frame, cost=cost, judge="llm", model=config.model, prompt_version=config.prompt_version
+        **frame, cost=cost, judge=JUDGE_LLM, model=config.model, prompt_version=config.prompt_version
     )
     _warn_missing_evidence(verdicts, log)
     metadata = _llm_metadata(verdicts, result.stats, config, prices)
@@ -188,7 +190,7 @@ def _llm_metadata(verdicts: pd.DataFrame, stats: driver.DriveStats, config: LLMJ
     evidence = evidence_counts(verdicts)
     missing = sum(n for kind, n in evidence.items() if kind != EVIDENCE_TRAJECTORY)
     metadata = {
-        "judge": "llm",
+        "judge": JUDGE_LLM,
         "model": config.model,
         "prompt_version": config.prompt_version,
         **spent,
