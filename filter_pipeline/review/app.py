@@ -307,10 +307,14 @@ def label_record(review: Review, body) -> dict:
             raise BadRequest(f"{name}: expected text (it holds a lone surrogate)")
     if isinstance(body.get("dir"), str):
         dir_ = body["dir"]
-        run_id = dir_.split("/")[1] if dir_.count("/") >= 2 else ""
-        attempts = review.warehouse.run(run_id).attempts if inside_run(run_id, dir_) else None
-        if attempts is None or not (attempts["dir"] == dir_).any():
-            raise ReviewError(f"no attempt with dir {dir_!r}")
+        parts = dir_.split("/")
+        # (the run whose folder holds the dir; for a dir elsewhere in the data root, the run named beside it)
+        run_id = parts[1] if len(parts) > 2 and inside_run(parts[1], dir_) else body.get("run_id")
+        if run_id is None:
+            raise ReviewError(f"no attempt with dir {dir_!r} (outside runs/<run_id>/: send its run_id too)")
+        attempts = review.warehouse.run(run_id).attempts
+        if not (attempts["dir"] == dir_).any():
+            raise ReviewError(f"no attempt with dir {dir_!r} in run {run_id!r}")
         _same_attempt(body, dir_, run_id, set(attempts.loc[attempts["dir"] == dir_, "task_id"]))
     elif isinstance(body.get("run_id"), str) and isinstance(body.get("task_id"), str):
         dir_ = story(review.warehouse, body["run_id"], body["task_id"])["judged_dir"]

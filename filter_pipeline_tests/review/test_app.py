@@ -492,3 +492,24 @@ def test_back_to_the_list_returns_to_the_page_that_holds_the_task(tmp_path):
         assert 'id="next" href="/runs/r1/tasks/t056?macro=m&amp;limit=50"' in body
     finally:
         app.stop()
+
+
+def test_an_attempt_whose_dir_lies_outside_its_runs_folder_is_labelled_with_its_run_named(tmp_path):
+    from upath import UPath
+
+    from filter_pipeline.review.app import Review, label_record
+    from filter_pipeline.review.data import ReviewError
+    from filter_pipeline_tests.review.small_warehouse import write_asset, write_run
+
+    write_run(tmp_path, "r1")
+    write_asset(tmp_path, "batch_attempts", "r1", [{"task_id": "k", "attempt": 1, "ok": True, "run_id": "r1",
+                                                   "dir": "shared/traj/k/1", "n_actions": 2}])  # fmt: skip
+    review = Review(UPath(str(tmp_path)), "tester")
+    asked = {"dir": "shared/traj/k/1", "success": True}
+    assert (
+        label_record(review, {**asked, "run_id": "r1", "task_id": "k"})["dir"] == "shared/traj/k/1"
+    )  # (the page's form)
+    with pytest.raises(ReviewError, match="outside runs/<run_id>/: send its run_id too"):
+        label_record(review, asked)
+    with pytest.raises(ReviewError, match="no attempt with dir 'shared/traj/k/2' in run 'r1'"):
+        label_record(review, {**asked, "dir": "shared/traj/k/2", "run_id": "r1"})

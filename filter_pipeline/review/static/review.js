@@ -11,7 +11,8 @@ async function sendLabel(success) {
   if (!form) return;
   const status = form.querySelector(".label-status");
   const note = form.querySelector("input[name=note]").value;
-  const body = { dir: form.dataset.dir, success: success };
+  // (the run and task too: an attempt's dir may lie outside its run's folder)
+  const body = { dir: form.dataset.dir, run_id: form.dataset.run, task_id: form.dataset.task, success: success };
   if (note) body.note = note;
   status.textContent = "saving…";
   const response = await fetch("/api/labels", {
