@@ -94,8 +94,11 @@ def _rows(path) -> int:
         return 0
 
 
-def saved_line(signals: Signals, data, run_id: str | None, committed: bool, done: list[str]) -> str:
-    """The one line for an interrupt while `run_id` was materialized (None: between runs)."""
+def saved_line(
+    signals: Signals, data, run_id: str | None, committed: bool, done: list[str], rewalk: bool = False
+) -> str:
+    """The one line for an interrupt while `run_id` was materialized (None: between runs); `rewalk`: a re-walk of
+    a run filtered before, which only naming it again finishes (a `materialize` naming no run leaves it)."""
     earlier = f"; {', '.join(done)} finished before it" if done else ""
     if run_id is None:
         what = f"interrupted by {signals.name()} before a run started{earlier}"
@@ -105,4 +108,5 @@ def saved_line(signals: Signals, data, run_id: str | None, committed: bool, done
             f"interrupted by {signals.name()} during {run_id}: {verdicts_saved(data, run_id)} judge verdicts saved, "
             f"{walk}{earlier}"
         )
-    return f"filter-pipeline: {what}; run `filter-pipeline materialize` again to resume from what was saved"
+    again = f"filter-pipeline materialize {run_id}" if rewalk and not committed else "filter-pipeline materialize"
+    return f"filter-pipeline: {what}; run `{again}` again to resume from what was saved"

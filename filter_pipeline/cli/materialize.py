@@ -356,7 +356,8 @@ def _run_one(instance, data: DataRoot, job, caps, tags: dict, selection, signals
         result = None
     if result is None or (not result.success and was_interrupted(result)):
         committed = commit_state(data.warehouse, run_id) != before
-        raise Interrupted(saved_line(signals, data, run_id, committed, so_far[:-1]), signals.exit_status)
+        line = saved_line(signals, data, run_id, committed, so_far[:-1], rewalk=before.exists)
+        raise Interrupted(line, signals.exit_status)
     return result
 
 

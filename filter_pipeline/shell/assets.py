@@ -15,7 +15,7 @@ from filter_pipeline.judge.driver import ProgressStore, RecordSteps
 from filter_pipeline.judge.resource import JudgeResource
 from filter_pipeline.rules import calibration, checks, filtering, report, verify
 from filter_pipeline.rules.batch import EXECUTIONS_FILE, TASKS_FILE, BatchError
-from filter_pipeline.rules.commits import another_judge, judge_settings
+from filter_pipeline.rules.commits import CommitRecord, another_judge, judge_settings
 from filter_pipeline.rules.coverage import coverage_chart, coverage_markdown, coverage_table
 from filter_pipeline.rules.descriptions import column_description
 from filter_pipeline.rules.history import RETIRED_FILE, parse_retired
@@ -36,6 +36,7 @@ from filter_pipeline.storage import failures
 from filter_pipeline.storage.audit import audit
 from filter_pipeline.storage.history import kept_counts, load_retired, read_commit, read_retired
 from filter_pipeline.storage.labels import read_labels
+from filter_pipeline.storage.publish import commit_state
 from filter_pipeline.storage.runs import count_records, read_batch
 
 run_id_partitions = dg.DynamicPartitionsDefinition(name="run_id")
@@ -156,24 +157,56 @@ def judge_batch(context: dg.AssetExecutionContext, judge: JudgeResource, data: D
     # in the warehouse before judging starts, however long it takes
     yield from _batch_outputs(batch)
     requests = filtering.attempts_to_judge(batch.tasks, batch.attempts, batch.task_at)
-    judgement = _judge(context, judge, data, run_id, requests)
-    verdicts = judgement.verdicts.assign(backend=judgement.verdicts["backend_detail"], run_id=run_id)
-    # written into the verdicts file (its pandas metadata): what the run's commit records as the input judged
-    verdicts.attrs[JUDGED_INPUTS] = batch.inputs
-    verdicts.attrs[JUDGED_BY] = judge.identity()
-    yield dg.Output(
-        verdicts, output_name="judge_verdicts", metadata=_verdicts_metadata(verdicts, batch, requests, judgement)
-    )
-    judgement.written()  # (resumed once the IO manager has written the partition: the saved progress is in it)
+    # a run another walk committed while this one waited, or while it judged: its committed verdicts stand
+    committed = _committed_meanwhile(context, data, run_id)  # (asked before paying for any verdict)
+    judgement = None if committed else _judge(context, judge, data, run_id, requests)
+    committed = committed or _committed_meanwhile(context, data, run_id)
+    if committed:
+        verdicts, failures, metadata = _committed_outputs(context, data, committed)
+    else:
+        verdicts = _verdicts(judgement, judge, batch, run_id)
+        executed = filtering.execute_failures(batch.tasks, batch.attempts, batch.task_at)
+        failures = pd.concat([executed, filtering.judge_failures(verdicts)], ignore_index=True)
+        metadata = (_verdicts_metadata(verdicts, batch, requests, judgement), _failures_metadata(failures))
+    yield dg.Output(verdicts, output_name="judge_verdicts", metadata=metadata[0])
+    if judgement is not None:
+        judgement.written()  # (resumed once the IO manager has written the partition: the saved progress is in it)
     yield _all_tasks_judged(verdicts)
-    executed = filtering.execute_failures(batch.tasks, batch.attempts, batch.task_at)
-    failures = pd.concat([executed, filtering.judge_failures(verdicts)], ignore_index=True)
-    yield dg.Output(failures, output_name="failure_pool", metadata=_failures_metadata(failures))
+    yield dg.Output(failures, output_name="failure_pool", metadata=metadata[1])
     records = count_records(data.run_dir(run_id))
     conserved = checks.attempts_conserved(records, batch.attempts, batch.rejects, verdicts)
     yield check_result("attempts_conserved", "failure_pool", conserved)
     matched = checks.execute_rows_match_failed_attempts(failures, batch.attempts)
     yield check_result("execute_rows_match_failed_attempts", "failure_pool", matched)
+
+
+def _verdicts(judgement, judge: JudgeResource, batch, run_id: str) -> pd.DataFrame:
+    verdicts = judgement.verdicts.assign(backend=judgement.verdicts["backend_detail"], run_id=run_id)
+    # written into the verdicts file (its pandas metadata): what the run's commit records as the input judged
+    verdicts.attrs[JUDGED_INPUTS] = batch.inputs
+    verdicts.attrs[JUDGED_BY] = judge.identity()
+    return verdicts
+
+
+def _committed_meanwhile(context: dg.AssetExecutionContext, data: DataRoot, run_id: str) -> CommitRecord | None:
+    """The run's commit record when another walk committed it while this Dagster run, asked for its first walk,
+    waited or judged (`waiting.filtered_meanwhile`); else None."""
+    from filter_pipeline.shell.waiting import filtered_meanwhile  # (waiting.py imports jobs.py, which imports this)
+
+    return filtered_meanwhile(context, data, {run_id: commit_state(data.warehouse, run_id)}).get(run_id)
+
+
+def _committed_outputs(context, data: DataRoot, record: CommitRecord) -> tuple[pd.DataFrame, pd.DataFrame, tuple]:
+    """The verdicts and failure pool the committed walk walked, as its files hold them: what this run outputs
+    (the same content written again) rather than its own, which would contradict the commit's kept rows."""
+    why = (
+        f"{record.run_id}: already filtered by another walk (committed, walked at {record.walked_at}) while this "
+        "run judged it: its verdicts and failure pool stand, this run's are not written"
+    )
+    context.log.info(why)
+    frames = [read_parquet(data.asset_file(asset, record.run_id)) for asset in ("judge_verdicts", "failure_pool")]
+    metadata = tuple({"already_filtered": why, "dagster/row_count": len(frame)} for frame in frames)
+    return frames[0], frames[1], metadata
 
 
 def _verdicts_metadata(verdicts: pd.DataFrame, batch, requests: pd.DataFrame, judgement) -> dict:
@@ -214,7 +247,7 @@ def _parse(context: dg.AssetExecutionContext, data: DataRoot, run_id: str):
         # recorded, so that later batches stop waiting for this one (CONTRACT §4); its walk, once the batch
         # is fixed, removes the record. One line on the run (no retry: the batch must be fixed first).
         failures.record_failure(data.warehouse, run_id, str(exc))
-        raise dg.Failure(description=str(exc), allow_retries=False) from exc
+        raise dg.Failure(description=str(exc), allow_retries=False) from None  # (the line says it all)
     context.log.info(
         f"parsed runs/{run_id}: {len(batch.tasks)} tasks, {len(batch.attempts)} attempts, "
         f"{len(batch.rejects)} rejected lines in {batch.seconds:.1f} s"

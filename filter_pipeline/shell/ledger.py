@@ -29,11 +29,11 @@ from filter_pipeline.shell.config import (
     deployment_caps_config,
     refuse_invalid_run_caps,
 )
-from filter_pipeline.shell.jobs import FIRST_WALK_TAG, PRIORITY_TAG
-from filter_pipeline.shell.waiting import DEFERRED_TAG, Deferred, retry_later, wait_for_lower_runs
+from filter_pipeline.shell.jobs import PRIORITY_TAG
+from filter_pipeline.shell.waiting import DEFERRED_TAG, Deferred, filtered_meanwhile, retry_later, wait_for_lower_runs
 from filter_pipeline.shell.warehouse import DataRoot, encode
 from filter_pipeline.storage import failures
-from filter_pipeline.storage.history import build_prior_index, load_retired, read_commit
+from filter_pipeline.storage.history import build_prior_index, load_retired
 from filter_pipeline.storage.lease import Lease, LedgerBusy, StoreIgnoresConditions, ledger_lease
 from filter_pipeline.storage.publish import (
     CommitState,
@@ -199,27 +199,6 @@ def _write(data: DataRoot, staged: StagedWalk, run_id: str, asset: str, frame: p
     written); returns its commit entry."""
     table, content = encode(frame, asset)
     return staged.write(data.asset_file(asset, run_id), content, table.num_rows)
-
-
-def filtered_meanwhile(
-    context: dg.AssetExecutionContext, data: DataRoot, read: dict[str, CommitState]
-) -> dict[str, CommitRecord]:
-    """The runs this Dagster run was asked to walk for the first time that another walk committed while it
-    waited (their records). Asked for a first walk: named in the FIRST_WALK_TAG tag; without the tag (a backfill,
-    the launchpad), a run whose commit was walked after this Dagster run was created."""
-    tagged = context.run.tags.get(FIRST_WALK_TAG)
-    created = None
-    if tagged is None:
-        record = context.instance.get_run_record_by_id(context.run.run_id)
-        created = record.create_timestamp.timestamp() if record else None
-    found = {}
-    for run_id, state in read.items():
-        if not state.exists or (tagged is not None and run_id not in tagged.split()):
-            continue
-        committed = read_commit(data.warehouse, run_id)
-        if tagged is not None or (created is not None and committed.walked_timestamp >= created):
-            found[run_id] = committed
-    return found
 
 
 def _already_filtered(context: dg.AssetExecutionContext, record: CommitRecord):

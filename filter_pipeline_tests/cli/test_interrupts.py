@@ -61,3 +61,18 @@ def test_an_interrupted_walk_says_what_was_saved_and_exits_with_the_signals_stat
     again = cli()
     assert again.returncode == 0 and "r1: judged 9, unjudged 0, kept 9" in again.stdout, again.stderr[-3000:]
     assert_verified(data_root)
+
+
+def test_an_interrupted_rewalk_says_to_name_its_run_again_a_finished_one_does_not(tmp_path):
+    from types import SimpleNamespace
+
+    from filter_pipeline.cli.interrupts import saved_line
+    from filter_pipeline.shell.warehouse import DataRoot
+
+    sigint, data = SimpleNamespace(name=lambda: "SIGINT"), DataRoot(path=str(tmp_path))
+    # (a materialize naming no run leaves a run filtered before as it is: only naming it finishes its re-walk)
+    pending = saved_line(sigint, data, "r1", committed=False, done=[], rewalk=True)
+    assert pending.endswith("its walk not committed (nothing of it published); run `filter-pipeline materialize r1` "
+                            "again to resume from what was saved")  # fmt: skip
+    done = saved_line(sigint, data, "r1", committed=True, done=[], rewalk=True)
+    assert done.endswith("its walk committed; run `filter-pipeline materialize` again to resume from what was saved")

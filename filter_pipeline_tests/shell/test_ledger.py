@@ -88,6 +88,33 @@ def test_a_walk_commits_every_file_it_wrote_with_sizes_hashes_caps_judge_inputs_
     assert audit(UPath(data_root)) == []
 
 
+def test_a_run_another_launcher_committed_while_this_one_judged_it_keeps_the_committed_verdicts(data_root, monkeypatch):
+    same_keys_batches(data_root, "r1")
+    committed = {}
+    real = JudgeResource.judge
+
+    def judged_while_another_launcher_commits(self, requests, *args, **kwargs):
+        monkeypatch.setattr(JudgeResource, "judge", real)  # (the other launcher judges as usual)
+        with dg.instance_for_test() as laptop:  # (another Dagster instance on the same warehouse)
+            assert materialize(laptop, data_root, "r1").success
+        for asset in ("judge_verdicts", "failure_pool", "kept"):
+            committed[asset] = pq.read_table(data_root / "warehouse" / asset / "r1.parquet").to_pylist()
+        judgement = real(self, requests, *args, **kwargs)
+        judgement.verdicts["passed"] = False  # this one's verdicts differ (the LLM's votes at a temperature)
+        return judgement
+
+    monkeypatch.setattr(JudgeResource, "judge", judged_while_another_launcher_commits)
+    with dg.instance_for_test() as deployment:
+        result = materialize(deployment, data_root, "r1")
+    assert result.success and len(committed["kept"]) == 3
+    for asset in ("judge_verdicts", "failure_pool", "kept"):  # (written over, kept rows would be judge failures)
+        assert pq.read_table(data_root / "warehouse" / asset / "r1.parquet").to_pylist() == committed[asset], asset
+    [said] = [m.metadata["already_filtered"].value for m in result.asset_materializations_for_node("judge_batch")
+              if m.asset_key.path[-1] == "judge_verdicts"]  # fmt: skip
+    assert said.startswith("r1: already filtered by another walk") and "while this run judged it" in said
+    assert audit(UPath(data_root)) == []
+
+
 def test_the_asset_checks_still_run_and_the_across_runs_job_carries_the_warehouse_audit(instance, data_root):
     same_keys_batches(data_root, "r1")
     result = materialize(instance, data_root, "r1")
