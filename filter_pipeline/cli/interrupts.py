@@ -95,10 +95,11 @@ def _rows(path) -> int:
 
 
 def saved_line(
-    signals: Signals, data, run_id: str | None, committed: bool, done: list[str], rewalk: bool = False
+    signals: Signals, data, run_id: str | None, committed: bool, done: list[str], named: list[str] = ()
 ) -> str:
-    """The one line for an interrupt while `run_id` was materialized (None: between runs); `rewalk`: a re-walk of
-    a run filtered before, which only naming it again finishes (a `materialize` naming no run leaves it)."""
+    """The one line for an interrupt while `run_id` was materialized (None: between runs). `named`: when the call
+    named its runs, those still to do, `run_id` first: the line names them again (a `materialize` naming no run
+    would leave a re-walk of a run filtered before undone, and take runs not named)."""
     earlier = f"; {', '.join(done)} finished before it" if done else ""
     if run_id is None:
         what = f"interrupted by {signals.name()} before a run started{earlier}"
@@ -108,5 +109,6 @@ def saved_line(
             f"interrupted by {signals.name()} during {run_id}: {verdicts_saved(data, run_id)} judge verdicts saved, "
             f"{walk}{earlier}"
         )
-    again = f"filter-pipeline materialize {run_id}" if rewalk and not committed else "filter-pipeline materialize"
+    remaining = [r for r in named if not (r == run_id and committed)]
+    again = " ".join(["filter-pipeline materialize", *remaining])
     return f"filter-pipeline: {what}; run `{again}` again to resume from what was saved"

@@ -227,7 +227,7 @@ def materialize(args: argparse.Namespace, signals: Signals | None = None) -> int
         status = _nothing_to_materialize(instance, data, args, refused)
     else:
         _register(instance, run_ids)
-        failed, unjudged = _run_batches(instance, data, caps, run_ids, rejudge, signals)
+        failed, unjudged = _run_batches(instance, data, caps, run_ids, rejudge, signals, named=bool(args.run_ids))
         status = EXIT_FAILED if failed or refused else EXIT_UNJUDGED if unjudged else 0
         if unjudged:
             print(
@@ -306,7 +306,7 @@ def _nothing_to_materialize(instance: dg.DagsterInstance, data: DataRoot, args, 
     return EXIT_FAILED if refused else 0
 
 
-def _run_batches(instance, data: DataRoot, caps, run_ids: list[str], rejudge: dict, signals: Signals):
+def _run_batches(instance, data: DataRoot, caps, run_ids: list[str], rejudge: dict, signals: Signals, named: bool):
     """One Dagster run per batch, in `run_ids`' order, each summarized in a line; coverage and calibration
     once, in the last batch's run (or on their own if it failed). Returns (runs failed, runs left unjudged)."""
     committed = set(read_commits(data.warehouse))  # a run not committed now is asked for its first walk
@@ -323,7 +323,9 @@ def _run_batches(instance, data: DataRoot, caps, run_ids: list[str], rejudge: di
         if run_id in rejudge:
             tags.update(rejudge_tags(rejudge[run_id]))
             print(f"{run_id}: judging its unjudged tasks again (try {rejudge[run_id].try_number})", flush=True)
-        result = _run_one(instance, data, job, caps, tags, None if last else batch_only, signals, run_ids[:position])
+        still_named = run_ids[position - 1 :] if named else []
+        selection = None if last else batch_only
+        result = _run_one(instance, data, job, caps, tags, selection, signals, run_ids[:position], still_named)
         if result.success:
             print(_already_filtered(result) or summarize(data, run_id), flush=True)
             unjudged += _unjudged(data, run_id) > 0
@@ -339,9 +341,12 @@ def _run_batches(instance, data: DataRoot, caps, run_ids: list[str], rejudge: di
     return failed, unjudged
 
 
-def _run_one(instance, data: DataRoot, job, caps, tags: dict, selection, signals: Signals, so_far: list[str]):
+def _run_one(
+    instance, data: DataRoot, job, caps, tags: dict, selection, signals: Signals, so_far: list[str], still_named
+):
     """Execute the job for the batch `so_far[-1]` (`selection`: its assets; None: all, coverage and calibration
-    included); raises Interrupted, saying what was saved, when the user interrupted it."""
+    included); raises Interrupted, saying what was saved (and, for a call that named its runs, the ones to name
+    again: `still_named`), when the user interrupted it."""
     run_id = so_far[-1]
     # (--caps / --per-site-cap are this call's walks' caps only: coverage is the warehouse's, at the
     # deployment's caps, so a one-off cap does not rewrite everyone's coverage; the run's report says so)
@@ -356,7 +361,7 @@ def _run_one(instance, data: DataRoot, job, caps, tags: dict, selection, signals
         result = None
     if result is None or (not result.success and was_interrupted(result)):
         committed = commit_state(data.warehouse, run_id) != before
-        line = saved_line(signals, data, run_id, committed, so_far[:-1], rewalk=before.exists)
+        line = saved_line(signals, data, run_id, committed, so_far[:-1], still_named)
         raise Interrupted(line, signals.exit_status)
     return result
 

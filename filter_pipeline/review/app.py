@@ -13,6 +13,7 @@ from pathlib import Path
 from urllib.parse import quote, urlencode, urlsplit
 
 import numpy as np
+import pandas as pd
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -307,14 +308,7 @@ def label_record(review: Review, body) -> dict:
             raise BadRequest(f"{name}: expected text (it holds a lone surrogate)")
     if isinstance(body.get("dir"), str):
         dir_ = body["dir"]
-        parts = dir_.split("/")
-        # (the run whose folder holds the dir; for a dir elsewhere in the data root, the run named beside it)
-        run_id = parts[1] if len(parts) > 2 and inside_run(parts[1], dir_) else body.get("run_id")
-        if run_id is None:
-            raise ReviewError(f"no attempt with dir {dir_!r} (outside runs/<run_id>/: send its run_id too)")
-        attempts = review.warehouse.run(run_id).attempts
-        if not (attempts["dir"] == dir_).any():
-            raise ReviewError(f"no attempt with dir {dir_!r} in run {run_id!r}")
+        run_id, attempts = _run_with_dir(review, body, dir_)
         _same_attempt(body, dir_, run_id, set(attempts.loc[attempts["dir"] == dir_, "task_id"]))
     elif isinstance(body.get("run_id"), str) and isinstance(body.get("task_id"), str):
         dir_ = story(review.warehouse, body["run_id"], body["task_id"])["judged_dir"]
@@ -325,6 +319,24 @@ def label_record(review: Review, body) -> dict:
     labeler = body.get("labeler") if isinstance(body.get("labeler"), str) and body["labeler"] else review.labeler
     record = {"dir": dir_, "success": body["success"]}
     return record | ({"note": note} if note else {}) | {"labeler": labeler[:200], "labeled_at": now_iso()}
+
+
+def _run_with_dir(review: Review, body: dict, dir_: str) -> tuple[str, pd.DataFrame]:
+    """(the run, its attempts) of the attempt with trajectory `dir_`: in the run named beside it, else in the run
+    whose folder holds it (a batch's dirs may lie anywhere in the data root); ReviewError when neither has it."""
+    parts = dir_.split("/")
+    folder_run = parts[1] if len(parts) > 2 and inside_run(parts[1], dir_) else None
+    candidates = list(dict.fromkeys(r for r in (body.get("run_id"), folder_run) if r))
+    if not candidates:
+        raise ReviewError(f"no attempt with dir {dir_!r} (outside runs/<run_id>/: send its run_id too)")
+    for run_id in candidates:
+        try:
+            attempts = review.warehouse.run(run_id).attempts
+        except ReviewError:
+            continue
+        if (attempts["dir"] == dir_).any():
+            return run_id, attempts
+    raise ReviewError(f"no attempt with dir {dir_!r} in run {' or '.join(map(repr, candidates))}")
 
 
 def _same_attempt(body: dict, dir_: str, run_id: str, task_ids: set[str]) -> None:

@@ -35,7 +35,7 @@ from filter_pipeline.rules.schemas import (
 )
 from filter_pipeline.storage.failures import failure_path, read_failure
 from filter_pipeline.storage.files import RUNS_DIR, WAREHOUSE_DIR
-from filter_pipeline.storage.history import committed_path, read_retired
+from filter_pipeline.storage.history import committed_paths, read_retired
 from filter_pipeline.storage.runs import unparsed_batch
 
 CACHED_RUNS = 8  # run tables kept in memory (least recently used dropped first)
@@ -262,7 +262,7 @@ def _retired(root: UPath) -> Retired:
 
 def load_run(root: UPath, run_id: str, files: dict[str, UPath]) -> RunTables:
     """Read the run's files and derive each task's fate. A file the run's commit names is read where it is
-    (`committed_path`: a publish not complete holds it in its staging folder); HistoryIntegrityError (a
+    (`committed_paths`: a publish not complete holds it in its staging folder); HistoryIntegrityError (a
     ValueError) naming it when it is nowhere: the run's rows are not shown as undecided."""
     commit = None
     try:
@@ -274,7 +274,7 @@ def load_run(root: UPath, run_id: str, files: dict[str, UPath]) -> RunTables:
     except ValueError as exc:
         commit = {"error": str(exc)}
     else:
-        files = files | {a: committed_path(root, run_id, e) for a, e in record.files.items() if a in ASSETS}
+        files = files | committed_paths(root, run_id, {a: e for a, e in record.files.items() if a in ASSETS})
     verdicts, judged = _verdicts(files["judge_verdicts"])
     legacy = files["legacy"] if files["legacy"].exists() else None
     # (before the judge step parsed the batch, it is parsed here as that step will; once it has, a failure on

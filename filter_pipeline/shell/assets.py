@@ -169,7 +169,7 @@ def judge_batch(context: dg.AssetExecutionContext, judge: JudgeResource, data: D
         failures = pd.concat([executed, filtering.judge_failures(verdicts)], ignore_index=True)
         metadata = (_verdicts_metadata(verdicts, batch, requests, judgement), _failures_metadata(failures))
     yield dg.Output(verdicts, output_name="judge_verdicts", metadata=metadata[0])
-    if judgement is not None:
+    if not committed:  # (a run committed meanwhile keeps this run's saved verdicts: a re-walk reuses them)
         judgement.written()  # (resumed once the IO manager has written the partition: the saved progress is in it)
     yield _all_tasks_judged(verdicts)
     yield dg.Output(failures, output_name="failure_pool", metadata=metadata[1])
@@ -201,7 +201,7 @@ def _committed_outputs(context, data: DataRoot, record: CommitRecord) -> tuple[p
     (the same content written again) rather than its own, which would contradict the commit's kept rows."""
     why = (
         f"{record.run_id}: already filtered by another walk (committed, walked at {record.walked_at}) while this "
-        "run judged it: its verdicts and failure pool stand, this run's are not written"
+        "run waited or judged: its verdicts and failure pool stand, this run's are not written"
     )
     context.log.info(why)
     frames = [read_parquet(data.asset_file(asset, record.run_id)) for asset in ("judge_verdicts", "failure_pool")]

@@ -31,8 +31,9 @@ from filter_pipeline.shell.config import (
 )
 from filter_pipeline.shell.jobs import PRIORITY_TAG
 from filter_pipeline.shell.waiting import DEFERRED_TAG, Deferred, filtered_meanwhile, retry_later, wait_for_lower_runs
-from filter_pipeline.shell.warehouse import DataRoot, encode
+from filter_pipeline.shell.warehouse import LOADED_VERSION, DataRoot, encode
 from filter_pipeline.storage import failures
+from filter_pipeline.storage.files import file_version
 from filter_pipeline.storage.history import build_prior_index, load_retired
 from filter_pipeline.storage.lease import Lease, LedgerBusy, StoreIgnoresConditions, ledger_lease
 from filter_pipeline.storage.publish import (
@@ -277,14 +278,22 @@ def _walk_the_ledger(
     commit record as read when the lease was taken, which the publish is conditional on (on object storage a
     holder that stalled past its lease may have lost it to a walk that committed: it must not publish)."""
     staged = StagedWalk(data.root, read)
+    # the versions of the judge step's verdicts and failure pool this walk read, held against the files before its
+    # publish (batch_attempts is written again with the same rows by any judge step of the run: its content is
+    # the input files', whose fingerprints the commit records)
+    batch_attempts.attrs.pop(LOADED_VERSION, None)
+    loaded = {"judge_verdicts": judge_verdicts.attrs.pop(LOADED_VERSION, None),
+              "failure_pool": failure_pool.attrs.pop(LOADED_VERSION, None)}  # fmt: skip
     try:
         yield from _walk_staged(context, config, data, run_id, judge_verdicts, failure_pool, batch_attempts, source,
-                                lease, staged)  # fmt: skip
+                                lease, staged, loaded)  # fmt: skip
     finally:
         staged.discard()  # (nothing left once published; a walk that failed or was refused leaves nothing either)
 
 
-def _walk_staged(context, config, data, run_id, judge_verdicts, failure_pool, batch_attempts, source, lease, staged):
+def _walk_staged(
+    context, config, data, run_id, judge_verdicts, failure_pool, batch_attempts, source, lease, staged, loaded
+):
     """`_walk_the_ledger`'s body: its files written to `staged`, then (its checks held) its commit published."""
     inputs, changed = inputs_to_commit(data.warehouse, data.run_dir(run_id), run_id, judge_verdicts)
     judged_by = commits.judge_settings(judge_verdicts)
@@ -324,6 +333,7 @@ def _walk_staged(context, config, data, run_id, judge_verdicts, failure_pool, ba
         context.log.error(f"{run_id}: not committed ({', '.join(failing)} failed): nothing of this walk is kept")
     else:
         record = _commit_record(config, run_id, judge_verdicts, judged_by, result.kept, index, files, source, inputs)
+        _refuse_if_judged_again(data, run_id, loaded)
         _publish(context, data, staged, record, lease)
         for asset, (frame, metadata) in {**frames, **derived}.items():
             yield dg.MaterializeResult(
@@ -388,6 +398,21 @@ def _commit_record(config, run_id, judge_verdicts, judged_by, kept, index, files
         inputs=inputs,
         unjudged=int((judge_verdicts["status"] == STATUS_ERROR).sum()),
     )
+
+
+def _refuse_if_judged_again(data: DataRoot, run_id: str, loaded: dict) -> None:
+    """PublishRefused when a file of the judge step this walk read was written again since (another launcher's
+    judge step, judging the same run): the walk would commit kept rows its verdicts contradict; the walk of
+    the verdicts now in place commits instead."""
+    again = [
+        name for name, version in loaded.items() if version and file_version(data.asset_file(name, run_id)) != version
+    ]
+    if again:
+        raise PublishRefused(
+            f"{run_id}: not committed: {', '.join(f'warehouse/{n}/{run_id}.parquet' for n in again)} written again "
+            "while this walk ran (another launcher judging the same run); nothing of this walk is published, and "
+            "the walk of the files now in place commits the run (its launcher's, or the next materialize)"
+        )
 
 
 def _publish(context, data: DataRoot, staged: StagedWalk, record: CommitRecord, lease: Lease) -> None:

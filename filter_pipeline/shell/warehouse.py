@@ -20,7 +20,18 @@ from filter_pipeline.rules.schemas import (
     to_pandas,
 )
 from filter_pipeline.settings import DATA_ENV, DEFAULT_DATA, ENDPOINT_ENV, data_path
-from filter_pipeline.storage.files import RUNS_DIR, WAREHOUSE_DIR, atomic_write, files_in, open_root, read_parquet_file
+from filter_pipeline.storage.files import (
+    RUNS_DIR,
+    WAREHOUSE_DIR,
+    atomic_write,
+    file_version,
+    files_in,
+    open_root,
+    read_parquet_file,
+)
+
+# a loaded frame's attrs key: the version of the file it was read from (`ParquetWarehouseIOManager.load_from_path`)
+LOADED_VERSION = "filter_pipeline/loaded_version"
 
 
 class DataRoot(dg.ConfigurableResource):
@@ -121,8 +132,13 @@ class ParquetWarehouseIOManager(dg.UPathIOManager):
         write_bytes(encode(obj, asset)[1], path)
 
     def load_from_path(self, context: dg.InputContext, path: UPath) -> pd.DataFrame:
-        """The partition's frame; only the columns an input names in its `columns` metadata, if it does."""
-        return read_parquet(path, columns=(context.definition_metadata or {}).get("columns"))
+        """The partition's frame; only the columns an input names in its `columns` metadata, if it does. Its
+        `attrs[LOADED_VERSION]`: the file's version as it was read (`file_version`, taken before the read), so
+        that a step can tell whether the file was written again meanwhile."""
+        version = file_version(path)
+        frame = read_parquet(path, columns=(context.definition_metadata or {}).get("columns"))
+        frame.attrs[LOADED_VERSION] = version
+        return frame
 
     def get_metadata(self, context: dg.OutputContext, obj: pd.DataFrame) -> dict:
         return {"dagster/row_count": len(obj)}

@@ -175,6 +175,21 @@ def sha256_of(path: UPath) -> str:
     return digest.hexdigest()
 
 
+def file_version(path: UPath) -> tuple | None:
+    """What changes whenever the file at `path` is written again (its ETag on object storage; its mtime and size
+    elsewhere, an atomic write being a new file); None when it does not exist."""
+    if not is_local(path):
+        path.fs.invalidate_cache(path.path)  # (read fresh: a listing cache would hide another writer's write)
+    try:
+        info = path.fs.info(path.path)
+    except (FileNotFoundError, OSError):
+        return None
+    if is_local(path):
+        stat = os.stat(path.path)
+        return (stat.st_mtime_ns, stat.st_size, stat.st_ino)
+    return (info.get("ETag") or info.get("etag") or info.get("LastModified"), info.get("size"))
+
+
 def input_fingerprint(path: UPath) -> dict:
     """What tells a later reader whether an input file changed: size and SHA-256 (and mtime_ns, so an
     unchanged file need not be hashed again) on local disk; size and ETag on object storage."""
@@ -243,6 +258,8 @@ def store_trouble(exc: BaseException) -> str | None:
     reached, has no credentials or refuses), as `<ErrorType>: <its message>`; None for any other error."""
     from botocore.exceptions import BotoCoreError, ClientError  # (s3fs's; imported only when an error is told)
 
+    if isinstance(exc, (FileNotFoundError, IsADirectoryError, NotADirectoryError)):
+        return None  # (a file missing or of the wrong kind: not the store failing)
     return error_line(exc) if isinstance(exc, (OSError, BotoCoreError, ClientError)) else None
 
 

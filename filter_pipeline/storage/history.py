@@ -25,7 +25,7 @@ from filter_pipeline.rules.history import (
     whole_runs_counted,
 )
 from filter_pipeline.storage.files import RUNS_DIR, WAREHOUSE_DIR, files_in, read_if_present, read_parquet_file
-from filter_pipeline.storage.publish import commit_path, staged_copy
+from filter_pipeline.storage.publish import commit_path, published_folder, staged_copy
 
 
 def read_commit(warehouse: UPath, run_id: str) -> CommitRecord | None:
@@ -88,19 +88,21 @@ def verified_bytes(data_root: UPath, run_id: str, entry: dict) -> bytes:
     raise failure
 
 
-def committed_path(data_root: UPath, run_id: str, entry: dict) -> UPath:
-    """Where the committed file of `entry` (a commit record's) is now: in place, or in the staging folder of a
-    published walk that has not moved it yet. Raises HistoryIntegrityError naming it when it is in neither
-    (its content is not checked: `verified_bytes` does that)."""
-    final = data_root / entry["path"]
-    if final.exists():
-        return final
-    staged = staged_copy(data_root, run_id, entry["path"])
-    if staged is not None:
-        return staged
-    if final.exists():  # (moved into place between the two looks)
-        return final
-    raise _missing(run_id, entry)
+def committed_paths(data_root: UPath, run_id: str, entries: dict[str, dict]) -> dict[str, UPath]:
+    """Where each committed file of `entries` (a commit record's, by asset) is now: in the staging folder of the
+    published walk that has not moved it yet (a re-walk's file in place is the walk before's), else in place.
+    Raises HistoryIntegrityError naming a file in neither (contents are not checked: `verified_bytes` does)."""
+    folder = published_folder(data_root, run_id)
+    found = {}
+    for asset, entry in entries.items():
+        staged, final = (folder / entry["path"] if folder is not None else None), data_root / entry["path"]
+        if staged is not None and staged.exists():
+            found[asset] = staged
+        elif final.exists():  # (moved into place, or never staged)
+            found[asset] = final
+        else:
+            raise _missing(run_id, entry)
+    return found
 
 
 def _missing(run_id: str, entry: dict) -> HistoryIntegrityError:

@@ -335,7 +335,7 @@ def _staged_walks(data_root: UPath) -> Iterator[tuple[UPath, dict | None, bool]]
             manifest = json.loads((folder / MANIFEST).read_bytes())
         except (FileNotFoundError, ValueError):
             manifest = None
-        run_id = manifest["run_id"] if manifest else folder.name.partition(".")[0]
+        run_id = manifest["run_id"] if manifest else folder.name.rsplit(".", 3)[0]  # (<run_id>.<writer>.<pid>.<id>)
         yield (
             folder,
             manifest,
@@ -353,13 +353,20 @@ def incomplete_publishes(data_root: UPath) -> dict[str, tuple[UPath, bool]]:
     }
 
 
+def published_folder(data_root: UPath, run_id: str) -> UPath | None:
+    """The staging folder of the walk of `run_id` whose commit record stands, while its publish is not
+    complete (its files not all moved into place yet); else None."""
+    for folder, manifest, published in _staged_walks(data_root):
+        if published and manifest["run_id"] == run_id:
+            return folder
+    return None
+
+
 def staged_copy(data_root: UPath, run_id: str, where: str) -> UPath | None:
     """Where a published walk of `run_id` still holds the file it committed at `where` (relative to the data
     root), if its publish is not complete."""
-    for folder, manifest, published in _staged_walks(data_root):
-        if published and manifest["run_id"] == run_id and (folder / where).exists():
-            return folder / where
-    return None
+    folder = published_folder(data_root, run_id)
+    return folder / where if folder is not None and (folder / where).exists() else None
 
 
 def complete_published(data_root: UPath, log: Callable[[str], None]) -> list[str]:

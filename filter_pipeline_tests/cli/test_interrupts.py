@@ -52,7 +52,7 @@ def test_an_interrupted_walk_says_what_was_saved_and_exits_with_the_signals_stat
     name = signal.Signals(signum).name
     assert said == [
         f"filter-pipeline: interrupted by {name} during r1: 9 judge verdicts saved, its walk not committed (nothing "
-        "of it published); run `filter-pipeline materialize` again to resume from what was saved"
+        "of it published); run `filter-pipeline materialize r1` again to resume from what was saved"
     ], err[-3000:]
     assert "FAILED" not in out and "Traceback" not in err
     warehouse = data_root / "warehouse"
@@ -63,16 +63,18 @@ def test_an_interrupted_walk_says_what_was_saved_and_exits_with_the_signals_stat
     assert_verified(data_root)
 
 
-def test_an_interrupted_rewalk_says_to_name_its_run_again_a_finished_one_does_not(tmp_path):
+def test_a_call_that_named_its_runs_is_told_to_name_the_ones_left_again_one_that_named_none_is_not(tmp_path):
     from types import SimpleNamespace
 
     from filter_pipeline.cli.interrupts import saved_line
     from filter_pipeline.shell.warehouse import DataRoot
 
     sigint, data = SimpleNamespace(name=lambda: "SIGINT"), DataRoot(path=str(tmp_path))
-    # (a materialize naming no run leaves a run filtered before as it is: only naming it finishes its re-walk)
-    pending = saved_line(sigint, data, "r1", committed=False, done=[], rewalk=True)
-    assert pending.endswith("its walk not committed (nothing of it published); run `filter-pipeline materialize r1` "
-                            "again to resume from what was saved")  # fmt: skip
-    done = saved_line(sigint, data, "r1", committed=True, done=[], rewalk=True)
-    assert done.endswith("its walk committed; run `filter-pipeline materialize` again to resume from what was saved")
+    # (a materialize naming no run leaves a re-walk of a run filtered before undone, and takes runs not named)
+    pending = saved_line(sigint, data, "r2", committed=False, done=["r1"], named=["r2", "r3"])
+    assert pending.endswith("run `filter-pipeline materialize r2 r3` again to resume from what was saved")
+    done = saved_line(sigint, data, "r2", committed=True, done=["r1"], named=["r2", "r3"])
+    assert done.endswith("its walk committed; r1 finished before it; run `filter-pipeline materialize r3` again to "
+                         "resume from what was saved")  # fmt: skip
+    unnamed = saved_line(sigint, data, "r2", committed=False, done=[])
+    assert unnamed.endswith("run `filter-pipeline materialize` again to resume from what was saved")

@@ -513,3 +513,9 @@ def test_an_attempt_whose_dir_lies_outside_its_runs_folder_is_labelled_with_its_
         label_record(review, asked)
     with pytest.raises(ReviewError, match="no attempt with dir 'shared/traj/k/2' in run 'r1'"):
         label_record(review, {**asked, "dir": "shared/traj/k/2", "run_id": "r1"})
+    # a dir in another run's folder (r2's attempt kept its trajectory under r1's): found in the run named
+    write_run(tmp_path, "r2")
+    write_asset(tmp_path, "batch_attempts", "r2", [{"task_id": "k", "attempt": 1, "ok": True, "run_id": "r2",
+                                                   "dir": "runs/r1/elsewhere/k/1", "n_actions": 2}])  # fmt: skip
+    record = label_record(review, {"dir": "runs/r1/elsewhere/k/1", "run_id": "r2", "task_id": "k", "success": False})
+    assert record["dir"] == "runs/r1/elsewhere/k/1"

@@ -136,7 +136,7 @@ def test_a_file_a_run_committed_that_is_gone_makes_the_run_unreadable_not_its_ro
     assert r1["state"].startswith(f"unreadable ({expected}") and r1["kept"] is None
 
 
-def test_a_file_a_published_walk_has_not_moved_yet_is_read_from_its_staging_folder(tmp_path):
+def test_a_file_a_published_walk_has_not_moved_yet_is_read_from_its_staging_folder_not_the_one_in_place(tmp_path):
     from filter_pipeline.storage.history import read_commit
     from filter_pipeline.storage.publish import MANIFEST, STAGING_DIR
 
@@ -146,6 +146,7 @@ def test_a_file_a_published_walk_has_not_moved_yet_is_read_from_its_staging_fold
     folder = tmp_path / "warehouse" / STAGING_DIR / "r1.elsewhere.1.ff"
     (folder / "warehouse" / "kept").mkdir(parents=True)
     (tmp_path / "warehouse" / "kept" / "r1.parquet").rename(folder / "warehouse" / "kept" / "r1.parquet")
+    write_asset(tmp_path, "kept", "r1", [], schema_of="judge_verdicts")  # (in place: the walk before's, a re-walk)
     moves = {f"warehouse/{STAGING_DIR}/{folder.name}/warehouse/kept/r1.parquet": "warehouse/kept/r1.parquet"}
     digest = read_commit(root / "warehouse", "r1").digest
     (folder / MANIFEST).write_text(json.dumps({"run_id": "r1", "digest": digest, "moves": moves}))

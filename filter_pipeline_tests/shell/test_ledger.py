@@ -111,8 +111,32 @@ def test_a_run_another_launcher_committed_while_this_one_judged_it_keeps_the_com
         assert pq.read_table(data_root / "warehouse" / asset / "r1.parquet").to_pylist() == committed[asset], asset
     [said] = [m.metadata["already_filtered"].value for m in result.asset_materializations_for_node("judge_batch")
               if m.asset_key.path[-1] == "judge_verdicts"]  # fmt: skip
-    assert said.startswith("r1: already filtered by another walk") and "while this run judged it" in said
+    assert said.startswith("r1: already filtered by another walk") and "while this run waited or judged" in said
     assert audit(UPath(data_root)) == []
+
+
+def test_a_walk_whose_verdicts_another_judge_step_wrote_again_meanwhile_commits_nothing(
+    instance, data_root, monkeypatch
+):
+    from filter_pipeline.shell import ledger
+    from filter_pipeline.storage.files import atomic_write
+
+    same_keys_batches(data_root, "r1")
+    verdicts = UPath(data_root / "warehouse" / "judge_verdicts" / "r1.parquet")
+    real = ledger.build_prior_index
+
+    def judged_again_meanwhile(*args, **kwargs):  # (another launcher's judge step writes its verdicts now)
+        atomic_write(verdicts, verdicts.read_bytes())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ledger, "build_prior_index", judged_again_meanwhile)
+    result = materialize(instance, data_root, "r1")
+    assert not result.success and "warehouse/judge_verdicts/r1.parquet written again while this walk ran" in failure(
+        result
+    )
+    assert read_commits(UPath(data_root / "warehouse")) == {}  # (nothing published: kept rows would contradict them)
+    monkeypatch.setattr(ledger, "build_prior_index", real)
+    assert materialize(instance, data_root, "r1").success and audit(UPath(data_root)) == []
 
 
 def test_the_asset_checks_still_run_and_the_across_runs_job_carries_the_warehouse_audit(instance, data_root):
