@@ -187,7 +187,7 @@ def file_version(path: UPath) -> tuple | None:
     if is_local(path):
         stat = os.stat(path.path)
         return (stat.st_mtime_ns, stat.st_size, stat.st_ino)
-    return (info.get("ETag") or info.get("etag") or info.get("LastModified"), info.get("size"))
+    return (str(info.get("ETag") or info.get("etag") or info.get("LastModified")), info.get("size"))
 
 
 def input_fingerprint(path: UPath) -> dict:
