@@ -31,9 +31,8 @@ from filter_pipeline.shell.config import (
 )
 from filter_pipeline.shell.jobs import PRIORITY_TAG
 from filter_pipeline.shell.waiting import DEFERRED_TAG, Deferred, filtered_meanwhile, retry_later, wait_for_lower_runs
-from filter_pipeline.shell.warehouse import LOADED_VERSION, DataRoot, encode
+from filter_pipeline.shell.warehouse import LOADED_VERSION, DataRoot, encode, unchanged_since_loaded
 from filter_pipeline.storage import failures
-from filter_pipeline.storage.files import file_version
 from filter_pipeline.storage.history import build_prior_index, load_retired
 from filter_pipeline.storage.lease import Lease, LedgerBusy, StoreIgnoresConditions, ledger_lease
 from filter_pipeline.storage.publish import (
@@ -401,16 +400,14 @@ def _commit_record(config, run_id, judge_verdicts, judged_by, kept, index, files
 
 
 def _refuse_if_judged_again(data: DataRoot, run_id: str, loaded: dict) -> None:
-    """PublishRefused when a file of the judge step this walk read was written again since (another launcher's
-    judge step, judging the same run): the walk would commit kept rows its verdicts contradict; the walk of
-    the verdicts now in place commits instead."""
-    again = [
-        name for name, version in loaded.items() if version and file_version(data.asset_file(name, run_id)) != version
-    ]
+    """PublishRefused when a file of the judge step this walk read was written again since with other content
+    (another launcher's judge step, judging the same run): the walk would commit kept rows the verdicts in place
+    contradict; the walk of those commits instead."""
+    again = [name for name, seen in loaded.items() if not unchanged_since_loaded(data.asset_file(name, run_id), seen)]
     if again:
         raise PublishRefused(
             f"{run_id}: not committed: {', '.join(f'warehouse/{n}/{run_id}.parquet' for n in again)} written again "
-            "while this walk ran (another launcher judging the same run); nothing of this walk is published, and "
+            "with other content while this walk ran (another launcher judging the same run); nothing of this walk is published, and "
             "the walk of the files now in place commits the run (its launcher's, or the next materialize)"
         )
 

@@ -119,24 +119,28 @@ def test_a_walk_whose_verdicts_another_judge_step_wrote_again_meanwhile_commits_
     instance, data_root, monkeypatch
 ):
     from filter_pipeline.shell import ledger
-    from filter_pipeline.storage.files import atomic_write
+    from filter_pipeline.shell.warehouse import encode, write_bytes
 
     same_keys_batches(data_root, "r1")
     verdicts = UPath(data_root / "warehouse" / "judge_verdicts" / "r1.parquet")
-    real = ledger.build_prior_index
+    real, other = ledger.build_prior_index, {"content": False}
 
     def judged_again_meanwhile(*args, **kwargs):  # (another launcher's judge step writes its verdicts now)
-        atomic_write(verdicts, verdicts.read_bytes())
+        if other["content"]:
+            write_bytes(encode(pd.read_parquet(verdicts.path).assign(passed=False), "judge_verdicts")[1], verdicts)
+        else:  # (as a second gate judging writes them: the same bytes, a new file)
+            write_bytes(verdicts.read_bytes(), verdicts)
         return real(*args, **kwargs)
 
     monkeypatch.setattr(ledger, "build_prior_index", judged_again_meanwhile)
-    result = materialize(instance, data_root, "r1")
-    assert not result.success and "warehouse/judge_verdicts/r1.parquet written again while this walk ran" in failure(
-        result
-    )
-    assert read_commits(UPath(data_root / "warehouse")) == {}  # (nothing published: kept rows would contradict them)
+    assert materialize(instance, data_root, "r1").success  # (the same verdicts written again: no matter)
+    same_keys_batches(data_root, "r2")
+    verdicts, other["content"] = UPath(data_root / "warehouse" / "judge_verdicts" / "r2.parquet"), True
+    result = materialize(instance, data_root, "r2")
+    assert not result.success and "judge_verdicts/r2.parquet written again with other content" in failure(result)
+    assert sorted(read_commits(UPath(data_root / "warehouse"))) == ["r1"]  # (kept rows would contradict them)
     monkeypatch.setattr(ledger, "build_prior_index", real)
-    assert materialize(instance, data_root, "r1").success and audit(UPath(data_root)) == []
+    assert materialize(instance, data_root, "r2").success and audit(UPath(data_root)) == []
 
 
 def test_the_asset_checks_still_run_and_the_across_runs_job_carries_the_warehouse_audit(instance, data_root):
