@@ -407,8 +407,9 @@ def _refuse_if_judged_again(data: DataRoot, run_id: str, loaded: dict) -> None:
     if again:
         raise PublishRefused(
             f"{run_id}: not committed: {', '.join(f'warehouse/{n}/{run_id}.parquet' for n in again)} written again "
-            "with other content while this walk ran (another launcher judging the same run); nothing of this walk is published, and "
-            "the walk of the files now in place commits the run (its launcher's, or the next materialize)"
+            "with other content while this walk ran (another launcher judging the same run); nothing of this walk "
+            "is published, and the walk of the files now in place commits the run (its launcher's, or the next "
+            "materialize)"
         )
 
 

@@ -32,7 +32,7 @@ from filter_pipeline.storage.files import (
     sha256_of,
 )
 
-# a loaded frame's attrs key: the version of the file it was read from (`ParquetWarehouseIOManager.load_from_path`)
+# a loaded frame's attrs key: (the version, the SHA-256) of the file it was read from (`load_from_path`)
 LOADED_VERSION = "filter_pipeline/loaded_version"
 
 
