@@ -1,8 +1,9 @@
 """What the review app and `explain` read: the runs of a data root and each run's task table with its fate.
 
 Pure reads over the data root (local or s3:// through UPath). A run's tables are read once and kept, keyed by
-the path and signature (size and mtime on local disk, ETag on object storage) of every file they come from,
-so a page of a 300k-task run is a filter over frames in memory; a rewritten file is read again.
+the path and version (`file_version`: mtime, size and inode on local disk, ETag on object storage) of every
+file they come from, so a page of a 300k-task run is a filter over frames in memory; a rewritten file is read
+again.
 """
 
 import json
@@ -34,7 +35,7 @@ from filter_pipeline.rules.schemas import (
     to_pandas,
 )
 from filter_pipeline.storage.failures import failure_path, read_failure
-from filter_pipeline.storage.files import RUNS_DIR, WAREHOUSE_DIR
+from filter_pipeline.storage.files import RUNS_DIR, WAREHOUSE_DIR, file_version
 from filter_pipeline.storage.history import committed_paths, read_retired
 from filter_pipeline.storage.runs import unparsed_batch
 
@@ -55,15 +56,6 @@ class UnreadableRun(UnreadableFile):
     def __init__(self, run_id: str, reason: str):
         super().__init__(f"run {run_id} cannot be read: {reason}")
         self.reason = reason
-
-
-def signature(path: UPath) -> tuple | None:
-    """What changes when the file at `path` is rewritten; None when it does not exist."""
-    try:
-        info = path.fs.info(path.path)
-    except (FileNotFoundError, OSError):
-        return None
-    return (info.get("ETag") or info.get("mtime") or info.get("LastModified"), info.get("size"))
 
 
 def read_table(path: UPath, columns: list[str] | None = None, exclude: tuple = ()) -> pd.DataFrame | None:
@@ -140,7 +132,7 @@ class Warehouse:
         return files
 
     def _key(self, run_id: str) -> tuple:
-        return tuple((name, str(path), signature(path)) for name, path in self._files(run_id).items())
+        return tuple((name, str(path), file_version(path)) for name, path in self._files(run_id).items())
 
     def run(self, run_id: str) -> RunTables:
         """The run's tables, from the cache when no file changed since they were read."""

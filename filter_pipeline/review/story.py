@@ -7,14 +7,14 @@ import re
 import pandas as pd
 from upath import UPath
 
-from filter_pipeline.review.data import ReviewError, UnreadableFile, Warehouse, signature
+from filter_pipeline.review.data import ReviewError, UnreadableFile, Warehouse
 from filter_pipeline.review.fates import FATE_JUDGE_FAIL, FATE_KEPT, FATE_SURPLUS, FATE_WHERE, REASON_RETIRED, RunTables
 from filter_pipeline.rules.batch import SUCCESS_FILE
 from filter_pipeline.rules.calibration import LABEL_COLUMNS, parse_labels
 from filter_pipeline.rules.filtering import Caps
 from filter_pipeline.rules.records import as_text, read_json
 from filter_pipeline.rules.schemas import DROPPED_DUPLICATE, DROPPED_SITE_CAP, SPEND_COUNTS, VERDICT_PARTS
-from filter_pipeline.storage.files import RUNS_DIR, is_local, read_if_present
+from filter_pipeline.storage.files import RUNS_DIR, file_version, is_local, read_if_present
 from filter_pipeline.storage.labels import LABELS_FILE
 
 SCREENSHOT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}\.png$")
@@ -214,7 +214,7 @@ class Labels:
 
     def frame(self) -> pd.DataFrame:
         """Every valid label; UnreadableFile when the file exists but cannot be read (a folder, no permission)."""
-        current = signature(self.path)
+        current = file_version(self.path)
         if current != self._seen:
             data = read_if_present(self.path, UnreadableFile) if current is not None else None
             self._frame, self._seen = parse_labels(data or b"")[0], current

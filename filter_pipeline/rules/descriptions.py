@@ -82,7 +82,8 @@ COLUMN_DESCRIPTIONS: dict[str, str] = {
     "stage": "Where the attempt failed: execute (the attempt's ok was false) or judge (the judge did not pass it).",
     "reason": "Why it failed: policy_violation, backend_fail, script_assert, action_refused, script_error or "
     "unknown (by the error's prefix, execute rows), judge_fail (judge rows).",
-    "detail": f"Execute rows: the error text cut to {DETAIL_MAX_CHARS} characters, '' when there is none; judge rows: the why "
+    "detail": f"Execute rows: the error text cut to {DETAIL_MAX_CHARS} characters, '' when there is none; judge "
+    "rows: the why "
     "(prefixed 'score S is below the minimum score (FILTER_JUDGE_MIN_SCORE)' where the model passed it).",
     # ledger
     "dropped": "Why a passing verdict was not kept: duplicate (key kept before), site_cap ((macro, site) full) "

@@ -178,15 +178,14 @@ def sha256_of(path: UPath) -> str:
 def file_version(path: UPath) -> tuple | None:
     """What changes whenever the file at `path` is written again (its ETag on object storage; its mtime and size
     elsewhere, an atomic write being a new file); None when it does not exist."""
-    if not is_local(path):
-        path.fs.invalidate_cache(path.path)  # (read fresh: a listing cache would hide another writer's write)
     try:
+        if is_local(path):
+            stat = os.stat(path.path)
+            return (stat.st_mtime_ns, stat.st_size, stat.st_ino)
+        path.fs.invalidate_cache(path.path)  # (read fresh: a listing cache would hide another writer's write)
         info = path.fs.info(path.path)
     except (FileNotFoundError, OSError):
         return None
-    if is_local(path):
-        stat = os.stat(path.path)
-        return (stat.st_mtime_ns, stat.st_size, stat.st_ino)
     return (str(info.get("ETag") or info.get("etag") or info.get("LastModified")), info.get("size"))
 
 
