@@ -80,6 +80,9 @@ class Batch:
     # each input file's fingerprint as it was read (`storage.files.read_input`; set by whoever read the files):
     # what the run's commit records, so that a batch rewritten after it was parsed is reported as changed
     inputs: dict | None = None
+    # the non-blank lines of executions.jsonl as read (`non_blank_lines`): the records every attempt is
+    # accounted against (`checks.attempts_conserved`), counted apart from the parse
+    records: int = 0
 
 
 @dataclass(frozen=True)
@@ -122,6 +125,19 @@ def _read_lines(
             continue
         rows.append((*row, number))
     return rows, rejects
+
+
+# a blank line: nothing but whitespace (what `bytes.strip` strips) before its newline or the end of the file
+_BLANK_FIRST_LINE = re.compile(rb"[ \t\r\x0b\x0c]*(?:\n|\Z)")
+_BLANK_LINE_AFTER = re.compile(rb"\n[ \t\r\x0b\x0c]*(?=\n|\Z)")
+
+
+def non_blank_lines(data: bytes) -> int:
+    """The lines of `data` holding more than whitespace (lines as `data.split(b"\\n")` cuts them): the records
+    of a JSON Lines file, whatever the parse made of them."""
+    lines = data.count(b"\n") + 1  # (the text after the last newline, empty or not, counted as a line)
+    blank = (_BLANK_FIRST_LINE.match(data) is not None) + sum(1 for _ in _BLANK_LINE_AFTER.finditer(data))
+    return lines - blank
 
 
 def _frame(rows: list[tuple], fields: tuple[str, ...], asset: str) -> pd.DataFrame:
@@ -362,6 +378,7 @@ def parse_attempts(
             rejects_frame.assign(run_id=run_id).sort_values(["file", "line"], kind="stable"), "batch_rejects"
         ),
         task_at=task_at,
+        records=non_blank_lines(data),
     )
 
 

@@ -37,7 +37,7 @@ from filter_pipeline.storage.audit import audit
 from filter_pipeline.storage.history import kept_counts, load_retired, read_commit, read_retired
 from filter_pipeline.storage.labels import read_labels
 from filter_pipeline.storage.publish import commit_state
-from filter_pipeline.storage.runs import count_records, read_batch
+from filter_pipeline.storage.runs import read_batch
 
 run_id_partitions = dg.DynamicPartitionsDefinition(name="run_id")
 
@@ -173,8 +173,7 @@ def judge_batch(context: dg.AssetExecutionContext, judge: JudgeResource, data: D
         judgement.written()  # (resumed once the IO manager has written the partition: the saved progress is in it)
     yield _all_tasks_judged(verdicts)
     yield dg.Output(failures, output_name="failure_pool", metadata=metadata[1])
-    records = count_records(data.run_dir(run_id))
-    conserved = checks.attempts_conserved(records, batch.attempts, batch.rejects, verdicts)
+    conserved = checks.attempts_conserved(batch.records, batch.attempts, batch.rejects, verdicts)
     yield check_result("attempts_conserved", "failure_pool", conserved)
     matched = checks.execute_rows_match_failed_attempts(failures, batch.attempts)
     yield check_result("execute_rows_match_failed_attempts", "failure_pool", matched)

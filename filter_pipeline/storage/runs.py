@@ -23,6 +23,7 @@ from filter_pipeline.rules.batch import (
     BatchError,
     BatchState,
     check_run_id,
+    non_blank_lines,
     parse_attempts,
     parse_tasks,
 )
@@ -173,12 +174,9 @@ def changed_since_judged(run_id: str, changed: list[str]) -> str:
     )
 
 
-def count_records(run_dir: UPath, file: str = EXECUTIONS_FILE) -> int:
-    """Non-blank lines of the run's `file`, counted afresh: of executions.jsonl, what every attempt must be
-    accounted against; of a legacy run's kept.jsonl, its kept rows. Read line by line: the count runs beside
-    other steps' work, so it holds one line at a time."""
-    with (run_dir / file).open("rb") as f:
-        return sum(1 for line in f if line.strip())
+def count_records(run_dir: UPath, file: str) -> int:
+    """The records (non-blank lines) of the run's `file`: of a legacy run's kept.jsonl, its kept rows."""
+    return non_blank_lines((run_dir / file).read_bytes())
 
 
 def _symlinks_below(folder: str) -> list[str]:

@@ -2,6 +2,7 @@
 with the line-by-line one."""
 
 import json
+import random
 
 import pandas as pd
 import pytest
@@ -701,3 +702,27 @@ def test_a_mistyped_field_nested_about_as_deep_as_json_follows_is_one_reject(tmp
 def test_a_null_after_an_object_on_one_line_leaves_the_file_to_the_record_checks(second):
     data = jsonl([attempt("a"), json.dumps(attempt("b")) + second, "", attempt("c")]).encode()
     assert batch_module._arrow_attempts(data) is None
+
+
+@pytest.mark.parametrize(
+    "text, records",
+    [("a\nb\n", 2), ("a\nb", 2), ("a\n\nb\n", 2), ("\na\n", 1), ("a\n  \nb", 2), ("a\n \t", 1), ("", 0),
+     ("\n\n\n", 0), (" ", 0), ("\r\n\r\n", 0), ("x\x0c\n\x0b", 1), ("ab\n\n c\n \t\nlong line\r\nd", 4)],
+)  # fmt: skip
+def test_non_blank_lines_counts_lines_holding_more_than_whitespace(text, records):
+    assert batch_module.non_blank_lines(text.encode()) == records
+
+
+def test_non_blank_lines_agrees_with_splitting_on_newlines():
+    rng = random.Random(7)
+    for _ in range(2000):
+        data = bytes(rng.choice(b"ab \t\r\n\x0b\x0c") for _ in range(rng.randint(0, 12)))
+        assert batch_module.non_blank_lines(data) == sum(1 for line in data.split(b"\n") if line.strip()), data
+
+
+def test_batch_counts_the_records_of_executions_jsonl_whatever_the_parse_made_of_them(tmp_path):
+    run = write_batch(tmp_path, "r", [task("a")], [attempt("a"), attempt("a", n=2)])
+    with (run / "executions.jsonl").open("a") as f:
+        f.write("\n  \nnot json\n")  # a blank line, a line of spaces, a reject
+    b = read_batch(run, "r")
+    assert (len(b.attempts), len(b.rejects), b.records) == (2, 1, 3)
