@@ -74,15 +74,30 @@ def writer_tag(host: str, machine: str | None) -> str:
 WRITER = writer_tag(HOST, MACHINE)
 
 
-def written_by(pid: int) -> str:
-    """`<writer>.<pid>`: the part of a temp file's or staging folder's name that `writer_gone` reads."""
-    return f"{WRITER}.{pid}"
+def writer_named(head: str, pid: int | None = None) -> str:
+    """`<head>.<writer>.<pid>.<random hex>`: a name of its own for what this process (or process `pid`) writes,
+    a temp file or a staging folder, saying who wrote it. It is read from its end (`name_head`, `writer_gone`),
+    so a head may hold dots."""
+    return f"{head}.{WRITER}.{os.getpid() if pid is None else pid}.{uuid.uuid4().hex}"
 
 
-def writer_gone(writer: str, pid: str) -> bool:
-    """Whether the writer named `writer` and `pid` (`written_by`) was a process of this machine and PID namespace
-    that no longer runs: what it left can go at once. A writer of elsewhere is judged by the age of its files."""
-    return writer == WRITER and pid.isdigit() and not alive(int(pid))
+def _name_parts(name: str) -> list[str] | None:
+    parts = name.rsplit(".", 3)  # (head, writer, pid, hex: only the head may hold dots)
+    return parts if len(parts) == 4 else None
+
+
+def name_head(name: str) -> str:
+    """The head of a name `writer_named` made (any other name as it is)."""
+    parts = _name_parts(name)
+    return name if parts is None else parts[0]
+
+
+def writer_gone(name: str) -> bool:
+    """Whether what is named `name` (`writer_named`) was written by a process of this machine and PID namespace
+    that no longer runs: what it left can go at once. A writer of elsewhere, or a name of another form, is
+    judged by the age of its files."""
+    parts = _name_parts(name)
+    return parts is not None and parts[1] == WRITER and parts[2].isdigit() and not alive(int(parts[2]))
 
 
 # how an object store refuses a conditional write (`store_refusal`)
@@ -100,16 +115,15 @@ def alive(pid: int) -> bool:
     return True
 
 
-def remove_stale_temps(folder: str, prefix: str) -> None:
-    """Temp files a killed earlier write of the same target left: its writer is gone (`writer_gone`), or nobody
-    touched the file for STALE_TEMP_SECONDS (a live writer's file is left alone)."""
+def remove_stale_temps(folder: str, head: str) -> None:
+    """Temp files (`<head>.<writer>...tmp`) a killed earlier write of the same target left: its writer is gone
+    (`writer_gone`), or nobody touched the file for STALE_TEMP_SECONDS (a live writer's file is left alone)."""
     for name in os.listdir(folder):
-        if not (name.startswith(prefix) and name.endswith(".tmp")):
+        if not (name.startswith(f"{head}.") and name.endswith(".tmp")):
             continue
-        writer, pid, *_ = [*name[len(prefix) :].rsplit(".", 3), "", ""]  # (<prefix><writer>.<pid>.<hex>.tmp)
         path = os.path.join(folder, name)
         try:
-            if writer_gone(writer, pid) or time.time() - os.stat(path).st_mtime > STALE_TEMP_SECONDS:
+            if writer_gone(name.removesuffix(".tmp")) or time.time() - os.stat(path).st_mtime > STALE_TEMP_SECONDS:
                 os.unlink(path)
         except FileNotFoundError:
             pass
@@ -127,15 +141,15 @@ def atomic_write(path: UPath, data, sync_folder: bool = True) -> None:
 
 def replace_locally(target: str, write, sync_folder: bool) -> os.stat_result:
     """Call `write(file)` on a hidden temp file beside the local file `target` (named after its writer,
-    `written_by`, so a later write can tell a dead writer's file from a live one's; temp files a killed earlier write
+    `writer_named`, so a later write can tell a dead writer's file from a live one's; temp files a killed earlier write
     left are removed first), fsync it and rename it over `target`; with `sync_folder`, fsync the folder as
     well. Returns the temp file's stat, taken before the rename (which keeps size and mtime), so another
     process's write right after cannot be mistaken for this one."""
     folder = os.path.dirname(target)
     os.makedirs(folder, exist_ok=True)
-    prefix = f".{os.path.basename(target)}."
-    remove_stale_temps(folder, prefix)
-    tmp = os.path.join(folder, f"{prefix}{written_by(os.getpid())}.{uuid.uuid4().hex}.tmp")
+    head = f".{os.path.basename(target)}"
+    remove_stale_temps(folder, head)
+    tmp = os.path.join(folder, f"{writer_named(head)}.tmp")
     try:
         with open(tmp, "wb") as f:
             write(f)

@@ -25,7 +25,6 @@ import json
 import os
 import signal
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -39,13 +38,14 @@ from filter_pipeline.storage.files import (
     WAREHOUSE_DIR,
     atomic_write,
     is_local,
+    name_head,
     sha256_of,
     store_refusal,
     writer_gone,
-    written_by,
+    writer_named,
 )
 
-STAGING_DIR = "_staging"  # warehouse/_staging/<run_id>.<writer>.<pid>.<uuid>/ (`files.written_by`)
+STAGING_DIR = "_staging"  # warehouse/_staging/<run_id>.<writer>.<pid>.<hex>/ (`files.writer_named`)
 MANIFEST = "_publish.json"
 # fault injection for the tests of stalls and kills: "<point>:<file>" makes the walk write its pid to <file> and
 # stop itself (SIGSTOP) at <point>; the test resumes it (SIGCONT) or kills it
@@ -182,9 +182,7 @@ class StagedWalk:
 
     def __init__(self, data_root: UPath, read: CommitState):
         self.data_root, self.read = data_root, read
-        self.folder = (
-            data_root / WAREHOUSE_DIR / STAGING_DIR / f"{read.run_id}.{written_by(os.getpid())}.{uuid.uuid4().hex}"
-        )
+        self.folder = data_root / WAREHOUSE_DIR / STAGING_DIR / writer_named(read.run_id)
         self.moves: dict[str, str] = {}  # staged path -> final path, both relative to the data root
         self.published = False
         self.unsettled = False
@@ -312,8 +310,7 @@ def _move(staged: UPath, final: UPath) -> bool:
 def _abandoned(name: str, folder: UPath) -> bool:
     """Whether an unpublished staging folder's walk is gone: its process is (`writer_gone`), or the folder is
     older than STALE_TEMP_SECONDS (a walk paused past its lease may still resume and must find its files)."""
-    parts = name.rsplit(".", 3)  # (<run_id>.<writer>.<pid>.<uuid>: a run_id may hold dots, the rest do not)
-    if len(parts) == 4 and writer_gone(parts[1], parts[2]):
+    if writer_gone(name):
         return True
     try:
         found = folder.fs.find(folder.path, detail=True).values()
@@ -335,7 +332,7 @@ def _staged_walks(data_root: UPath) -> Iterator[tuple[UPath, dict | None, bool]]
             manifest = json.loads((folder / MANIFEST).read_bytes())
         except (FileNotFoundError, ValueError):
             manifest = None
-        run_id = manifest["run_id"] if manifest else folder.name.rsplit(".", 3)[0]  # (<run_id>.<writer>.<pid>.<id>)
+        run_id = manifest["run_id"] if manifest else name_head(folder.name)
         yield (
             folder,
             manifest,

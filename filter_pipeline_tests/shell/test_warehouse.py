@@ -179,8 +179,8 @@ def test_a_dead_writers_temp_file_goes_at_once_and_a_live_ones_stays(tmp_path):
     (tmp_path / "kept").mkdir()
     finished = subprocess.Popen(["true"])
     finished.wait()  # its pid no longer runs
-    dead = tmp_path / "kept" / f".r1.parquet.{files.written_by(finished.pid)}.00ff.tmp"
-    live = tmp_path / "kept" / f".r1.parquet.{files.written_by(os.getpid())}.00ee.tmp"
+    dead = tmp_path / "kept" / f"{files.writer_named('.r1.parquet', finished.pid)}.tmp"
+    live = tmp_path / "kept" / f"{files.writer_named('.r1.parquet')}.tmp"
     # the same hostname in another PID namespace (a container on the host's network): its pid may be free here
     theirs = tmp_path / "kept" / f".r1.parquet.{files.writer_tag(files.HOST, 'another boot:1')}.{finished.pid}.00dd.tmp"
     for file in (dead, live, theirs):

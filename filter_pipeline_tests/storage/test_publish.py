@@ -9,7 +9,7 @@ import os
 import pytest
 from upath import UPath
 
-from filter_pipeline.storage.files import written_by
+from filter_pipeline.storage.files import writer_named
 from filter_pipeline.storage.publish import (
     CONFLICT_TRIES,
     MANIFEST,
@@ -85,7 +85,7 @@ def test_a_publish_killed_before_its_moves_is_completed_and_a_dead_walks_unpubli
         json.dumps({"run_id": "r1", "digest": published.digest, "moves": walk.moves}).encode()
     )
     write_commit(root / "warehouse", published)  # killed right after the publish: nothing moved
-    dead = tmp_path / "warehouse" / STAGING_DIR / f"r2.{written_by(999999999)}.00ff"
+    dead = tmp_path / "warehouse" / STAGING_DIR / writer_named("r2", 999999999)
     (dead / "warehouse" / "kept").mkdir(parents=True)
     (dead / "warehouse" / "kept" / "r2.parquet").write_bytes(b"never published")
     said = []
@@ -107,7 +107,7 @@ def test_a_staging_folder_is_judged_gone_only_by_its_own_writer_whatever_dots_it
 
     root = UPath(tmp_path)
     staging = tmp_path / "warehouse" / STAGING_DIR
-    dead = staging / f"2026.12.05.{written_by(999999999)}.00ff"  # a run_id with dots; its walk gone
+    dead = staging / writer_named("2026.12.05", 999999999)  # a run_id with dots; its walk gone
     # a walk of another machine whose name ends with this one's ("node1.vm" beside "vm"): its pid means nothing here
     theirs = staging / f"r1.node1-{WRITER}.999999999.00aa"
     for folder in (dead, theirs):
@@ -259,7 +259,7 @@ def test_a_publish_completed_while_the_audit_looked_is_not_reported_incomplete(t
         json.dumps({"run_id": "r1", "digest": published.digest, "moves": walk.moves}).encode()
     )
     write_commit(root / "warehouse", published)  # published, nothing moved yet
-    dead = walk.folder.with_name(f"r1.{written_by(999999999)}.00ff")  # its walk gone, as far as this machine can tell
+    dead = walk.folder.with_name(writer_named("r1", 999999999))  # its walk gone, as far as this machine can tell
     os.rename(walk.folder.path, dead.path)
 
     def completed_meanwhile(warehouse):
