@@ -198,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         return calibrate(args)
     except (CalibrateError, JudgeSetupError, ValueError) as exc:
-        from filter_pipeline.cli.main import one_line
+        from filter_pipeline.cli.main import error_message
 
-        print(f"filter-pipeline: {one_line(exc)}", file=sys.stderr)
+        print(f"filter-pipeline: {error_message(exc)}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -9,6 +9,7 @@ import os
 import sys
 
 from filter_pipeline.cli import EXIT_BAD_INPUT, EXIT_FAILED, explain, review
+from filter_pipeline.rules.descriptions import one_line
 from filter_pipeline.rules.history import HistoryError
 from filter_pipeline.settings import (
     DATA_ENV,
@@ -147,16 +148,16 @@ def _materialize(args: argparse.Namespace, signals) -> int:
         # from the environment as it is imported
         from filter_pipeline.cli.materialize import CliError, materialize
     except ValueError as exc:  # (each names the setting it is about)
-        print(f"filter-pipeline: {one_line(exc)}", file=sys.stderr)
+        print(f"filter-pipeline: {error_message(exc)}", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
         return materialize(args, signals)
     except (CliError, ValueError, HistoryError) as exc:
-        print(f"filter-pipeline: {one_line(exc)}", file=sys.stderr)
+        print(f"filter-pipeline: {error_message(exc)}", file=sys.stderr)
         return EXIT_BAD_INPUT
 
 
-def one_line(exc: Exception) -> str:
+def error_message(exc: Exception) -> str:
     """The error in one line. A pydantic error names the setting (its environment variable where there is
     one) and its first problem; anything else gives its message's lines joined."""
     from pydantic import ValidationError
@@ -169,7 +170,7 @@ def one_line(exc: Exception) -> str:
         env = ENV.get(field)
         named = f"{env}={os.environ[env]!r}" if env and env in os.environ else env or f"{exc.title}.{field}"
         return f"{named}: {first['msg'].removeprefix('Value error, ')}"
-    return " ".join(str(exc).split()) or type(exc).__name__
+    return one_line(exc) or type(exc).__name__
 
 
 def run() -> None:

@@ -203,7 +203,7 @@ class JudgeClient:
         if verdict is not None:
             return Vote(verdict.passed, verdict.why, parts=verdict.parts)
         if choice.refused:  # no repair request: it would be declined the same way, and paid for
-            said = self.config.redacted(choice.refusal or "", REFUSAL_MAX_CHARS, one_line=True)
+            said = self.config.redacted(choice.refusal or "", REFUSAL_MAX_CHARS, single_line=True)
             how = f": {said}" if said else " (finish_reason content_filter)"
             return Vote(error=f"the judge model refused to answer{how}")
         said = strip_reasoning(choice.text or "").strip()

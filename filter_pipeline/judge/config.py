@@ -14,6 +14,7 @@ import dagster as dg
 from pydantic import Field
 
 from filter_pipeline.judge.prompt import PROMPT_VERSION
+from filter_pipeline.rules.descriptions import one_line
 from filter_pipeline.settings import JUDGE_KIND_ENV
 
 
@@ -167,14 +168,14 @@ class LLMJudgeConfig(dg.Config):
         key = self.api_key
         return text.replace(key, "***") if key and isinstance(key, str) and text else text
 
-    def redacted(self, text: str | None, max_chars: int, one_line: bool = False, cut_mark: str = "") -> str | None:
-        """`text` redacted, then (its whitespace runs made single spaces, when `one_line`) cut to `max_chars` with
+    def redacted(self, text: str | None, max_chars: int, single_line: bool = False, cut_mark: str = "") -> str | None:
+        """`text` redacted, then (made one line, `descriptions.one_line`, when `single_line`) cut to `max_chars` with
         `cut_mark` where it was cut. Redaction comes first: a key the cut splits would no longer be found whole."""
         text = self.redact(text)
         if text is None:
             return None
-        if one_line:
-            text = " ".join(text.split())
+        if single_line:
+            text = one_line(text)
         return text if len(text) <= max_chars else text[:max_chars] + cut_mark
 
 

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from upath import UPath
 
 from filter_pipeline.judge.replies import SCORE_RANGE
+from filter_pipeline.rules.descriptions import one_line
 from filter_pipeline.rules.records import as_text, read_json
 from filter_pipeline.rules.schemas import (
     EVIDENCE_TRAJECTORY,
@@ -340,7 +341,7 @@ def read_trajectory(data_root: UPath, rel_dir: str) -> tuple[dict | None, UPath,
 
 
 def _short(text: str) -> str:
-    text = " ".join(text.split())
+    text = one_line(text)
     return text if len(text) <= PROBLEM_MAX_CHARS else text[: PROBLEM_MAX_CHARS - 3] + "..."
 
 

@@ -11,6 +11,7 @@ from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from typing import Any
 
+from filter_pipeline.rules.descriptions import one_line
 from filter_pipeline.rules.schemas import VERDICT_FLAGS
 
 # Reasoning models write their thinking in such blocks; a verdict-shaped object inside one is the model
@@ -204,7 +205,7 @@ def error_message(text: str) -> str:
             message = err if isinstance(err, str) else json.dumps(err, ensure_ascii=False)
         except RecursionError:
             message = text
-    return " ".join(str(message).split())
+    return one_line(message)
 
 
 # --- retry hints ------------------------------------------------------------------------------------

@@ -215,7 +215,9 @@ class Transport:
             elif isinstance(exc, asyncio.TimeoutError):
                 problem = f"timeout ({timeout:.1f} s) waiting for the judge endpoint"
             else:  # (aiohttp's text names the host and port and what happened: "Connect call failed")
-                said = self.config.redacted(public_urls(str(exc)), SERVER_TEXT_MAX_CHARS, one_line=True, cut_mark="...")
+                said = self.config.redacted(
+                    public_urls(str(exc)), SERVER_TEXT_MAX_CHARS, single_line=True, cut_mark="..."
+                )
                 problem = f"{type(exc).__name__} talking to the judge endpoint" + (f" ({said})" if said else "")
             return _Answer(None, {}, "", problem)
         finally:

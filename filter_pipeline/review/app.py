@@ -25,10 +25,11 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from upath import UPath
 
-from filter_pipeline.review.data import ReviewError, UnreadableFile, Warehouse, matching, page
+from filter_pipeline.review.data import ERROR_MAX_CHARS, ReviewError, UnreadableFile, Warehouse, matching, page
 from filter_pipeline.review.fates import FATES
 from filter_pipeline.review.queue import QueueMemo, item
 from filter_pipeline.review.story import Labels, inside_run, plain, screenshot, story
+from filter_pipeline.rules.descriptions import one_line
 from filter_pipeline.rules.records import as_text
 from filter_pipeline.settings import DAGSTER_URL_ENV
 from filter_pipeline.storage.files import store_trouble
@@ -248,7 +249,7 @@ async def api_labels(request: Request) -> Response:
     try:
         await run_in_threadpool(append_label, review.warehouse.root, record)
     except LabelWriteError as exc:
-        return _error(request, 503, _one_line(exc))
+        return _error(request, 503, one_line(exc, ERROR_MAX_CHARS))
     return JSONResponse({"label": record}, status_code=201)
 
 
@@ -352,24 +353,20 @@ def _is_text(value) -> bool:
     return isinstance(value, str) and as_text(value) == value
 
 
-def _one_line(text: str) -> str:
-    return " ".join(str(text).split())[:500]
-
-
 async def on_review_error(request: Request, exc: ReviewError) -> Response:
-    return _error(request, 404, _one_line(exc.args[0] if exc.args else "not found"))
+    return _error(request, 404, one_line(exc.args[0] if exc.args else "not found", ERROR_MAX_CHARS))
 
 
 async def on_unreadable_file(request: Request, exc: UnreadableFile) -> Response:
-    return _error(request, 500, _one_line(exc))
+    return _error(request, 500, one_line(exc, ERROR_MAX_CHARS))
 
 
 async def on_bad_request(request: Request, exc: BadRequest) -> Response:
-    return _error(request, 400, _one_line(exc))
+    return _error(request, 400, one_line(exc, ERROR_MAX_CHARS))
 
 
 async def on_http_error(request: Request, exc: HTTPException) -> Response:
-    return _error(request, exc.status_code, _one_line(exc.detail))
+    return _error(request, exc.status_code, one_line(exc.detail, ERROR_MAX_CHARS))
 
 
 async def on_any_error(request: Request, exc: Exception) -> Response:

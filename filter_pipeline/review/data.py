@@ -27,6 +27,7 @@ from filter_pipeline.review.fates import (
 )
 from filter_pipeline.rules.batch import EXECUTIONS_FILE, LEGACY_KEPT_FILE, SUCCESS_FILE, TASKS_FILE, check_run_id
 from filter_pipeline.rules.commits import COMMITS_DIR, parse_commit
+from filter_pipeline.rules.descriptions import one_line
 from filter_pipeline.rules.history import RETIRED_FILE, HistoryError, Retired, legacy_key_text, parse_retired
 from filter_pipeline.rules.schemas import (
     STATUS_JUDGED,
@@ -40,6 +41,7 @@ from filter_pipeline.storage.history import committed_paths, read_retired
 from filter_pipeline.storage.runs import unparsed_batch
 
 CACHED_RUNS = 8  # run tables kept in memory (least recently used dropped first)
+ERROR_MAX_CHARS = 500  # an error shown on a page or in a JSON answer, in one line
 
 
 class ReviewError(LookupError):
@@ -146,7 +148,7 @@ class Warehouse:
         try:
             tables = load_run(self.root, run_id, self._files(run_id))
         except (OSError, ValueError) as exc:  # (Arrow's errors are ValueErrors)
-            raise UnreadableRun(run_id, " ".join(str(exc).split())[:300] or type(exc).__name__) from exc
+            raise UnreadableRun(run_id, one_line(exc, ERROR_MAX_CHARS) or type(exc).__name__) from exc
         with self._lock:
             self._cache[run_id] = (key, tables)
             self._cache.move_to_end(run_id)

@@ -1,4 +1,5 @@
-"""What each output column means, shown beside it in the UI, and the limits those texts name."""
+"""What each output column means, shown beside it in the UI, the limits those texts name, and how any message
+is put on one line."""
 
 # judge_verdicts.reasoning: the model's reasoning is kept up to this many characters
 REASONING_MAX_CHARS = 8000
@@ -7,6 +8,12 @@ DETAIL_MAX_CHARS = 500  # failure_pool.detail of an execute row: the error text 
 RAW_MAX_CHARS = 4096  # batch_rejects.raw: how much of a rejected line is kept
 # judge_calibration rows resting on fewer labels are flagged in its markdown
 CALIBRATION_MIN_LABELS = 50
+
+
+def one_line(text: object, max_chars: int | None = None) -> str:
+    """`text` as one line: its whitespace runs (newlines included) made single spaces; cut to `max_chars`."""
+    return " ".join(str(text).split())[:max_chars]
+
 
 # What each column means, shown beside it in the UI (every asset's `dagster/column_schema`). One entry per
 # column name: a name means the same thing in every asset that has it. A new column needs its line here.

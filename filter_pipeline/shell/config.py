@@ -14,6 +14,7 @@ import dagster as dg
 import yaml
 from pydantic import Field, ValidationError, create_model
 
+from filter_pipeline.rules.descriptions import one_line
 from filter_pipeline.rules.filtering import Caps, MacroLimits
 from filter_pipeline.rules.schemas import DEFAULT_PER_SITE_CAP
 
@@ -168,7 +169,7 @@ def _read_caps(text: str, path: Path) -> Any:
         kind = "" if isinstance(exc, yaml.constructor.ConstructorError) else "not YAML or JSON: "
         raise ValueError(f"caps file {where}: {kind}{problem}") from None
     except yaml.YAMLError as exc:
-        raise ValueError(f"caps file {path}: not YAML or JSON: {' '.join(str(exc).split())}") from None
+        raise ValueError(f"caps file {path}: not YAML or JSON: {one_line(exc)}") from None
 
 
 def load_caps_file(path: str | Path) -> dict:

@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 from upath import UPath
 
 from filter_pipeline.rules.commits import INPUT_FILES
+from filter_pipeline.rules.descriptions import one_line
 from filter_pipeline.settings import ENDPOINT_ENV
 
 RUNS_DIR, WAREHOUSE_DIR = "runs", "warehouse"  # <data>/runs/<run_id>/: the batches; <data>/warehouse/: outputs
@@ -278,7 +279,7 @@ def store_trouble(exc: BaseException) -> str | None:
 
 def error_line(exc: BaseException) -> str:
     """`<ErrorType>: <its message>` on one line."""
-    return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+    return f"{type(exc).__name__}: {one_line(exc)}"
 
 
 def store_refusal(exc: BaseException) -> str | None:
