@@ -25,7 +25,14 @@ from filter_pipeline.review.fates import (
     task_table,
     unreadable_summary,
 )
-from filter_pipeline.rules.batch import EXECUTIONS_FILE, LEGACY_KEPT_FILE, SUCCESS_FILE, TASKS_FILE, check_run_id
+from filter_pipeline.rules.batch import (
+    EXECUTIONS_FILE,
+    LEGACY_KEPT_FILE,
+    SUCCESS_FILE,
+    TASKS_FILE,
+    check_run_id,
+    jsonl_lines,
+)
 from filter_pipeline.rules.commits import COMMITS_DIR, parse_commit
 from filter_pipeline.rules.descriptions import one_line
 from filter_pipeline.rules.history import RETIRED_FILE, HistoryError, Retired, legacy_key_text, parse_retired
@@ -327,7 +334,7 @@ def _batch_frame(path: UPath, columns: list[str], unparsed: pd.DataFrame | None)
 def read_legacy_kept(path: UPath) -> pd.DataFrame:
     """A run filtered by the earlier script has only its kept rows (kept.jsonl): each is a kept task."""
     rows = []
-    for raw in path.read_bytes().splitlines():
+    for _, raw in jsonl_lines(path.read_bytes()):
         try:
             record = json.loads(raw)
         except (ValueError, RecursionError):  # (the ledger refuses such a file: the page shows what it can)

@@ -14,7 +14,7 @@ valid record and name the rejects. Where Arrow vouches for a file, both give the
 
 import io
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -96,6 +96,29 @@ class BatchState:
 # --- reading line by line ---------------------------------------------------------------------------
 
 
+def jsonl_lines(data: bytes) -> Iterator[tuple[int, bytes]]:
+    """(line number, bytes) of each line of a JSON Lines file holding more than whitespace (what `bytes.strip`
+    strips). Lines end at `\\n` only: a JSON string may hold other line separators raw (U+2028, U+2029, U+0085),
+    and a `\\r` is whitespace between tokens."""
+    for number, raw in enumerate(io.BytesIO(data), start=1):  # (one line at a time: files run to gigabytes)
+        raw = raw.removesuffix(b"\n")
+        if raw.strip():
+            yield number, raw
+
+
+# a blank line: nothing but whitespace (what `bytes.strip` strips) before its newline or the end of the file
+_BLANK_FIRST_LINE = re.compile(rb"[ \t\r\x0b\x0c]*(?:\n|\Z)")
+_BLANK_LINE_AFTER = re.compile(rb"\n[ \t\r\x0b\x0c]*(?=\n|\Z)")
+
+
+def non_blank_lines(data: bytes) -> int:
+    """How many lines `jsonl_lines` gives (the records of a JSON Lines file, whatever the parse made of them),
+    counted without making each line an object."""
+    lines = data.count(b"\n") + 1  # (the text after the last newline, empty or not, counted as a line)
+    blank = (_BLANK_FIRST_LINE.match(data) is not None) + sum(1 for _ in _BLANK_LINE_AFTER.finditer(data))
+    return lines - blank
+
+
 def _read_lines(
     data: bytes,
     file: str,
@@ -103,17 +126,13 @@ def _read_lines(
     fields: Fields,
     deep_row: Callable[[bytes], tuple | None] | None = None,
 ) -> tuple[list[tuple], list[dict]]:
-    """Every non-blank line of `data` as a row tuple (line number last); a line that fails becomes a reject.
-    Lines are numbered as `data.split(b"\\n")` numbers them. `fields`: where the row keeps or reads a value
-    (`load_record`). A line nested deeper than json.loads follows goes to `deep_row` (Arrow's reader on that
-    line alone, which takes any depth), when given."""
+    """Every line of `data` (`jsonl_lines`) as a row tuple (line number last); a line that fails becomes a
+    reject. `fields`: where the row keeps or reads a value (`load_record`). A line nested deeper than json.loads
+    follows goes to `deep_row` (Arrow's reader on that line alone, which takes any depth), when given."""
     rows: list[tuple] = []
     rejects: list[dict] = []
     long_numbers = has_digit_run(data, ORJSON_DIGITS)  # once for the file rather than once a line
-    for number, raw in enumerate(io.BytesIO(data), start=1):
-        raw = raw.removesuffix(b"\n")
-        if not raw or raw.isspace():
-            continue
+    for number, raw in jsonl_lines(data):
         try:
             try:
                 row = to_row(load_record(raw, long_numbers, fields))
@@ -125,19 +144,6 @@ def _read_lines(
             continue
         rows.append((*row, number))
     return rows, rejects
-
-
-# a blank line: nothing but whitespace (what `bytes.strip` strips) before its newline or the end of the file
-_BLANK_FIRST_LINE = re.compile(rb"[ \t\r\x0b\x0c]*(?:\n|\Z)")
-_BLANK_LINE_AFTER = re.compile(rb"\n[ \t\r\x0b\x0c]*(?=\n|\Z)")
-
-
-def non_blank_lines(data: bytes) -> int:
-    """The lines of `data` holding more than whitespace (lines as `data.split(b"\\n")` cuts them): the records
-    of a JSON Lines file, whatever the parse made of them."""
-    lines = data.count(b"\n") + 1  # (the text after the last newline, empty or not, counted as a line)
-    blank = (_BLANK_FIRST_LINE.match(data) is not None) + sum(1 for _ in _BLANK_LINE_AFTER.finditer(data))
-    return lines - blank
 
 
 def _frame(rows: list[tuple], fields: tuple[str, ...], asset: str) -> pd.DataFrame:

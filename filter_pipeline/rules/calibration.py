@@ -11,6 +11,7 @@ import math
 
 import pandas as pd
 
+from filter_pipeline.rules.batch import jsonl_lines
 from filter_pipeline.rules.schemas import CALIBRATION_MIN_LABELS, STATUS_JUDGED, conform
 
 LABELS_FILE = "labels.jsonl"
@@ -30,9 +31,7 @@ def parse_labels(data: bytes | str) -> tuple[pd.DataFrame, list[str]]:
     if isinstance(data, str):
         data = data.encode("utf-8", "surrogatepass")
     rows, rejects = [], []
-    for number, raw in enumerate(data.split(b"\n"), start=1):
-        if not raw.strip():
-            continue
+    for number, raw in jsonl_lines(data):
         try:
             rows.append({**_label(raw), "line": number})
         except ValueError as exc:

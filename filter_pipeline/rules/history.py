@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from filter_pipeline.rules.batch import LEGACY_KEPT_FILE
+from filter_pipeline.rules.batch import LEGACY_KEPT_FILE, jsonl_lines
 from filter_pipeline.rules.commits import LEGACY_PREFIX, CommitRecord, HistoryIntegrityError
 from filter_pipeline.rules.schemas import canonical_key, conform, empty_frame, key_hashes, positions, to_pandas
 
@@ -123,12 +123,10 @@ def parse_legacy(data: bytes, run_id: str) -> tuple[pa.Table, str]:
     """A legacy kept.jsonl's rows (keys re-encoded as canonical text) and the SHA-256 of its bytes."""
     rows = []
     try:
-        text = data.decode("utf-8")
+        data.decode("utf-8")  # (said for the whole file, before any line)
     except UnicodeDecodeError as exc:
         raise HistoryError(f"runs/{run_id}/{LEGACY_KEPT_FILE}: not UTF-8 ({exc})") from None
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
+    for number, line in jsonl_lines(data):
         try:
             record = json.loads(line)
             rows.append(

@@ -713,11 +713,20 @@ def test_non_blank_lines_counts_lines_holding_more_than_whitespace(text, records
     assert batch_module.non_blank_lines(text.encode()) == records
 
 
-def test_non_blank_lines_agrees_with_splitting_on_newlines():
+def test_non_blank_lines_counts_what_jsonl_lines_gives():
     rng = random.Random(7)
     for _ in range(2000):
         data = bytes(rng.choice(b"ab \t\r\n\x0b\x0c") for _ in range(rng.randint(0, 12)))
+        assert batch_module.non_blank_lines(data) == len(list(batch_module.jsonl_lines(data))), data
         assert batch_module.non_blank_lines(data) == sum(1 for line in data.split(b"\n") if line.strip()), data
+
+
+def test_jsonl_lines_end_at_newlines_only():
+    text = '{"a": "x\u2028y\u0085z"}\r\n\n {"b": 1}\r{"c": 2}'
+    assert list(batch_module.jsonl_lines(text.encode())) == [
+        (1, '{"a": "x\u2028y\u0085z"}\r'.encode()),
+        (3, b' {"b": 1}\r{"c": 2}'),
+    ]
 
 
 def test_batch_counts_the_records_of_executions_jsonl_whatever_the_parse_made_of_them(tmp_path):

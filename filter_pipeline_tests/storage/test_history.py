@@ -118,6 +118,16 @@ def test_legacy_kept_jsonl_counts_unless_the_run_has_a_commit(tmp_path):
     assert counts_of(idx) == {("m", "s"): 3}
 
 
+def test_a_legacy_row_holding_a_unicode_line_separator_is_one_row(tmp_path):
+    # JSON strings may hold U+2028, U+2029 and U+0085 raw: they end no JSON Lines line
+    row = {"task_id": "a\u2028b", "dedup_key": ["k\u0085", 1], "macro": "m", "site": "s\u2029"}
+    (tmp_path / "runs" / "old").mkdir(parents=True)
+    (tmp_path / "runs" / "old" / "kept.jsonl").write_text(json.dumps(row, ensure_ascii=False) + "\n")
+    idx = index(tmp_path, batch_keys=[["k\u0085", 1]])
+    assert idx.keys["task_id"].tolist() == ["a\u2028b"]
+    assert counts_of(idx) == {("m", "s\u2029"): 1}
+
+
 @pytest.mark.parametrize(
     "line",
     [
