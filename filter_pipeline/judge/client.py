@@ -130,17 +130,14 @@ class JudgeClient:
     """One per endpoint and materialization: one HTTP transport (one aiohttp session, one rate controller
     shared by every request), the votes of each task and the repair of replies that hold no verdict.
 
-    `async with JudgeClient(config) as client: verdict = await client.judge(messages)`; `verdict_schema`
-    replaces the prompt version's answer schema in structured-output requests (a prompt asking for other
-    reasoning fields); `report` is told endpoint trouble as it happens (a line per REPORT_EVERY_SECONDS at
-    most). Settings that cannot work raise ValueError here, before any request."""
+    `async with JudgeClient(config) as client: verdict = await client.judge(messages)`; `report` is told
+    endpoint trouble as it happens (a line per REPORT_EVERY_SECONDS at most). Settings that cannot work raise
+    ValueError here, before any request."""
 
-    def __init__(
-        self, config: "LLMJudgeConfig", verdict_schema: dict | None = None, report: Callable[[str], None] | None = None
-    ):
+    def __init__(self, config: "LLMJudgeConfig", report: Callable[[str], None] | None = None):
         config.check()
         self.config = config
-        self.schema = verdict_schema or prompt_of(config.prompt_version)[1]
+        self.schema = prompt_of(config.prompt_version)[1]  # (asked for in structured-output requests)
         self.http = Transport(config, report)
         self.structured = config.structured_output
         self.n_ok: bool | None = None  # does the server honour n > 1? None: not known yet

@@ -190,7 +190,6 @@ PROMPTS: dict[str, tuple[str, dict]] = {
         ),
     ),
 }
-SYSTEM_PROMPT, ANSWER_SCHEMA = PROMPTS[PROMPT_VERSION]
 
 
 def prompt_of(version: str) -> tuple[str, dict]:

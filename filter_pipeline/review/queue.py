@@ -36,14 +36,6 @@ class QueueItem:
     phase: str
 
 
-def split_votes(votes) -> bool:
-    """`P/N` (P passing votes of the N asked) with 0 < P < N: the judge's votes disagreed."""
-    if not isinstance(votes, str) or "/" not in votes:
-        return False
-    passing, _, asked = votes.partition("/")
-    return passing.isdigit() and asked.isdigit() and 0 < int(passing) < int(asked)
-
-
 def latest_labels(labels: pd.DataFrame, attempts: pd.DataFrame) -> pd.DataFrame:
     """The last label of each judged attempt in `attempts` (by dir, or by run and task for the judged attempt),
     unsure ones included: dir, success (`calibration.latest_labels` over the judged attempts)."""
@@ -59,7 +51,8 @@ PHASES = (PHASE_SAMPLE, PHASE_SPLIT, PHASE_UNLABELLED_SITE, PHASE_REST)
 
 
 def split_mask(votes: pd.Series) -> np.ndarray:
-    """`split_votes` of each value, vectorised."""
+    """For each value, whether it is `P/N` (P passing votes of the N asked) with 0 < P < N: the judge's votes
+    disagreed."""
     parts = votes.astype("object").where(votes.notna(), "").astype(str).str.extract(r"^(\d+)/(\d+)$")
     passing, asked = pd.to_numeric(parts[0]), pd.to_numeric(parts[1])
     return ((passing > 0) & (passing < asked)).to_numpy(bool)

@@ -366,11 +366,6 @@ def statistics_columns(asset: str) -> list[str]:
     return [f.name for f in SCHEMAS[asset] if f.name in STATISTICS_TEXT_COLUMNS or f.type != STR]
 
 
-def columns(asset: str) -> list[str]:
-    """Column names of an asset's output, in file order."""
-    return SCHEMAS[asset].names
-
-
 def empty_frame(asset: str) -> pd.DataFrame:
     """A zero-row frame with the asset's columns and dtypes."""
     return to_pandas(SCHEMAS[asset].empty_table())

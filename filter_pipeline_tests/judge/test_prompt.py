@@ -68,9 +68,9 @@ def test_the_system_prompt_is_one_fixed_prefix_asking_for_reasoning_before_the_v
     other = {**REQUEST, "instruction": "Send a mail to bob", "macro": "send_email", "dir": "runs/r/traj/b/1"}
     first, _ = p.messages_for_attempt(UPath(tmp_path), REQUEST, lambda: [{"action": "click"}], Config())
     second, _ = p.messages_for_attempt(UPath(tmp_path), other, lambda: [], Config(max_prompt_chars=3000))
-    assert first[0] == second[0] == {"role": "system", "content": p.SYSTEM_PROMPT}
+    assert first[0] == second[0] == {"role": "system", "content": p.prompt_of(p.PROMPT_VERSION)[0]}
     assert user_text(first) != user_text(second)
-    system = p.SYSTEM_PROMPT
+    system = p.prompt_of(p.PROMPT_VERSION)[0]
     order = ["key_points", "reasoning", "success", "side_effects", "looping", "blocked", "score", "passed", "why"]
     assert [system.index(f'"{name}"') for name in order] == sorted(system.index(f'"{name}"') for name in order)
     assert "CAPTCHA".lower() in system.lower() and "not the agent" in system
@@ -88,7 +88,7 @@ def test_each_prompt_version_has_its_system_message_and_answer_schema_and_an_unk
 
     assert p.PROMPT_VERSION == "v3"
     assert '"criteria"' in system("v2") and '"blocked"' not in system("v2")
-    assert system("v3") == system("my-own-label") == p.SYSTEM_PROMPT
+    assert system("v3") == system("my-own-label") == p.prompt_of(p.PROMPT_VERSION)[0]
     assert system("v2").split("Answer with")[0] == system("v3").split("First list")[0]  # the same checklist
     v3_schema = p.prompt_of("v3")[1]
     assert v3_schema["required"][-2:] == ["passed", "why"] and v3_schema["properties"]["score"]["enum"] == [

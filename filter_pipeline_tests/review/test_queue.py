@@ -17,7 +17,6 @@ from filter_pipeline.review.queue import (
     precision,
     queue_state,
     split_mask,
-    split_votes,
 )
 from filter_pipeline.review.story import inside_run
 from filter_pipeline.rules.calibration import parse_labels, wilson_interval
@@ -32,8 +31,7 @@ def attempts(n: int, votes=lambda i: "3/3", site=lambda i: f"s{i % 3}", run_id: 
 
 def test_votes_split_when_some_but_not_all_of_those_asked_passed():
     votes = ["2/3", "1/3", "1/2", "3/3", "1/1", "0/3", "0/1", "gate", None, "a/b", "3/2"]
-    assert [split_votes(v) for v in votes] == [True, True, True] + [False] * 8
-    assert split_mask(pd.Series(votes, dtype=object)).tolist() == [split_votes(v) for v in votes]
+    assert split_mask(pd.Series(votes, dtype=object)).tolist() == [True, True, True] + [False] * 8
 
 
 def test_the_queue_serves_a_uniform_sample_then_split_votes_then_unlabelled_sites(monkeypatch):
@@ -48,7 +46,7 @@ def test_the_queue_serves_a_uniform_sample_then_split_votes_then_unlabelled_site
     assert phases[:10] == [PHASE_SAMPLE] * 10
     split = [it for it in items if it.phase == PHASE_SPLIT]
     assert split and all(int(it.task_id[1:]) % 10 == 7 for it in split)
-    assert all(split_votes(v) for v in frame.set_index("task_id").loc[[it.task_id for it in split], "votes"])
+    assert split_mask(frame.set_index("task_id").loc[[it.task_id for it in split], "votes"]).all()
     earlier = {it.task_id for it in items[:10] + split}
     new_site = {it.task_id for it in items if it.phase == PHASE_UNLABELLED_SITE}
     assert new_site and new_site == {f"t{i:03}" for i in range(55, 60)} - earlier
