@@ -181,7 +181,10 @@ class JudgeClient:
             choices = await self._ask(messages, task, n=n)
         except Unanswered as exc:
             return [Vote(error=str(exc))] * n
-        self.n_ok = len(choices) >= n  # fewer choices: the server ignores n, or took the request only without it
+        if len(choices) >= n:
+            self.n_ok = True
+        elif self.n_ok is None:  # the server ignores n, or took the request only without it; but once n worked, a
+            self.n_ok = False  # late answer to a request asked again without n (after a 5xx) says nothing of n
         got = await _all(self._read(messages, c, task) for c in choices[:n])
         return got + await _all(self._vote(messages, task) for _ in range(n - len(got)))
 

@@ -89,6 +89,23 @@ def test_a_gateways_5xx_to_the_first_request_asking_n_is_retried_and_n_kept(stat
     assert (first_task.requests, second_task.requests, second_task.votes) == (2, 1, "3/3")
 
 
+def test_n_once_it_worked_stays_on_when_an_earlier_fallback_without_n_answers_late():
+    # task a's first request asking n gets a 500 (which, before n ever worked, may be n's rejection): it is asked
+    # again without n, and answered late; meanwhile the other tasks' requests asking n get their 3 choices, and
+    # those asked after a's late answer still ask n
+    def responder(call, n):
+        asks_n = call.body.get("n", 1) > 1
+        if "task a" in json.dumps(call.body):
+            return Reply(status=500, body=error_body("boom", "server_error")) if asks_n else Reply(content=PASS, delay=0.5)
+        return Reply(choices=[PASS] * 3, delay=0.1)
+
+    with FakeOpenAI(responder) as server:
+        s = settings(server, votes=3, temperature=0.7, concurrency=2)
+        a, *others = judge_prompts([prompt(name) for name in "abcdefghij"], s)
+    assert a.requests == 4 and [v.requests for v in others] == [1] * 9
+    assert all(c.body.get("n") == 3 for c in server.calls if "task a" not in json.dumps(c.body))
+
+
 @pytest.mark.parametrize("mode", ["reject400", "reject500"])  # reject500: llama.cpp's server
 def test_a_server_rejecting_n_gets_separate_requests_for_the_clients_lifetime(mode):
     with FakeOpenAI(lambda call, n: Reply(content=PASS), n=mode) as server:
