@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 SPEND_FIELDS = (*SPEND_COUNTS, "latency_ms")  # 0 on deduplicated copies
 REQUEST_COLUMNS = ("instruction", "macro", "site", "dedup_key", "start_kind", "dir", "attempt_line")
 MAX_READERS = 8  # threads building prompts (reading trajectory files)
+MIN_SAVE_SECONDS = 1.0  # the timed save looks no more often than this (FILTER_JUDGE_SAVE_SECONDS may be 0)
 
 
 @dataclass(frozen=True)
@@ -288,6 +289,7 @@ class _Driver:
                     try:
                         async with asyncio.TaskGroup() as group:
                             self.group = group
+                            self._ticker = group.create_task(self._save_on_time())
                             for _ in range(readers):
                                 group.create_task(self._reader())
                     except* BaseException as failure:  # the first error, as itself (EndpointRefused: one line)
@@ -351,6 +353,13 @@ class _Driver:
             self.stats.unanswered += 1
         self._resolved()
 
+    async def _save_on_time(self) -> None:
+        """Save what waits every `save_every_seconds` also while no verdict arrives (an endpoint stalled on a
+        long retry): a kill then loses at most that much. Cancelled once every task is resolved."""
+        while True:
+            await asyncio.sleep(max(self.config.save_every_seconds, MIN_SAVE_SECONDS))
+            self._save()
+
     def _took_slot(self) -> None:
         self.stats.outstanding += 1
         self.stats.peak_outstanding = max(self.stats.peak_outstanding, self.stats.outstanding)
@@ -361,6 +370,8 @@ class _Driver:
 
     def _resolved(self) -> None:
         self._done += 1
+        if self._done == self.n:
+            self._ticker.cancel()
         if self._done % self._report_every == 0 or self._done == self.n:
             s = self.stats
             self.log.info(

@@ -96,7 +96,9 @@ def test_n_once_it_worked_stays_on_when_an_earlier_fallback_without_n_answers_la
     def responder(call, n):
         asks_n = call.body.get("n", 1) > 1
         if "task a" in json.dumps(call.body):
-            return Reply(status=500, body=error_body("boom", "server_error")) if asks_n else Reply(content=PASS, delay=0.5)
+            return (
+                Reply(status=500, body=error_body("boom", "server_error")) if asks_n else Reply(content=PASS, delay=0.5)
+            )
         return Reply(choices=[PASS] * 3, delay=0.1)
 
     with FakeOpenAI(responder) as server:

@@ -5,6 +5,7 @@ to judge."""
 import json
 import logging
 import threading
+import time
 
 import dagster as dg
 import pandas as pd
@@ -18,6 +19,7 @@ from filter_pipeline.judge import prompt as judge_prompt
 from filter_pipeline.judge.config import LLMJudgeConfig
 from filter_pipeline.judge.resource import judge_from_env
 from filter_pipeline.rules import filtering, report
+from filter_pipeline.shell.warehouse import write_parquet
 from filter_pipeline_tests.builders import Pipeline, attempt, parse, rows, task, write_batch
 from filter_pipeline_tests.judge.test_resource import llm, verdict_metadata
 from filter_pipeline_tests.openai_server import FakeOpenAI, Reply
@@ -44,7 +46,7 @@ def warnings(instance: dg.DagsterInstance, result) -> list[str]:
     return [e.user_message for e in instance.all_logs(result.run_id) if e.level == logging.WARNING]
 
 
-def judge_batch(data_root, judge, run_id: str = "r1", previous=None, log=None):
+def judge_batch(data_root, judge, run_id: str = "r1", previous=None, log=None, progress=None):
     """The judge resource on a written batch, as the judge_verdicts asset calls it (without Dagster's run)."""
     from filter_pipeline.storage.runs import read_batch
 
@@ -52,7 +54,7 @@ def judge_batch(data_root, judge, run_id: str = "r1", previous=None, log=None):
     return judge.judge(
         filtering.attempts_to_judge(batch.tasks, batch.attempts), UPath(data_root),
         record_steps=driver.RecordSteps(UPath(data_root) / "runs" / run_id), previous=previous,
-        log=log or logging.getLogger("test"),
+        log=log or logging.getLogger("test"), progress=progress,
     )  # fmt: skip
 
 
@@ -333,3 +335,21 @@ def test_verdicts_saved_before_judge_passed_existed_are_reused_with_their_passed
     # passed is derived again: k3's model passed it, and no minimum score is set now
     assert driver.passes(reusable.assign(score=[None, None, 2]), None).tolist() == [True, False, True]
     assert driver.passes(reusable.assign(score=[None, None, 2]), 3).tolist() == [True, False, False]
+
+
+def test_verdicts_are_saved_on_time_while_the_endpoint_keeps_the_rest_waiting(data_root):
+    # a answered at once, b after 3 s: a is saved after save_every_seconds, not when b's answer comes
+    write_batch(data_root, "r1", [task("a"), task("b")], [attempt("a"), attempt("b")])
+    saved_at, started = [], time.monotonic()
+
+    def write(table, path):
+        saved_at.append((time.monotonic() - started, table.num_rows))
+        write_parquet(table, path)
+
+    progress = driver.ProgressStore(UPath(data_root) / "warehouse" / "_judge_progress" / "r1", write=write)
+    slow_b = lambda call, k: Reply(content=PASS, delay=3.0 if "do b" in json.dumps(call.body) else 0)  # noqa: E731
+    with FakeOpenAI(slow_b) as server:
+        judge = llm(server, votes=1, concurrency=2, save_every_verdicts=100, save_every_seconds=1)
+        judge_batch(data_root, judge, progress=progress)
+    assert saved_at[0][0] < 2.5 and saved_at[0][1] == 1  # a alone, while b was still waiting
+    assert sum(rows for _, rows in saved_at) == 2
