@@ -164,9 +164,13 @@ class LLMJudgeConfig(dg.Config):
         return hashlib.sha256(json.dumps(material).encode()).hexdigest()[:16]
 
     def redact(self, text: str | None) -> str | None:
-        """`text` with the API key replaced by ***: nothing the judge writes or raises carries it."""
+        """`text` with the API key replaced by ***: nothing the judge writes or raises carries it. A placeholder
+        key (`is_placeholder_key`: EMPTY, none, ollama) is no secret and is left, or every "none" of the judge's
+        reasoning would read ***."""
         key = self.api_key
-        return text.replace(key, "***") if key and isinstance(key, str) and text else text
+        if not (key and isinstance(key, str) and text) or is_placeholder_key(key):
+            return text
+        return text.replace(key, "***")
 
     def redacted(self, text: str | None, max_chars: int, single_line: bool = False, cut_mark: str = "") -> str | None:
         """`text` redacted, then (made one line, `descriptions.one_line`, when `single_line`) cut to `max_chars` with
@@ -177,6 +181,15 @@ class LLMJudgeConfig(dg.Config):
         if single_line:
             text = one_line(text)
         return text if len(text) <= max_chars else text[:max_chars] + cut_mark
+
+
+PLACEHOLDER_KEY_MAX_CHARS = 12
+
+
+def is_placeholder_key(key: str) -> bool:
+    """Whether an API key is a placeholder a local server takes as "no key" (EMPTY, none, ollama, dummy): letters
+    only and short, as no issued key is."""
+    return key.isascii() and key.isalpha() and len(key) <= PLACEHOLDER_KEY_MAX_CHARS
 
 
 def _check_endpoint(base_url: str, api_key: str | None) -> None:

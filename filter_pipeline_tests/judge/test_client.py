@@ -277,6 +277,15 @@ def test_a_key_the_reply_echoes_across_the_cut_of_its_raw_text_or_reasoning_is_r
     assert "sk-live" not in stored and "***" in v.raw_replies and v.reasoning.endswith("***")
 
 
+@pytest.mark.parametrize("placeholder", ["none", "EMPTY", "ollama"])
+def test_a_placeholder_key_is_no_secret_and_the_judges_words_stay_whole(placeholder):
+    content = json.dumps({"reasoning": f"{placeholder} of the checks failed", "passed": False, "why": placeholder})
+    with FakeOpenAI(lambda call, n: Reply(content=content)) as server:
+        [v] = judge_prompts([prompt("a")], settings(server, api_key=placeholder))
+    assert (v.reasoning, v.why) == (f"{placeholder} of the checks failed", placeholder) and "***" not in v.raw_replies
+    assert server.calls[0].headers["Authorization"] == f"Bearer {placeholder}"  # (still sent as it is)
+
+
 # --- votes ------------------------------------------------------------------------------------------
 
 
