@@ -2,10 +2,9 @@
 
 Speaks the OpenAI chat-completions protocol (`POST {base_url}/chat/completions`), which vLLM, SGLang,
 llama.cpp server, Ollama, LiteLLM and hosted APIs all serve. The client is aiohttp, whose pool keeps up with
-many requests in flight (benchmarks/judge_throughput.py compares it with httpx). Every request passes the
-rate controller (judge/rate.py). Transient faults (408, 409, 429, 5xx, transport errors, replies that are not
+many requests in flight. Every request passes the rate controller (judge/rate.py). Transient faults (408, 409, 429, 5xx, transport errors, replies that are not
 a completion) are retried against the task's time budget, backing off without holding a slot. A refusal
-(401, 403, 404, an unknown model) stops the whole client: `EndpointRefused`. Proxies and CA bundles are
+(`REFUSALS`, an unknown model, a 429 for a spent quota) stops the whole client: `EndpointRefused`. Proxies and CA bundles are
 taken from the environment as curl and the OpenAI SDK take them.
 """
 
@@ -43,6 +42,15 @@ _UNKNOWN_MODEL = re.compile(
 Completion = tuple[list[Choice], Usage]
 # a gateway's or an overloaded server's answer, whatever the body asked: never a rejection of the body itself
 GATEWAY_STATUSES = (502, 503, 504)
+# what no retry mends, and what to do about it: the whole client stops (EndpointRefused)
+REFUSALS = {
+    401: "check FILTER_JUDGE_API_KEY",
+    402: "the account behind FILTER_JUDGE_API_KEY has no credit or quota left",
+    403: "check FILTER_JUDGE_API_KEY and its permissions",
+    404: "check FILTER_JUDGE_BASE_URL and FILTER_JUDGE_MODEL",
+    407: "check the proxy's credentials (HTTPS_PROXY / HTTP_PROXY)",
+}
+_NO_QUOTA = "insufficient_quota"
 
 
 class JudgeSetupError(ValueError):
@@ -297,12 +305,16 @@ class Transport:
     # --- refusals and server text -----------------------------------------------------------------------
 
     def _refusal(self, status: int, text: str) -> bool:
-        return status in (401, 403, 404) or (status == 400 and bool(_UNKNOWN_MODEL.search(error_message(text))))
+        return (
+            status in REFUSALS
+            or (status == 400 and bool(_UNKNOWN_MODEL.search(error_message(text))))
+            or (status == 429 and _NO_QUOTA in text)  # (OpenAI's "exceeded your current quota": no wait ends it)
+        )
 
     def _refused(self, status: int, text: str) -> EndpointRefused:
-        todo = {401: "check FILTER_JUDGE_API_KEY", 403: "check FILTER_JUDGE_API_KEY and its permissions"}.get(
-            status, "check FILTER_JUDGE_BASE_URL and FILTER_JUDGE_MODEL"
-        )
+        todo = REFUSALS.get(status, "check FILTER_JUDGE_BASE_URL and FILTER_JUDGE_MODEL")
+        if status == 429:
+            todo = REFUSALS[402]
         return EndpointRefused(
             f"the judge endpoint {self.public_url} refused the request for model {self.config.model!r}: "
             f"HTTP {status}: {self.server_text(text)} ({todo})"

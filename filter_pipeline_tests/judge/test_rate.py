@@ -120,10 +120,14 @@ def test_while_down_one_task_probes_now_and_then_and_its_success_ends_the_outage
         (403, "forbidden"),
         (404, "The model `judge-test` does not exist or you do not have access to it."),
         (400, "Invalid model name passed in model=judge-test. Call `/v1/models` to view available models"),
+        (402, "Insufficient credits. Add more using https://example.test/credits"),  # OpenRouter's
+        (407, "Proxy Authentication Required"),
+        (429, "You exceeded your current quota, please check your plan and billing details."),  # OpenAI's
     ],
 )
 def test_a_refusing_endpoint_stops_everything_within_ten_requests(status, message):
-    with FakeOpenAI(lambda call, n: Reply(status=status, body=error_body(message))) as server:
+    code = "insufficient_quota" if status == 429 else None
+    with FakeOpenAI(lambda call, n: Reply(status=status, body=error_body(message, code=code))) as server:
         url = server.base_url.replace("http://", "http://user:pw-SECRET@")
         s = settings(server, base_url=url, api_key="sk-test-SECRET", concurrency=64)
         with pytest.raises(EndpointRefused) as refused:
