@@ -268,14 +268,16 @@ class Transport:
         """Wait before the task's next try (a shared pause is waited out in acquire()); raises Unanswered
         when the wait would pass the task's budget."""
         self.rate.failed(fault.problem)
+        if fault.hint is not None and fault.hint >= task.budget:
+            # (not an outage: the endpoint answered, asking for longer than any task may wait)
+            self._tell_trouble(f"{fault.problem}; it asks to wait {fault.hint:g} s, longer than a task may wait: "
+                               "tasks asked now end unjudged (judged again later)", retrying=False)  # fmt: skip
+            raise asked_to_wait(fault.problem, fault.hint, task)
         self._tell_trouble(fault.problem)
         c = self.config
         # (the exponent bounded: a float overflows past 2 ** 1023, long after the doubling reached the maximum)
         base = min(c.backoff_max_seconds, c.backoff_initial_seconds * 2.0 ** min(tries - 1, 64))
         wait = fault.hint if fault.hint is not None else base / 2 + random.uniform(0, base / 2)
-        if fault.hint is not None and fault.hint >= task.budget:
-            # (not an outage: the endpoint answered, asking for longer than any task may wait)
-            raise asked_to_wait(fault.problem, fault.hint, task)
         if time.monotonic() + wait >= task.deadline:
             was_down = self.rate.down
             self.rate.gave_up(task)
@@ -293,13 +295,13 @@ class Transport:
         if not fault.shared:
             await asyncio.sleep(wait)
 
-    def _tell_trouble(self, problem: str) -> None:
+    def _tell_trouble(self, problem: str, retrying: bool = True) -> None:
         now = time.monotonic()
         if now - self._reported_at >= REPORT_EVERY_SECONDS:
             self._reported_at = now
+            budget = f"each task for up to {self.config.task_budget_seconds:g} s, FILTER_JUDGE_TASK_BUDGET"
             self.report(
-                f"the judge endpoint {self.public_url}: {problem}; retrying (each task for up to "
-                f"{self.config.task_budget_seconds:g} s, FILTER_JUDGE_TASK_BUDGET)"
+                f"the judge endpoint {self.public_url}: {problem}" + (f"; retrying ({budget})" if retrying else "")
             )
 
     # --- refusals and server text -----------------------------------------------------------------------

@@ -71,6 +71,22 @@ def test_endpoint_trouble_is_told_as_it_happens_once_not_per_retry_and_the_outag
     ]
 
 
+def test_a_wait_asked_past_the_budget_is_told_as_the_end_of_the_task_not_as_a_retry():
+    told: list[str] = []
+
+    async def run(s):
+        async with JudgeClient(s, report=told.append) as client:
+            return await client.judge(prompt("a"))
+
+    with FakeOpenAI(
+        lambda call, n: Reply(status=429, headers={"Retry-After": "86400"}, body=error_body("slow down"))
+    ) as server:
+        verdict = asyncio.run(run(settings(server, task_budget_seconds=10)))
+    assert verdict.status == "error" and verdict.requests == 1
+    assert len(told) == 1 and "asks to wait 86400 s, longer than a task may wait" in told[0]
+    assert "retrying" not in told[0]
+
+
 def test_a_pause_asked_past_every_tasks_budget_ends_each_task_unjudged_none_left_waiting():
     # the first request is told to wait an hour (a spent quota); the requests beside it succeed, and the tasks
     # queued for their slots, once woken, find the pause past their budget: each must pass its slot on
