@@ -143,6 +143,7 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    reported: bool = True  # False: the completion carried no usage (its tokens count as 0)
 
 
 def read_completion(payload: Any) -> tuple[list[Choice], Usage] | None:
@@ -183,7 +184,7 @@ def _count(value: Any) -> int:
 
 def _usage(usage: Any) -> Usage:
     if not isinstance(usage, dict):
-        return Usage()
+        return Usage(reported=False)
     details = usage.get("prompt_tokens_details")
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
     return Usage(_count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens")), _count(cached))

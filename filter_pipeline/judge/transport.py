@@ -148,6 +148,7 @@ class Transport:
         self.config = config
         self.report = report or (lambda line: None)  # where endpoint trouble is told as it happens
         self._reported_at = -math.inf
+        self._no_usage_told = False
         base = urlsplit(config.base_url)  # (a query stays after the path: Azure OpenAI's ?api-version=...)
         self.url = urlunsplit(base._replace(path=base.path.rstrip("/") + "/chat/completions"))
         self.public_url = public_url(self.url)
@@ -243,6 +244,7 @@ class Transport:
                 completion = None
             if completion is not None:
                 self.rate.succeeded()
+                self._tell_if_no_usage(completion[1])
                 return completion
             return _Fault(f"HTTP {status} from the judge endpoint is not a chat completion: {self.server_text(text)}")
         if self._refusal(status, text):
@@ -294,6 +296,14 @@ class Transport:
             )
         if not fault.shared:
             await asyncio.sleep(wait)
+
+    def _tell_if_no_usage(self, usage: Usage) -> None:
+        if not usage.reported and not self._no_usage_told:
+            self._no_usage_told = True
+            self.report(
+                f"the judge endpoint {self.public_url} reports no token usage in its completions: their tokens, "
+                "and the cost, count as 0"
+            )
 
     def _tell_trouble(self, problem: str, retrying: bool = True) -> None:
         now = time.monotonic()

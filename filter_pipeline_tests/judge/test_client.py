@@ -2,6 +2,7 @@
 requests per task, n, structured output, repairs, reasoning replies, votes (retries and the rate controller:
 test_transport.py, test_rate.py)."""
 
+import asyncio
 import dataclasses
 import json
 import threading
@@ -42,6 +43,22 @@ def test_usage_without_cached_tokens_counts_zero():
     with FakeOpenAI(lambda call, n: Reply(content=PASS)) as server:
         [v] = judge_prompts([prompt("a")], settings(server))
     assert (v.prompt_tokens, v.completion_tokens, v.cached_tokens) == (100, 10, 0)
+
+
+def test_completions_without_usage_count_zero_tokens_and_say_so_once():
+    body = json.dumps({"id": "c", "object": "chat.completion", "model": "m",
+                       "choices": [{"index": 0, "message": {"role": "assistant", "content": PASS}, "finish_reason": "stop"}]})  # fmt: skip
+    told: list[str] = []
+
+    async def run(s):
+        async with JudgeClient(s, report=told.append) as client:
+            return await asyncio.gather(*(client.judge(prompt(str(i))) for i in range(3)))
+
+    with FakeOpenAI(lambda call, n: Reply(body=body)) as server:
+        verdicts = asyncio.run(run(settings(server)))
+    assert [(v.status, v.prompt_tokens, v.completion_tokens) for v in verdicts] == [("judged", 0, 0)] * 3
+    assert told == [f"the judge endpoint {server.base_url}/chat/completions reports no token usage in its "
+                    "completions: their tokens, and the cost, count as 0"]  # fmt: skip
 
 
 def test_several_votes_at_temperature_0_are_refused_before_any_request(monkeypatch):
