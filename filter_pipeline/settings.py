@@ -1,6 +1,5 @@
-"""Names and defaults of the settings read from the environment before Dagster loads.
-
-Dagster-free on purpose: the CLI reads them to start reading its first batch while Dagster imports.
+"""Names and defaults of the settings read from the environment: one place for each, whoever reads it (the
+code location, the CLI, the review app). Dagster-free, so that the review app and `verify` load without it.
 """
 
 import os

@@ -116,8 +116,9 @@ def verify(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Exit status: 0 all materialized; 1 something was not filtered (a run failed, a folder was refused);
-    2 an argument or setting is wrong (one line on stderr, nothing registered, written or judged)."""
+    """Exit status: 0 done; 1 something failed (materialize: a run failed or a folder was refused; verify: a
+    finding); 2 an argument or setting is wrong (one line on stderr, nothing registered, written or judged);
+    3 (materialize) every run succeeded but some left tasks unjudged. Each command's help says its own."""
     args = _parser().parse_args(argv)
     if args.command == "verify":
         return verify(args)

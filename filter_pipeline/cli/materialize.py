@@ -1,5 +1,5 @@
 """The Dagster side of `filter-pipeline materialize`: register the batches, run `filter_job` for each on the
-instance at $DAGSTER_HOME, print a summary line per batch (cli.py parses the arguments).
+instance at $DAGSTER_HOME, print a summary line per batch (cli/main.py parses the arguments).
 
 What it materializes is recorded in that instance, so `dagster dev` on the same DAGSTER_HOME shows it.
 Exit status: 0 all succeeded; 1 a run failed; 2 bad input or config, nothing ran; 3 every run succeeded but

@@ -193,7 +193,7 @@ _VERDICT_FIELDS = [
     ("key_points", STR),  # JSON list of texts
     ("reasoning", STR),  # cut to REASONING_MAX_CHARS
     ("latency_ms", pa.float64()),
-    ("raw_replies", STR),  # JSON list of the model's replies, each cut to 500 characters
+    ("raw_replies", STR),  # JSON list of the model's replies, each cut to RAW_REPLY_MAX_CHARS
     ("replies_sha256", STR),  # hash of the full replies
     ("run_id", STR),
 ]

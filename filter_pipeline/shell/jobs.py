@@ -51,8 +51,6 @@ across_runs_job = dg.define_asset_job(
     "(against labels.jsonl) and the audit of the whole warehouse (warehouse_verified, as `filter-pipeline "
     "verify`). The sensor runs it whenever the set of kept files changes.",
 )
-# the across-runs assets ride along in the batch's run: a run of its own costs about half a second of
-# bookkeeping (planned events, start, resources, end), which the CLI would pay after every call
 rejudge_job = dg.define_asset_job(
     "rejudge_job",
     selection=dg.AssetSelection.all() - ACROSS_RUNS,
@@ -60,6 +58,8 @@ rejudge_job = dg.define_asset_job(
     "verdicts are reused by cache key), then the ledger walks the run again. Launched by the batch sensor with "
     "a backoff between tries and a cap on tries.",
 )
+# the across-runs assets ride along in the batch's run: a run of their own would add a whole run's bookkeeping
+# (planned events, start, resources, end) to every CLI call
 filter_job = dg.define_asset_job(
     "filter_job",
     selection=dg.AssetSelection.all() - WAREHOUSE_AUDIT,

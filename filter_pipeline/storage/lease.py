@@ -15,7 +15,7 @@ process, Dagster instance or machine runs it (CONTRACT §4 "walks never overlap 
   conditional publish of `storage/publish.py`. Both need a store that honours conditional writes: each lease
   first checks that it does (`check_conditional_writes`).
 
-Pure: no Dagster.
+No Dagster here: the CLI's `materialize` takes the lease too, to complete a published walk before planning.
 """
 
 import errno

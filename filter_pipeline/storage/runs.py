@@ -1,6 +1,6 @@
-"""The batch folders under `runs/` on the data root: which are complete, reading one, and the checks on it
-that need the file system (trajectory dirs behind symlinks, the record count of executions.jsonl), and which
-input bytes a run's verdicts were made from."""
+"""The batch folders under `runs/` on the data root: which are complete, reading one (and a legacy run's
+kept rows), the checks on it that need the file system (trajectory dirs behind symlinks), and which input
+bytes a run's verdicts were made from."""
 
 import json
 import logging
