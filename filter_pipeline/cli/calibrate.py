@@ -23,6 +23,7 @@ from filter_pipeline.judge.driver import RecordSteps
 from filter_pipeline.judge.resource import ENV, JudgeResource, judge_from_env
 from filter_pipeline.rules import calibration
 from filter_pipeline.rules.schemas import STATUS_ERROR, STATUS_JUDGED, conform
+from filter_pipeline.settings import JUDGE_LLM
 from filter_pipeline.shell.warehouse import DataRoot, encode, read_folder, read_parquet, write_bytes
 from filter_pipeline.storage.labels import read_labels
 
@@ -42,7 +43,7 @@ def candidate_judge(args: argparse.Namespace) -> JudgeResource:
     process asks the endpoint itself, outside Dagster)."""
     overrides = {"model": args.model, "base_url": args.base_url, "prompt_version": args.prompt_version,
                  "votes": args.votes, "api_key": os.environ.get(ENV["api_key"]) or None}  # fmt: skip
-    judge = judge_from_env("llm", overrides={k: v for k, v in overrides.items() if v is not None})
+    judge = judge_from_env(JUDGE_LLM, overrides={k: v for k, v in overrides.items() if v is not None})
     missing = [name for name in ("base_url", "model") if not getattr(judge.llm, name)]
     if missing:  # (named by the options first: they are what a calibration usually sets)
         flags = " and ".join(f"--{name.replace('_', '-')}" for name in missing)

@@ -11,6 +11,7 @@ import sys
 from filter_pipeline.cli import EXIT_BAD_INPUT, EXIT_FAILED, explain, review
 from filter_pipeline.rules.descriptions import one_line
 from filter_pipeline.rules.history import HistoryError
+from filter_pipeline.rules.verify import MAX_LINES_PER_KIND
 from filter_pipeline.settings import (
     DATA_ENV,
     DEFAULT_DATA,
@@ -63,7 +64,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Audit the warehouse: every committed file present and unchanged, no key kept twice across "
         "non-retired runs, caps respected with history, verdicts conserved per run, no kept file without a commit, "
         "no publish left half done, no batch changed since it was filtered. Exit 0 when clean, 1 with one line per "
-        "finding (at most 20 of a kind, then a count), 2 when the data root does not exist or has no runs/.",
+        f"finding (at most {MAX_LINES_PER_KIND} of a kind, then a count), 2 when the data root does not exist or has no runs/.",
     )
     v.add_argument("--data", default=None, help=f"data root (default: ${DATA_ENV} or '{DEFAULT_DATA}')")
     c = commands.add_parser(

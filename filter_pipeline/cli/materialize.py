@@ -23,7 +23,7 @@ from filter_pipeline.rules import calibration as calibration_rules
 from filter_pipeline.rules import order
 from filter_pipeline.rules.batch import SUCCESS_FILE, check_run_id
 from filter_pipeline.rules.schemas import DROPPED_REASONS, FAILURE_REASONS, STATUS_ERROR
-from filter_pipeline.settings import REJUDGE_MAX_TRIES_ENV
+from filter_pipeline.settings import JUDGE_LLM, REJUDGE_MAX_TRIES_ENV
 from filter_pipeline.shell.assets import run_id_partitions
 from filter_pipeline.shell.config import caps_from_env, load_caps_file, parse_caps
 from filter_pipeline.shell.freshness import CALIBRATION, COVERAGE, FOLLOWS, stale_across_runs
@@ -279,7 +279,7 @@ def _checked_arguments(args: argparse.Namespace):
     home = _dagster_home()
     defs_from_env()  # FILTER_PIPELINE_EXECUTOR, FILTER_JUDGE_*: what the runs will read (ValueError: one line)
     judge = judge_from_env(args.judge)
-    if judge.kind == "llm":
+    if judge.kind == JUDGE_LLM:
         judge.settings()  # missing FILTER_JUDGE_BASE_URL / MODEL: say so before any run starts
         ssl_context()  # an unreadable SSL_CERT_FILE too
     load_retired(data.root)  # a broken retired.json fails here, before anything is written

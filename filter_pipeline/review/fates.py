@@ -7,6 +7,7 @@ import numpy as np
 import pandas as pd
 from upath import UPath
 
+from filter_pipeline.rules.batch import TASKS_FILE
 from filter_pipeline.rules.history import Retired
 from filter_pipeline.rules.records import as_text, read_json
 from filter_pipeline.rules.schemas import (
@@ -129,7 +130,7 @@ def _rejected_tasks(rejects: pd.DataFrame, valid: set) -> pd.DataFrame:
     line naming no task_id, one of a `valid` task (a second line of it) or one an earlier rejected line named, is
     named `tasks.jsonl:<line>`: each row's name opens its own story."""
     rows, named_before = [], set(valid)
-    for record in rejects[rejects["file"] == "tasks.jsonl"].to_dict("records") if "file" in rejects else []:
+    for record in rejects[rejects["file"] == TASKS_FILE].to_dict("records") if "file" in rejects else []:
         try:
             raw = read_json(record.get("raw") or "")  # (a line rejected for an over-long integer still names its task)
         except ValueError:
@@ -138,7 +139,7 @@ def _rejected_tasks(rejects: pd.DataFrame, valid: set) -> pd.DataFrame:
         named = json_text(raw.get("task_id"))
         named = None if named in named_before else named
         named_before.add(named)
-        rows.append({"task_id": named or f"tasks.jsonl:{record['line']}", "fate": FATE_REJECT,
+        rows.append({"task_id": named or f"{TASKS_FILE}:{record['line']}", "fate": FATE_REJECT,
                      "reason": record.get("message"), "site": json_text(raw.get("site")),
                      "macro": json_text(raw.get("macro")), "instruction": json_text(raw.get("instruction"))})  # fmt: skip
     return pd.DataFrame(rows, columns=TASK_COLUMNS)

@@ -82,7 +82,7 @@ class Batch:
     inputs: dict | None = None
     # the non-blank lines of executions.jsonl as read (`non_blank_lines`): the records every attempt is
     # accounted against (`checks.attempts_conserved`), counted apart from the parse
-    records: int = 0
+    attempt_records: int = 0
 
 
 @dataclass(frozen=True)
@@ -384,7 +384,7 @@ def parse_attempts(
             rejects_frame.assign(run_id=run_id).sort_values(["file", "line"], kind="stable"), "batch_rejects"
         ),
         task_at=task_at,
-        records=non_blank_lines(data),
+        attempt_records=non_blank_lines(data),
     )
 
 

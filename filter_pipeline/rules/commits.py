@@ -17,6 +17,7 @@ from datetime import datetime
 import pandas as pd
 
 from filter_pipeline.rules.schemas import JUDGED_BY
+from filter_pipeline.settings import JUDGE_LLM
 
 COMMITS_DIR = "_commits"  # <data>/warehouse/_commits/<run_id>.json
 LEGACY_PREFIX = "legacy:"  # history entry of a legacy run: "legacy:<sha256 of its kept.jsonl>"
@@ -135,6 +136,6 @@ def another_judge(recorded, current: dict) -> str | None:
 
 
 def _named(judge: dict) -> str:
-    if judge.get("kind") != "llm":
+    if judge.get("kind") != JUDGE_LLM:
         return str(judge.get("kind"))
     return f"llm {judge.get('model')} {judge.get('prompt_version')} (votes {judge.get('votes') or '?'})"

@@ -173,7 +173,7 @@ def judge_batch(context: dg.AssetExecutionContext, judge: JudgeResource, data: D
         judgement.written()  # (resumed once the IO manager has written the partition: the saved progress is in it)
     yield _all_tasks_judged(verdicts)
     yield dg.Output(failures, output_name="failure_pool", metadata=metadata[1])
-    conserved = checks.attempts_conserved(batch.records, batch.attempts, batch.rejects, verdicts)
+    conserved = checks.attempts_conserved(batch.attempt_records, batch.attempts, batch.rejects, verdicts)
     yield check_result("attempts_conserved", "failure_pool", conserved)
     matched = checks.execute_rows_match_failed_attempts(failures, batch.attempts)
     yield check_result("execute_rows_match_failed_attempts", "failure_pool", matched)

@@ -24,6 +24,7 @@ from filter_pipeline.rules.commits import CommitRecord
 from filter_pipeline.rules.schemas import DROPPED_REASONS, STATUS_ERROR
 from filter_pipeline.shell.assets import blocking_check, check_result, column_schema, count_by, run_id_partitions
 from filter_pipeline.shell.config import (
+    CAPS_SOURCE_DEPLOYMENT,
     LedgerConfig,
     caps_source,
     deployment_caps_config,
@@ -141,7 +142,7 @@ def build_ledger(deployment_caps: dict) -> dg.AssetsDefinition:
         ]
         refuse_invalid_run_caps(context)  # (Dagster checked only their types)
         source = caps_source(config, deployment_caps)
-        if source != "deployment":
+        if source != CAPS_SOURCE_DEPLOYMENT:
             context.log.info(f"caps from the run config, not the deployment's: {json.dumps(config.caps_document())}")
         try:
             yield from _walk_under_lease(context, config, data, run_ids, inputs, source)

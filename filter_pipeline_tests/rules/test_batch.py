@@ -734,4 +734,4 @@ def test_batch_counts_the_records_of_executions_jsonl_whatever_the_parse_made_of
     with (run / "executions.jsonl").open("a") as f:
         f.write("\n  \nnot json\n")  # a blank line, a line of spaces, a reject
     b = read_batch(run, "r")
-    assert (len(b.attempts), len(b.rejects), b.records) == (2, 1, 3)
+    assert (len(b.attempts), len(b.rejects), b.attempt_records) == (2, 1, 3)
