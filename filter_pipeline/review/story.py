@@ -7,12 +7,13 @@ import re
 import pandas as pd
 from upath import UPath
 
+from filter_pipeline.judge.prompt import agent_output, read_trajectory
 from filter_pipeline.review.data import ReviewError, UnreadableFile, Warehouse
 from filter_pipeline.review.fates import FATE_JUDGE_FAIL, FATE_KEPT, FATE_SURPLUS, FATE_WHERE, REASON_RETIRED, RunTables
 from filter_pipeline.rules.batch import SUCCESS_FILE
 from filter_pipeline.rules.calibration import LABEL_COLUMNS, parse_labels
 from filter_pipeline.rules.filtering import Caps
-from filter_pipeline.rules.records import as_text, read_json
+from filter_pipeline.rules.records import as_text
 from filter_pipeline.rules.schemas import DROPPED_DUPLICATE, DROPPED_SITE_CAP, SPEND_COUNTS, VERDICT_PARTS
 from filter_pipeline.storage.files import RUNS_DIR, file_version, is_local, read_if_present
 from filter_pipeline.storage.labels import LABELS_FILE
@@ -61,8 +62,9 @@ def resolves_inside_run(root: UPath, run_id: str, path: UPath) -> bool:
 
 
 def trajectory(root: UPath, run_id: str, dir_: str | None) -> dict:
-    """The attempt's trajectory.json (instruction, steps, final url and page text) and its screenshots'
-    names; `problem` says what could not be read."""
+    """The attempt's trajectory.json (instruction, steps, final url and page text, the agent's output), read as
+    the judge reads it (`prompt.read_trajectory`, `prompt.agent_output`), and its screenshots' names; `problem`
+    says what could not be read, in the words of the judge's evidence."""
     folder = root / dir_ if inside_run(run_id, dir_) else None
     if folder is None or not resolves_inside_run(root, run_id, folder / "trajectory.json"):
         return {"problem": "no trajectory folder inside the run", "steps": [], "screenshots": []}
@@ -71,18 +73,14 @@ def trajectory(root: UPath, run_id: str, dir_: str | None) -> dict:
         found["screenshots"] = sorted(p.name for p in folder.iterdir() if SCREENSHOT_NAME.match(p.name))
     except (FileNotFoundError, NotADirectoryError, OSError):
         pass
-    try:
-        record = _as_text(read_json((folder / "trajectory.json").read_bytes()))
-    except FileNotFoundError:
-        return {**found, "problem": "trajectory.json missing"}
-    except (OSError, ValueError) as exc:
-        return {**found, "problem": f"trajectory.json unreadable ({type(exc).__name__})"}
-    if not isinstance(record, dict):
-        return {**found, "problem": "trajectory.json not an object"}
+    record, _, problem = read_trajectory(root, dir_)  # (what the judge read, and its problem texts)
+    if problem is not None:
+        return {**found, "problem": problem}
+    record = _as_text(record)
     final = record.get("final") if isinstance(record.get("final"), dict) else {}
     steps = record.get("steps") if isinstance(record.get("steps"), list) else []
-    return {**found, "instruction": record.get("instruction"), "steps": steps,
-            "final_url": final.get("url"), "page_text": final.get("observation"), "output": record.get("output")}  # fmt: skip
+    return {**found, "instruction": record.get("instruction"), "steps": steps, "final_url": final.get("url"),
+            "page_text": final.get("observation"), "output": agent_output(record, final)}  # fmt: skip
 
 
 def _as_text(value):

@@ -192,3 +192,35 @@ def test_a_judge_failure_says_why_it_failed_even_one_the_judge_passed_below_the_
     found = story(warehouse, "r1", "jf")
     assert found["decision"]["fate"] == "judge_fail" and found["decision"]["where"].endswith(f"(stage judge): {detail}")
     assert any(line.endswith(detail) for line in story_lines(found))  # (`explain`; the task page shows the same line)
+
+
+@pytest.mark.parametrize(
+    "record, output",
+    [
+        ({"output": "3 items"}, "3 items"),
+        ({"final": {"answer": "sent"}}, "sent"),  # where the judge finds it too
+        ({"answer": {"total": 12}}, '{"total": 12}'),
+        ({"final": {"url": "https://x/"}}, None),
+    ],
+)
+def test_the_agent_output_shown_is_the_one_the_judge_read(tmp_path, record, output):
+    from filter_pipeline.judge.prompt import agent_output
+    from filter_pipeline.review.story import trajectory
+
+    folder = tmp_path / "runs" / "r1" / "traj" / "a" / "1"
+    folder.mkdir(parents=True)
+    (folder / "trajectory.json").write_text(json.dumps({"instruction": "i", "steps": [], **record}))
+    shown = trajectory(UPath(str(tmp_path)), "r1", "runs/r1/traj/a/1")
+    assert shown["output"] == output == agent_output(record, record.get("final", {}))
+
+
+def test_an_unreadable_trajectory_is_named_as_the_judges_evidence_names_it(tmp_path):
+    from filter_pipeline.review.story import trajectory
+    from filter_pipeline.rules.schemas import TRAJECTORY_MISSING, TRAJECTORY_NOT_OBJECT
+
+    folder = tmp_path / "runs" / "r1" / "traj" / "a" / "1"
+    folder.mkdir(parents=True)
+    root = UPath(str(tmp_path))
+    assert trajectory(root, "r1", "runs/r1/traj/a/1")["problem"] == TRAJECTORY_MISSING
+    (folder / "trajectory.json").write_text("[1, 2]")
+    assert trajectory(root, "r1", "runs/r1/traj/a/1")["problem"] == TRAJECTORY_NOT_OBJECT
