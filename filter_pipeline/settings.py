@@ -15,6 +15,14 @@ EXECUTOR_ENV = "FILTER_PIPELINE_EXECUTOR"
 # process, as a deployment that isolates steps wants.
 DEFAULT_EXECUTOR = "in_process"
 
+CLI = "filter-pipeline"  # the command line's name, as every hint spells a command
+
+
+def materialize_command(*run_ids: str) -> str:
+    """The command that (re-)filters the named runs, as a hint quotes it."""
+    return " ".join([CLI, "materialize", *run_ids])
+
+
 JUDGE_GATE, JUDGE_LLM = "gate", "llm"  # the two judges (`--judge`, FILTER_JUDGE_KIND)
 JUDGE_KINDS = (JUDGE_GATE, JUDGE_LLM)
 DEFAULT_JUDGE = JUDGE_GATE

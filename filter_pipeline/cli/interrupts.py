@@ -8,6 +8,8 @@ both stop a run the same way (the judge's saved verdicts stay, a walk never half
 import os
 import signal
 
+from filter_pipeline.settings import materialize_command
+
 # (nothing heavier here: main.py installs the handler before Dagster is imported)
 
 INTERRUPT_ERRORS = ("DagsterExecutionInterruptedError", "KeyboardInterrupt")
@@ -110,5 +112,5 @@ def saved_line(
             f"{walk}{earlier}"
         )
     remaining = [r for r in named if not (r == run_id and committed)]
-    again = " ".join(["filter-pipeline materialize", *remaining])
+    again = materialize_command(*remaining)
     return f"filter-pipeline: {what}; run `{again}` again to resume from what was saved"

@@ -23,7 +23,7 @@ from filter_pipeline.rules import calibration as calibration_rules
 from filter_pipeline.rules import order
 from filter_pipeline.rules.batch import SUCCESS_FILE, check_run_id
 from filter_pipeline.rules.schemas import DROPPED_REASONS, FAILURE_REASONS, STATUS_ERROR
-from filter_pipeline.settings import JUDGE_LLM, REJUDGE_MAX_TRIES_ENV
+from filter_pipeline.settings import JUDGE_LLM, REJUDGE_MAX_TRIES_ENV, materialize_command
 from filter_pipeline.shell.assets import run_id_partitions
 from filter_pipeline.shell.config import caps_from_env, load_caps_file, parse_caps
 from filter_pipeline.shell.freshness import CALIBRATION, COVERAGE, FOLLOWS, stale_across_runs
@@ -143,7 +143,7 @@ def _in_ledger_order(data: DataRoot, run_ids: list[str], named: bool) -> list[st
         lowest = sorted({b for found in blocked.values() for b in found})
         raise CliError(
             f"{', '.join(sorted(blocked))}: first walk must wait for {', '.join(lowest)} (complete, lower run_id, "
-            f"not yet filtered): name {'it' if len(lowest) == 1 else 'them'} too, run `filter-pipeline materialize` "
+            f"not yet filtered): name {'it' if len(lowest) == 1 else 'them'} too, run `{materialize_command()}` "
             f"with no run, or retire {'it' if len(lowest) == 1 else 'them'} in retired.json"
         )
     return ordered
@@ -231,7 +231,7 @@ def materialize(args: argparse.Namespace, signals: Signals | None = None) -> int
         status = EXIT_FAILED if failed or refused else EXIT_UNJUDGED if unjudged else 0
         if unjudged:
             print(
-                f"{unjudged} run(s) left tasks unjudged: a later `filter-pipeline materialize` naming no run judges "
+                f"{unjudged} run(s) left tasks unjudged: a later `{materialize_command()}` naming no run judges "
                 "them again",
                 flush=True,
             )
@@ -239,7 +239,7 @@ def materialize(args: argparse.Namespace, signals: Signals | None = None) -> int
     if spent:
         print(
             f"{len(spent)} run(s) still hold unjudged tasks after their last try ({REJUDGE_MAX_TRIES_ENV}): "
-            f"name them to judge them again: filter-pipeline materialize {' '.join(spent)}",
+            f"name them to judge them again: {materialize_command(*spent)}",
             flush=True,
         )
     return status or (EXIT_UNJUDGED if spent or other_judge else 0)

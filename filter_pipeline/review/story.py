@@ -15,6 +15,7 @@ from filter_pipeline.rules.calibration import LABEL_COLUMNS, parse_labels
 from filter_pipeline.rules.filtering import Caps
 from filter_pipeline.rules.records import as_text
 from filter_pipeline.rules.schemas import DROPPED_DUPLICATE, DROPPED_SITE_CAP, SPEND_COUNTS, VERDICT_PARTS
+from filter_pipeline.settings import materialize_command
 from filter_pipeline.storage.files import RUNS_DIR, file_version, is_local, read_if_present
 from filter_pipeline.storage.labels import LABELS_FILE
 
@@ -94,7 +95,7 @@ def _as_text(value):
 def refused(t: RunTables) -> str:
     """What to say of a run the stage refused before its walk: why, and what to do."""
     return (f"its batch was refused before its walk ({t.failure}): correct its files, then "
-            f"filter-pipeline materialize {t.run_id}")  # fmt: skip
+            f"{materialize_command(t.run_id)}")  # fmt: skip
 
 
 def decision(t: RunTables, task: dict) -> dict:
@@ -140,7 +141,7 @@ def story(warehouse: Warehouse, run_id: str, task_id: str, labels: pd.DataFrame 
             raise ReviewError(f"run {run_id!r} is not complete (no {SUCCESS_FILE}): it is filtered once it is")
         if t.failure is not None:
             raise ReviewError(f"run {run_id!r}: {refused(t)}")
-        raise ReviewError(f"run {run_id!r} is not filtered yet: filter-pipeline materialize {run_id}")
+        raise ReviewError(f"run {run_id!r} is not filtered yet: {materialize_command(run_id)}")
     if match.empty:
         legacy = " (filtered by the earlier script: only its kept rows, kept.jsonl, are known)" if t.legacy else ""
         raise ReviewError(f"no task {task_id!r} in run {run_id!r}{legacy}")

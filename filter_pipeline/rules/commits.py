@@ -17,7 +17,7 @@ from datetime import datetime
 import pandas as pd
 
 from filter_pipeline.rules.schemas import JUDGED_BY
-from filter_pipeline.settings import JUDGE_LLM
+from filter_pipeline.settings import JUDGE_LLM, materialize_command
 
 COMMITS_DIR = "_commits"  # <data>/warehouse/_commits/<run_id>.json
 LEGACY_PREFIX = "legacy:"  # history entry of a legacy run: "legacy:<sha256 of its kept.jsonl>"
@@ -72,7 +72,7 @@ class CommitRecord:
 
 def parse_commit(data: bytes, where: str, run_id: str) -> CommitRecord:
     """The commit record in `data` (the file `where` names); HistoryIntegrityError if it is not one."""
-    redo = f"delete it and re-filter {run_id} with `filter-pipeline materialize {run_id}`"
+    redo = f"delete it and re-filter {run_id} with `{materialize_command(run_id)}`"
     try:
         raw = json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

@@ -29,6 +29,7 @@ import pyarrow.parquet as pq
 from filter_pipeline.rules.batch import LEGACY_KEPT_FILE, jsonl_lines
 from filter_pipeline.rules.commits import LEGACY_PREFIX, CommitRecord, HistoryIntegrityError
 from filter_pipeline.rules.schemas import canonical_key, conform, empty_frame, key_hashes, positions, to_pandas
+from filter_pipeline.settings import materialize_command
 
 RETIRED_FILE = "retired.json"
 
@@ -196,7 +197,7 @@ KEPT_COLUMNS = ("dedup_key", "key_hash", "macro", "site", "task_id")
 
 
 def refilter(run_id: str) -> str:
-    return f"restore it, or re-filter {run_id} with `filter-pipeline materialize {run_id}`"
+    return f"restore it, or re-filter {run_id} with `{materialize_command(run_id)}`"
 
 
 def check_committed(data: bytes, run_id: str, entry: dict) -> bytes:

@@ -27,6 +27,7 @@ from filter_pipeline.rules.schemas import (
     STATUS_JUDGED,
     to_pandas,
 )
+from filter_pipeline.settings import materialize_command
 
 FINDING_KINDS = ("commit", "file", "duplicate", "cap", "conservation", "uncommitted", "incomplete", "changed")
 MAX_LINES_PER_KIND = 20  # beyond this, one line says how many more of the same kind were found
@@ -128,7 +129,7 @@ def duplicate_findings(rows: list[tuple[str, str, str]]) -> list[Finding]:
 
 def unreadable_verdicts(run_id: str) -> Finding:
     return Finding("conservation", f"warehouse/judge_verdicts/{run_id}.parquet is missing or unreadable: "
-                                   f"re-filter {run_id} with `filter-pipeline materialize {run_id}`")  # fmt: skip
+                                   f"re-filter {run_id} with `{materialize_command(run_id)}`")  # fmt: skip
 
 
 def conservation(run_id: str, record: CommitRecord, verdicts: pa.Table) -> list[Finding]:
@@ -145,5 +146,5 @@ def conservation(run_id: str, record: CommitRecord, verdicts: pa.Table) -> list[
         "conservation",
         f"run {run_id}: {verdicts.num_rows} verdicts but {kept} kept + {surplus} surplus + {failed} judge "
         f"failures + {unjudged} unjudged (the verdicts changed since its walk?): re-filter {run_id} with "
-        f"`filter-pipeline materialize {run_id}`",
+        f"`{materialize_command(run_id)}`",
     )]  # fmt: skip

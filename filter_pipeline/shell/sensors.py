@@ -21,6 +21,7 @@ from filter_pipeline.judge.resource import JudgeResource
 from filter_pipeline.rules import order
 from filter_pipeline.rules.batch import LEGACY_KEPT_FILE, BatchState
 from filter_pipeline.rules.commits import CommitRecord, another_judge, walks_fingerprint
+from filter_pipeline.settings import materialize_command
 from filter_pipeline.shell.assets import run_id_partitions
 from filter_pipeline.shell.jobs import (
     FIRST_WALK_TAG,
@@ -75,7 +76,7 @@ def coverage_refresh(commits: dict[str, CommitRecord]) -> list[dg.RunRequest]:
 def changed_warning(run_id: str) -> str:
     return (
         f"runs/{run_id} changed since it was filtered (tasks.jsonl or executions.jsonl differ from its commit "
-        f"record): re-filter it with `filter-pipeline materialize {run_id}`; it is not re-filtered unless named"
+        f"record): re-filter it with `{materialize_command(run_id)}`; it is not re-filtered unless named"
     )
 
 

@@ -18,6 +18,7 @@ from filter_pipeline.rules.verify import (
     suspect_rows,
     unreadable_verdicts,
 )
+from filter_pipeline.settings import materialize_command
 from filter_pipeline.storage.files import RUNS_DIR, WAREHOUSE_DIR, files_in, inputs_changed, is_local, read_parquet_file
 from filter_pipeline.storage.history import kept_files, legacy_kept_files, load_retired, read_commit, verified_bytes
 from filter_pipeline.storage.lease import lease_live
@@ -41,7 +42,7 @@ def _kept_rows(
     entry = record.files.get("kept")
     if entry is None:
         findings.append(Finding("commit", f"warehouse/{COMMITS_DIR}/{run_id}.json names no kept file: re-filter {run_id} "
-                                          f"with `filter-pipeline materialize {run_id}`"))  # fmt: skip
+                                          f"with `{materialize_command(run_id)}`"))  # fmt: skip
         return None
     try:
         data = verified_bytes(data_root, run_id, entry)
@@ -102,7 +103,7 @@ def audit(data_root: UPath) -> list[Finding]:
         findings.append(Finding(
             "uncommitted",
             f"warehouse/kept/{run_id}.parquet has no commit record (its walk stopped before committing): it is not "
-            f"history; `filter-pipeline materialize` walks {run_id} again and commits it",
+            f"history; `{materialize_command()}` walks {run_id} again and commits it",
         ))  # fmt: skip
     # a walk publishes and moves its files under the lease: with no live lease, a publish half done is stopped
     incomplete = incomplete_publishes(data_root)
@@ -115,7 +116,7 @@ def audit(data_root: UPath) -> list[Finding]:
                 "incomplete",
                 f"{run_id}: its walk stopped after publishing its commit, before moving all its files into place (the "
                 f"rest are in {relative(data_root, folder)}/; readers of warehouse/ still see the earlier files): "
-                "`filter-pipeline materialize` moves them",
+                f"`{materialize_command()}` moves them",
             ))  # fmt: skip
     for run_id, record in records.items():
         changed = inputs_changed(data_root / RUNS_DIR / run_id, record.inputs)
@@ -123,7 +124,7 @@ def audit(data_root: UPath) -> list[Finding]:
             findings.append(Finding(
                 "changed",
                 f"runs/{run_id}/{', '.join(changed)} changed since {run_id} was filtered: re-filter it with "
-                f"`filter-pipeline materialize {run_id}` (it is not re-filtered unless named)",
+                f"`{materialize_command(run_id)}` (it is not re-filtered unless named)",
             ))  # fmt: skip
     return capped(findings)
 

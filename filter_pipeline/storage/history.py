@@ -24,6 +24,7 @@ from filter_pipeline.rules.history import (
     refilter,
     whole_runs_counted,
 )
+from filter_pipeline.settings import materialize_command
 from filter_pipeline.storage.files import RUNS_DIR, WAREHOUSE_DIR, files_in, read_if_present, read_parquet_file
 from filter_pipeline.storage.publish import commit_path, published_folder, staged_copy
 
@@ -133,7 +134,7 @@ def history_sources(data_root: UPath, commits: dict[str, CommitRecord]) -> dict[
         if entry is None:
             raise HistoryIntegrityError(
                 f"warehouse/_commits/{run_id}.json names no kept file: delete it and re-filter {run_id} with "
-                f"`filter-pipeline materialize {run_id}`"
+                f"`{materialize_command(run_id)}`"
             )
         sources[run_id] = ("warehouse", data_root / entry["path"], entry)
     return dict(sorted(sources.items()))

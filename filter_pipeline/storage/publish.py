@@ -32,6 +32,7 @@ from datetime import UTC, datetime
 from upath import UPath
 
 from filter_pipeline.rules.commits import COMMITS_DIR, CommitRecord
+from filter_pipeline.settings import materialize_command
 from filter_pipeline.storage.files import (
     PRECONDITION,
     STALE_TEMP_SECONDS,
@@ -267,7 +268,7 @@ def _move_all(data_root: UPath, folder: UPath, manifest: dict) -> None:
         raise PublishIncomplete(
             f"{run_id}: its commit was published, but its staged files ({', '.join(missing)}) were removed before they "
             f"were moved into place (the walk stalled for longer than {STALE_TEMP_SECONDS} s, and another launcher took "
-            f"them for abandoned): re-filter it with `filter-pipeline materialize {run_id}`"
+            f"them for abandoned): re-filter it with `{materialize_command(run_id)}`"
         )
 
 

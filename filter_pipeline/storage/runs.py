@@ -28,6 +28,7 @@ from filter_pipeline.rules.batch import (
     parse_tasks,
 )
 from filter_pipeline.rules.schemas import JUDGED_INPUTS
+from filter_pipeline.settings import materialize_command
 from filter_pipeline.storage.files import (
     files_in,
     input_fingerprints,
@@ -170,7 +171,7 @@ def changed_since_judged(run_id: str, changed: list[str]) -> str:
     return (
         f"runs/{run_id} changed since it was judged ({', '.join(changed)}): the walk commits the verdicts of the "
         f"files as they were, and the run is then reported as changed; re-filter it with "
-        f"`filter-pipeline materialize {run_id}`"
+        f"`{materialize_command(run_id)}`"
     )
 
 

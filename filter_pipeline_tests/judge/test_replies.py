@@ -152,7 +152,7 @@ def test_read_completion_takes_content_never_the_reasoning_field():
     choices, usage = read_completion(payload)
     assert choices == [Choice("a", "stop"), Choice("b", "length")] and choices[1].cut_off
     assert usage == Usage(10, 4, 8)
-    assert read_completion({"choices": [{"message": {"content": None}}]})[1] == Usage()
+    assert read_completion({"choices": [{"message": {"content": None}}]})[1] == Usage(reported=False)
     for not_one in ({}, {"choices": []}, {"choices": [{"text": "legacy"}]}, [], "x"):
         assert read_completion(not_one) is None
 
