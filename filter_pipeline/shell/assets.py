@@ -14,11 +14,11 @@ from filter_pipeline.judge.client import EndpointRefused, JudgeSetupError
 from filter_pipeline.judge.driver import ProgressStore, RecordSteps
 from filter_pipeline.judge.resource import JudgeResource
 from filter_pipeline.rules import calibration, checks, filtering, report, verify
-from filter_pipeline.rules.batch import EXECUTIONS_FILE, TASKS_FILE, BatchError
+from filter_pipeline.rules.batch import EXECUTIONS_FILE, SUCCESS_FILE, TASKS_FILE, BatchError
 from filter_pipeline.rules.commits import CommitRecord, another_judge, judge_settings
 from filter_pipeline.rules.coverage import coverage_chart, coverage_markdown, coverage_table
 from filter_pipeline.rules.descriptions import column_description
-from filter_pipeline.rules.history import RETIRED_FILE, parse_retired
+from filter_pipeline.rules.history import RETIRED_FILE, HistoryError, parse_retired
 from filter_pipeline.rules.schemas import (
     FAILURE_REASONS,
     JUDGE_PROGRESS_FOLDER,
@@ -31,7 +31,7 @@ from filter_pipeline.rules.schemas import (
     type_name,
 )
 from filter_pipeline.shell.config import caps_source, deployment_caps_config, refuse_invalid_run_caps
-from filter_pipeline.shell.warehouse import DataRoot, read_folder, read_parquet, write_parquet
+from filter_pipeline.shell.warehouse import DataRoot, plain_run_ids, read_folder, read_parquet, write_parquet
 from filter_pipeline.storage import failures
 from filter_pipeline.storage.audit import audit
 from filter_pipeline.storage.history import kept_counts, load_retired, read_commit, read_retired
@@ -150,9 +150,12 @@ def check_result(check: str, asset: str, outcome: checks.CheckOutcome) -> dg.Ass
 def judge_batch(context: dg.AssetExecutionContext, judge: JudgeResource, data: DataRoot):
     """Parse one execution batch (bad records are set aside as rejects, never dropped silently), judge its
     tasks, and pool its failures."""
-    run_id = context.partition_key
+    [run_id] = plain_run_ids([context.partition_key])
     refuse_invalid_run_caps(context)
-    load_retired(data.root)  # a broken retired.json fails the run here, before anything is written or judged
+    try:
+        load_retired(data.root)  # a broken retired.json fails the run here, before anything is written or judged
+    except HistoryError as exc:
+        raise dg.Failure(description=str(exc), allow_retries=False) from None
     batch = _parse(context, data, run_id)
     # in the warehouse before judging starts, however long it takes
     yield from _batch_outputs(batch)
@@ -240,6 +243,12 @@ def _failures_metadata(failures: pd.DataFrame) -> dict:
 
 
 def _parse(context: dg.AssetExecutionContext, data: DataRoot, run_id: str):
+    if not (data.run_dir(run_id) / SUCCESS_FILE).exists():  # (the UI launches any registered partition)
+        raise dg.Failure(
+            description=f"runs/{run_id} has no {SUCCESS_FILE}: still being written (the harness writes it last); "
+            "nothing is read until it is there",
+            allow_retries=False,
+        )
     try:
         batch = read_batch(data.run_dir(run_id), run_id)
     except BatchError as exc:

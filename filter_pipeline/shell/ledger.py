@@ -20,9 +20,16 @@ import pandas as pd
 
 from filter_pipeline import settings
 from filter_pipeline.rules import checks, commits, dpo, filtering, order, report
-from filter_pipeline.rules.commits import CommitRecord
+from filter_pipeline.rules.commits import CommitRecord, HistoryIntegrityError
+from filter_pipeline.rules.history import HistoryError
 from filter_pipeline.rules.schemas import DROPPED_REASONS, STATUS_ERROR
-from filter_pipeline.shell.assets import blocking_check, check_result, column_schema, count_by, run_id_partitions
+from filter_pipeline.shell.assets import (
+    blocking_check,
+    check_result,
+    column_schema,
+    count_by,
+    run_id_partitions,
+)
 from filter_pipeline.shell.config import (
     CAPS_SOURCE_DEPLOYMENT,
     LedgerConfig,
@@ -32,7 +39,7 @@ from filter_pipeline.shell.config import (
 )
 from filter_pipeline.shell.jobs import PRIORITY_TAG
 from filter_pipeline.shell.waiting import DEFERRED_TAG, Deferred, filtered_meanwhile, retry_later, wait_for_lower_runs
-from filter_pipeline.shell.warehouse import LOADED_VERSION, DataRoot, encode, unchanged_since_loaded
+from filter_pipeline.shell.warehouse import LOADED_VERSION, DataRoot, encode, plain_run_ids, unchanged_since_loaded
 from filter_pipeline.storage import failures
 from filter_pipeline.storage.history import build_prior_index, load_retired
 from filter_pipeline.storage.lease import Lease, LedgerBusy, StoreIgnoresConditions, ledger_lease
@@ -135,7 +142,7 @@ def build_ledger(deployment_caps: dict) -> dg.AssetsDefinition:
         """Walk this step's runs in run_id order, each once every lower complete batch is filtered (otherwise
         Dagster retries the step later, and nothing is walked), under the data root's lease; each walk writes
         every file derived from it, then its commit. One partition: its frames; a range: dicts by run_id."""
-        run_ids = sorted(context.partition_keys)
+        run_ids = plain_run_ids(context.partition_keys)
         inputs = [
             frames if isinstance(frames, dict) else {run_ids[0]: frames}
             for frames in (judge_verdicts, failure_pool, batch_attempts)
@@ -152,6 +159,8 @@ def build_ledger(deployment_caps: dict) -> dg.AssetsDefinition:
             yield from _deferred(context, str(exc))
         except (PublishRefused, PublishIncomplete, StoreIgnoresConditions) as exc:
             raise dg.Failure(description=str(exc)) from None
+        except (HistoryIntegrityError, HistoryError) as exc:  # (a committed file changed, a broken retired.json)
+            raise dg.Failure(description=str(exc), allow_retries=False) from None
 
     return ledger
 

@@ -6,6 +6,7 @@ Both take the data root from the same `DataRoot` resource, so the ledger step, w
 
 import hashlib
 import os
+from collections.abc import Iterable
 
 import dagster as dg
 import pandas as pd
@@ -14,6 +15,7 @@ import pyarrow.parquet as pq
 from pydantic import Field
 from upath import UPath
 
+from filter_pipeline.rules.batch import check_run_id
 from filter_pipeline.rules.schemas import (
     SCHEMAS,
     parquet_bytes,
@@ -34,6 +36,16 @@ from filter_pipeline.storage.files import (
 
 # a loaded frame's attrs key: (the version, the SHA-256) of the file it was read from (`load_from_path`)
 LOADED_VERSION = "filter_pipeline/loaded_version"
+
+
+def plain_run_ids(keys: Iterable[str]) -> list[str]:
+    """Partition keys, sorted, when each is a plain run_id (`check_run_id`); else a one-line dg.Failure before
+    anything is read or written (each step and the IO manager ask): the UI registers any key, and `../x` would
+    reach outside runs/ and warehouse/<asset>/."""
+    try:
+        return sorted(check_run_id(key) for key in keys)
+    except ValueError as exc:
+        raise dg.Failure(description=str(exc), allow_retries=False) from None
 
 
 class DataRoot(dg.ConfigurableResource):
@@ -139,15 +151,19 @@ class ParquetWarehouseIOManager(dg.UPathIOManager):
 
     def dump_to_path(self, context: dg.OutputContext, obj: pd.DataFrame, path: UPath) -> None:
         asset = context.asset_key.path[-1]
+        if context.has_asset_partitions:
+            plain_run_ids(context.asset_partition_keys)
         if asset not in SCHEMAS:
             raise KeyError(f"asset {asset!r} has no Arrow schema in filter_pipeline.rules.schemas.SCHEMAS")
         write_bytes(encode(obj, asset)[1], path)
 
     def load_from_path(self, context: dg.InputContext, path: UPath) -> pd.DataFrame:
-        """The partition's frame; only the columns an input names in its `columns` metadata, if it does. Its
+        """The partition's frame (a partition key that is not a plain run_id: a one-line failure); only the columns an input names in its `columns` metadata, if it does. Its
         `attrs[LOADED_VERSION]`: (the file's version as it was read, `file_version`, taken before the read; the
         SHA-256 of the bytes read), so that a step can tell whether the file was written again meanwhile, and
         if so with other content (`unchanged_since_loaded`)."""
+        if context.has_asset_partitions:
+            plain_run_ids(context.asset_partition_keys)
         version = file_version(path)
         data = path.read_bytes()
         table = read_parquet_file(pa.BufferReader(data), columns=(context.definition_metadata or {}).get("columns"))

@@ -159,6 +159,34 @@ def test_a_batch_with_no_valid_task_fails_its_run_with_one_line_saying_why(insta
     )
 
 
+def step_failure(result) -> tuple[str, str, str]:
+    [event] = [e for e in result.all_events if e.event_type == dg.DagsterEventType.STEP_FAILURE]
+    error = event.step_failure_data.error
+    return event.step_key, error.cls_name, error.message
+
+
+def test_a_partition_key_that_is_not_a_plain_run_id_fails_in_one_line_and_reads_or_writes_nothing(instance, data_root):
+    # the UI registers any key: `../outside` names a complete batch beside runs/, and files beside warehouse/<asset>/
+    write_batch(data_root, "outside", [task("a")], [attempt("a")]).rename(data_root / "outside")
+    result = materialize(instance, data_root, "../outside")
+    step, cls, message = step_failure(result)
+    assert (step, cls) == ("judge_batch", "Failure") and "is not a plain folder name" in message
+    assert not (data_root / "warehouse").exists()
+    instance.add_dynamic_partitions("run_id", ["../x"])
+    ledger_only = build_defs(str(data_root), JudgeResource(), caps={}).resolve_job_def("ledger_job")
+    result = ledger_only.execute_in_process(instance=instance, partition_key="../x", raise_on_error=False)
+    step, cls, message = step_failure(result)
+    assert (step, cls) == ("ledger", "Failure") and "is not a plain folder name" in message
+
+
+def test_a_batch_still_being_written_is_not_filtered_when_launched_by_hand(instance, data_root):
+    write_batch(data_root, "r1", [task("a")], [attempt("a")], complete=False)  # no _SUCCESS yet
+    result = materialize(instance, data_root, "r1")
+    step, cls, message = step_failure(result)
+    assert (step, cls) == ("judge_batch", "Failure") and "runs/r1 has no _SUCCESS: still being written" in message
+    assert not (data_root / "warehouse" / "_commits").exists() and not (data_root / "warehouse" / "_failed").exists()
+
+
 def test_coverage_counts_every_non_retired_run(instance, data_root):
     write_batch(data_root, "r1", [task("a"), task("b", site="s2")], [attempt("a"), attempt("b")])
     write_batch(data_root, "r2", [task("c")], [attempt("c")])

@@ -36,6 +36,7 @@ def test_whole_graph_on_fsspec_memory_filesystem():
     run.mkdir(parents=True, exist_ok=True)
     (run / "tasks.jsonl").write_text(jsonl([task("a"), task("b", key=["s", "#el", "a"])]))
     (run / "executions.jsonl").write_text(jsonl([attempt("a"), attempt("b"), attempt("b", 2, ok=False, error="x")]))
+    (run / "_SUCCESS").write_text("")
 
     assert materialize_all(str(root), "m1").success
 
@@ -54,6 +55,7 @@ def test_every_asset_file_has_its_fixed_schema_even_when_empty(tmp_path):
     run.mkdir(parents=True)
     (run / "tasks.jsonl").write_text(jsonl([task("a")]))
     (run / "executions.jsonl").write_text(jsonl([attempt("a", ok=False, error=None)]))
+    (run / "_SUCCESS").write_text("")
     assert materialize_all(str(tmp_path), "e1").success
     for asset, schema in SCHEMAS.items():
         if asset in ACROSS_RUNS_ASSETS:  # one file for every run, not one per run
@@ -212,6 +214,7 @@ def kept_file_columns(tmp_path) -> dict:
     run.mkdir(parents=True)
     (run / "tasks.jsonl").write_text(jsonl([task("a"), task("b")]))
     (run / "executions.jsonl").write_text(jsonl([attempt("a"), attempt("b")]))
+    (run / "_SUCCESS").write_text("")
     assert materialize_all(str(tmp_path), "d1").success
     meta = pq.ParquetFile(tmp_path / "warehouse" / "kept" / "d1.parquet").metadata.row_group(0)
     return {meta.column(i).path_in_schema: meta.column(i) for i in range(meta.num_columns)}
