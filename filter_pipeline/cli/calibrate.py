@@ -57,7 +57,7 @@ def candidate_name(judge: JudgeResource) -> str:
     """The candidate's key: its model, prompt version and votes, as a file name."""
     settings = judge.settings()
     name = f"{settings.model}_{settings.prompt_version}_votes{settings.votes}"
-    return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-")
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-.")  # (no leading dot: not a hidden file)
 
 
 def labelled_requests(data: DataRoot, labels: pd.DataFrame) -> tuple[pd.DataFrame, tuple]:

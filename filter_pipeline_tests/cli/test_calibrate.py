@@ -256,3 +256,15 @@ def test_a_calibration_refresh_with_the_data_root_given_by_argument_writes_there
     table = pd.read_parquet(data_root / "warehouse" / "judge_calibration.parquet")
     assert table[table["site"] == "(all)"]["n"].tolist() == [1, 1]
     assert list(elsewhere.iterdir()) == [] and "refreshing" not in run().stdout
+
+
+@pytest.mark.parametrize(
+    "model, version, name",
+    [("org/judge:7b", "v3", "org-judge-7b_v3_votes1"), ("../../x", "../y", "x_..-y_votes1")],
+)
+def test_a_candidates_file_name_is_plain_and_never_hidden(model, version, name):
+    from filter_pipeline.cli.calibrate import candidate_name
+    from filter_pipeline.judge.config import LLMJudgeConfig
+
+    judge = JudgeResource(kind="llm", llm=LLMJudgeConfig(base_url="http://x", model=model, prompt_version=version))
+    assert candidate_name(judge) == name
