@@ -43,11 +43,10 @@ from filter_pipeline.shell.sensors import (
 )
 from filter_pipeline.shell.waiting import ORDER_MAX_WAIT_TAG
 from filter_pipeline.shell.warehouse import DATA_ENV, DataRoot, read_parquet
-from filter_pipeline.storage import failures
 from filter_pipeline.storage.history import load_retired, read_commits
 from filter_pipeline.storage.lease import LedgerBusy, StoreIgnoresConditions, ledger_lease
 from filter_pipeline.storage.publish import STAGING_DIR, commit_state, complete_published
-from filter_pipeline.storage.runs import complete_batches
+from filter_pipeline.storage.runs import complete_batches, walk_order
 
 
 class CliError(Exception):
@@ -127,16 +126,13 @@ def _in_ledger_order(data: DataRoot, run_ids: list[str], named: bool) -> list[st
     """`run_ids` in the order the ledger accepts (CONTRACT §4): first walks in run_id order (one line when
     that differs from the order given). Raises CliError when a named run's first walk would wait for a lower
     complete batch that is neither named, filtered, retired, nor recorded as failed."""
-    batches = complete_batches(data.runs, data.warehouse, log=None)
-    committed = set(read_commits(data.warehouse)) | {b.run_id for b in batches if b.filtered}
-    ordered = order.walk_order(run_ids, committed)
+    now = walk_order(data.root)
+    ordered = order.walk_order(run_ids, now.committed)
     if named and ordered != list(dict.fromkeys(run_ids)):
         print(f"first walks go in run_id order: {' '.join(ordered)} (given: {' '.join(run_ids)})", flush=True)
-    complete = [b.run_id for b in batches]
-    failed, retired = failures.read_failures(data.warehouse), load_retired(data.root).runs
     blocked = {}
     for run_id in ordered:
-        blockers = order.blocking_runs(run_id, complete, committed, failed, retired, walked_before=ordered)
+        blockers = now.blocking(run_id, walked_before=ordered)
         if blockers:
             blocked[run_id] = blockers
     if blocked:

@@ -13,10 +13,9 @@ from filter_pipeline.rules import order
 from filter_pipeline.rules.commits import CommitRecord
 from filter_pipeline.shell.jobs import FIRST_WALK_TAG, PARTITION_TAG
 from filter_pipeline.shell.warehouse import DataRoot
-from filter_pipeline.storage import failures
-from filter_pipeline.storage.history import load_retired, read_commit, read_commits
+from filter_pipeline.storage.history import read_commit
 from filter_pipeline.storage.publish import CommitState
-from filter_pipeline.storage.runs import complete_batches
+from filter_pipeline.storage.runs import walk_order
 
 # run tag: the most seconds this run's ledger step waits for lower runs (the CLI sets 0: it orders its own runs)
 ORDER_MAX_WAIT_TAG = "filter_pipeline/order_max_wait_seconds"
@@ -54,13 +53,9 @@ def retry_later(context: dg.AssetExecutionContext, why: str, honour_tag: bool = 
 def wait_for_lower_runs(context: dg.AssetExecutionContext, data: DataRoot, run_ids: list[str]) -> None:
     """Return when every run in `run_ids` may be walked now, in that order; else retry the step later, or
     raise Deferred at once when a run it waits for is stuck in the run queue (`_stuck_in_queue`)."""
-    batches = complete_batches(data.runs, data.warehouse, log=None)
-    committed = set(read_commits(data.warehouse)) | {b.run_id for b in batches if b.filtered}
-    failed = failures.read_failures(data.warehouse)
-    retired = load_retired(data.root).runs
-    complete = [b.run_id for b in batches]
+    now = walk_order(data.root)
     for position, run_id in enumerate(run_ids):
-        blockers = order.blocking_runs(run_id, complete, committed, failed, retired, walked_before=run_ids[:position])
+        blockers = now.blocking(run_id, walked_before=run_ids[:position])
         if blockers:
             why = order.describe_wait(run_id, blockers)
             stuck = _stuck_in_queue(context.instance, blockers)

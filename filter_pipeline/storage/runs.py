@@ -7,7 +7,7 @@ import logging
 import os
 import posixpath
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import pandas as pd
 import pyarrow as pa
@@ -27,16 +27,20 @@ from filter_pipeline.rules.batch import (
     parse_attempts,
     parse_tasks,
 )
+from filter_pipeline.rules.order import blocking_runs
 from filter_pipeline.rules.schemas import JUDGED_INPUTS
 from filter_pipeline.settings import materialize_command
+from filter_pipeline.storage.failures import read_failures
 from filter_pipeline.storage.files import (
+    RUNS_DIR,
+    WAREHOUSE_DIR,
     files_in,
     input_fingerprints,
     inputs_changed,
     is_local,
     read_input,
 )
-from filter_pipeline.storage.history import read_commit, read_commits
+from filter_pipeline.storage.history import load_retired, read_commit, read_commits
 
 _LOG = logging.getLogger(__name__)
 
@@ -108,6 +112,32 @@ def read_batch(run_dir: UPath, run_id: str) -> Batch:
     parsed = parse_attempts(data, tasks, rejects, run_id, outside)
     inputs = {TASKS_FILE: tasks_input, EXECUTIONS_FILE: executions_input}
     return replace(parsed, seconds=time.perf_counter() - started, inputs=inputs)
+
+
+@dataclass(frozen=True)
+class WalkOrder:
+    """What the ledger's order (CONTRACT §4) is decided from, as the data root holds it now."""
+
+    complete: list[str]  # every complete batch
+    committed: set[str]  # filtered for good: committed, or a legacy kept.jsonl
+    failed: set[str]  # a recorded validation failure
+    retired: set[str]  # retired as a whole
+
+    def blocking(self, run_id: str, walked_before: list[str]) -> list[str]:
+        """The runs a first walk of `run_id` waits for (`order.blocking_runs`)."""
+        return blocking_runs(run_id, self.complete, self.committed, self.failed, self.retired, walked_before)
+
+
+def walk_order(root: UPath) -> WalkOrder:
+    """The data root's `WalkOrder`: its complete batches, commits, recorded failures and retired runs."""
+    batches = complete_batches(root / RUNS_DIR, root / WAREHOUSE_DIR, log=None)
+    committed = set(read_commits(root / WAREHOUSE_DIR)) | {b.run_id for b in batches if b.filtered}
+    return WalkOrder(
+        complete=[b.run_id for b in batches],
+        committed=committed,
+        failed=set(read_failures(root / WAREHOUSE_DIR)),
+        retired=set(load_retired(root).runs),
+    )
 
 
 def unparsed_batch(run_dir: UPath, run_id: str) -> Batch | None:

@@ -60,3 +60,17 @@ def test_dirs_under_other_top_folders_are_checked_too(tmp_path):
 def test_count_records_counts_a_legacy_runs_kept_rows(tmp_path):
     (tmp_path / "kept.jsonl").write_text('{"task_id": "a"}\n\n{"task_id": "b"}\n')
     assert runs_module.count_records(UPath(tmp_path), "kept.jsonl") == 2
+
+
+def test_walk_order_reads_what_a_first_walk_waits_for_from_the_data_root(tmp_path):
+    from filter_pipeline.storage.failures import record_failure
+
+    for run_id in ("r1", "r2", "r3", "r4", "r5"):
+        write_batch(tmp_path, run_id, [task("a")], [attempt("a")])
+    write_batch(tmp_path, "r0", [task("a")], [attempt("a")], complete=False)  # still being written: not waited for
+    record_failure(UPath(tmp_path) / "warehouse", "r2", "no valid task")
+    (tmp_path / "retired.json").write_text('[{"run_id": "r3", "reason": "bad site"}]')
+    now = runs_module.walk_order(UPath(tmp_path))
+    assert (now.complete, now.failed, now.retired) == (["r1", "r2", "r3", "r4", "r5"], {"r2"}, {"r3"})
+    assert now.blocking("r5", walked_before=[]) == ["r1", "r4"]
+    assert now.blocking("r5", walked_before=["r1", "r4"]) == []
