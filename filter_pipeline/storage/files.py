@@ -21,12 +21,13 @@ RUNS_DIR, WAREHOUSE_DIR = "runs", "warehouse"  # <data>/runs/<run_id>/: the batc
 HASH_CHUNK = 8 << 20  # bytes read at a time where a file is read in pieces (hashing, line offsets)
 # fsspec protocols of a local data root; anything else is object storage (no symlinks, no rename, no flock)
 LOCAL_PROTOCOLS = ("", "file", "local")
+OBJECT_STORE_PROTOCOLS = ("s3", "s3a")  # the object stores this project writes to (conditional writes, an endpoint)
 
 
 def storage_options(path: str, endpoint_url: str | None) -> dict:
     """fsspec options for the data root at `path`. Raises ValueError for an endpoint on a non-S3 root."""
     protocol = fsspec.utils.get_protocol(path)
-    if endpoint_url and protocol not in ("s3", "s3a"):
+    if endpoint_url and protocol not in OBJECT_STORE_PROTOCOLS:
         raise ValueError(
             f"an endpoint URL ({ENDPOINT_ENV}, or the data resource's endpoint_url) applies to an s3:// data root, "
             f"not {protocol}://"
@@ -159,11 +160,7 @@ def replace_locally(target: str, write, sync_folder: bool) -> os.stat_result:
         written = os.stat(tmp)
         os.replace(tmp, target)
         if sync_folder:
-            descriptor = os.open(folder, os.O_RDONLY)
-            try:
-                os.fsync(descriptor)
-            finally:
-                os.close(descriptor)
+            fsync_folder(folder)
         return written
     finally:
         if os.path.exists(tmp):
@@ -201,7 +198,7 @@ def file_version(path: UPath) -> tuple | None:
         info = path.fs.info(path.path)
     except (FileNotFoundError, OSError):
         return None
-    return (str(info.get("ETag") or info.get("etag") or info.get("LastModified")), info.get("size"))
+    return (etag(info) or str(info.get("LastModified")), info.get("size"))
 
 
 def input_fingerprint(path: UPath) -> dict:
@@ -226,7 +223,7 @@ def read_input(path: UPath) -> tuple[bytes, dict]:
 
 
 def _store_fingerprint(info: dict) -> dict:
-    return {"size": int(info.get("size") or 0), "etag": str(info.get("ETag") or info.get("etag") or "").strip('"')}
+    return {"size": int(info.get("size") or 0), "etag": etag(info)}
 
 
 def input_fingerprints(run_dir: UPath) -> dict[str, dict]:
@@ -265,6 +262,25 @@ def files_in(folder: UPath, suffix: str) -> dict[str, UPath]:
         return {}
     found = [p for p in folder.iterdir() if p.name.endswith(suffix) and not p.name.startswith(".")]
     return {p.name.removesuffix(suffix): p for p in sorted(found, key=lambda p: p.name)}
+
+
+def fsync_folder(folder: str) -> None:
+    """Make a rename into the local `folder` survive a crash (the folder's entry is on disk)."""
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def is_object_store(path: UPath) -> bool:
+    """Whether `path` is on an object store whose conditional writes the lease and the publish use (s3://)."""
+    return path.protocol in OBJECT_STORE_PROTOCOLS
+
+
+def etag(info: dict) -> str:
+    """An object's ETag, as a store's `info` or a write's response gives it, without quotes ("" when none)."""
+    return str(info.get("ETag") or info.get("etag") or "").strip('"')
 
 
 def store_trouble(exc: BaseException) -> str | None:

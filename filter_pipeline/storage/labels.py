@@ -21,7 +21,7 @@ from datetime import UTC, datetime
 from upath import UPath
 
 from filter_pipeline.rules.calibration import LABELS_FILE
-from filter_pipeline.storage.files import is_local, read_if_present
+from filter_pipeline.storage.files import is_local, read_if_present, store_refusal
 
 MAX_TRIES = 50  # conditional writes lost to other writers before giving up on object storage
 
@@ -107,11 +107,6 @@ def _append_conditionally(fs, path: str, line: bytes) -> None:
 
 
 def _lost_race(exc: Exception) -> bool:
-    """Whether a failed conditional write means another writer changed the object first (412 Precondition
-    Failed, or 409 where a store reports concurrent conditional writes so), not a network or permission error."""
-    if isinstance(exc, (FileExistsError, FileNotFoundError)):
-        return True
-    response = getattr(exc.__cause__, "response", None) or {}
-    code = str(response.get("Error", {}).get("Code", ""))
-    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-    return code in ("PreconditionFailed", "ConditionalRequestConflict") or status in (409, 412)
+    """Whether a failed conditional write means another writer changed (or removed) the object first
+    (`files.store_refusal`), not a network or permission error."""
+    return isinstance(exc, FileNotFoundError) or store_refusal(exc) is not None

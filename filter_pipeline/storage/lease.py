@@ -43,7 +43,9 @@ from filter_pipeline.storage.files import (
     WAREHOUSE_DIR,
     alive,
     atomic_write,
+    etag,
     is_local,
+    is_object_store,
     store_refusal,
 )
 
@@ -121,7 +123,7 @@ def ledger_lease(data_root: UPath, holder: str, ttl_seconds: float | None = None
     elif warehouse.protocol == "memory":
         with _process_lock(warehouse, holder) as lease:
             yield lease
-    elif warehouse.protocol in ("s3", "s3a"):
+    elif is_object_store(warehouse):
         with _object_lease(warehouse, holder, ttl_seconds) as lease:
             yield lease
     else:
@@ -189,14 +191,10 @@ class StoreIgnoresConditions(Exception):
     the lease nor the fenced publish can hold there; str() says so in one line."""
 
 
-def _etag(response: dict) -> str:
-    return str(response.get("ETag", "")).strip('"')
-
-
 def _put(fs, path: str, record: dict, **condition) -> str:
     """Write the lease record with the given S3 condition; its new ETag. FileExistsError / OSError when the
     condition does not hold."""
-    return _etag(fs.pipe_file(path, json.dumps(record).encode(), **condition))
+    return etag(fs.pipe_file(path, json.dumps(record).encode(), **condition))
 
 
 def _object_where(warehouse: UPath) -> str:
@@ -300,7 +298,7 @@ def _take(fs, path: str, holder: str, ttl_seconds: float, token: str, where: str
         current = {}  # unreadable: treat as expired, a conditional takeover settles who wins
     current = current if isinstance(current, dict) else {}
     if current.get("token") == token:
-        return _etag(info)
+        return etag(info)
     try:
         expired = _store_says_expired(fs, path, current)
     except FileNotFoundError:
@@ -308,7 +306,7 @@ def _take(fs, path: str, holder: str, ttl_seconds: float, token: str, where: str
     if not expired and not _holder_gone(current):
         raise LedgerBusy(_describe(where, current))
     try:
-        return _put(fs, path, record, IfMatch=_etag(info))
+        return _put(fs, path, record, IfMatch=etag(info))
     except Exception as exc:
         found = _ours(fs, path, token)
         if found is not None:
@@ -323,7 +321,7 @@ def _take(fs, path: str, holder: str, ttl_seconds: float, token: str, where: str
 def lease_live(warehouse: UPath) -> bool | None:
     """On object storage, whether a walk holds the ledger now: its lease exists and has not expired by the store's
     clock. None elsewhere: a local lock's holder is told by its pid."""
-    if warehouse.protocol not in ("s3", "s3a"):
+    if not is_object_store(warehouse):
         return None
     fs, path = warehouse.fs, (warehouse / LEASE_FILE).path
     try:
@@ -346,7 +344,7 @@ def _ours(fs, path: str, token: str) -> str | None:
         current = json.loads(fs.cat_file(path))
     except (FileNotFoundError, ValueError):
         return None
-    return _etag(info) if isinstance(current, dict) and current.get("token") == token else None
+    return etag(info) if isinstance(current, dict) and current.get("token") == token else None
 
 
 @contextmanager
@@ -354,9 +352,7 @@ def _object_lease(warehouse: UPath, holder: str, ttl_seconds: float) -> Iterator
     fs, path, where = warehouse.fs, (warehouse / LEASE_FILE).path, _object_where(warehouse)
     check_conditional_writes(warehouse)
     token = uuid.uuid4().hex  # tells this holder's record from a taker's, whatever the ETags say
-    etag = _take(fs, path, holder, ttl_seconds, token, where)
-    since = _now_iso()
-    state = {"etag": etag}
+    since, state = _now_iso(), {"etag": _take(fs, path, holder, ttl_seconds, token, where)}
 
     lease = Lease(lambda: _ours(fs, path, token) is not None)
     stop = threading.Event()

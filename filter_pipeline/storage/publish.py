@@ -38,7 +38,9 @@ from filter_pipeline.storage.files import (
     STALE_TEMP_SECONDS,
     WAREHOUSE_DIR,
     atomic_write,
+    fsync_folder,
     is_local,
+    is_object_store,
     name_head,
     sha256_of,
     store_refusal,
@@ -115,15 +117,11 @@ class CommitState:
         return self.version is not None
 
 
-def _object_store(path: UPath) -> bool:
-    return path.protocol in ("s3", "s3a")
-
-
 def commit_state(warehouse: UPath, run_id: str) -> CommitState:
     """What `warehouse/_commits/<run_id>.json` is now (read fresh, no listing cache)."""
     path = commit_path(warehouse, run_id)
     try:
-        if _object_store(path):
+        if is_object_store(path):
             path.fs.invalidate_cache(path.path)
             info = path.fs.info(path.path)
             return CommitState(run_id, str(info.get("ETag") or info.get("etag") or "").strip('"'))
@@ -141,7 +139,7 @@ def write_commit(warehouse: UPath, record: CommitRecord) -> None:
 def _put_commit(warehouse: UPath, record: CommitRecord, read: CommitState) -> str | None:
     """Write the record if the run's record is still `read`; None when written, else why not."""
     path, data = commit_path(warehouse, record.run_id), record.to_json()
-    if not _object_store(path):
+    if not is_object_store(path):
         # under the OS lock (or the process lock): nobody else writes between this read and the rename
         if commit_state(warehouse, record.run_id) != read:
             return "its commit record changed since this walk took the lease"
@@ -297,11 +295,7 @@ def _move(staged: UPath, final: UPath) -> bool:
     if is_local(staged):
         os.makedirs(os.path.dirname(final.path), exist_ok=True)
         os.replace(staged.path, final.path)
-        descriptor = os.open(os.path.dirname(final.path), os.O_RDONLY)
-        try:
-            os.fsync(descriptor)
-        finally:
-            os.close(descriptor)
+        fsync_folder(os.path.dirname(final.path))
         return True
     staged.fs.copy(staged.path, final.path)  # server-side on object storage; a PUT a reader sees whole
     staged.fs.rm(staged.path)
