@@ -25,7 +25,6 @@ from filter_pipeline.judge.replies import SCORE_RANGE
 from filter_pipeline.rules.descriptions import one_line
 from filter_pipeline.rules.records import as_text, read_json
 from filter_pipeline.rules.schemas import (
-    EVIDENCE_TRAJECTORY,
     TRAJECTORY_MISSING,
     TRAJECTORY_NO_STEPS,
     TRAJECTORY_NOT_JSON,
@@ -33,7 +32,7 @@ from filter_pipeline.rules.schemas import (
     TRAJECTORY_OUTSIDE_ROOT,
     TRAJECTORY_UNREADABLE,
     VERDICT_FLAGS,
-    record_steps_evidence,
+    evidence_value,
 )
 from filter_pipeline.storage.files import is_local
 
@@ -379,9 +378,7 @@ def evidence_for_attempt(
     steps = trajectory.get("steps")
     if problem is None and not isinstance(steps, list):
         problem = TRAJECTORY_NO_STEPS
-        evidence = f"{EVIDENCE_TRAJECTORY}, {record_steps_evidence(problem)}"
-    else:
-        evidence = EVIDENCE_TRAJECTORY if problem is None else record_steps_evidence(problem)
+    evidence = evidence_value(problem)
     if not isinstance(steps, list):
         steps = record_steps()
     final = trajectory.get("final") if isinstance(trajectory.get("final"), dict) else {}

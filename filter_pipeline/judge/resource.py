@@ -28,6 +28,7 @@ from filter_pipeline.rules.schemas import (
     STATUS_ERROR,
     STATUS_JUDGED,
     evidence_kind,
+    evidence_problem,
 )
 from filter_pipeline.settings import DEFAULT_JUDGE, JUDGE_GATE, JUDGE_KINDS, JUDGE_LLM
 
@@ -166,11 +167,11 @@ def _warn_missing_evidence(verdicts: pd.DataFrame, log: logging.Logger, shown: i
     if missing.empty:
         return
     examples = ", ".join(
-        f"{d} ({e.split(': ', 1)[-1]})" for d, e in zip(missing["dir"].head(shown), missing["evidence"].head(shown))
+        f"{d} ({evidence_problem(e)})" for d, e in zip(missing["dir"].head(shown), missing["evidence"].head(shown))
     )
     log.warning(
-        f"llm judge: {len(missing)} of {len(verdicts)} attempts judged without their full trajectory.json "
-        f"(from the attempt record's steps, no page text), e.g. {examples}; see the evidence column"
+        f"llm judge: {len(missing)} of {len(verdicts)} attempts judged without their whole trajectory.json "
+        f"(their actions from the attempt record's steps), e.g. {examples}; see the evidence column"
     )
 
 

@@ -122,7 +122,7 @@ COST_LABELS = {
     "cost_now": "cost of this materialization",
     "cache_hits": "verdicts reused (no request)",
     "deduplicated": "verdicts copied from an identical prompt of this batch",
-    "evidence_missing": "verdicts made without the attempt's trajectory.json (the record's steps instead)",
+    "evidence_missing": "verdicts made without the attempt's whole trajectory.json (the record's steps instead of its own)",
     "unjudged": "tasks left unjudged (judged again later)",
     "judge_pass_rate": "judge pass rate",
 }

@@ -71,8 +71,8 @@ STATUS_ERROR = "error"
 GATE_WHY = "deterministic gate only (no LLM judge)"
 GATE_VOTES = "gate"
 
-# What the LLM judge was shown of an attempt (judge_verdicts.evidence; null for the gate, which reads none).
-# "trajectory": its trajectory.json; otherwise the attempt record's steps and no page text, and why.
+# What the LLM judge was shown of an attempt (judge_verdicts.evidence; null for the gate, which reads none):
+# `evidence_value` makes the three forms, `evidence_problem` and `evidence_kind` read them.
 EVIDENCE_TRAJECTORY = "trajectory"
 EVIDENCE_RECORD_STEPS = "record_steps"
 TRAJECTORY_MISSING = "trajectory.json missing"
@@ -83,9 +83,20 @@ TRAJECTORY_OUTSIDE_ROOT = "trajectory.json outside the data root"
 TRAJECTORY_NO_STEPS = "trajectory.json has no steps list"  # page text from it, actions from the record
 
 
-def record_steps_evidence(problem: str) -> str:
-    """The evidence value of an attempt judged from its record's steps because of `problem`."""
-    return f"{EVIDENCE_RECORD_STEPS}: {problem}"
+def evidence_value(problem: str | None) -> str:
+    """The evidence of an attempt whose trajectory.json had `problem` (None: none): "trajectory" (all of it);
+    "trajectory, record_steps: <problem>" when only its steps list was missing (its page text, the record's
+    steps); else "record_steps: <problem>" (the record's steps, no page text)."""
+    if problem is None:
+        return EVIDENCE_TRAJECTORY
+    steps = f"{EVIDENCE_RECORD_STEPS}: {problem}"
+    return f"{EVIDENCE_TRAJECTORY}, {steps}" if problem == TRAJECTORY_NO_STEPS else steps
+
+
+def evidence_problem(evidence: str) -> str | None:
+    """Why an attempt was not judged from its whole trajectory.json (`evidence_value`'s problem), or None."""
+    _, found, problem = evidence.partition(f"{EVIDENCE_RECORD_STEPS}: ")
+    return problem if found else None
 
 
 def evidence_kind(evidence: str) -> str:

@@ -101,3 +101,21 @@ def test_a_process_that_reads_a_parquet_file_and_exits_at_once_exits_cleanly(tmp
             pool.map(lambda _: subprocess.run(command, capture_output=True, text=True, timeout=60), range(RUNS))
         )
     assert [(r.returncode, r.stdout.strip()) for r in runs] == [(0, "1000")] * RUNS, [r.stderr[-300:] for r in runs]
+
+
+@pytest.mark.parametrize(
+    "problem, evidence, kind",
+    [
+        (None, "trajectory", "trajectory"),
+        ("trajectory.json missing", "record_steps: trajectory.json missing", "record_steps: trajectory.json missing"),
+        ("trajectory.json not JSON (Expecting value)", "record_steps: trajectory.json not JSON (Expecting value)",
+         "record_steps: trajectory.json not JSON"),
+        ("trajectory.json has no steps list", "trajectory, record_steps: trajectory.json has no steps list",
+         "trajectory, record_steps: trajectory.json has no steps list"),
+    ],
+)  # fmt: skip
+def test_evidence_is_made_and_read_back_by_one_pair_of_rules(problem, evidence, kind):
+    from filter_pipeline.rules.schemas import evidence_kind, evidence_problem, evidence_value
+
+    assert evidence_value(problem) == evidence
+    assert evidence_problem(evidence) == problem and evidence_kind(evidence) == kind
