@@ -95,6 +95,7 @@ def test_stalled_walk_never_undoes_the_takeover(s3_data, tmp_path, point, starte
 
 def test_a_walk_killed_after_its_publish_is_completed_by_the_next_launcher(s3_data, tmp_path, started):
     root, env = s3_data
+    env = {**env, "FILTER_PIPELINE_LEASE_SECONDS": "60"}  # (A's lease outlives its pause, however slow the machine)
     home_a, home_b = homes(tmp_path)
     walk_a, pid = paused(["r1"], env, home_a, "published", tmp_path / "paused.pid", started)
     assert audit(root) == []  # a walk moving its files: its staged copies are the committed files
