@@ -14,9 +14,11 @@ from urllib.parse import urlsplit
 
 
 class LoopbackProxy:
-    """`with LoopbackProxy() as proxy:` ... `proxy.url` ... `proxy.seen` (one "METHOD target" line per request)."""
+    """`with LoopbackProxy() as proxy:` ... `proxy.url` ... `proxy.seen` (one "METHOD target" line per request).
+    `demand_auth`: answer every tunnel (CONNECT, for HTTPS) with 407 Proxy Authentication Required, as a proxy
+    whose credentials are missing or wrong does."""
 
-    def __init__(self):
+    def __init__(self, demand_auth: bool = False):
         self.seen: list[str] = []
         outer = self
 
@@ -43,6 +45,12 @@ class LoopbackProxy:
 
             def do_CONNECT(self):  # noqa: N802 - a tunnel for HTTPS
                 outer.seen.append(f"CONNECT {self.path}")
+                if demand_auth:
+                    self.send_response(407, "Proxy Authentication Required")
+                    self.send_header("Proxy-Authenticate", 'Basic realm="proxy"')
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
                 host, port = self.path.rsplit(":", 1)
                 upstream = socket.create_connection((host, int(port)), timeout=30)
                 self.send_response(200, "Connection established")

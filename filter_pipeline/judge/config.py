@@ -183,13 +183,15 @@ class LLMJudgeConfig(dg.Config):
         return text if len(text) <= max_chars else text[:max_chars] + cut_mark
 
 
-PLACEHOLDER_KEY_MAX_CHARS = 12
+# keys local servers take as "no key" (vLLM, Ollama, LM Studio, llama.cpp examples): no secret, and common words
+PLACEHOLDER_KEYS = frozenset({"empty", "none", "null", "ollama", "dummy", "lm-studio", "not-needed", "no-key",
+                              "sk-no-key-required", "token", "key", "x"})  # fmt: skip
 
 
 def is_placeholder_key(key: str) -> bool:
-    """Whether an API key is a placeholder a local server takes as "no key" (EMPTY, none, ollama, dummy): letters
-    only and short, as no issued key is."""
-    return key.isascii() and key.isalpha() and len(key) <= PLACEHOLDER_KEY_MAX_CHARS
+    """Whether an API key is one of the placeholders a local server takes as "no key" (`PLACEHOLDER_KEYS`, in
+    any case): the judge's words equal to it are no secret and stay."""
+    return key.strip().lower() in PLACEHOLDER_KEYS
 
 
 def _check_endpoint(base_url: str, api_key: str | None) -> None:

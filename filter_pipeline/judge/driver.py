@@ -356,8 +356,9 @@ class _Driver:
     async def _save_on_time(self) -> None:
         """Save what waits every `save_every_seconds` also while no verdict arrives (an endpoint stalled on a
         long retry): a kill then loses at most that much. Cancelled once every task is resolved."""
-        while True:
-            await asyncio.sleep(max(self.config.save_every_seconds, MIN_SAVE_SECONDS))
+        while True:  # (wakes when the oldest unsaved verdict is due, not on a beat of its own)
+            due_in = self._last_save + self.config.save_every_seconds - time.monotonic()
+            await asyncio.sleep(max(due_in, MIN_SAVE_SECONDS))
             self._save()
 
     def _took_slot(self) -> None:

@@ -26,7 +26,7 @@ PROBE_INTERVAL_SECONDS = 30.0
 
 
 class EndpointRefused(Exception):
-    """401, 403, 404 or an unknown model: retrying cannot help. str() is one line naming the endpoint URL
+    """A refusal (`transport.REFUSALS`, an unknown model, a spent quota): retrying cannot help. str() is one line naming the endpoint URL
     (no credentials) and the HTTP status and the server's short message; never the API key."""
 
 

@@ -147,7 +147,7 @@ class Transport:
     def __init__(self, config: "LLMJudgeConfig", report: Callable[[str], None] | None = None):
         self.config = config
         self.report = report or (lambda line: None)  # where endpoint trouble is told as it happens
-        self._reported_at = -math.inf
+        self._reported_at = {True: -math.inf, False: -math.inf}  # by kind: retrying, or ending tasks
         self._no_usage_told = False
         base = urlsplit(config.base_url)  # (a query stays after the path: Azure OpenAI's ?api-version=...)
         self.url = urlunsplit(base._replace(path=base.path.rstrip("/") + "/chat/completions"))
@@ -217,6 +217,8 @@ class Transport:
                 data = await response.read()
                 return _Answer(response.status, dict(response.headers), data.decode("utf-8", errors="replace"))
         except self.transport_errors as exc:
+            if isinstance(exc, self._aiohttp.ClientHttpProxyError) and exc.status == 407:  # (https: the tunnel's)
+                return _Answer(407, {}, "Proxy Authentication Required")
             if isinstance(exc, asyncio.TimeoutError) and timeout < self.config.timeout_seconds and before:
                 # Cut short by the task's budget, this timeout says nothing about the endpoint; what it
                 # answered before does.
@@ -307,8 +309,8 @@ class Transport:
 
     def _tell_trouble(self, problem: str, retrying: bool = True) -> None:
         now = time.monotonic()
-        if now - self._reported_at >= REPORT_EVERY_SECONDS:
-            self._reported_at = now
+        if now - self._reported_at[retrying] >= REPORT_EVERY_SECONDS:  # (an end of tasks is told beside retries)
+            self._reported_at[retrying] = now
             budget = f"each task for up to {self.config.task_budget_seconds:g} s, FILTER_JUDGE_TASK_BUDGET"
             self.report(
                 f"the judge endpoint {self.public_url}: {problem}" + (f"; retrying ({budget})" if retrying else "")

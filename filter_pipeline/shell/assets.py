@@ -244,11 +244,12 @@ def _failures_metadata(failures: pd.DataFrame) -> dict:
 
 def _parse(context: dg.AssetExecutionContext, data: DataRoot, run_id: str):
     if not (data.run_dir(run_id) / SUCCESS_FILE).exists():  # (the UI launches any registered partition)
-        raise dg.Failure(
-            description=f"runs/{run_id} has no {SUCCESS_FILE}: still being written (the harness writes it last); "
-            "nothing is read until it is there",
-            allow_retries=False,
+        why = (
+            f"has no {SUCCESS_FILE}: still being written (the harness writes it last); nothing is read until it is there"
+            if data.run_dir(run_id).exists()
+            else "does not exist (a partition registered for a batch that is gone?)"
         )
+        raise dg.Failure(description=f"runs/{run_id} {why}", allow_retries=False)
     try:
         batch = read_batch(data.run_dir(run_id), run_id)
     except BatchError as exc:

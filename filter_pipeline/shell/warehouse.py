@@ -4,6 +4,7 @@ Both take the data root from the same `DataRoot` resource, so the ledger step, w
 `kept` files directly, always looks where the IO manager writes.
 """
 
+import functools
 import hashlib
 import os
 from collections.abc import Iterable
@@ -39,13 +40,19 @@ LOADED_VERSION = "filter_pipeline/loaded_version"
 
 
 def plain_run_ids(keys: Iterable[str]) -> list[str]:
-    """Partition keys, sorted, when each is a plain run_id (`check_run_id`); else a one-line dg.Failure before
-    anything is read or written (each step and the IO manager ask): the UI registers any key, and `../x` would
-    reach outside runs/ and warehouse/<asset>/."""
+    """Partition keys, sorted, when each is a plain run_id (`check_run_id`); else a one-line dg.Failure. Each
+    step asks first, before it reads or writes anything, and the IO manager again: the UI registers any key, and
+    `../x` would reach outside runs/ and warehouse/<asset>/."""
     try:
         return sorted(check_run_id(key) for key in keys)
     except ValueError as exc:
         raise dg.Failure(description=str(exc), allow_retries=False) from None
+
+
+@functools.lru_cache(maxsize=32)
+def _plain_keys(keys: tuple[str, ...]) -> None:
+    """`plain_run_ids` once per set of keys: a ranged step loads one file per key, each asking of them all."""
+    plain_run_ids(keys)
 
 
 class DataRoot(dg.ConfigurableResource):
@@ -152,7 +159,7 @@ class ParquetWarehouseIOManager(dg.UPathIOManager):
     def dump_to_path(self, context: dg.OutputContext, obj: pd.DataFrame, path: UPath) -> None:
         asset = context.asset_key.path[-1]
         if context.has_asset_partitions:
-            plain_run_ids(context.asset_partition_keys)
+            _plain_keys(tuple(context.asset_partition_keys))
         if asset not in SCHEMAS:
             raise KeyError(f"asset {asset!r} has no Arrow schema in filter_pipeline.rules.schemas.SCHEMAS")
         write_bytes(encode(obj, asset)[1], path)
@@ -163,7 +170,7 @@ class ParquetWarehouseIOManager(dg.UPathIOManager):
         SHA-256 of the bytes read), so that a step can tell whether the file was written again meanwhile, and
         if so with other content (`unchanged_since_loaded`)."""
         if context.has_asset_partitions:
-            plain_run_ids(context.asset_partition_keys)
+            _plain_keys(tuple(context.asset_partition_keys))
         version = file_version(path)
         data = path.read_bytes()
         table = read_parquet_file(pa.BufferReader(data), columns=(context.definition_metadata or {}).get("columns"))

@@ -327,3 +327,10 @@ def test_majority_and_tie_rules(results, n, passed, tally, status):
     assert (verdict_passed, verdict_votes, verdict_status) == (passed, tally, status)
     if status == "error":
         assert "boom" in why
+
+
+def test_a_short_key_that_is_no_placeholder_is_masked_like_any_other():
+    content = json.dumps({"reasoning": "the key letmein was echoed", "passed": True, "why": "ok"})
+    with FakeOpenAI(lambda call, n: Reply(content=content)) as server:
+        [v] = judge_prompts([prompt("a")], settings(server, api_key="letmein"))
+    assert v.reasoning == "the key *** was echoed" and "letmein" not in v.raw_replies

@@ -6,7 +6,7 @@ import ssl
 
 import pytest
 
-from filter_pipeline.judge.client import judge_prompts, ssl_context
+from filter_pipeline.judge.client import EndpointRefused, judge_prompts, ssl_context
 from filter_pipeline.judge.transport import env_proxy
 from filter_pipeline_tests.judge.asking import prompt, settings
 from filter_pipeline_tests.openai_server import FakeOpenAI
@@ -91,3 +91,15 @@ def test_a_proxy_urls_credentials_authenticate_to_the_proxy(monkeypatch):
     assert proxy == "http://proxy.example:3128" and headers == {"Proxy-Authorization": expected}
     assert env_proxy("https://internal.example/v1/chat/completions") == (None, None)
     assert env_proxy("http://api.example/v1/chat/completions") == (None, None)  # no HTTP_PROXY
+
+
+def test_a_proxy_refusing_the_https_tunnel_for_want_of_credentials_stops_the_judge_at_once(monkeypatch, tmp_path):
+    cert, key = self_signed_certificate(tmp_path)
+    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    tls.load_cert_chain(cert, key)
+    with FakeOpenAI(tls=tls) as server, LoopbackProxy(demand_auth=True) as proxy:
+        monkeypatch.setenv("HTTPS_PROXY", proxy.url)
+        monkeypatch.setenv("SSL_CERT_FILE", str(cert))
+        with pytest.raises(EndpointRefused, match=r"HTTP 407: .*check the proxy's credentials"):
+            judge_prompts([prompt(str(i)) for i in range(20)], settings(server, concurrency=4))
+    assert len(proxy.seen) <= 10 and server.calls == []

@@ -87,6 +87,22 @@ def test_a_wait_asked_past_the_budget_is_told_as_the_end_of_the_task_not_as_a_re
     assert "retrying" not in told[0]
 
 
+def test_the_end_of_tasks_is_told_even_right_after_a_retry_was():
+    told: list[str] = []
+    waits = iter(["1", "86400"])
+
+    async def run(s):
+        async with JudgeClient(s, report=told.append) as client:
+            return await client.judge(prompt("a"))
+
+    with FakeOpenAI(
+        lambda call, n: Reply(status=429, headers={"Retry-After": next(waits)}, body=error_body("slow"))
+    ) as server:
+        verdict = asyncio.run(run(settings(server, task_budget_seconds=10)))
+    assert verdict.status == "error" and verdict.requests == 2
+    assert ["retrying" in line for line in told] == [True, False] and "longer than a task may wait" in told[1]
+
+
 def test_a_pause_asked_past_every_tasks_budget_ends_each_task_unjudged_none_left_waiting():
     # the first request is told to wait an hour (a spent quota); the requests beside it succeed, and the tasks
     # queued for their slots, once woken, find the pause past their budget: each must pass its slot on

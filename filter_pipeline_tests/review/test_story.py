@@ -216,7 +216,7 @@ def test_the_agent_output_shown_is_the_one_the_judge_read(tmp_path, record, outp
 
 def test_an_unreadable_trajectory_is_named_as_the_judges_evidence_names_it(tmp_path):
     from filter_pipeline.review.story import trajectory
-    from filter_pipeline.rules.schemas import TRAJECTORY_MISSING, TRAJECTORY_NOT_OBJECT
+    from filter_pipeline.rules.schemas import TRAJECTORY_MISSING, TRAJECTORY_NOT_JSON, TRAJECTORY_NOT_OBJECT
 
     folder = tmp_path / "runs" / "r1" / "traj" / "a" / "1"
     folder.mkdir(parents=True)
@@ -224,3 +224,5 @@ def test_an_unreadable_trajectory_is_named_as_the_judges_evidence_names_it(tmp_p
     assert trajectory(root, "r1", "runs/r1/traj/a/1")["problem"] == TRAJECTORY_MISSING
     (folder / "trajectory.json").write_text("[1, 2]")
     assert trajectory(root, "r1", "runs/r1/traj/a/1")["problem"] == TRAJECTORY_NOT_OBJECT
+    (folder / "trajectory.json").write_text("{not json")
+    assert trajectory(root, "r1", "runs/r1/traj/a/1")["problem"].startswith(f"{TRAJECTORY_NOT_JSON} (")

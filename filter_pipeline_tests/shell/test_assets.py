@@ -185,6 +185,8 @@ def test_a_batch_still_being_written_is_not_filtered_when_launched_by_hand(insta
     step, cls, message = step_failure(result)
     assert (step, cls) == ("judge_batch", "Failure") and "runs/r1 has no _SUCCESS: still being written" in message
     assert not (data_root / "warehouse" / "_commits").exists() and not (data_root / "warehouse" / "_failed").exists()
+    result = materialize(instance, data_root, "gone")  # registered, its folder removed since
+    assert "runs/gone does not exist" in step_failure(result)[2]
 
 
 def test_coverage_counts_every_non_retired_run(instance, data_root):
