@@ -28,6 +28,7 @@ from filter_pipeline.rules.schemas import (
     STATUS_JUDGED,
     VERDICT_FLAGS,
     VERDICT_PARTS,
+    votes_text,
 )
 
 if TYPE_CHECKING:
@@ -82,9 +83,9 @@ def majority(votes: list[Vote], n: int) -> tuple[bool | None, str, str | None, s
     passes = [v for v in votes if v.passed is True]
     fails = [v for v in votes if v.passed is False]
     if 2 * len(passes) > n:
-        return True, passes[0].why, f"{len(passes)}/{n}", STATUS_JUDGED
+        return True, passes[0].why, votes_text(len(passes), n), STATUS_JUDGED
     if 2 * len(fails) >= n:
-        return False, fails[0].why, f"{len(passes)}/{n}", STATUS_JUDGED
+        return False, fails[0].why, votes_text(len(passes), n), STATUS_JUDGED
     errors = [v.error for v in votes if v.error]
     if n == 1 and errors:
         return None, errors[0], None, STATUS_ERROR

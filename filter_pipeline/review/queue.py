@@ -18,6 +18,7 @@ import pandas as pd
 from filter_pipeline.review.data import JUDGED_COLUMNS, Warehouse
 from filter_pipeline.rules import calibration
 from filter_pipeline.rules.calibration import wilson_interval
+from filter_pipeline.rules.schemas import VOTES_PARTS
 
 SAMPLE_SIZE = 200  # attempts in the uniform random sample served first
 
@@ -53,7 +54,7 @@ PHASES = (PHASE_SAMPLE, PHASE_SPLIT, PHASE_UNLABELLED_SITE, PHASE_REST)
 def split_mask(votes: pd.Series) -> np.ndarray:
     """For each value, whether it is `P/N` (P passing votes of the N asked) with 0 < P < N: the judge's votes
     disagreed."""
-    parts = votes.astype("object").where(votes.notna(), "").astype(str).str.extract(r"^(\d+)/(\d+)$")
+    parts = votes.astype("object").where(votes.notna(), "").astype(str).str.extract(VOTES_PARTS)
     passing, asked = pd.to_numeric(parts[0]), pd.to_numeric(parts[1])
     return ((passing > 0) & (passing < asked)).to_numpy(bool)
 

@@ -16,7 +16,7 @@ from datetime import datetime
 
 import pandas as pd
 
-from filter_pipeline.rules.schemas import JUDGED_BY
+from filter_pipeline.rules.schemas import JUDGED_BY, votes_asked
 from filter_pipeline.settings import JUDGE_LLM, materialize_command
 
 COMMITS_DIR = "_commits"  # <data>/warehouse/_commits/<run_id>.json
@@ -117,7 +117,7 @@ def judge_settings(verdicts: pd.DataFrame) -> dict:
 
     votes = first("votes")
     return {"kind": first("judge"), "model": first("model"), "prompt_version": first("prompt_version"),
-            "votes": votes.partition("/")[2] or votes if votes else None, "settings": None}  # fmt: skip
+            "votes": votes_asked(votes) if votes else None, "settings": None}  # fmt: skip
 
 
 def another_judge(recorded, current: dict) -> str | None:

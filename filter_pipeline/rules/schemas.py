@@ -70,6 +70,19 @@ STATUS_ERROR = "error"
 
 GATE_WHY = "deterministic gate only (no LLM judge)"
 GATE_VOTES = "gate"
+# judge_verdicts.votes of the LLM judge: "P/N", P passing votes of the N asked (`votes_text`; read back by
+# `VOTES_PARTS`, as `(P)/(N)`)
+VOTES_PARTS = r"^(\d+)/(\d+)$"
+
+
+def votes_text(passing: int, asked: int) -> str:
+    return f"{passing}/{asked}"
+
+
+def votes_asked(votes: str) -> str:
+    """The N of a "P/N" votes value (how many votes the judge asks for); any other value (the gate's) as it is."""
+    return votes.partition("/")[2] or votes
+
 
 # What the LLM judge was shown of an attempt (judge_verdicts.evidence; null for the gate, which reads none):
 # `evidence_value` makes the three forms, `evidence_problem` and `evidence_kind` read them.

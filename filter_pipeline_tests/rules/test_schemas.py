@@ -119,3 +119,10 @@ def test_evidence_is_made_and_read_back_by_one_pair_of_rules(problem, evidence, 
 
     assert evidence_value(problem) == evidence
     assert evidence_problem(evidence) == problem and evidence_kind(evidence) == kind
+
+
+def test_votes_are_written_and_read_back_by_one_rule():
+    from filter_pipeline.rules.schemas import GATE_VOTES, votes_asked, votes_text
+
+    assert votes_text(2, 3) == "2/3" and votes_asked(votes_text(2, 3)) == "3"
+    assert votes_asked(GATE_VOTES) == GATE_VOTES
