@@ -22,7 +22,7 @@ from filter_pipeline.rules import order
 from filter_pipeline.rules.batch import LEGACY_KEPT_FILE, BatchState
 from filter_pipeline.rules.commits import CommitRecord, another_judge, walks_fingerprint
 from filter_pipeline.settings import materialize_command
-from filter_pipeline.shell.assets import run_id_partitions
+from filter_pipeline.shell.assets import judge_batch, run_id_partitions
 from filter_pipeline.shell.jobs import (
     FIRST_WALK_TAG,
     PARTITION_TAG,
@@ -36,6 +36,7 @@ from filter_pipeline.shell.jobs import (
     ledger_job,
     rejudge_job,
 )
+from filter_pipeline.shell.ledger import LEDGER_SPECS
 from filter_pipeline.shell.warehouse import DataRoot
 from filter_pipeline.storage import failures
 from filter_pipeline.storage.history import load_retired, read_commits
@@ -54,10 +55,7 @@ LEDGER_RANGE_LIMIT = 50
 
 # every run_id-partitioned asset: what a legacy run (runs/<run>/kept.jsonl, filtered by the earlier script)
 # is recorded as having materialized, so that it shows as filled and "Materialize missing" leaves it alone
-PARTITIONED_ASSETS = (
-    "batch_tasks", "batch_attempts", "batch_rejects", "judge_verdicts", "failure_pool",
-    "prior_dedup_index", "prior_kept_counts", "kept", "surplus", "dpo_pairs", "filter_report",
-)  # fmt: skip
+PARTITIONED_ASSETS = tuple(key.path[-1] for key in (*judge_batch.keys, *(spec.key for spec in LEDGER_SPECS)))
 LEGACY_SOURCE = "legacy kept.jsonl"
 COMMITTED_SOURCE = "committed by a walk this instance has no record of"
 
