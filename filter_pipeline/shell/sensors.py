@@ -55,7 +55,7 @@ LEDGER_RANGE_LIMIT = 50
 
 # every run_id-partitioned asset: what a legacy run (runs/<run>/kept.jsonl, filtered by the earlier script)
 # is recorded as having materialized, so that it shows as filled and "Materialize missing" leaves it alone
-PARTITIONED_ASSETS = tuple(key.path[-1] for key in (*judge_batch.keys, *(spec.key for spec in LEDGER_SPECS)))
+PARTITIONED_ASSETS = tuple(sorted(key.path[-1] for key in (*judge_batch.keys, *(spec.key for spec in LEDGER_SPECS))))
 LEGACY_SOURCE = "legacy kept.jsonl"
 COMMITTED_SOURCE = "committed by a walk this instance has no record of"
 
