@@ -29,10 +29,10 @@ from filter_pipeline.shell.config import caps_from_env, load_caps_file, parse_ca
 from filter_pipeline.shell.freshness import CALIBRATION, COVERAGE, FOLLOWS, stale_across_runs
 from filter_pipeline.shell.jobs import (
     ACROSS_RUNS_ASSETS,
-    FIRST_WALK_TAG,
     PARTITION_TAG,
     across_runs_job,
     filter_job,
+    first_walk_tags,
 )
 from filter_pipeline.shell.sensors import (
     changed_warning,
@@ -315,7 +315,11 @@ def _run_batches(instance, data: DataRoot, caps, run_ids: list[str], rejudge: di
         last = position == len(run_ids)
         # this call orders its own runs, so a ledger step that would wait can only be behind a run of this call
         # that failed: it fails at once, naming that run, rather than wait for the order's whole timeout
-        tags = {PARTITION_TAG: run_id, ORDER_MAX_WAIT_TAG: "0", FIRST_WALK_TAG: "" if run_id in committed else run_id}
+        tags = {
+            PARTITION_TAG: run_id,
+            ORDER_MAX_WAIT_TAG: "0",
+            **first_walk_tags([] if run_id in committed else [run_id]),
+        }
         if run_id in rejudge:
             tags.update(rejudge_tags(rejudge[run_id]))
             print(f"{run_id}: judging its unjudged tasks again (try {rejudge[run_id].try_number})", flush=True)

@@ -23,6 +23,18 @@ PRIORITY_TAG = "dagster/priority"
 # that another walk commits while this run waits for the ledger's lease is reported as already filtered
 FIRST_WALK_TAG = "filter_pipeline/first_walk"
 
+
+def first_walk_tags(run_ids: list[str]) -> dict[str, str]:
+    """The tag naming the runs a Dagster run is asked to walk for the first time (none: an empty tag)."""
+    return {FIRST_WALK_TAG: " ".join(run_ids)}
+
+
+def first_walks(tags: dict[str, str]) -> list[str] | None:
+    """The runs a Dagster run was asked to walk for the first time (`first_walk_tags`); None without the tag
+    (a backfill, the launchpad: nothing says)."""
+    return tags[FIRST_WALK_TAG].split() if FIRST_WALK_TAG in tags else None
+
+
 JUDGE_GROUPS = ("batch", "judging")
 LEDGER_GROUP = "ledger"
 # assets over every run at once (not partitioned): refreshed by their own job

@@ -24,7 +24,6 @@ from filter_pipeline.rules.commits import CommitRecord, another_judge, walks_fin
 from filter_pipeline.settings import materialize_command
 from filter_pipeline.shell.assets import judge_batch, run_id_partitions
 from filter_pipeline.shell.jobs import (
-    FIRST_WALK_TAG,
     PARTITION_TAG,
     RANGE_END_TAG,
     RANGE_START_TAG,
@@ -32,11 +31,13 @@ from filter_pipeline.shell.jobs import (
     REJUDGE_TRY_TAG,
     RUN_KEY_TAG,
     across_runs_job,
+    first_walk_tags,
     judge_job,
     ledger_job,
     rejudge_job,
 )
 from filter_pipeline.shell.ledger import LEDGER_SPECS
+from filter_pipeline.shell.waiting import walks_of
 from filter_pipeline.shell.warehouse import DataRoot
 from filter_pipeline.storage import failures
 from filter_pipeline.storage.history import load_retired, read_commits
@@ -169,7 +170,7 @@ def ledger_run_key(run_id: str) -> str:
 def ledger_request(run_ids: list[str], registration_order: list[str]) -> dg.RunRequest:
     """One ledger run for `run_ids` (consecutive in registration order, see `registered_block`), walked in
     run_id order; each is named for its first walk (FIRST_WALK_TAG, which the UI shows: which runs it walks)."""
-    tags = {FIRST_WALK_TAG: " ".join(run_ids)}  # (plan_tick walks only batches not yet filtered)
+    tags = first_walk_tags(run_ids)  # (plan_tick walks only batches not yet filtered)
     key = ledger_run_key(run_ids[0])
     if len(run_ids) == 1:
         return dg.RunRequest(job_name=LEDGER_JOB, partition_key=run_ids[0], run_key=key, tags=tags)
@@ -209,9 +210,8 @@ def failed_ledger_runs(instance: dg.DagsterInstance, waiting: list[str], commits
             LEDGER_KEY_SUFFIX
         ):
             continue  # in flight, or not the sensor's ledger run (a launchpad run, a backfill's, a judge run)
-        walks = tags.get(FIRST_WALK_TAG, tags.get(PARTITION_TAG, ""))  # (a run of one partition may lack the tag)
         ended = record.end_time or record.update_timestamp.timestamp()
-        stop = stopped_at(sorted(walks.split()), commits, ended)
+        stop = stopped_at(sorted(walks_of(tags)), commits, ended)
         if stop in waiting:
             found.add(stop)
     return found

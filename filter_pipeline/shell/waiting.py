@@ -11,7 +11,7 @@ import dagster as dg
 from filter_pipeline import settings
 from filter_pipeline.rules import order
 from filter_pipeline.rules.commits import CommitRecord
-from filter_pipeline.shell.jobs import FIRST_WALK_TAG, PARTITION_TAG
+from filter_pipeline.shell.jobs import PARTITION_TAG, first_walks
 from filter_pipeline.shell.warehouse import DataRoot
 from filter_pipeline.storage.history import read_commit
 from filter_pipeline.storage.publish import CommitState
@@ -80,7 +80,7 @@ def _stuck_in_queue(instance: dg.DagsterInstance, blockers: list[str]) -> dict[s
 def walks_of(tags: dict[str, str]) -> list[str]:
     """The run_ids a run is for: its partition, or those a sensor's ledger run over several walks (it has no
     partition tag, its range being in registration order)."""
-    return [tags[PARTITION_TAG]] if PARTITION_TAG in tags else tags.get(FIRST_WALK_TAG, "").split()
+    return [tags[PARTITION_TAG]] if PARTITION_TAG in tags else first_walks(tags) or []
 
 
 def filtered_meanwhile(
@@ -89,14 +89,14 @@ def filtered_meanwhile(
     """The runs this Dagster run was asked to walk for the first time that another walk committed while it
     waited (their records). Asked for a first walk: named in the FIRST_WALK_TAG tag; without the tag (a backfill,
     the launchpad), a run whose commit was walked after this Dagster run was created."""
-    tagged = context.run.tags.get(FIRST_WALK_TAG)
+    tagged = first_walks(context.run.tags)
     created = None
     if tagged is None:
         record = context.instance.get_run_record_by_id(context.run.run_id)
         created = record.create_timestamp.timestamp() if record else None
     found = {}
     for run_id, state in read.items():
-        if not state.exists or (tagged is not None and run_id not in tagged.split()):
+        if not state.exists or (tagged is not None and run_id not in tagged):
             continue
         committed = read_commit(data.warehouse, run_id)
         if tagged is not None or (created is not None and committed.walked_timestamp >= created):

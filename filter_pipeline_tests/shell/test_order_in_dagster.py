@@ -314,3 +314,10 @@ def test_a_sensor_ledger_run_over_several_reports_each_run_another_walk_committe
     assert [m.split(":")[0] for m in said] == ["b0", "b1"]
     assert {r: (commits / f"{r}.json").read_bytes() for r in ("b0", "b1")} == before  # not walked again
     assert (commits / "b2.json").exists()
+
+
+def test_the_first_walk_tag_is_written_and_read_back_by_one_pair_of_rules():
+    from filter_pipeline.shell.jobs import first_walk_tags, first_walks
+
+    assert first_walks(first_walk_tags(["b1", "b2"])) == ["b1", "b2"]
+    assert first_walks(first_walk_tags([])) == [] and first_walks({}) is None  # not a first walk / nothing says
