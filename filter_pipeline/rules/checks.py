@@ -139,23 +139,13 @@ def no_key_kept_twice(kept: pd.DataFrame, kept_elsewhere: pd.DataFrame) -> Check
 
 def caps_respected(kept: pd.DataFrame, prior_counts: pd.DataFrame, caps: filtering.Caps) -> CheckOutcome:
     """Where this run kept rows, no (macro, site) count and no macro total exceeds its cap, history included."""
-    # Arrow's hash group-by and join: pandas' groupby and merge on two text keys cost several times more
     pairs = pa.table({c: pa.array(kept[c].astype("str"), type=pa.string()) for c in ("macro", "site")})
-    before = pa.table({c: pa.array(prior_counts[c].astype("str"), type=pa.string()) for c in ("macro", "site")})
-    before = before.append_column("n_kept", pa.array(prior_counts["n_kept"].to_numpy(dtype=np.int64)))
-    new = pairs.group_by(["macro", "site"]).aggregate([([], "count_all")]).rename_columns(["macro", "site", "new"])
-    totals = new.join(before, keys=["macro", "site"], join_type="left outer").to_pandas().fillna({"n_kept": 0})
-    totals["total"] = totals["new"] + totals["n_kept"].astype(int)
-    totals["cap"] = caps.site_caps(totals["macro"])
-    over = totals[totals["total"] > totals["cap"]]
-    over_site = [f"{m}/{s}: {t} > {c}" for m, s, t, c in zip(over["macro"], over["site"], over["total"], over["cap"])]
-    macro_prior = prior_counts.groupby("macro")["n_kept"].sum()
-    over_target = []
-    for macro, added in totals.groupby("macro")["new"].sum().items():
-        target = caps.target(macro)
-        total = int(added + macro_prior.get(macro, 0))
-        if target is not None and total > target:
-            over_target.append(f"{macro}: {total} > {target}")
+    own = pairs.group_by(["macro", "site"]).aggregate([([], "count_all")]).rename_columns(["macro", "site", "n_kept"])
+    sites, macros = filtering.over_caps(own.to_pandas(), prior_counts, caps)
+    over_site = [
+        f"{m}/{s}: {t} > {c}" for m, s, t, c in zip(sites["macro"], sites["site"], sites["total"], sites["limit"])
+    ]
+    over_target = [f"{m}: {t} > {c}" for m, t, c in zip(macros["macro"], macros["total"], macros["limit"])]
     return CheckOutcome(
         passed=not over_site and not over_target,
         metadata={"over_site_cap": len(over_site), "over_target": len(over_target)},

@@ -18,17 +18,10 @@ def coverage_table(counts: pd.DataFrame, caps: Caps) -> pd.DataFrame:
         limit=caps.site_caps(counts["macro"]),
     )
     per_macro = counts.groupby("macro", as_index=False)["n_kept"].sum()
-    macro = per_macro.assign(
-        level="macro",
-        site=None,
-        kept=per_macro["n_kept"],
-        limit=pd.array([caps.target(m) for m in per_macro["macro"]], dtype="Int64"),
-    )
-    for macro_name in sorted(
-        set(m for m, lim in caps.macros.items() if lim.target is not None) - set(per_macro["macro"])
-    ):
-        macro = pd.concat([macro, pd.DataFrame([{"level": "macro", "macro": macro_name, "kept": 0,
-                                                 "limit": caps.target(macro_name)}])], ignore_index=True)  # fmt: skip
+    # a macro with a target shows, even before it has a kept row
+    unstarted = pd.DataFrame({"macro": [m for m in caps.targeted() if m not in set(per_macro["macro"])], "n_kept": 0})
+    per_macro = pd.concat([per_macro, unstarted], ignore_index=True)
+    macro = per_macro.assign(level="macro", site=None, kept=per_macro["n_kept"], limit=caps.targets(per_macro["macro"]))
     table = pd.concat([macro, site], ignore_index=True)
     limit = table["limit"].astype("Int64")
     table["remaining"] = (limit - table["kept"].astype("Int64")).clip(lower=0)

@@ -171,10 +171,47 @@ class Caps:
         limits = self.macros.get(macro)
         return limits.target if limits is not None else None
 
-    def site_caps(self, macros: pd.Series) -> np.ndarray:
+    def site_caps(self, macros) -> np.ndarray:
         """The site cap of each row's macro, looked up once per distinct macro."""
         codes, names = pd.factorize(macros)
         return np.array([self.site_cap(m) for m in names], dtype=np.int64)[codes]
+
+    def targets(self, macros) -> pd.arrays.IntegerArray:
+        """The target of each row's macro (<NA>: the macro has none)."""
+        codes, names = pd.factorize(macros)
+        return pd.array([self.target(m) for m in names], dtype="Int64")[codes]
+
+    def targeted(self) -> list[str]:
+        """The macros that have a target, by name."""
+        return sorted(m for m, limits in self.macros.items() if limits.target is not None)
+
+
+def over_caps(own: pd.DataFrame, prior: pd.DataFrame, caps: Caps) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Where `own` kept rows (macro, site, n_kept: one row per pair), what breaks a cap with `prior` (the same
+    columns: history's kept rows) counted in: the pairs whose kept rows exceed their site cap, as (macro, site,
+    total, limit), and the macros whose kept rows over all their sites exceed their target, as (macro, total,
+    limit). The one rule for "over its cap" of the ledger's check and of `verify`."""
+    # Arrow's hash join (pandas' merge on two text keys costs several times more), on 32-bit-offset strings,
+    # which its join hashes faster than large ones
+    keys = ["macro", "site"]
+    history = pa.table({c: pa.array(prior[c].astype("str"), type=pa.string()) for c in keys})
+    history = history.append_column("prior", pa.array(prior["n_kept"].to_numpy(dtype=np.int64)))
+    mine = pa.table({**{c: pa.array(own[c].astype("str"), type=pa.string()) for c in keys},
+                     "n_kept": pa.array(own["n_kept"].to_numpy(dtype=np.int64))})  # fmt: skip
+    pairs = mine.join(history, keys=keys, join_type="left outer").to_pandas()
+    pairs["total"] = pairs["n_kept"] + pairs["prior"].fillna(0).astype(np.int64)
+    pairs["limit"] = caps.site_caps(pairs["macro"])
+    over_site = pairs.loc[pairs["total"] > pairs["limit"], ["macro", "site", "total", "limit"]]
+
+    with_target = sorted(set(caps.targeted()) & set(own["macro"].unique()))
+    macros = pd.DataFrame({"macro": pd.Series(with_target, dtype="str")})
+    macros["total"] = [
+        int(own.loc[own["macro"] == m, "n_kept"].sum() + prior.loc[prior["macro"] == m, "n_kept"].sum())
+        for m in with_target
+    ]
+    macros["limit"] = caps.targets(macros["macro"])
+    over_target = macros[macros["total"] > macros["limit"]]
+    return over_site.sort_values(keys).reset_index(drop=True), over_target.reset_index(drop=True)
 
 
 @dataclass(frozen=True)
@@ -258,9 +295,8 @@ class _Groups:
         site_code, sites = pd.factorize(passing["site"])
         pair_code, pairs = pd.factorize(macro_code * len(sites) + site_code)
         prior_pair, prior_macro = _prior_totals(prior_counts, macros, sites, pairs)
-        site_cap = np.array([caps.site_cap(m) for m in macros], dtype=np.int64)
-        no_target = np.iinfo(np.int64).max
-        target = np.array([no_target if (limit := caps.target(m)) is None else limit for m in macros], dtype=np.int64)
+        site_cap = caps.site_caps(macros)
+        target = caps.targets(macros).fillna(np.iinfo(np.int64).max).to_numpy(dtype=np.int64)  # none: unreachable
         # a limit nobody can reach: history plus every passing verdict under it still fits
         pair_macro = pairs // max(len(sites), 1)
         pair_safe = prior_pair + np.bincount(pair_code, minlength=len(pairs)) <= site_cap[pair_macro]

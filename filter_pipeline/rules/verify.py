@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from filter_pipeline.rules.commits import CommitRecord
-from filter_pipeline.rules.filtering import Caps
+from filter_pipeline.rules.filtering import Caps, over_caps
 from filter_pipeline.rules.history import as_text, kept_pairs, sum_counts
 from filter_pipeline.rules.schemas import (
     STATUS_ERROR,
@@ -62,36 +62,27 @@ def cap_findings(records: dict[str, CommitRecord], live: dict[str, pa.Table]) ->
             continue
         read_ids = sorted(set(record.history) & set(counts) - {run_id})
         own = to_pandas(as_text(counts[run_id]))
-        prior = to_pandas(as_text(sum_counts([counts[r] for r in read_ids]))).rename(columns={"n_kept": "prior"})
-        totals = own.merge(prior, on=["macro", "site"], how="left")
-        totals["total"] = totals["n_kept"] + totals["prior"].fillna(0).astype("int64")
+        prior = to_pandas(as_text(sum_counts([counts[r] for r in read_ids])))
         # runs committed again since this walk read them: their files now are not what it counted
         since = [r for r in read_ids if r in records and records[r].digest != record.history[r]]
-        findings += over_caps(run_id, Caps.recorded(record.caps), totals, prior, since)
+        findings += cap_lines(run_id, *over_caps(own, prior, Caps.recorded(record.caps)), since)
     return findings
 
 
-def over_caps(run_id: str, caps: Caps, totals: pd.DataFrame, prior: pd.DataFrame, since: list[str]) -> list[Finding]:
-    """The cap findings of one run: `totals` (macro, site, n_kept: its own, total: with its prior) against its
-    site caps; each macro it kept rows of with a target, its own rows and all its prior against the target.
-    `since`: the runs of its prior walked again after it read them (the lines say so: the breach is theirs)."""
+def cap_lines(run_id: str, sites: pd.DataFrame, macros: pd.DataFrame, since: list[str]) -> list[Finding]:
+    """The cap findings of one run, from `filtering.over_caps`. `since`: the runs of its prior walked again
+    after it read them (the lines say so: the breach is theirs)."""
     history = "the history it read"
     if since:
         history = f"its history as it is now ({', '.join(since)} walked again since it read them)"
-    findings = []
-    over = totals.assign(limit=caps.site_caps(totals["macro"])).query("total > limit").head(MAX_LINES_PER_KIND)
-    for macro, site, total, limit in zip(over["macro"], over["site"], over["total"], over["limit"]):
-        findings.append(Finding("cap", f"run {run_id}: {macro}/{site} holds {total} kept rows with {history}, "
-                                       f"over its site cap {limit}"))  # fmt: skip
-    with_target = {m for m, limit in caps.macros.items() if limit.target is not None}
-    for macro in sorted(set(totals["macro"]) & with_target):
-        total = int(
-            totals.loc[totals["macro"] == macro, "n_kept"].sum() + prior.loc[prior["macro"] == macro, "prior"].sum()
-        )
-        if total > caps.target(macro):
-            findings.append(Finding("cap", f"run {run_id}: macro {macro} holds {total} kept rows with {history}, "
-                                           f"over its target {caps.target(macro)}"))  # fmt: skip
-    return findings
+    sites = sites.head(MAX_LINES_PER_KIND)
+    return [
+        Finding("cap", f"run {run_id}: {m}/{s} holds {total} kept rows with {history}, over its site cap {limit}")
+        for m, s, total, limit in zip(sites["macro"], sites["site"], sites["total"], sites["limit"])
+    ] + [
+        Finding("cap", f"run {run_id}: macro {m} holds {total} kept rows with {history}, over its target {limit}")
+        for m, total, limit in zip(macros["macro"], macros["total"], macros["limit"])
+    ]
 
 
 def duplicate_suspects(live: dict[str, pa.Table]) -> tuple[list[str], set[int]]:

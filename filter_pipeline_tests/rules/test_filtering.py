@@ -313,3 +313,23 @@ def test_execute_failures_carry_their_tasks_columns_and_nulls_for_an_unknown_tas
         ["zz", 1, None, None, None],
         ["b", 2, "m2", "s2", '["b"]'],
     ]
+
+
+# --- over a cap: the one rule of the ledger's check and of `verify` ----------------------------------------
+
+
+def test_a_pair_is_over_its_site_cap_with_history_counted_in():
+    sites, _ = filtering.over_caps(counts(("m", "s", 2), ("m", "t", 1)), counts(("m", "s", 2)), Caps(3))
+    assert sites[["macro", "site", "total", "limit"]].values.tolist() == [["m", "s", 4, 3]]
+
+
+def test_a_macro_is_over_its_target_with_every_site_of_history_counted_in():
+    caps = Caps(9, {"m": MacroLimits(target=5), "quiet": MacroLimits(target=0)})
+    _, macros = filtering.over_caps(counts(("m", "s", 2)), counts(("m", "other", 4), ("quiet", "s", 1)), caps)
+    assert macros[["macro", "total", "limit"]].values.tolist() == [["m", 6, 5]]  # quiet kept nothing here
+
+
+def test_a_macro_site_cap_overrides_the_per_site_cap_and_history_elsewhere_does_not_count():
+    caps = Caps(1, {"m": MacroLimits(site_cap=5)})
+    sites, macros = filtering.over_caps(counts(("m", "s", 5), ("n", "s", 1)), counts(("n", "t", 9)), caps)
+    assert sites.empty and macros.empty
