@@ -13,6 +13,7 @@ committed meanwhile is reported as already filtered, not walked again.
 
 import json
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import dagster as dg
@@ -181,8 +182,8 @@ def _walk_under_lease(context, config, data: DataRoot, run_ids: list[str], input
         def walk_one(run_id: str):
             if run_id in meanwhile:
                 return _already_filtered(context, meanwhile[run_id])
-            frames = (f[run_id] for f in inputs)
-            return _walk_the_ledger(context, config, data, run_id, *frames, source, lease, read[run_id])
+            walk = _RunWalk(context, config, data, run_id, source, lease, read[run_id])
+            return _walk_the_ledger(walk, _JudgeStep(*(f[run_id] for f in inputs)))
 
         walk = walk_one(run_ids[0]) if len(run_ids) == 1 else _walk_in_order(context, run_ids, walk_one)
         # yielded under the lease: the walk's materializations and check results are recorded before
@@ -202,6 +203,30 @@ def _deferred(context: dg.AssetExecutionContext, why: str):
 
 
 # --- the walk -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _RunWalk:
+    """What one run's walk works under: the step's context and config, the data root, the run, where its caps
+    came from (`source`: "deployment" or "run config", recorded in the commit), the lease the step holds, and
+    the run's commit record as read when the lease was taken (`read`: the publish is conditional on it)."""
+
+    context: dg.AssetExecutionContext
+    config: LedgerConfig
+    data: DataRoot
+    run_id: str
+    source: str
+    lease: Lease
+    read: CommitState
+
+
+@dataclass(frozen=True)
+class _JudgeStep:
+    """The run's frames from the judge step, as the ledger step loaded them."""
+
+    judge_verdicts: pd.DataFrame
+    failure_pool: pd.DataFrame
+    batch_attempts: pd.DataFrame
 
 
 def _write(data: DataRoot, staged: StagedWalk, run_id: str, asset: str, frame: pd.DataFrame) -> dict:
@@ -268,68 +293,54 @@ def _walk_in_order(context, run_ids: list[str], walk_one):
         )
 
 
-def _walk_the_ledger(
-    context: dg.AssetExecutionContext,
-    config: LedgerConfig,
-    data: DataRoot,
-    run_id: str,
-    judge_verdicts: pd.DataFrame,
-    failure_pool: pd.DataFrame,
-    batch_attempts: pd.DataFrame,
-    source: str,
-    lease: Lease,
-    read: CommitState,
-):
+def _walk_the_ledger(walk: _RunWalk, judged: _JudgeStep):
     """One run's walk (the caller holds the lease): history, the walk, every file derived from it staged, their
     checks; then, if they held, the commit record published and one materialization per asset; then the
-    checks' results.
-    `source`: where the caps came from ("deployment" or "run config"), recorded in the commit; `read`: the run's
-    commit record as read when the lease was taken, which the publish is conditional on (on object storage a
-    holder that stalled past its lease may have lost it to a walk that committed: it must not publish)."""
-    staged = StagedWalk(data.root, read)
+    checks' results. On object storage a holder that stalled past its lease may have lost it to a walk that
+    committed: its publish, conditional on the record it read, is refused."""
+    staged = StagedWalk(walk.data.root, walk.read)
     # the versions of the judge step's verdicts and failure pool this walk read, held against the files before its
     # publish (batch_attempts is written again with the same rows by any judge step of the run: its content is
     # the input files', whose fingerprints the commit records)
-    batch_attempts.attrs.pop(LOADED_VERSION, None)
-    loaded = {"judge_verdicts": judge_verdicts.attrs.pop(LOADED_VERSION, None),
-              "failure_pool": failure_pool.attrs.pop(LOADED_VERSION, None)}  # fmt: skip
+    judged.batch_attempts.attrs.pop(LOADED_VERSION, None)
+    loaded = {
+        name: getattr(judged, name).attrs.pop(LOADED_VERSION, None) for name in ("judge_verdicts", "failure_pool")
+    }
     try:
-        yield from _walk_staged(context, config, data, run_id, judge_verdicts, failure_pool, batch_attempts, source,
-                                lease, staged, loaded)  # fmt: skip
+        yield from _walk_staged(walk, judged, staged, loaded)
     finally:
         staged.discard()  # (nothing left once published; a walk that failed or was refused leaves nothing either)
 
 
-def _walk_staged(
-    context, config, data, run_id, judge_verdicts, failure_pool, batch_attempts, source, lease, staged, loaded
-):
+def _walk_staged(walk: _RunWalk, judged: _JudgeStep, staged: StagedWalk, loaded: dict):
     """`_walk_the_ledger`'s body: its files written to `staged`, then (its checks held) its commit published."""
-    inputs, changed = inputs_to_commit(data.warehouse, data.run_dir(run_id), run_id, judge_verdicts)
-    judged_by = commits.judge_settings(judge_verdicts)
-    judge_verdicts.attrs.clear()  # (the fingerprints and the judge belong to the verdicts file: not carried into kept)
+    context, data, run_id, verdicts = walk.context, walk.data, walk.run_id, judged.judge_verdicts
+    inputs, changed = inputs_to_commit(data.warehouse, data.run_dir(run_id), run_id, verdicts)
+    judged_by = commits.judge_settings(verdicts)
+    verdicts.attrs.clear()  # (the fingerprints and the judge belong to the verdicts file: not carried into kept)
     if changed:
         context.log.warning(changed_since_judged(run_id, changed))
-    index = build_prior_index(data.root, run_id, judge_verdicts[["dedup_key", "key_hash"]], load_retired(data.root))
+    index = build_prior_index(data.root, run_id, verdicts[["dedup_key", "key_hash"]], load_retired(data.root))
     context.log.info(
         f"prior index: {index.rows_read} kept rows of {index.runs_read} other runs; "
         f"{len(index.keys)} of them share a key with this batch"
     )
     pause_point("history_read")
-    caps = config.to_caps()
-    result = filtering.walk_ledger(judge_verdicts, index.keys, index.counts, caps, run_id)
+    caps = walk.config.to_caps()
+    result = filtering.walk_ledger(verdicts, index.keys, index.counts, caps, run_id)
     context.log.info(f"walk: kept {len(result.kept)}, surplus {len(result.surplus)}")
     outcomes = {
-        ("verdicts_conserved", "kept"): checks.verdicts_conserved(judge_verdicts, result.kept, result.surplus),
+        ("verdicts_conserved", "kept"): checks.verdicts_conserved(verdicts, result.kept, result.surplus),
         # against the index this step built (it holds every earlier keeper of any key this batch carries)
         ("no_key_kept_twice", "kept"): checks.no_key_kept_twice(result.kept, index.keys),
         ("caps_respected", "kept"): checks.caps_respected(result.kept, index.counts, caps),
     }
     # staged: the committed files and record of the run, if any, stay as they are until the publish
     writing = time.perf_counter()
-    frames = _walk_frames(index, result, source)
+    frames = _walk_frames(index, result, walk.source)
     files = {asset: _write(data, staged, run_id, asset, frame) for asset, (frame, _) in frames.items()}
     pause_point("files_staged")
-    derived, html = _derived_frames(config, run_id, source, result, failure_pool, batch_attempts, judge_verdicts)
+    derived, html = _derived_frames(walk, result, judged)
     files.update({asset: _write(data, staged, run_id, asset, frame) for asset, (frame, _) in derived.items()})
     page = data.warehouse / "filter_report_html" / f"{run_id}.html"
     files["filter_report_html"] = staged.write(page, html, 0)
@@ -341,9 +352,9 @@ def _walk_staged(
         # materializes nothing: its files were never published, so no partition may point at them.
         context.log.error(f"{run_id}: not committed ({', '.join(failing)} failed): nothing of this walk is kept")
     else:
-        record = _commit_record(config, run_id, judge_verdicts, judged_by, result.kept, index, files, source, inputs)
+        record = _commit_record(walk, verdicts, judged_by, result.kept, index, files, inputs)
         _refuse_if_judged_again(data, run_id, loaded)
-        _publish(context, data, staged, record, lease)
+        _publish(context, data, staged, record, walk.lease)
         for asset, (frame, metadata) in {**frames, **derived}.items():
             yield dg.MaterializeResult(
                 asset_key=asset,
@@ -363,12 +374,13 @@ def _walk_frames(index, result, source: str) -> dict[str, tuple[pd.DataFrame, di
     }
 
 
-def _derived_frames(config, run_id, source, result, failure_pool, batch_attempts, judge_verdicts):
+def _derived_frames(walk: _RunWalk, result: filtering.LedgerResult, judged: _JudgeStep):
     """The assets derived from the walk: ((frame, metadata) of dpo_pairs and filter_report, the report's
     standalone HTML page)."""
-    pairs = dpo.dpo_pairs(result.kept, failure_pool, include_judge_failures=config.include_judge_failures)
+    config, run_id, source, pool = walk.config, walk.run_id, walk.source, judged.failure_pool
+    pairs = dpo.dpo_pairs(result.kept, pool, include_judge_failures=config.include_judge_failures)
     figures = report.figures(
-        batch_attempts, judge_verdicts, failure_pool, result.kept, result.surplus, config.to_caps(), source
+        judged.batch_attempts, judged.judge_verdicts, pool, result.kept, result.surplus, config.to_caps(), source
     )
     images = report.charts(figures)
     url = settings.review_run_url(run_id)
@@ -393,15 +405,15 @@ def _derived_frames(config, run_id, source, result, failure_pool, batch_attempts
     return frames, report.html(figures, images, run_id).encode()
 
 
-def _commit_record(config, run_id, judge_verdicts, judged_by, kept, index, files, source, inputs) -> CommitRecord:
+def _commit_record(walk: _RunWalk, judge_verdicts, judged_by, kept, index, files, inputs) -> CommitRecord:
     """The run's commit record: its files, caps, judge (`judged_by`), the history it read and its inputs' hashes."""
     return commits.CommitRecord(
-        run_id=run_id,
+        run_id=walk.run_id,
         walked_at=walked_now(),
         files=files,
         kept_keys=len(kept),  # (all distinct: no_key_kept_twice held, or nothing is committed)
-        caps=config.caps_document(),
-        caps_source=source,
+        caps=walk.config.caps_document(),
+        caps_source=walk.source,
         judge=judged_by,
         history=index.history,
         inputs=inputs,
