@@ -33,7 +33,7 @@ from filter_pipeline.rules.batch import (
     check_run_id,
     jsonl_lines,
 )
-from filter_pipeline.rules.commits import COMMITS_DIR, parse_commit
+from filter_pipeline.rules.commits import COMMITS_DIR, commit_file, parse_commit
 from filter_pipeline.rules.descriptions import one_line
 from filter_pipeline.rules.history import RETIRED_FILE, HistoryError, Retired, legacy_key_text, parse_retired
 from filter_pipeline.rules.schemas import (
@@ -45,6 +45,7 @@ from filter_pipeline.rules.schemas import (
 from filter_pipeline.storage.failures import failure_path, read_failure
 from filter_pipeline.storage.files import RUNS_DIR, WAREHOUSE_DIR, file_version
 from filter_pipeline.storage.history import committed_paths, read_retired
+from filter_pipeline.storage.publish import commit_path
 from filter_pipeline.storage.runs import unparsed_batch
 
 CACHED_RUNS = 8  # run tables kept in memory (least recently used dropped first)
@@ -130,7 +131,7 @@ class Warehouse:
 
     def _files(self, run_id: str) -> dict[str, UPath]:
         files = {a: self.asset_file(a, run_id) for a in ASSETS}
-        files["commit"] = self.warehouse / COMMITS_DIR / f"{run_id}.json"
+        files["commit"] = commit_path(self.warehouse, run_id)
         files["legacy"] = self.root / RUNS_DIR / run_id / LEGACY_KEPT_FILE
         files["complete"] = self.root / RUNS_DIR / run_id / SUCCESS_FILE
         files["retired"] = self.root / RETIRED_FILE
@@ -268,7 +269,7 @@ def load_run(root: UPath, run_id: str, files: dict[str, UPath]) -> RunTables:
     commit = None
     try:
         raw = files["commit"].read_bytes()
-        record = parse_commit(raw, f"warehouse/{COMMITS_DIR}/{run_id}.json", run_id)
+        record = parse_commit(raw, commit_file(run_id), run_id)
         commit = json.loads(record.to_json())
     except FileNotFoundError:
         pass

@@ -440,7 +440,7 @@ def _publish(context, data: DataRoot, staged: StagedWalk, record: CommitRecord, 
     publishing = time.perf_counter()
     staged.publish(record, lease.confirm)
     context.log.info(
-        f"committed {record.run_id}: warehouse/{commits.COMMITS_DIR}/{record.run_id}.json (published, its files "
+        f"committed {record.run_id}: {commits.commit_file(record.run_id)} (published, its files "
         f"moved into place in {time.perf_counter() - publishing:.2f} s)"
     )
     if failures.clear_failure(data.warehouse, record.run_id):

@@ -20,7 +20,7 @@ from filter_pipeline import settings
 from filter_pipeline.judge.resource import JudgeResource
 from filter_pipeline.rules import order
 from filter_pipeline.rules.batch import LEGACY_KEPT_FILE, BatchState
-from filter_pipeline.rules.commits import CommitRecord, another_judge, walks_fingerprint
+from filter_pipeline.rules.commits import CommitRecord, another_judge, commit_file, walks_fingerprint
 from filter_pipeline.settings import materialize_command
 from filter_pipeline.shell.assets import judge_batch, run_id_partitions
 from filter_pipeline.shell.jobs import (
@@ -283,7 +283,7 @@ def record_committed_elsewhere(
 
     def metadata(run_id: str, asset: str) -> dict:
         record = commits[run_id]
-        found = {"source": f"{COMMITTED_SOURCE} (warehouse/_commits/{run_id}.json, walked at {record.walked_at})"}
+        found = {"source": f"{COMMITTED_SOURCE} ({commit_file(run_id)}, walked at {record.walked_at})"}
         if entry := record.files.get(asset):
             found |= {"dagster/row_count": int(entry.get("rows") or 0), "sha256": entry.get("sha256", "")}
         return found

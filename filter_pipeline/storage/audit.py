@@ -6,7 +6,7 @@ import pyarrow as pa
 from upath import UPath
 
 from filter_pipeline.rules.batch import LEGACY_KEPT_FILE
-from filter_pipeline.rules.commits import COMMITS_DIR, CommitRecord, HistoryIntegrityError
+from filter_pipeline.rules.commits import COMMITS_DIR, CommitRecord, HistoryIntegrityError, commit_file
 from filter_pipeline.rules.history import HistoryError, drop_retired, parse_legacy
 from filter_pipeline.rules.verify import (
     Finding,
@@ -41,7 +41,7 @@ def _kept_rows(
     """The columns of a committed run's kept file, verified against its commit (None, with a finding, if not)."""
     entry = record.files.get("kept")
     if entry is None:
-        findings.append(Finding("commit", f"warehouse/{COMMITS_DIR}/{run_id}.json names no kept file: re-filter {run_id} "
+        findings.append(Finding("commit", f"{commit_file(run_id)} names no kept file: re-filter {run_id} "
                                           f"with `{materialize_command(run_id)}`"))  # fmt: skip
         return None
     try:

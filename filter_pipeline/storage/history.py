@@ -9,7 +9,7 @@ import pyarrow as pa
 from upath import UPath
 
 from filter_pipeline.rules.batch import LEGACY_KEPT_FILE
-from filter_pipeline.rules.commits import COMMITS_DIR, CommitRecord, HistoryIntegrityError, parse_commit
+from filter_pipeline.rules.commits import COMMITS_DIR, CommitRecord, HistoryIntegrityError, commit_file, parse_commit
 from filter_pipeline.rules.history import (
     RETIRED_FILE,
     HistoryError,
@@ -35,7 +35,7 @@ def read_commit(warehouse: UPath, run_id: str) -> CommitRecord | None:
         data = commit_path(warehouse, run_id).read_bytes()
     except FileNotFoundError:
         return None
-    return parse_commit(data, f"warehouse/{COMMITS_DIR}/{run_id}.json", run_id)
+    return parse_commit(data, commit_file(run_id), run_id)
 
 
 def read_commits(warehouse: UPath) -> dict[str, CommitRecord]:
@@ -133,7 +133,7 @@ def history_sources(data_root: UPath, commits: dict[str, CommitRecord]) -> dict[
         entry = record.files.get("kept")
         if entry is None:
             raise HistoryIntegrityError(
-                f"warehouse/_commits/{run_id}.json names no kept file: delete it and re-filter {run_id} with "
+                f"{commit_file(run_id)} names no kept file: delete it and re-filter {run_id} with "
                 f"`{materialize_command(run_id)}`"
             )
         sources[run_id] = ("warehouse", data_root / entry["path"], entry)
