@@ -25,6 +25,15 @@ def dagster_home(tmp_path) -> Path:
 
 
 @pytest.fixture
+def instance():
+    """A Dagster instance of its own for the test (in a temp folder, removed after)."""
+    import dagster as dg
+
+    with dg.instance_for_test() as instance:
+        yield instance
+
+
+@pytest.fixture
 def data_root(tmp_path) -> Path:
     root = tmp_path / "data"
     (root / "runs").mkdir(parents=True)

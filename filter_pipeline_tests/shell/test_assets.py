@@ -29,12 +29,6 @@ ASSETS = [
 ]
 
 
-@pytest.fixture
-def instance():
-    with dg.instance_for_test() as instance:
-        yield instance
-
-
 def materialize(instance, data_root, run_id, caps=None) -> dg.ExecuteInProcessResult:
     defs = build_defs(str(data_root), JudgeResource(), caps={})
     if run_id not in instance.get_dynamic_partitions("run_id"):

@@ -12,12 +12,6 @@ from filter_pipeline_tests.builders import attempt, task, write_batch
 DEPLOYMENT = {"per_site_cap": 1, "caps": {"m": {"site_cap": 2, "target": 5}}}
 
 
-@pytest.fixture
-def instance():
-    with dg.instance_for_test() as instance:
-        yield instance
-
-
 def config_default(job: dg.JobDefinition, op: str) -> dict:
     """What the launchpad scaffolds for an op's config: the default in the job's run config schema."""
     ops = job.run_config_schema.config_type.fields["ops"].config_type

@@ -5,18 +5,11 @@ import json
 
 import dagster as dg
 import pandas as pd
-import pytest
 
 from filter_pipeline.definitions import build_defs
 from filter_pipeline.judge.resource import JudgeResource
 from filter_pipeline.shell.freshness import build_labels_sensor, build_retired_sensor
 from filter_pipeline_tests.builders import Pipeline, attempt, sensor_context, task, write_batch
-
-
-@pytest.fixture
-def instance():
-    with dg.instance_for_test() as instance:
-        yield instance
 
 
 def labels_tick(instance, data_root) -> dg.SensorResult:

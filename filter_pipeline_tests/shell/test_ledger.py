@@ -25,12 +25,6 @@ pytestmark = pytest.mark.slow  # (each test runs the whole job in process, sever
 LEDGER_FILES = ["prior_dedup_index", "prior_kept_counts", "kept", "surplus", "dpo_pairs", "filter_report"]
 
 
-@pytest.fixture
-def instance():
-    with dg.instance_for_test() as instance:
-        yield instance
-
-
 def materialize(instance, data_root, run_id, caps=None) -> dg.ExecuteInProcessResult:
     if run_id not in instance.get_dynamic_partitions("run_id"):
         instance.add_dynamic_partitions("run_id", [run_id])

@@ -4,7 +4,6 @@ earlier script), and runs another instance or the CLI committed to the same ware
 import json
 
 import dagster as dg
-import pytest
 
 from filter_pipeline.definitions import build_defs
 from filter_pipeline.judge.resource import JudgeResource
@@ -19,12 +18,6 @@ from filter_pipeline_tests.builders import (
     write_batch,
     write_legacy_kept,
 )
-
-
-@pytest.fixture
-def instance():
-    with dg.instance_for_test() as instance:
-        yield instance
 
 
 def test_the_recorded_assets_are_every_run_id_partitioned_asset():

@@ -24,12 +24,6 @@ from filter_pipeline_tests.builders import (
 )
 
 
-@pytest.fixture
-def instance():
-    with dg.instance_for_test() as instance:
-        yield instance
-
-
 def tick(instance, data_root) -> dg.SensorResult:
     sensor = build_batch_sensor()
     return sensor(sensor_context(instance, data_root))
