@@ -19,7 +19,8 @@ def coverage_table(counts: pd.DataFrame, caps: Caps) -> pd.DataFrame:
     )
     per_macro = counts.groupby("macro", as_index=False)["n_kept"].sum()
     # a macro with a target shows, even before it has a kept row
-    unstarted = pd.DataFrame({"macro": [m for m in caps.targeted() if m not in set(per_macro["macro"])], "n_kept": 0})
+    started = set(per_macro["macro"].unique())
+    unstarted = pd.DataFrame({"macro": [m for m in caps.targeted() if m not in started], "n_kept": 0})
     per_macro = pd.concat([per_macro, unstarted], ignore_index=True)
     macro = per_macro.assign(level="macro", site=None, kept=per_macro["n_kept"], limit=caps.targets(per_macro["macro"]))
     table = pd.concat([macro, site], ignore_index=True)
