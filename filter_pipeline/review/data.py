@@ -137,8 +137,8 @@ class Warehouse:
         files["retired"] = self.root / RETIRED_FILE
         files["failed"] = failure_path(self.warehouse, run_id)
         # (read until the judge step writes batch_tasks)
-        files["tasks.jsonl"] = self.root / RUNS_DIR / run_id / TASKS_FILE
-        files["executions.jsonl"] = self.root / RUNS_DIR / run_id / EXECUTIONS_FILE
+        files[TASKS_FILE] = self.root / RUNS_DIR / run_id / TASKS_FILE
+        files[EXECUTIONS_FILE] = self.root / RUNS_DIR / run_id / EXECUTIONS_FILE
         return files
 
     def _key(self, run_id: str) -> tuple:

@@ -16,19 +16,23 @@ from datetime import datetime
 
 import pandas as pd
 
+from filter_pipeline.rules.batch import EXECUTIONS_FILE, TASKS_FILE
 from filter_pipeline.rules.schemas import JUDGED_BY, votes_asked
 from filter_pipeline.settings import JUDGE_LLM, materialize_command
 
 COMMITS_DIR = "_commits"  # <data>/warehouse/_commits/<run_id>.json
+LEGACY_PREFIX = "legacy:"  # history entry of a legacy run: "legacy:<sha256 of its kept.jsonl>"
+INPUT_FILES = (TASKS_FILE, EXECUTIONS_FILE)
+
+
+def commit_name(run_id: str) -> str:
+    """The file name of a run's commit record, in COMMITS_DIR."""
+    return f"{run_id}.json"
 
 
 def commit_file(run_id: str) -> str:
     """Where a run's commit record is, as messages name it: relative to the data root."""
-    return f"warehouse/{COMMITS_DIR}/{run_id}.json"
-
-
-LEGACY_PREFIX = "legacy:"  # history entry of a legacy run: "legacy:<sha256 of its kept.jsonl>"
-INPUT_FILES = ("tasks.jsonl", "executions.jsonl")
+    return f"warehouse/{COMMITS_DIR}/{commit_name(run_id)}"
 
 
 class HistoryIntegrityError(ValueError):

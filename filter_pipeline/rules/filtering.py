@@ -173,12 +173,12 @@ class Caps:
 
     def site_caps(self, macros) -> np.ndarray:
         """The site cap of each row's macro, looked up once per distinct macro."""
-        codes, names = pd.factorize(macros)
+        codes, names = pd.factorize(macros, use_na_sentinel=False)
         return np.array([self.site_cap(m) for m in names], dtype=np.int64)[codes]
 
     def targets(self, macros) -> pd.arrays.IntegerArray:
         """The target of each row's macro (<NA>: the macro has none)."""
-        codes, names = pd.factorize(macros)
+        codes, names = pd.factorize(macros, use_na_sentinel=False)
         return pd.array([self.target(m) for m in names], dtype="Int64")[codes]
 
     def targeted(self) -> list[str]:
@@ -204,11 +204,8 @@ def over_caps(own: pd.DataFrame, prior: pd.DataFrame, caps: Caps) -> tuple[pd.Da
     over_site = pairs.loc[pairs["total"] > pairs["limit"], ["macro", "site", "total", "limit"]]
 
     with_target = sorted(set(caps.targeted()) & set(own["macro"].unique()))
-    macros = pd.DataFrame({"macro": pd.Series(with_target, dtype="str")})
-    macros["total"] = [
-        int(own.loc[own["macro"] == m, "n_kept"].sum() + prior.loc[prior["macro"] == m, "n_kept"].sum())
-        for m in with_target
-    ]
+    total = sum(f.groupby("macro")["n_kept"].sum().reindex(with_target, fill_value=0) for f in (own, prior))
+    macros = pd.DataFrame({"macro": pd.Series(with_target, dtype="str"), "total": np.asarray(total, dtype=np.int64)})
     macros["limit"] = caps.targets(macros["macro"])
     over_target = macros[macros["total"] > macros["limit"]]
     return over_site.sort_values(keys).reset_index(drop=True), over_target.reset_index(drop=True)

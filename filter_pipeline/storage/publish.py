@@ -31,7 +31,7 @@ from datetime import UTC, datetime
 
 from upath import UPath
 
-from filter_pipeline.rules.commits import COMMITS_DIR, CommitRecord
+from filter_pipeline.rules.commits import COMMITS_DIR, CommitRecord, commit_name
 from filter_pipeline.settings import materialize_command
 from filter_pipeline.storage.files import (
     PRECONDITION,
@@ -64,7 +64,7 @@ def walked_now() -> str:
 
 
 def commit_path(warehouse: UPath, run_id: str) -> UPath:
-    return warehouse / COMMITS_DIR / f"{run_id}.json"
+    return warehouse / COMMITS_DIR / commit_name(run_id)
 
 
 def relative(data_root: UPath, path: UPath) -> str:

@@ -14,6 +14,7 @@ from filter_pipeline.judge.client import (
     judge_prompts,
 )  # fmt: skip
 from filter_pipeline.judge.config import LLMJudgeConfig
+from filter_pipeline.judge.rate import PROBE_REQUESTS
 from filter_pipeline_tests.judge.asking import PASS, prompt, settings
 from filter_pipeline_tests.openai_server import FakeOpenAI, RateLimit, Reply, error_body
 
@@ -157,14 +158,14 @@ def test_while_down_one_task_probes_now_and_then_and_its_success_ends_the_outage
         (429, "You exceeded your current quota, please check your plan and billing details."),  # OpenAI's
     ],
 )
-def test_a_refusing_endpoint_stops_everything_within_ten_requests(status, message):
+def test_a_refusing_endpoint_stops_everything_after_the_probe_requests(status, message):
     code = "insufficient_quota" if status == 429 else None
     with FakeOpenAI(lambda call, n: Reply(status=status, body=error_body(message, code=code))) as server:
         url = server.base_url.replace("http://", "http://user:pw-SECRET@")
         s = settings(server, base_url=url, api_key="sk-test-SECRET", concurrency=64)
         with pytest.raises(EndpointRefused) as refused:
             judge_prompts([prompt(str(i)) for i in range(60)], s)
-    assert len(server.calls) <= 10
+    assert len(server.calls) <= PROBE_REQUESTS
     text = str(refused.value)
     assert f"HTTP {status}" in text and server.base_url + "/chat/completions" in text
     assert "SECRET" not in text and "\n" not in text

@@ -10,6 +10,7 @@ from upath import UPath
 
 from filter_pipeline.definitions import build_defs
 from filter_pipeline.judge.config import LLMJudgeConfig
+from filter_pipeline.judge.rate import PROBE_REQUESTS
 from filter_pipeline.judge.resource import JudgeResource, judge_from_env
 from filter_pipeline.rules.report import agreement
 from filter_pipeline_tests.builders import Pipeline, attempt, rows, task, verdicts, write_batch
@@ -136,7 +137,7 @@ def test_a_rejudging_by_another_judge_fails_in_one_line_and_keeps_the_verdicts_p
         assert ["do a" in call.prompt for call in server.calls] == [True]  # the unjudged task alone
 
 
-def test_a_refusing_endpoint_fails_the_step_in_one_line_within_ten_requests(pipeline):
+def test_a_refusing_endpoint_fails_the_step_in_one_line_after_the_probe_requests(pipeline):
     sample_batch(pipeline.data_root)
     pipeline.instance.add_dynamic_partitions("run_id", ["r1"])
     with FakeOpenAI(lambda call, n: Reply(status=401, body='{"error": {"message": "bad key sk-SECRET-1"}}')) as server:
@@ -144,7 +145,7 @@ def test_a_refusing_endpoint_fails_the_step_in_one_line_within_ten_requests(pipe
             str(pipeline.data_root), llm(server, api_key="sk-SECRET-1", concurrency=64), caps={}
         ).resolve_job_def("filter_job")
         result = job.execute_in_process(instance=pipeline.instance, partition_key="r1", raise_on_error=False)
-    assert not result.success and len(server.calls) <= 10
+    assert not result.success and len(server.calls) <= PROBE_REQUESTS
     [failure] = [e for e in result.all_events if e.event_type_value == "STEP_FAILURE"]
     message = str(failure.step_failure_data.error.to_string())
     assert (

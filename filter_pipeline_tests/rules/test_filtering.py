@@ -333,3 +333,26 @@ def test_a_macro_site_cap_overrides_the_per_site_cap_and_history_elsewhere_does_
     caps = Caps(1, {"m": MacroLimits(site_cap=5)})
     sites, macros = filtering.over_caps(counts(("m", "s", 5), ("n", "s", 1)), counts(("n", "t", 9)), caps)
     assert sites.empty and macros.empty
+
+
+def test_a_macro_exactly_at_its_target_is_not_over_it_and_findings_come_in_name_order():
+    caps = Caps(0, {"m": MacroLimits(site_cap=9, target=3), "n": MacroLimits(site_cap=9, target=2)})
+    sites, macros = filtering.over_caps(
+        counts(("n", "b", 10), ("n", "a", 10), ("m", "s", 2)), counts(("m", "t", 1)), caps
+    )
+    assert sites[["macro", "site"]].values.tolist() == [["n", "a"], ["n", "b"]]
+    assert macros[["macro", "total", "limit"]].values.tolist() == [["n", 20, 2]]  # m: 3 of 3
+
+
+def test_nothing_is_over_a_cap_where_nothing_was_kept_or_with_no_history():
+    sites, macros = filtering.over_caps(counts(), counts(("m", "s", 99)), Caps(1, {"m": MacroLimits(target=1)}))
+    assert sites.empty and macros.empty
+    sites, macros = filtering.over_caps(counts(("m", "s", 2)), counts(), Caps(1, {"m": MacroLimits(target=1)}))
+    assert sites.values.tolist() == [["m", "s", 2, 1]] and macros.values.tolist() == [["m", 2, 1]]
+
+
+def test_limits_are_looked_up_per_row_by_macro():
+    caps = Caps(5, {"m": MacroLimits(site_cap=2, target=7)})
+    assert caps.site_caps(pd.Series(["x", "m", "x"])).tolist() == [5, 2, 5]
+    assert caps.targets(pd.Series(["x", "m"])).tolist() == [pd.NA, 7]
+    assert caps.targeted() == ["m"]
