@@ -2,7 +2,7 @@
 
 Pure reads over the data root (local or s3:// through UPath). A run's tables are read once and kept, keyed by
 the path and version (`file_version`: mtime, size and inode on local disk, ETag on object storage) of every
-file they come from, so a page of a 300k-task run is a filter over frames in memory; a rewritten file is read
+file they come from, so a page of a large run is a filter over frames in memory; a rewritten file is read
 again.
 """
 
@@ -36,7 +36,9 @@ from filter_pipeline.rules.batch import (
 from filter_pipeline.rules.commits import COMMITS_DIR, commit_file, parse_commit
 from filter_pipeline.rules.descriptions import one_line
 from filter_pipeline.rules.history import RETIRED_FILE, HistoryError, Retired, legacy_key_text, parse_retired
+from filter_pipeline.rules.records import ATTEMPT_FIELDS
 from filter_pipeline.rules.schemas import (
+    SCHEMAS,
     STATUS_JUDGED,
     key_hashes,
     pylist,
@@ -323,8 +325,8 @@ def load_run(root: UPath, run_id: str, files: dict[str, UPath]) -> RunTables:
 
 # the columns of batch_tasks, batch_attempts and batch_rejects the pages show
 BATCH_TASK_COLUMNS = ["task_id", "site", "macro", "instruction", "dedup_key"]
-BATCH_ATTEMPT_COLUMNS = ["task_id", "attempt", "ok", "error", "dir", "n_actions", "backend_ok", "backend_detail"]
-BATCH_REJECT_COLUMNS = ["file", "line", "field", "message", "raw"]
+BATCH_ATTEMPT_COLUMNS = list(ATTEMPT_FIELDS)
+BATCH_REJECT_COLUMNS = [c for c in SCHEMAS["batch_rejects"].names if c != "run_id"]
 
 
 def _batch_frame(path: UPath, columns: list[str], unparsed: pd.DataFrame | None) -> pd.DataFrame:

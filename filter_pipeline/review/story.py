@@ -14,7 +14,14 @@ from filter_pipeline.rules.batch import SUCCESS_FILE
 from filter_pipeline.rules.calibration import LABEL_COLUMNS, parse_labels
 from filter_pipeline.rules.filtering import Caps
 from filter_pipeline.rules.records import as_text
-from filter_pipeline.rules.schemas import DROPPED_DUPLICATE, DROPPED_SITE_CAP, SPEND_COUNTS, VERDICT_PARTS
+from filter_pipeline.rules.schemas import (
+    DROPPED_DUPLICATE,
+    DROPPED_SITE_CAP,
+    SPEND_COUNTS,
+    STAGE_EXECUTE,
+    STAGE_JUDGE,
+    VERDICT_PARTS,
+)
 from filter_pipeline.settings import materialize_command
 from filter_pipeline.storage.files import RUNS_DIR, file_version, is_local, read_if_present
 from filter_pipeline.storage.labels import LABELS_FILE
@@ -152,9 +159,9 @@ def story(warehouse: Warehouse, run_id: str, task_id: str, labels: pd.DataFrame 
     attempts = sorted(rows_of(t.attempts, task_id), key=lambda a: (a.get("attempt") is None, a.get("attempt") or 0))
     failures = {(r.get("attempt"), r.get("stage")): r for r in rows_of(t.failure_pool, task_id)}
     for a in attempts:
-        a["failure"] = failures.get((a.get("attempt"), "execute"))
+        a["failure"] = failures.get((a.get("attempt"), STAGE_EXECUTE))
         a["judged"] = a.get("dir") == judged_dir and judged_dir is not None
-    judge_failure = failures.get((verdict.get("attempt") if verdict else None, "judge"))
+    judge_failure = failures.get((verdict.get("attempt") if verdict else None, STAGE_JUDGE))
     decided = decision(t, task)
     if decided["fate"] == FATE_JUDGE_FAIL and judge_failure and judge_failure.get("detail"):
         # (why it failed: the judge's why, or a verdict the judge passed that FILTER_JUDGE_MIN_SCORE failed)

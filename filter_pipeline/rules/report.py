@@ -276,7 +276,7 @@ def html(f: Figures, images: dict[str, bytes], run_id: str) -> str:
     """A standalone HTML page of the report (charts embedded)."""
 
     def table(frame: pd.DataFrame) -> str:
-        # by hand: pandas' to_html takes about a second for the per-site table of a large batch
+        # by hand: pandas' to_html is slow on the per-site table of a large batch
         head = "".join(f"<th>{html_lib.escape(str(c))}</th>" for c in frame.columns)
         cells = frame.astype(object).where(frame.notna(), "")
         rows = "".join(

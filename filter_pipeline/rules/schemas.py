@@ -360,7 +360,7 @@ SCHEMAS: dict[str, pa.Schema] = {
 
 # Columns with few distinct values, stored dictionary-encoded. The history scan counts macro and site by
 # their dictionary codes. Other text columns (task_id, dedup_key, dir, ...) are nearly unique: trying a
-# dictionary on them only to give it up costs about a third of a write.
+# dictionary on them only to give it up costs a large part of a write.
 DICTIONARY_COLUMNS = frozenset(
     {"macro", "site", "run_id", "status", "judge", "model", "prompt_version", "votes", "stage", "reason", "dropped",
      "start_kind", "file", "field", "section", "metric", "level", "predictor", "dup_of_run_id", "rejected_stage",
@@ -376,7 +376,7 @@ def dictionary_columns(asset: str) -> list[str]:
 # Text columns whose min/max statistics can let a reader skip a whole file: a query across the warehouse by
 # run_id, or by a task_id or trajectory dir (which usually carry the run's name). Parquet gets statistics for
 # these and for every non-text column (nearly free); other text spans all its values in every file, so its
-# statistics could skip nothing and cost about a sixth of each write.
+# statistics could skip nothing and would cost every write.
 STATISTICS_TEXT_COLUMNS = frozenset({"run_id", "task_id", "dir", "dup_of_run_id", "dup_of_task_id", "rejected_dir"})
 
 

@@ -12,13 +12,13 @@ from filter_pipeline.shell.assets import WAREHOUSE_VERIFIED
 
 # Dagster's documented run tags
 PARTITION_TAG = "dagster/partition"
+PRIORITY_TAG = "dagster/priority"  # (an op tag: which ready step of a run goes first)
 RUN_KEY_TAG = "dagster/run_key"
 RANGE_START_TAG = "dagster/asset_partition_range_start"  # a ranged (single-run backfill) run's partitions
 RANGE_END_TAG = "dagster/asset_partition_range_end"
 # this project's run tags: which filtered run a re-judging run is for, and its try number
 REJUDGE_OF_TAG = "filter_pipeline/rejudge_of"
 REJUDGE_TRY_TAG = "filter_pipeline/rejudge_try"
-PRIORITY_TAG = "dagster/priority"
 # run tag: the runs a Dagster run was asked to walk for the first time (not committed when it was launched); one
 # that another walk commits while this run waits for the ledger's lease is reported as already filtered
 FIRST_WALK_TAG = "filter_pipeline/first_walk"

@@ -188,8 +188,8 @@ def sha256_of(path: UPath) -> str:
 
 
 def file_version(path: UPath) -> tuple | None:
-    """What changes whenever the file at `path` is written again (its ETag on object storage; its mtime and size
-    elsewhere, an atomic write being a new file); None when it does not exist."""
+    """What changes whenever the file at `path` is written again (its ETag on object storage; its mtime, size
+    and inode elsewhere, an atomic write being a new file); None when it does not exist."""
     try:
         if is_local(path):
             stat = os.stat(path.path)

@@ -38,6 +38,7 @@ from filter_pipeline.storage.files import (
     STALE_TEMP_SECONDS,
     WAREHOUSE_DIR,
     atomic_write,
+    etag,
     fsync_folder,
     is_local,
     is_object_store,
@@ -124,7 +125,7 @@ def commit_state(warehouse: UPath, run_id: str) -> CommitState:
         if is_object_store(path):
             path.fs.invalidate_cache(path.path)
             info = path.fs.info(path.path)
-            return CommitState(run_id, str(info.get("ETag") or info.get("etag") or "").strip('"'))
+            return CommitState(run_id, etag(info))
         return CommitState(run_id, hashlib.sha256(path.read_bytes()).hexdigest())
     except FileNotFoundError:
         return CommitState(run_id, None)

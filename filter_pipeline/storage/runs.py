@@ -241,7 +241,9 @@ def dirs_outside_root(run_dir: UPath, dirs: pd.Series) -> set[str]:
         return set()
     root = os.path.realpath(os.path.dirname(os.path.dirname(run_dir.path)))
     inside = lambda rel: os.path.realpath(os.path.join(root, rel)).startswith(root + os.sep)  # noqa: E731
-    paths = pa.array(dirs, type=pa.string())  # (not made unique first: hashing 600k paths costs more than it saves)
+    paths = pa.array(
+        dirs, type=pa.string()
+    )  # (not made unique first: the paths are nearly all distinct, so hashing them costs more than it saves)
     outside: set[str] = set()
     for top, under in _by_top(paths):
         if not inside(top):
