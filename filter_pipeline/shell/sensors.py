@@ -19,11 +19,12 @@ import dagster as dg
 from filter_pipeline import settings
 from filter_pipeline.judge.resource import JudgeResource
 from filter_pipeline.rules import order
-from filter_pipeline.rules.batch import LEGACY_KEPT_FILE, BatchState
+from filter_pipeline.rules.batch import LEGACY_KEPT_FILE, SUCCESS_FILE, BatchState
 from filter_pipeline.rules.commits import CommitRecord, another_judge, commit_file, walks_fingerprint
 from filter_pipeline.settings import materialize_command
 from filter_pipeline.shell.assets import judge_batch, run_id_partitions
 from filter_pipeline.shell.jobs import (
+    FIRST_WALK_TAG,
     PARTITION_TAG,
     RANGE_END_TAG,
     RANGE_START_TAG,
@@ -399,10 +400,10 @@ def build_batch_sensor() -> dg.SensorDefinition:
         jobs=[judge_job, ledger_job, across_runs_job, rejudge_job],
         minimum_interval_seconds=SENSOR_INTERVAL_SECONDS,
         default_status=dg.DefaultSensorStatus.RUNNING,
-        description="Registers each complete batch (runs/<run_id>/_SUCCESS) as a run_id partition and launches "
-        "its judge run (run_key = run_id); then one ledger run at a time for every judged batch waiting in a "
-        f"row from the lowest run_id on (up to {LEDGER_RANGE_LIMIT}), walked in run_id order (run_key = "
-        "<lowest run_id>:ledger; the tag filter_pipeline/first_walk lists them). Batches already filtered "
+        description=f"Registers each complete batch (runs/<run_id>/{SUCCESS_FILE}) as a run_id partition and "
+        "launches its judge run (run_key = run_id); then one ledger run at a time for every judged batch waiting "
+        f"in a row from the lowest run_id on (up to {LEDGER_RANGE_LIMIT}), walked in run_id order (run_key = "
+        f"{ledger_run_key('<lowest run_id>')}; the tag {FIRST_WALK_TAG} lists them). Batches already filtered "
         "(committed, or a legacy kept file) are registered, never re-run; legacy ones, and committed ones this "
         "instance has no record of (walked by the CLI or another deployment), are recorded as materialized. "
         "Filtered runs that left tasks unjudged are judged and walked again, with a backoff and a cap on tries. "
