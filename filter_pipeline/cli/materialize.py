@@ -21,7 +21,7 @@ from filter_pipeline.judge.client import ssl_context
 from filter_pipeline.judge.resource import ENV, JudgeResource, judge_from_env
 from filter_pipeline.rules import calibration as calibration_rules
 from filter_pipeline.rules import order
-from filter_pipeline.rules.batch import SUCCESS_FILE, check_run_id
+from filter_pipeline.rules.batch import check_run_id
 from filter_pipeline.rules.schemas import DROPPED_REASONS, FAILURE_REASONS, STATUS_ERROR
 from filter_pipeline.settings import JUDGE_LLM, REJUDGE_MAX_TRIES_ENV, materialize_command
 from filter_pipeline.shell.assets import run_id_partitions
@@ -46,7 +46,7 @@ from filter_pipeline.shell.warehouse import DATA_ENV, DataRoot, read_parquet
 from filter_pipeline.storage.history import load_retired, read_commits
 from filter_pipeline.storage.lease import LedgerBusy, StoreIgnoresConditions, ledger_lease
 from filter_pipeline.storage.publish import STAGING_DIR, commit_state, complete_published
-from filter_pipeline.storage.runs import complete_batches, walk_order
+from filter_pipeline.storage.runs import complete_batches, not_complete, walk_order
 
 
 class CliError(Exception):
@@ -104,13 +104,9 @@ def _runs_to_materialize(data: DataRoot, requested: list[str], refused: list[str
         return [b.run_id for b in batches if not b.filtered]
     for run_id in requested:
         check_run_id(run_id)
-        if not (data.run_dir(run_id) / SUCCESS_FILE).exists():
-            where = (
-                "does not exist"
-                if not data.run_dir(run_id).exists()
-                else f"has no {SUCCESS_FILE} (still being written?)"
-            )
-            raise CliError(f"batch runs/{run_id} {where}")
+        why = not_complete(data.run_dir(run_id))
+        if why is not None:
+            raise CliError(f"batch runs/{run_id} {why}")
     return requested
 
 

@@ -14,7 +14,7 @@ from filter_pipeline.judge.client import EndpointRefused, JudgeSetupError
 from filter_pipeline.judge.driver import ProgressStore, RecordSteps
 from filter_pipeline.judge.resource import JudgeResource
 from filter_pipeline.rules import calibration, checks, filtering, report, verify
-from filter_pipeline.rules.batch import EXECUTIONS_FILE, SUCCESS_FILE, TASKS_FILE, BatchError
+from filter_pipeline.rules.batch import EXECUTIONS_FILE, TASKS_FILE, BatchError
 from filter_pipeline.rules.commits import CommitRecord, another_judge, judge_settings
 from filter_pipeline.rules.coverage import coverage_chart, coverage_markdown, coverage_table
 from filter_pipeline.rules.descriptions import column_description
@@ -37,7 +37,7 @@ from filter_pipeline.storage.audit import audit
 from filter_pipeline.storage.history import kept_counts, load_retired, read_commit, read_retired
 from filter_pipeline.storage.labels import read_labels
 from filter_pipeline.storage.publish import commit_state
-from filter_pipeline.storage.runs import read_batch
+from filter_pipeline.storage.runs import not_complete, read_batch
 
 run_id_partitions = dg.DynamicPartitionsDefinition(name="run_id")
 
@@ -243,13 +243,9 @@ def _failures_metadata(failures: pd.DataFrame) -> dict:
 
 
 def _parse(context: dg.AssetExecutionContext, data: DataRoot, run_id: str):
-    if not (data.run_dir(run_id) / SUCCESS_FILE).exists():  # (the UI launches any registered partition)
-        why = (
-            f"has no {SUCCESS_FILE}: still being written (the harness writes it last); nothing is read until it is there"
-            if data.run_dir(run_id).exists()
-            else "does not exist (a partition registered for a batch that is gone?)"
-        )
-        raise dg.Failure(description=f"runs/{run_id} {why}", allow_retries=False)
+    why = not_complete(data.run_dir(run_id))  # (the UI launches any registered partition)
+    if why is not None:
+        raise dg.Failure(description=f"runs/{run_id} {why}; nothing is read until it is complete", allow_retries=False)
     try:
         batch = read_batch(data.run_dir(run_id), run_id)
     except BatchError as exc:

@@ -90,6 +90,16 @@ def _stems(folder) -> set[str]:
     return set(files_in(folder, ".parquet"))
 
 
+def not_complete(run_dir: UPath) -> str | None:
+    """Why the batch in `run_dir` may not be read, to follow its folder's name in a message; None when it is
+    complete (its SUCCESS_FILE is there)."""
+    if (run_dir / SUCCESS_FILE).exists():
+        return None
+    if run_dir.exists():
+        return f"has no {SUCCESS_FILE}: still being written (the harness writes it last)"
+    return "does not exist"
+
+
 def read_batch(run_dir: UPath, run_id: str) -> Batch:
     """Parse `runs/<run_id>/`: tasks and attempts that passed validation, and one reject row per record that
     did not (malformed, mistyped, a second `task_id` or (task_id, attempt), an attempt of an unknown task, a
