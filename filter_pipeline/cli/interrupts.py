@@ -77,13 +77,12 @@ def was_interrupted(result) -> bool:
 
 def verdicts_saved(data, run_id: str) -> int:
     """The judge's verdicts of `run_id` on disk (`data`: the DataRoot): its judge_verdicts file, else the parts saved as they arrived."""
-    from filter_pipeline.rules.schemas import JUDGE_PROGRESS_FOLDER
+    from filter_pipeline.judge.driver import progress_parts
 
     done = data.asset_file("judge_verdicts", run_id)
     if done.exists():
         return _rows(done)
-    progress = data.warehouse / JUDGE_PROGRESS_FOLDER / run_id
-    return sum(_rows(p) for p in progress.glob("*.parquet")) if progress.exists() else 0
+    return sum(_rows(p) for p in progress_parts(data.judge_progress(run_id)))
 
 
 def _rows(path) -> int:

@@ -107,6 +107,11 @@ class RecordSteps:
         return steps if isinstance(steps, list) else []
 
 
+def progress_parts(folder: UPath) -> list[UPath]:
+    """The parts of verdicts saved in `folder` (a `ProgressStore`'s), by name; none when it does not exist."""
+    return sorted(folder.glob("*.parquet"), key=lambda p: p.name) if folder.exists() else []
+
+
 @dataclass
 class ProgressStore:
     """Parquet parts of verdicts saved as they arrive, in `folder` (warehouse/_judge_progress/<run_id>/).
@@ -122,7 +127,7 @@ class ProgressStore:
     def load(self, log: logging.Logger) -> pd.DataFrame | None:
         """Every saved part's verdicts; a part that cannot be read is skipped with a warning."""
         try:
-            paths = sorted(self.folder.glob("*.parquet"), key=lambda p: p.name) if self.folder.exists() else []
+            paths = progress_parts(self.folder)
         except OSError:
             paths = []
         frames = []

@@ -21,7 +21,6 @@ from filter_pipeline.rules.descriptions import column_description
 from filter_pipeline.rules.history import RETIRED_FILE, HistoryError, parse_retired
 from filter_pipeline.rules.schemas import (
     FAILURE_REASONS,
-    JUDGE_PROGRESS_FOLDER,
     JUDGED_BY,
     JUDGED_INPUTS,
     SCHEMAS,
@@ -267,7 +266,7 @@ def _judge(context: dg.AssetExecutionContext, judge: JudgeResource, data: DataRo
     previous_file = data.asset_file("judge_verdicts", run_id)
     previous = read_parquet(previous_file) if previous_file.exists() else None
     _refuse_another_judge(context, judge, data, run_id, previous)
-    progress = ProgressStore(data.warehouse / JUDGE_PROGRESS_FOLDER / run_id, write=write_parquet)
+    progress = ProgressStore(data.judge_progress(run_id), write=write_parquet)
     try:
         judgement = judge.judge(
             requests,

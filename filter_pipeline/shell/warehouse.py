@@ -18,6 +18,7 @@ from upath import UPath
 
 from filter_pipeline.rules.batch import check_run_id
 from filter_pipeline.rules.schemas import (
+    JUDGE_PROGRESS_FOLDER,
     SCHEMAS,
     parquet_bytes,
     to_arrow,
@@ -93,6 +94,10 @@ class DataRoot(dg.ConfigurableResource):
     def asset_file(self, asset: str, run_id: str) -> UPath:
         """`warehouse/<asset>/<run_id>.parquet`: the same path the IO manager writes."""
         return self.warehouse / asset / f"{run_id}.parquet"
+
+    def judge_progress(self, run_id: str) -> UPath:
+        """The folder of the run's verdicts the LLM judge saved as they arrived (`driver.ProgressStore`)."""
+        return self.warehouse / JUDGE_PROGRESS_FOLDER / run_id
 
 
 def write_parquet(table: pa.Table, path: UPath) -> None:
