@@ -1,5 +1,6 @@
 """Names and defaults of the settings read from the environment: one place for each, whoever reads it (the
 code location, the CLI, the review app). Dagster-free, so that the review app and `verify` load without it.
+The LLM judge's settings are named on its configuration model (`judge/config.py`), each beside its default.
 """
 
 import os
@@ -7,6 +8,8 @@ import os
 DATA_ENV = "FILTER_PIPELINE_DATA"
 DEFAULT_DATA = "data"
 ENDPOINT_ENV = "FILTER_PIPELINE_ENDPOINT_URL"
+CAPS_ENV = "FILTER_PIPELINE_CAPS"  # the deployment's caps file (YAML or JSON)
+LABELER_ENV = "FILTER_PIPELINE_LABELER"  # who the review app records as a label's author
 
 EXECUTOR_ENV = "FILTER_PIPELINE_EXECUTOR"
 # Dagster's stock executors. in_process (default): a run's steps one after the other in the run's process, which
@@ -99,9 +102,14 @@ REVIEW_URL_ENV = "FILTER_PIPELINE_REVIEW_URL"
 DAGSTER_URL_ENV = "FILTER_PIPELINE_DAGSTER_URL"
 
 
+def base_url(env: str) -> str | None:
+    """The URL the variable `env` holds, without a trailing slash; None when it is unset or blank."""
+    return os.environ.get(env, "").strip().rstrip("/") or None
+
+
 def review_run_url(run_id: str) -> str | None:
     """The run's page in the review app, when FILTER_PIPELINE_REVIEW_URL is set; else None."""
     from urllib.parse import quote
 
-    base = os.environ.get(REVIEW_URL_ENV, "").strip().rstrip("/")
+    base = base_url(REVIEW_URL_ENV)
     return f"{base}/runs/{quote(run_id, safe='')}" if base else None

@@ -31,12 +31,11 @@ from filter_pipeline.review.queue import QueueMemo, item
 from filter_pipeline.review.story import Labels, inside_run, plain, screenshot, story
 from filter_pipeline.rules.descriptions import one_line
 from filter_pipeline.rules.records import as_text
-from filter_pipeline.settings import DAGSTER_URL_ENV
+from filter_pipeline.settings import DAGSTER_URL_ENV, LABELER_ENV, base_url
 from filter_pipeline.storage.files import store_trouble
 from filter_pipeline.storage.labels import LabelWriteError, append_label, now_iso
 
 HERE = Path(__file__).parent
-LABELER_ENV = "FILTER_PIPELINE_LABELER"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")  # what this machine's own browser may call the app
 ANY_ADDRESS = ("0.0.0.0", "::", "")
 DEFAULT_LIMIT, MAX_LIMIT = 100, 1000
@@ -98,7 +97,7 @@ class Review:
         self.queue = QueueMemo()
         self.labeler = labeler or os.environ.get(LABELER_ENV) or _user()
         self.env = templates()
-        self.dagster_url = os.environ.get(DAGSTER_URL_ENV, "").strip().rstrip("/") or None
+        self.dagster_url = base_url(DAGSTER_URL_ENV)
 
     def html(self, name: str, status: int = 200, **context) -> HTMLResponse:
         content = self.env.get_template(name).render(

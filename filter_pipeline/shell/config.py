@@ -17,9 +17,7 @@ from pydantic import Field, ValidationError, create_model
 from filter_pipeline.rules.descriptions import one_line
 from filter_pipeline.rules.filtering import Caps, MacroLimits
 from filter_pipeline.rules.schemas import DEFAULT_PER_SITE_CAP
-
-CAPS_ENV = "FILTER_PIPELINE_CAPS"
-
+from filter_pipeline.settings import CAPS_ENV
 
 CAP_MAX = 2**63 - 1  # the walk counts in 64-bit integers
 
