@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlsplit, urlunsplit
 from urllib.request import getproxies, proxy_bypass
 
+from filter_pipeline.judge.config import ENV
 from filter_pipeline.judge.rate import EndpointRefused, RateController, TaskBudget, Unanswered, asked_to_wait
 from filter_pipeline.judge.replies import Choice, Usage, error_message, read_completion, retry_hint
 
@@ -44,10 +45,10 @@ Completion = tuple[list[Choice], Usage]
 GATEWAY_STATUSES = (502, 503, 504)
 # what no retry mends, and what to do about it: the whole client stops (EndpointRefused)
 REFUSALS = {
-    401: "check FILTER_JUDGE_API_KEY",
-    402: "the account behind FILTER_JUDGE_API_KEY has no credit or quota left",
-    403: "check FILTER_JUDGE_API_KEY and its permissions",
-    404: "check FILTER_JUDGE_BASE_URL and FILTER_JUDGE_MODEL",
+    401: f"check {ENV['api_key']}",
+    402: f"the account behind {ENV['api_key']} has no credit or quota left",
+    403: f"check {ENV['api_key']} and its permissions",
+    404: f"check {ENV['base_url']} and {ENV['model']}",
     407: "check the proxy's credentials (HTTPS_PROXY / HTTP_PROXY)",
 }
 _NO_QUOTA = "insufficient_quota"
@@ -311,7 +312,7 @@ class Transport:
         now = time.monotonic()
         if now - self._reported_at[retrying] >= REPORT_EVERY_SECONDS:  # (an end of tasks is told beside retries)
             self._reported_at[retrying] = now
-            budget = f"each task for up to {self.config.task_budget_seconds:g} s, FILTER_JUDGE_TASK_BUDGET"
+            budget = f"each task for up to {self.config.task_budget_seconds:g} s, {ENV['task_budget_seconds']}"
             self.report(
                 f"the judge endpoint {self.public_url}: {problem}" + (f"; retrying ({budget})" if retrying else "")
             )
@@ -326,7 +327,7 @@ class Transport:
         )
 
     def _refused(self, status: int, text: str) -> EndpointRefused:
-        todo = REFUSALS.get(status, "check FILTER_JUDGE_BASE_URL and FILTER_JUDGE_MODEL")
+        todo = REFUSALS.get(status, REFUSALS[404])
         if status == 429:
             todo = REFUSALS[402]
         return EndpointRefused(

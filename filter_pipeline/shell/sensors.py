@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 import dagster as dg
 
 from filter_pipeline import settings
+from filter_pipeline.judge.config import ENV
 from filter_pipeline.judge.resource import JudgeResource
 from filter_pipeline.rules import order
 from filter_pipeline.rules.batch import LEGACY_KEPT_FILE, SUCCESS_FILE, BatchState
@@ -245,7 +246,7 @@ def rejudging_due(
         if differs := another_judge(record.judge, judge):
             other_judge[run_id] = (
                 f"{run_id}: {record.unjudged} unjudged tasks left as they are: the run was {differs} (judge them "
-                f"again with that judge: --judge, FILTER_JUDGE_KIND, FILTER_JUDGE_MODEL, FILTER_JUDGE_PROMPT_VERSION)"
+                f"again with that judge: --judge, {ENV['kind']}, {ENV['model']}, {ENV['prompt_version']})"
             )
             continue
         tries, last = rejudge_tries(instance, run_id)
