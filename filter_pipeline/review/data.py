@@ -45,7 +45,7 @@ from filter_pipeline.rules.schemas import (
     to_pandas,
 )
 from filter_pipeline.storage.failures import failure_path, read_failure
-from filter_pipeline.storage.files import RUNS_DIR, WAREHOUSE_DIR, file_version
+from filter_pipeline.storage.files import RUNS_DIR, WAREHOUSE_DIR, asset_file, file_version, run_folder
 from filter_pipeline.storage.history import committed_paths, read_retired
 from filter_pipeline.storage.publish import commit_path
 from filter_pipeline.storage.runs import unparsed_batch
@@ -107,7 +107,7 @@ class Warehouse:
         self._lock = threading.Lock()
 
     def asset_file(self, asset: str, run_id: str) -> UPath:
-        return self.warehouse / asset / f"{run_id}.parquet"
+        return asset_file(self.warehouse, asset, run_id)
 
     def problem(self) -> str | None:
         """What every page says above its content: a retired.json the stage refuses (`retired_problem`)."""
@@ -134,13 +134,14 @@ class Warehouse:
     def _files(self, run_id: str) -> dict[str, UPath]:
         files = {a: self.asset_file(a, run_id) for a in ASSETS}
         files["commit"] = commit_path(self.warehouse, run_id)
-        files["legacy"] = self.root / RUNS_DIR / run_id / LEGACY_KEPT_FILE
-        files["complete"] = self.root / RUNS_DIR / run_id / SUCCESS_FILE
+        batch = run_folder(self.root, run_id)
+        files["legacy"] = batch / LEGACY_KEPT_FILE
+        files["complete"] = batch / SUCCESS_FILE
         files["retired"] = self.root / RETIRED_FILE
         files["failed"] = failure_path(self.warehouse, run_id)
         # (read until the judge step writes batch_tasks)
-        files[TASKS_FILE] = self.root / RUNS_DIR / run_id / TASKS_FILE
-        files[EXECUTIONS_FILE] = self.root / RUNS_DIR / run_id / EXECUTIONS_FILE
+        files[TASKS_FILE] = batch / TASKS_FILE
+        files[EXECUTIONS_FILE] = batch / EXECUTIONS_FILE
         return files
 
     def _key(self, run_id: str) -> tuple:

@@ -23,7 +23,7 @@ from filter_pipeline.rules.schemas import (
     VERDICT_PARTS,
 )
 from filter_pipeline.settings import materialize_command
-from filter_pipeline.storage.files import RUNS_DIR, file_version, is_local, read_if_present
+from filter_pipeline.storage.files import RUNS_DIR, file_version, is_local, read_if_present, run_folder
 from filter_pipeline.storage.labels import LABELS_FILE
 
 SCREENSHOT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}\.png$")
@@ -65,8 +65,8 @@ def resolves_inside_run(root: UPath, run_id: str, path: UPath) -> bool:
     """Whether `path`, its symlinks resolved, lies inside the run's folder (object storage has no symlinks)."""
     if not is_local(path):
         return True
-    real, run_folder = UPath(path.path).resolve(), (root / RUNS_DIR / run_id).resolve()
-    return run_folder.path in [str(p) for p in real.parents]
+    real, batch = UPath(path.path).resolve(), run_folder(root, run_id).resolve()
+    return batch.path in [str(p) for p in real.parents]
 
 
 def trajectory(root: UPath, run_id: str, dir_: str | None) -> dict:

@@ -28,11 +28,13 @@ from filter_pipeline.settings import DATA_ENV, DEFAULT_DATA, ENDPOINT_ENV, data_
 from filter_pipeline.storage.files import (
     RUNS_DIR,
     WAREHOUSE_DIR,
+    asset_file,
     atomic_write,
     file_version,
     files_in,
     open_root,
     read_parquet_file,
+    run_folder,
     sha256_of,
 )
 
@@ -85,15 +87,14 @@ class DataRoot(dg.ConfigurableResource):
         return self.root / RUNS_DIR
 
     def run_dir(self, run_id: str) -> UPath:
-        return self.runs / run_id
+        return run_folder(self.root, run_id)
 
     @property
     def warehouse(self) -> UPath:
         return self.root / WAREHOUSE_DIR
 
     def asset_file(self, asset: str, run_id: str) -> UPath:
-        """`warehouse/<asset>/<run_id>.parquet`: the same path the IO manager writes."""
-        return self.warehouse / asset / f"{run_id}.parquet"
+        return asset_file(self.warehouse, asset, run_id)
 
     def judge_progress(self, run_id: str) -> UPath:
         """The folder of the run's verdicts the LLM judge saved as they arrived (`driver.ProgressStore`)."""

@@ -19,7 +19,16 @@ from filter_pipeline.rules.verify import (
     unreadable_verdicts,
 )
 from filter_pipeline.settings import materialize_command
-from filter_pipeline.storage.files import RUNS_DIR, WAREHOUSE_DIR, files_in, inputs_changed, is_local, read_parquet_file
+from filter_pipeline.storage.files import (
+    RUNS_DIR,
+    WAREHOUSE_DIR,
+    asset_file,
+    files_in,
+    inputs_changed,
+    is_local,
+    read_parquet_file,
+    run_folder,
+)
 from filter_pipeline.storage.history import kept_files, legacy_kept_files, load_retired, read_commit, verified_bytes
 from filter_pipeline.storage.lease import lease_live
 from filter_pipeline.storage.publish import MANIFEST, incomplete_publishes, relative
@@ -58,7 +67,7 @@ def _kept_rows(
 
 
 def _legacy(data_root: UPath, run_id: str) -> pa.Table:
-    return parse_legacy((data_root / RUNS_DIR / run_id / LEGACY_KEPT_FILE).read_bytes(), run_id)[0]
+    return parse_legacy((run_folder(data_root, run_id) / LEGACY_KEPT_FILE).read_bytes(), run_id)[0]
 
 
 def _kept(data_root: UPath, records: dict[str, CommitRecord], retired, findings: list[Finding]) -> dict[str, pa.Table]:
@@ -119,7 +128,7 @@ def audit(data_root: UPath) -> list[Finding]:
                 f"`{materialize_command()}` moves them",
             ))  # fmt: skip
     for run_id, record in records.items():
-        changed = inputs_changed(data_root / RUNS_DIR / run_id, record.inputs)
+        changed = inputs_changed(run_folder(data_root, run_id), record.inputs)
         if changed:
             findings.append(Finding(
                 "changed",
@@ -155,7 +164,7 @@ def _duplicates(
 def _conservation(data_root: UPath, records: dict[str, CommitRecord]) -> list[Finding]:
     findings = []
     for run_id, record in records.items():
-        path = data_root / WAREHOUSE_DIR / "judge_verdicts" / f"{run_id}.parquet"
+        path = asset_file(data_root / WAREHOUSE_DIR, "judge_verdicts", run_id)
         try:
             with path.open("rb") as f:
                 verdicts = read_parquet_file(f, columns=["status", "passed"])

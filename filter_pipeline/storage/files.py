@@ -18,6 +18,18 @@ from filter_pipeline.rules.descriptions import one_line
 from filter_pipeline.settings import ENDPOINT_ENV
 
 RUNS_DIR, WAREHOUSE_DIR = "runs", "warehouse"  # <data>/runs/<run_id>/: the batches; <data>/warehouse/: outputs
+
+
+def run_folder(root: UPath, run_id: str) -> UPath:
+    """`runs/<run_id>/` of the data root `root`: the run's batch."""
+    return root / RUNS_DIR / run_id
+
+
+def asset_file(warehouse: UPath, asset: str, run_id: str) -> UPath:
+    """`warehouse/<asset>/<run_id>.parquet`: the run's file of the asset (the IO manager writes the same path)."""
+    return warehouse / asset / f"{run_id}.parquet"
+
+
 HASH_CHUNK = 8 << 20  # bytes read at a time where a file is read in pieces (hashing, line offsets)
 # fsspec protocols of a local data root; anything else is object storage (no symlinks, no rename, no flock)
 LOCAL_PROTOCOLS = ("", "file", "local")
