@@ -369,10 +369,15 @@ def rejudge_requests(
 
 
 def plan_ledger(
-    context: dg.SensorEvaluationContext, data: DataRoot, batches: list[BatchState], commits: dict[str, CommitRecord]
+    context: dg.SensorEvaluationContext,
+    data: DataRoot,
+    batches: list[BatchState],
+    commits: dict[str, CommitRecord],
+    retired: set[str],
 ) -> tuple[list[str], list[str], list[str], str, set[str], list[str]]:
-    """plan_tick over what the instance and the warehouse say now, the walk narrowed to one block of
-    registration order: (to register, to judge, to walk, why, busy run_ids, registration order)."""
+    """plan_tick over what the instance and the warehouse say now (`retired`: the runs retired as a whole), the
+    walk narrowed to one block of registration order: (to register, to judge, to walk, why, busy run_ids,
+    registration order)."""
     registration_order = register_legacy_runs(context, data, batches, commits)
     busy = in_flight_partitions(context.instance, registration_order)
     elsewhere = [r for r in registration_order if r in commits and r not in busy]
@@ -382,8 +387,9 @@ def plan_ledger(
     failed_ledger = failed_ledger_runs(context.instance, waiting, commits)
     for r in sorted(failed_ledger):
         context.log.warning(f"ledger run for {r} ended without filtering it; materialize it by hand")
-    failed, retired = failures.read_failures(data.warehouse), load_retired(data.root).runs
-    plan = plan_tick(batches, set(registration_order), busy, failed_ledger, failed, retired)
+    plan = plan_tick(
+        batches, set(registration_order), busy, failed_ledger, failures.read_failures(data.warehouse), retired
+    )
     to_register, to_judge, ready, why = plan
     to_walk = registered_block(ready, registration_order)
     if ready and not to_walk:
@@ -416,14 +422,15 @@ def build_batch_sensor() -> dg.SensorDefinition:
         for b in batches:
             if b.changed:
                 context.log.warning(changed_warning(b.run_id))
-        commits = read_commits(data.warehouse)
-        to_register, to_judge, to_walk, why, busy, registration_order = plan_ledger(context, data, batches, commits)
+        commits, retired = read_commits(data.warehouse), set(load_retired(data.root).runs)
+        plan = plan_ledger(context, data, batches, commits, retired)
+        to_register, to_judge, to_walk, why, busy, registration_order = plan
         requests = [dg.RunRequest(job_name=JUDGE_JOB, partition_key=r, run_key=r) for r in to_judge]
         if to_walk:
             requests.append(ledger_request(to_walk, registration_order))
         # (a changed batch is re-filtered only when named: re-judging would parse its new files)
         changed = {b.run_id for b in batches if b.changed}
-        left_alone = busy | set(to_walk) | set(to_judge) | changed | load_retired(data.root).runs
+        left_alone = busy | set(to_walk) | set(to_judge) | changed | retired
         rejudging, cursor = rejudge_requests(context, commits, left_alone, judge.identity())
         requests += rejudging
         if not to_walk and not busy:
