@@ -4,8 +4,7 @@ import argparse
 import json
 import sys
 
-from filter_pipeline.cli import EXIT_BAD_INPUT, EXIT_FAILED
-from filter_pipeline.settings import DATA_ENV, DEFAULT_DATA
+from filter_pipeline.cli import EXIT_BAD_INPUT, EXIT_FAILED, add_data_argument
 
 PAGE_TEXT_CHARS = 1200  # of the final page text printed (the review page shows it all)
 
@@ -21,7 +20,7 @@ def add_parser(commands) -> None:
     )
     e.add_argument("run_id", metavar="RUN_ID")
     e.add_argument("task_id", metavar="TASK_ID")
-    e.add_argument("--data", default=None, help=f"data root (default: ${DATA_ENV} or '{DEFAULT_DATA}')")
+    add_data_argument(e)
 
 
 def explain(args: argparse.Namespace) -> int:

@@ -8,13 +8,11 @@ import argparse
 import os
 import sys
 
-from filter_pipeline.cli import EXIT_BAD_INPUT, EXIT_FAILED, explain, review
+from filter_pipeline.cli import EXIT_BAD_INPUT, EXIT_FAILED, add_data_argument, explain, review
 from filter_pipeline.rules.descriptions import one_line
 from filter_pipeline.rules.history import HistoryError
 from filter_pipeline.rules.verify import MAX_LINES_PER_KIND
 from filter_pipeline.settings import (
-    DATA_ENV,
-    DEFAULT_DATA,
     DEFAULT_JUDGE,
     JUDGE_KIND_ENV,
     JUDGE_KINDS,
@@ -39,7 +37,7 @@ def _parser() -> argparse.ArgumentParser:
         "in the order the ledger accepts: first walks in run_id order. Exit status 0 only if all succeeded.",
     )
     m.add_argument("run_ids", nargs="*", metavar="RUN_ID", help="run_id folders under <data>/runs/")
-    m.add_argument("--data", default=None, help=f"data root (default: ${DATA_ENV} or '{DEFAULT_DATA}')")
+    add_data_argument(m)
     m.add_argument(
         "--judge",
         choices=JUDGE_KINDS,
@@ -66,7 +64,7 @@ def _parser() -> argparse.ArgumentParser:
         "no publish left half done, no batch changed since it was filtered. Exit 0 when clean, 1 with one line per "
         f"finding (at most {MAX_LINES_PER_KIND} of a kind, then a count), 2 when the data root does not exist or has no runs/.",
     )
-    v.add_argument("--data", default=None, help=f"data root (default: ${DATA_ENV} or '{DEFAULT_DATA}')")
+    add_data_argument(v)
     c = commands.add_parser(
         "calibrate",
         help="score a candidate judge on the labelled attempts, beside the judge in production",
@@ -76,7 +74,7 @@ def _parser() -> argparse.ArgumentParser:
         "beside the judge in production. Verdicts already on file for the candidate are reused (a second run "
         "asks nothing). Never changes kept, surplus, judge_verdicts or the commit records.",
     )
-    c.add_argument("--data", default=None, help=f"data root (default: ${DATA_ENV} or '{DEFAULT_DATA}')")
+    add_data_argument(c)
     c.add_argument("--model", default=None, help="the candidate's model (default: FILTER_JUDGE_MODEL)")
     c.add_argument("--base-url", default=None, help="the candidate's endpoint (default: FILTER_JUDGE_BASE_URL)")
     c.add_argument(

@@ -6,8 +6,7 @@ import os
 import socket
 import sys
 
-from filter_pipeline.cli import EXIT_BAD_INPUT
-from filter_pipeline.settings import DATA_ENV, DEFAULT_DATA
+from filter_pipeline.cli import EXIT_BAD_INPUT, add_data_argument
 
 DEFAULT_HOST = "127.0.0.1"  # loopback: the app has no login, so it is reachable from this machine only unless told
 DEFAULT_PORT = 8765
@@ -20,7 +19,7 @@ def add_parser(commands) -> None:
         description="Serve the review app: runs, each run's tasks with their fate, a task's whole story, the "
         "labelling queue and a JSON API. Read-only except for labels, appended to <data>/labels.jsonl.",
     )
-    r.add_argument("--data", default=None, help=f"data root (default: ${DATA_ENV} or '{DEFAULT_DATA}')")
+    add_data_argument(r)
     r.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default {DEFAULT_HOST}: this machine only)")
     r.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
     r.add_argument(
