@@ -28,10 +28,14 @@ from filter_pipeline.shell.warehouse import DataRoot, encode, read_folder, read_
 from filter_pipeline.storage.labels import read_labels
 
 JUDGE_EVAL_FOLDER = "judge_eval"  # warehouse/judge_eval/<candidate>.parquet
-TASK_COLUMNS = ["run_id", "task_id", "macro", "site", "dedup_key", "start_kind", "instruction"]
-ATTEMPT_COLUMNS = ["run_id", "task_id", "attempt", "dir", "n_actions", "ok", "backend_ok", "backend_detail", "line"]
-VERDICT_COLUMNS = ["run_id", "task_id", "dir", "passed", "status", "model", "prompt_version",
-                   "requests", "prompt_tokens", "completion_tokens", "cost"]  # fmt: skip
+# what the candidate's prompts and its cost beside production's need, beyond what calibration.resolve reads
+CANDIDATE_COLUMNS = {
+    "batch_tasks": [*calibration.RESOLVE_COLUMNS["batch_tasks"], "macro", "dedup_key", "start_kind", "instruction"],
+    "batch_attempts": [*calibration.RESOLVE_COLUMNS["batch_attempts"], "attempt", "n_actions", "backend_ok",
+                       "backend_detail", "line"],
+    "judge_verdicts": [*calibration.RESOLVE_COLUMNS["judge_verdicts"], "requests", "prompt_tokens",
+                       "completion_tokens", "cost"],
+}  # fmt: skip
 
 
 class CalibrateError(Exception):
@@ -63,10 +67,8 @@ def candidate_name(judge: JudgeResource) -> str:
 def labelled_requests(data: DataRoot, labels: pd.DataFrame) -> tuple[pd.DataFrame, tuple]:
     """(one judge request per labelled attempt the candidate can see, with its run_id; the warehouse frames
     calibration.resolve needs: attempts, production verdicts, tasks)."""
-    read = lambda asset, columns, **kw: read_folder(data.warehouse / asset, columns, **kw)  # noqa: E731
-    tasks = read("batch_tasks", TASK_COLUMNS)
-    verdicts = read("judge_verdicts", VERDICT_COLUMNS)
-    attempts = read("batch_attempts", ATTEMPT_COLUMNS)
+    read = lambda asset: read_folder(data.warehouse / asset, CANDIDATE_COLUMNS[asset])  # noqa: E731
+    tasks, verdicts, attempts = read("batch_tasks"), read("judge_verdicts"), read("batch_attempts")
     latest = calibration.latest_labels(labels, attempts, verdicts, tasks)
     latest = latest[latest["dir"].notna()]
     picked = attempts.merge(latest[["dir"]], on="dir", how="inner")
@@ -93,7 +95,9 @@ def judge_candidate(
         spent["requests"] += int(judgement.metadata.get("requests", 0))
         cost = judgement.metadata.get("cost")
         spent["cost"] += cost if isinstance(cost, float) else 0.0
-    verdicts = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=VERDICT_COLUMNS)
+    verdicts = (
+        pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=CANDIDATE_COLUMNS["judge_verdicts"])
+    )
     return conform(verdicts.assign(backend=verdicts.get("backend_detail")), "judge_verdicts"), spent
 
 

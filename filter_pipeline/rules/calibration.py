@@ -104,10 +104,18 @@ def unmatched_labels(labels: pd.DataFrame, attempts: pd.DataFrame, tasks: pd.Dat
     ]
 
 
+# the columns of each warehouse asset that `resolve` reads (the frames it takes may hold more)
+RESOLVE_COLUMNS = {
+    "batch_attempts": ["run_id", "task_id", "dir", "ok"],
+    "judge_verdicts": ["run_id", "task_id", "dir", "passed", "status", "model", "prompt_version"],
+    "batch_tasks": ["run_id", "task_id", "site"],
+}
+
+
 def resolve(labels: pd.DataFrame, attempts: pd.DataFrame, verdicts: pd.DataFrame, tasks: pd.DataFrame) -> pd.DataFrame:
     """Each labelled attempt's latest label with what the gate and the judge said: (site, success, gate, judge,
     model, prompt_version); judge is <NA> where the judge did not see that attempt."""
-    verdicts = verdicts.reindex(columns=["run_id", "task_id", "dir", "passed", "status", "model", "prompt_version"])
+    verdicts = verdicts.reindex(columns=RESOLVE_COLUMNS["judge_verdicts"])
     both = latest_labels(labels, attempts, verdicts, tasks)
     judged = verdicts[verdicts["status"] == STATUS_JUDGED][["dir", "passed", "model", "prompt_version"]]
     both = both.merge(judged, on="dir", how="left").rename(columns={"passed": "judge"})

@@ -440,10 +440,6 @@ def _warn_each(context: dg.AssetExecutionContext, messages: list[str], more: str
 def read_for_calibration(data: DataRoot, labels: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     """(attempts the labels name by dir, every verdict, every task) from the warehouse: what
     calibration.resolve needs."""
-    read = lambda asset, columns, **kw: read_folder(data.warehouse / asset, columns, **kw)  # noqa: E731
+    read = lambda asset, **kw: read_folder(data.warehouse / asset, calibration.RESOLVE_COLUMNS[asset], **kw)  # noqa: E731
     dirs = labels["dir"].dropna().tolist() or [""]
-    return (
-        read("batch_attempts", ["run_id", "task_id", "dir", "ok"], filters=[("dir", "in", dirs)]),
-        read("judge_verdicts", ["run_id", "task_id", "dir", "passed", "status", "model", "prompt_version"]),
-        read("batch_tasks", ["run_id", "task_id", "site"]),
-    )
+    return read("batch_attempts", filters=[("dir", "in", dirs)]), read("judge_verdicts"), read("batch_tasks")
