@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlsplit, urlunsplit
 from urllib.request import getproxies, proxy_bypass
 
-from filter_pipeline.judge.config import ENV
 from filter_pipeline.judge.rate import EndpointRefused, RateController, TaskBudget, Unanswered, asked_to_wait
 from filter_pipeline.judge.replies import Choice, Usage, error_message, read_completion, retry_hint
 
@@ -43,15 +42,23 @@ _UNKNOWN_MODEL = re.compile(
 Completion = tuple[list[Choice], Usage]
 # a gateway's or an overloaded server's answer, whatever the body asked: never a rejection of the body itself
 GATEWAY_STATUSES = (502, 503, 504)
-# what no retry mends, and what to do about it: the whole client stops (EndpointRefused)
+# what no retry mends, and what to do about it (the judge's settings by field: `_hint` names their variables):
+# the whole client stops (EndpointRefused)
 REFUSALS = {
-    401: f"check {ENV['api_key']}",
-    402: f"the account behind {ENV['api_key']} has no credit or quota left",
-    403: f"check {ENV['api_key']} and its permissions",
-    404: f"check {ENV['base_url']} and {ENV['model']}",
+    401: "check {api_key}",
+    402: "the account behind {api_key} has no credit or quota left",
+    403: "check {api_key} and its permissions",
+    404: "check {base_url} and {model}",
     407: "check the proxy's credentials (HTTPS_PROXY / HTTP_PROXY)",
 }
 _NO_QUOTA = "insufficient_quota"
+
+
+def _hint(template: str) -> str:
+    """`template` with each `{field}` of the judge's settings replaced by its environment variable."""
+    from filter_pipeline.judge.config import ENV  # (here: the client loads without Dagster, which config needs)
+
+    return template.format(**ENV)
 
 
 class JudgeSetupError(ValueError):
@@ -312,7 +319,7 @@ class Transport:
         now = time.monotonic()
         if now - self._reported_at[retrying] >= REPORT_EVERY_SECONDS:  # (an end of tasks is told beside retries)
             self._reported_at[retrying] = now
-            budget = f"each task for up to {self.config.task_budget_seconds:g} s, {ENV['task_budget_seconds']}"
+            budget = _hint(f"each task for up to {self.config.task_budget_seconds:g} s, {{task_budget_seconds}}")
             self.report(
                 f"the judge endpoint {self.public_url}: {problem}" + (f"; retrying ({budget})" if retrying else "")
             )
@@ -327,9 +334,7 @@ class Transport:
         )
 
     def _refused(self, status: int, text: str) -> EndpointRefused:
-        todo = REFUSALS.get(status, REFUSALS[404])
-        if status == 429:
-            todo = REFUSALS[402]
+        todo = _hint(REFUSALS[402 if status == 429 else status if status in REFUSALS else 404])
         return EndpointRefused(
             f"the judge endpoint {self.public_url} refused the request for model {self.config.model!r}: "
             f"HTTP {status}: {self.server_text(text)} ({todo})"

@@ -244,7 +244,10 @@ def _failures_metadata(failures: pd.DataFrame) -> dict:
 def _parse(context: dg.AssetExecutionContext, data: DataRoot, run_id: str):
     why = not_complete(data.run_dir(run_id))  # (the UI launches any registered partition)
     if why is not None:
-        raise dg.Failure(description=f"runs/{run_id} {why}; nothing is read until it is complete", allow_retries=False)
+        hint = (
+            "; nothing is read until it is there" if data.run_dir(run_id).exists() else " (its partition outlived it?)"
+        )
+        raise dg.Failure(description=f"runs/{run_id} {why}{hint}", allow_retries=False)
     try:
         batch = read_batch(data.run_dir(run_id), run_id)
     except BatchError as exc:

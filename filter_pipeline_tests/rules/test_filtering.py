@@ -355,4 +355,7 @@ def test_limits_are_looked_up_per_row_by_macro():
     caps = Caps(5, {"m": MacroLimits(site_cap=2, target=7)})
     assert caps.site_caps(pd.Series(["x", "m", "x"])).tolist() == [5, 2, 5]
     assert caps.targets(pd.Series(["x", "m"])).tolist() == [pd.NA, 7]
+    # a row without a macro has the per-site cap and no target, not another macro's
+    assert caps.site_caps(pd.Series(["m", None], dtype="str")).tolist() == [2, 5]
+    assert caps.targets(pd.Series(["m", None], dtype="str")).tolist() == [7, pd.NA]
     assert caps.targeted() == ["m"]

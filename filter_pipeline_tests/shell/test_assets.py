@@ -177,10 +177,11 @@ def test_a_batch_still_being_written_is_not_filtered_when_launched_by_hand(insta
     write_batch(data_root, "r1", [task("a")], [attempt("a")], complete=False)  # no _SUCCESS yet
     result = materialize(instance, data_root, "r1")
     step, cls, message = step_failure(result)
-    assert (step, cls) == ("judge_batch", "Failure") and "runs/r1 has no _SUCCESS: still being written" in message
+    assert (step, cls) == ("judge_batch", "Failure")
+    assert "Failure: runs/r1 has no _SUCCESS: still being written (the harness writes it last); nothing is" in message
     assert not (data_root / "warehouse" / "_commits").exists() and not (data_root / "warehouse" / "_failed").exists()
     result = materialize(instance, data_root, "gone")  # registered, its folder removed since
-    assert "runs/gone does not exist" in step_failure(result)[2]
+    assert "Failure: runs/gone does not exist (its partition outlived it?)" in step_failure(result)[2]
 
 
 def test_coverage_counts_every_non_retired_run(instance, data_root):
