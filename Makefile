@@ -51,8 +51,9 @@ test: setup
 	if [ $$status -eq 5 ]; then echo "pytest collected no tests"; exit 0; fi; exit $$status
 
 # The quick loop: the tests that start no server or process, over FAST_WORKERS processes (pytest-xdist).
-# One more process than a 2-core machine has cores: much of a Dagster test's time is spent waiting for the
-# instance's SQLite writes to reach the disk, and a third process runs meanwhile.
+# One more process than a 2-core machine has cores: many tests spend part of their time waiting (a judge test
+# on its loopback endpoint's back-off, a test on an instance in a folder on its disk writes), and a third
+# process runs meanwhile.
 FAST_WORKERS ?= 3
 FAST_TESTS = -q -p no:cacheprovider -m "not slow" -n $(FAST_WORKERS)
 

@@ -26,10 +26,12 @@ def dagster_home(tmp_path) -> Path:
 
 @pytest.fixture
 def instance():
-    """A Dagster instance of its own for the test (in a temp folder, removed after)."""
+    """A Dagster instance of its own for the test, in memory: Dagster's own SQL storage on an in-memory SQLite
+    database, without the disk writes that make most of a Dagster test's time on an instance in a folder. The
+    tests of what lives on disk (the CLI's runs, `dagster dev`, the deployment, pools) make theirs in a folder."""
     import dagster as dg
 
-    with dg.instance_for_test() as instance:
+    with dg.DagsterInstance.ephemeral() as instance:
         yield instance
 
 

@@ -40,7 +40,7 @@ def fingerprint(warehouse) -> dict[str, str]:
 def labelled(data_root):
     """A filtered batch judged by the production model (it passes everything) and labels of some attempts."""
     sample_batch(data_root)
-    with dg.instance_for_test() as instance, FakeOpenAI() as production:
+    with dg.DagsterInstance.ephemeral() as instance, FakeOpenAI() as production:
         Pipeline(data_root, instance).run(llm(production, price_per_million_prompt_tokens=1.0))
     (data_root / "labels.jsonl").write_text("".join(json.dumps(label) + "\n" for label in LABELS))
     return data_root
@@ -124,7 +124,7 @@ def test_a_calibration_on_fewer_labels_keeps_the_other_verdicts_on_file_and_pays
 
 def test_verdicts_are_priced_once_where_two_runs_name_the_same_dirs(labelled, monkeypatch, capsys):
     shutil.copytree(labelled / "runs" / "r1", labelled / "runs" / "r1-copy")  # (cp -r: the dirs still say runs/r/)
-    with dg.instance_for_test() as instance, FakeOpenAI() as production:
+    with dg.DagsterInstance.ephemeral() as instance, FakeOpenAI() as production:
         Pipeline(labelled, instance).run(llm(production, price_per_million_prompt_tokens=1.0), run_id="r1-copy")
     monkeypatch.setenv("FILTER_JUDGE_MODEL", "judge-test")
     with FakeOpenAI(candidate) as server:
@@ -139,7 +139,7 @@ def test_verdicts_are_priced_once_where_two_runs_name_the_same_dirs(labelled, mo
 def test_each_production_judge_is_priced_on_its_own_verdicts(labelled, monkeypatch, capsys):
     tasks = [task("g"), task("h", site="s2")]
     write_batch(labelled, "r2", tasks, [attempt(t["task_id"], dir=f"runs/r2/traj/{t['task_id']}/1") for t in tasks])
-    with dg.instance_for_test() as instance:
+    with dg.DagsterInstance.ephemeral() as instance:
         Pipeline(labelled, instance).run(JudgeResource(kind="gate"), run_id="r2")
     with open(labelled / "labels.jsonl", "a") as f:
         f.write(json.dumps({"dir": "runs/r2/traj/g/1", "success": True}) + "\n")

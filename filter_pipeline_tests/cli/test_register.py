@@ -29,19 +29,19 @@ def registered(instance) -> list[str]:
 
 
 def test_a_batch_of_keys_refused_for_one_registered_meanwhile_is_registered_still():
-    with dg.instance_for_test() as instance:
+    with dg.DagsterInstance.ephemeral() as instance:
         _register(AnotherLauncherWins(instance, ["b1"]), ["b1", "b2"])
         assert registered(instance) == ["b1", "b2"]
 
 
 def test_losing_several_races_in_a_row_still_registers_every_key():
-    with dg.instance_for_test() as instance:
+    with dg.DagsterInstance.ephemeral() as instance:
         _register(AnotherLauncherWins(instance, ["b1"], ["b2"]), ["b1", "b2", "b3"])
         assert registered(instance) == ["b1", "b2", "b3"]
 
 
 def test_an_insert_that_keeps_failing_fails_after_the_last_try():
-    with dg.instance_for_test() as instance:
+    with dg.DagsterInstance.ephemeral() as instance:
         endless = AnotherLauncherWins(instance, *[[f"x{i}"] for i in range(REGISTER_TRIES)])
         with pytest.raises(RuntimeError, match="UNIQUE"):
             _register(endless, ["b1"])

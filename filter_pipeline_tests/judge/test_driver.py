@@ -301,7 +301,7 @@ class Judging(Pipeline):
 
 @pytest.fixture
 def pipeline(data_root):
-    with dg.instance_for_test() as instance:
+    with dg.DagsterInstance.ephemeral() as instance:
         yield Judging(data_root, instance)
 
 

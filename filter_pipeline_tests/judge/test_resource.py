@@ -53,7 +53,7 @@ def sample_batch(data_root: Path, run_id: str = "r1") -> None:
 
 @pytest.fixture
 def pipeline(data_root):
-    with dg.instance_for_test() as instance:
+    with dg.DagsterInstance.ephemeral() as instance:
         yield Pipeline(data_root, instance)
 
 
@@ -72,7 +72,7 @@ def test_llm_verdicts_flow_through_the_same_rules_as_the_gate_even_under_faults(
     for name, faults in (("clean", False), ("faulty", True)):
         root = tmp_path / name
         sample_batch(root)
-        with dg.instance_for_test() as instance, FakeOpenAI(model_that_fails("c", faults=faults)) as server:
+        with dg.DagsterInstance.ephemeral() as instance, FakeOpenAI(model_that_fails("c", faults=faults)) as server:
             Pipeline(root, instance).run(llm(server))
             assert len(server.calls) == (10 if faults else 4)  # one request per task, plus the six faults
             outputs[name] = {a: rows(Pipeline(root, instance).output(a), *cols) for a, cols in CONTRACT.items()}
@@ -266,7 +266,7 @@ def test_on_s3_the_llm_judge_reads_each_attempts_trajectory_from_the_bucket(s3_b
     }
     (root / "runs/r1/traj/a/1/trajectory.json").write_text(json.dumps(trajectory))  # b has none: its record's steps
 
-    with dg.instance_for_test() as instance, FakeOpenAI(model_that_fails("b")) as server:
+    with dg.DagsterInstance.ephemeral() as instance, FakeOpenAI(model_that_fails("b")) as server:
         Pipeline(str(root), instance).run(llm(server, votes=1))
         prompts = {("a" if "do a" in c.prompt else "b"): c.prompt for c in server.calls}
     assert "Order 77 placed" in prompts["a"] and "blue shoes" in prompts["a"]

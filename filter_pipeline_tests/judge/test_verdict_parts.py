@@ -112,7 +112,7 @@ def test_parse_reply_reads_parts_from_the_verdict_object_only():
 
 @pytest.fixture
 def pipeline(data_root):
-    with dg.instance_for_test() as instance:
+    with dg.DagsterInstance.ephemeral() as instance:
         yield Pipeline(data_root, instance)
 
 

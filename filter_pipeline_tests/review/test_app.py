@@ -464,7 +464,7 @@ def filtered_batch(root, task_ids: list[str]) -> None:
     from filter_pipeline_tests.builders import Pipeline, attempt, task, write_batch
 
     write_batch(root, "r1", [task(t) for t in task_ids], [attempt(t) for t in task_ids])
-    with dg.instance_for_test() as instance:
+    with dg.DagsterInstance.ephemeral() as instance:
         Pipeline(root, instance).run(JudgeResource())
 
 

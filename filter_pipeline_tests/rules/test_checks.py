@@ -83,7 +83,7 @@ def test_caps_respected_counts_history():
 
 def test_every_materialization_runs_the_checks(data_root):
     write_batch(data_root, "r1", [task("a"), task("b")], [attempt("a"), attempt("b", ok=False, error="x")])
-    with dg.instance_for_test() as instance:
+    with dg.DagsterInstance.ephemeral() as instance:
         instance.add_dynamic_partitions("run_id", ["r1"])
         job = build_defs(str(data_root), JudgeResource(), caps={}).resolve_job_def("filter_job")
         result = job.execute_in_process(instance=instance, partition_key="r1")

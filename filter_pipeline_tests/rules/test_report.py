@@ -17,7 +17,7 @@ def sample_run(data_root) -> dg.ExecuteInProcessResult:
         attempt("d", 1, ok=False, error="backend check failed: y"), attempt("d", 2, ok=False, error="z"),
     ]  # fmt: skip
     write_batch(data_root, "r1", tasks, attempts)
-    with dg.instance_for_test() as instance:
+    with dg.DagsterInstance.ephemeral() as instance:
         instance.add_dynamic_partitions("run_id", ["r1"])
         job = build_defs(str(data_root), JudgeResource(), caps={}).resolve_job_def("filter_job")
         return job.execute_in_process(instance=instance, partition_key="r1")
@@ -49,7 +49,7 @@ def test_report_figures_match_a_hand_count(data_root):
 def test_the_report_says_which_caps_the_walk_used_and_where_they_came_from(data_root):
     write_batch(data_root, "r1", [task("a", macro="buy"), task("b", macro="buy")], [attempt("a"), attempt("b")])
     caps = {"per_site_cap": 5, "caps": {"buy": {"site_cap": 1, "target": 9}, "search": {"target": 4}}}
-    with dg.instance_for_test() as instance:
+    with dg.DagsterInstance.ephemeral() as instance:
         instance.add_dynamic_partitions("run_id", ["r1"])
         job = build_defs(str(data_root), JudgeResource(), caps={}).resolve_job_def("filter_job")
         run_config = {"ops": {"ledger": {"config": caps}}}

@@ -88,7 +88,7 @@ def test_a_run_another_launcher_committed_while_this_one_judged_it_keeps_the_com
 
     def judged_while_another_launcher_commits(self, requests, *args, **kwargs):
         monkeypatch.setattr(JudgeResource, "judge", real)  # (the other launcher judges as usual)
-        with dg.instance_for_test() as laptop:  # (another Dagster instance on the same warehouse)
+        with dg.DagsterInstance.ephemeral() as laptop:  # (another Dagster instance on the same warehouse)
             assert materialize(laptop, data_root, "r1").success
         for asset in ("judge_verdicts", "failure_pool", "kept"):
             committed[asset] = pq.read_table(data_root / "warehouse" / asset / "r1.parquet").to_pylist()
@@ -97,7 +97,7 @@ def test_a_run_another_launcher_committed_while_this_one_judged_it_keeps_the_com
         return judgement
 
     monkeypatch.setattr(JudgeResource, "judge", judged_while_another_launcher_commits)
-    with dg.instance_for_test() as deployment:
+    with dg.DagsterInstance.ephemeral() as deployment:
         result = materialize(deployment, data_root, "r1")
     assert result.success and len(committed["kept"]) == 3
     for asset in ("judge_verdicts", "failure_pool", "kept"):  # (written over, kept rows would be judge failures)

@@ -64,7 +64,7 @@ def kept_materializations(instance, run_id: str) -> list:
 
 def test_a_run_another_instance_committed_is_recorded_as_materialized_once_from_its_commit(instance, data_root):
     write_batch(data_root, "r1", [task("a"), task("b", key=["s", "#b", 2])], [attempt("a"), attempt("b")])
-    with dg.instance_for_test() as deployment:  # (the CLI's instance, say, on the same warehouse)
+    with dg.DagsterInstance.ephemeral() as deployment:  # (the CLI's instance, say, on the same warehouse)
         Pipeline(data_root, deployment).run(JudgeResource(), "r1")
         sensor_context_there = sensor_context(deployment, data_root)
         build_batch_sensor()(sensor_context_there)
@@ -94,7 +94,7 @@ def test_a_committed_run_whose_last_attempt_here_failed_is_left_failed(instance,
         raise RuntimeError("a walk that failed on this instance")
 
     write_batch(data_root, "r1", [task("a")], [attempt("a")])
-    with dg.instance_for_test() as elsewhere:
+    with dg.DagsterInstance.ephemeral() as elsewhere:
         Pipeline(data_root, elsewhere).run(JudgeResource(), "r1")  # committed by another instance
     instance.add_dynamic_partitions("run_id", ["r1"])
     assert not dg.materialize([failing_kept], instance=instance, partition_key="r1", raise_on_error=False).success

@@ -25,12 +25,6 @@ LEDGER_ASSETS = ["prior_dedup_index", "prior_kept_counts", "kept", "surplus", "d
 
 
 @pytest.fixture
-def instance():
-    with dg.instance_for_test(overrides={"concurrency": {"pools": {"default_limit": 1}}}) as instance:
-        yield instance
-
-
-@pytest.fixture
 def quick_retries(monkeypatch):
     monkeypatch.setenv(ORDER_RETRY_SECONDS_ENV, "1")
     monkeypatch.setenv(ORDER_MAX_WAIT_SECONDS_ENV, "120")
