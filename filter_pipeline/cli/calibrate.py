@@ -11,18 +11,18 @@ import argparse
 import logging
 import os
 import re
-import sys
 
 import pandas as pd
 
-from filter_pipeline.cli import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_UNJUDGED
+from filter_pipeline.cli import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_UNJUDGED, complain
 from filter_pipeline.cli.data_root import existing_root
 from filter_pipeline.judge.client import EndpointRefused, JudgeSetupError, ssl_context
 from filter_pipeline.judge.config import env_name
 from filter_pipeline.judge.driver import RecordSteps
 from filter_pipeline.judge.resource import ENV, JudgeResource, judge_from_env
 from filter_pipeline.rules import calibration
-from filter_pipeline.rules.schemas import STATUS_ERROR, STATUS_JUDGED, conform
+from filter_pipeline.rules.filtering import unjudged_count
+from filter_pipeline.rules.schemas import STATUS_JUDGED, conform
 from filter_pipeline.settings import JUDGE_LLM
 from filter_pipeline.shell.warehouse import DataRoot, encode, read_folder, read_parquet, write_bytes
 from filter_pipeline.storage.labels import read_labels
@@ -170,7 +170,7 @@ def calibrate(args: argparse.Namespace) -> int:
     judge = candidate_judge(args)
     labels, rejects = calibration.parse_labels(raw)
     for message in rejects[: calibration.MAX_REJECTS_SHOWN]:
-        print(f"filter-pipeline: warning: {message}", file=sys.stderr)
+        complain(message, warning=True)
     if labels.empty:
         refused = f" ({len(rejects)} line(s) refused, above)" if rejects else ""
         raise CalibrateError(f"{data.path}: {calibration.LABELS_FILE} holds no label{refused}: label some attempts")
@@ -182,18 +182,19 @@ def calibrate(args: argparse.Namespace) -> int:
     try:
         verdicts, spent = judge_candidate(judge, data, requests, previous)
     except EndpointRefused as exc:
-        print(f"filter-pipeline: {exc}", file=sys.stderr)
+        complain(str(exc))
         return EXIT_FAILED
     write_bytes(encode(on_file(previous, verdicts), "judge_verdicts")[1], file)
     paid = f", cost {spent['cost']:.4f}" if spent["priced"] else ""
     print(f"asked {spent['requests']} requests now{paid}; verdicts in {file}", flush=True)
     for line in side_by_side(labels, frames, verdicts, name):
         print(line, flush=True)
-    unjudged = int((verdicts["status"] == STATUS_ERROR).sum())
+    unjudged = unjudged_count(verdicts)
     if unjudged:
-        print(f"filter-pipeline: the candidate left {unjudged} of {len(verdicts)} labelled attempts unjudged (the "
-              "endpoint did not answer in time); run calibrate again to ask for those alone",
-              file=sys.stderr)  # fmt: skip
+        complain(
+            f"the candidate left {unjudged} of {len(verdicts)} labelled attempts unjudged (the endpoint did "
+            "not answer in time); run calibrate again to ask for those alone"
+        )
         return EXIT_UNJUDGED
     return 0
 
@@ -205,5 +206,5 @@ def run(args: argparse.Namespace) -> int:
     except (CalibrateError, JudgeSetupError, ValueError) as exc:
         from filter_pipeline.cli.main import error_message
 
-        print(f"filter-pipeline: {error_message(exc)}", file=sys.stderr)
+        complain(error_message(exc))
         return EXIT_BAD_INPUT

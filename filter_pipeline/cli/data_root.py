@@ -2,10 +2,10 @@
 every command: it exists and holds runs/."""
 
 import os
-import sys
 
 from upath import UPath
 
+from filter_pipeline.cli import complain
 from filter_pipeline.settings import DATA_ENV, ENDPOINT_ENV, data_path
 from filter_pipeline.storage.files import RUNS_DIR, error_line, open_root
 
@@ -41,9 +41,9 @@ def existing_root(data: str | None) -> UPath | None:
     try:
         root = open_root(data_path(data), os.environ.get(ENDPOINT_ENV) or None)
     except ValueError as exc:
-        print(f"filter-pipeline: {exc}", file=sys.stderr)
+        complain(str(exc))
         return None
     if problem := root_problem(root, data):
-        print(f"filter-pipeline: {problem}", file=sys.stderr)
+        complain(problem)
         return None
     return root

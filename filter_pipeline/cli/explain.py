@@ -2,9 +2,8 @@
 
 import argparse
 import json
-import sys
 
-from filter_pipeline.cli import EXIT_BAD_INPUT, EXIT_FAILED, add_data_argument
+from filter_pipeline.cli import EXIT_BAD_INPUT, EXIT_FAILED, add_data_argument, complain
 
 PAGE_TEXT_CHARS = 1200  # of the final page text printed (the review page shows it all)
 
@@ -33,11 +32,11 @@ def explain(args: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
     warehouse = Warehouse(root)
     if problem := warehouse.problem():
-        print(f"filter-pipeline: warning: {problem}", file=sys.stderr)
+        complain(problem, warning=True)
     try:
         found = story(warehouse, args.run_id, args.task_id, Labels(root).frame())
     except (ReviewError, UnreadableFile) as exc:
-        print(f"filter-pipeline: {exc}", file=sys.stderr)
+        complain(str(exc))
         return EXIT_FAILED
     print("\n".join(story_lines(found)))
     return 0

@@ -8,11 +8,12 @@ import argparse
 import os
 import sys
 
-from filter_pipeline.cli import EXIT_BAD_INPUT, EXIT_FAILED, add_data_argument, explain, review
+from filter_pipeline.cli import EXIT_BAD_INPUT, EXIT_FAILED, add_data_argument, complain, explain, review
 from filter_pipeline.rules.descriptions import one_line
 from filter_pipeline.rules.history import HistoryError
 from filter_pipeline.rules.verify import MAX_LINES_PER_KIND
 from filter_pipeline.settings import (
+    CLI,
     DEFAULT_JUDGE,
     JUDGE_KIND_ENV,
     JUDGE_KINDS,
@@ -28,7 +29,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="filter-pipeline", description=__doc__)
+    parser = _Parser(prog=CLI, description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     m = commands.add_parser(
         "materialize",
@@ -148,12 +149,12 @@ def _materialize(args: argparse.Namespace, signals) -> int:
         # from the environment as it is imported
         from filter_pipeline.cli.materialize import CliError, materialize
     except ValueError as exc:  # (each names the setting it is about)
-        print(f"filter-pipeline: {error_message(exc)}", file=sys.stderr)
+        complain(error_message(exc))
         return EXIT_BAD_INPUT
     try:
         return materialize(args, signals)
     except (CliError, ValueError, HistoryError) as exc:
-        print(f"filter-pipeline: {error_message(exc)}", file=sys.stderr)
+        complain(error_message(exc))
         return EXIT_BAD_INPUT
 
 

@@ -12,7 +12,7 @@ import sys
 
 import dagster as dg
 
-from filter_pipeline.cli import EXIT_FAILED, EXIT_UNJUDGED
+from filter_pipeline.cli import EXIT_FAILED, EXIT_UNJUDGED, complain
 from filter_pipeline.cli.console import one_line_console
 from filter_pipeline.cli.data_root import root_problem
 from filter_pipeline.cli.interrupts import Interrupted, Signals, saved_line, was_interrupted
@@ -22,7 +22,8 @@ from filter_pipeline.judge.resource import ENV, JudgeResource, judge_from_env
 from filter_pipeline.rules import calibration as calibration_rules
 from filter_pipeline.rules import order
 from filter_pipeline.rules.batch import check_run_id
-from filter_pipeline.rules.schemas import DROPPED_REASONS, FAILURE_REASONS, STATUS_ERROR
+from filter_pipeline.rules.filtering import unjudged_count
+from filter_pipeline.rules.schemas import DROPPED_REASONS, FAILURE_REASONS
 from filter_pipeline.settings import JUDGE_LLM, REJUDGE_MAX_TRIES_ENV, materialize_command
 from filter_pipeline.shell.assets import run_id_partitions
 from filter_pipeline.shell.config import caps_from_env, load_caps_file, parse_caps
@@ -98,7 +99,7 @@ def _runs_to_materialize(data: DataRoot, requested: list[str], refused: list[str
     batches = complete_batches(data.runs, data.warehouse, log=None, refused=None if requested else refused)
     for b in batches:
         if b.changed and b.run_id not in requested:
-            print(f"filter-pipeline: warning: {changed_warning(b.run_id)}", file=sys.stderr)
+            complain(changed_warning(b.run_id), warning=True)
             changed.add(b.run_id)
     if not requested:
         return [b.run_id for b in batches if not b.filtered]
@@ -151,7 +152,7 @@ def summarize(data: DataRoot, run_id: str) -> str:
         return int(values.sum()), f" ({detail})" if detail else ""
 
     verdicts = read_parquet(data.asset_file("judge_verdicts", run_id), columns=["status"])
-    unjudged = int((verdicts["status"] == STATUS_ERROR).sum())
+    unjudged = unjudged_count(verdicts)
     n_kept = len(read_parquet(data.asset_file("kept", run_id), columns=["task_id"]))
     n_surplus, surplus_detail = counts("surplus", "dropped", DROPPED_REASONS)
     n_fail, fail_detail = counts("failure_pool", "reason", FAILURE_REASONS)
@@ -243,7 +244,7 @@ def _rejudging(instance, data: DataRoot, changed: set[str], judge: JudgeResource
     left_alone = changed | load_retired(data.root).runs
     due, other_judge = rejudging_due(instance, read_commits(data.warehouse), left_alone, judge.identity(), wait=False)
     for line in other_judge.values():
-        print(f"filter-pipeline: {line}", file=sys.stderr, flush=True)
+        complain(line)
     return {r.run_id: r for r in due}, set(other_judge)
 
 
@@ -377,7 +378,7 @@ def _complete_publishes(data: DataRoot) -> None:
     if not (data.warehouse / STAGING_DIR).exists():
         return  # (no walk staged anything that was left: nothing to take the lease for)
     try:
-        with ledger_lease(data.root, "filter-pipeline materialize (completing published walks)"):
+        with ledger_lease(data.root, f"{materialize_command()} (completing published walks)"):
             complete_published(data.root, lambda line: print(line, file=sys.stderr, flush=True))
     except LedgerBusy:
         pass
@@ -387,7 +388,7 @@ def _complete_publishes(data: DataRoot) -> None:
 
 def _unjudged(data: DataRoot, run_id: str) -> int:
     verdicts = read_parquet(data.asset_file("judge_verdicts", run_id), columns=["status"])
-    return int((verdicts["status"] == STATUS_ERROR).sum())
+    return unjudged_count(verdicts)
 
 
 REGISTER_TRIES = 5

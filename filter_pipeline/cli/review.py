@@ -4,9 +4,8 @@ import argparse
 import errno
 import os
 import socket
-import sys
 
-from filter_pipeline.cli import EXIT_BAD_INPUT, add_data_argument
+from filter_pipeline.cli import EXIT_BAD_INPUT, add_data_argument, complain
 
 DEFAULT_HOST = "127.0.0.1"  # loopback: the app has no login, so it is reachable from this machine only unless told
 DEFAULT_PORT = 8765
@@ -42,17 +41,19 @@ def review(args: argparse.Namespace) -> int:
     if root is None:
         return EXIT_BAD_INPUT
     if not 0 < args.port < 65536:
-        print(f"filter-pipeline: --port {args.port}: expected 1 to 65535", file=sys.stderr)
+        complain(f"--port {args.port}: expected 1 to 65535")
         return EXIT_BAD_INPUT
     try:  # (listening first: a port in use is one line, before any run is read)
         listening = _listen(args.host, args.port)
     except OSError as exc:
-        print(f"filter-pipeline: {_cannot_listen(args.host, args.port, exc)}", file=sys.stderr)
+        complain(_cannot_listen(args.host, args.port, exc))
         return EXIT_BAD_INPUT
     print(f"review app for {root}: {app_url(args.host, args.port)} (Ctrl-C to stop)", flush=True)
     if args.host not in LOOPBACK:
-        print(f"filter-pipeline: the review app has no login: anyone who reaches {args.host}:{args.port} can read "
-              "the trajectories and write labels", file=sys.stderr, flush=True)  # fmt: skip
+        complain(
+            f"the review app has no login: anyone who reaches {args.host}:{args.port} can read the "
+            "trajectories and write labels"
+        )
     app = create_app(root, host=args.host, allowed_hosts=tuple(args.allowed_host))
     app.state.review.warehouse.warm_in_background()  # the newest runs' pages answer at once
     uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[listening])

@@ -19,13 +19,13 @@ from upath import UPath
 from filter_pipeline.judge import driver
 from filter_pipeline.judge.client import JudgeClient
 from filter_pipeline.judge.config import ENV, LLMJudgeConfig, config_from_env
+from filter_pipeline.rules.filtering import unjudged_count
 from filter_pipeline.rules.report import agreement_markdown
 from filter_pipeline.rules.schemas import (
     EVIDENCE_TRAJECTORY,
     GATE_VOTES,
     GATE_WHY,
     SPEND_COUNTS,
-    STATUS_ERROR,
     STATUS_JUDGED,
     evidence_kind,
     evidence_problem,
@@ -205,7 +205,7 @@ def _llm_metadata(verdicts: pd.DataFrame, stats: driver.DriveStats, config: LLMJ
         "progress_parts_saved": stats.parts_saved,
         "latency_p50_ms": float(np.percentile(latencies, 50)) if len(latencies) else 0.0,
         "latency_p95_ms": float(np.percentile(latencies, 95)) if len(latencies) else 0.0,
-        "unjudged": int((verdicts["status"] == STATUS_ERROR).sum()),
+        "unjudged": unjudged_count(verdicts),
         "pass_rate": float((judged["passed"] == True).mean()) if len(judged) else 0.0,  # noqa: E712
         "evidence_missing": missing,
         "agreement_with_gate": dg.MetadataValue.md(agreement_markdown(verdicts)),

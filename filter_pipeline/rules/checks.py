@@ -12,7 +12,7 @@ import pyarrow as pa
 
 from filter_pipeline.rules import filtering
 from filter_pipeline.rules.batch import EXECUTIONS_FILE
-from filter_pipeline.rules.schemas import STAGE_EXECUTE, STATUS_ERROR, STATUS_JUDGED, isin
+from filter_pipeline.rules.schemas import STAGE_EXECUTE, STATUS_JUDGED, isin
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ def verdicts_conserved(verdicts: pd.DataFrame, kept: pd.DataFrame, surplus: pd.D
     """Every verdict is exactly one of kept, surplus, judge failure, or unjudged."""
     judged = verdicts["status"] == STATUS_JUDGED
     failed = int((judged & (verdicts["passed"] == False)).sum())  # noqa: E712
-    unjudged = int((verdicts["status"] == STATUS_ERROR).sum())
+    unjudged = filtering.unjudged_count(verdicts)
     places, walked = codes(
         pd.concat([kept["task_id"], surplus["task_id"]], ignore_index=True),
         verdicts.loc[judged & (verdicts["passed"] == True), "task_id"],  # noqa: E712

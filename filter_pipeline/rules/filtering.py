@@ -25,6 +25,7 @@ from filter_pipeline.rules.schemas import (
     SCHEMAS,
     STAGE_EXECUTE,
     STAGE_JUDGE,
+    STATUS_ERROR,
     STATUS_JUDGED,
     STR,
     conform,
@@ -126,6 +127,12 @@ def judge_failures(verdicts: pd.DataFrame) -> pd.DataFrame:
         failed.assign(stage=STAGE_JUDGE, reason=REASON_JUDGE_FAIL, detail=_judge_detail(failed), backend_ok=None),
         "failure_pool",
     )
+
+
+def unjudged_count(verdicts: pd.DataFrame) -> int:
+    """How many verdicts are unjudged (status error): neither kept nor failures, asked again by a later
+    materialization."""
+    return int((verdicts["status"] == STATUS_ERROR).sum())
 
 
 def _judge_detail(failed: pd.DataFrame) -> list:

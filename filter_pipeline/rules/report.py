@@ -12,13 +12,12 @@ import pandas as pd
 import pygal
 from pygal.style import Style
 
-from filter_pipeline.rules.filtering import Caps
+from filter_pipeline.rules.filtering import Caps, unjudged_count
 from filter_pipeline.rules.schemas import (
     DROPPED_REASONS,
     EVIDENCE_TRAJECTORY,
     FAILURE_REASONS,
     SPEND_COUNTS,
-    STATUS_ERROR,
     STATUS_JUDGED,
 )
 
@@ -105,7 +104,7 @@ def judge_cost(verdicts: pd.DataFrame, passed: int, judged: int) -> dict:
         "cache_hits": int((~asked_now).sum()),
         "deduplicated": int(verdicts["deduplicated"].astype(object).fillna(False).astype(bool).sum()),
         "evidence_missing": int((evidence != EVIDENCE_TRAJECTORY).sum()),
-        "unjudged": int((verdicts["status"] == STATUS_ERROR).sum()),
+        "unjudged": unjudged_count(verdicts),
         "judge_pass_rate": round(passed / judged, 4) if judged else None,
     }
 

@@ -24,7 +24,6 @@ from filter_pipeline.rules.schemas import (
     JUDGED_BY,
     JUDGED_INPUTS,
     SCHEMAS,
-    STATUS_ERROR,
     STATUS_JUDGED,
     file_fingerprint,
     type_name,
@@ -215,14 +214,14 @@ def _verdicts_metadata(verdicts: pd.DataFrame, batch, requests: pd.DataFrame, ju
     return {
         "judged": int(judged.sum()),
         "passed": int((verdicts["passed"][judged] == True).sum()),  # noqa: E712
-        "unjudged": int((verdicts["status"] == STATUS_ERROR).sum()),
+        "unjudged": filtering.unjudged_count(verdicts),
         "superseded_ok_attempts": filtering.superseded_ok_attempts(batch.attempts, requests),
         **judgement.metadata,
     }
 
 
 def _all_tasks_judged(verdicts: pd.DataFrame) -> dg.AssetCheckResult:
-    unjudged = int((verdicts["status"] == STATUS_ERROR).sum())
+    unjudged = filtering.unjudged_count(verdicts)
     return dg.AssetCheckResult(
         check_name="all_tasks_judged",
         asset_key="judge_verdicts",

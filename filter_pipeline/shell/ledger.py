@@ -23,7 +23,7 @@ from filter_pipeline import settings
 from filter_pipeline.rules import checks, commits, dpo, filtering, order, report
 from filter_pipeline.rules.commits import CommitRecord, HistoryIntegrityError
 from filter_pipeline.rules.history import HistoryError
-from filter_pipeline.rules.schemas import DROPPED_REASONS, STATUS_ERROR
+from filter_pipeline.rules.schemas import DROPPED_REASONS
 from filter_pipeline.shell.assets import (
     blocking_check,
     check_result,
@@ -61,6 +61,8 @@ _WALK_INPUTS = [dg.AssetKey("judge_verdicts"), dg.AssetKey("prior_dedup_index"),
 
 # the walk's checks on `kept` (functions of rules/checks.py of the same names)
 KEPT_CHECKS = ("verdicts_conserved", "no_key_kept_twice", "caps_respected")
+# warehouse/filter_report_html/<run_id>.html: the run's report as a page of its own (a file of its commit too)
+REPORT_PAGES = "filter_report_html"
 
 
 def _spec(name: str, description: str, deps: list, group: str = "ledger") -> dg.AssetSpec:
@@ -107,7 +109,7 @@ LEDGER_SPECS = [
         "filter_report",
         "The run at a glance: funnel (attempts -> ok attempts -> judged -> passed -> kept), keep rate and "
         "failure reasons per site and macro, surplus by reason, judge pass rate and agreement with the gate, "
-        "cost. Charts show on the materialization; a standalone page is written to warehouse/filter_report_html/.",
+        f"cost. Charts show on the materialization; a standalone page is written to warehouse/{REPORT_PAGES}/.",
         ["batch_attempts", "judge_verdicts", "failure_pool", "kept", "surplus"],
         group="reports",
     ),
@@ -342,8 +344,8 @@ def _walk_staged(walk: _RunWalk, judged: _JudgeStep, staged: StagedWalk, loaded:
     pause_point("files_staged")
     derived, html = _derived_frames(walk, result, judged)
     files.update({asset: _write(data, staged, run_id, asset, frame) for asset, (frame, _) in derived.items()})
-    page = data.warehouse / "filter_report_html" / f"{run_id}.html"
-    files["filter_report_html"] = staged.write(page, html, 0)
+    page = data.warehouse / REPORT_PAGES / f"{run_id}.html"
+    files[REPORT_PAGES] = staged.write(page, html, 0)
     derived["filter_report"][1]["html"] = dg.MetadataValue.path(str(page))
     context.log.info(f"staged {len(files)} files in {time.perf_counter() - writing:.2f} s")
     failing = [check for (check, _), outcome in outcomes.items() if not outcome.passed]
@@ -417,7 +419,7 @@ def _commit_record(walk: _RunWalk, judge_verdicts, judged_by, kept, index, files
         judge=judged_by,
         history=index.history,
         inputs=inputs,
-        unjudged=int((judge_verdicts["status"] == STATUS_ERROR).sum()),
+        unjudged=filtering.unjudged_count(judge_verdicts),
     )
 
 
