@@ -2,11 +2,14 @@
 #   make run    set up .venv and the local Dagster instance, then filter the sample batches in data/
 #   make test   the whole test suite (what CI runs)
 # and for development:
+#   make setup       only the set-up: .venv and the local Dagster instance (.dagster_home/)
+#   make dev         `dagster dev` on the local instance (http://127.0.0.1:3000)
 #   make review      the review app: every run's and task's fate, labelling (http://127.0.0.1:8765)
 #   make test-fast   the tests that start no server or process (`-m "not slow"`): the quick loop
 #   make lint        ruff check + ruff format --check + the package's shape (scripts/check_shape.py; CI runs it first)
 #   make test-oldest the fast tests in .venv-oldest, on the oldest Dagster supported (constraints/dagster-1.12.txt)
 #   make constraints rewrite constraints/py311.txt from a fresh install (after changing a dependency)
+#   make sample-data write the sample batches in data/runs/ and data/labels.jsonl anew
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 # every install resolves to these exact versions (constraints/py311.txt, made by `make constraints`)

@@ -38,8 +38,7 @@ def data_path(path: str | None = None) -> str:
 
 
 # The ledger's order (CONTRACT §4): a first walk blocked by a lower complete batch that is not yet committed
-# is retried by Dagster every ORDER_RETRY_SECONDS (the step holds no concurrency slot while it waits), for at
-# most ORDER_MAX_WAIT_SECONDS; then it fails with one line naming the run it waited for.
+# is retried by Dagster every ORDER_RETRY_SECONDS, for at most ORDER_MAX_WAIT_SECONDS; then it fails with one line naming the run it waited for.
 ORDER_RETRY_SECONDS_ENV = "FILTER_PIPELINE_ORDER_RETRY_SECONDS"
 DEFAULT_ORDER_RETRY_SECONDS = 15
 ORDER_MAX_WAIT_SECONDS_ENV = "FILTER_PIPELINE_ORDER_MAX_WAIT_SECONDS"
@@ -99,6 +98,9 @@ def check_whole_number_settings() -> None:
 # The review app (`filter-pipeline review`): where users browse it, so that filter_report's materialization links
 # to a run's review page; and where the Dagster UI is, so that the review app links to a run's partition.
 REVIEW_URL_ENV = "FILTER_PIPELINE_REVIEW_URL"
+# what this machine's own browser may call the review app (the first: where it listens unless told otherwise; it
+# has no login)
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 DAGSTER_URL_ENV = "FILTER_PIPELINE_DAGSTER_URL"
 
 

@@ -143,10 +143,10 @@ def side_by_side(labels: pd.DataFrame, frames: tuple, candidate: pd.DataFrame, n
         table = calibration.calibration(calibration.resolve(labels, attempts, verdicts, tasks))
         overall = table[table["site"] == calibration.ALL_SITES]
         if label != "production":
-            overall = overall[overall["predictor"] == "judge"]
+            overall = overall[overall["predictor"] == calibration.PREDICTOR_JUDGE]
         labelled = verdicts[verdicts["dir"].isin(candidate["dir"])]  # the same attempts' verdicts, each once
         for row in overall.to_dict("records"):
-            cost = "" if row["predictor"] == "gate" else f"; {_cost(_judged_by(labelled, row))}"
+            cost = "" if row["predictor"] == calibration.PREDICTOR_GATE else f"; {_cost(_judged_by(labelled, row))}"
             lines.append(f"{label}: {calibration.who(row)}: {calibration.summary(row)}{cost}")
         if overall.empty:
             lines.append(f"{label}: no labelled attempt judged")

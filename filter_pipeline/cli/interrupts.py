@@ -8,7 +8,7 @@ both stop a run the same way (the judge's saved verdicts stay, a walk never half
 import os
 import signal
 
-from filter_pipeline.settings import CLI, materialize_command
+from filter_pipeline.settings import materialize_command
 
 # (nothing heavier here: main.py installs the handler before Dagster is imported)
 
@@ -112,4 +112,4 @@ def saved_line(
         )
     remaining = [r for r in named if not (r == run_id and committed)]
     again = materialize_command(*remaining)
-    return f"{CLI}: {what}; run `{again}` again to resume from what was saved"
+    return f"{what}; run `{again}` again to resume from what was saved"

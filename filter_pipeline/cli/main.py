@@ -25,7 +25,7 @@ class _Parser(argparse.ArgumentParser):
     """argparse, with a usage error in one line (exit status 2, as argparse's own)."""
 
     def error(self, message: str):
-        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -116,9 +116,8 @@ def verify(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Exit status: 0 done; 1 something failed (materialize: a run failed or a folder was refused; verify: a
-    finding); 2 an argument or setting is wrong (one line on stderr, nothing registered, written or judged);
-    3 (materialize) every run succeeded but some left tasks unjudged. Each command's help says its own."""
+    """The command's exit status: 0 done, else one of `cli.EXIT_*` (1 something was not done, 2 an argument or
+    setting is wrong, 3 some attempts were left unjudged). Each command's help says what its own mean."""
     args = _parser().parse_args(argv)
     if args.command == "verify":
         return verify(args)
@@ -136,10 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _materialize(args, signals)
     except KeyboardInterrupt:  # (between runs, or before the first one started)
-        print(saved_line(signals, None, None, False, []), file=sys.stderr, flush=True)
+        complain(saved_line(signals, None, None, False, []))
         return signals.exit_status
     except Interrupted as exc:
-        print(str(exc), file=sys.stderr, flush=True)
+        complain(str(exc))
         return exc.status
 
 

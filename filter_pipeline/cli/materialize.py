@@ -25,8 +25,8 @@ from filter_pipeline.rules.batch import check_run_id
 from filter_pipeline.rules.filtering import unjudged_count
 from filter_pipeline.rules.schemas import DROPPED_REASONS, FAILURE_REASONS
 from filter_pipeline.settings import JUDGE_LLM, REJUDGE_MAX_TRIES_ENV, materialize_command
-from filter_pipeline.shell.assets import run_id_partitions
-from filter_pipeline.shell.config import caps_from_env, load_caps_file, parse_caps
+from filter_pipeline.shell.assets import ALREADY_FILTERED, run_id_partitions
+from filter_pipeline.shell.config import LEDGER_OP, caps_from_env, load_caps_file, parse_caps
 from filter_pipeline.shell.freshness import CALIBRATION, COVERAGE, FOLLOWS, stale_across_runs
 from filter_pipeline.shell.jobs import (
     ACROSS_RUNS_ASSETS,
@@ -96,7 +96,7 @@ def _runs_to_materialize(data: DataRoot, requested: list[str], refused: list[str
     """The run_ids to materialize; with none requested, every complete batch not yet filtered, and each
     complete folder refused for its name appended to `refused` (one line each). The filtered batches changed
     since, and not requested, are added to `changed` (a warning each)."""
-    batches = complete_batches(data.runs, data.warehouse, log=None, refused=None if requested else refused)
+    batches = complete_batches(data.runs, data.warehouse, refused=None if requested else refused)
     for b in batches:
         if b.changed and b.run_id not in requested:
             complain(changed_warning(b.run_id), warning=True)
@@ -352,7 +352,7 @@ def _run_one(
     before = commit_state(data.warehouse, run_id)
     try:
         result = dg.execute_job(
-            job, instance, run_config=_run_config(caps, ops_with_caps=["ledger"]), tags=tags, asset_selection=selection
+            job, instance, run_config=_run_config(caps, ops_with_caps=[LEDGER_OP]), tags=tags, asset_selection=selection
         )
     except KeyboardInterrupt:
         result = None
@@ -366,7 +366,7 @@ def _run_one(
 def _already_filtered(result) -> str | None:
     """The line of a run another walk committed while this one waited (not walked again), else None."""
     for event in result.get_asset_materialization_events():
-        said = event.step_materialization_data.materialization.metadata.get("already_filtered")
+        said = event.step_materialization_data.materialization.metadata.get(ALREADY_FILTERED)
         if said is not None:
             return str(said.value)
     return None
@@ -414,7 +414,7 @@ def _register(instance: dg.DagsterInstance, run_ids: list[str]) -> None:
 
 def _register_legacy_runs(instance: dg.DagsterInstance, data: DataRoot) -> None:
     """Register every legacy run (a kept.jsonl of the earlier script) and record it as materialized, once."""
-    legacy = legacy_run_ids(data, complete_batches(data.runs, data.warehouse, log=None), read_commits(data.warehouse))
+    legacy = legacy_run_ids(data, complete_batches(data.runs, data.warehouse), read_commits(data.warehouse))
     _register(instance, legacy)
     for run_id in record_legacy_runs(instance, data, legacy):
         print(f"{run_id}: recorded as materialized (legacy kept.jsonl)", flush=True)

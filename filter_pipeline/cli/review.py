@@ -6,8 +6,9 @@ import os
 import socket
 
 from filter_pipeline.cli import EXIT_BAD_INPUT, add_data_argument, complain
+from filter_pipeline.settings import LOOPBACK
 
-DEFAULT_HOST = "127.0.0.1"  # loopback: the app has no login, so it is reachable from this machine only unless told
+DEFAULT_HOST = LOOPBACK[0]  # loopback: the app has no login, so it is reachable from this machine only unless told
 DEFAULT_PORT = 8765
 
 
@@ -35,7 +36,7 @@ def review(args: argparse.Namespace) -> int:
     import uvicorn
 
     from filter_pipeline.cli.data_root import existing_root
-    from filter_pipeline.review.app import LOOPBACK, create_app
+    from filter_pipeline.review.app import create_app
 
     root = existing_root(args.data)
     if root is None:

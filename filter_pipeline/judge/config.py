@@ -28,7 +28,8 @@ def _setting(default, description: str, env: str | None = None, **constraints):
 
 
 class LLMJudgeConfig(dg.Config):
-    """How the LLM judge is asked (CONTRACT §8 settings, plus this project's own after `votes`)."""
+    """How the LLM judge is asked (CONTRACT §8): each setting with its FILTER_JUDGE_* variable, but for the prompt's
+    length limit and the back-off, which have none."""
 
     base_url: str | None = _setting(
         None, "OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1.", env="FILTER_JUDGE_BASE_URL"

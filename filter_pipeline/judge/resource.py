@@ -109,7 +109,7 @@ class JudgeResource(dg.ConfigurableResource):
         `record_steps` gives an attempt record's steps by executions.jsonl line (when its trajectory.json
         cannot be used); `previous` is this partition's earlier judge_verdicts and `progress` the verdicts
         saved by a materialization that did not finish: their matching verdicts are reused. Raises
-        EndpointRefused when the endpoint refuses every request.
+        EndpointRefused at the endpoint's first refusal, JudgeSetupError for a setting the client cannot use.
         """
         if self.kind == JUDGE_GATE:
             log.info(f"judged {len(requests)}/{len(requests)} tasks with the deterministic gate")

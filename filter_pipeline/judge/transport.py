@@ -334,10 +334,11 @@ class Transport:
         )
 
     def _refused(self, status: int, text: str) -> EndpointRefused:
-        todo = _hint(REFUSALS[402 if status == 429 else status if status in REFUSALS else 404])
+        # (a 429 that refuses is a spent quota, as a 402; a 400 refuses an unknown model, as a 404)
+        todo = REFUSALS.get(402 if status == 429 else status, REFUSALS[404])
         return EndpointRefused(
             f"the judge endpoint {self.public_url} refused the request for model {self.config.model!r}: "
-            f"HTTP {status}: {self.server_text(text)} ({todo})"
+            f"HTTP {status}: {self.server_text(text)} ({_hint(todo)})"
         )
 
     def server_text(self, text: str) -> str:

@@ -31,16 +31,16 @@ from filter_pipeline.review.queue import QueueMemo, item
 from filter_pipeline.review.story import Labels, inside_run, plain, screenshot, story
 from filter_pipeline.rules.descriptions import one_line
 from filter_pipeline.rules.records import as_text
-from filter_pipeline.settings import DAGSTER_URL_ENV, LABELER_ENV, base_url
+from filter_pipeline.settings import DAGSTER_URL_ENV, LABELER_ENV, LOOPBACK, base_url
 from filter_pipeline.storage.files import store_trouble
 from filter_pipeline.storage.labels import LabelWriteError, append_label, now_iso
 
 HERE = Path(__file__).parent
-LOOPBACK = ("127.0.0.1", "localhost", "::1")  # what this machine's own browser may call the app
 ANY_ADDRESS = ("0.0.0.0", "::", "")
 DEFAULT_LIMIT, MAX_LIMIT = 100, 1000
 REJECTED_LINES_SHOWN = 50  # on a run's page; batch_rejects holds them all
 MAX_NOTE_CHARS = 2000
+MAX_LABELER_CHARS = 200  # a label's labeler is cut to this
 MAX_LABEL_BYTES = 64 << 10  # a label request's body; a note is at most MAX_NOTE_CHARS
 SECURITY_HEADERS = {
     "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
@@ -318,7 +318,7 @@ def label_record(review: Review, body) -> dict:
         raise BadRequest('expected "dir", or "run_id" and "task_id", as text')
     labeler = body.get("labeler") if isinstance(body.get("labeler"), str) and body["labeler"] else review.labeler
     record = {"dir": dir_, "success": body["success"]}
-    return record | ({"note": note} if note else {}) | {"labeler": labeler[:200], "labeled_at": now_iso()}
+    return record | ({"note": note} if note else {}) | {"labeler": labeler[:MAX_LABELER_CHARS], "labeled_at": now_iso()}
 
 
 def _run_with_dir(review: Review, body: dict, dir_: str) -> tuple[str, pd.DataFrame]:

@@ -45,7 +45,15 @@ from filter_pipeline.rules.schemas import (
     to_pandas,
 )
 from filter_pipeline.storage.failures import failure_path, read_failure
-from filter_pipeline.storage.files import RUNS_DIR, WAREHOUSE_DIR, asset_file, file_version, run_folder
+from filter_pipeline.storage.files import (
+    RUNS_DIR,
+    WAREHOUSE_DIR,
+    asset_file,
+    file_version,
+    files_in,
+    folder_entries,
+    run_folder,
+)
 from filter_pipeline.storage.history import committed_paths, read_retired
 from filter_pipeline.storage.publish import commit_path
 from filter_pipeline.storage.runs import unparsed_batch
@@ -116,14 +124,9 @@ class Warehouse:
     def run_ids(self) -> list[str]:
         """Every run the data root knows, in run_id order: batch folders with a name the stage accepts (not a
         file such as runs/README.md, nor a folder it refuses to filter), commit records and judged runs."""
-        found = {name for name, is_dir in _entries(self.root / RUNS_DIR) if is_dir and _plain(name)}
-        for folder, suffix in (
-            (self.warehouse / COMMITS_DIR, ".json"),
-            (self.warehouse / "judge_verdicts", ".parquet"),
-        ):
-            found.update(
-                n.removesuffix(suffix) for n, _ in _entries(folder) if n.endswith(suffix) and not n.startswith(".")
-            )
+        found = {name for name, is_dir in folder_entries(self.root / RUNS_DIR) if is_dir and _plain(name)}
+        found.update(files_in(self.warehouse / COMMITS_DIR, ".json"))
+        found.update(files_in(self.warehouse / "judge_verdicts", ".parquet"))
         return sorted(found)
 
     def check_run(self, run_id: str) -> str:
@@ -205,22 +208,6 @@ class Warehouse:
     def runs(self) -> list[dict]:
         """One summary per run (state, funnel, rates, cost), newest first."""
         return [self.light(run_id)[0] for run_id in reversed(self.run_ids())]
-
-
-def _entries(folder: UPath) -> list[tuple[str, bool]]:
-    """(name, whether it is a folder) of each entry of `folder`, from one listing (no stat per entry on object
-    storage; on local disk a symlink is followed, as the stage follows it); none when the folder does not exist."""
-    try:
-        listed = folder.fs.ls(folder.path, detail=True)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-    return [
-        (
-            entry["name"].rstrip("/").rsplit("/", 1)[-1],
-            entry["type"] == "directory" or bool(entry.get("islink")) and folder.fs.isdir(entry["name"]),
-        )
-        for entry in listed
-    ]
 
 
 def _plain(name: str) -> bool:

@@ -2,8 +2,8 @@
 and rejected records.
 
 A bad record never stops the batch: it becomes one `batch_rejects` row naming the file, line, field and
-what was expected (`records`), and the rest is parsed. Only a batch that cannot be read at all (no or empty
-`tasks.jsonl`, no `executions.jsonl`) raises `BatchError`.
+what was expected (`records`), and the rest is parsed. Only a batch without a single valid task raises
+`BatchError` (a missing file is `storage.runs`' to report).
 
 Each file is read whole by Arrow's JSON reader (for tasks.jsonl every field but the dedup_key, whose parts
 mix scalar types no Arrow column holds: orjson reads each line's key) when Arrow can vouch for every line;

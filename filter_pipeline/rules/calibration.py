@@ -16,10 +16,13 @@ from filter_pipeline.rules.schemas import CALIBRATION_MIN_LABELS, STATUS_JUDGED,
 
 LABELS_FILE = "labels.jsonl"
 ALL_SITES = "(all)"
-PREDICTORS = ("judge", "gate")
+# what is scored against the labels: the judge of each run (by model and prompt version) and the gate alone
+PREDICTOR_JUDGE, PREDICTOR_GATE = "judge", "gate"
+PREDICTORS = (PREDICTOR_JUDGE, PREDICTOR_GATE)
 
 
-MAX_REJECTS_SHOWN = 20  # bad label lines listed in judge_calibration's metadata and log
+# rejected lines (of labels.jsonl, of a batch) a step or the CLI lists one by one; the rest are counted
+MAX_REJECTS_SHOWN = 20
 LABEL_NOTES = ("note", "labeler", "labeled_at")  # optional text a label may carry: shown, never counted
 LABEL_COLUMNS = ["dir", "run_id", "task_id", "success", *LABEL_NOTES, "line"]
 
@@ -161,7 +164,7 @@ def _confusion(predicted: pd.Series, truth: pd.Series) -> tuple[int, int, int, i
 
 def _judges(seen: pd.DataFrame, predictor: str) -> list[tuple[str | None, str | None, pd.DataFrame]]:
     """(model, prompt_version, rows) per judge: the judge by model and prompt version, the gate as one."""
-    if predictor == "gate":
+    if predictor == PREDICTOR_GATE:
         return [(None, None, seen)]
     keys = seen[["model", "prompt_version"]].astype(object).fillna("")  # (the gate judge: no model, null or empty)
     return [
@@ -206,12 +209,12 @@ def summary(row: dict) -> str:
 def who(row: dict) -> str:
     """The predictor of a calibration row: `gate`, `judge <model> <prompt_version>`, or the judge of runs the
     gate judge decided (no model)."""
-    if row["predictor"] == "gate":
-        return "gate"
+    if row["predictor"] == PREDICTOR_GATE:
+        return PREDICTOR_GATE
     named = [
         str(v) for v in (row["model"], row["prompt_version"]) if v is not None and not pd.isna(v) and str(v).strip()
     ]
-    return " ".join(["judge", *named]) if named else "judge (the gate judge: no model)"
+    return " ".join([PREDICTOR_JUDGE, *named]) if named else f"{PREDICTOR_JUDGE} (the gate judge: no model)"
 
 
 def markdown(table: pd.DataFrame) -> str:

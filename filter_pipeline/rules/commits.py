@@ -45,9 +45,10 @@ class CommitRecord:
 
     `files`: asset -> {"path" (relative to the data root), "size", "sha256", "rows"}; `kept_keys`: distinct keys
     kept; `caps`: the caps the walk applied, `caps_source` "deployment" or "run config"; `judge`: kind, model,
-    prompt_version, votes (never a key); `history`: run_id -> the SHA-256 of the commit record it read (or
-    "legacy:<sha256 of kept.jsonl>"); `inputs`: tasks.jsonl / executions.jsonl -> {"size", and "sha256" +
-    "mtime_ns" on local disk or "etag" on object storage}; `unjudged`: tasks left unjudged by this walk.
+    prompt_version, votes and the settings that shape a verdict (`JUDGE_IDENTITY`; never a key); `history`:
+    run_id -> the SHA-256 of the commit record it read (or "legacy:<sha256 of kept.jsonl>"); `inputs`: tasks.jsonl /
+    executions.jsonl -> {"size", and "sha256" + "mtime_ns" on local disk or "etag" on object storage}; `unjudged`:
+    tasks left unjudged by this walk.
     """
 
     run_id: str

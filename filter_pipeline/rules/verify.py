@@ -38,6 +38,10 @@ class Finding:
     kind: str  # one of FINDING_KINDS
     line: str
 
+    def __post_init__(self):
+        if self.kind not in FINDING_KINDS:  # (the check's metadata counts findings by these kinds)
+            raise ValueError(f"finding kind {self.kind!r} is not one of {FINDING_KINDS}")
+
 
 def capped(findings: list[Finding]) -> list[Finding]:
     out, seen = [], {}

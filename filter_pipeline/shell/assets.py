@@ -28,7 +28,7 @@ from filter_pipeline.rules.schemas import (
     file_fingerprint,
     type_name,
 )
-from filter_pipeline.shell.config import caps_source, deployment_caps_config, refuse_invalid_run_caps
+from filter_pipeline.shell.config import COVERAGE_OP, caps_source, deployment_caps_config, refuse_invalid_run_caps
 from filter_pipeline.shell.warehouse import DataRoot, plain_run_ids, read_folder, read_parquet, write_parquet
 from filter_pipeline.storage import failures
 from filter_pipeline.storage.audit import audit
@@ -63,6 +63,16 @@ def count_by(values: pd.Series, names: Iterable[str], prefix: str) -> dict:
 
 
 BATCH_KEYS = [dg.AssetKey(k) for k in ("batch_tasks", "batch_attempts", "batch_rejects")]
+# the metadata entry of an asset a run reports as another walk committed it: its line, which the CLI prints
+ALREADY_FILTERED = "already_filtered"
+
+
+def already_filtered_line(record: CommitRecord, meanwhile: str) -> str:
+    """The line of a run that another walk committed while this one did `meanwhile`, and what follows."""
+    return (
+        f"{record.run_id}: already filtered by another walk (committed, walked at {record.walked_at}) while this "
+        + meanwhile
+    )
 
 
 def blocking_check(name: str, asset: str, description: str | None) -> dg.AssetCheckSpec:
@@ -199,13 +209,12 @@ def _committed_meanwhile(context: dg.AssetExecutionContext, data: DataRoot, run_
 def _committed_outputs(context, data: DataRoot, record: CommitRecord) -> tuple[pd.DataFrame, pd.DataFrame, tuple]:
     """The verdicts and failure pool the committed walk walked, as its files hold them: what this run outputs
     (the same content written again) rather than its own, which would contradict the commit's kept rows."""
-    why = (
-        f"{record.run_id}: already filtered by another walk (committed, walked at {record.walked_at}) while this "
-        "run waited or judged: its verdicts and failure pool stand, this run's are not written"
+    why = already_filtered_line(
+        record, "run waited or judged: its verdicts and failure pool stand, this run's are not written"
     )
     context.log.info(why)
     frames = [read_parquet(data.asset_file(asset, record.run_id)) for asset in ("judge_verdicts", "failure_pool")]
-    metadata = tuple({"already_filtered": why, "dagster/row_count": len(frame)} for frame in frames)
+    metadata = tuple({ALREADY_FILTERED: why, "dagster/row_count": len(frame)} for frame in frames)
     return frames[0], frames[1], metadata
 
 
@@ -258,8 +267,9 @@ def _parse(context: dg.AssetExecutionContext, data: DataRoot, run_id: str):
         f"parsed runs/{run_id}: {len(batch.tasks)} tasks, {len(batch.attempts)} attempts, "
         f"{len(batch.rejects)} rejected lines in {batch.seconds:.1f} s"
     )
-    for message in batch.rejects["message"].head(20):
-        context.log.warning(message)
+    _warn_each(
+        context, batch.rejects["message"].tolist(), f"runs/{run_id}: {{n}} more rejected line(s) (batch_rejects)"
+    )
     return batch
 
 
@@ -323,6 +333,7 @@ def build_coverage(deployment_caps: dict) -> dg.AssetsDefinition:
     caps_config = deployment_caps_config(deployment_caps)
 
     @dg.asset(
+        name=COVERAGE_OP,
         group_name="training",
         deps=[dg.AssetKey("kept")],
         description="Kept rows per (macro, site) and per macro over every non-retired committed run, against the site "
@@ -374,8 +385,8 @@ def warehouse_verified(data: DataRoot) -> dg.AssetCheckResult:
         passed=not findings,
         severity=dg.AssetCheckSeverity.WARN,
         description="\n".join(f.line for f in findings)
-        or "every committed file present and unchanged, no key kept "
-        "twice, caps respected, verdicts conserved, no uncommitted kept file, no batch changed since filtered",
+        or "every committed file present and unchanged, no key kept twice, caps respected, verdicts conserved, "
+        "no uncommitted kept file, no publish left half done, no batch changed since filtered",
         metadata={
             "findings": len(findings),
             **{f"findings/{kind}": sum(f.kind == kind for f in findings) for kind in verify.FINDING_KINDS},
@@ -415,10 +426,10 @@ def judge_calibration(context: dg.AssetExecutionContext, data: DataRoot) -> dg.O
             metadata={"labels": 0, "matched": 0, "unmatched": 0, "rejected_lines": 0, **fingerprint},
         )
     labels, rejects = calibration.parse_labels(raw)
-    shown = _warn_each(context, rejects, "more line(s) rejected")
+    shown = _warn_each(context, rejects, f"{calibration.LABELS_FILE}: {{n}} more line(s) rejected")
     attempts, verdicts, tasks = read_for_calibration(data, labels)
     unmatched = calibration.unmatched_labels(labels, attempts, tasks)
-    _warn_each(context, unmatched, "more label(s) name no attempt of a parsed batch")
+    _warn_each(context, unmatched, f"{calibration.LABELS_FILE}: {{n}} more label(s) name no attempt of a parsed batch")
     resolved = calibration.resolve(labels, attempts, verdicts, tasks)
     table = calibration.calibration(resolved)
     metadata = {"labels": len(labels), "matched": len(resolved), "unmatched": len(unmatched),
@@ -430,12 +441,13 @@ def judge_calibration(context: dg.AssetExecutionContext, data: DataRoot) -> dg.O
 
 
 def _warn_each(context: dg.AssetExecutionContext, messages: list[str], more: str) -> list[str]:
-    """A warning per message, up to MAX_REJECTS_SHOWN of them, then one counting the rest; the ones shown."""
+    """A warning per message, up to MAX_REJECTS_SHOWN of them, then `more` saying how many were not shown (its
+    `{n}`); the ones shown."""
     shown = messages[: calibration.MAX_REJECTS_SHOWN]
     for message in shown:
         context.log.warning(message)
     if len(messages) > len(shown):
-        context.log.warning(f"{calibration.LABELS_FILE}: {len(messages) - len(shown)} {more}")
+        context.log.warning(more.format(n=len(messages) - len(shown)))
     return shown
 
 

@@ -16,10 +16,11 @@ from pydantic import Field, ValidationError, create_model
 
 from filter_pipeline.rules.descriptions import one_line
 from filter_pipeline.rules.filtering import Caps, MacroLimits
+from filter_pipeline.rules.records import INT64_MAX
 from filter_pipeline.rules.schemas import DEFAULT_PER_SITE_CAP
 from filter_pipeline.settings import CAPS_ENV
 
-CAP_MAX = 2**63 - 1  # the walk counts in 64-bit integers
+CAP_MAX = INT64_MAX  # the walk counts in 64-bit integers
 
 
 def _non_negative(value: int | None) -> int | None:
@@ -171,7 +172,7 @@ def _read_caps(text: str, path: Path) -> Any:
 
 
 def load_caps_file(path: str | Path) -> dict:
-    """Read and validate a YAML or JSON caps file (JSON is YAML, so one parser reads both)."""
+    """Read and validate a caps file: JSON when it is named `.json` (a key written twice refused), YAML otherwise."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -197,6 +198,9 @@ def caps_from_env() -> dict:
 
 
 # --- the deployment's caps as the run config's defaults ------------------------------------------------------
+
+# the steps whose config holds caps (the launchpad shows them under ops.<op>.config)
+LEDGER_OP, COVERAGE_OP = "ledger", "coverage"
 
 CAPS_SOURCE_DEPLOYMENT = "deployment"
 CAPS_SOURCE_RUN_CONFIG = "run config"
@@ -242,7 +246,7 @@ def caps_source(config: CapsConfig, deployment: dict) -> str:
     return CAPS_SOURCE_DEPLOYMENT if same else CAPS_SOURCE_RUN_CONFIG
 
 
-def run_caps_problem(run_config: dict, ops: tuple[str, ...] = ("ledger", "coverage")) -> str | None:
+def run_caps_problem(run_config: dict, ops: tuple[str, ...] = (LEDGER_OP, COVERAGE_OP)) -> str | None:
     """One line naming the first invalid caps in a run's config (ops.<op>.config), None if they are valid.
     Dagster checks only the types of run config at launch; ranges are checked here, by the first step of
     the run, before anything is written or judged. Only the caps are checked: the op's other settings

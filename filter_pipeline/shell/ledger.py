@@ -25,6 +25,8 @@ from filter_pipeline.rules.commits import CommitRecord, HistoryIntegrityError
 from filter_pipeline.rules.history import HistoryError
 from filter_pipeline.rules.schemas import DROPPED_REASONS
 from filter_pipeline.shell.assets import (
+    ALREADY_FILTERED,
+    already_filtered_line,
     blocking_check,
     check_result,
     column_schema,
@@ -33,12 +35,13 @@ from filter_pipeline.shell.assets import (
 )
 from filter_pipeline.shell.config import (
     CAPS_SOURCE_DEPLOYMENT,
+    LEDGER_OP,
     LedgerConfig,
     caps_source,
     deployment_caps_config,
     refuse_invalid_run_caps,
 )
-from filter_pipeline.shell.jobs import PRIORITY_TAG
+from filter_pipeline.shell.jobs import LEDGER_GROUP, PRIORITY_TAG
 from filter_pipeline.shell.waiting import DEFERRED_TAG, Deferred, filtered_meanwhile, retry_later, wait_for_lower_runs
 from filter_pipeline.shell.warehouse import LOADED_VERSION, DataRoot, encode, plain_run_ids, unchanged_since_loaded
 from filter_pipeline.storage import failures
@@ -65,7 +68,7 @@ KEPT_CHECKS = ("verdicts_conserved", "no_key_kept_twice", "caps_respected")
 REPORT_PAGES = "filter_report_html"
 
 
-def _spec(name: str, description: str, deps: list, group: str = "ledger") -> dg.AssetSpec:
+def _spec(name: str, description: str, deps: list, group: str = LEDGER_GROUP) -> dg.AssetSpec:
     # skippable: a deferred walk materializes nothing, and its run still succeeds
     return dg.AssetSpec(
         name, description=description, deps=deps, group_name=group, metadata=column_schema(name), skippable=True
@@ -121,7 +124,7 @@ def build_ledger(deployment_caps: dict) -> dg.AssetsDefinition:
     config_class = deployment_caps_config(deployment_caps, base=LedgerConfig)
 
     @dg.multi_asset(
-        name="ledger",
+        name=LEDGER_OP,
         partitions_def=run_id_partitions,
         # one asset backfill ("Materialize all") walks all its partitions in one step, in run_id order
         backfill_policy=dg.BackfillPolicy.single_run(),
@@ -241,17 +244,14 @@ def _write(data: DataRoot, staged: StagedWalk, run_id: str, asset: str, frame: p
 def _already_filtered(context: dg.AssetExecutionContext, record: CommitRecord):
     """A run committed by another walk while this one waited: said in one line, and its assets reported as that
     walk committed them (a commit stands only when its walk's checks passed)."""
-    why = (
-        f"{record.run_id}: already filtered by another walk (committed, walked at {record.walked_at}) while this "
-        "one waited for the lease: not walked again"
-    )
+    why = already_filtered_line(record, "one waited for the lease: not walked again")
     context.log.info(why)
     for spec in LEDGER_SPECS:
         name = spec.key.path[-1]
         entry = record.files.get(name, {})
         yield dg.MaterializeResult(
             asset_key=name,
-            metadata={"already_filtered": why, "dagster/row_count": int(entry.get("rows") or 0),
+            metadata={ALREADY_FILTERED: why, "dagster/row_count": int(entry.get("rows") or 0),
                       "sha256": entry.get("sha256", ""), "caps_source": record.caps_source},
         )  # fmt: skip
     for check in KEPT_CHECKS:

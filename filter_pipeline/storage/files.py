@@ -116,7 +116,9 @@ def writer_gone(name: str) -> bool:
 
 # how an object store refuses a conditional write (`store_refusal`)
 PRECONDITION, CONFLICT = "precondition failed", "conflicting write in flight"
-STALE_TEMP_SECONDS = 3600
+# how long a writer's temp file, a walk's staging folder or a lease of unknown length may go untouched before
+# its writer counts as gone
+ABANDONED_AFTER_SECONDS = 3600
 
 
 def alive(pid: int) -> bool:
@@ -131,13 +133,13 @@ def alive(pid: int) -> bool:
 
 def remove_stale_temps(folder: str, head: str) -> None:
     """Temp files (`<head>.<writer>...tmp`) a killed earlier write of the same target left: its writer is gone
-    (`writer_gone`), or nobody touched the file for STALE_TEMP_SECONDS (a live writer's file is left alone)."""
+    (`writer_gone`), or nobody touched the file for ABANDONED_AFTER_SECONDS (a live writer's file is left alone)."""
     for name in os.listdir(folder):
         if not (name.startswith(f"{head}.") and name.endswith(".tmp")):
             continue
         path = os.path.join(folder, name)
         try:
-            if writer_gone(name.removesuffix(".tmp")) or time.time() - os.stat(path).st_mtime > STALE_TEMP_SECONDS:
+            if writer_gone(name.removesuffix(".tmp")) or time.time() - os.stat(path).st_mtime > ABANDONED_AFTER_SECONDS:
                 os.unlink(path)
         except FileNotFoundError:
             pass
@@ -270,10 +272,24 @@ def inputs_changed(run_dir: UPath, recorded: dict[str, dict]) -> list[str]:
 def files_in(folder: UPath, suffix: str) -> dict[str, UPath]:
     """name without `suffix` -> path, for each file of `folder` ending in `suffix`, in name order; a file whose
     name starts with a dot (the temporary file of a write in progress) is skipped; {} without the folder."""
-    if not folder.exists():
-        return {}
-    found = [p for p in folder.iterdir() if p.name.endswith(suffix) and not p.name.startswith(".")]
-    return {p.name.removesuffix(suffix): p for p in sorted(found, key=lambda p: p.name)}
+    names = sorted(name for name, _ in folder_entries(folder) if name.endswith(suffix) and not name.startswith("."))
+    return {name.removesuffix(suffix): folder / name for name in names}
+
+
+def folder_entries(folder: UPath) -> list[tuple[str, bool]]:
+    """(name, whether it is a folder) of each entry of `folder`, from one listing (no stat per entry on object
+    storage; on local disk a symlink is followed, as the stage follows it); none when the folder does not exist."""
+    try:
+        listed = folder.fs.ls(folder.path, detail=True)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return [
+        (
+            entry["name"].rstrip("/").rsplit("/", 1)[-1],
+            entry["type"] == "directory" or bool(entry.get("islink")) and folder.fs.isdir(entry["name"]),
+        )
+        for entry in listed
+    ]
 
 
 def fsync_folder(folder: str) -> None:

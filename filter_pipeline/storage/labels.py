@@ -21,7 +21,7 @@ from datetime import UTC, datetime
 from upath import UPath
 
 from filter_pipeline.rules.calibration import LABELS_FILE
-from filter_pipeline.storage.files import is_local, read_if_present, store_refusal
+from filter_pipeline.storage.files import etag, is_local, read_if_present, store_refusal
 
 MAX_TRIES = 50  # conditional writes lost to other writers before giving up on object storage
 
@@ -95,7 +95,7 @@ def _append_conditionally(fs, path: str, line: bytes) -> None:
                 fs.pipe_file(path, line, mode="create")  # If-None-Match: *
             else:
                 current = fs.cat_file(path)
-                fs.pipe_file(path, current + _after(current[-1:], line), IfMatch=info["ETag"])
+                fs.pipe_file(path, current + _after(current[-1:], line), IfMatch=etag(info))
             fs.invalidate_cache(path)
             return
         except (FileExistsError, FileNotFoundError, OSError) as exc:

@@ -35,11 +35,11 @@ from upath import UPath
 
 from filter_pipeline import settings
 from filter_pipeline.storage.files import (
+    ABANDONED_AFTER_SECONDS,
     CONFLICT,
     HOST,
     MACHINE,
     PRECONDITION,
-    STALE_TEMP_SECONDS,
     WAREHOUSE_DIR,
     alive,
     atomic_write,
@@ -242,7 +242,7 @@ def _store_says_expired(fs, path: str, current: dict) -> bool:
     written = head["LastModified"]
     if ttl is None:  # its holder may run with a longer setting than this one, and renew less often; but not for
         # more than an hour (or this setting, if longer), however far its clock ran ahead
-        longest = max(default_ttl_seconds(), STALE_TEMP_SECONDS)
+        longest = max(default_ttl_seconds(), ABANDONED_AFTER_SECONDS)
         ttl = min(max(default_ttl_seconds(), expires - written.timestamp()), longest)
     return not _finite(ttl) or (_store_now(head) - written).total_seconds() > ttl
 

@@ -34,8 +34,8 @@ from upath import UPath
 from filter_pipeline.rules.commits import COMMITS_DIR, CommitRecord, commit_name
 from filter_pipeline.settings import materialize_command
 from filter_pipeline.storage.files import (
+    ABANDONED_AFTER_SECONDS,
     PRECONDITION,
-    STALE_TEMP_SECONDS,
     WAREHOUSE_DIR,
     atomic_write,
     etag,
@@ -236,7 +236,7 @@ class StagedWalk:
             return None
         return (
             f"its staged files ({', '.join(gone)}) were removed while it stalled: another launcher took them for "
-            f"abandoned after {STALE_TEMP_SECONDS} s"
+            f"abandoned after {ABANDONED_AFTER_SECONDS} s"
         )
 
     def discard(self) -> None:
@@ -266,7 +266,7 @@ def _move_all(data_root: UPath, folder: UPath, manifest: dict) -> None:
     if missing and _standing_digest(data_root / WAREHOUSE_DIR, run_id) == manifest["digest"]:  # (else superseded)
         raise PublishIncomplete(
             f"{run_id}: its commit was published, but its staged files ({', '.join(missing)}) were removed before they "
-            f"were moved into place (the walk stalled for longer than {STALE_TEMP_SECONDS} s, and another launcher took "
+            f"were moved into place (the walk stalled for longer than {ABANDONED_AFTER_SECONDS} s, and another launcher took "
             f"them for abandoned): re-filter it with `{materialize_command(run_id)}`"
         )
 
@@ -305,7 +305,7 @@ def _move(staged: UPath, final: UPath) -> bool:
 
 def _abandoned(name: str, folder: UPath) -> bool:
     """Whether an unpublished staging folder's walk is gone: its process is (`writer_gone`), or the folder is
-    older than STALE_TEMP_SECONDS (a walk paused past its lease may still resume and must find its files)."""
+    older than ABANDONED_AFTER_SECONDS (a walk paused past its lease may still resume and must find its files)."""
     if writer_gone(name):
         return True
     try:
@@ -315,7 +315,7 @@ def _abandoned(name: str, folder: UPath) -> bool:
     # the newest file's time (S3 "LastModified", local "mtime"): a folder nothing was written to for that long
     stamps = [info.get("LastModified") or info.get("mtime") for info in found]
     seconds = [s.timestamp() if hasattr(s, "timestamp") else float(s) for s in stamps if s is not None]
-    return bool(seconds) and time.time() - max(seconds) > STALE_TEMP_SECONDS
+    return bool(seconds) and time.time() - max(seconds) > ABANDONED_AFTER_SECONDS
 
 
 def _staged_walks(data_root: UPath) -> Iterator[tuple[UPath, dict | None, bool]]:

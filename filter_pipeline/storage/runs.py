@@ -42,13 +42,11 @@ from filter_pipeline.storage.files import (
 )
 from filter_pipeline.storage.history import load_retired, read_commit, read_commits
 
-_LOG = logging.getLogger(__name__)
-
 
 def complete_batches(
     runs: UPath,
     warehouse: UPath,
-    log: logging.Logger | None = _LOG,
+    log: logging.Logger | None = None,
     refused: list[str] | None = None,
 ) -> list[BatchState]:
     """Every batch under `runs` with `_SUCCESS` and a plain run_id, in run_id order (`warehouse`: where
@@ -140,7 +138,7 @@ class WalkOrder:
 
 def walk_order(root: UPath) -> WalkOrder:
     """The data root's `WalkOrder`: its complete batches, commits, recorded failures and retired runs."""
-    batches = complete_batches(root / RUNS_DIR, root / WAREHOUSE_DIR, log=None)
+    batches = complete_batches(root / RUNS_DIR, root / WAREHOUSE_DIR)
     committed = set(read_commits(root / WAREHOUSE_DIR)) | {b.run_id for b in batches if b.filtered}
     return WalkOrder(
         complete=[b.run_id for b in batches],

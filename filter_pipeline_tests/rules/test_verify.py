@@ -2,6 +2,7 @@
 warehouse): caps with the history a walk read, keys kept twice, conservation, and how many lines are shown."""
 
 import pyarrow as pa
+import pytest
 
 from filter_pipeline.rules.commits import CommitRecord
 from filter_pipeline.rules.verify import (
@@ -83,3 +84,8 @@ def test_beyond_the_lines_shown_per_kind_one_line_says_how_many_more():
     shown = capped(findings)
     assert [f.line for f in shown if f.kind == "cap"][-1] == "... and 3 more findings of kind 'cap'"
     assert len(shown) == MAX_LINES_PER_KIND + 2 and Finding("duplicate", "d") in shown
+
+
+def test_a_finding_of_a_kind_the_check_does_not_count_is_refused():
+    with pytest.raises(ValueError, match="'changes' is not one of"):
+        Finding("changes", "warehouse/x changed")

@@ -236,6 +236,18 @@ def test_bad_lines_in_labels_jsonl_are_reported_by_judge_calibration_without_fai
     assert output(data_root, "kept", "r1")["task_id"].tolist() == ["a"]
 
 
+def test_a_batchs_rejected_lines_are_warned_by_the_judge_step_20_of_them_then_a_count(instance, data_root):
+    orphans = [attempt(f"ghost{i}") for i in range(23)]  # attempts of tasks not in tasks.jsonl: rejected lines
+    write_batch(data_root, "r1", [task("a")], [attempt("a"), *orphans])
+    result = materialize(instance, data_root, "r1")
+    assert result.success
+    logged = instance.all_logs(result.run_id)
+    warnings = [e.user_message for e in logged if e.step_key == "judge_batch" and e.level == logging.WARNING]
+    assert len(warnings) == 21 and all("which is not in tasks.jsonl" in w for w in warnings[:20])
+    assert warnings[-1] == "runs/r1: 3 more rejected line(s) (batch_rejects)"
+    assert len(output(data_root, "batch_rejects", "r1")) == 23
+
+
 def test_labels_naming_no_attempt_are_warned_by_judge_calibration_and_counted(instance, data_root):
     write_batch(data_root, "r1", [task("a")], [attempt("a")])
     (data_root / "labels.jsonl").write_text(

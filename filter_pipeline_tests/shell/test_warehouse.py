@@ -103,7 +103,7 @@ def test_local_write_is_atomic_and_cleans_temp_files_of_a_killed_write(tmp_path,
     write_parquet(to_arrow(empty_frame("kept"), "kept"), target)
     stale = tmp_path / "kept" / ".r1.parquet.deadbeef.tmp"
     stale.write_bytes(b"half a parquet file")
-    old = time.time() - files.STALE_TEMP_SECONDS - 60
+    old = time.time() - files.ABANDONED_AFTER_SECONDS - 60
     os.utime(stale, (old, old))  # left by a write killed over an hour ago
 
     def disk_full(descriptor):

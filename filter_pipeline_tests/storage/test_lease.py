@@ -320,7 +320,7 @@ def test_the_stores_clock_is_its_answers_date(date, store_clock):
 def test_an_earlier_versions_lease_blocks_no_longer_than_an_hour_whatever_it_says(
     s3_server, s3_bucket, monkeypatch, expires
 ):
-    monkeypatch.setattr(lease, "STALE_TEMP_SECONDS", 1)  # the hour, shortened
+    monkeypatch.setattr(lease, "ABANDONED_AFTER_SECONDS", 1)  # the hour, shortened
     monkeypatch.setenv("FILTER_PIPELINE_LEASE_SECONDS", "1")
     root = s3_root(s3_server, s3_bucket)
     lease_record(root, expires=expires)  # no ttl_seconds: as the earlier version wrote it (json writes Infinity)

@@ -117,7 +117,7 @@ def test_a_staging_folder_is_judged_gone_only_by_its_own_writer_whatever_dots_it
 
 
 def test_an_unpublished_staging_folder_nobody_wrote_to_for_an_hour_is_removed(tmp_path):
-    from filter_pipeline.storage.files import STALE_TEMP_SECONDS
+    from filter_pipeline.storage.files import ABANDONED_AFTER_SECONDS
 
     root = UPath(tmp_path)
     other_host = tmp_path / "warehouse" / STAGING_DIR / "r1.elsewhere.42.00aa"
@@ -125,7 +125,7 @@ def test_an_unpublished_staging_folder_nobody_wrote_to_for_an_hour_is_removed(tm
     old = other_host / "warehouse" / "kept" / "r1.parquet"
     old.write_bytes(b"never published")
     assert complete_published(root, print) == [] and other_host.exists()  # recent: perhaps a walk still going
-    then = old.stat().st_mtime - STALE_TEMP_SECONDS - 60
+    then = old.stat().st_mtime - ABANDONED_AFTER_SECONDS - 60
     os.utime(old, (then, then))
     assert complete_published(root, print) == [] and not other_host.exists()
 
