@@ -38,7 +38,8 @@ def data_path(path: str | None = None) -> str:
 
 
 # The ledger's order (CONTRACT §4): a first walk blocked by a lower complete batch that is not yet committed
-# is retried by Dagster every ORDER_RETRY_SECONDS, for at most ORDER_MAX_WAIT_SECONDS; then it fails with one line naming the run it waited for.
+# is retried by Dagster every ORDER_RETRY_SECONDS, for at most ORDER_MAX_WAIT_SECONDS; then it fails with one
+# line naming the run it waited for.
 ORDER_RETRY_SECONDS_ENV = "FILTER_PIPELINE_ORDER_RETRY_SECONDS"
 DEFAULT_ORDER_RETRY_SECONDS = 15
 ORDER_MAX_WAIT_SECONDS_ENV = "FILTER_PIPELINE_ORDER_MAX_WAIT_SECONDS"

@@ -17,7 +17,7 @@ CLI = [sys.executable, "-m", "filter_pipeline.cli.main"]
 
 @pytest.fixture
 def dagster_home(tmp_path) -> Path:
-    """A fresh instance folder with the project's dagster.yaml (ledger pool limit 1), as `make setup` writes."""
+    """A fresh instance folder with the project's dagster.yaml, as `make setup` writes."""
     home = tmp_path / "dagster_home"
     home.mkdir()
     shutil.copy(REPO / "instance" / "dagster.yaml", home / "dagster.yaml")
@@ -28,7 +28,8 @@ def dagster_home(tmp_path) -> Path:
 def instance():
     """A Dagster instance of its own for the test, in memory: Dagster's own SQL storage on an in-memory SQLite
     database, without the disk writes that make most of a Dagster test's time on an instance in a folder. The
-    tests of what lives on disk (the CLI's runs, `dagster dev`, the deployment, pools) make theirs in a folder."""
+    tests of what lives on disk (the CLI's runs, `dagster dev`, the deployment) or of runs written from several
+    threads at once make theirs in a folder."""
     import dagster as dg
 
     with dg.DagsterInstance.ephemeral() as instance:

@@ -267,9 +267,7 @@ def _parse(context: dg.AssetExecutionContext, data: DataRoot, run_id: str):
         f"parsed runs/{run_id}: {len(batch.tasks)} tasks, {len(batch.attempts)} attempts, "
         f"{len(batch.rejects)} rejected lines in {batch.seconds:.1f} s"
     )
-    _warn_each(
-        context, batch.rejects["message"].tolist(), f"runs/{run_id}: {{n}} more rejected line(s) (batch_rejects)"
-    )
+    _warn_each(context, batch.rejects["message"], f"runs/{run_id}: {{n}} more rejected line(s) (batch_rejects)")
     return batch
 
 
@@ -440,10 +438,10 @@ def judge_calibration(context: dg.AssetExecutionContext, data: DataRoot) -> dg.O
     return dg.Output(table, metadata=metadata)
 
 
-def _warn_each(context: dg.AssetExecutionContext, messages: list[str], more: str) -> list[str]:
+def _warn_each(context: dg.AssetExecutionContext, messages: list[str] | pd.Series, more: str) -> list[str]:
     """A warning per message, up to MAX_REJECTS_SHOWN of them, then `more` saying how many were not shown (its
     `{n}`); the ones shown."""
-    shown = messages[: calibration.MAX_REJECTS_SHOWN]
+    shown = list(messages[: calibration.MAX_REJECTS_SHOWN])  # (a Series: sliced by position)
     for message in shown:
         context.log.warning(message)
     if len(messages) > len(shown):

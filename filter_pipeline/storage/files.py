@@ -278,17 +278,20 @@ def files_in(folder: UPath, suffix: str) -> dict[str, UPath]:
 
 def folder_entries(folder: UPath) -> list[tuple[str, bool]]:
     """(name, whether it is a folder) of each entry of `folder`, from one listing (no stat per entry on object
-    storage; on local disk a symlink is followed, as the stage follows it); none when the folder does not exist."""
+    storage; on local disk a symlink is followed, as the stage follows it); none when the folder does not exist
+    or is a file (which a listing gives as its own entry, as it gives an object store's folder marker)."""
     try:
         listed = folder.fs.ls(folder.path, detail=True)
     except (FileNotFoundError, NotADirectoryError):
         return []
+    itself = folder.path.rstrip("/")
     return [
         (
             entry["name"].rstrip("/").rsplit("/", 1)[-1],
             entry["type"] == "directory" or bool(entry.get("islink")) and folder.fs.isdir(entry["name"]),
         )
         for entry in listed
+        if entry["name"].rstrip("/") != itself
     ]
 
 

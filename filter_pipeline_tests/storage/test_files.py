@@ -82,6 +82,14 @@ def test_files_in_lists_a_suffix_in_name_order_without_writes_in_progress(tmp_pa
     assert list(files.files_in(UPath(tmp_path), ".json")) == ["a", "b"]
     assert files.files_in(UPath(tmp_path), ".json")["b"] == UPath(tmp_path) / "b.json"
     assert files.files_in(UPath(tmp_path / "missing"), ".json") == {}
+    assert files.files_in(UPath(tmp_path / "a.json"), ".json") == {}  # a file is no folder (its listing is itself)
+
+
+def test_folder_entries_tell_folders_and_links_to_folders_from_files(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "notes.txt").write_text("")
+    (tmp_path / "linked").symlink_to(tmp_path / "run")
+    assert sorted(files.folder_entries(UPath(tmp_path))) == [("linked", True), ("notes.txt", False), ("run", True)]
 
 
 def test_a_writer_tag_holds_no_dot_and_tells_pid_namespaces_of_one_hostname_apart():
