@@ -4,7 +4,7 @@
                                                     [--executor in_process|multiprocess]
 
 Drops N complete batches into a fresh data root at once and lets `dagster-daemon` (the batch sensor, the run
-queue, the `ledger` pool of instance/dagster.yaml) do the rest, with the LLM judge talking to the local
+queue; the ledger's lease keeps the walks one at a time) do the rest, with the LLM judge talking to the local
 OpenAI-compatible test server (one vote per task, fixed latency, in its own process; loopback only). Then
 reads the step timings back from the instance's event log and prints:
 - each batch's judge_batch step and ledger step (start, end, seconds, process id);

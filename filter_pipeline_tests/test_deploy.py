@@ -1,6 +1,6 @@
 """The deployment files and the README's S3 walkthrough. No Kubernetes cluster or Docker engine runs here,
 so the Dockerfile and the Helm values are checked as far as they can be: they parse, and every name in them
-(image, module, attribute, extras, env settings, pool limits) is one that exists."""
+(image, module, attribute, extras, env settings, run queue) is one that exists, and no pool is configured."""
 
 import importlib
 import os

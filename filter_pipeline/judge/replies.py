@@ -59,9 +59,10 @@ def strip_reasoning(text: str) -> str:
 
 
 def parse_reply(text: str | None) -> Verdict | None:
-    """The verdict in a model's reply: the LAST top-level JSON object holding a boolean `passed`, bare, in a
-    ```json fence or inside prose, once reasoning blocks are removed. `why` is optional ("" when absent);
-    other fields are allowed. None when the reply holds no such object."""
+    """The verdict in a model's reply: the LAST JSON object holding a boolean `passed` that is not inside another
+    such object (bare, in a ```json fence, inside prose or inside a wrapper object without `passed`), once
+    reasoning blocks are removed; objects after it without `passed` do not matter. `why` is optional ("" when
+    absent); other fields are allowed. None when the reply holds no such object."""
     if not text:
         return None
     thinking = _reasoning_blocks(text)

@@ -28,7 +28,9 @@ def dpo_pairs(kept: pd.DataFrame, failure_pool: pd.DataFrame, include_judge_fail
     A failure-pool row is not a clean negative when its backend gate passed (`backend_ok`), when the judge
     found it `blocked` (the site prevented the task: the agent did nothing wrong; never paired, whatever the
     config), or when it is a judge failure (its attempt was ok, so the gate passed it) unless
-    `include_judge_failures`. Unjudged tasks are never in the pool, so never a negative.
+    `include_judge_failures`. Unjudged tasks are never in the pool, so never a negative. (A pipeline's pool holds
+    a judge failure only for a task whose one verdict failed, which is never kept: such rows pair only in a pool
+    and kept rows put together otherwise.)
     """
     kept_at = positions(failure_pool["task_id"], kept["task_id"])
     of_kept = kept_at >= 0

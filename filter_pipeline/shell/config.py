@@ -212,7 +212,8 @@ class LedgerConfig(CapsConfig):
     include_judge_failures: bool = Field(
         default=False,
         description="DPO pairs: also pair judge failures, whose backend gate passed (the judge and the gate "
-        "disagree there).",
+        "disagree there). A task has one verdict, so a task with a judge failure was never kept: under this "
+        "stage's rules there is no kept attempt to pair one with, and this adds no pair.",
     )
 
 
