@@ -4,7 +4,9 @@ import pandas as pd
 
 from filter_pipeline.rules import filtering
 from filter_pipeline.rules.dpo import dpo_pairs
-from filter_pipeline_tests.builders import attempt, parse, rows, task, verdicts
+from filter_pipeline.rules.filtering import Caps
+from filter_pipeline.rules.schemas import conform
+from filter_pipeline_tests.builders import attempt, counts, parse, rows, task, verdicts
 
 
 def pool_and_kept(tmp_path, attempts, judge_rows=()):
@@ -59,6 +61,26 @@ def test_judge_failures_are_paired_only_when_asked(tmp_path):
     assert dpo_pairs(kept, pool).excluded["judge_fail_gate_passed"] == 1
     paired = dpo_pairs(kept, pool, include_judge_failures=True).pairs
     assert rows(paired, "task_id", "rejected_stage", "rejected_detail") == [["a", "judge", "wrong"]]
+
+
+def test_a_walks_own_judge_failures_never_pair_so_including_them_adds_nothing(tmp_path):
+    """One verdict a task: a task whose verdict failed is never kept, so no kept row has a judge failure beside it."""
+    judged = verdicts(
+        {"task_id": "a"},
+        {"task_id": "b", "passed": False, "why": "wrong item", "votes": "0/1", "blocked": False},
+        {"task_id": "c", "passed": False, "why": "stopped midway", "votes": "0/1"},
+    )
+    b = parse(tmp_path, [task("a"), task("b"), task("c")], [attempt("a", 1, ok=False, error="boom")])
+    pool = pd.concat(
+        [filtering.execute_failures(b.tasks, b.attempts), filtering.judge_failures(judged)], ignore_index=True
+    )
+    kept = filtering.walk_ledger(judged, conform(pd.DataFrame(), "prior_dedup_index"), counts(), Caps(3), "r").kept
+
+    asked, not_asked = dpo_pairs(kept, pool, include_judge_failures=True), dpo_pairs(kept, pool)
+    assert (pool["stage"] == "judge").sum() == 2
+    assert rows(asked.pairs, "task_id", "rejected_stage") == [["a", "execute"]]
+    assert asked.pairs.equals(not_asked.pairs)
+    assert not_asked.excluded["judge_fail_gate_passed"] == 0
 
 
 def test_a_blocked_attempt_is_never_a_negative_even_with_judge_failures_included(tmp_path):
