@@ -1,4 +1,4 @@
-"""The README's example of reading the outputs with pandas does what its comments say, on files as the pipeline
+"""The README's examples of reading the outputs with pandas do what their comments say, on files as the pipeline
 writes them."""
 
 import re
@@ -6,14 +6,15 @@ from pathlib import Path
 
 import pandas as pd
 
-from filter_pipeline.rules.schemas import conform, parquet_bytes, to_arrow
+from filter_pipeline.rules.schemas import STATUS_ERROR, conform, parquet_bytes, to_arrow
+from filter_pipeline_tests.builders import verdicts
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
-def reading_example() -> str:
-    """The README's Python block that reads the failure pool."""
-    [block] = [b for b in re.findall(r"```python\n(.*?)```", README.read_text(), re.DOTALL) if "failure_pool" in b]
+def readme_example(reading: str) -> str:
+    """The README's Python block that reads the folder `reading` (e.g. "warehouse/failure_pool")."""
+    [block] = [b for b in re.findall(r"```python\n(.*?)```", README.read_text(), re.DOTALL) if reading in b]
     return block
 
 
@@ -45,7 +46,7 @@ def test_the_readmes_clean_negatives_are_failed_attempts_not_backend_ok_and_judg
     monkeypatch.chdir(tmp_path)
 
     names: dict = {}
-    exec(reading_example(), names)
+    exec(readme_example("warehouse/failure_pool"), names)
 
     assert names["negatives"]["task_id"].tolist() == [
         "script-failed",
@@ -53,3 +54,26 @@ def test_the_readmes_clean_negatives_are_failed_attempts_not_backend_ok_and_judg
         "judge-said-not-blocked",
     ]
     assert names["kept"]["task_id"].tolist() == ["kept-task"]
+
+
+def test_the_readmes_verdict_queries_find_the_judge_contradicting_itself_and_the_sites_that_block(
+    tmp_path, monkeypatch
+):
+    judged = verdicts(
+        {"task_id": "contradicted", "site": "s1", "success": False},
+        {"task_id": "agreed", "site": "s1", "success": True},
+        {"task_id": "by-the-gate", "site": "s1"},  # the gate says nothing of success: null
+        {"task_id": "blocked-1", "site": "s2", "passed": False, "blocked": True},
+        {"task_id": "blocked-2", "site": "s2", "passed": False, "blocked": True},
+        {"task_id": "blocked-3", "site": "s3", "passed": False, "blocked": True},
+        {"task_id": "not-blocked", "site": "s3", "passed": False, "blocked": False},
+        {"task_id": "unjudged", "site": "s1", "passed": None, "status": STATUS_ERROR},
+    )
+    write_asset(tmp_path / "data", "judge_verdicts", "2026-11-28", judged)
+    monkeypatch.chdir(tmp_path)
+
+    names: dict = {"pd": pd}  # (imported by the README's first example)
+    exec(readme_example("warehouse/judge_verdicts"), names)
+
+    assert names["contradicted"]["task_id"].tolist() == ["contradicted"]
+    assert names["blocking"].to_dict() == {"s2": 2, "s3": 1}
