@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from filter_pipeline.rules.schemas import STATUS_ERROR, conform, parquet_bytes, to_arrow
+from filter_pipeline.rules.schemas import STATUS_ERROR, conform
+from filter_pipeline.shell.warehouse import encode
 from filter_pipeline_tests.builders import verdicts
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -22,7 +23,8 @@ def write_asset(data: Path, asset: str, run_id: str, frame: pd.DataFrame) -> Non
     """warehouse/<asset>/<run_id>.parquet with the asset's schema, as the IO manager writes it."""
     path = data / "warehouse" / asset / f"{run_id}.parquet"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(parquet_bytes(to_arrow(conform(frame.assign(run_id=run_id), asset), asset), asset).to_pybytes())
+    _, content = encode(conform(frame.assign(run_id=run_id), asset), asset)
+    path.write_bytes(content.to_pybytes())
 
 
 def pool_row(task_id: str, stage: str, backend_ok: bool | None = None, blocked: bool | None = None) -> dict:
