@@ -15,7 +15,7 @@ def add_parser(commands) -> None:
         description="Print a task's story: every attempt, the judged attempt's trajectory, the verdict, the "
         "walk's decision (kept, surplus and why, judge_fail, unjudged, execute failures only, reject), its DPO "
         "pair and labels. Exit 1 when the run or task does not exist or a file its story needs cannot be read; 2 when "
-        "the data root does not exist or has no runs/.",
+        "RUN_ID is not a plain folder name, or the data root does not exist or has no runs/.",
     )
     e.add_argument("run_id", metavar="RUN_ID")
     e.add_argument("task_id", metavar="TASK_ID")
@@ -26,7 +26,13 @@ def explain(args: argparse.Namespace) -> int:
     from filter_pipeline.cli.data_root import existing_root
     from filter_pipeline.review.data import ReviewError, UnreadableFile, Warehouse
     from filter_pipeline.review.story import Labels, story
+    from filter_pipeline.rules.batch import check_run_id
 
+    try:
+        check_run_id(args.run_id)
+    except ValueError as exc:  # (a path such as ../.. is a bad argument, not a run that is missing)
+        complain(str(exc))
+        return EXIT_BAD_INPUT
     root = existing_root(args.data)
     if root is None:
         return EXIT_BAD_INPUT

@@ -63,6 +63,13 @@ def test_explain_of_a_missing_run_or_task_exits_1_with_one_line(filtered_sample,
     assert done.returncode == 2 and len(done.stderr.splitlines()) == 1
 
 
+def test_explain_of_a_run_id_that_is_not_a_folder_name_exits_2_naming_it(filtered_sample):  # noqa: F811
+    for run_id in ("../..", "2026-11-28/../2026-11-29", ".hidden"):
+        done = explain(filtered_sample, run_id, "t")
+        assert done.returncode == 2 and done.stdout == "", done.stderr
+        assert done.stderr.startswith(f"filter-pipeline: run_id {run_id!r} is not a plain folder name"), done.stderr
+
+
 def test_explain_into_a_reader_that_stops_early_ends_quietly(filtered_sample):  # noqa: F811
     env = {**os.environ, "FILTER_PIPELINE_DATA": str(filtered_sample)}
     reader_gone = subprocess.Popen(
