@@ -6,8 +6,8 @@ holds what comes from our own generator outside the fence (the instruction, succ
 task's dedup key, macro and start kind) and, inside the fence, what comes from web pages and from the
 agent (its actions, the final URL and page text, its output). The answer format (v3) asks for the key points
 the final state must show, then the reasoning, then the parts of the verdict (success, side effects, looping,
-blocked, a score) and the verdict itself; any reply whose last JSON object has a boolean `passed` is a
-verdict (CONTRACT §3.3), with or without the parts.
+blocked, a score) and the verdict itself; any reply holding a JSON object with a boolean `passed` is a
+verdict (`replies.parse_reply` says which object; docs/contract.md §3), with or without the parts.
 """
 
 import base64

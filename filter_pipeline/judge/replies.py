@@ -60,9 +60,11 @@ def strip_reasoning(text: str) -> str:
 
 def parse_reply(text: str | None) -> Verdict | None:
     """The verdict in a model's reply: the LAST JSON object holding a boolean `passed` that is not inside another
-    such object (bare, in a ```json fence, inside prose or inside a wrapper object without `passed`), once
-    reasoning blocks are removed; objects after it without `passed` do not matter. `why` is optional ("" when
-    absent); other fields are allowed. None when the reply holds no such object."""
+    such object (bare, in a ```json fence, inside prose or inside a wrapper object without a boolean `passed`),
+    once reasoning blocks are removed; objects after it without `passed` do not matter. An object the reply ends
+    inside (cut off at the token limit) is unfinished: nothing nested in it is a verdict, as a criterion's
+    `passed` would otherwise stand for the verdict that was cut. `why` is optional ("" when absent); other
+    fields are allowed. None when the reply holds no such object."""
     if not text:
         return None
     thinking = _reasoning_blocks(text)
@@ -73,7 +75,9 @@ def parse_reply(text: str | None) -> Verdict | None:
     while i != -1:
         try:
             value, end = decoder.raw_decode(text, i)
-        except ValueError:
+        except json.JSONDecodeError as exc:
+            if _runs_to_the_end(text, exc):
+                break  # the reply ends inside this object: every `{` after it is nested in it
             i = text.find("{", i + 1)
             continue
         if isinstance(value, dict) and isinstance(value.get("passed"), bool):
@@ -86,6 +90,12 @@ def parse_reply(text: str | None) -> Verdict | None:
     value, start = found
     before = "\n\n".join(part for part in (thinking, text[:start].strip()) if part)
     return Verdict(value["passed"], _why(value.get("why")), read_parts(value, before))
+
+
+def _runs_to_the_end(text: str, error: json.JSONDecodeError) -> bool:
+    """Whether the JSON that failed to decode is valid up to the end of `text` (unfinished, not malformed): its
+    last string never closes, or nothing but whitespace follows where the decoder stopped."""
+    return error.msg.startswith("Unterminated string") or error.pos >= len(text.rstrip())
 
 
 def read_parts(value: dict, before: str = "") -> Parts:

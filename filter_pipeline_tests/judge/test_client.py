@@ -267,6 +267,11 @@ def test_a_reply_cut_off_at_the_token_limit():
     with FakeOpenAI(lambda call, n: cut) as server:
         [v] = judge_prompts([prompt("a")], settings(server))
     assert (v.status, v.requests) == ("error", 2) and "cut off at the token limit" in v.why
+    # cut inside a failing verdict whose criteria passed: repaired, never read as the criterion's pass
+    inside = Reply(content='{"criteria": [{"passed": true}], "passed": false, "why": "no ord', finish_reason="length")
+    with FakeOpenAI(sequence(inside, Reply(content=FAIL))) as server:
+        [v] = judge_prompts([prompt("a")], settings(server))
+    assert (v.passed, v.requests) == (False, 2)
 
 
 def test_reasoning_model_settings_send_max_completion_tokens_and_no_temperature():

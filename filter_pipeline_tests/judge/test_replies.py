@@ -56,6 +56,13 @@ from filter_pipeline.judge.replies import (
         ('{"passed": 1, "why": "x"}', None),
         ("The task was completed.", None),
         ('{"passed": true, "why": "unterminated', None),
+        # cut off inside the verdict: a criterion nested in it is not the verdict
+        ('{"passed": false, "criteria": [{"passed": true}], "reasoning": "the page sho', None),
+        ('{"passed": false, "criteria": [{"passed": true}, ', None),
+        ('{"verdict": {"passed": true, "why": "w"}, "notes": "cut', None),
+        ('{"passed": true, "why": "whole"} {"notes": "cut', Verdict(True, "whole")),  # cut after a whole verdict
+        ('a stray { brace, then {"passed": false, "why": "n"}', Verdict(False, "n")),  # malformed, not cut off
+        ('it said {"x": "abc, then {"passed": true, "why": "y"}', Verdict(True, "y")),
         ("", None),
         (None, None),
     ],
