@@ -15,8 +15,9 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 
 def readme_example(reading: str) -> str:
     """The README's Python block that reads the folder `reading` (e.g. "warehouse/failure_pool")."""
-    [block] = [b for b in re.findall(r"```python\n(.*?)```", README.read_text(), re.DOTALL) if reading in b]
-    return block
+    found = [b for b in re.findall(r"^```python\n(.*?)^```", README.read_text(), re.M | re.S) if reading in b]
+    assert len(found) == 1, f"README.md: {len(found)} python blocks read {reading}, expected one"
+    return found[0]
 
 
 def write_asset(data: Path, asset: str, run_id: str, frame: pd.DataFrame) -> None:

@@ -104,7 +104,8 @@ LEDGER_SPECS = [
     _spec(
         "dpo_pairs",
         "DPO pairs: chosen = a kept trajectory, rejected = a failed attempt of the same task that is a clean "
-        "negative (not backend_ok, not blocked by the site, not unjudged; judge failures only if configured).",
+        "negative (not backend_ok, not blocked by the site, not unjudged; a judge failure's task is never kept, so "
+        "execute failures are the negatives).",
         ["failure_pool", "kept"],
         group="training",
     ),

@@ -2,6 +2,7 @@
 
 import pandas as pd
 
+from filter_pipeline.judge.resource import gate_verdicts
 from filter_pipeline.rules import filtering
 from filter_pipeline.rules.dpo import dpo_pairs
 from filter_pipeline.rules.filtering import Caps
@@ -65,22 +66,23 @@ def test_judge_failures_are_paired_only_when_asked(tmp_path):
 
 def test_a_walks_own_judge_failures_never_pair_so_including_them_adds_nothing(tmp_path):
     """One verdict a task: a task whose verdict failed is never kept, so no kept row has a judge failure beside it."""
-    judged = verdicts(
-        {"task_id": "a"},
-        {"task_id": "b", "passed": False, "why": "wrong item", "votes": "0/1", "blocked": False},
-        {"task_id": "c", "passed": False, "why": "stopped midway", "votes": "0/1"},
-    )
-    b = parse(tmp_path, [task("a"), task("b"), task("c")], [attempt("a", 1, ok=False, error="boom")])
+    tasks = [task("a"), task("b"), task("c")]
+    attempts = [attempt("a", 1, ok=False, error="boom"), attempt("a", 2), attempt("b", 1), attempt("b", 2),
+                attempt("c", 1, ok=False, error="boom"), attempt("c", 2)]  # fmt: skip
+    b = parse(tmp_path, tasks, attempts)
+    asked = gate_verdicts(filtering.attempts_to_judge(b.tasks, b.attempts))
+    failed = asked["task_id"].isin(["b", "c"]).to_numpy()  # the judge fails b and c, whatever their attempts
+    judged = conform(asked.assign(passed=~failed, why=["", "wrong item", "stopped midway"]), "judge_verdicts")
     pool = pd.concat(
         [filtering.execute_failures(b.tasks, b.attempts), filtering.judge_failures(judged)], ignore_index=True
     )
     kept = filtering.walk_ledger(judged, conform(pd.DataFrame(), "prior_dedup_index"), counts(), Caps(3), "r").kept
 
-    asked, not_asked = dpo_pairs(kept, pool, include_judge_failures=True), dpo_pairs(kept, pool)
-    assert (pool["stage"] == "judge").sum() == 2
-    assert rows(asked.pairs, "task_id", "rejected_stage") == [["a", "execute"]]
-    assert asked.pairs.equals(not_asked.pairs)
-    assert not_asked.excluded["judge_fail_gate_passed"] == 0
+    with_judge_failures, without = dpo_pairs(kept, pool, include_judge_failures=True), dpo_pairs(kept, pool)
+    assert len(judged) == 3 and (pool["stage"] == "judge").sum() == 2
+    assert rows(with_judge_failures.pairs, "task_id", "rejected_stage") == [["a", "execute"]]
+    assert with_judge_failures.pairs.equals(without.pairs)
+    assert without.excluded["judge_fail_gate_passed"] == 0
 
 
 def test_a_blocked_attempt_is_never_a_negative_even_with_judge_failures_included(tmp_path):
