@@ -75,8 +75,8 @@ def parse_reply(text: str | None) -> Verdict | None:
     while i != -1:
         try:
             value, end = decoder.raw_decode(text, i)
-        except json.JSONDecodeError as exc:
-            if _runs_to_the_end(text, exc):
+        except ValueError as exc:  # (not JSON there, or an integer too long for Python)
+            if isinstance(exc, json.JSONDecodeError) and _runs_to_the_end(text, exc):
                 break  # the reply ends inside this object: every `{` after it is nested in it
             i = text.find("{", i + 1)
             continue

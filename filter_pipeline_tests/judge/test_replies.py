@@ -63,6 +63,7 @@ from filter_pipeline.judge.replies import (
         ('{"passed": true, "why": "whole"} {"notes": "cut', Verdict(True, "whole")),  # cut after a whole verdict
         ('a stray { brace, then {"passed": false, "why": "n"}', Verdict(False, "n")),  # malformed, not cut off
         ('it said {"x": "abc, then {"passed": true, "why": "y"}', Verdict(True, "y")),
+        ('{"n": ' + "1" * 5000 + '} {"passed": true, "why": "z"}', Verdict(True, "z")),  # too long for int: skipped
         ("", None),
         (None, None),
     ],
