@@ -140,7 +140,7 @@ def side_by_side(labels: pd.DataFrame, frames: tuple, candidate: pd.DataFrame, n
                          "in production)", candidate))  # fmt: skip
     lines = []
     for label, verdicts in compared:
-        table = calibration.calibration(calibration.resolve(labels, attempts, verdicts, tasks))
+        table = calibration.calibration(calibration.resolve(labels, attempts, production, tasks, verdicts))
         overall = table[table["site"] == calibration.ALL_SITES]
         if label != "production":
             overall = overall[overall["predictor"] == calibration.PREDICTOR_JUDGE]

@@ -12,6 +12,7 @@ import math
 import pandas as pd
 
 from filter_pipeline.rules.batch import jsonl_lines
+from filter_pipeline.rules.descriptions import markdown_cell
 from filter_pipeline.rules.schemas import CALIBRATION_MIN_LABELS, STATUS_JUDGED, conform
 
 LABELS_FILE = "labels.jsonl"
@@ -73,8 +74,9 @@ def latest_labels(
 ) -> pd.DataFrame:
     """The latest label of each labelled attempt, unsure ones (success null) dropped unless `unsure`: (run_id,
     task_id, dir, success, gate). A task label names the task's judged attempt (dir null when the task has none);
-    the gate passed an attempt it let through (`ok`), a task if it had an ok attempt, i.e. a verdict. Labels
-    matching nothing are dropped."""
+    the gate passed an attempt it let through (`ok`), a task if it had an ok attempt, i.e. a verdict. A dir that
+    attempts of several runs name is one attempt, the latest run's (in run_id order). Labels matching nothing
+    are dropped."""
     by_dir = labels[labels["dir"].notna()][["dir", "success", "line"]].merge(
         attempts[["run_id", "task_id", "dir", "ok"]], on="dir", how="inner"
     )
@@ -87,7 +89,8 @@ def latest_labels(
     by_task["gate"] = by_task["gate"].astype(object).fillna(False)
     both = pd.concat([by_dir, by_task], ignore_index=True)
     attempt = both["dir"].astype(object).where(both["dir"].notna(), both["run_id"] + "\0" + both["task_id"])
-    both = both.assign(attempt=attempt).sort_values("line", kind="stable").drop_duplicates("attempt", keep="last")
+    # (by run_id within a line: a dir several runs name is the latest run's attempt)
+    both = both.assign(attempt=attempt).sort_values(["line", "run_id"]).drop_duplicates("attempt", keep="last")
     both = both if unsure else both[both["success"].notna()]
     return both[["run_id", "task_id", "dir", "success", "gate"]].reset_index(drop=True)
 
@@ -115,13 +118,23 @@ RESOLVE_COLUMNS = {
 }
 
 
-def resolve(labels: pd.DataFrame, attempts: pd.DataFrame, verdicts: pd.DataFrame, tasks: pd.DataFrame) -> pd.DataFrame:
-    """Each labelled attempt's latest label with what the gate and the judge said: (site, success, gate, judge,
-    model, prompt_version); judge is <NA> where the judge did not see that attempt."""
+def resolve(
+    labels: pd.DataFrame,
+    attempts: pd.DataFrame,
+    verdicts: pd.DataFrame,
+    tasks: pd.DataFrame,
+    scored: pd.DataFrame | None = None,
+) -> pd.DataFrame:
+    """Each labelled attempt's latest label, once, with what the gate and the judge said of it: (site, success,
+    gate, judge, model, prompt_version); judge is <NA> where the judge did not see that attempt. `verdicts`:
+    production's, whose judged attempt of a task is what a task label labels; `scored`: the verdicts scored, when
+    not those (a candidate judge's, which may have judged several attempts of a task). A verdict counts for the
+    attempt of its own run: a dir two runs share is still one labelled attempt."""
     verdicts = verdicts.reindex(columns=RESOLVE_COLUMNS["judge_verdicts"])
+    scored = verdicts if scored is None else scored.reindex(columns=RESOLVE_COLUMNS["judge_verdicts"])
     both = latest_labels(labels, attempts, verdicts, tasks)
-    judged = verdicts[verdicts["status"] == STATUS_JUDGED][["dir", "passed", "model", "prompt_version"]]
-    both = both.merge(judged, on="dir", how="left").rename(columns={"passed": "judge"})
+    judged = scored[scored["status"] == STATUS_JUDGED][["run_id", "dir", "passed", "model", "prompt_version"]]
+    both = both.merge(judged, on=["run_id", "dir"], how="left").rename(columns={"passed": "judge"})
     both = both.merge(tasks[["run_id", "task_id", "site"]], on=["run_id", "task_id"], how="left")
     out = both[["site", "success", "gate", "judge", "model", "prompt_version"]].astype(
         {"success": "boolean", "gate": "boolean", "judge": "boolean"}
@@ -227,7 +240,7 @@ def markdown(table: pd.DataFrame) -> str:
     for row in table.to_dict("records"):
         warn = " ⚠" if row["n"] < CALIBRATION_MIN_LABELS else ""
         lines.append(
-            f"| {who(row)} | {row['site']} | {_share(row['precision'], row['precision_low'], row['precision_high'])} "
+            f"| {markdown_cell(who(row))} | {markdown_cell(row['site'])} | {_share(row['precision'], row['precision_low'], row['precision_high'])} "
             f"| {_share(row['recall'], row['recall_low'], row['recall_high'])} | {_share(row['kappa'])} "
             f"| {_share(row['f1'])} | {_share(row['pass_rate_gap'])} | {row['n']}{warn} |"
         )

@@ -1,6 +1,8 @@
 """What each output column means, shown beside it in the UI, the limits those texts name, and how any message
 is put on one line."""
 
+import pandas as pd
+
 # judge_verdicts.reasoning: the model's reasoning is kept up to this many characters
 REASONING_MAX_CHARS = 8000
 RAW_REPLY_MAX_CHARS = 500  # judge_verdicts.raw_replies: each reply cut to this many characters
@@ -13,6 +15,12 @@ CALIBRATION_MIN_LABELS = 50
 def one_line(text: object, max_chars: int | None = None) -> str:
     """`text` as one line: its whitespace runs (newlines included) made single spaces; cut to `max_chars`."""
     return " ".join(str(text).split())[:max_chars]
+
+
+def markdown_cell(value: object) -> str:
+    """`value` as the text of one markdown table cell: on one line (`one_line`), its `|` escaped (a bare one would
+    end the cell and shift the rest of the row); empty for a null."""
+    return "" if pd.isna(value) else one_line(value).replace("|", "\\|")
 
 
 # What each column means, shown beside it in the UI (every asset's `dagster/column_schema`). One entry per

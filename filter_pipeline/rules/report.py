@@ -12,6 +12,7 @@ import pandas as pd
 import pygal
 from pygal.style import Style
 
+from filter_pipeline.rules.descriptions import markdown_cell
 from filter_pipeline.rules.filtering import Caps, unjudged_count
 from filter_pipeline.rules.schemas import (
     DROPPED_REASONS,
@@ -227,12 +228,9 @@ def charts(f: Figures, top_sites: int = 15) -> dict[str, bytes]:
 
 
 def _table_md(frame: pd.DataFrame) -> str:
-    def cell(value) -> str:
-        return "" if pd.isna(value) else str(value).replace("|", "\\|")  # (a bare | would end the cell)
-
-    header = "| " + " | ".join(map(cell, frame.columns)) + " |"
+    header = "| " + " | ".join(map(markdown_cell, frame.columns)) + " |"
     rule = "|" + "---|" * len(frame.columns)
-    body = ["| " + " | ".join(map(cell, row)) + " |" for row in frame.itertuples(index=False)]
+    body = ["| " + " | ".join(map(markdown_cell, row)) + " |" for row in frame.itertuples(index=False)]
     return "\n".join([header, rule, *body])
 
 

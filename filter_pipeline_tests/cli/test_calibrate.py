@@ -268,3 +268,22 @@ def test_a_candidates_file_name_is_plain_and_never_hidden(model, version, name):
 
     judge = JudgeResource(kind="llm", llm=LLMJudgeConfig(base_url="http://x", model=model, prompt_version=version))
     assert candidate_name(judge) == name
+
+
+def test_a_task_label_scores_the_candidate_on_the_attempt_production_judged_only():
+    from filter_pipeline.cli.calibrate import side_by_side
+    from filter_pipeline.rules.calibration import parse_labels
+
+    # task t: attempt 1 failed (labelled a failure by dir), attempt 2 judged by production (labelled by task);
+    # a lenient candidate, asked about both, passes both: one of its two passes is wrong
+    labels, _ = parse_labels('{"dir": "t1", "success": false}\n{"run_id": "r", "task_id": "t", "success": true}\n')
+    tasks = pd.DataFrame({"run_id": ["r"], "task_id": ["t"], "site": ["s"]})
+    attempts = pd.DataFrame({"run_id": ["r", "r"], "task_id": ["t", "t"], "dir": ["t1", "t2"], "ok": [False, True]})
+    spend = {"requests": 1, "prompt_tokens": 0, "completion_tokens": 0, "cost": None}
+    production = pd.DataFrame({"run_id": ["r"], "task_id": ["t"], "dir": ["t2"], "passed": [True],
+                               "status": ["judged"], "model": ["m"], "prompt_version": ["v3"], **spend})  # fmt: skip
+    candidate = pd.DataFrame({"run_id": ["r", "r"], "task_id": ["t", "t"], "dir": ["t1", "t2"], "passed": [True, True],
+                              "status": ["judged"] * 2, "model": ["lenient"] * 2, "prompt_version": ["v3"] * 2,
+                              **spend})  # fmt: skip
+    every = [line for line in side_by_side(labels, (attempts, production, tasks), candidate, "c") if "every" in line]
+    assert len(every) == 1 and ": precision 0.50 [0.09, 0.91], recall 1.00" in every[0] and "on 2 labels" in every[0]

@@ -147,3 +147,36 @@ def test_the_gate_judges_rows_name_no_model_whether_its_verdicts_say_null_or_emp
         ["judge", None, None, 4],
         ["gate", None, None, 4],
     ]
+
+
+def test_a_task_label_names_productions_judged_attempt_when_the_scored_judge_saw_more_of_the_task():
+    # a candidate judge also judged d's failed attempt dd1, labelled a failure by dir; d's label by task names
+    # dd2, the attempt production judged, and no other
+    labels, _ = parse_labels('{"dir": "dd1", "success": false}\n{"run_id": "r", "task_id": "d", "success": true}\n')
+    tasks, attempts, verdicts = frames()
+    candidate = pd.DataFrame({"run_id": ["r", "r"], "task_id": ["d", "d"], "dir": ["dd1", "dd2"],
+                              "passed": pd.array([True, True], dtype="boolean"), "status": ["judged"] * 2})  # fmt: skip
+    resolved = resolve(labels, attempts, verdicts, tasks, scored=candidate)
+    assert rows(resolved, "success", "gate", "judge") == [[False, False, True], [True, True, True]]
+    overall = calibration(resolved).query("site == '(all)' and predictor == 'judge'")
+    assert rows(overall, "n", "tp", "fp") == [[2, 1, 1]]
+
+
+def test_a_dir_two_runs_share_is_one_labelled_attempt_scored_on_its_own_runs_verdict():
+    tasks, attempts, verdicts = frames()
+    # r2 holds a copy of r's batch: its attempts name the same dirs; its judge failed what r's passed
+    tasks, attempts = (pd.concat([f, f.assign(run_id="r2")], ignore_index=True) for f in (tasks, attempts))
+    verdicts = pd.concat([verdicts, verdicts.assign(run_id="r2", passed=~verdicts["passed"])], ignore_index=True)
+    labels, _ = parse_labels('{"dir": "da", "success": true}\n')
+    resolved = resolve(labels, attempts, verdicts, tasks)
+    assert rows(resolved, "success", "gate", "judge") == [[True, True, False]]  # once: r2's attempt, r2's verdict
+
+
+def test_a_site_with_a_bar_or_a_line_break_stays_in_its_own_markdown_cell():
+    tasks, attempts, verdicts = frames()
+    tasks = tasks.assign(site=["shop|eu", "shop|eu", "two\nlines", "two\nlines"])
+    labels, _ = parse_labels('{"dir": "da", "success": true}\n{"dir": "dc", "success": true}\n')
+    text = markdown(calibration(resolve(labels, attempts, verdicts, tasks)))
+    assert "| gate | shop\\|eu | 1.00 [0.21, 1.00] |" in text and "| gate | two lines | 1.00 [0.21, 1.00] |" in text
+    rows_of_table = [line for line in text.splitlines() if line.startswith("|")]
+    assert {line.replace("\\|", "").count("|") for line in rows_of_table} == {9}  # 8 cells each
