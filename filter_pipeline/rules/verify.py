@@ -3,7 +3,8 @@
 Every finding is one line naming the file or run, what is wrong and what to do:
 - a commit record that cannot be read, a committed file that is missing or changed (size, SHA-256);
 - a key kept by two non-retired runs (or twice by one);
-- a cap exceeded where a run kept rows, counting the history that run's walk read, with the caps it recorded;
+- a cap exceeded where a run kept rows, counting the history that run's walk read and any run whose walk and
+  its own never read each other, with the caps it recorded;
 - a run whose verdicts are not each kept, surplus, a judge failure or unjudged (conservation);
 - a kept file without a commit record (a walk stopped before committing);
 - a published walk stopped before moving all its files into place;
@@ -58,27 +59,41 @@ def capped(findings: list[Finding]) -> list[Finding]:
 def cap_findings(records: dict[str, CommitRecord], live: dict[str, pa.Table]) -> list[Finding]:
     """Where a committed run kept rows: its kept rows plus those of the runs its walk read as history (still
     non-retired), against the caps it recorded. Each run is counted per (macro, site) once; a run's prior is
-    the sum of the runs it read."""
+    the sum of the runs it read, and of any run whose walk and its own never read each other (two walks blind
+    to each other: one that stalled past its lease, a run retired at the other's walk and restored since)."""
     counts = {r: sum_counts([kept_pairs(t)]) for r, t in live.items() if t.num_rows}
     findings = []
     for run_id, record in records.items():
         if run_id not in counts:
             continue
         read_ids = sorted(set(record.history) & set(counts) - {run_id})
+        unseen = [
+            r for r in sorted(counts) if r != run_id and r not in record.history and not _read(records, r, run_id)
+        ]
         own = to_pandas(as_text(counts[run_id]))
-        prior = to_pandas(as_text(sum_counts([counts[r] for r in read_ids])))
+        prior = to_pandas(as_text(sum_counts([counts[r] for r in read_ids + unseen])))
         # runs committed again since this walk read them: their files now are not what it counted
         since = [r for r in read_ids if r in records and records[r].digest != record.history[r]]
-        findings += cap_lines(run_id, *over_caps(own, prior, Caps.recorded(record.caps)), since)
+        findings += cap_lines(run_id, *over_caps(own, prior, Caps.recorded(record.caps)), since, unseen)
     return findings
 
 
-def cap_lines(run_id: str, sites: pd.DataFrame, macros: pd.DataFrame, since: list[str]) -> list[Finding]:
+def _read(records: dict[str, CommitRecord], reader: str, run_id: str) -> bool:
+    """Whether the walk of `reader` read `run_id` as history (a legacy run, with no record, read none)."""
+    return reader in records and run_id in records[reader].history
+
+
+def cap_lines(
+    run_id: str, sites: pd.DataFrame, macros: pd.DataFrame, since: list[str], unseen: list[str] = ()
+) -> list[Finding]:
     """The cap findings of one run, from `filtering.over_caps`. `since`: the runs of its prior walked again
-    after it read them (the lines say so: the breach is theirs)."""
+    after it read them (the lines say so: the breach is theirs); `unseen`: the runs counted with it whose walks
+    and its own never read each other."""
     history = "the history it read"
     if since:
         history = f"its history as it is now ({', '.join(since)} walked again since it read them)"
+    if unseen:
+        history += f" and {', '.join(unseen)} (committed without either walk reading the other)"
     sites = sites.head(MAX_LINES_PER_KIND)
     return [
         Finding("cap", f"run {run_id}: {m}/{s} holds {total} kept rows with {history}, over its site cap {limit}")

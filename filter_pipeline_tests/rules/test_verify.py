@@ -33,13 +33,30 @@ def kept(*rows: tuple) -> pa.Table:
                      "macro": macros, "site": sites})  # fmt: skip
 
 
-def test_a_site_cap_is_checked_with_the_history_the_walk_read_and_not_with_runs_it_did_not():
-    r1 = record("r1", kept=2)
+def test_a_site_cap_is_checked_with_the_history_the_walk_read_and_not_with_a_later_run_whose_walk_read_it():
+    r1 = record("r1", caps={"per_site_cap": 2}, kept=2)
     live = {"r1": kept(("a", "k1", "m", "s"), ("b", "k2", "m", "s")), "r2": kept(("c", "k3", "m", "s"))}
     read_r1 = record("r2", caps={"per_site_cap": 2}, history={"r1": r1.digest}, kept=1)
-    [finding] = cap_findings({"r1": r1, "r2": read_r1}, live)
-    assert finding == Finding("cap", "run r2: m/s holds 3 kept rows with the history it read, over its site cap 2")
-    assert cap_findings({"r1": r1, "r2": record("r2", caps={"per_site_cap": 2}, kept=1)}, live) == []  # (read none)
+    # r1, walked first, within its cap: r2's walk read it, so r2 alone answers for the third row
+    assert cap_findings({"r1": r1, "r2": read_r1}, live) == [
+        Finding("cap", "run r2: m/s holds 3 kept rows with the history it read, over its site cap 2")
+    ]
+
+
+def test_two_walks_that_never_read_each_other_are_each_checked_with_the_other():
+    # a walk that stalled past its lease before its publish, while another walk committed another run: neither
+    # read the other, and together they break the cap neither breaks alone
+    live = {"r0": kept(("a", "k1", "m", "s")), "r1": kept(("b", "k2", "m", "s")), "r2": kept(("c", "k3", "m", "s"))}
+    r1 = record("r1", kept=1)
+    r0 = record("r0", caps={"per_site_cap": 2}, history={"r1": r1.digest}, kept=1)
+    r2 = record("r2", caps={"per_site_cap": 2}, history={"r1": r1.digest}, kept=1)
+    blind = "committed without either walk reading the other"
+    assert [f.line for f in cap_findings({"r0": r0, "r1": r1, "r2": r2}, live)] == [
+        f"run r0: m/s holds 3 kept rows with the history it read and r2 ({blind}), over its site cap 2",
+        f"run r2: m/s holds 3 kept rows with the history it read and r0 ({blind}), over its site cap 2",
+    ]
+    r2_read_both = record("r2", caps={"per_site_cap": 3}, history={"r0": r0.digest, "r1": r1.digest}, kept=1)
+    assert cap_findings({"r0": r0, "r1": r1, "r2": r2_read_both}, live) == []  # the later walk read the earlier
 
 
 def test_a_breach_made_by_a_run_walked_again_since_is_said_to_be_its():

@@ -77,17 +77,32 @@ def test_a_cap_exceeded_with_the_history_a_run_read_is_found_with_its_recorded_c
     committed_run(tmp_path, "r1", [("a", ["k", 1], "m", "s")])
     r1 = read_commits(UPath(tmp_path) / "warehouse")["r1"].digest  # the record r2 and r4 read
     committed_run(tmp_path, "r2", [("b", ["k", 2], "m", "s")], history={"r1": r1}, caps={"per_site_cap": 1, "caps": {}})
-    committed_run(tmp_path, "r3", [("c", ["k", 3], "m", "s")], caps={"per_site_cap": 1, "caps": {}})  # read no history
+    r2 = read_commits(UPath(tmp_path) / "warehouse")["r2"].digest
     committed_run(
         tmp_path,
         "r4",
         [("d", ["k", 4], "n", "s")],
-        history={"r1": r1},
+        history={"r1": r1, "r2": r2},
         caps={"per_site_cap": 9, "caps": {"n": {"target": 0}}},
     )
     assert lines(tmp_path) == [
         "run r2: m/s holds 2 kept rows with the history it read, over its site cap 1",
         "run r4: macro n holds 1 kept rows with the history it read, over its target 0",
+    ]
+
+
+def test_a_run_restored_from_retired_json_is_counted_with_the_runs_walked_while_it_was_retired(tmp_path):
+    cap = {"per_site_cap": 2, "caps": {}}
+    committed_run(tmp_path, "r1", [("a", ["k", 1], "m", "s"), ("b", ["k", 2], "m", "s")], caps=cap)
+    (tmp_path / "retired.json").write_text(json.dumps([{"run_id": "r1", "task_ids": None, "reason": "bad site"}]))
+    # r1 retired as a whole when r2 walked: r2's history does not hold it, and r1's walk never read r2
+    committed_run(tmp_path, "r2", [("c", ["k", 3], "m", "s"), ("d", ["k", 4], "m", "s")], caps=cap)
+    assert lines(tmp_path) == []
+    (tmp_path / "retired.json").unlink()
+    blind = "committed without either walk reading the other"
+    assert lines(tmp_path) == [
+        f"run r1: m/s holds 4 kept rows with the history it read and r2 ({blind}), over its site cap 2",
+        f"run r2: m/s holds 4 kept rows with the history it read and r1 ({blind}), over its site cap 2",
     ]
 
 
