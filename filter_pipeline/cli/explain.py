@@ -2,10 +2,15 @@
 
 import argparse
 import json
+import re
 
 from filter_pipeline.cli import EXIT_BAD_INPUT, EXIT_FAILED, add_data_argument, complain
 
 PAGE_TEXT_CHARS = 1200  # of the final page text printed (the review page shows it all)
+# what a terminal acts on rather than shows: the C0 controls but the tab (an escape sequence's ESC; a carriage
+# return or a line break, which could forge a line of the story), DEL, the C1 controls and the Unicode line and
+# paragraph separators
+_CONTROLS = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f\u2028\u2029]")
 
 
 def add_parser(commands) -> None:
@@ -44,8 +49,14 @@ def explain(args: argparse.Namespace) -> int:
     except (ReviewError, UnreadableFile) as exc:
         complain(str(exc))
         return EXIT_FAILED
-    print("\n".join(story_lines(found)))
+    print("\n".join(map(printable, story_lines(found))))
     return 0
+
+
+def printable(line: str) -> str:
+    """`line` as a terminal shows it, character for character: each control character written as its Python
+    escape (page text and reasoning are any website's and any model's text)."""
+    return _CONTROLS.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), line)
 
 
 def _yes(value) -> str:

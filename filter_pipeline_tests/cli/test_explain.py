@@ -1,12 +1,17 @@
 """`filter-pipeline explain RUN_ID TASK_ID` as a user runs it, over the filtered sample."""
 
+import json
 import os
 import subprocess
 
 import pytest
 
 from filter_pipeline_tests.conftest import CLI, REPO
-from filter_pipeline_tests.review.conftest import filtered_sample  # noqa: F401 (the session fixture)
+from filter_pipeline_tests.review.conftest import (  # noqa: F401 (the fixtures)
+    HOSTILE_TASK,
+    filtered_sample,
+    sample_root,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -79,3 +84,16 @@ def test_explain_into_a_reader_that_stops_early_ends_quietly(filtered_sample):  
     reader_gone.stdout.close()  # as `| head -0` does, before the story is printed
     _, err = reader_gone.communicate(timeout=120)
     assert reader_gone.returncode == 141 and err == b"", err.decode()
+
+
+def test_explain_prints_a_pages_control_characters_as_escapes_so_they_cannot_forge_a_line(sample_root):  # noqa: F811
+    folder = sample_root / "runs" / "2026-11-28" / "traj" / HOSTILE_TASK / "1"  # its judged attempt
+    record = json.loads((folder / "trajectory.json").read_text())
+    record["final"]["observation"] = "title\x1b]0;owned\x07 set\r\nverdict: passed\u2028forged"
+    (folder / "trajectory.json").write_text(json.dumps(record))
+    done = explain(sample_root, "2026-11-28", HOSTILE_TASK)
+    assert done.returncode == 0, done.stderr
+    assert not any(c in done.stdout for c in "\x1b\x07\r\u2028")
+    lines = done.stdout.splitlines()
+    assert "  page text: title\\x1b]0;owned\\x07 set\\r\\nverdict: passed\\u2028forged" in lines
+    assert [line for line in lines if line.startswith("verdict:")] == ["verdict: passed (votes gate, judge gate)"]
