@@ -11,6 +11,7 @@ cannot walk out of order either.
 """
 
 import json
+import re
 import time
 from collections.abc import Callable, Iterable
 
@@ -39,7 +40,7 @@ from filter_pipeline.shell.jobs import (
     rejudge_job,
 )
 from filter_pipeline.shell.ledger import LEDGER_SPECS
-from filter_pipeline.shell.waiting import walks_of
+from filter_pipeline.shell.waiting import DEFERRED_TAG, walks_of
 from filter_pipeline.shell.warehouse import DataRoot
 from filter_pipeline.storage import failures
 from filter_pipeline.storage.history import load_retired, read_commits
@@ -161,19 +162,37 @@ def in_flight_partitions(instance: dg.DagsterInstance, registered: list[str]) ->
 
 
 LEDGER_KEY_SUFFIX = ":ledger"
+# the run keys of the sensor's ledger runs: <lowest run_id walked>:ledger, then :ledger:2, :ledger:3 after runs
+# from there that deferred their walk
+_LEDGER_KEY = re.compile(r"[^:]+:ledger(?::[0-9]+)?")
 
 
-def ledger_run_key(run_id: str) -> str:
-    """The run key of the sensor's ledger run whose walk starts at `run_id` (the lowest it walks): a tick that
-    evaluates again never launches a second run from the same start, however many batches it would cover."""
-    return f"{run_id}{LEDGER_KEY_SUFFIX}"
+def ledger_run_key(run_id: str, deferred: int = 0) -> str:
+    """The run key of the sensor's ledger run whose walk starts at `run_id` (the lowest it walks), after
+    `deferred` runs from there that deferred their walk: a tick that evaluates again never launches a second
+    run from the same start, and a run that deferred is followed by one of its own (Dagster launches a run key
+    once)."""
+    return f"{run_id}{LEDGER_KEY_SUFFIX}" + (f":{deferred + 1}" if deferred else "")
 
 
-def ledger_request(run_ids: list[str], registration_order: list[str]) -> dg.RunRequest:
+def next_ledger_key(instance: dg.DagsterInstance, run_id: str) -> str:
+    """The key of the sensor's next ledger run from `run_id`: the first `ledger_run_key` of it whose run, if
+    any, did not defer its walk (the sensor asks for a walk from there only when no run of it is in flight or
+    failed, so a run under that key deferred, or there is none)."""
+    deferred = 0
+    while True:
+        key = ledger_run_key(run_id, deferred)
+        found = instance.get_run_records(dg.RunsFilter(tags={RUN_KEY_TAG: key}), limit=1)
+        if not found or DEFERRED_TAG not in found[0].dagster_run.tags:
+            return key
+        deferred += 1
+
+
+def ledger_request(run_ids: list[str], registration_order: list[str], key: str) -> dg.RunRequest:
     """One ledger run for `run_ids` (consecutive in registration order, see `registered_block`), walked in
-    run_id order; each is named for its first walk (FIRST_WALK_TAG, which the UI shows: which runs it walks)."""
+    run_id order, under the run key `key` (`next_ledger_key`); each is named for its first walk
+    (FIRST_WALK_TAG, which the UI shows: which runs it walks)."""
     tags = first_walk_tags(run_ids)  # (plan_tick walks only batches not yet filtered)
-    key = ledger_run_key(run_ids[0])
     if len(run_ids) == 1:
         return dg.RunRequest(job_name=LEDGER_JOB, partition_key=run_ids[0], run_key=key, tags=tags)
     position = {r: i for i, r in enumerate(registration_order)}
@@ -194,10 +213,11 @@ def stopped_at(run_ids: list[str], commits: dict[str, CommitRecord], ended: floa
 
 def failed_ledger_runs(instance: dg.DagsterInstance, waiting: list[str], commits: dict[str, CommitRecord]) -> set[str]:
     """Waiting run_ids (none of them in flight) that a finished sensor ledger run stopped at without filtering:
-    the first of a run's walks it did not commit, found from the runs that started at a waiting run_id (any
-    status: a run that deferred its walk succeeds) and from every failed or canceled one (a ranged run may
-    have committed the first runs of its range). The run_ids after it in its range were not tried: they are
-    walked again once it is filtered."""
+    the first of a run's walks it did not commit, found from the runs that started at a waiting run_id and
+    from every failed or canceled one (a ranged run may have committed the first runs of its range). The
+    run_ids after it in its range were not tried: they are walked again once it is filtered. A run that
+    deferred its walk (it succeeds, tagged DEFERRED_TAG) stopped nowhere: the sensor's next ledger run walks
+    its batches once the lower ones are walked (`next_ledger_key`)."""
     if not waiting:
         return set()
     started = instance.get_run_records(dg.RunsFilter(tags={RUN_KEY_TAG: [ledger_run_key(r) for r in waiting]}))
@@ -208,10 +228,12 @@ def failed_ledger_runs(instance: dg.DagsterInstance, waiting: list[str], commits
     found = set()
     for record in [*started, *broken]:
         tags = record.dagster_run.tags
-        if record.dagster_run.status in NOT_FINISHED_STATUSES or not tags.get(RUN_KEY_TAG, "").endswith(
-            LEDGER_KEY_SUFFIX
+        if (
+            record.dagster_run.status in NOT_FINISHED_STATUSES
+            or not _LEDGER_KEY.fullmatch(tags.get(RUN_KEY_TAG, ""))
+            or DEFERRED_TAG in tags
         ):
-            continue  # in flight, or not the sensor's ledger run (a launchpad run, a backfill's, a judge run)
+            continue  # in flight, deferred, or not the sensor's ledger run (the launchpad's, a backfill's, a judge run)
         ended = record.end_time or record.update_timestamp.timestamp()
         stop = stopped_at(sorted(walks_of(tags)), commits, ended)
         if stop in waiting:
@@ -410,7 +432,8 @@ def build_batch_sensor() -> dg.SensorDefinition:
         description=f"Registers each complete batch (runs/<run_id>/{SUCCESS_FILE}) as a run_id partition and "
         "launches its judge run (run_key = run_id); then one ledger run at a time for every judged batch waiting "
         f"in a row from the lowest run_id on (up to {LEDGER_RANGE_LIMIT}), walked in run_id order (run_key = "
-        f"{ledger_run_key('<lowest run_id>')}; the tag {FIRST_WALK_TAG} lists them). Batches already filtered "
+        f"{ledger_run_key('<lowest run_id>')}, then {ledger_run_key('<lowest run_id>', 1)} and on after a run "
+        f"from there deferred its walk; the tag {FIRST_WALK_TAG} lists them). Batches already filtered "
         "(committed, or a legacy kept file) are registered, never re-run; legacy ones, and committed ones this "
         "instance has no record of (walked by the CLI or another deployment), are recorded as materialized. "
         "Filtered runs that left tasks unjudged are judged and walked again, with a backoff and a cap on tries. "
@@ -427,7 +450,7 @@ def build_batch_sensor() -> dg.SensorDefinition:
         to_register, to_judge, to_walk, why, busy, registration_order = plan
         requests = [dg.RunRequest(job_name=JUDGE_JOB, partition_key=r, run_key=r) for r in to_judge]
         if to_walk:
-            requests.append(ledger_request(to_walk, registration_order))
+            requests.append(ledger_request(to_walk, registration_order, next_ledger_key(context.instance, to_walk[0])))
         # (a changed batch is re-filtered only when named: re-judging would parse its new files)
         changed = {b.run_id for b in batches if b.changed}
         left_alone = busy | set(to_walk) | set(to_judge) | changed | retired

@@ -2,6 +2,8 @@
 out of order on one instance, a ranged (single-run backfill) step, a blocked step that retries while the lower
 run walks, and one that gives up with one line."""
 
+import json
+import os
 import shutil
 import threading
 import time
@@ -14,9 +16,9 @@ from upath import UPath
 from filter_pipeline.cli.materialize import _failure_reason
 from filter_pipeline.definitions import build_defs
 from filter_pipeline.judge.resource import JudgeResource
-from filter_pipeline.settings import ORDER_MAX_WAIT_SECONDS_ENV, ORDER_RETRY_SECONDS_ENV
+from filter_pipeline.settings import ORDER_MAX_WAIT_SECONDS_ENV, ORDER_QUEUED_SECONDS_ENV, ORDER_RETRY_SECONDS_ENV
 from filter_pipeline.shell.jobs import PARTITION_TAG, RANGE_END_TAG, RANGE_START_TAG
-from filter_pipeline.shell.waiting import ORDER_MAX_WAIT_TAG
+from filter_pipeline.shell.waiting import DEFERRED_TAG, ORDER_MAX_WAIT_TAG
 from filter_pipeline.storage.failures import read_failures
 from filter_pipeline_tests.builders import attempt, task, write_batch
 
@@ -214,6 +216,36 @@ def test_when_the_wait_runs_out_the_step_fails_with_one_line_naming_the_run(inst
     # a launcher that waits for nothing (the CLI) tags its runs: the line names the tag, not the setting
     untried = run_job(defs, instance, "ledger_job", "b1", tags={ORDER_MAX_WAIT_TAG: "0"})
     assert f"gave up without waiting (this run's tag {ORDER_MAX_WAIT_TAG})" in _failure_reason(untried)
+
+
+@pytest.mark.slow
+def test_a_run_that_waits_for_nothing_fails_naming_the_run_even_when_that_run_is_stuck_in_the_queue(
+    data_root, dagster_home, monkeypatch
+):
+    import subprocess
+
+    from filter_pipeline_tests.conftest import REPO
+
+    monkeypatch.setenv(ORDER_QUEUED_SECONDS_ENV, "0")
+    overlapping(data_root, ["b0", "b1"])
+    defs = defs_for(data_root)
+    with dg.DagsterInstance.from_config(str(dagster_home)) as instance:
+        instance.add_dynamic_partitions("run_id", ["b0", "b1"])
+        assert run_job(defs, instance, "judge_job", "b1").success
+    # b0's judge run, submitted as the UI or the sensor submits it: queued, no daemon to give it a slot
+    env = {**os.environ, "DAGSTER_HOME": str(dagster_home), "FILTER_PIPELINE_DATA": str(data_root)}
+    launch = [str(REPO / ".venv" / "bin" / "dagster"), "job", "launch", "-m", "filter_pipeline.definitions",
+              "-j", "judge_job", "--tags", json.dumps({PARTITION_TAG: "b0"})]  # fmt: skip
+    subprocess.run(launch, env=env, cwd=REPO, capture_output=True, check=True, timeout=120)
+    with dg.DagsterInstance.from_config(str(dagster_home)) as instance:
+        [queued] = instance.get_run_records(dg.RunsFilter(statuses=[dg.DagsterRunStatus.QUEUED]))
+        assert queued.dagster_run.tags[PARTITION_TAG] == "b0"
+        deferred = run_job(defs, instance, "ledger_job", "b1")  # a run that would wait lets its slot go to b0's
+        assert deferred.success and DEFERRED_TAG in instance.get_run_by_id(deferred.run_id).tags
+        untried = run_job(defs, instance, "ledger_job", "b1", tags={ORDER_MAX_WAIT_TAG: "0"})  # as the CLI tags it
+        assert not untried.success and DEFERRED_TAG not in instance.get_run_by_id(untried.run_id).tags
+        assert _failure_reason(untried).startswith("step ledger: the first walk of b1 waits for b0: ")
+    assert not (data_root / "warehouse" / "kept" / "b1.parquet").exists()
 
 
 def test_a_batch_that_fails_validation_is_recorded_and_holds_later_ones_back_no_longer(

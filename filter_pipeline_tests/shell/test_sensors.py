@@ -10,6 +10,7 @@ import pytest
 from filter_pipeline.rules.batch import BatchState
 from filter_pipeline.shell.jobs import FIRST_WALK_TAG, RANGE_END_TAG, RANGE_START_TAG
 from filter_pipeline.shell.sensors import LEDGER_RANGE_LIMIT, build_batch_sensor, plan_tick, registered_block
+from filter_pipeline.shell.waiting import DEFERRED_TAG
 from filter_pipeline.shell.warehouse import DataRoot
 from filter_pipeline.storage.runs import complete_batches
 from filter_pipeline_tests.builders import (
@@ -265,6 +266,23 @@ def test_sensor_sees_runs_in_flight_and_failed_ledger_runs_in_the_instance(insta
     assert requests(tick(instance, data_root)) == []
     (data_root / "retired.json").write_text('[{"run_id": "b1", "reason": "x"}, {"run_id": "b2", "reason": "x"}]')
     assert requests(tick(instance, data_root)) == [("ledger_job", "b3", "b3:ledger")]
+
+
+def test_a_sensor_ledger_run_that_deferred_its_walk_is_followed_by_one_of_its_own(instance, data_root):
+    for run_id in ("b1", "b2"):
+        write_batch(data_root, run_id, [task("a")], [attempt("a")])
+        judged(data_root, run_id)
+    instance.add_dynamic_partitions("run_id", ["b2", "b1"])
+    # b2's ledger run, launched before b1 arrived, let its slot go to b1's queued judge run and deferred
+    deferred = {"dagster/partition": "b2", "dagster/run_key": "b2:ledger", DEFERRED_TAG: "waits for b1; deferred"}
+    run_in_instance(instance, tags=deferred, status=dg.DagsterRunStatus.SUCCESS)
+    write_kept(data_root, "b1", ("a", ["k1"], "m", "s"))  # b1 walked since
+    assert requests(tick(instance, data_root)) == [("ledger_job", "b2", "b2:ledger:2")]
+    run_in_instance(instance, tags={**deferred, "dagster/run_key": "b2:ledger:2"}, status=dg.DagsterRunStatus.SUCCESS)
+    assert requests(tick(instance, data_root)) == [("ledger_job", "b2", "b2:ledger:3")]  # (deferred again)
+    failed = {"dagster/partition": "b2", "dagster/run_key": "b2:ledger:3"}
+    run_in_instance(instance, tags=failed, status=dg.DagsterRunStatus.FAILURE)
+    assert requests(tick(instance, data_root)) == []  # a ledger run that failed holds b2 until it is handled
 
 
 def test_a_ranged_run_in_flight_makes_every_partition_of_its_range_busy(instance, data_root):
