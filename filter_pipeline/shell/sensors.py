@@ -89,19 +89,23 @@ def plan_tick(
     failed_ledger: set[str],
     failed: Iterable[str] = (),
     retired: Iterable[str] = (),
+    never_run: Iterable[str] = (),
 ) -> tuple[list[str], list[str], list[str], str]:
     """Decide one tick: (run_ids to register, run_ids to judge, run_ids whose ledger to walk, why).
 
     `busy`: run_ids with a queued or running run; `failed_ledger`: run_ids a ledger run stopped at without
-    filtering them; `failed`: runs with a recorded validation failure; `retired`: runs retired as a whole. A
-    batch already filtered is registered but never re-run. The ledger walks the judged batches waiting in a
+    filtering them; `failed`: runs with a recorded validation failure; `retired`: runs retired as a whole;
+    `never_run`: registered run_ids no run was ever launched for (registered by a `materialize` that was
+    interrupted, or by hand in the UI), judged as a new batch is. A batch already filtered is registered but
+    never re-run. The ledger walks the judged batches waiting in a
     row from the lowest pending run_id on (at most LEDGER_RANGE_LIMIT), and only when nothing lower is pending
     (the order rule); a lower batch whose run failed holds the rest back until it is materialized again,
     retired, or its validation failure is recorded.
     """
     skipped = set(failed) | set(retired)
     to_register = [b.run_id for b in batches if b.run_id not in registered]
-    to_judge = [b.run_id for b in batches if b.run_id not in registered and not b.filtered and not b.judged]
+    new = set(never_run) | {b.run_id for b in batches if b.run_id not in registered}
+    to_judge = [b.run_id for b in batches if b.run_id in new and not b.filtered and not b.judged]
     ready: list[str] = []
     for b in batches:
         if b.filtered or b.run_id in skipped:
@@ -209,6 +213,14 @@ def stopped_at(run_ids: list[str], commits: dict[str, CommitRecord], ended: floa
         if record is None or record.walked_timestamp > ended:
             return run_id
     return None
+
+
+def runless(instance: dg.DagsterInstance, run_ids: list[str]) -> set[str]:
+    """Those of `run_ids` that no run of this instance was ever launched for (by its partition tag)."""
+    if not run_ids:
+        return set()
+    tried = instance.get_run_records(dg.RunsFilter(tags={PARTITION_TAG: run_ids}))
+    return set(run_ids) - {r.dagster_run.tags.get(PARTITION_TAG) for r in tried}
 
 
 def failed_ledger_runs(instance: dg.DagsterInstance, waiting: list[str], commits: dict[str, CommitRecord]) -> set[str]:
@@ -409,8 +421,15 @@ def plan_ledger(
     failed_ledger = failed_ledger_runs(context.instance, waiting, commits)
     for r in sorted(failed_ledger):
         context.log.warning(f"ledger run for {r} ended without filtering it; materialize it by hand")
+    never_run = runless(context.instance, [b.run_id for b in batches if b.run_id in set(waiting) - set(retired)])
     plan = plan_tick(
-        batches, set(registration_order), busy, failed_ledger, failures.read_failures(data.warehouse), retired
+        batches,
+        set(registration_order),
+        busy,
+        failed_ledger,
+        failures.read_failures(data.warehouse),
+        retired,
+        never_run,
     )
     to_register, to_judge, ready, why = plan
     to_walk = registered_block(ready, registration_order)
@@ -430,7 +449,7 @@ def build_batch_sensor() -> dg.SensorDefinition:
         minimum_interval_seconds=SENSOR_INTERVAL_SECONDS,
         default_status=dg.DefaultSensorStatus.RUNNING,
         description=f"Registers each complete batch (runs/<run_id>/{SUCCESS_FILE}) as a run_id partition and "
-        "launches its judge run (run_key = run_id); then one ledger run at a time for every judged batch waiting "
+        "launches its judge run (run_key = run_id), as it does for a registered batch no run was ever launched for; then one ledger run at a time for every judged batch waiting "
         f"in a row from the lowest run_id on (up to {LEDGER_RANGE_LIMIT}), walked in run_id order (run_key = "
         f"{ledger_run_key('<lowest run_id>')}, then {ledger_run_key('<lowest run_id>', 1)} and on after a run "
         f"from there deferred its walk; the tag {FIRST_WALK_TAG} lists them). Batches already filtered "
