@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from filter_pipeline.judge.prompt import prompt_of
 from filter_pipeline.judge.rate import EndpointRefused, RateController, TaskBudget, Unanswered
-from filter_pipeline.judge.replies import Choice, Parts, parse_reply, strip_reasoning
+from filter_pipeline.judge.replies import NO_CHOICES, Choice, Parts, parse_reply, strip_reasoning
 from filter_pipeline.judge.transport import JudgeSetupError, Rejected, Transport, ssl_context
 from filter_pipeline.rules.schemas import (
     RAW_REPLY_MAX_CHARS,
@@ -182,6 +182,8 @@ class JudgeClient:
             choices = await self._ask(messages, task, n=n)
         except Unanswered as exc:
             return [Vote(error=str(exc))] * n
+        if choices[0].withheld == NO_CHOICES:  # the request itself refused: so is every sample, and n is not known
+            return [await self._read(messages, choices[0], task)] * n
         if len(choices) >= n:
             self.n_ok = True
         elif self.n_ok is None:  # the server ignores n, or took the request only without it; but once n worked, a
@@ -204,9 +206,7 @@ class JudgeClient:
         if verdict is not None:
             return Vote(verdict.passed, verdict.why, parts=verdict.parts)
         if choice.refused:  # no repair request: it would be declined the same way, and paid for
-            said = self.config.redacted(choice.refusal or "", REFUSAL_MAX_CHARS, single_line=True)
-            how = f": {said}" if said else " (finish_reason content_filter)"
-            return Vote(error=f"the judge model refused to answer{how}")
+            return Vote(error=self._refusal(choice))
         said = strip_reasoning(choice.text or "").strip()
         follow_up = [*messages, *([{"role": "assistant", "content": said}] if said else [])]
         follow_up.append({"role": "user", "content": REPAIR_PROMPT})
@@ -225,6 +225,18 @@ class JudgeClient:
             return Vote(verdict.passed, verdict.why, parts=verdict.parts)
         again = "was cut off too" if repaired.cut_off else "held none either"
         return Vote(error=f"{trouble}; the repair request {again}")
+
+    def _refusal(self, choice: Choice) -> str:
+        """The why of a refused vote: the model's own words, else what the completion withheld and its
+        finish_reason."""
+        said = self.config.redacted(choice.refusal or "", REFUSAL_MAX_CHARS, single_line=True)
+        if said:
+            return f"the judge model refused to answer: {said}"
+        how = [choice.withheld] if choice.withheld else []
+        reason = choice.finish_reason
+        if isinstance(reason, str) and reason.strip():
+            how.append(f"finish_reason {self.config.redacted(reason, REFUSAL_MAX_CHARS, single_line=True)}")
+        return "the judge model refused to answer" + (f" ({', '.join(how)})" if how else "")
 
     def _rejects_5xx(self, body: dict) -> bool:
         """A 5xx to a request asking n > 1 samples, before n ever worked, rejects n (llama.cpp answers 500; a

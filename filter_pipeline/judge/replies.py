@@ -63,8 +63,10 @@ def parse_reply(text: str | None) -> Verdict | None:
     such object (bare, in a ```json fence, inside prose or inside a wrapper object without a boolean `passed`),
     once reasoning blocks are removed; objects after it without `passed` do not matter. An object the reply ends
     inside (cut off at the token limit) is unfinished: nothing nested in it is a verdict, as a criterion's
-    `passed` would otherwise stand for the verdict that was cut. `why` is optional ("" when absent); other
-    fields are allowed. None when the reply holds no such object."""
+    `passed` would otherwise stand for the verdict that was cut; and when it names the key `"passed"` it was
+    the last verdict, cut, so the reply holds none (an earlier one, such as the answer format quoted, is not
+    the answer). `why` is optional ("" when absent); other fields are allowed. None when the reply holds no
+    such object."""
     if not text:
         return None
     thinking = _reasoning_blocks(text)
@@ -75,8 +77,10 @@ def parse_reply(text: str | None) -> Verdict | None:
     while i != -1:
         try:
             value, end = decoder.raw_decode(text, i)
-        except ValueError as exc:  # (not JSON there, or an integer too long for Python)
+        except (ValueError, RecursionError) as exc:  # (not JSON there, an integer too long, nesting too deep)
             if isinstance(exc, json.JSONDecodeError) and _runs_to_the_end(text, exc):
+                if '"passed"' in text[i:]:
+                    return None  # the verdict was cut: one before it (the answer format quoted) is not the answer
                 break  # the reply ends inside this object: every `{` after it is nested in it
             i = text.find("{", i + 1)
             continue
@@ -94,8 +98,20 @@ def parse_reply(text: str | None) -> Verdict | None:
 
 def _runs_to_the_end(text: str, error: json.JSONDecodeError) -> bool:
     """Whether the JSON that failed to decode is valid up to the end of `text` (unfinished, not malformed): its
-    last string never closes, or nothing but whitespace follows where the decoder stopped."""
-    return error.msg.startswith("Unterminated string") or error.pos >= len(text.rstrip())
+    last string never closes, or what follows where the decoder stopped is, but for whitespace, the start of
+    the value the reply ended in (`fal`, `-`, `1e`, `\\u00`) or nothing."""
+    rest = text[error.pos :].rstrip()
+    return (
+        error.msg.startswith("Unterminated string")
+        or any(literal.startswith(rest) for literal in _LITERALS)
+        or bool(_CUT_TAIL.fullmatch(rest))
+    )
+
+
+_LITERALS = ("true", "false", "null", "NaN", "Infinity", "-Infinity")  # (Python's json reads the last three too)
+# A number's tail (`1.`, `1e+`) and a \u escape's digits, where the decoder stops when the reply ends in them (at a
+# whole escape too: it looks past one for a surrogate's pair).
+_CUT_TAIL = re.compile(r"[.eE][-+]?|u[0-9a-fA-F]{0,4}")
 
 
 def read_parts(value: dict, before: str = "") -> Parts:
@@ -137,6 +153,7 @@ class Choice:
     text: str | None  # the message content; reasoning_content / reasoning fields are never read
     finish_reason: str | None
     refusal: str | None = None  # the message's `refusal` text (a model declining a structured answer)
+    withheld: str | None = None  # what the completion holds instead of a message: NO_MESSAGE or NO_CHOICES
 
     @property
     def cut_off(self) -> bool:
@@ -144,9 +161,9 @@ class Choice:
 
     @property
     def refused(self) -> bool:
-        """The model declined to answer, or the endpoint's content filter stopped it: asking again for the
-        JSON object would be declined the same way."""
-        return self.refusal is not None or self.finish_reason == "content_filter"
+        """The model declined to answer, or the endpoint's content filter stopped it (its message, or the
+        whole completion, withheld): asking again for the JSON object would be declined the same way."""
+        return self.refusal is not None or self.finish_reason == "content_filter" or self.withheld is not None
 
 
 @dataclass(frozen=True)
@@ -157,20 +174,33 @@ class Usage:
     reported: bool = True  # False: the completion carried no usage (its tokens count as 0)
 
 
+NO_MESSAGE = "no message"
+NO_CHOICES = "no choices"
+
+
 def read_completion(payload: Any) -> tuple[list[Choice], Usage] | None:
-    """The choices (in index order) and usage of a chat completion; None when `payload` is not one."""
-    if not isinstance(payload, dict) or not isinstance(payload.get("choices"), list) or not payload["choices"]:
+    """The choices (in index order, at least one) and usage of a chat completion; None when `payload` is not
+    one (no `choices` list, or a choice that is neither a chat message nor a choice without one). A choice
+    without a message (`"message": null`, as a filtered Azure/OpenAI completion sends) is withheld
+    (NO_MESSAGE); so is a completion without any choice (NO_CHOICES: one choice standing for the whole
+    request, as Gemini's PROHIBITED_CONTENT and some gateways answer). Both are answers, refused, not faults."""
+    if not isinstance(payload, dict) or not isinstance(payload.get("choices"), list):
         return None
+    usage = _usage(payload.get("usage"))
+    if not payload["choices"]:
+        return [Choice(None, None, withheld=NO_CHOICES)], usage
     choices = []
-    raw = sorted(payload["choices"], key=_choice_index)
-    for c in raw:
+    for c in sorted(payload["choices"], key=_choice_index):
         message = c.get("message") if isinstance(c, dict) else None
+        if isinstance(c, dict) and message is None and "text" not in c:  # (`text`: a legacy completion's choice)
+            choices.append(Choice(None, c.get("finish_reason"), withheld=NO_MESSAGE))
+            continue
         if not isinstance(message, dict):
             return None
         refusal = message.get("refusal")
         refusal = refusal if isinstance(refusal, str) and refusal.strip() else None
         choices.append(Choice(_content_text(message.get("content")), c.get("finish_reason"), refusal))
-    return choices, _usage(payload.get("usage"))
+    return choices, usage
 
 
 def _choice_index(choice: Any) -> int:

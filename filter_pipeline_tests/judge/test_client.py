@@ -227,6 +227,38 @@ def test_a_refusal_is_unjudged_with_its_reason_and_not_repaired(message, finish_
     assert (v.status, v.why, v.requests, len(server.calls)) == ("error", why, 1, 1)
 
 
+def withheld_body(choices: list) -> str:
+    """A completion the endpoint's content filter stopped, its prompt paid for."""
+    return json.dumps({"id": "c", "object": "chat.completion", "model": "m", "choices": choices,
+                       "usage": {"prompt_tokens": 1200, "completion_tokens": 0, "total_tokens": 1200}})  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "choices, why",
+    [
+        ([{"index": 0, "message": None, "finish_reason": "content_filter"}],
+         "the judge model refused to answer (no message, finish_reason content_filter)"),
+        ([], "the judge model refused to answer (no choices)"),
+    ],
+    ids=["message-null", "no-choices"],
+)  # fmt: skip
+def test_a_completion_withheld_by_the_content_filter_is_a_refusal_paid_once(choices, why):
+    with FakeOpenAI(lambda call, n: Reply(body=withheld_body(choices))) as server:
+        [v] = judge_prompts([prompt("a")], settings(server))
+    assert (v.status, v.passed, v.why, v.requests, len(server.calls)) == ("error", None, why, 1, 1)
+    assert v.prompt_tokens == 1200
+
+
+def test_a_completion_without_choices_refuses_every_vote_it_was_asked_for_and_says_nothing_of_n():
+    refused = Reply(body=withheld_body([]))
+    with FakeOpenAI(sequence(refused, Reply(choices=[PASS, PASS, PASS]))) as server:
+        s = settings(server, votes=3, temperature=0.7, concurrency=1)
+        filtered, judged = judge_prompts([prompt("a"), prompt("b")], s)
+    assert (filtered.status, filtered.requests, judged.votes, judged.requests) == ("error", 1, "3/3", 1)
+    assert "(no choices)" in filtered.why
+    assert [c.body.get("n") for c in server.calls] == [3, 3]
+
+
 def test_a_verdict_beside_a_refusal_field_counts():
     message = {"content": PASS, "refusal": "partly"}
     with FakeOpenAI(lambda call, n: Reply(body=completion_body(message))) as server:
@@ -272,6 +304,15 @@ def test_a_reply_cut_off_at_the_token_limit():
     with FakeOpenAI(sequence(inside, Reply(content=FAIL))) as server:
         [v] = judge_prompts([prompt("a")], settings(server))
     assert (v.passed, v.requests) == (False, 2)
+
+
+def test_a_reply_cut_off_inside_its_verdict_after_quoting_the_answer_format_is_repaired():
+    quoted = 'Answer format: {"passed": true, "why": "<one sentence>"}. The cart holds another item. '
+    cut = Reply(content=quoted + '{"success": false, "score": 1, "passed": fal', finish_reason="length")
+    with FakeOpenAI(sequence(cut, Reply(content=FAIL))) as server:
+        [v] = judge_prompts([prompt("a")], settings(server))
+    assert (v.passed, v.why, v.requests) == (False, "wrong item", 2)
+    assert server.calls[1].prompt == REPAIR_PROMPT
 
 
 def test_reasoning_model_settings_send_max_completion_tokens_and_no_temperature():

@@ -9,6 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from filter_pipeline.judge.replies import (
+    NO_CHOICES,
+    NO_MESSAGE,
     Choice,
     Usage,
     Verdict,
@@ -61,9 +63,18 @@ from filter_pipeline.judge.replies import (
         ('{"passed": false, "criteria": [{"passed": true}, ', None),
         ('{"verdict": {"passed": true, "why": "w"}, "notes": "cut', None),
         ('{"passed": true, "why": "whole"} {"notes": "cut', Verdict(True, "whole")),  # cut after a whole verdict
+        ('{"criteria": [{"passed": true}], "passed": fal', None),  # cut inside a literal is cut off too
+        # cut inside a later verdict: the earlier one (the answer format quoted) is not the answer
+        (
+            'Answer format: {"passed": true, "why": "<one sentence>"}. {"success": false, "score": 1, "passed": fal',
+            None,
+        ),
+        ('{"passed": true, "why": "format"} {"score": 1, "passed": ', None),
+        ('{"passed": true, "why": "format"} {"criteria": [{"name": "cart", "passed": false}], "reasoning": "no', None),
         ('a stray { brace, then {"passed": false, "why": "n"}', Verdict(False, "n")),  # malformed, not cut off
         ('it said {"x": "abc, then {"passed": true, "why": "y"}', Verdict(True, "y")),
         ('{"n": ' + "1" * 5000 + '} {"passed": true, "why": "z"}', Verdict(True, "z")),  # too long for int: skipped
+        ('{"n": ' + "[" * 100_000 + "]" * 100_000 + '} {"passed": false, "why": "d"}', Verdict(False, "d")),  # too deep
         ("", None),
         (None, None),
     ],
@@ -138,6 +149,15 @@ def test_a_verdict_inside_a_reasoning_block_never_wins(thoughts, answer, closed)
     assert parse_reply(f"{thinking}{answer}") is None
 
 
+@settings(max_examples=150, deadline=None, database=None)
+@given(st.lists(verdict_objects(), min_size=1, max_size=3), prose, st.data())
+def test_a_reply_cut_off_inside_its_last_verdict_holds_no_vote_whatever_came_before(objects, between, data):
+    *earlier, last = (text for _, text in objects)
+    named = last.index('"passed"') + len('"passed"')
+    cut = last[: data.draw(st.integers(named, len(last) - 1), label="cut at")]
+    assert parse_reply(f" {between} ".join([*earlier, cut])) is None
+
+
 # --- completions ------------------------------------------------------------------------------------
 
 
@@ -161,8 +181,16 @@ def test_read_completion_takes_content_never_the_reasoning_field():
     assert choices == [Choice("a", "stop"), Choice("b", "length")] and choices[1].cut_off
     assert usage == Usage(10, 4, 8)
     assert read_completion({"choices": [{"message": {"content": None}}]})[1] == Usage(reported=False)
-    for not_one in ({}, {"choices": []}, {"choices": [{"text": "legacy"}]}, [], "x"):
+    for not_one in ({}, {"choices": None}, {"choices": [{"text": "legacy"}]}, {"choices": ["x"]}, [], "x"):
         assert read_completion(not_one) is None
+
+
+def test_a_completion_without_a_message_or_without_choices_is_a_refusal_with_its_usage():
+    usage = {"prompt_tokens": 1200, "completion_tokens": 0}
+    filtered = {"choices": [{"index": 0, "message": None, "finish_reason": "content_filter"}], "usage": usage}
+    assert read_completion(filtered) == ([Choice(None, "content_filter", withheld=NO_MESSAGE)], Usage(1200, 0))
+    assert read_completion({"choices": [], "usage": usage}) == ([Choice(None, None, withheld=NO_CHOICES)], Usage(1200))
+    assert read_completion({"choices": [{"finish_reason": "stop"}]})[0][0].refused
 
 
 def test_error_message_is_the_servers_short_line():

@@ -64,7 +64,8 @@ def test_transient_statuses_are_retried(status):
 
 def test_garbage_bodies_are_retried_as_faults():
     deep = "[" * 100_000 + "]" * 100_000  # nested deeper than json follows
-    garbage = [Reply(body="<html>502 Bad Gateway</html>"), Reply(body='{"choices": []}'), Reply(body="\xff\xfe"),
+    no_choices = '{"id": "c", "object": "chat.completion"}'  # (JSON, but no completion: a `choices: []` is one)
+    garbage = [Reply(body="<html>502 Bad Gateway</html>"), Reply(body=no_choices), Reply(body="\xff\xfe"),
                Reply(body=deep)]  # fmt: skip
     with FakeOpenAI(sequence(*garbage, Reply(content=PASS))) as server:
         [v] = judge_prompts([prompt("a")], settings(server))
