@@ -289,8 +289,11 @@ def _seconds_or_date(text: str, now: datetime) -> float | None:
 
 def retry_hint(headers: Mapping[str, str], now: datetime | None = None) -> float | None:
     """Seconds the endpoint asks to wait before the next request, from (first found) `retry-after-ms`,
-    `Retry-After` (seconds or an HTTP-date), LiteLLM's `llm_provider-retry-after(-ms)`, else the longest of
-    `x-ratelimit-reset-requests` / `x-ratelimit-reset-tokens` (`1s`, `6m0s`, `20ms`). None: no hint.
+    `Retry-After` (seconds or an HTTP-date), LiteLLM's `llm_provider-retry-after(-ms)`, else the
+    `x-ratelimit-reset-requests` / `x-ratelimit-reset-tokens` (`1s`, `6m0s`, `20ms`) of the limits used up (their
+    `x-ratelimit-remaining-*` 0; the longest, when both are), else the shortest: each says when its limit is
+    whole again, not when the next request may go (tokens left in a minute's budget reset in minutes while a
+    request may go in a second). None: no hint.
     An HTTP-date counts from the response's own `Date` (the server's clock, which set it: this machine's
     may be minutes off), else from `now` (this machine's clock)."""
     h = {k.lower(): v for k, v in headers.items()}
@@ -302,7 +305,11 @@ def retry_hint(headers: Mapping[str, str], now: datetime | None = None) -> float
         after = h.get(f"{prefix}retry-after")
         if after is not None and (seconds := _seconds_or_date(after, now)) is not None:
             return seconds
-    names = [f"{p}x-ratelimit-reset-{what}" for p in ("", "llm_provider-") for what in ("requests", "tokens")]
-    resets = [duration_seconds(h[k]) for k in names if k in h]
-    resets = [s for s in resets if s is not None]
-    return max(resets) if resets else None
+    resets, used_up = [], []
+    for name in (f"{p}x-ratelimit-{{}}-{what}" for p in ("", "llm_provider-") for what in ("requests", "tokens")):
+        seconds = duration_seconds(h.get(name.format("reset"), ""))
+        if seconds is not None:
+            resets.append(seconds)
+            if h.get(name.format("remaining"), "").strip() == "0":
+                used_up.append(seconds)
+    return max(used_up) if used_up else min(resets) if resets else None

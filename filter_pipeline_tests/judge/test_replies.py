@@ -214,7 +214,35 @@ NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
         ({"Retry-After": format_datetime(NOW - timedelta(seconds=30), usegmt=True)}, 0.0),  # already past
         ({"retry-after-ms": "1500", "Retry-After": "9"}, 1.5),  # the finer one first, as OpenAI's client does
         ({"x-ratelimit-reset-requests": "1s"}, 1.0),
-        ({"x-ratelimit-reset-requests": "20ms", "x-ratelimit-reset-tokens": "6m0s"}, 360.0),
+        ({"x-ratelimit-reset-requests": "20ms", "x-ratelimit-reset-tokens": "6m0s"}, 0.02),  # none said used up
+        # OpenAI's own example: requests used up, tokens to spare (whole again in 6 minutes): wait for a request
+        (
+            {
+                "x-ratelimit-remaining-requests": "0",
+                "x-ratelimit-reset-requests": "1s",
+                "x-ratelimit-remaining-tokens": "149984",
+                "x-ratelimit-reset-tokens": "6m0s",
+            },
+            1.0,
+        ),
+        (
+            {
+                "x-ratelimit-remaining-requests": "59",
+                "x-ratelimit-reset-requests": "1s",
+                "x-ratelimit-remaining-tokens": "0",
+                "x-ratelimit-reset-tokens": "6m0s",
+            },
+            360.0,
+        ),  # tokens used up
+        (
+            {
+                "x-ratelimit-remaining-requests": "0",
+                "x-ratelimit-reset-requests": "2s",
+                "x-ratelimit-remaining-tokens": "0",
+                "x-ratelimit-reset-tokens": "7s",
+            },
+            7.0,
+        ),  # both: the longer
         ({"x-ratelimit-reset-tokens": "0.5s"}, 0.5),
         ({"llm_provider-retry-after": "3"}, 3.0),
         ({"llm_provider-retry-after-ms": "250"}, 0.25),
