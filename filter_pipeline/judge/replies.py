@@ -78,10 +78,13 @@ def parse_reply(text: str | None) -> Verdict | None:
         try:
             value, end = decoder.raw_decode(text, i)
         except (ValueError, RecursionError) as exc:  # (not JSON there, an integer too long, nesting too deep)
-            if isinstance(exc, json.JSONDecodeError) and _runs_to_the_end(text, exc):
+            if isinstance(exc, RecursionError) or isinstance(exc, json.JSONDecodeError) and _runs_to_the_end(text, exc):
+                # an object the reply ends inside, or too deep to decode (its end unknown): every `{` after it may
+                # be nested in it. Naming passed, it was the last verdict: one before it (the answer format
+                # quoted) is not the answer
                 if '"passed"' in text[i:]:
-                    return None  # the verdict was cut: one before it (the answer format quoted) is not the answer
-                break  # the reply ends inside this object: every `{` after it is nested in it
+                    return None
+                break
             i = text.find("{", i + 1)
             continue
         if isinstance(value, dict) and isinstance(value.get("passed"), bool):
@@ -290,10 +293,10 @@ def _seconds_or_date(text: str, now: datetime) -> float | None:
 def retry_hint(headers: Mapping[str, str], now: datetime | None = None) -> float | None:
     """Seconds the endpoint asks to wait before the next request, from (first found) `retry-after-ms`,
     `Retry-After` (seconds or an HTTP-date), LiteLLM's `llm_provider-retry-after(-ms)`, else the
-    `x-ratelimit-reset-requests` / `x-ratelimit-reset-tokens` (`1s`, `6m0s`, `20ms`) of the limits used up (their
-    `x-ratelimit-remaining-*` 0; the longest, when both are), else the shortest: each says when its limit is
-    whole again, not when the next request may go (tokens left in a minute's budget reset in minutes while a
-    request may go in a second). None: no hint.
+    `x-ratelimit-reset-requests` / `x-ratelimit-reset-tokens` (`1s`, `6m0s`, `20ms`) of a limit used up (its
+    `x-ratelimit-remaining-*` 0; the longest, when both are). None: no hint (the caller backs off). A reset
+    says when its limit is whole again, not when the next request may go: a token budget with tokens left is
+    whole again in minutes, while a request may go in a second, or once a few tokens are back.
     An HTTP-date counts from the response's own `Date` (the server's clock, which set it: this machine's
     may be minutes off), else from `now` (this machine's clock)."""
     h = {k.lower(): v for k, v in headers.items()}
@@ -305,11 +308,9 @@ def retry_hint(headers: Mapping[str, str], now: datetime | None = None) -> float
         after = h.get(f"{prefix}retry-after")
         if after is not None and (seconds := _seconds_or_date(after, now)) is not None:
             return seconds
-    resets, used_up = [], []
+    used_up = []
     for name in (f"{p}x-ratelimit-{{}}-{what}" for p in ("", "llm_provider-") for what in ("requests", "tokens")):
         seconds = duration_seconds(h.get(name.format("reset"), ""))
-        if seconds is not None:
-            resets.append(seconds)
-            if h.get(name.format("remaining"), "").strip() == "0":
-                used_up.append(seconds)
-    return max(used_up) if used_up else min(resets) if resets else None
+        if seconds is not None and h.get(name.format("remaining"), "").strip() == "0":
+            used_up.append(seconds)
+    return max(used_up) if used_up else None

@@ -74,7 +74,9 @@ from filter_pipeline.judge.replies import (
         ('a stray { brace, then {"passed": false, "why": "n"}', Verdict(False, "n")),  # malformed, not cut off
         ('it said {"x": "abc, then {"passed": true, "why": "y"}', Verdict(True, "y")),
         ('{"n": ' + "1" * 5000 + '} {"passed": true, "why": "z"}', Verdict(True, "z")),  # too long for int: skipped
-        ('{"n": ' + "[" * 100_000 + "]" * 100_000 + '} {"passed": false, "why": "d"}', Verdict(False, "d")),  # too deep
+        ('{"passed": true, "why": "w"} {"n": ' + "[" * 100_000 + "]" * 100_000 + "}", Verdict(True, "w")),  # too deep
+        # a verdict too deep to decode, with a criterion's passed in it: no vote (the reply is repaired)
+        ('{"passed": false, "criteria": [{"passed": true}], "n": ' + "[" * 1500 + "]" * 1500 + "}", None),
         ("", None),
         (None, None),
     ],
@@ -213,8 +215,18 @@ NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
         ({"Retry-After": format_datetime(NOW + timedelta(seconds=30), usegmt=True)}, 30.0),
         ({"Retry-After": format_datetime(NOW - timedelta(seconds=30), usegmt=True)}, 0.0),  # already past
         ({"retry-after-ms": "1500", "Retry-After": "9"}, 1.5),  # the finer one first, as OpenAI's client does
-        ({"x-ratelimit-reset-requests": "1s"}, 1.0),
-        ({"x-ratelimit-reset-requests": "20ms", "x-ratelimit-reset-tokens": "6m0s"}, 0.02),  # none said used up
+        ({"x-ratelimit-remaining-requests": "0", "x-ratelimit-reset-requests": "1s"}, 1.0),
+        ({"x-ratelimit-reset-requests": "20ms", "x-ratelimit-reset-tokens": "6m0s"}, None),  # none said used up
+        # a request too large for the tokens left: no limit used up, the caller backs off
+        (
+            {
+                "x-ratelimit-remaining-requests": "59",
+                "x-ratelimit-reset-requests": "120ms",
+                "x-ratelimit-remaining-tokens": "312",
+                "x-ratelimit-reset-tokens": "6m0s",
+            },
+            None,
+        ),
         # OpenAI's own example: requests used up, tokens to spare (whole again in 6 minutes): wait for a request
         (
             {
@@ -243,7 +255,7 @@ NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
             },
             7.0,
         ),  # both: the longer
-        ({"x-ratelimit-reset-tokens": "0.5s"}, 0.5),
+        ({"x-ratelimit-remaining-tokens": "0", "x-ratelimit-reset-tokens": "0.5s"}, 0.5),
         ({"llm_provider-retry-after": "3"}, 3.0),
         ({"llm_provider-retry-after-ms": "250"}, 0.25),
         ({"Retry-After": "soon"}, None),

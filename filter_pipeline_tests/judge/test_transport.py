@@ -31,7 +31,7 @@ SOON = object()  # an HTTP-date two seconds ahead (the format has whole seconds)
         ({"Retry-After": "0.6"}, 0.55),
         ({"Retry-After": SOON}, 0.9),
         ({"retry-after-ms": "600"}, 0.55),
-        ({"x-ratelimit-reset-requests": "0.6s"}, 0.55),
+        ({"x-ratelimit-remaining-requests": "0", "x-ratelimit-reset-requests": "0.6s"}, 0.55),
         ({"llm_provider-retry-after": "0.6"}, 0.55),
     ],
     ids=["seconds", "http-date", "ms", "x-ratelimit-reset", "litellm"],
@@ -74,7 +74,12 @@ def test_garbage_bodies_are_retried_as_faults():
 
 @pytest.mark.parametrize(
     "headers",
-    [{"Retry-After": "0"}, {"Retry-After": "PAST"}, {"retry-after-ms": "0"}, {"x-ratelimit-reset-requests": "1ms"}],
+    [
+        {"Retry-After": "0"},
+        {"Retry-After": "PAST"},
+        {"retry-after-ms": "0"},
+        {"x-ratelimit-remaining-requests": "0", "x-ratelimit-reset-requests": "1ms"},
+    ],
     ids=["zero", "http-date-past", "ms-zero", "reset-1ms"],
 )
 def test_a_hint_of_no_wait_is_waited_at_least_as_the_first_backoff(headers):
