@@ -95,17 +95,16 @@ def plan_tick(
 
     `busy`: run_ids with a queued or running run; `failed_ledger`: run_ids a ledger run stopped at without
     filtering them; `failed`: runs with a recorded validation failure; `retired`: runs retired as a whole;
-    `never_run`: registered run_ids no run was ever launched for (registered by a `materialize` that was
-    interrupted, or by hand in the UI), judged as a new batch is. A batch already filtered is registered but
-    never re-run. The ledger walks the judged batches waiting in a
+    `never_run`: registered run_ids no run was ever launched for (a `materialize` registers every run it is
+    given before it runs the first: the sensor leaves them to it, or, if it was interrupted, to the user). A
+    batch already filtered is registered but never re-run. The ledger walks the judged batches waiting in a
     row from the lowest pending run_id on (at most LEDGER_RANGE_LIMIT), and only when nothing lower is pending
     (the order rule); a lower batch whose run failed holds the rest back until it is materialized again,
     retired, or its validation failure is recorded.
     """
     skipped = set(failed) | set(retired)
     to_register = [b.run_id for b in batches if b.run_id not in registered]
-    new = set(never_run) | {b.run_id for b in batches if b.run_id not in registered}
-    to_judge = [b.run_id for b in batches if b.run_id in new and not b.filtered and not b.judged]
+    to_judge = [b.run_id for b in batches if b.run_id not in registered and not b.filtered and not b.judged]
     ready: list[str] = []
     for b in batches:
         if b.filtered or b.run_id in skipped:
@@ -121,6 +120,11 @@ def plan_tick(
         why = (
             f"ledger waits for {b.run_id}, whose {which} run failed: materialize it again or retire it in retired.json"
         )
+        if which == "judge" and b.run_id in never_run:
+            why = (
+                f"ledger waits for {b.run_id}, registered but never run (by a materialize still running it, or "
+                "interrupted before it did: then materialize it or retire it in retired.json)"
+            )
         return to_register, to_judge, [], why
     if not ready:
         return to_register, to_judge, [], "no batch waiting for the ledger"
@@ -449,7 +453,7 @@ def build_batch_sensor() -> dg.SensorDefinition:
         minimum_interval_seconds=SENSOR_INTERVAL_SECONDS,
         default_status=dg.DefaultSensorStatus.RUNNING,
         description=f"Registers each complete batch (runs/<run_id>/{SUCCESS_FILE}) as a run_id partition and "
-        "launches its judge run (run_key = run_id), as it does for a registered batch no run was ever launched for; then one ledger run at a time for every judged batch waiting "
+        "launches its judge run (run_key = run_id); then one ledger run at a time for every judged batch waiting "
         f"in a row from the lowest run_id on (up to {LEDGER_RANGE_LIMIT}), walked in run_id order (run_key = "
         f"{ledger_run_key('<lowest run_id>')}, then {ledger_run_key('<lowest run_id>', 1)} and on after a run "
         f"from there deferred its walk; the tag {FIRST_WALK_TAG} lists them). Batches already filtered "

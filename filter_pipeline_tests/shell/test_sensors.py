@@ -123,11 +123,9 @@ def test_ledger_is_walked_lowest_run_id_first_with_the_deployments_caps(instance
     judged(data_root, "b1")
     instance.add_dynamic_partitions("run_id", ["b1", "b2"])
     result = tick(instance, data_root)
-    # b2 is not judged yet (registered with no run: it is judged now)
-    assert requests(result) == [("judge_job", "b2", "b2"), ("ledger_job", "b1", "b1:ledger")]
-    [ledger] = ledger_requests(result)
-    assert ledger.partition_key == "b1"
-    assert ledger.run_config == {}  # the caps config's defaults are the deployment's
+    assert requests(result) == [("ledger_job", "b1", "b1:ledger")]  # b2 is not judged yet
+    assert result.run_requests[0].partition_key == "b1"
+    assert result.run_requests[0].run_config == {}  # the caps config's defaults are the deployment's
 
 
 def judged_batches(data_root, run_ids: list[str]) -> None:
@@ -270,16 +268,17 @@ def test_sensor_sees_runs_in_flight_and_failed_ledger_runs_in_the_instance(insta
     assert requests(tick(instance, data_root)) == [("ledger_job", "b3", "b3:ledger")]
 
 
-def test_a_batch_registered_without_a_run_is_judged_as_a_new_one_is(instance, data_root):
+def test_a_batch_registered_without_a_run_is_left_to_its_launcher_and_named_so(instance, data_root):
     for run_id in ("b1", "b2"):
         write_batch(data_root, run_id, [task("a")], [attempt("a")])
-    # registered by a `materialize` interrupted before it ran them (or by hand in the UI): no run of either
+    judged(data_root, "b2")
+    # registered by a `materialize` that runs them one by one (judging them here too would pay the judge twice)
     instance.add_dynamic_partitions("run_id", ["b1", "b2"])
-    assert requests(tick(instance, data_root)) == [("judge_job", "b1", "b1"), ("judge_job", "b2", "b2")]
-    failed = run_in_instance(instance, tags={"dagster/partition": "b1"}, status=dg.DagsterRunStatus.FAILURE)
     result = tick(instance, data_root)
-    assert requests(result) == [("judge_job", "b2", "b2")]  # b1's judge run failed: held until it is handled
-    assert instance.get_run_by_id(failed.run_id).status == dg.DagsterRunStatus.FAILURE
+    assert requests(result) == []
+    assert result.skip_reason.skip_message.startswith("ledger waits for b1, registered but never run (by a materialize")
+    run_in_instance(instance, tags={"dagster/partition": "b1"}, status=dg.DagsterRunStatus.FAILURE)
+    assert tick(instance, data_root).skip_reason.skip_message.startswith("ledger waits for b1, whose judge run failed")
 
 
 def test_a_sensor_ledger_run_that_deferred_its_walk_is_followed_by_one_of_its_own(instance, data_root):
