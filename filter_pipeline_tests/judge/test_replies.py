@@ -192,7 +192,10 @@ def test_a_completion_without_a_message_or_without_choices_is_a_refusal_with_its
     filtered = {"choices": [{"index": 0, "message": None, "finish_reason": "content_filter"}], "usage": usage}
     assert read_completion(filtered) == ([Choice(None, "content_filter", withheld=NO_MESSAGE)], Usage(1200, 0))
     assert read_completion({"choices": [], "usage": usage}) == ([Choice(None, None, withheld=NO_CHOICES)], Usage(1200))
-    assert read_completion({"choices": [{"finish_reason": "stop"}]})[0][0].refused
+    assert read_completion({"choices": [{"message": None, "finish_reason": "stop"}]})[0][0].refused
+    gateway_fault = {"message": None, "finish_reason": "error", "error": {"message": "upstream timed out"}}
+    for fault in ({"finish_reason": "stop"}, {"delta": {"content": "x"}}, gateway_fault):  # retried, not refused
+        assert read_completion({"choices": [fault], "usage": usage}) is None
 
 
 def test_error_message_is_the_servers_short_line():
