@@ -53,8 +53,9 @@ def retry_later(context: dg.AssetExecutionContext, why: str, honour_tag: bool = 
 def wait_for_lower_runs(context: dg.AssetExecutionContext, data: DataRoot, run_ids: list[str]) -> None:
     """Return when every run in `run_ids` may be walked now, in that order; else retry the step later, or
     raise Deferred at once when a run it waits for is stuck in the run queue (`_stuck_in_queue`). A run that
-    waits for nothing (its tag sets the wait to 0, as the CLI's runs do) holds no slot waiting: it fails at once,
-    naming the run it waits for, and is never deferred (its launcher, not the sensor, says what became of it)."""
+    waits for nothing (a wait of 0: its tag, as on the CLI's runs, or the setting) holds no slot waiting: it fails
+    at once, naming the run it waits for, and is never deferred (its launcher, not the sensor, says what became of
+    it)."""
     now = walk_order(data.root)
     for position, run_id in enumerate(run_ids):
         blockers = now.blocking(run_id, walked_before=run_ids[:position])
