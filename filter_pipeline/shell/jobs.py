@@ -29,6 +29,18 @@ def first_walk_tags(run_ids: list[str]) -> dict[str, str]:
     return {FIRST_WALK_TAG: " ".join(run_ids)}
 
 
+def partitions_of(tags: dict[str, str], registered: list[str]) -> list[str]:
+    """The run_id partitions a run is for: its partition, or every partition of its range (a single-run
+    backfill's ledger run) in `registered` (the partitions in registration order, which a range follows);
+    none when neither is known."""
+    if PARTITION_TAG in tags:
+        return [tags[PARTITION_TAG]]
+    start, end = tags.get(RANGE_START_TAG), tags.get(RANGE_END_TAG)
+    if start in registered and end in registered:
+        return registered[registered.index(start) : registered.index(end) + 1]
+    return []
+
+
 def first_walks(tags: dict[str, str]) -> list[str] | None:
     """The runs a Dagster run was asked to walk for the first time (`first_walk_tags`); None without the tag
     (a backfill, the launchpad: nothing says)."""

@@ -37,6 +37,7 @@ from filter_pipeline.shell.jobs import (
     first_walk_tags,
     judge_job,
     ledger_job,
+    partitions_of,
     rejudge_job,
 )
 from filter_pipeline.shell.ledger import LEDGER_SPECS
@@ -156,17 +157,8 @@ def registered_block(run_ids: list[str], registration_order: list[str]) -> list[
 def in_flight_partitions(instance: dg.DagsterInstance, registered: list[str]) -> set[str]:
     """run_ids with a queued or running run: its partition, or every partition of its range (a single-run
     backfill's ledger run), in the order the partitions were registered."""
-    position = {r: i for i, r in enumerate(registered)}
-    found: set[str] = set()
     records = instance.get_run_records(dg.RunsFilter(statuses=NOT_FINISHED_STATUSES), limit=IN_FLIGHT_RUNS_LIMIT)
-    for record in records:
-        tags = record.dagster_run.tags
-        if PARTITION_TAG in tags:
-            found.add(tags[PARTITION_TAG])
-        elif tags.get(RANGE_START_TAG) in position and tags.get(RANGE_END_TAG) in position:
-            start, end = position[tags[RANGE_START_TAG]], position[tags[RANGE_END_TAG]]
-            found.update(registered[start : end + 1])
-    return found
+    return {run_id for record in records for run_id in partitions_of(record.dagster_run.tags, registered)}
 
 
 LEDGER_KEY_SUFFIX = ":ledger"

@@ -11,7 +11,8 @@ import dagster as dg
 from filter_pipeline import settings
 from filter_pipeline.rules import order
 from filter_pipeline.rules.commits import CommitRecord
-from filter_pipeline.shell.jobs import PARTITION_TAG, first_walks
+from filter_pipeline.shell.assets import run_id_partitions
+from filter_pipeline.shell.jobs import PARTITION_TAG, first_walks, partitions_of
 from filter_pipeline.shell.warehouse import DataRoot
 from filter_pipeline.storage.history import read_commit
 from filter_pipeline.storage.publish import CommitState
@@ -69,13 +70,15 @@ def wait_for_lower_runs(context: dg.AssetExecutionContext, data: DataRoot, run_i
 
 
 def _stuck_in_queue(instance: dg.DagsterInstance, blockers: list[str]) -> dict[str, float]:
-    """Blockers with a run queued for ORDER_QUEUED_SECONDS or more (`order.stuck_in_queue`)."""
+    """Blockers with a run queued for ORDER_QUEUED_SECONDS or more (`order.stuck_in_queue`): a run of the
+    blocker's partition, a sensor's ledger run walking it, or an asset backfill's ledger run over a range of it."""
     limit = settings.int_setting(settings.ORDER_QUEUED_SECONDS_ENV)
     records = instance.get_run_records(dg.RunsFilter(statuses=[dg.DagsterRunStatus.QUEUED]))
+    registered = list(instance.get_dynamic_partitions(run_id_partitions.name)) if records else []
     queued = [
         (run_id, r.create_timestamp.timestamp())
         for r in records
-        for run_id in walks_of(r.dagster_run.tags)
+        for run_id in walks_of(r.dagster_run.tags) or partitions_of(r.dagster_run.tags, registered)
         if run_id in blockers
     ]
     return order.stuck_in_queue(queued, time.time(), limit)

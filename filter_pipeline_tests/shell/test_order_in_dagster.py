@@ -218,25 +218,35 @@ def test_when_the_wait_runs_out_the_step_fails_with_one_line_naming_the_run(inst
     assert f"gave up without waiting (this run's tag {ORDER_MAX_WAIT_TAG})" in _failure_reason(untried)
 
 
-@pytest.mark.slow
-def test_a_run_that_waits_for_nothing_fails_naming_the_run_even_when_that_run_is_stuck_in_the_queue(
-    data_root, dagster_home, monkeypatch
-):
+def queue_run(dagster_home, data_root, job: str, tags: dict) -> None:
+    """A run of `job` submitted as the UI, a backfill or the sensor submits one: it waits in the run queue (no
+    daemon gives it a slot)."""
     import subprocess
 
     from filter_pipeline_tests.conftest import REPO
 
-    monkeypatch.setenv(ORDER_QUEUED_SECONDS_ENV, "0")
-    overlapping(data_root, ["b0", "b1"])
-    defs = defs_for(data_root)
-    with dg.DagsterInstance.from_config(str(dagster_home)) as instance:
-        instance.add_dynamic_partitions("run_id", ["b0", "b1"])
-        assert run_job(defs, instance, "judge_job", "b1").success
-    # b0's judge run, submitted as the UI or the sensor submits it: queued, no daemon to give it a slot
     env = {**os.environ, "DAGSTER_HOME": str(dagster_home), "FILTER_PIPELINE_DATA": str(data_root)}
     launch = [str(REPO / ".venv" / "bin" / "dagster"), "job", "launch", "-m", "filter_pipeline.definitions",
-              "-j", "judge_job", "--tags", json.dumps({PARTITION_TAG: "b0"})]  # fmt: skip
+              "-j", job, "--tags", json.dumps(tags)]  # fmt: skip
     subprocess.run(launch, env=env, cwd=REPO, capture_output=True, check=True, timeout=120)
+
+
+def judged_b1_of_two(data_root, dagster_home) -> None:
+    """b0 and b1 complete and registered; b1 judged, b0 not walked."""
+    overlapping(data_root, ["b0", "b1"])
+    with dg.DagsterInstance.from_config(str(dagster_home)) as instance:
+        instance.add_dynamic_partitions("run_id", ["b0", "b1"])
+        assert run_job(defs_for(data_root), instance, "judge_job", "b1").success
+
+
+@pytest.mark.slow
+def test_a_run_that_waits_for_nothing_fails_naming_the_run_even_when_that_run_is_stuck_in_the_queue(
+    data_root, dagster_home, monkeypatch
+):
+    monkeypatch.setenv(ORDER_QUEUED_SECONDS_ENV, "0")
+    judged_b1_of_two(data_root, dagster_home)
+    queue_run(dagster_home, data_root, "judge_job", {PARTITION_TAG: "b0"})
+    defs = defs_for(data_root)
     with dg.DagsterInstance.from_config(str(dagster_home)) as instance:
         [queued] = instance.get_run_records(dg.RunsFilter(statuses=[dg.DagsterRunStatus.QUEUED]))
         assert queued.dagster_run.tags[PARTITION_TAG] == "b0"
@@ -246,6 +256,22 @@ def test_a_run_that_waits_for_nothing_fails_naming_the_run_even_when_that_run_is
         assert not untried.success and DEFERRED_TAG not in instance.get_run_by_id(untried.run_id).tags
         assert _failure_reason(untried).startswith("step ledger: the first walk of b1 waits for b0: ")
     assert not (data_root / "warehouse" / "kept" / "b1.parquet").exists()
+
+
+@pytest.mark.slow
+def test_a_waiting_run_lets_its_slot_go_to_an_asset_backfills_ledger_run_queued_over_the_run_it_waits_for(
+    data_root, dagster_home, monkeypatch
+):
+    monkeypatch.setenv(ORDER_QUEUED_SECONDS_ENV, "0")
+    monkeypatch.setenv(ORDER_RETRY_SECONDS_ENV, "1")
+    monkeypatch.setenv(ORDER_MAX_WAIT_SECONDS_ENV, "2")
+    judged_b1_of_two(data_root, dagster_home)
+    # "Materialize all" of the ledger's assets over b0: one run for the range, with no partition tag
+    queue_run(dagster_home, data_root, "ledger_job", {RANGE_START_TAG: "b0", RANGE_END_TAG: "b0"})
+    with dg.DagsterInstance.from_config(str(dagster_home)) as instance:
+        deferred = run_job(defs_for(data_root), instance, "ledger_job", "b1")
+        assert deferred.success, _failure_reason(deferred)
+        assert "waits for b0" in instance.get_run_by_id(deferred.run_id).tags[DEFERRED_TAG]
 
 
 def test_a_batch_that_fails_validation_is_recorded_and_holds_later_ones_back_no_longer(
