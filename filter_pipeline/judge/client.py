@@ -142,6 +142,9 @@ class JudgeClient:
         self.http = Transport(config, report)
         self.structured = config.structured_output
         self.n_ok: bool | None = None  # does the server honour n > 1? None: not known yet
+        # a request asked again without n after a 5xx (before n worked) was answered: the next 5xx to a request
+        # asking n is then n's rejection (`_ask`)
+        self.answered_without_n = False
 
     async def __aenter__(self) -> "JudgeClient":
         await self.http.open()
@@ -184,10 +187,6 @@ class JudgeClient:
             return [Vote(error=str(exc))] * n
         if choices[0].withheld == NO_CHOICES:  # the request itself refused: so is every sample, and n is not known
             return [await self._read(messages, choices[0], task)] * n
-        if len(choices) >= n:
-            self.n_ok = True
-        elif self.n_ok is None:  # the server ignores n, or took the request only without it; but once n worked, a
-            self.n_ok = False  # late answer to a request asked again without n (after a 5xx) says nothing of n
         got = await _all(self._read(messages, c, task) for c in choices[:n])
         return got + await _all(self._vote(messages, task) for _ in range(n - len(got)))
 
@@ -239,9 +238,23 @@ class JudgeClient:
         return "the judge model refused to answer" + (f" ({', '.join(how)})" if how else "")
 
     def _rejects_5xx(self, body: dict) -> bool:
-        """A 5xx to a request asking n > 1 samples, before n ever worked, rejects n (llama.cpp answers 500; a
-        gateway's 502/503/504 is retried as the fault it is)."""
+        """A 5xx to a request asking n > 1 samples, before n ever worked, may be n's rejection (llama.cpp
+        answers 500; a gateway's 502/503/504 is retried as the fault it is): `_ask` asks it again without n."""
         return body.get("n", 1) > 1 and self.n_ok is not True
+
+    def _learn_n(self, sent: dict, n: int, choices: list[Choice], after_5xx: bool) -> None:
+        """What an answer to a request for `n` > 1 samples says of n. Fewer choices than asked to a request
+        asking n: the server ignores n. An answer without n after a 400/422 to it: the server rejects n. An
+        answer without n after a 5xx says nothing yet: a server's passing error must not turn n off for the
+        client's lifetime, every vote then paying for the prompt again (a 5xx to a request asking n after such
+        an answer is n's rejection, `_ask`). Once n worked, a late answer to a request asked without n says
+        nothing of n."""
+        if "n" in sent and len(choices) >= n:
+            self.n_ok = True
+        elif self.n_ok is None and ("n" in sent or not after_5xx):
+            self.n_ok = False
+        elif self.n_ok is None:
+            self.answered_without_n = True
 
     # --- one completion ---------------------------------------------------------------------------------
 
@@ -267,11 +280,12 @@ class JudgeClient:
     async def _ask(self, messages: list[dict], task: TaskBudget, n: int, token_factor: int = 1) -> list[Choice]:
         """The choices of one completion (at least one; fewer than `n` once `n` is known not to work).
         Downgrades what the server rejects, for the client's lifetime: structured output (a 400/422 naming
-        it, or one that goes away without it) and n (a 400/422, or a 5xx but a gateway's, before n ever
-        worked (llama.cpp answers 500), that goes away without it: a 400 of this prompt alone, as a context
-        length, leaves n as it was). What a request carries is decided when it gets its slot, so every request
-        that starts after a downgrade has it. Raises Unanswered, EndpointRefused."""
-        without_schema = without_n = False
+        it, or one that goes away without it) and n (`_learn_n`: a 400/422 before n ever worked that goes away
+        without it, or a 5xx but a gateway's after a request asked again without n for one was answered; a 400
+        of this prompt alone, as a context length, leaves n as it was). What a request carries is decided when
+        it gets its slot, so every request that starts after a downgrade has it. Raises Unanswered,
+        EndpointRefused."""
+        without_schema = without_n = after_5xx = False
 
         def body() -> dict:
             asked = n if self.n_ok is not False and not without_n else 1
@@ -290,6 +304,9 @@ class JudgeClient:
                     and (result.status in (400, 422) or result.status >= 500)
                 ):
                     without_n = True  # (the caller then knows n is not taken, from the one choice it gets)
+                    after_5xx = result.status >= 500
+                    if after_5xx and self.answered_without_n:
+                        self.n_ok = False  # (the server answers without n, and again not with it)
                     continue
                 if sent_schema and result.status in (400, 422):
                     without_schema = True
@@ -299,6 +316,8 @@ class JudgeClient:
             task.usage.append(usage)
             if without_schema:
                 self.structured = False  # the same request went through without it
+            if n > 1 and choices[0].withheld != NO_CHOICES:  # (a refused request says nothing of n)
+                self._learn_n(sent, n, choices, after_5xx)
             return choices
 
 

@@ -107,14 +107,14 @@ def test_a_gateways_5xx_to_the_first_request_asking_n_is_retried_and_n_kept(stat
 
 
 def test_n_once_it_worked_stays_on_when_an_earlier_fallback_without_n_answers_late():
-    # task a's first request asking n gets a 500 (which, before n ever worked, may be n's rejection): it is asked
+    # task a's request asking n gets a 400 (which, before n ever worked, may be n's rejection): it is asked
     # again without n, and answered late; meanwhile the other tasks' requests asking n get their 3 choices, and
     # those asked after a's late answer still ask n
     def responder(call, n):
         asks_n = call.body.get("n", 1) > 1
         if "task a" in json.dumps(call.body):
             return (
-                Reply(status=500, body=error_body("boom", "server_error")) if asks_n else Reply(content=PASS, delay=0.5)
+                Reply(status=400, body=error_body("'n' is not supported")) if asks_n else Reply(content=PASS, delay=0.5)
             )
         return Reply(choices=[PASS] * 3, delay=0.1)
 
@@ -125,13 +125,35 @@ def test_n_once_it_worked_stays_on_when_an_earlier_fallback_without_n_answers_la
     assert all(c.body.get("n") == 3 for c in server.calls if "task a" not in json.dumps(c.body))
 
 
-@pytest.mark.parametrize("mode", ["reject400", "reject500"])  # reject500: llama.cpp's server
-def test_a_server_rejecting_n_gets_separate_requests_for_the_clients_lifetime(mode):
-    with FakeOpenAI(lambda call, n: Reply(content=PASS), n=mode) as server:
+def test_a_server_rejecting_n_gets_separate_requests_for_the_clients_lifetime():
+    with FakeOpenAI(lambda call, n: Reply(content=PASS), n="reject400") as server:
         s = settings(server, votes=3, temperature=0.7, concurrency=1)
         first, second = judge_prompts([prompt("a"), prompt("b")], s)
     assert [c.body.get("n") for c in server.calls] == [3] + [None] * 6
     assert (first.votes, first.status, first.requests, second.requests) == ("3/3", "judged", 4, 3)
+
+
+def test_a_server_answering_n_with_500_gets_separate_requests_after_it_answered_without_n():
+    # llama.cpp's server: every request asking n > 1 gets a 500. Each task in flight asks it without n at once;
+    # once one such request was answered, the next 500 to a request asking n turns n off for the client
+    with FakeOpenAI(lambda call, n: Reply(content=PASS), n="reject500") as server:
+        s = settings(server, votes=3, temperature=0.7, concurrency=1)
+        results = judge_prompts([prompt(name) for name in "abcdef"], s)
+    asked = [(c.body.get("n"), c.status) for c in server.calls]
+    assert asked[:2] == [(3, 500), (None, 200)] and asked.count((3, 500)) <= 2
+    assert set(asked[asked.index((None, 200)) :]) <= {(None, 200), (3, 500)}
+    assert [v.votes for v in results] == ["3/3"] * 6 and [v.requests for v in results[3:]] == [3, 3, 3]
+
+
+def test_a_passing_500_to_the_first_request_asking_n_does_not_turn_n_off():
+    # a server's passing error must not turn n off for the run: every vote would then pay for the prompt again
+    first = Reply(status=500, body=error_body("internal error", "server_error"))
+    with FakeOpenAI(sequence(first, Reply(content=PASS), Reply(choices=[PASS, FAIL, PASS]))) as server:
+        s = settings(server, votes=3, temperature=0.7, concurrency=1)
+        a, b, c = judge_prompts([prompt(name) for name in "abc"], s)
+    asked = {task: [call.body.get("n") for call in server.calls if f"task {task}" in call.prompt] for task in "abc"}
+    assert asked == {"a": [3, None, None, None], "b": [3], "c": [3]}
+    assert (a.requests, b.requests, c.requests) == (4, 1, 1) and (b.votes, c.votes) == ("2/3", "2/3")
 
 
 @pytest.mark.parametrize(
