@@ -29,13 +29,17 @@ def first_walk_tags(run_ids: list[str]) -> dict[str, str]:
     return {FIRST_WALK_TAG: " ".join(run_ids)}
 
 
-def partitions_of(tags: dict[str, str], registered: list[str]) -> list[str]:
-    """The run_id partitions a run is for: its partition, or every partition of its range (a single-run
-    backfill's ledger run) in `registered` (the partitions in registration order, which a range follows);
-    none when neither is known."""
+def partitions_of(tags: dict[str, str], registered: list[str] | None = None) -> list[str]:
+    """The run_id partitions a Dagster run is for: its partition; else those it was asked to walk for the first
+    time (a sensor's ledger run over several, `first_walk_tags`); else every partition of its range (a
+    single-run backfill's ledger run) in `registered` (the partitions in registration order, which a range
+    follows); none when nothing says."""
     if PARTITION_TAG in tags:
         return [tags[PARTITION_TAG]]
+    if walks := first_walks(tags):
+        return walks
     start, end = tags.get(RANGE_START_TAG), tags.get(RANGE_END_TAG)
+    registered = registered or []
     if start in registered and end in registered:
         return registered[registered.index(start) : registered.index(end) + 1]
     return []

@@ -41,7 +41,7 @@ from filter_pipeline.shell.jobs import (
     rejudge_job,
 )
 from filter_pipeline.shell.ledger import LEDGER_SPECS
-from filter_pipeline.shell.waiting import DEFERRED_TAG, walks_of
+from filter_pipeline.shell.waiting import DEFERRED_TAG
 from filter_pipeline.shell.warehouse import DataRoot
 from filter_pipeline.storage import failures
 from filter_pipeline.storage.history import load_retired, read_commits
@@ -164,7 +164,7 @@ def in_flight_partitions(instance: dg.DagsterInstance, registered: list[str]) ->
 LEDGER_KEY_SUFFIX = ":ledger"
 # the run keys of the sensor's ledger runs: <lowest run_id walked>:ledger, then :ledger:2, :ledger:3 after runs
 # from there that deferred their walk
-_LEDGER_KEY = re.compile(r"[^:]+:ledger(?::[0-9]+)?")
+_LEDGER_KEY = re.compile(rf"[^:]+{re.escape(LEDGER_KEY_SUFFIX)}(?::[0-9]+)?")
 
 
 def ledger_run_key(run_id: str, deferred: int = 0) -> str:
@@ -243,7 +243,7 @@ def failed_ledger_runs(instance: dg.DagsterInstance, waiting: list[str], commits
         ):
             continue  # in flight, deferred, or not the sensor's ledger run (the launchpad's, a backfill's, a judge run)
         ended = record.end_time or record.update_timestamp.timestamp()
-        stop = stopped_at(sorted(walks_of(tags)), commits, ended)
+        stop = stopped_at(sorted(partitions_of(tags)), commits, ended)
         if stop in waiting:
             found.add(stop)
     return found

@@ -12,7 +12,7 @@ from filter_pipeline import settings
 from filter_pipeline.rules import order
 from filter_pipeline.rules.commits import CommitRecord
 from filter_pipeline.shell.assets import run_id_partitions
-from filter_pipeline.shell.jobs import PARTITION_TAG, first_walks, partitions_of
+from filter_pipeline.shell.jobs import first_walks, partitions_of
 from filter_pipeline.shell.warehouse import DataRoot
 from filter_pipeline.storage.history import read_commit
 from filter_pipeline.storage.publish import CommitState
@@ -78,16 +78,10 @@ def _stuck_in_queue(instance: dg.DagsterInstance, blockers: list[str]) -> dict[s
     queued = [
         (run_id, r.create_timestamp.timestamp())
         for r in records
-        for run_id in walks_of(r.dagster_run.tags) or partitions_of(r.dagster_run.tags, registered)
+        for run_id in partitions_of(r.dagster_run.tags, registered)
         if run_id in blockers
     ]
     return order.stuck_in_queue(queued, time.time(), limit)
-
-
-def walks_of(tags: dict[str, str]) -> list[str]:
-    """The run_ids a run is for: its partition, or those a sensor's ledger run over several walks (it has no
-    partition tag, its range being in registration order)."""
-    return [tags[PARTITION_TAG]] if PARTITION_TAG in tags else first_walks(tags) or []
 
 
 def filtered_meanwhile(

@@ -91,7 +91,6 @@ with dg.DagsterInstance.get() as instance:
 
 @pytest.mark.slow
 def test_runs_launched_in_registration_order_at_once_give_the_run_id_order_results(data_root, tmp_path, dagster_home):
-    import os
     import subprocess
     import sys
 
@@ -339,13 +338,15 @@ def test_a_ranged_ledger_step_stops_at_a_run_its_checks_left_uncommitted(instanc
 
 
 def test_a_run_queued_for_several_walks_counts_as_queued_for_each_when_a_step_decides_to_defer():
-    from filter_pipeline.shell.jobs import FIRST_WALK_TAG
-    from filter_pipeline.shell.waiting import walks_of
+    from filter_pipeline.shell.jobs import FIRST_WALK_TAG, partitions_of
 
     # the sensor's ledger run over several batches has no partition tag: its range is in registration order
-    assert walks_of({FIRST_WALK_TAG: "b0 b1", RANGE_START_TAG: "b1", RANGE_END_TAG: "b0"}) == ["b0", "b1"]
-    assert walks_of({PARTITION_TAG: "b2", FIRST_WALK_TAG: "b2"}) == ["b2"]
-    assert walks_of({PARTITION_TAG: "b3"}) == ["b3"] and walks_of({}) == []
+    assert partitions_of({FIRST_WALK_TAG: "b0 b1", RANGE_START_TAG: "b1", RANGE_END_TAG: "b0"}) == ["b0", "b1"]
+    assert partitions_of({PARTITION_TAG: "b2", FIRST_WALK_TAG: "b2"}) == ["b2"]
+    assert partitions_of({PARTITION_TAG: "b3"}) == ["b3"] and partitions_of({}) == []
+    # an asset backfill's ranged run names no walks: its range, in registration order
+    ranged = {RANGE_START_TAG: "b1", RANGE_END_TAG: "b0"}
+    assert partitions_of(ranged, ["b2", "b1", "b0"]) == ["b1", "b0"] and partitions_of(ranged) == []
 
 
 def test_a_sensor_ledger_run_over_several_reports_each_run_another_walk_committed_meanwhile(instance, data_root):
