@@ -2,7 +2,8 @@
 
     .venv/bin/python -m benchmarks.filter_scale                      # 2M history rows, 300k tasks
     .venv/bin/python -m benchmarks.filter_scale --repeat 5           # the same, five times each, with medians
-    .venv/bin/python -m benchmarks.filter_scale --history-runs 400 --no-baseline   # history x 10
+    .venv/bin/python -m benchmarks.filter_scale --history-runs 400 --no-baseline --against-history-runs 40 --repeat 3
+                                                                     # history x 10, alternating with 2M
 
 Generates (fixed seed, cached under benchmarks/out/) a history of kept rows — as committed warehouse Parquet
 files (each with its commit record, as the ledger step leaves them) for this project and as legacy
@@ -12,7 +13,8 @@ start to exit, Dagster included) and the baseline script on it, printing wall ti
 project's split by step (and, with --repeat, the median ratio). It also prints what committing and verifying
 cost: hashing every committed history file as the ledger step does, fingerprinting the batch's inputs and
 writing its commit record, timed one after the other in this process (in the step they overlap other work,
-so these are upper bounds), against the run's wall time.
+so these are upper bounds), against the run's wall time. Each repeat also times the repository's sample (data/: a
+14-task batch), the fixed cost of any run: the process, Dagster's run, coverage and calibration.
 """
 
 import argparse
@@ -238,26 +240,37 @@ def main() -> None:
         default=1,
         help="time both N times, alternating, and print the medians (the machine's noise is ~10%%)",
     )
+    parser.add_argument(
+        "--against-history-runs",
+        type=int,
+        help="also time the same batch against this many history runs, alternating, and print the ratio of medians",
+    )
     args = parser.parse_args()
 
-    name = f"h{args.history_runs}x{args.history_rows}-t{args.tasks}-s{args.seed}{'-nb' if args.no_baseline else ''}"
-    data = args.out / name
-    if not (data / "runs" / "new" / "_SUCCESS").exists() or not (data / "warehouse" / commits.COMMITS_DIR).exists():
-        shutil.rmtree(data, ignore_errors=True)
-        start = time.perf_counter()
-        generate(data, args)
-        print(f"generated {name} in {time.perf_counter() - start:.0f} s")
+    name, data = dataset(args)
     history = args.history_runs * args.history_rows
     print(f"history {history:,} kept rows in {args.history_runs} runs; batch {args.tasks:,} tasks")
-    ours, theirs = [], []
+    other = None
+    if args.against_history_runs:
+        other = dataset(argparse.Namespace(**{**vars(args), "history_runs": args.against_history_runs}))
+    ours, theirs, against, sample = [], [], [], []
     for n in range(1, args.repeat + 1):
         label = f"[{n}/{args.repeat}] " if args.repeat > 1 else ""
         ours.append(run_filter(data, args.out / f"{name}-home", args, label))
+        if other is not None:
+            against.append(run_filter(other[1], args.out / f"{other[0]}-home", args, f"{label}[{other[0]}] "))
+        sample.append(run_sample(args.out, label))
         if not args.no_baseline:
             theirs.append(run_baseline(data, args, label))
             print(
                 f"{label}ratio:           {ours[-1][0] / theirs[-1][0]:6.3f} x time, {ours[-1][1] / theirs[-1][1]:.2f} x memory"
             )
+    print(f"the sample's batch (fixed cost): median {statistics.median(sample):.2f} s (all: "
+          f"{', '.join(f'{w:.2f}' for w in sorted(sample))})")  # fmt: skip
+    if against:
+        mine, theirs_median = statistics.median(w for w, _ in ours), statistics.median(w for w, _ in against)
+        print(f"history x{args.history_runs / args.against_history_runs:g}: median {mine:.1f} s against "
+              f"{theirs_median:.1f} s with {args.against_history_runs} history runs: {mine / theirs_median:.2f} x")  # fmt: skip
     if args.repeat > 1:
         wall, rss = statistics.median(w for w, _ in ours), max(r for _, r in ours)
         line = f"median of {args.repeat}: filter-pipeline {wall:.1f} s (peak RSS up to {rss:.0f} MB)"
@@ -268,17 +281,49 @@ def main() -> None:
         print(line)
 
 
-def run_filter(data: Path, home: Path, args: argparse.Namespace, label: str) -> tuple[float, float]:
-    """One timed `filter-pipeline materialize` of the batch on a fresh instance; (wall s, peak RSS MB)."""
+def dataset(args: argparse.Namespace) -> tuple[str, Path]:
+    """(name, folder) of the data set `args` describe, generated unless it is there already."""
+    name = f"h{args.history_runs}x{args.history_rows}-t{args.tasks}-s{args.seed}{'-nb' if args.no_baseline else ''}"
+    data = args.out / name
+    if not (data / "runs" / "new" / "_SUCCESS").exists() or not (data / "warehouse" / commits.COMMITS_DIR).exists():
+        shutil.rmtree(data, ignore_errors=True)
+        start = time.perf_counter()
+        generate(data, args)
+        print(f"generated {name} in {time.perf_counter() - start:.0f} s")
+    return name, data
+
+
+def fresh_instance(home: Path) -> None:
+    """An empty Dagster instance at `home`, as `make setup` makes one. It exists before the timed run, as it does
+    on every day but a user's first: creating its SQLite schema is a one-time cost, not a per-batch one."""
     shutil.rmtree(home, ignore_errors=True)
     home.mkdir(parents=True)
     shutil.copy(REPO / "instance" / "dagster.yaml", home / "dagster.yaml")
-    # the instance exists before the timed run, as it does on every day but a user's first: creating its
-    # SQLite schema (about 1 s) is a one-time cost, not a per-batch one
     subprocess.run(
         [sys.executable, "-c", f"import dagster as dg; dg.DagsterInstance.from_config({str(home)!r}).dispose()"],
         check=True,
     )
+
+
+def run_sample(out: Path, label: str) -> float:
+    """One timed `filter-pipeline materialize` of a fresh copy of the sample data on a fresh instance; wall s."""
+    copy, home = out / "sample", out / "sample-home"
+    shutil.rmtree(copy, ignore_errors=True)
+    shutil.copytree(REPO / "data", copy, ignore=shutil.ignore_patterns("warehouse"))
+    fresh_instance(home)
+    env = {**os.environ, "DAGSTER_HOME": str(home), "FILTER_JUDGE_KIND": "gate"}
+    wall, rss, kernel, done = timed(
+        [sys.executable, "-m", "filter_pipeline.cli.main", "materialize", "--data", str(copy)], env
+    )
+    if done.returncode != 0:
+        sys.exit(f"filter-pipeline failed on the sample:\n{done.stdout}\n{done.stderr[-3000:]}")
+    print(f"{label}the sample's batch: {wall:6.2f} s  peak RSS {rss:7.0f} MB  ({kernel})")
+    return wall
+
+
+def run_filter(data: Path, home: Path, args: argparse.Namespace, label: str) -> tuple[float, float]:
+    """One timed `filter-pipeline materialize` of the batch on a fresh instance; (wall s, peak RSS MB)."""
+    fresh_instance(home)
     for folder in ("judge_verdicts", "failure_pool", "prior_dedup_index", "prior_kept_counts", "surplus",
                    "batch_tasks", "batch_attempts", "batch_rejects", "dpo_pairs", "filter_report"):  # fmt: skip
         shutil.rmtree(data / "warehouse" / folder, ignore_errors=True)

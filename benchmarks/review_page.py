@@ -5,11 +5,12 @@
 Writes a committed run of --tasks tasks straight into a temporary warehouse (its batch_tasks, batch_attempts,
 judge_verdicts, kept, surplus, failure_pool and commit record: every fate present), serves the review app on
 loopback with uvicorn, and prints the first request of the run's page (the run's files read), then the median
-and slowest of --requests requests of filtered pages (HTML and JSON) once the run's tables are cached.
-Only loopback traffic.
+and slowest of --requests requests of filtered pages (HTML and JSON) once the run's tables are cached, and
+the queue's first request after a new label (which reorders it). Only loopback traffic.
 """
 
 import argparse
+import json
 import statistics
 import tempfile
 import threading
@@ -79,6 +80,13 @@ def timed_get(url: str) -> tuple[float, int]:
     return time.perf_counter() - start, size
 
 
+def posted_label(base: str, task_id: str) -> None:
+    body = json.dumps({"run_id": RUN_ID, "task_id": task_id, "success": False}).encode()
+    request = urllib.request.Request(f"{base}/api/labels", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        assert response.status == 201, response.status
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tasks", type=int, default=300_000)
@@ -110,6 +118,12 @@ def main() -> None:
             print(f"  {path}: median {statistics.median(ts) * 1000:.0f} ms, slowest {max(ts) * 1000:.0f} ms")
         print(f"cached pages: median {statistics.median(every) * 1000:.0f} ms, slowest {max(every) * 1000:.0f} ms "
               f"over {len(every)} requests")  # fmt: skip
+        after = []
+        for k in range(3):
+            posted_label(base, f"t{k + 1:07}")
+            after.append(timed_get(f"{base}/queue")[0])
+        print(f"/queue after a new label (which reorders it): median {statistics.median(after):.2f} s, slowest "
+              f"{max(after):.2f} s over {len(after)} labels")  # fmt: skip
         server.should_exit = True
         thread.join()
 

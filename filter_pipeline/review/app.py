@@ -30,7 +30,7 @@ from filter_pipeline.review.fates import FATES
 from filter_pipeline.review.queue import QueueMemo, item
 from filter_pipeline.review.story import Labels, inside_run, plain, screenshot, story
 from filter_pipeline.rules.descriptions import one_line
-from filter_pipeline.rules.records import as_text
+from filter_pipeline.rules.records import is_text
 from filter_pipeline.settings import DAGSTER_URL_ENV, LABELER_ENV, LOOPBACK, base_url
 from filter_pipeline.storage.files import store_trouble
 from filter_pipeline.storage.labels import LabelWriteError, append_label, now_iso
@@ -304,7 +304,7 @@ def label_record(review: Review, body) -> dict:
     for name in ("dir", "run_id", "task_id", "labeler", "note"):
         if body.get(name) is not None and not isinstance(body[name], str):
             raise BadRequest(f"{name}: expected text")
-        if isinstance(body.get(name), str) and not _is_text(body[name]):
+        if isinstance(body.get(name), str) and not is_text(body[name]):
             raise BadRequest(f"{name}: expected text (it holds a lone surrogate)")
     if isinstance(body.get("dir"), str):
         dir_ = body["dir"]
@@ -345,11 +345,6 @@ def _same_attempt(body: dict, dir_: str, run_id: str, task_ids: set[str]) -> Non
     if body.get("run_id") not in (None, run_id) or body.get("task_id") not in (None, *task_ids):
         raise BadRequest(f"dir {dir_!r} is an attempt of task {', '.join(sorted(task_ids))} of run {run_id}, not of "
                          "the run_id and task_id given: send the dir alone, or the run_id and task_id alone")  # fmt: skip
-
-
-def _is_text(value) -> bool:
-    """A string UTF-8 can carry (JSON's `\\ud83d` escape decodes to a lone surrogate, which it cannot)."""
-    return isinstance(value, str) and as_text(value) == value
 
 
 async def on_review_error(request: Request, exc: ReviewError) -> Response:

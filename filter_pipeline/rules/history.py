@@ -28,6 +28,7 @@ import pyarrow.parquet as pq
 
 from filter_pipeline.rules.batch import LEGACY_KEPT_FILE, jsonl_lines
 from filter_pipeline.rules.commits import LEGACY_PREFIX, CommitRecord, HistoryIntegrityError
+from filter_pipeline.rules.records import is_text
 from filter_pipeline.rules.schemas import canonical_key, conform, empty_frame, key_hashes, positions, to_pandas
 from filter_pipeline.settings import materialize_command
 
@@ -71,7 +72,7 @@ def parse_retired(data: bytes | None) -> Retired:
     tasks: dict[str, set[str]] = {}
     reasons: dict[tuple[str, str | None], str] = {}
     for i, entry in enumerate(entries):
-        if not isinstance(entry, dict) or not isinstance(entry.get("run_id"), str):
+        if not isinstance(entry, dict) or not is_text(entry.get("run_id")):
             raise HistoryError(f"{where}[{i}] must be an object with a string 'run_id'")
         reason = entry.get("reason") if isinstance(entry.get("reason"), str) and entry["reason"].strip() else None
         if "task_ids" not in entry or entry["task_ids"] is None:
@@ -79,7 +80,7 @@ def parse_retired(data: bytes | None) -> Retired:
             reasons.update({(entry["run_id"], None): reason} if reason else {})
             continue
         ids = entry["task_ids"]
-        if not isinstance(ids, list) or not all(isinstance(t, str) for t in ids):
+        if not isinstance(ids, list) or not all(is_text(t) for t in ids):
             raise HistoryError(f"{where}[{i}].task_ids must be a list of strings")
         tasks.setdefault(entry["run_id"], set()).update(ids)
         reasons.update({(entry["run_id"], t): reason for t in ids} if reason else {})
@@ -130,18 +131,24 @@ def parse_legacy(data: bytes, run_id: str) -> tuple[pa.Table, str]:
     for number, line in jsonl_lines(data):
         try:
             record = json.loads(line)
-            rows.append(
-                {
-                    "dedup_key": legacy_key_text(record["dedup_key"]),
-                    "macro": str(record["macro"]),
-                    "site": str(record["site"]),
-                    "task_id": str(record["task_id"]),
-                }
-            )
+            key = legacy_key_text(record["dedup_key"])
+            rows.append({"dedup_key": _text(key, "dedup_key"), **{f: _text(record[f], f) for f in _LEGACY_TEXTS}})
         # (ValueError: not JSON, or an integer too long for int; RecursionError: nested deeper than json follows)
         except (ValueError, KeyError, TypeError, RecursionError) as exc:
             raise HistoryError(f"runs/{run_id}/{LEGACY_KEPT_FILE}:{number}: not a kept row ({exc})") from None
     return _with_hashes(pa.Table.from_pylist(rows, schema=_STRINGS)), hashlib.sha256(data).hexdigest()
+
+
+_LEGACY_TEXTS = ("macro", "site", "task_id")
+
+
+def _text(value: Any, name: str) -> str:
+    """`value`, if it is text (`records.is_text`); TypeError or ValueError naming `name` otherwise."""
+    if not isinstance(value, str):
+        raise TypeError(f"{name} is not a string")
+    if not is_text(value):
+        raise ValueError(f"{name} holds a lone surrogate, which is not text")
+    return value
 
 
 def legacy_key_text(key: Any) -> str:

@@ -309,6 +309,12 @@ def as_text(text: str) -> str:
     return text if text.isascii() else _LONE_SURROGATE_CHAR.sub("\ufffd", text)
 
 
+def is_text(value: Any) -> bool:
+    """Whether `value` is a string UTF-8 (hence Parquet) can carry: JSON's `"\\ud83d"` escape decodes to a lone
+    surrogate, which it cannot."""
+    return isinstance(value, str) and _lone_surrogate(value) is None
+
+
 def _lone_surrogate(value: Any) -> str | None:
     """The first lone surrogate of a string value (which UTF-8, hence Parquet, cannot hold), or None."""
     if type(value) is not str or value.isascii():

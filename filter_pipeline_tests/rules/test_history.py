@@ -14,6 +14,9 @@ from filter_pipeline.rules.history import HistoryError, Retired, parse_retired
         ('{"run_id": "r1"}', "must be a JSON list"),
         ('[{"reason": "x"}]', r"retired.json\[0\] must be an object with a string 'run_id'"),
         ('[{"run_id": "r1", "task_ids": "a"}]', r"retired.json\[0\].task_ids must be a list of strings"),
+        # a lone surrogate: valid JSON, but no text (no Parquet file or Arrow string can hold it)
+        ('[{"run_id": "r1", "task_ids": ["a\\ud83d"]}]', r"retired.json\[0\].task_ids must be a list of strings"),
+        ('[{"run_id": "r\\udc00"}]', r"retired.json\[0\] must be an object with a string 'run_id'"),
     ],
 )
 def test_malformed_retired_json_is_refused_with_the_reason(content, message):

@@ -1,6 +1,7 @@
 """Canonical key texts and their hashes, in bulk and one by one; every column described."""
 
 import json
+import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -79,6 +80,20 @@ def test_the_contract_page_names_every_asset_and_column():
     missing = [f"{asset}.{name}" for asset, schema in SCHEMAS.items() for name in [asset, *schema.names]
                if f"`{name}`" not in page]  # fmt: skip
     assert not missing, f"docs/contract.md (section 5, Outputs) does not name: {missing}"
+
+
+def test_the_contract_page_lists_each_assets_columns_in_the_files_order():
+    page = (REPO / "docs" / "contract.md").read_text()
+    listed = {}
+    for bullet in re.split(r"\n- \*\*", page)[1:]:  # ("- **`asset`** ...": one asset's paragraph)
+        asset = bullet[1:].split("`", 1)[0]
+        if asset in SCHEMAS:
+            names = SCHEMAS[asset].names
+            first_mentions = list(dict.fromkeys(t for t in re.findall(r"`([^`]+)`", bullet) if t in names))
+            if len(first_mentions) == len(names):  # (kept and surplus name theirs by reference)
+                listed[asset] = first_mentions
+    assert {"judge_verdicts", "failure_pool", "coverage", "dpo_pairs"} <= set(listed)
+    assert {asset: names for asset, names in listed.items() if names != SCHEMAS[asset].names} == {}
 
 
 EXIT_AFTER_READING = (

@@ -136,8 +136,14 @@ def test_a_legacy_row_holding_a_unicode_line_separator_is_one_row(tmp_path):
         '{"task_id": "b", "macro": "m", "site": "s", "dedup_key": "[\\"k\\", ' + "2" * 5000 + ']"}',  # in key text
         '{"task_id": "b", "macro": "m", "site": "s", "dedup_key": ' + "[" * 100_000 + "]" * 100_000 + "}",
         '{"task_id": "b", "macro": "m", "site": "s", "dedup_key": "' + "[" * 100_000 + "]" * 100_000 + '"}',
+        # a lone surrogate (valid JSON, not text: no Parquet file can hold it), and a field that is not a string
+        '{"task_id": "b\\ud83d", "macro": "m", "site": "s", "dedup_key": ["k", 2]}',
+        '{"task_id": "b", "macro": "m", "site": "s", "dedup_key": ["k\\udc00", 2]}',
+        '{"task_id": "b", "macro": null, "site": "s", "dedup_key": ["k", 2]}',
+        '{"task_id": "b", "macro": "m", "site": 7, "dedup_key": ["k", 2]}',
     ],
-    ids=["no-key", "long-integer", "long-integer-in-key-text", "nested-too-deep", "nested-too-deep-in-key-text"],
+    ids=["no-key", "long-integer", "long-integer-in-key-text", "nested-too-deep", "nested-too-deep-in-key-text",
+         "lone-surrogate", "lone-surrogate-in-key", "null-macro", "number-site"],  # fmt: skip
 )
 def test_bad_legacy_row_names_file_and_line(tmp_path, line):
     write_legacy_kept(tmp_path, "old", ("a", ["k", 1], "m", "s"))
