@@ -1,6 +1,6 @@
 # Two commands do everything on a fresh machine with Python 3.11 and make:
 #   make run    set up .venv and the local Dagster instance, then filter the sample batches in data/
-#   make test   the whole test suite (what CI runs)
+#   make test   the whole test suite (CI runs it, after make lint and before make test-oldest)
 # and for development:
 #   make setup       only the set-up: .venv and the local Dagster instance (.dagster_home/)
 #   make dev         `dagster dev` on the local instance (http://127.0.0.1:3000)

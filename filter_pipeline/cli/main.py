@@ -28,6 +28,17 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_BAD_INPUT, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
+CALIBRATE_DESCRIPTION = (
+    "Judge only the attempts labels.jsonl labels with a candidate judge (the production "
+    "judge's FILTER_JUDGE_* settings, the options given in their place), write its verdicts to "
+    "warehouse/judge_eval/<candidate>.parquet, and print precision (95% interval), recall, kappa and cost "
+    "beside the judge in production. Verdicts already on file for the candidate are reused (a second run "
+    "asks nothing). Never changes kept, surplus, judge_verdicts or the commit records. Exit 0 when scored, 1 "
+    "when the endpoint refused, 2 on bad input (no labels file, no verdicts, a missing setting), 3 when the "
+    "candidate left labelled attempts unjudged (the next call asks for those alone)."
+)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=CLI, description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -63,17 +74,14 @@ def _parser() -> argparse.ArgumentParser:
         description="Audit the warehouse: every committed file present and unchanged, no key kept twice across "
         "non-retired runs, caps respected with history, verdicts conserved per run, no kept file without a commit, "
         "no publish left half done, no batch changed since it was filtered. Exit 0 when clean, 1 with one line per "
-        f"finding (at most {MAX_LINES_PER_KIND} of a kind, then a count), 2 when the data root does not exist or has no runs/.",
+        f"finding (at most {MAX_LINES_PER_KIND} of a kind, then a count), 2 when the data root does not exist, has no "
+        "runs/ or cannot be read (an object store's error).",
     )
     add_data_argument(v)
     c = commands.add_parser(
         "calibrate",
         help="score a candidate judge on the labelled attempts, beside the judge in production",
-        description="Judge only the attempts labels.jsonl labels with a candidate judge (the production "
-        "judge's FILTER_JUDGE_* settings, the options given in their place), write its verdicts to "
-        "warehouse/judge_eval/<candidate>.parquet, and print precision (95% interval), recall, kappa and cost "
-        "beside the judge in production. Verdicts already on file for the candidate are reused (a second run "
-        "asks nothing). Never changes kept, surplus, judge_verdicts or the commit records.",
+        description=CALIBRATE_DESCRIPTION,
     )
     add_data_argument(c)
     c.add_argument("--model", default=None, help="the candidate's model (default: FILTER_JUDGE_MODEL)")

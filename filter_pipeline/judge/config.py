@@ -42,8 +42,9 @@ class LLMJudgeConfig(dg.Config):
     )
     votes: int = _setting(
         1,
-        "Votes per task; the majority wins and a tie fails. Above 1 needs a temperature "
-        "above 0; the votes are then n samples of one request where the server takes `n`.",
+        "Votes per task; the majority wins and a tie fails. Above 1 needs a temperature above 0 (or a "
+        "reasoning model, sent no temperature); the votes are then n samples of one request where the server "
+        "takes `n`.",
         env="FILTER_JUDGE_VOTES",
     )
     concurrency: int = _setting(16, "Most requests in flight at once.", env="FILTER_JUDGE_CONCURRENCY")
@@ -74,7 +75,8 @@ class LLMJudgeConfig(dg.Config):
     )
     prompt_version: str = _setting(
         PROMPT_VERSION,
-        "Part of the verdict cache key: change it to re-judge everything.",
+        "Part of the verdict cache key: change it to re-judge everything (`v2` and `v3` pick their own "
+        "prompt; any other name is the current prompt under a new key).",
         env="FILTER_JUDGE_PROMPT_VERSION",
     )
     min_score: int | None = _setting(

@@ -142,8 +142,17 @@ def test_a_legacy_row_holding_a_unicode_line_separator_is_one_row(tmp_path):
         '{"task_id": "b", "macro": null, "site": "s", "dedup_key": ["k", 2]}',
         '{"task_id": "b", "macro": "m", "site": 7, "dedup_key": ["k", 2]}',
     ],
-    ids=["no-key", "long-integer", "long-integer-in-key-text", "nested-too-deep", "nested-too-deep-in-key-text",
-         "lone-surrogate", "lone-surrogate-in-key", "null-macro", "number-site"],  # fmt: skip
+    ids=[
+        "no-key",
+        "long-integer",
+        "long-integer-in-key-text",
+        "nested-too-deep",
+        "nested-too-deep-in-key-text",
+        "lone-surrogate",
+        "lone-surrogate-in-key",
+        "null-macro",
+        "number-site",
+    ],  # fmt: skip
 )
 def test_bad_legacy_row_names_file_and_line(tmp_path, line):
     write_legacy_kept(tmp_path, "old", ("a", ["k", 1], "m", "s"))
