@@ -2,7 +2,8 @@
 
 These checks define what a valid record is and the message of every reject (`batch` applies them line by
 line wherever Arrow's reader cannot take a file whole). A record that is valid JSON can still be no use as
-data: a lone surrogate escape (`"\\ud800"`, not text: Parquet cannot store it) in a field a row keeps; an
+data: a lone surrogate escape (`"\\ud800"`, not text: Parquet cannot store it) in a field a row keeps but
+free text (an instruction, an error, a backend detail: text cut mid-emoji, which keeps U+FFFD in its place); an
 integer with more digits than Python converts (`sys.get_int_max_str_digits()`, 4,300 by default) in a field a
 row keeps or reads; a dedup_key holding NaN or Infinity (or 1e400, which reads as Infinity); an attempt number
 beyond 64 bits. Anywhere else (an extra field, a step's page text) neither harms anything, and is let be.
@@ -107,14 +108,21 @@ def unsafe_dir_reason(path: str) -> str | None:
 class Fields:
     """Where in a record of one line kind a value matters, as dotted names (`start.kind`): `stored`, the fields
     whose text a row keeps (the field and anything inside it); `read`, the fields whose value alone a row reads
-    (of `steps`, only its length: not what is inside)."""
+    (of `steps`, only its length: not what is inside); `prose`, the stored fields of free text, where a lone
+    surrogate (text cut mid-emoji, as a harness cutting a message in UTF-16 writes it) becomes U+FFFD rather
+    than rejecting the record: an identifier holding one is no text, a message holding one is still a message."""
 
     stored: tuple[str, ...]
     read: tuple[str, ...] = ()
+    prose: tuple[str, ...] = ()
 
     def keeps(self, parts: list) -> bool:
         """Whether the field at `parts` (a path, as `_first` gives it) is stored or inside a stored one."""
         return any(parts[: len(names)] == names for names in (name.split(".") for name in self.stored))
+
+    def keeps_exact_text(self, parts: list) -> bool:
+        """Whether the field at `parts` is stored and must be text as it is (not prose)."""
+        return self.keeps(parts) and parts not in [name.split(".") for name in self.prose]
 
     def uses(self, parts: list) -> bool:
         """Whether the row keeps or reads the value at `parts`."""
@@ -122,7 +130,11 @@ class Fields:
 
 
 TASK_FIELDS = ("task_id", "macro", "site", "dedup_key", "key_hash", "start_kind", "instruction")
-TASK_LINE = Fields(stored=("task_id", "macro", "site", "dedup_key", "start.kind", "instruction"), read=("start",))
+TASK_LINE = Fields(
+    stored=("task_id", "macro", "site", "dedup_key", "start.kind", "instruction"),
+    read=("start",),
+    prose=("instruction",),
+)
 
 
 _SCALARS = (str, int, float, bool, type(None))
@@ -150,7 +162,7 @@ def _clean_task_row(record: dict) -> tuple | None:
     ):  # fmt: skip
         return None
     text = clean_key(key)
-    return None if text is None else (task_id, macro, site, text, key_hash(text), kind, instruction)
+    return None if text is None else (task_id, macro, site, text, key_hash(text), kind, as_text(instruction))
 
 
 def clean_key(key: Any) -> str | None:
@@ -192,12 +204,14 @@ def _checked_task_row(record: dict) -> tuple:
     if not _is_str(start.get("kind")):
         raise Reject("start.kind", f"field 'start.kind' is {_describe(start.get('kind'))}, expected a string")
     text = key_text(key)
-    return (task_id, macro, site, text, key_hash(text), start["kind"], instruction)
+    return (task_id, macro, site, text, key_hash(text), start["kind"], as_text(instruction))
 
 
 ATTEMPT_FIELDS = ("task_id", "attempt", "ok", "error", "dir", "n_actions", "backend_ok", "backend_detail")
 ATTEMPT_LINE = Fields(
-    stored=("task_id", "error", "dir", "backend.detail"), read=("attempt", "ok", "steps", "backend", "backend.ok")
+    stored=("task_id", "error", "dir", "backend.detail"),
+    read=("attempt", "ok", "steps", "backend", "backend.ok"),
+    prose=("error", "backend.detail"),
 )
 
 
@@ -224,7 +238,11 @@ def attempt_row(record: dict) -> tuple:
     detail = backend.get("detail")
     if not (detail is None or _is_str(detail)):
         raise Reject("backend.detail", f"field 'backend.detail' is {_describe(detail)}, expected a string")
-    return (task_id, attempt, ok, error, path, len(steps), bool(backend_ok), detail)
+    return (task_id, attempt, ok, _prose(error), path, len(steps), bool(backend_ok), _prose(detail))
+
+
+def _prose(text: str | None) -> str | None:
+    return None if text is None else as_text(text)
 
 
 # a JSON escape of a UTF-16 surrogate: half of a pair (an emoji, as json.dumps writes it) or a lone one
@@ -251,7 +269,8 @@ def load_record(raw: bytes, long_numbers: bool = True, fields: Fields | None = N
     so what json accepts and the rejects' messages stay the same; so is a line with a run of 19 or more
     digits (`long_numbers`: whether the line may hold one; False when its whole file was checked).
     `fields`: where a value matters (None: everywhere). A lone surrogate rejects the record only in a field
-    it stores, an integer too long for Python only in one it stores or reads: elsewhere, as in an action's
+    it stores but prose (where the row function replaces it), an integer too long for Python only in one it
+    stores or reads: elsewhere, as in an action's
     page text cut mid-emoji, neither harms anything (such an integer stays in the record as a `LongInteger`)."""
     if len(raw) > MAX_LINE_BYTES:
         raise Reject(None, f"line is {len(raw):,} bytes, longer than the {MAX_LINE_BYTES:,}-byte limit")
@@ -283,7 +302,7 @@ def _load_checked(raw: bytes, fields: Fields | None = None) -> dict:
     if not isinstance(record, dict):
         raise Reject(None, f"line is a JSON {type(record).__name__}, expected an object")
     if _SURROGATE_ESCAPE.search(raw) and not _is_text(record):
-        found = _first(record, _lone_surrogate, where=lambda parts: fields is None or fields.keeps(parts))
+        found = _first(record, _lone_surrogate, where=lambda parts: fields is None or fields.keeps_exact_text(parts))
         if found is not None:
             field, char = found
             raise Reject(field, f"field {field!r} holds a lone surrogate (\\u{ord(char):04x}), which is not text")
