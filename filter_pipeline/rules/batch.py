@@ -48,6 +48,8 @@ TASKS_FILE = "tasks.jsonl"
 EXECUTIONS_FILE = "executions.jsonl"
 SUCCESS_FILE = "_SUCCESS"
 LEGACY_KEPT_FILE = "kept.jsonl"
+# a UTF-8 byte order mark, which some Windows tools write at the start of a text file: not part of its first line
+UTF8_BOM = b"\xef\xbb\xbf"
 
 # A run_id is a folder name under runs/: nothing that could climb out of it or hide. No `..` either: Dagster's
 # partition keys may not hold `...` (its notation of a partition range).
@@ -98,8 +100,9 @@ class BatchState:
 
 def jsonl_lines(data: bytes) -> Iterator[tuple[int, bytes]]:
     """(line number, bytes) of each line of a JSON Lines file holding more than whitespace (what `bytes.strip`
-    strips). Lines end at `\\n` only: a JSON string may hold other line separators raw (U+2028, U+2029, U+0085),
-    and a `\\r` is whitespace between tokens."""
+    strips), a byte order mark at its start skipped. Lines end at `\\n` only: a JSON string may hold other line
+    separators raw (U+2028, U+2029, U+0085), and a `\\r` is whitespace between tokens."""
+    data = data.removeprefix(UTF8_BOM)
     for number, raw in enumerate(io.BytesIO(data), start=1):  # (one line at a time: files run to gigabytes)
         raw = raw.removesuffix(b"\n")
         if raw.strip():
@@ -114,6 +117,7 @@ _BLANK_LINE_AFTER = re.compile(rb"\n[ \t\r\x0b\x0c]*(?=\n|\Z)")
 def non_blank_lines(data: bytes) -> int:
     """How many lines `jsonl_lines` gives (the records of a JSON Lines file, whatever the parse made of them),
     counted without making each line an object."""
+    data = data.removeprefix(UTF8_BOM)
     lines = data.count(b"\n") + 1  # (the text after the last newline, empty or not, counted as a line)
     blank = (_BLANK_FIRST_LINE.match(data) is not None) + sum(1 for _ in _BLANK_LINE_AFTER.finditer(data))
     return lines - blank
@@ -331,7 +335,8 @@ def _deep_attempt_row(raw: bytes) -> tuple | None:
 
 def parse_tasks(data: bytes, run_id: str) -> tuple[pd.DataFrame, list[dict]]:
     """The valid tasks of tasks.jsonl (`data`), first of each task_id, and the reject rows of the others.
-    Raises BatchError when no task is valid."""
+    Raises BatchError when no task is valid. A byte order mark at the file's start is skipped."""
+    data = data.removeprefix(UTF8_BOM)
     tasks, rejects = _arrow_tasks(data), []
     if tasks is None:
         rows, rejects = _read_lines(data, TASKS_FILE, task_row, TASK_LINE)
@@ -355,7 +360,9 @@ def parse_attempts(
 ) -> Batch:
     """The batch: `tasks` and their rejects (`parse_tasks`), with the attempts of executions.jsonl (`data`).
     An attempt is rejected when it is invalid, of a task_id not among the tasks, a second (task_id, attempt),
-    or has a dir in `outside_root(dirs)` (the dirs that resolve outside the data root)."""
+    or has a dir in `outside_root(dirs)` (the dirs that resolve outside the data root). A byte order mark at
+    the file's start is skipped."""
+    data = data.removeprefix(UTF8_BOM)
     attempts = _arrow_attempts(data)
     if attempts is None:
         rows, attempt_rejects = _read_lines(data, EXECUTIONS_FILE, attempt_row, ATTEMPT_LINE, _deep_attempt_row)

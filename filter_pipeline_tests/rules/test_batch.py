@@ -740,3 +740,15 @@ def test_batch_counts_the_records_of_executions_jsonl_whatever_the_parse_made_of
         f.write("\n  \nnot json\n")  # a blank line, a line of spaces, a reject
     b = read_batch(run, "r")
     assert (len(b.attempts), len(b.rejects), b.attempt_records) == (2, 1, 3)
+
+
+def test_a_byte_order_mark_at_the_start_of_each_file_is_skipped_whichever_path_reads_it(tmp_path):
+    """Windows tools write one at the start of a text file: it is not part of the first record."""
+    for extra in ("", "\n"):  # (a blank line sends the file line by line rather than to Arrow's reader)
+        run = write_batch(tmp_path / f"r{len(extra)}", "r", [task("a"), task("b")], [attempt("a"), attempt("b")])
+        for name in ("tasks.jsonl", "executions.jsonl"):
+            (run / name).write_bytes(b"\xef\xbb\xbf" + (run / name).read_bytes() + extra.encode())
+        b = read_batch(UPath(run), "r")
+        assert b.rejects.empty, b.rejects["message"].tolist()
+        assert b.tasks["task_id"].tolist() == ["a", "b"] and b.attempts["task_id"].tolist() == ["a", "b"]
+        assert b.attempt_records == 2 and b.tasks["line"].tolist() == [1, 2]

@@ -69,6 +69,12 @@ def test_lines_that_are_not_labels_are_rejects_naming_their_line_and_the_rest_is
     assert "lone surrogate" in rejects[3]
 
 
+def test_a_labels_file_saved_with_a_byte_order_mark_loses_no_label():
+    # (Notepad and PowerShell write one at the start of a UTF-8 file)
+    labels, rejects = parse_labels(b'\xef\xbb\xbf{"dir": "a", "success": true}\n{"dir": "b", "success": false}\n')
+    assert rejects == [] and rows(labels, "dir", "success") == [["a", True], ["b", False]]
+
+
 def test_wilson_interval_and_kappa_match_hand_computed_values():
     # 8 of 10: p 0.8, z^2 = 3.8416; centre (0.8 + 0.19208) / 1.38416 = 0.716738,
     # half 1.96 * sqrt(0.016 + 0.009604) / 1.38416 = 0.226581
