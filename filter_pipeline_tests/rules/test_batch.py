@@ -586,7 +586,7 @@ def both_ways(tmp_path, tasks_text: str, attempts_text: str):
     return read_batch(UPath(run), "r"), vouched
 
 
-@pytest.mark.parametrize("first", ["null", "\n\nnull", "true", "[]", '"x"', "\ufeff" + json.dumps(task("z"))])
+@pytest.mark.parametrize("first", ["null", "\n\nnull", "true", "[]", '"x"'])  # (a byte order mark: skipped, below)
 def test_a_first_line_that_is_not_an_object_is_one_reject_in_either_file(tmp_path, first):
     """(Arrow's reader crashes the process on a `null` first: it is never asked for such a file.)"""
     b, vouched = both_ways(tmp_path, jsonl([first, task("a")]), jsonl([first, attempt("a")]))
