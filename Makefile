@@ -7,7 +7,7 @@
 #   make review      the review app: every run's and task's fate, labelling (http://127.0.0.1:8765)
 #   make test-fast   the tests that start no server or process (`-m "not slow"`): the quick loop
 #   make lint        ruff check + ruff format --check + the package's shape (scripts/check_shape.py; CI runs it first)
-#   make test-oldest the fast tests in .venv-oldest, on the oldest Dagster supported (constraints/dagster-1.12.txt)
+#   make test-oldest the fast tests in .venv-oldest, on the oldest Dagster, pandas and pyarrow supported (constraints/dagster-1.12.txt)
 #   make constraints rewrite constraints/py311.txt from a fresh install (after changing a dependency)
 #   make sample-data write the sample batches in data/runs/ and data/labels.jsonl anew
 PYTHON ?= $(shell command -v python3.11 || command -v python3)

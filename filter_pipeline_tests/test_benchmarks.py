@@ -1,5 +1,6 @@
 """The benchmarks, run at a tiny size so they do not rot. Figures come from running them in full (README)."""
 
+import re
 import subprocess
 import sys
 
@@ -25,9 +26,19 @@ def test_filter_scale_agrees_with_the_baseline_at_a_small_size(tmp_path):
     assert out.count("same kept rows as the baseline: True") == 2
     assert "median of 2: filter-pipeline" in out and "ratio" in out
     assert "split: judge_batch" in out and "ledger" in out
-    assert out.count("k page faults") == 4  # each timed process's system time and faults, both sides
+    assert out.count("k page faults") == 6  # each timed process's system time and faults: both sides, the sample
+    assert out.count("the sample's 2026-11-27: ") == 2 and "the sample's first batch alone (fixed cost): median" in out
     phases = next(line for line in out.splitlines() if line.strip().startswith("phases:"))
     assert [part.split()[0] for part in phases.split(":", 1)[1].split(",")] == ["parse", "index", "walk", "write"]
+
+
+def test_filter_scale_compares_two_history_sizes(tmp_path):
+    out = run(
+        "benchmarks.filter_scale", "--history-runs", "4", "--against-history-runs", "2", "--history-rows", "500",
+        "--tasks", "500", "--sites", "10", "--macros", "2", "--arguments", "500", "--no-baseline", "--out", str(tmp_path),
+    )  # fmt: skip
+    assert "history 2,000 kept rows in 4 runs" in out and "[h2x500-t500-s20261130-nb] filter-pipeline:" in out
+    assert re.search(r"history x2: median [0-9.]+ s against [0-9.]+ s with 2 history runs: [0-9.]+ x", out), out
 
 
 def test_judge_throughput_runs_at_a_small_size():
@@ -91,3 +102,4 @@ def test_review_page_runs_at_a_small_size():
     out = run("benchmarks.review_page", "--tasks", "2000", "--requests", "14")
     assert "wrote a committed run of 2,000 tasks" in out and "first request of the run's page" in out
     assert "cached pages: median" in out and "over 14 requests" in out and "/queue: median" in out
+    assert "/queue after a new label (which reorders it): median" in out
