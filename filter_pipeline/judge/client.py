@@ -142,9 +142,7 @@ class JudgeClient:
         self.http = Transport(config, report)
         self.structured = config.structured_output
         self.n_ok: bool | None = None  # does the server honour n > 1? None: not known yet
-        # a request asked again without n after a 5xx (before n worked) was answered: the next 5xx to a request
-        # asking n is then n's rejection (`_ask`)
-        self.answered_without_n = False
+        self.answered_without_n = False  # after a 5xx to a request asking n (`_learn_n`)
 
     async def __aenter__(self) -> "JudgeClient":
         await self.http.open()

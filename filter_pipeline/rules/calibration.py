@@ -13,6 +13,7 @@ import pandas as pd
 
 from filter_pipeline.rules.batch import jsonl_lines
 from filter_pipeline.rules.descriptions import markdown_cell
+from filter_pipeline.rules.records import as_text, is_text
 from filter_pipeline.rules.schemas import CALIBRATION_MIN_LABELS, STATUS_JUDGED, conform
 
 LABELS_FILE = "labels.jsonl"
@@ -61,11 +62,10 @@ def _label(raw: bytes) -> dict:
         raise ValueError("expected {dir | run_id + task_id, success: true | false | null}")
     row = {"dir": record["dir"] if by_dir else None, "run_id": None if by_dir else record["run_id"],
            "task_id": None if by_dir else record["task_id"], "success": record["success"]}  # fmt: skip
-    row.update({name: record[name] if isinstance(record.get(name), str) else None for name in LABEL_NOTES})
-    try:
-        json.dumps(row, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        raise ValueError("a lone surrogate (\\ud800-\\udfff) in dir, run_id or task_id, which is not text") from None
+    if not all(is_text(row[name]) for name in ("dir", "run_id", "task_id") if row[name] is not None):
+        raise ValueError("a lone surrogate (\\ud800-\\udfff) in dir, run_id or task_id, which is not text")
+    # (free text: a half emoji is shown as U+FFFD, as in a batch's instruction or error)
+    row.update({name: as_text(record[name]) if isinstance(record.get(name), str) else None for name in LABEL_NOTES})
     return row
 
 

@@ -26,6 +26,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from filter_pipeline.rules import records
 from filter_pipeline.rules.batch import LEGACY_KEPT_FILE, jsonl_lines
 from filter_pipeline.rules.commits import LEGACY_PREFIX, CommitRecord, HistoryIntegrityError
 from filter_pipeline.rules.records import is_text
@@ -63,7 +64,7 @@ def parse_retired(data: bytes | None) -> Retired:
         return Retired()
     where = f"{RETIRED_FILE}"
     try:
-        entries = json.loads(data.decode("utf-8"))
+        entries = json.loads(data.decode("utf-8-sig"))  # (a hand-edited file: a Windows editor's BOM is skipped)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise HistoryError(f"{where} is not valid JSON: {exc}") from None
     if not isinstance(entries, list):
@@ -72,16 +73,21 @@ def parse_retired(data: bytes | None) -> Retired:
     tasks: dict[str, set[str]] = {}
     reasons: dict[tuple[str, str | None], str] = {}
     for i, entry in enumerate(entries):
-        if not isinstance(entry, dict) or not is_text(entry.get("run_id")):
+        if not isinstance(entry, dict) or not isinstance(entry.get("run_id"), str):
             raise HistoryError(f"{where}[{i}] must be an object with a string 'run_id'")
+        if not is_text(entry["run_id"]):
+            raise HistoryError(f"{where}[{i}].run_id holds a lone surrogate, which is not text")
         reason = entry.get("reason") if isinstance(entry.get("reason"), str) and entry["reason"].strip() else None
+        reason = reason and records.as_text(reason)  # (free text: a half emoji is shown as U+FFFD)
         if "task_ids" not in entry or entry["task_ids"] is None:
             runs.add(entry["run_id"])
             reasons.update({(entry["run_id"], None): reason} if reason else {})
             continue
         ids = entry["task_ids"]
-        if not isinstance(ids, list) or not all(is_text(t) for t in ids):
+        if not isinstance(ids, list) or not all(isinstance(t, str) for t in ids):
             raise HistoryError(f"{where}[{i}].task_ids must be a list of strings")
+        if not all(is_text(t) for t in ids):
+            raise HistoryError(f"{where}[{i}].task_ids holds a lone surrogate, which is not text")
         tasks.setdefault(entry["run_id"], set()).update(ids)
         reasons.update({(entry["run_id"], t): reason for t in ids} if reason else {})
     return Retired(runs=frozenset(runs), tasks={r: frozenset(t) for r, t in tasks.items()}, reasons=reasons)

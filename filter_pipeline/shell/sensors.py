@@ -155,8 +155,8 @@ def registered_block(run_ids: list[str], registration_order: list[str]) -> list[
 
 
 def in_flight_partitions(instance: dg.DagsterInstance, registered: list[str]) -> set[str]:
-    """run_ids with a queued or running run: its partition, or every partition of its range (a single-run
-    backfill's ledger run), in the order the partitions were registered."""
+    """run_ids with a queued or running run (`partitions_of`: its partition, the walks a sensor's ledger run was
+    asked for, or every partition of a single-run backfill's range in the order the partitions were registered)."""
     records = instance.get_run_records(dg.RunsFilter(statuses=NOT_FINISHED_STATUSES), limit=IN_FLIGHT_RUNS_LIMIT)
     return {run_id for record in records for run_id in partitions_of(record.dagster_run.tags, registered)}
 

@@ -712,7 +712,8 @@ def test_a_null_after_an_object_on_one_line_leaves_the_file_to_the_record_checks
 @pytest.mark.parametrize(
     "text, records",
     [("a\nb\n", 2), ("a\nb", 2), ("a\n\nb\n", 2), ("\na\n", 1), ("a\n  \nb", 2), ("a\n \t", 1), ("", 0),
-     ("\n\n\n", 0), (" ", 0), ("\r\n\r\n", 0), ("x\x0c\n\x0b", 1), ("ab\n\n c\n \t\nlong line\r\nd", 4)],
+     ("\n\n\n", 0), (" ", 0), ("\r\n\r\n", 0), ("x\x0c\n\x0b", 1), ("ab\n\n c\n \t\nlong line\r\nd", 4),
+     ("\ufeff\na\n", 1), ("\ufeff", 0)],  # (a byte order mark first: skipped, as jsonl_lines skips it)
 )  # fmt: skip
 def test_non_blank_lines_counts_lines_holding_more_than_whitespace(text, records):
     assert batch_module.non_blank_lines(text.encode()) == records
@@ -742,13 +743,20 @@ def test_batch_counts_the_records_of_executions_jsonl_whatever_the_parse_made_of
     assert (len(b.attempts), len(b.rejects), b.attempt_records) == (2, 1, 3)
 
 
-def test_a_byte_order_mark_at_the_start_of_each_file_is_skipped_whichever_path_reads_it(tmp_path):
-    """Windows tools write one at the start of a text file: it is not part of the first record."""
-    for extra in ("", "\n"):  # (a blank line sends the file line by line rather than to Arrow's reader)
-        run = write_batch(tmp_path / f"r{len(extra)}", "r", [task("a"), task("b")], [attempt("a"), attempt("b")])
+def test_a_byte_order_mark_at_the_start_of_each_file_is_skipped_whichever_path_reads_it(tmp_path, monkeypatch):
+    """Windows tools write one at the start of a text file: it is not part of the first record, nor a line."""
+    read_by_line = []
+    line_by_line = batch_module._read_lines
+    monkeypatch.setattr(
+        batch_module, "_read_lines", lambda data, file, *a: read_by_line.append(file) or line_by_line(data, file, *a)
+    )
+    for first_blank in (False, True):  # (a blank line sends the file line by line rather than to Arrow's reader)
+        run = write_batch(tmp_path / str(first_blank), "r", [task("a"), task("b")], [attempt("a"), attempt("b")])
         for name in ("tasks.jsonl", "executions.jsonl"):
-            (run / name).write_bytes(b"\xef\xbb\xbf" + (run / name).read_bytes() + extra.encode())
+            (run / name).write_bytes(b"\xef\xbb\xbf" + b"\n" * first_blank + (run / name).read_bytes())
+        read_by_line.clear()
         b = read_batch(UPath(run), "r")
+        assert read_by_line == (["tasks.jsonl", "executions.jsonl"] if first_blank else [])
         assert b.rejects.empty, b.rejects["message"].tolist()
         assert b.tasks["task_id"].tolist() == ["a", "b"] and b.attempts["task_id"].tolist() == ["a", "b"]
-        assert b.attempt_records == 2 and b.tasks["line"].tolist() == [1, 2]
+        assert b.attempt_records == 2 and b.tasks["line"].tolist() == [1 + first_blank, 2 + first_blank]

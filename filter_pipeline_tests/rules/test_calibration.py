@@ -75,6 +75,16 @@ def test_a_labels_file_saved_with_a_byte_order_mark_loses_no_label():
     assert rejects == [] and rows(labels, "dir", "success") == [["a", True], ["b", False]]
 
 
+def test_a_note_cut_mid_emoji_keeps_its_label_and_a_dir_holding_a_lone_surrogate_does_not():
+    labels, rejects = parse_labels(
+        b'{"dir": "a", "success": true, "note": "fine \\ud83d"}\n{"dir": "\\udc00", "success": true}\n'
+    )
+    assert rows(labels, "dir", "note") == [["a", "fine \ufffd"]]
+    assert rejects == [
+        "labels.jsonl:2: a lone surrogate (\\ud800-\\udfff) in dir, run_id or task_id, which is not text"
+    ]
+
+
 def test_wilson_interval_and_kappa_match_hand_computed_values():
     # 8 of 10: p 0.8, z^2 = 3.8416; centre (0.8 + 0.19208) / 1.38416 = 0.716738,
     # half 1.96 * sqrt(0.016 + 0.009604) / 1.38416 = 0.226581

@@ -15,13 +15,18 @@ from filter_pipeline.rules.history import HistoryError, Retired, parse_retired
         ('[{"reason": "x"}]', r"retired.json\[0\] must be an object with a string 'run_id'"),
         ('[{"run_id": "r1", "task_ids": "a"}]', r"retired.json\[0\].task_ids must be a list of strings"),
         # a lone surrogate: valid JSON, but no text (no Parquet file or Arrow string can hold it)
-        ('[{"run_id": "r1", "task_ids": ["a\\ud83d"]}]', r"retired.json\[0\].task_ids must be a list of strings"),
-        ('[{"run_id": "r\\udc00"}]', r"retired.json\[0\] must be an object with a string 'run_id'"),
+        ('[{"run_id": "r1", "task_ids": ["a\\ud83d"]}]', r"retired.json\[0\].task_ids holds a lone surrogate"),
+        ('[{"run_id": "r\\udc00"}]', r"retired.json\[0\].run_id holds a lone surrogate, which is not text"),
     ],
 )
 def test_malformed_retired_json_is_refused_with_the_reason(content, message):
     with pytest.raises(HistoryError, match=message):
         parse_retired(content.encode())
+
+
+def test_a_hand_edited_retired_json_may_start_with_a_byte_order_mark_and_its_reason_be_cut_mid_emoji():
+    parsed = parse_retired(b'\xef\xbb\xbf[{"run_id": "r1", "task_ids": ["a"], "reason": "bad \\ud83d"}]')
+    assert parsed.tasks == {"r1": frozenset({"a"})} and parsed.reasons == {("r1", "a"): "bad \ufffd"}
 
 
 def test_no_retired_json_retires_nothing():
