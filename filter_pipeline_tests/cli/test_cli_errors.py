@@ -348,15 +348,15 @@ def test_a_setting_the_code_location_reads_as_it_loads_is_one_line_in_a_fresh_pr
 
 @pytest.mark.slow
 def test_bad_records_a_refused_folder_and_bad_labels_each_get_their_line_and_the_rest_is_filtered(cli, data_root):
-    tasks = [task("a"), task("b", instruction="do @"), task("c", key=["s", "x"])]
+    tasks = [task("a"), task("b", macro="m@"), task("c", key=["s", "x"])]
     lines = [json.dumps(t) for t in tasks]
-    lines[1] = lines[1].replace("do @", f"do {SURROGATE}")  # the escape as the file holds it
+    lines[1] = lines[1].replace("m@", f"m{SURROGATE}")  # the escape as the file holds it: no text, in an identifier
     lines[2] = lines[2].replace('"x"]', "1" + "0" * 5000 + "]")  # more digits than Python converts
     attempts = [
         attempt("a"),
         attempt("b"),
         attempt("c"),
-        attempt("a", 2, ok=False, error=f"assertion failed: {SURROGATE}"),
+        attempt("a", 2, ok=False, error=f"assertion failed: {SURROGATE}"),  # free text: kept, with U+FFFD
     ]
     run = write_batch(data_root, "b1", [], [])
     (run / "tasks.jsonl").write_text("\n".join(lines) + "\n")
@@ -372,7 +372,7 @@ def test_bad_records_a_refused_folder_and_bad_labels_each_get_their_line_and_the
 
     assert first.returncode == 0, first.stderr
     assert first.stdout.splitlines()[0] == (
-        "b1: judged 1, unjudged 0, kept 1, surplus 0, failures 0, rejected lines 5 (batch_rejects)"
+        "b1: judged 1, unjudged 0, kept 1, surplus 0, failures 1 (script_assert 1), rejected lines 4 (batch_rejects)"
     )
     assert "Traceback" not in first.stderr
     done = cli()  # the rest: b2, and two folders refused for their names
@@ -385,10 +385,12 @@ def test_bad_records_a_refused_folder_and_bad_labels_each_get_their_line_and_the
     assert done.stdout.splitlines()[0] == "b2: judged 1, unjudged 0, kept 1, surplus 0, failures 0"
     rejects = pd.read_parquet(data_root / "warehouse" / "batch_rejects" / "b1.parquet")
     assert rejects[["file", "line", "field"]].values.tolist() == [
-        ["executions.jsonl", 2, "task_id"], ["executions.jsonl", 3, "task_id"], ["executions.jsonl", 4, "error"],
-        ["tasks.jsonl", 2, "instruction"], ["tasks.jsonl", 3, "dedup_key[1]"],
+        ["executions.jsonl", 2, "task_id"], ["executions.jsonl", 3, "task_id"],
+        ["tasks.jsonl", 2, "macro"], ["tasks.jsonl", 3, "dedup_key[1]"],
     ]  # fmt: skip
-    assert "field 'instruction' holds a lone surrogate (\\ud800), which is not text" in rejects["message"].iloc[3]
+    assert "field 'macro' holds a lone surrogate (\\ud800), which is not text" in rejects["message"].iloc[2]
+    pool = pd.read_parquet(data_root / "warehouse" / "failure_pool" / "b1.parquet")
+    assert pool[["task_id", "attempt", "detail"]].values.tolist() == [["a", 2, "assertion failed: \ufffd"]]
     assert pd.read_parquet(data_root / "warehouse" / "kept")["task_id"].tolist() == ["a", "d"]
     assert "labels.jsonl:2: not JSON" in done.stderr  # judge_calibration's warning; its run succeeded
     assert (data_root / "warehouse" / "judge_calibration.parquet").exists()
