@@ -20,7 +20,6 @@ from filter_pipeline.review.fates import (
     FATE_KEPT,
     TASK_COLUMNS,
     RunTables,
-    json_text,
     summarize,
     task_table,
     unreadable_summary,
@@ -36,7 +35,7 @@ from filter_pipeline.rules.batch import (
 from filter_pipeline.rules.commits import COMMITS_DIR, commit_file, parse_commit
 from filter_pipeline.rules.descriptions import one_line
 from filter_pipeline.rules.history import RETIRED_FILE, HistoryError, Retired, legacy_key_text, parse_retired
-from filter_pipeline.rules.records import ATTEMPT_FIELDS
+from filter_pipeline.rules.records import ATTEMPT_FIELDS, json_text
 from filter_pipeline.rules.schemas import (
     SCHEMAS,
     STATUS_JUDGED,

@@ -9,7 +9,7 @@ from upath import UPath
 
 from filter_pipeline.rules.batch import TASKS_FILE
 from filter_pipeline.rules.history import Retired
-from filter_pipeline.rules.records import as_text, read_json
+from filter_pipeline.rules.records import json_text, read_json
 from filter_pipeline.rules.schemas import (
     DROPPED_REASONS,
     REASON_JUDGE_FAIL,
@@ -143,11 +143,6 @@ def _rejected_tasks(rejects: pd.DataFrame, valid: set) -> pd.DataFrame:
                      "reason": record.get("message"), "site": json_text(raw.get("site")),
                      "macro": json_text(raw.get("macro")), "instruction": json_text(raw.get("instruction"))})  # fmt: skip
     return pd.DataFrame(rows, columns=TASK_COLUMNS)
-
-
-def json_text(value) -> str | None:
-    """A decoded JSON string as UTF-8 can carry it (a rejected line may hold a lone surrogate), else None."""
-    return as_text(value) if isinstance(value, str) else None
 
 
 def is_committed(t: RunTables) -> bool:

@@ -102,7 +102,12 @@ def jsonl_lines(data: bytes) -> Iterator[tuple[int, bytes]]:
     """(line number, bytes) of each line of a JSON Lines file holding more than whitespace (what `bytes.strip`
     strips), a byte order mark at its start skipped. Lines end at `\\n` only: a JSON string may hold other line
     separators raw (U+2028, U+2029, U+0085), and a `\\r` is whitespace between tokens."""
-    data = data.removeprefix(UTF8_BOM)
+    return _lines(data.removeprefix(UTF8_BOM))
+
+
+def _lines(data: bytes) -> Iterator[tuple[int, bytes]]:
+    """`jsonl_lines` of a file whose byte order mark, if any, is already skipped (skipping it twice would take
+    a second one as the first line's rather than a reject)."""
     for number, raw in enumerate(io.BytesIO(data), start=1):  # (one line at a time: files run to gigabytes)
         raw = raw.removesuffix(b"\n")
         if raw.strip():
@@ -130,13 +135,13 @@ def _read_lines(
     fields: Fields,
     deep_row: Callable[[bytes], tuple | None] | None = None,
 ) -> tuple[list[tuple], list[dict]]:
-    """Every line of `data` (`jsonl_lines`) as a row tuple (line number last); a line that fails becomes a
+    """Every line of `data` (`jsonl_lines`, its byte order mark already skipped) as a row tuple (line number last); a line that fails becomes a
     reject. `fields`: where the row keeps or reads a value (`load_record`). A line nested deeper than json.loads
     follows goes to `deep_row` (Arrow's reader on that line alone, which takes any depth), when given."""
     rows: list[tuple] = []
     rejects: list[dict] = []
     long_numbers = has_digit_run(data, ORJSON_DIGITS)  # once for the file rather than once a line
-    for number, raw in jsonl_lines(data):
+    for number, raw in _lines(data):
         try:
             try:
                 row = to_row(load_record(raw, long_numbers, fields))
@@ -362,6 +367,7 @@ def parse_attempts(
     An attempt is rejected when it is invalid, of a task_id not among the tasks, a second (task_id, attempt),
     or has a dir in `outside_root(dirs)` (the dirs that resolve outside the data root). A byte order mark at
     the file's start is skipped."""
+    records = non_blank_lines(data)
     data = data.removeprefix(UTF8_BOM)
     attempts = _arrow_attempts(data)
     if attempts is None:
@@ -391,7 +397,7 @@ def parse_attempts(
             rejects_frame.assign(run_id=run_id).sort_values(["file", "line"], kind="stable"), "batch_rejects"
         ),
         task_at=task_at,
-        attempt_records=non_blank_lines(data),
+        attempt_records=records,
     )
 
 

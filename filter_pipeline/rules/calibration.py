@@ -13,7 +13,7 @@ import pandas as pd
 
 from filter_pipeline.rules.batch import jsonl_lines
 from filter_pipeline.rules.descriptions import markdown_cell
-from filter_pipeline.rules.records import as_text, is_text
+from filter_pipeline.rules.records import is_text, json_text
 from filter_pipeline.rules.schemas import CALIBRATION_MIN_LABELS, STATUS_JUDGED, conform
 
 LABELS_FILE = "labels.jsonl"
@@ -65,7 +65,7 @@ def _label(raw: bytes) -> dict:
     if not all(is_text(row[name]) for name in ("dir", "run_id", "task_id") if row[name] is not None):
         raise ValueError("a lone surrogate (\\ud800-\\udfff) in dir, run_id or task_id, which is not text")
     # (free text: a half emoji is shown as U+FFFD, as in a batch's instruction or error)
-    row.update({name: as_text(record[name]) if isinstance(record.get(name), str) else None for name in LABEL_NOTES})
+    row.update({name: json_text(record.get(name)) for name in LABEL_NOTES})
     return row
 
 

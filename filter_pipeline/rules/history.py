@@ -78,7 +78,7 @@ def parse_retired(data: bytes | None) -> Retired:
         if not is_text(entry["run_id"]):
             raise HistoryError(f"{where}[{i}].run_id holds a lone surrogate, which is not text")
         reason = entry.get("reason") if isinstance(entry.get("reason"), str) and entry["reason"].strip() else None
-        reason = reason and records.as_text(reason)  # (free text: a half emoji is shown as U+FFFD)
+        reason = records.json_text(reason)  # (free text: a half emoji is shown as U+FFFD)
         if "task_ids" not in entry or entry["task_ids"] is None:
             runs.add(entry["run_id"])
             reasons.update({(entry["run_id"], None): reason} if reason else {})

@@ -238,11 +238,7 @@ def attempt_row(record: dict) -> tuple:
     detail = backend.get("detail")
     if not (detail is None or _is_str(detail)):
         raise Reject("backend.detail", f"field 'backend.detail' is {_describe(detail)}, expected a string")
-    return (task_id, attempt, ok, _prose(error), path, len(steps), bool(backend_ok), _prose(detail))
-
-
-def _prose(text: str | None) -> str | None:
-    return None if text is None else as_text(text)
+    return (task_id, attempt, ok, json_text(error), path, len(steps), bool(backend_ok), json_text(detail))
 
 
 # a JSON escape of a UTF-16 surrogate: half of a pair (an emoji, as json.dumps writes it) or a lone one
@@ -301,7 +297,7 @@ def _load_checked(raw: bytes, fields: Fields | None = None) -> dict:
         raise TooDeep(None, TOO_DEEP) from None
     if not isinstance(record, dict):
         raise Reject(None, f"line is a JSON {type(record).__name__}, expected an object")
-    if _SURROGATE_ESCAPE.search(raw) and not _is_text(record):
+    if _SURROGATE_ESCAPE.search(raw) and not _all_text(record):
         found = _first(record, _lone_surrogate, where=lambda parts: fields is None or fields.keeps_exact_text(parts))
         if found is not None:
             field, char = found
@@ -309,7 +305,7 @@ def _load_checked(raw: bytes, fields: Fields | None = None) -> dict:
     return record
 
 
-def _is_text(record: dict) -> bool:
+def _all_text(record: dict) -> bool:
     """Whether every string of the record encodes as UTF-8 (one pass in C; `_first` then says where not)."""
     try:
         json.dumps(record, ensure_ascii=False).encode("utf-8")
@@ -326,6 +322,12 @@ def as_text(text: str) -> str:
     """`text` with each lone surrogate replaced by U+FFFD: what UTF-8 (a request body, a page, a terminal)
     carries. Page text cut mid-emoji reads as a lone surrogate; strict servers refuse a body holding one."""
     return text if text.isascii() else _LONE_SURROGATE_CHAR.sub("\ufffd", text)
+
+
+def json_text(value: Any) -> str | None:
+    """A decoded JSON value as UTF-8 can carry it (`as_text`) when it is a string, else None: how free text
+    (an instruction, an error, a note, a reason) is kept, where a lone surrogate is no reason to lose the row."""
+    return as_text(value) if isinstance(value, str) else None
 
 
 def is_text(value: Any) -> bool:

@@ -760,3 +760,18 @@ def test_a_byte_order_mark_at_the_start_of_each_file_is_skipped_whichever_path_r
         assert b.rejects.empty, b.rejects["message"].tolist()
         assert b.tasks["task_id"].tolist() == ["a", "b"] and b.attempts["task_id"].tolist() == ["a", "b"]
         assert b.attempt_records == 2 and b.tasks["line"].tolist() == [1 + first_blank, 2 + first_blank]
+
+
+@pytest.mark.parametrize("first_blank", [False, True])
+def test_a_second_byte_order_mark_is_part_of_the_first_line_as_in_every_json_lines_file(tmp_path, first_blank):
+    """One mark is skipped, whichever path reads the file (labels.jsonl and a legacy kept.jsonl skip one too):
+    a second one makes the first line a reject (alone on it, or with the first record), counted among the file's
+    records."""
+    run = write_batch(tmp_path, "r", [task("a"), task("b")], [attempt("a"), attempt("b")])
+    for name in ("tasks.jsonl", "executions.jsonl"):
+        (run / name).write_bytes(b"\xef\xbb\xbf" * 2 + b"\n" * first_blank + (run / name).read_bytes())
+    b = read_batch(UPath(run), "r")
+    assert b.rejects[["file", "line"]].values.tolist() == [["executions.jsonl", 1], ["tasks.jsonl", 1]]
+    valid = ["a", "b"] if first_blank else ["b"]
+    assert b.tasks["task_id"].tolist() == valid and b.attempts["task_id"].tolist() == valid
+    assert b.attempt_records == 2 + first_blank
