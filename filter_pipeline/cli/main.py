@@ -45,8 +45,9 @@ def _parser() -> argparse.ArgumentParser:
     m = commands.add_parser(
         "materialize",
         help="register and materialize execution batches",
-        description="Register and materialize the given runs (none given: every complete batch not yet filtered), "
-        "in the order the ledger accepts: first walks in run_id order. Exit status 0 only if all succeeded.",
+        description="Register and materialize the given runs (none given: every complete batch not yet filtered, "
+        "but those refused before their walk and unchanged since), in the order the ledger accepts: first walks "
+        "in run_id order. Exit status 0 only if all succeeded.",
     )
     m.add_argument("run_ids", nargs="*", metavar="RUN_ID", help="run_id folders under <data>/runs/")
     add_data_argument(m)

@@ -2,8 +2,9 @@
 instance at $DAGSTER_HOME, print a summary line per batch (cli/main.py parses the arguments).
 
 What it materializes is recorded in that instance, so `dagster dev` on the same DAGSTER_HOME shows it.
-Exit status: 0 all succeeded; 1 a run failed; 2 bad input or config, nothing ran; 3 every run succeeded but
-some left tasks unjudged (a later `materialize` naming no run judges them again).
+Exit status: 0 all succeeded; 1 a run failed (or a batch refused before its walk is still as it was); 2 bad
+input or config, nothing ran; 3 every run succeeded but some left tasks unjudged (a later `materialize` naming
+no run judges them again).
 """
 
 import argparse
@@ -16,14 +17,13 @@ from filter_pipeline.cli import EXIT_FAILED, EXIT_UNJUDGED, complain
 from filter_pipeline.cli.console import one_line_console
 from filter_pipeline.cli.data_root import root_problem
 from filter_pipeline.cli.interrupts import Interrupted, Signals, saved_line, was_interrupted
+from filter_pipeline.cli.summary import failure_reason, print_across_runs, print_calibration, print_coverage, summarize
 from filter_pipeline.definitions import defs_from_env
 from filter_pipeline.judge.client import ssl_context
 from filter_pipeline.judge.resource import ENV, JudgeResource, judge_from_env
-from filter_pipeline.rules import calibration as calibration_rules
 from filter_pipeline.rules import order
-from filter_pipeline.rules.batch import check_run_id
+from filter_pipeline.rules.batch import SUCCESS_FILE, BatchState, check_run_id
 from filter_pipeline.rules.filtering import unjudged_count
-from filter_pipeline.rules.schemas import DROPPED_REASONS, FAILURE_REASONS
 from filter_pipeline.settings import JUDGE_LLM, REJUDGE_MAX_TRIES_ENV, materialize_command
 from filter_pipeline.shell.assets import ALREADY_FILTERED, run_id_partitions
 from filter_pipeline.shell.config import LEDGER_OP, caps_from_env, load_caps_file, parse_caps
@@ -44,6 +44,7 @@ from filter_pipeline.shell.sensors import (
 )
 from filter_pipeline.shell.waiting import ORDER_MAX_WAIT_TAG
 from filter_pipeline.shell.warehouse import DATA_ENV, DataRoot, read_parquet
+from filter_pipeline.storage.failures import refused_as_they_are
 from filter_pipeline.storage.history import load_retired, read_commits
 from filter_pipeline.storage.lease import LedgerBusy, StoreIgnoresConditions, ledger_lease
 from filter_pipeline.storage.publish import STAGING_DIR, commit_state, complete_published
@@ -87,28 +88,48 @@ def _dagster_home() -> str:
         raise CliError(f"DAGSTER_HOME={home}: not an absolute path (Dagster requires one): use {os.path.abspath(home)}")
     if not os.path.isdir(home):
         raise CliError(
-            f"DAGSTER_HOME={home}: no such folder: create it (mkdir -p {home}) or point DAGSTER_HOME at the instance folder"
+            f"DAGSTER_HOME={home}: no such folder: point DAGSTER_HOME at the instance folder, or create it with this "
+            f"project's settings (mkdir -p {home} && cp instance/dagster.yaml {home}/)"
         )
     return home
 
 
 def _runs_to_materialize(data: DataRoot, requested: list[str], refused: list[str], changed: set[str]) -> list[str]:
-    """The run_ids to materialize; with none requested, every complete batch not yet filtered, and each
-    complete folder refused for its name appended to `refused` (one line each). The filtered batches changed
-    since, and not requested, are added to `changed` (a warning each)."""
-    batches = complete_batches(data.runs, data.warehouse, refused=None if requested else refused)
+    """The run_ids to materialize: those `requested`, or when none is, `_found_runs`. The filtered batches
+    changed since, and not requested, are added to `changed` (a warning each)."""
+    incomplete: list[str] = []
+    batches = complete_batches(data.runs, data.warehouse, refused=None if requested else refused, incomplete=incomplete)
     for b in batches:
         if b.changed and b.run_id not in requested:
             complain(changed_warning(b.run_id), warning=True)
             changed.add(b.run_id)
     if not requested:
-        return [b.run_id for b in batches if not b.filtered]
+        return _found_runs(data, batches, incomplete, refused)
     for run_id in requested:
         check_run_id(run_id)
         why = not_complete(data.run_dir(run_id))
         if why is not None:
             raise CliError(f"batch runs/{run_id} {why}")
     return requested
+
+
+def _found_runs(data: DataRoot, batches: list[BatchState], incomplete: list[str], refused: list[str]) -> list[str]:
+    """Every complete batch not yet filtered but those refused before their walk and unchanged since (trying
+    them again could only fail the same way): each of these not retired as a whole is appended to `refused`
+    with what to do, as each complete folder refused for its name was. Each `incomplete` batch gets a line."""
+    for name in sorted(incomplete):
+        print(f"runs/{name}: no {SUCCESS_FILE} yet (still being written): left out; once complete, a later "
+              "run walks it as a late batch", file=sys.stderr)  # fmt: skip
+    waiting = [b.run_id for b in batches if not b.filtered]
+    as_refused = refused_as_they_are(data.warehouse, data.runs) if waiting else {}
+    retired = load_retired(data.root).runs if as_refused else set()
+    refused += [
+        f"runs/{run_id}: refused before its walk, and its files are unchanged since ({as_refused[run_id]}): correct "
+        f"them (a `{materialize_command()}` then walks it) or retire the run in retired.json"
+        for run_id in waiting
+        if run_id in as_refused and run_id not in retired  # (retired: left alone, as asked)
+    ]
+    return [run_id for run_id in waiting if run_id not in as_refused]
 
 
 def _instance(home: str) -> dg.DagsterInstance:
@@ -142,58 +163,6 @@ def _in_ledger_order(data: DataRoot, run_ids: list[str], named: bool) -> list[st
     return ordered
 
 
-def summarize(data: DataRoot, run_id: str) -> str:
-    """One line: judged, kept, surplus by reason, failures by reason (reasons with zero rows left out), and the
-    lines the batch checks rejected when there are any."""
-
-    def counts(asset: str, column: str, names) -> tuple[int, str]:
-        values = read_parquet(data.asset_file(asset, run_id), columns=[column])[column].value_counts()
-        detail = ", ".join(f"{n} {values[n]}" for n in names if values.get(n, 0))
-        return int(values.sum()), f" ({detail})" if detail else ""
-
-    verdicts = read_parquet(data.asset_file("judge_verdicts", run_id), columns=["status"])
-    unjudged = unjudged_count(verdicts)
-    n_kept = len(read_parquet(data.asset_file("kept", run_id), columns=["task_id"]))
-    n_surplus, surplus_detail = counts("surplus", "dropped", DROPPED_REASONS)
-    n_fail, fail_detail = counts("failure_pool", "reason", FAILURE_REASONS)
-    n_rejected = len(read_parquet(data.asset_file("batch_rejects", run_id), columns=["line"]))
-    return (
-        f"{run_id}: judged {len(verdicts) - unjudged}, unjudged {unjudged}, kept {n_kept}, "
-        f"surplus {n_surplus}{surplus_detail}, failures {n_fail}{fail_detail}"
-        + (f", rejected lines {n_rejected} (batch_rejects)" if n_rejected else "")
-    )
-
-
-def _failure_reason(result) -> str:
-    """The first failed step and its error, and where the run's full log is, in one line (result: an
-    execute_job result)."""
-    return f"{_failed_step(result)}; full log: {where_the_log_is(result.run_id)}"
-
-
-def where_the_log_is(run_id: str) -> str:
-    """Where a run's event log, stack traces included, can be read."""
-    return (
-        f"run {run_id} on the instance at $DAGSTER_HOME ({os.environ.get('DAGSTER_HOME')}): "
-        f"`dagster dev` shows it at /runs/{run_id}, `dagster debug export {run_id} run.gz` saves it"
-    )
-
-
-def _failed_step(result) -> str:
-    for event in result.all_events:
-        if event.event_type == dg.DagsterEventType.STEP_FAILURE:
-            error = event.step_failure_data.error
-            # Dagster wraps what user code raised (in a step, an IO manager, a resource, a type check): the
-            # cause says why
-            while error.cause is not None and (error.cls_name or "").startswith("Dagster"):
-                error = error.cause
-            message = error.message.strip().splitlines()[-1] if error.message.strip() else error.cls_name
-            qualified, _, text = message.partition(": ")
-            if qualified.endswith(error.cls_name or "\0") and text:
-                message = text  # "pkg.module.BatchError: why" -> "why"
-            return f"step {event.step_key}: {message}"
-    return "run failed"
-
-
 def materialize(args: argparse.Namespace, signals: Signals | None = None) -> int:
     signals = signals or Signals()
     data, caps, home, judge = _checked_arguments(args)
@@ -210,7 +179,7 @@ def materialize(args: argparse.Namespace, signals: Signals | None = None) -> int
     _complete_publishes(data)
     for line in refused:
         print(line, file=sys.stderr, flush=True)
-    _register_legacy_runs(instance, data)
+    _register_legacy_runs(instance, data, args.run_ids)
     # (a changed batch is re-filtered only when named: re-judging would parse its new files)
     rejudge, other_judge = ({}, set()) if args.run_ids else _rejudging(instance, data, changed, judge)
     run_ids = sorted(set(run_ids) | set(rejudge)) if rejudge else run_ids
@@ -293,9 +262,9 @@ def _nothing_to_materialize(instance: dg.DagsterInstance, data: DataRoot, args, 
     if stale and not _refresh_across_runs(instance, only=list(stale)):
         return EXIT_FAILED
     if COVERAGE in stale:
-        _print_coverage(data)
+        print_coverage(data)
     if CALIBRATION in stale:
-        _print_calibration(data)
+        print_calibration(data)
     return EXIT_FAILED if refused else 0
 
 
@@ -329,12 +298,12 @@ def _run_batches(instance, data: DataRoot, caps, run_ids: list[str], rejudge: di
             refreshed = last
         else:
             failed += 1
-            print(f"{run_id}: FAILED ({_failure_reason(result)})", flush=True)
+            print(f"{run_id}: FAILED ({failure_reason(result)})", flush=True)
     if failed < len(run_ids) and not refreshed:  # the last batch's run failed, an earlier one did not
         refreshed = _refresh_across_runs(instance)
         failed += not refreshed
     if refreshed:
-        _print_across_runs(data)
+        print_across_runs(data)
     return failed, unjudged
 
 
@@ -412,9 +381,11 @@ def _register(instance: dg.DagsterInstance, run_ids: list[str]) -> None:
                 raise
 
 
-def _register_legacy_runs(instance: dg.DagsterInstance, data: DataRoot) -> None:
-    """Register every legacy run (a kept.jsonl of the earlier script) and record it as materialized, once."""
+def _register_legacy_runs(instance: dg.DagsterInstance, data: DataRoot, named: list[str]) -> None:
+    """Register every legacy run (a kept.jsonl of the earlier script) and record it as materialized, once; but
+    a `named` one, which this call filters."""
     legacy = legacy_run_ids(data, complete_batches(data.runs, data.warehouse), read_commits(data.warehouse))
+    legacy = [run_id for run_id in legacy if run_id not in named]
     _register(instance, legacy)
     for run_id in record_legacy_runs(instance, data, legacy):
         print(f"{run_id}: recorded as materialized (legacy kept.jsonl)", flush=True)
@@ -437,31 +408,8 @@ def _refresh_across_runs(instance: dg.DagsterInstance, only: list[dg.AssetKey] |
     )
     if not result.success:
         names = " / ".join(k.path[-1] for k in only) if only else "coverage / judge_calibration"
-        print(f"{names}: FAILED ({_failure_reason(result)})", flush=True)
+        print(f"{names}: FAILED ({failure_reason(result)})", flush=True)
     return result.success
-
-
-def _print_across_runs(data: DataRoot) -> None:
-    """A line for coverage and one per judge calibration predictor, from what was just materialized."""
-    _print_coverage(data)
-    _print_calibration(data)
-
-
-def _print_coverage(data: DataRoot) -> None:
-    coverage = read_parquet(data.warehouse / "coverage.parquet")
-    sites = coverage[coverage["level"] == "site"]
-    print(
-        f"coverage: {int(sites['kept'].sum())} kept rows over {len(sites)} (macro, site) pairs, "
-        f"{int(sites['full'].sum())} full",
-        flush=True,
-    )
-
-
-def _print_calibration(data: DataRoot) -> None:
-    """One line per judge calibration predictor (overall), precision and its interval first."""
-    calibration = read_parquet(data.warehouse / "judge_calibration.parquet")
-    for row in calibration[calibration["site"] == calibration_rules.ALL_SITES].to_dict("records"):
-        print(f"judge_calibration: {calibration_rules.who(row)}: {calibration_rules.summary(row)}", flush=True)
 
 
 def _cli_job(name: str) -> dg.JobDefinition:

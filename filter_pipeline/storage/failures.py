@@ -6,7 +6,8 @@ import time
 
 from upath import UPath
 
-from filter_pipeline.storage.files import atomic_write, files_in
+from filter_pipeline.rules.commits import INPUT_FILES
+from filter_pipeline.storage.files import atomic_write, files_in, input_fingerprints, inputs_changed
 
 FAILED_DIR = "_failed"
 
@@ -15,11 +16,15 @@ def failure_path(warehouse: UPath, run_id: str) -> UPath:
     return warehouse / FAILED_DIR / f"{run_id}.json"
 
 
-def record_failure(warehouse: UPath, run_id: str, reason: str) -> None:
-    """Record that `run_id`'s batch cannot be filtered as it is (later batches stop waiting for it)."""
+def record_failure(warehouse: UPath, run_id: str, reason: str, run_dir: UPath | None = None) -> None:
+    """Record that `run_id`'s batch cannot be filtered as it is (later batches stop waiting for it), with the
+    fingerprints of its input files in `run_dir` (`refused_as_they_are` tells when they change)."""
     path = failure_path(warehouse, run_id)
     path.parent.mkdir(parents=True, exist_ok=True)
-    body = json.dumps({"run_id": run_id, "reason": reason, "recorded_at": time.time()}, ensure_ascii=False)
+    record = {"run_id": run_id, "reason": reason, "recorded_at": time.time()}
+    if run_dir is not None:
+        record["inputs"] = input_fingerprints(run_dir)
+    body = json.dumps(record, ensure_ascii=False)
     atomic_write(path, body.encode("utf-8"))  # a reader never sees half a record
 
 
@@ -43,10 +48,33 @@ def read_failures(warehouse: UPath) -> dict[str, str]:
 
 def read_failure(path: UPath) -> str | None:
     """The reason the failure record at `path` gives; None when there is none."""
+    record = _read_record(path)
+    return None if record is None else str(record.get("reason", ""))
+
+
+def refused_as_they_are(warehouse: UPath, runs: UPath) -> dict[str, str]:
+    """run_id -> recorded reason, for each batch under `runs` refused before its walk whose input files are as
+    they were then: none added, removed or changed. Trying such a batch again can only fail the same way. (A
+    record without the fingerprints, or unreadable, is not listed: the batch may have been corrected.)"""
+    found = {}
+    for run_id, path in files_in(warehouse / FAILED_DIR, ".json").items():
+        record = _read_record(path)
+        recorded = record.get("inputs") if record else None
+        if not isinstance(recorded, dict):
+            continue
+        run_dir = runs / run_id
+        present = {name for name in INPUT_FILES if (run_dir / name).exists()}
+        if present == set(recorded) and not inputs_changed(run_dir, recorded):
+            found[run_id] = str(record.get("reason", ""))
+    return found
+
+
+def _read_record(path: UPath) -> dict | None:
+    """The failure record at `path` (only a reason saying so when it cannot be read); None when there is none."""
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         return None
     except ValueError:
-        return UNREADABLE_RECORD
-    return str(raw.get("reason", "")) if isinstance(raw, dict) else UNREADABLE_RECORD
+        return {"reason": UNREADABLE_RECORD}
+    return raw if isinstance(raw, dict) else {"reason": UNREADABLE_RECORD}

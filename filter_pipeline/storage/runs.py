@@ -48,11 +48,13 @@ def complete_batches(
     warehouse: UPath,
     log: logging.Logger | None = None,
     refused: list[str] | None = None,
+    incomplete: list[str] | None = None,
 ) -> list[BatchState]:
     """Every batch under `runs` with `_SUCCESS` and a plain run_id, in run_id order (`warehouse`: where
     their outputs are).
 
-    A batch without `_SUCCESS` is still being written and is not listed; a complete one whose folder name is
+    A batch without `_SUCCESS` is still being written and is not listed (its folder's name, as text, is
+    appended to `incomplete` when given); a complete one whose folder name is
     not a plain run_id is refused: one line, "runs/<name>: refused: why; rename it", logged as a warning to
     `log` (None: not logged) and appended to `refused` (when given). A batch is filtered only
     once its walk committed (a kept file without a commit is a walk killed midway: still to do).
@@ -65,13 +67,13 @@ def complete_batches(
     for run_dir in runs.iterdir():
         run_id = run_dir.name
         if not (run_dir / SUCCESS_FILE).exists():
+            if incomplete is not None and run_dir.is_dir():
+                incomplete.append(_printable(run_id))
             continue
         try:
             check_run_id(run_id)
         except ValueError as exc:
-            # (a name that is not UTF-8 reaches Python as lone surrogates: escaped, to print as text)
-            name = run_id.encode("utf-8", "backslashreplace").decode("utf-8")
-            message = f"runs/{name}: refused: {exc}; rename it".encode("utf-8", "backslashreplace").decode("utf-8")
+            message = _printable(f"runs/{run_id}: refused: {exc}; rename it")
             if log is not None:
                 log.warning(message)
             if refused is not None:
@@ -86,6 +88,11 @@ def complete_batches(
 
 def _stems(folder) -> set[str]:
     return set(files_in(folder, ".parquet"))
+
+
+def _printable(text: str) -> str:
+    """`text` (a folder's name in it) as text: a name that is not UTF-8 reaches Python as lone surrogates."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def not_complete(run_dir: UPath) -> str | None:

@@ -11,7 +11,7 @@ import pytest
 from filter_pipeline.settings import EXECUTOR_ENV
 from filter_pipeline.shell.jobs import ACROSS_RUNS_ASSETS
 from filter_pipeline.storage.publish import STAGING_DIR
-from filter_pipeline_tests.builders import attempt, task, write_batch
+from filter_pipeline_tests.builders import attempt, task, write_batch, write_legacy_kept
 from filter_pipeline_tests.conftest import CLI, REPO
 
 pytestmark = pytest.mark.slow
@@ -50,6 +50,10 @@ def test_materializes_every_complete_batch_in_run_id_order_and_prints_a_summary(
     assert surplus[["task_id", "dup_of_run_id", "dup_of_task_id"]].values.tolist() == [["x", "b1", "y"]]
     assert not (data_root / "warehouse" / "kept" / "b3.parquet").exists()
     assert "parsed runs/b1" in done.stderr  # progress goes to the run log on stderr
+    assert (
+        "runs/b3: no _SUCCESS yet (still being written): left out; once complete, a later run walks it as a late batch"
+        in done.stderr.splitlines()
+    )
     with dg.DagsterInstance.from_config(str(dagster_home)) as instance:
         [run] = instance.get_run_records(dg.RunsFilter(tags={"dagster/partition": "b1"}))
         stored = [e.user_message for e in instance.all_logs(run.dagster_run.run_id) if not e.is_dagster_event]
@@ -149,6 +153,43 @@ def test_a_batch_without_tasks_fails_its_run_with_the_reason_and_writes_nothing(
     )
     assert done.stdout.splitlines()[1].startswith("fine: judged 1")
     assert sorted(p.name for p in (data_root / "warehouse").rglob("*.parquet") if p.stem == "empty") == []
+
+
+def runs_of(dagster_home, partition: str) -> int:
+    with dg.DagsterInstance.from_config(str(dagster_home)) as instance:
+        return len(instance.get_run_records(dg.RunsFilter(tags={"dagster/partition": partition})))
+
+
+def test_a_refused_batch_is_tried_again_only_once_its_files_change_and_never_once_retired(cli, data_root, dagster_home):
+    write_batch(data_root, "a_empty", [], [])
+    write_batch(data_root, "b_fine", [task("a")], [attempt("a")])
+    assert cli().returncode == 1 and runs_of(dagster_home, "a_empty") == 1
+    again = cli()  # (it could only fail the same way: said, with what to do, and not launched)
+    assert again.returncode == 1 and runs_of(dagster_home, "a_empty") == 1
+    assert again.stderr.strip().splitlines()[-1] == (
+        "runs/a_empty: refused before its walk, and its files are unchanged since (runs/a_empty/tasks.jsonl holds "
+        "no valid task): correct them (a `filter-pipeline materialize` then walks it) or retire the run in "
+        "retired.json"
+    )
+    (data_root / "retired.json").write_text('[{"run_id": "a_empty", "reason": "a broken export"}]')
+    retired = cli()
+    assert (retired.returncode, retired.stderr) == (0, "") and runs_of(dagster_home, "a_empty") == 1
+    (data_root / "retired.json").unlink()
+    write_batch(data_root, "a_empty", [task("x")], [attempt("x")])  # corrected
+    fixed = cli()
+    assert fixed.returncode == 0 and fixed.stdout.startswith("a_empty: judged 1")
+    assert not (data_root / "warehouse" / "_failed" / "a_empty.json").exists()
+
+
+def test_a_legacy_run_named_is_filtered_and_not_also_recorded_as_materialized_by_its_legacy_file(cli, data_root):
+    write_batch(data_root, "legacy", [task("a")], [attempt("a")])
+    write_legacy_kept(data_root, "legacy", ("a", ["k1"], "m", "s"))
+    named = cli("legacy")
+    assert named.returncode == 0, named.stderr
+    assert named.stdout.splitlines()[0] == "legacy: judged 1, unjudged 0, kept 1, surplus 0, failures 0"
+    assert "recorded as materialized" not in named.stdout
+    again = cli()  # (committed now: no longer a legacy run)
+    assert again.returncode == 0 and "recorded as materialized" not in again.stdout
 
 
 def test_two_runs_launched_together_never_keep_a_key_twice(cli_env, data_root, dagster_home):

@@ -173,8 +173,10 @@ def test_a_dagster_home_that_is_unset_relative_or_missing_is_one_line(env, capsy
     env.setenv("DAGSTER_HOME", "relative/home")
     assert refused(capsys).startswith("filter-pipeline: DAGSTER_HOME=relative/home: not an absolute path")
     env.setenv("DAGSTER_HOME", str(tmp_path / "missing"))
-    assert refused(capsys).startswith(
-        f"filter-pipeline: DAGSTER_HOME={tmp_path / 'missing'}: no such folder: create it"
+    assert refused(capsys) == (
+        f"filter-pipeline: DAGSTER_HOME={tmp_path / 'missing'}: no such folder: point DAGSTER_HOME at the instance "
+        f"folder, or create it with this project's settings (mkdir -p {tmp_path / 'missing'} && cp "
+        f"instance/dagster.yaml {tmp_path / 'missing'}/)"
     )
     assert not (tmp_path / "missing").exists() and not (data_root / "warehouse").exists()
 

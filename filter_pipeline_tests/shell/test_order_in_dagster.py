@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 from upath import UPath
 
-from filter_pipeline.cli.materialize import _failure_reason
+from filter_pipeline.cli.summary import failure_reason
 from filter_pipeline.definitions import build_defs
 from filter_pipeline.judge.resource import JudgeResource
 from filter_pipeline.settings import ORDER_MAX_WAIT_SECONDS_ENV, ORDER_QUEUED_SECONDS_ENV, ORDER_RETRY_SECONDS_ENV
@@ -208,13 +208,13 @@ def test_when_the_wait_runs_out_the_step_fails_with_one_line_naming_the_run(inst
     result = run_job(defs, instance, "ledger_job", "b1")
     assert not result.success
     assert len(steps(instance, result.run_id, dg.DagsterEventType.STEP_UP_FOR_RETRY)) == 2
-    reason = _failure_reason(result)
+    reason = failure_reason(result)
     assert reason.startswith("step ledger: the first walk of b1 waits for b0: ")
     assert f"gave up after waiting 2 s ({ORDER_MAX_WAIT_SECONDS_ENV})" in reason and "\n" not in reason
     assert not (data_root / "warehouse" / "kept" / "b1.parquet").exists()
     # a launcher that waits for nothing (the CLI) tags its runs: the line names the tag, not the setting
     untried = run_job(defs, instance, "ledger_job", "b1", tags={ORDER_MAX_WAIT_TAG: "0"})
-    assert f"gave up without waiting (this run's tag {ORDER_MAX_WAIT_TAG})" in _failure_reason(untried)
+    assert f"gave up without waiting (this run's tag {ORDER_MAX_WAIT_TAG})" in failure_reason(untried)
 
 
 def queue_run(dagster_home, data_root, job: str, tags: dict) -> None:
@@ -253,7 +253,7 @@ def test_a_run_that_waits_for_nothing_fails_naming_the_run_even_when_that_run_is
         assert deferred.success and DEFERRED_TAG in instance.get_run_by_id(deferred.run_id).tags
         untried = run_job(defs, instance, "ledger_job", "b1", tags={ORDER_MAX_WAIT_TAG: "0"})  # as the CLI tags it
         assert not untried.success and DEFERRED_TAG not in instance.get_run_by_id(untried.run_id).tags
-        assert _failure_reason(untried).startswith("step ledger: the first walk of b1 waits for b0: ")
+        assert failure_reason(untried).startswith("step ledger: the first walk of b1 waits for b0: ")
     assert not (data_root / "warehouse" / "kept" / "b1.parquet").exists()
 
 
@@ -269,7 +269,7 @@ def test_a_waiting_run_lets_its_slot_go_to_an_asset_backfills_ledger_run_queued_
     queue_run(dagster_home, data_root, "ledger_job", {RANGE_START_TAG: "b0", RANGE_END_TAG: "b0"})
     with dg.DagsterInstance.from_config(str(dagster_home)) as instance:
         deferred = run_job(defs_for(data_root), instance, "ledger_job", "b1")
-        assert deferred.success, _failure_reason(deferred)
+        assert deferred.success, failure_reason(deferred)
         assert "waits for b0" in instance.get_run_by_id(deferred.run_id).tags[DEFERRED_TAG]
 
 

@@ -9,7 +9,9 @@ from filter_pipeline.storage.failures import (
     read_failure,
     read_failures,
     record_failure,
+    refused_as_they_are,
 )
+from filter_pipeline_tests.builders import attempt, task, write_batch
 
 
 def test_a_recorded_failure_is_read_back_by_run_until_cleared(tmp_path):
@@ -31,3 +33,20 @@ def test_a_record_that_is_not_one_still_holds_its_run_as_failed(tmp_path):
     for content in ("{not json", "[1, 2]", '"a text"'):
         failure_path(warehouse, "r1").write_text(content)
         assert read_failures(warehouse) == {"r1": UNREADABLE_RECORD}, content
+
+
+def test_a_refused_batch_is_listed_as_it_was_refused_until_a_file_of_it_is_changed_added_or_removed(tmp_path):
+    warehouse, runs = UPath(str(tmp_path / "warehouse")), UPath(str(tmp_path / "runs"))
+    for run_id in ("changed", "added", "removed", "same"):
+        write_batch(tmp_path, run_id, [], [attempt("a")])
+    (runs / "added" / "tasks.jsonl").unlink()
+    for run_id in ("changed", "added", "removed", "same"):
+        record_failure(warehouse, run_id, f"runs/{run_id} refused", runs / run_id)
+    record_failure(warehouse, "no_inputs", "runs/no_inputs refused")  # (a record from before they were kept)
+    assert refused_as_they_are(warehouse, runs) == {
+        name: f"runs/{name} refused" for name in ("changed", "added", "removed", "same")
+    }
+    write_batch(tmp_path, "changed", [task("a")], [attempt("a")])
+    (runs / "added" / "tasks.jsonl").write_text("")
+    (runs / "removed" / "executions.jsonl").unlink()
+    assert refused_as_they_are(warehouse, runs) == {"same": "runs/same refused"}
