@@ -169,6 +169,9 @@ def materialize(args: argparse.Namespace, signals: Signals | None = None) -> int
     refused: list[str] = []
     changed: set[str] = set()
     try:
+        # read before the plan: a run not committed then is asked for its first walk even when another walk
+        # commits it before this call's run of it starts (it is then reported as filtered, not walked again)
+        committed = set(read_commits(data.warehouse))
         found = _runs_to_materialize(data, args.run_ids, refused, changed)
     except BrokenPipeError:
         raise
@@ -189,7 +192,9 @@ def materialize(args: argparse.Namespace, signals: Signals | None = None) -> int
         status = _nothing_to_materialize(instance, data, args, refused)
     else:
         _register(instance, run_ids)
-        failed, unjudged = _run_batches(instance, data, caps, run_ids, rejudge, signals, named=bool(args.run_ids))
+        first_walks = set(run_ids) - committed
+        named = bool(args.run_ids)
+        failed, unjudged = _run_batches(instance, data, caps, run_ids, first_walks, rejudge, signals, named)
         status = EXIT_FAILED if failed or refused else EXIT_UNJUDGED if unjudged else 0
         if unjudged:
             print(
@@ -268,10 +273,19 @@ def _nothing_to_materialize(instance: dg.DagsterInstance, data: DataRoot, args, 
     return EXIT_FAILED if refused else 0
 
 
-def _run_batches(instance, data: DataRoot, caps, run_ids: list[str], rejudge: dict, signals: Signals, named: bool):
-    """One Dagster run per batch, in `run_ids`' order, each summarized in a line; coverage and calibration
-    once, in the last batch's run (or on their own if it failed). Returns (runs failed, runs left unjudged)."""
-    committed = set(read_commits(data.warehouse))  # a run not committed now is asked for its first walk
+def _run_batches(
+    instance,
+    data: DataRoot,
+    caps,
+    run_ids: list[str],
+    first_walks: set[str],
+    rejudge: dict,
+    signals: Signals,
+    named: bool,
+):
+    """One Dagster run per batch, in `run_ids`' order (those in `first_walks` asked for their first walk), each
+    summarized in a line; coverage and calibration once, in the last batch's run (or on their own if it failed).
+    Returns (runs failed, runs left unjudged)."""
     job = dg.reconstructable(cli_filter_job)
     batch_only = [
         k for k in job.get_definition().asset_layer.executable_asset_keys if k.path[-1] not in ACROSS_RUNS_ASSETS
@@ -284,7 +298,7 @@ def _run_batches(instance, data: DataRoot, caps, run_ids: list[str], rejudge: di
         tags = {
             PARTITION_TAG: run_id,
             ORDER_MAX_WAIT_TAG: "0",
-            **first_walk_tags([] if run_id in committed else [run_id]),
+            **first_walk_tags([run_id] if run_id in first_walks else []),
         }
         if run_id in rejudge:
             tags.update(rejudge_tags(rejudge[run_id]))

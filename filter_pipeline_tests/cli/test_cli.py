@@ -1,5 +1,6 @@
 """The CLI as a user runs it: separate processes on a temp DAGSTER_HOME and data root."""
 
+import json
 import shutil
 import subprocess
 import time
@@ -8,6 +9,8 @@ import dagster as dg
 import pandas as pd
 import pytest
 
+from filter_pipeline.cli import materialize as materialize_module
+from filter_pipeline.cli.main import main
 from filter_pipeline.settings import EXECUTOR_ENV
 from filter_pipeline.shell.jobs import ACROSS_RUNS_ASSETS
 from filter_pipeline.storage.publish import STAGING_DIR
@@ -190,6 +193,35 @@ def test_a_legacy_run_named_is_filtered_and_not_also_recorded_as_materialized_by
     assert "recorded as materialized" not in named.stdout
     again = cli()  # (committed now: no longer a legacy run)
     assert again.returncode == 0 and "recorded as materialized" not in again.stdout
+
+
+def test_a_run_another_walk_commits_after_this_call_planned_it_is_reported_as_filtered_not_walked_again(
+    cli_env, data_root, dagster_home, tmp_path, monkeypatch, capsys
+):
+    """Planned as first walks, r1 and r2 stay first walks when a laptop's CLI on the same warehouse commits them
+    before this call's runs start: walked again, r1 would count r2's keys as history."""
+    write_batch(data_root, "r1", [task("t1", key=["x", 1]), task("t2", key=["x", 2])], [attempt("t1"), attempt("t2")])
+    write_batch(data_root, "r2", [task("u1", key=["x", 2])], [attempt("u1")])
+    other_home = tmp_path / "other_home"
+    shutil.copytree(dagster_home, other_home)
+    commits = data_root / "warehouse" / "_commits"
+    walked: dict[str, str] = {}
+    register = materialize_module._register
+
+    def another_walk_commits_them_first(instance, run_ids):
+        other = {**cli_env, "DAGSTER_HOME": str(other_home)}
+        done = subprocess.run([*CLI, "materialize"], env=other, cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        walked.update({r: json.loads((commits / f"{r}.json").read_text())["walked_at"] for r in ("r1", "r2")})
+        register(instance, run_ids)
+
+    monkeypatch.setenv("DAGSTER_HOME", str(dagster_home))
+    monkeypatch.setenv("FILTER_PIPELINE_DATA", str(data_root))
+    monkeypatch.setattr(materialize_module, "_register", another_walk_commits_them_first)
+    assert main(["materialize"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("r1: already filtered by another walk") and out[1].startswith("r2: already filtered")
+    assert {r: json.loads((commits / f"{r}.json").read_text())["walked_at"] for r in ("r1", "r2")} == walked
 
 
 def test_two_runs_launched_together_never_keep_a_key_twice(cli_env, data_root, dagster_home):
