@@ -94,17 +94,22 @@ def _dagster_home() -> str:
     return home
 
 
-def _runs_to_materialize(data: DataRoot, requested: list[str], refused: list[str], changed: set[str]) -> list[str]:
-    """The run_ids to materialize: those `requested`, or when none is, `_found_runs`. The filtered batches
-    changed since, and not requested, are added to `changed` (a warning each)."""
-    incomplete: list[str] = []
-    batches = complete_batches(data.runs, data.warehouse, refused=None if requested else refused, incomplete=incomplete)
+def _runs_to_materialize(
+    data: DataRoot, requested: list[str], refused: list[str], incomplete: list[str], changed: set[str]
+) -> list[str]:
+    """The run_ids to materialize: those `requested`, or when none is, `_found_runs` (and the batches still
+    being written appended to `incomplete`). The filtered batches changed since, and not requested, are added to
+    `changed` (a warning each)."""
+    unnamed = not requested
+    batches = complete_batches(
+        data.runs, data.warehouse, refused=refused if unnamed else None, incomplete=incomplete if unnamed else None
+    )
     for b in batches:
         if b.changed and b.run_id not in requested:
             complain(changed_warning(b.run_id), warning=True)
             changed.add(b.run_id)
-    if not requested:
-        return _found_runs(data, batches, incomplete, refused)
+    if unnamed:
+        return _found_runs(data, batches, refused)
     for run_id in requested:
         check_run_id(run_id)
         why = not_complete(data.run_dir(run_id))
@@ -113,19 +118,17 @@ def _runs_to_materialize(data: DataRoot, requested: list[str], refused: list[str
     return requested
 
 
-def _found_runs(data: DataRoot, batches: list[BatchState], incomplete: list[str], refused: list[str]) -> list[str]:
+def _found_runs(data: DataRoot, batches: list[BatchState], refused: list[str]) -> list[str]:
     """Every complete batch not yet filtered but those refused before their walk and unchanged since (trying
     them again could only fail the same way): each of these not retired as a whole is appended to `refused`
-    with what to do, as each complete folder refused for its name was. Each `incomplete` batch gets a line."""
-    for name in sorted(incomplete):
-        print(f"runs/{name}: no {SUCCESS_FILE} yet (still being written): left out; once complete, a later "
-              "run walks it as a late batch", file=sys.stderr)  # fmt: skip
+    with what to do, as each complete folder refused for its name was."""
     waiting = [b.run_id for b in batches if not b.filtered]
-    as_refused = refused_as_they_are(data.warehouse, data.runs) if waiting else {}
+    as_refused = refused_as_they_are(data.warehouse, data.runs, waiting) if waiting else {}
     retired = load_retired(data.root).runs if as_refused else set()
     refused += [
         f"runs/{run_id}: refused before its walk, and its files are unchanged since ({as_refused[run_id]}): correct "
-        f"them (a `{materialize_command()}` then walks it) or retire the run in retired.json"
+        f"them (a `{materialize_command()}` then walks it), name it to try it again as it is, or retire the run in "
+        "retired.json"
         for run_id in waiting
         if run_id in as_refused and run_id not in retired  # (retired: left alone, as asked)
     ]
@@ -167,12 +170,13 @@ def materialize(args: argparse.Namespace, signals: Signals | None = None) -> int
     signals = signals or Signals()
     data, caps, home, judge = _checked_arguments(args)
     refused: list[str] = []
+    incomplete: list[str] = []
     changed: set[str] = set()
     try:
         # read before the plan: a run not committed then is asked for its first walk even when another walk
         # commits it before this call's run of it starts (it is then reported as filtered, not walked again)
         committed = set(read_commits(data.warehouse))
-        found = _runs_to_materialize(data, args.run_ids, refused, changed)
+        found = _runs_to_materialize(data, args.run_ids, refused, incomplete, changed)
     except BrokenPipeError:
         raise
     except OSError as exc:  # an unreadable runs/ or batch folder: one line, before anything is registered
@@ -180,6 +184,10 @@ def materialize(args: argparse.Namespace, signals: Signals | None = None) -> int
     run_ids = _in_ledger_order(data, found, named=bool(args.run_ids))
     instance = _instance(home)
     _complete_publishes(data)
+    for name in sorted(incomplete):
+        print(
+            f"runs/{name}: no {SUCCESS_FILE} yet (still being written): left out until it is complete", file=sys.stderr
+        )
     for line in refused:
         print(line, file=sys.stderr, flush=True)
     _register_legacy_runs(instance, data, args.run_ids)

@@ -57,7 +57,11 @@ RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 class BatchError(ValueError):
-    """The batch cannot be processed at all; the message says which file and why."""
+    """The batch cannot be processed at all; the message says which file and why. `inputs`: what the batch
+    held when it was refused (input file -> the fingerprint of the bytes parsed, or None for a file there but
+    not read), when the reader says."""
+
+    inputs: dict[str, dict | None] | None = None
 
 
 def check_run_id(run_id: str) -> str:

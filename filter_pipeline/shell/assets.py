@@ -261,7 +261,7 @@ def _parse(context: dg.AssetExecutionContext, data: DataRoot, run_id: str):
     except BatchError as exc:
         # recorded, so that later batches stop waiting for this one (CONTRACT §4); its walk, once the batch
         # is fixed, removes the record. One line on the run (no retry: the batch must be fixed first).
-        failures.record_failure(data.warehouse, run_id, str(exc), data.run_dir(run_id))
+        failures.record_failure(data.warehouse, run_id, str(exc), exc.inputs)
         raise dg.Failure(description=str(exc), allow_retries=False) from None  # (the line says it all)
     context.log.info(
         f"parsed runs/{run_id}: {len(batch.tasks)} tasks, {len(batch.attempts)} attempts, "

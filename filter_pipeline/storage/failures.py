@@ -7,7 +7,7 @@ import time
 from upath import UPath
 
 from filter_pipeline.rules.commits import INPUT_FILES
-from filter_pipeline.storage.files import atomic_write, files_in, input_fingerprints, inputs_changed
+from filter_pipeline.storage.files import atomic_write, files_in, inputs_changed
 
 FAILED_DIR = "_failed"
 
@@ -16,14 +16,14 @@ def failure_path(warehouse: UPath, run_id: str) -> UPath:
     return warehouse / FAILED_DIR / f"{run_id}.json"
 
 
-def record_failure(warehouse: UPath, run_id: str, reason: str, run_dir: UPath | None = None) -> None:
-    """Record that `run_id`'s batch cannot be filtered as it is (later batches stop waiting for it), with the
-    fingerprints of its input files in `run_dir` (`refused_as_they_are` tells when they change)."""
+def record_failure(warehouse: UPath, run_id: str, reason: str, inputs: dict[str, dict | None] | None = None) -> None:
+    """Record that `run_id`'s batch cannot be filtered as it is (later batches stop waiting for it), with what
+    the batch held then, when known (`BatchError.inputs`: `refused_as_they_are` tells when that changes)."""
     path = failure_path(warehouse, run_id)
     path.parent.mkdir(parents=True, exist_ok=True)
     record = {"run_id": run_id, "reason": reason, "recorded_at": time.time()}
-    if run_dir is not None:
-        record["inputs"] = input_fingerprints(run_dir)
+    if inputs is not None:
+        record["inputs"] = inputs
     body = json.dumps(record, ensure_ascii=False)
     atomic_write(path, body.encode("utf-8"))  # a reader never sees half a record
 
@@ -52,19 +52,20 @@ def read_failure(path: UPath) -> str | None:
     return None if record is None else str(record.get("reason", ""))
 
 
-def refused_as_they_are(warehouse: UPath, runs: UPath) -> dict[str, str]:
-    """run_id -> recorded reason, for each batch under `runs` refused before its walk whose input files are as
-    they were then: none added, removed or changed. Trying such a batch again can only fail the same way. (A
-    record without the fingerprints, or unreadable, is not listed: the batch may have been corrected.)"""
+def refused_as_they_are(warehouse: UPath, runs: UPath, run_ids: list[str]) -> dict[str, str]:
+    """run_id -> recorded reason, for each of `run_ids` (batches under `runs`) refused before its walk whose
+    input files are as they were then: none added or removed, and the one parsed unchanged. Trying such a batch
+    again can only fail the same way. (A record without what the batch held, or unreadable, is not listed: the
+    batch may have been corrected.)"""
     found = {}
     for run_id, path in files_in(warehouse / FAILED_DIR, ".json").items():
-        record = _read_record(path)
+        record = _read_record(path) if run_id in run_ids else None
         recorded = record.get("inputs") if record else None
         if not isinstance(recorded, dict):
             continue
         run_dir = runs / run_id
         present = {name for name in INPUT_FILES if (run_dir / name).exists()}
-        if present == set(recorded) and not inputs_changed(run_dir, recorded):
+        if present == set(recorded) and not inputs_changed(run_dir, recorded):  # (None: there, not compared)
             found[run_id] = str(record.get("reason", ""))
     return found
 

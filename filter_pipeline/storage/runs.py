@@ -111,16 +111,24 @@ def read_batch(run_dir: UPath, run_id: str) -> Batch:
     dir that resolves outside the data root), with the fingerprints of the bytes parsed (`Batch.inputs`). One
     file's bytes are held at a time.
 
-    Raises BatchError when `tasks.jsonl` is missing or has no task, or `executions.jsonl` is missing.
+    Raises BatchError when `tasks.jsonl` is missing or has no task, or `executions.jsonl` is missing; its
+    `inputs` are the input files there, with the fingerprint of the one parsed (a correction changes them).
     """
     started = time.perf_counter()
+    there: dict[str, dict | None] = {name: None for name in (TASKS_FILE, EXECUTIONS_FILE) if (run_dir / name).exists()}
+    missing = {TASKS_FILE: "not an execution batch", EXECUTIONS_FILE: "the harness wrote no attempts file"}
+    for name, why in missing.items():
+        if name not in there:
+            error = BatchError(f"runs/{run_id}/{name} does not exist: {why}")
+            error.inputs = there
+            raise error
     tasks_path, executions_path = run_dir / TASKS_FILE, run_dir / EXECUTIONS_FILE
-    if not tasks_path.exists():
-        raise BatchError(f"runs/{run_id}/{TASKS_FILE} does not exist: not an execution batch")
-    if not executions_path.exists():
-        raise BatchError(f"runs/{run_id}/{EXECUTIONS_FILE} does not exist: the harness wrote no attempts file")
     data, tasks_input = read_input(tasks_path)
-    tasks, rejects = parse_tasks(data, run_id)
+    try:
+        tasks, rejects = parse_tasks(data, run_id)
+    except BatchError as error:
+        error.inputs = {**there, TASKS_FILE: tasks_input}
+        raise
     del data  # (let go before the next file is read)
     data, executions_input = read_input(executions_path)
     outside = lambda dirs: dirs_outside_root(run_dir, dirs)  # noqa: E731
