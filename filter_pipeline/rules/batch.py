@@ -139,9 +139,10 @@ def _read_lines(
     fields: Fields,
     deep_row: Callable[[bytes], tuple | None] | None = None,
 ) -> tuple[list[tuple], list[dict]]:
-    """Every line of `data` (`jsonl_lines`, its byte order mark already skipped) as a row tuple (line number last); a line that fails becomes a
-    reject. `fields`: where the row keeps or reads a value (`load_record`). A line nested deeper than json.loads
-    follows goes to `deep_row` (Arrow's reader on that line alone, which takes any depth), when given."""
+    """Every line of `data` (`jsonl_lines`, its byte order mark already skipped) as a row tuple (line number
+    last); a line that fails becomes a reject. `fields`: where the row keeps or reads a value (`load_record`). A
+    line nested deeper than json.loads follows goes to `deep_row` (Arrow's reader on that line alone, which
+    takes any depth), when given."""
     rows: list[tuple] = []
     rejects: list[dict] = []
     long_numbers = has_digit_run(data, ORJSON_DIGITS)  # once for the file rather than once a line

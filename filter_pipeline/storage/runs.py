@@ -27,6 +27,7 @@ from filter_pipeline.rules.batch import (
     parse_attempts,
     parse_tasks,
 )
+from filter_pipeline.rules.commits import INPUT_FILES
 from filter_pipeline.rules.order import blocking_runs
 from filter_pipeline.rules.schemas import JUDGED_INPUTS
 from filter_pipeline.settings import materialize_command
@@ -115,7 +116,7 @@ def read_batch(run_dir: UPath, run_id: str) -> Batch:
     `inputs` are the input files there, with the fingerprint of the one parsed (a correction changes them).
     """
     started = time.perf_counter()
-    there: dict[str, dict | None] = {name: None for name in (TASKS_FILE, EXECUTIONS_FILE) if (run_dir / name).exists()}
+    there: dict[str, dict | None] = {name: None for name in INPUT_FILES if (run_dir / name).exists()}
     missing = {TASKS_FILE: "not an execution batch", EXECUTIONS_FILE: "the harness wrote no attempts file"}
     for name, why in missing.items():
         if name not in there:
