@@ -266,7 +266,7 @@ def _nothing_to_materialize(instance: dg.DagsterInstance, data: DataRoot, args, 
     coverage if retired.json did. EXIT_FAILED when a folder was `refused` (something complete was not filtered;
     each was named on stderr), which holds back no refresh."""
     if not refused:
-        print("nothing to materialize: every complete batch is already filtered")
+        print("nothing to materialize: no complete batch is waiting to be filtered")
     stale = {} if args.run_ids else stale_across_runs(instance, data)
     for asset, found in stale.items():
         name, file = asset.path[-1], FOLLOWS[asset].file

@@ -174,6 +174,7 @@ def test_a_refused_batch_is_tried_again_only_once_its_files_change_and_never_onc
     (data_root / "retired.json").write_text('[{"run_id": "a_empty", "reason": "a broken export"}]')
     retired = cli()
     assert (retired.returncode, retired.stderr) == (0, "") and runs_of(dagster_home, "a_empty") == 1
+    assert retired.stdout.splitlines()[0] == "nothing to materialize: no complete batch is waiting to be filtered"
     (data_root / "retired.json").unlink()
     write_batch(data_root, "a_empty", [task("x")], [attempt("x")])  # corrected
     fixed = cli()

@@ -82,7 +82,7 @@ def test_unjudged_tasks_of_an_llm_run_are_not_judged_again_by_the_gate(cli, data
     verdicts = (data_root / "warehouse" / "judge_verdicts" / "b1.parquet").read_bytes()
     gate = cli()  # FILTER_JUDGE_KIND unset: the gate
     assert gate.returncode == 3, gate.stderr
-    assert gate.stdout.splitlines() == ["nothing to materialize: every complete batch is already filtered"]
+    assert gate.stdout.splitlines() == ["nothing to materialize: no complete batch is waiting to be filtered"]
     assert gate.stderr.strip() == (
         "filter-pipeline: b1: 1 unjudged tasks left as they are: the run was judged by llm m v3 (votes 1), not by gate "
         "(judge them again with that judge: --judge, FILTER_JUDGE_KIND, FILTER_JUDGE_MODEL, "
@@ -106,7 +106,7 @@ def test_the_cap_on_tries_is_respected_and_a_run_that_spent_it_is_named_until_ju
         spent = cli("--judge", "llm", env=env)  # the cap is reached: not asked again, but not forgotten
         assert spent.returncode == 3
         assert spent.stdout.splitlines() == [
-            "nothing to materialize: every complete batch is already filtered",
+            "nothing to materialize: no complete batch is waiting to be filtered",
             spent_line,
         ]
 

@@ -36,7 +36,7 @@ def test_materialize_naming_no_run_refreshes_coverage_when_retired_json_changed(
     refreshed = cli()
     assert refreshed.returncode == 0, refreshed.stderr[-3000:]
     assert refreshed.stdout.splitlines() == [
-        "nothing to materialize: every complete batch is already filtered",
+        "nothing to materialize: no complete batch is waiting to be filtered",
         "retired.json changed since coverage was built: refreshing it",
         "coverage: 2 kept rows over 2 (macro, site) pairs, 0 full",
     ]
