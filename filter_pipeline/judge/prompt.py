@@ -356,12 +356,18 @@ def agent_output(trajectory: dict, final: dict) -> str | None:
     return None
 
 
+def screenshot_files(folder: UPath) -> list[UPath]:
+    """The screenshots (`*.png`) of an attempt's folder in natural order (`step_2.png` before `step_10.png`):
+    the order the judge takes its first and last from, and the review app shows. Raises OSError."""
+    return sorted(folder.glob("*.png"), key=lambda p: natural_key(p.name)) if folder.exists() else []
+
+
 def screenshots(data_root: UPath, folder: UPath) -> tuple[bytes, ...]:
     """The first and the last screenshot of the folder by natural order (one when there is one)."""
     if not inside_root(data_root, folder):
         return ()
     try:
-        shots = sorted(folder.glob("*.png"), key=lambda p: natural_key(p.name)) if folder.exists() else []
+        shots = screenshot_files(folder)
         picked = [shots[0], shots[-1]] if len(shots) > 1 else shots
         return tuple(p.read_bytes() for p in picked)
     except OSError:

@@ -7,7 +7,7 @@ import re
 import pandas as pd
 from upath import UPath
 
-from filter_pipeline.judge.prompt import agent_output, read_trajectory
+from filter_pipeline.judge.prompt import agent_output, read_trajectory, screenshot_files
 from filter_pipeline.review.data import ReviewError, UnreadableFile, Warehouse
 from filter_pipeline.review.fates import FATE_JUDGE_FAIL, FATE_KEPT, FATE_SURPLUS, FATE_WHERE, REASON_RETIRED, RunTables
 from filter_pipeline.rules.batch import SUCCESS_FILE
@@ -78,8 +78,8 @@ def trajectory(root: UPath, run_id: str, dir_: str | None) -> dict:
         return {"problem": "no trajectory folder inside the run", "steps": [], "screenshots": []}
     found: dict = {"steps": [], "screenshots": []}
     try:
-        found["screenshots"] = sorted(p.name for p in folder.iterdir() if SCREENSHOT_NAME.match(p.name))
-    except (FileNotFoundError, NotADirectoryError, OSError):
+        found["screenshots"] = [p.name for p in screenshot_files(folder) if SCREENSHOT_NAME.match(p.name)]
+    except OSError:
         pass
     record, _, problem = read_trajectory(root, dir_)  # (what the judge read, and its problem texts)
     if problem is not None:

@@ -226,3 +226,18 @@ def test_an_unreadable_trajectory_is_named_as_the_judges_evidence_names_it(tmp_p
     assert trajectory(root, "r1", "runs/r1/traj/a/1")["problem"] == TRAJECTORY_NOT_OBJECT
     (folder / "trajectory.json").write_text("{not json")
     assert trajectory(root, "r1", "runs/r1/traj/a/1")["problem"].startswith(f"{TRAJECTORY_NOT_JSON} (")
+
+
+def test_the_screenshots_shown_go_in_the_order_the_judge_takes_its_first_and_last_from(tmp_path):
+    from filter_pipeline.judge.prompt import screenshots
+    from filter_pipeline.review.story import trajectory
+
+    folder = tmp_path / "runs" / "r1" / "traj" / "a" / "1"
+    folder.mkdir(parents=True)
+    (folder / "trajectory.json").write_text(json.dumps({"instruction": "i", "steps": []}))
+    for step in (10, 2, 1):
+        (folder / f"step_{step}.png").write_bytes(f"shot {step}".encode())
+    root = UPath(str(tmp_path))
+    shown = trajectory(root, "r1", "runs/r1/traj/a/1")["screenshots"]
+    assert shown == ["step_1.png", "step_2.png", "step_10.png"]
+    assert screenshots(root, root / "runs/r1/traj/a/1") == (b"shot 1", b"shot 10")
