@@ -19,6 +19,7 @@ from upath import UPath
 from filter_pipeline.judge import driver
 from filter_pipeline.judge.client import JudgeClient
 from filter_pipeline.judge.config import ENV, LLMJudgeConfig, config_from_env
+from filter_pipeline.rules.descriptions import markdown_table
 from filter_pipeline.rules.filtering import unjudged_count
 from filter_pipeline.rules.report import agreement_markdown
 from filter_pipeline.rules.schemas import (
@@ -211,6 +212,6 @@ def _llm_metadata(verdicts: pd.DataFrame, stats: driver.DriveStats, config: LLMJ
         "agreement_with_gate": dg.MetadataValue.md(agreement_markdown(verdicts)),
     }
     if missing:
-        table = "| evidence | verdicts |\n|---|---|\n" + "\n".join(f"| {k} | {n} |" for k, n in evidence.items())
-        metadata["evidence"] = dg.MetadataValue.md(table)
+        table = pd.DataFrame({"evidence": list(evidence), "verdicts": list(evidence.values())})
+        metadata["evidence"] = dg.MetadataValue.md(markdown_table(table))
     return metadata

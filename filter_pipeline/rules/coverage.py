@@ -1,9 +1,9 @@
 """Coverage: kept rows per (macro, site) and per macro across all non-retired runs, against caps and targets.
 What is full and what is short decides the next batch to generate. Pure pandas."""
 
-import numpy as np
 import pandas as pd
 
+from filter_pipeline.rules.descriptions import markdown_table
 from filter_pipeline.rules.filtering import Caps
 from filter_pipeline.rules.report import add_series, bar_chart, svg
 from filter_pipeline.rules.schemas import conform
@@ -32,20 +32,10 @@ def coverage_table(counts: pd.DataFrame, caps: Caps) -> pd.DataFrame:
 
 def coverage_markdown(table: pd.DataFrame, limit: int = 30) -> str:
     """The per-macro rows, then the sites closest to full, as markdown for the UI."""
-    lines = ["| level | macro | site | kept | limit | remaining |", "|---|---|---|---|---|---|"]
     shown = pd.concat(
         [table[table["level"] == "macro"], table[table["level"] == "site"].sort_values("remaining").head(limit)]
     )
-    for r in shown.to_dict("records"):
-        cells = [r["level"], r["macro"], r["site"], r["kept"], r["limit"], r["remaining"]]
-        lines.append(
-            "| "
-            + " | ".join(
-                "" if v is None or v is pd.NA or (isinstance(v, float) and np.isnan(v)) else str(v) for v in cells
-            )
-            + " |"
-        )
-    return "\n".join(lines)
+    return markdown_table(shown[["level", "macro", "site", "kept", "limit", "remaining"]])
 
 
 def coverage_chart(table: pd.DataFrame, top: int = 25) -> bytes:

@@ -23,6 +23,15 @@ def markdown_cell(value: object) -> str:
     return "" if pd.isna(value) else one_line(value).replace("|", "\\|")
 
 
+def markdown_table(frame: pd.DataFrame) -> str:
+    """`frame` as a markdown table for the UI, a row per row, each cell a `markdown_cell` (names from the data,
+    a site holding `|` among them, cannot shift a row's cells)."""
+    header = "| " + " | ".join(map(markdown_cell, frame.columns)) + " |"
+    rule = "|" + "---|" * len(frame.columns)
+    body = ["| " + " | ".join(map(markdown_cell, row)) + " |" for row in frame.itertuples(index=False)]
+    return "\n".join([header, rule, *body])
+
+
 # What each column means, shown beside it in the UI (every asset's `dagster/column_schema`). One entry per
 # column name: a name means the same thing in every asset that has it. A new column needs its line here.
 COLUMN_DESCRIPTIONS: dict[str, str] = {

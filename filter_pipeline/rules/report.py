@@ -12,7 +12,7 @@ import pandas as pd
 import pygal
 from pygal.style import Style
 
-from filter_pipeline.rules.descriptions import markdown_cell
+from filter_pipeline.rules.descriptions import markdown_table
 from filter_pipeline.rules.filtering import Caps, unjudged_count
 from filter_pipeline.rules.schemas import (
     DROPPED_REASONS,
@@ -173,9 +173,9 @@ def agreement_markdown(verdicts: pd.DataFrame) -> str:
     parts = []
     for by in ("site", "macro"):
         table = agreement(verdicts, by)
-        lines = [f"| {by} | judged | agreed with gate | rate |", "|---|---|---|---|"]
-        lines += [f"| {r[by]} | {r['judged']} | {r['agreed']} | {r['rate']:.0%} |" for r in table.to_dict("records")]
-        parts.append("\n".join(lines))
+        shown = pd.DataFrame({by: table[by], "judged": table["judged"], "agreed with gate": table["agreed"],
+                              "rate": [f"{rate:.0%}" for rate in table["rate"]]})  # fmt: skip
+        parts.append(markdown_table(shown))
     return "\n\n".join(parts)
 
 
@@ -227,13 +227,6 @@ def charts(f: Figures, top_sites: int = 15) -> dict[str, bytes]:
     return out
 
 
-def _table_md(frame: pd.DataFrame) -> str:
-    header = "| " + " | ".join(map(markdown_cell, frame.columns)) + " |"
-    rule = "|" + "---|" * len(frame.columns)
-    body = ["| " + " | ".join(map(markdown_cell, row)) + " |" for row in frame.itertuples(index=False)]
-    return "\n".join([header, rule, *body])
-
-
 def data_uri(image: bytes) -> str:
     """An SVG chart as a data: URI (Dagster's markdown allows data: images; a page needs no other file)."""
     return f"data:image/svg+xml;base64,{base64.b64encode(image).decode()}"
@@ -251,20 +244,20 @@ def markdown(f: Figures, images: dict[str, bytes], run_id: str) -> str:
         [
             f"## Filter report: {run_id}",
             image_md("funnel", images["funnel"]),
-            _table_md(f.funnel),
+            markdown_table(f.funnel),
             "### Per site",
             image_md("reasons per site", images["reasons_per_site"]),
-            _table_md(f.by_site),
+            markdown_table(f.by_site),
             "### Per macro",
-            _table_md(f.by_macro),
+            markdown_table(f.by_macro),
             "### Surplus",
-            _table_md(f.surplus),
+            markdown_table(f.surplus),
             "### Judge agreement with the gate, per site",
-            _table_md(f.agreement_by_site),
+            markdown_table(f.agreement_by_site),
             "### Judge and cost",
             cost,
             f"### Caps ({f.caps_source})",
-            _table_md(f.caps),
+            markdown_table(f.caps),
         ]
     )
 

@@ -1,6 +1,6 @@
 """Coverage against caps and targets."""
 
-from filter_pipeline.rules.coverage import coverage_chart, coverage_table
+from filter_pipeline.rules.coverage import coverage_chart, coverage_markdown, coverage_table
 from filter_pipeline.rules.filtering import Caps, MacroLimits
 from filter_pipeline_tests.builders import chart_bars, counts, rows
 
@@ -32,3 +32,13 @@ def test_coverage_chart_shows_kept_per_macro_most_first_beside_its_target():
     shown = coverage_chart(table)
     assert list(chart_bars(shown)["kept"].items()) == [("n", 5), ("m", 2)]
     assert chart_bars(shown)["target"] == {"m": 5}
+
+
+def test_the_coverage_table_in_the_ui_keeps_a_site_holding_a_bar_in_its_own_cell():
+    shown = coverage_markdown(coverage_table(counts(("m", "a|b", 2)), Caps(3)))
+    assert shown.splitlines() == [
+        "| level | macro | site | kept | limit | remaining |",
+        "|---|---|---|---|---|---|",
+        "| macro | m |  | 2 |  |  |",
+        "| site | m | a\\|b | 2 | 3 | 1 |",
+    ]

@@ -132,3 +132,17 @@ def test_blocked_judge_failures_show_per_site_so_a_site_that_keeps_blocking_stan
     assert f.by_macro["blocked"].tolist() == [2]
     long = report.long_form(f)
     assert long[(long["section"] == "site") & (long["metric"] == "blocked")]["value"].tolist() == [2, 0]
+
+
+def test_the_agreement_tables_keep_a_site_holding_a_bar_in_its_own_cell():
+    verdicts = pd.DataFrame(
+        {"site": ["a|b", "a|b", "c"], "macro": ["m", "m", "m"], "status": "judged", "passed": [True, False, True]}
+    )
+    site_table, macro_table = report.agreement_markdown(verdicts).split("\n\n")
+    assert site_table.splitlines() == [
+        "| site | judged | agreed with gate | rate |",
+        "|---|---|---|---|",
+        "| a\\|b | 2 | 1 | 50% |",
+        "| c | 1 | 1 | 100% |",
+    ]
+    assert macro_table.splitlines()[2] == "| m | 3 | 2 | 67% |"
