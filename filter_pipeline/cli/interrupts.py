@@ -86,11 +86,11 @@ def verdicts_saved(data, run_id: str) -> int:
 
 
 def _rows(path) -> int:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    try:
-        with path.open("rb") as f:
-            return pq.ParquetFile(f).metadata.num_rows
+    try:  # (from bytes, as storage.files.read_parquet_file reads: a file object Arrow reads ahead on its threads)
+        return pq.ParquetFile(pa.BufferReader(path.read_bytes())).metadata.num_rows
     except (OSError, ValueError):
         return 0
 

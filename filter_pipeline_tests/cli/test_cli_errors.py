@@ -429,3 +429,15 @@ def test_an_output_that_cannot_be_written_names_the_cause_not_dagsters_wrapper(c
     [failed] = [line for line in done.stdout.splitlines() if "FAILED" in line]
     assert failed.startswith("b1: FAILED (step "), failed
     assert "batch_tasks" in failed and "Error occurred while handling output" not in failed, failed
+
+
+def test_every_judge_variable_the_help_names_is_one_the_judge_reads():
+    import re
+
+    from filter_pipeline.cli.main import _parser
+    from filter_pipeline.judge.config import ENV
+
+    commands = next(a for a in _parser()._actions if a.choices and "calibrate" in a.choices).choices
+    helps = " ".join(a.help or "" for name in ("materialize", "calibrate") for a in commands[name]._actions)
+    named = set(re.findall(r"FILTER_JUDGE_[A-Z_]+", helps))
+    assert len(named) >= 5 and named <= set(ENV.values())
