@@ -78,7 +78,8 @@ test-oldest: .venv-oldest/.installed $(DAGSTER_HOME)/dagster.yaml
 	.venv-oldest/bin/python -c 'import dagster; print("dagster", dagster.__version__)'
 	.venv-oldest/bin/python -m pytest $(FAST_TESTS) $(PYTEST_ARGS)
 
-# the shape: rules/ pure, no function over 60 lines, no `global`, no module over 500 lines (scripts/check_shape.py)
+# the shape: rules/ pure, no function over 60 lines, no `global`, no module over 500 lines, pyproject.toml's
+# dependencies the ones the package imports (scripts/check_shape.py)
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .

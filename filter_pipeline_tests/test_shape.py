@@ -82,3 +82,46 @@ def test_each_violation_is_one_line_naming_its_place(tmp_path):
     done = subprocess.run([sys.executable, str(SCRIPT), str(package)], capture_output=True, text=True)
     assert done.returncode == 1
     assert done.stdout.splitlines()[-1].startswith("check_shape: 16 violation(s)")
+
+
+def test_a_file_clock_or_environment_read_in_rules_is_found_under_whatever_name_an_import_gives_it(tmp_path):
+    package = tmp_path / "pkg"
+    write(
+        package,
+        "rules/renamed.py",
+        """\
+        import datetime as dt
+        import os as system
+        import shutil
+        from os import environ, listdir
+        from os.path import exists as there
+
+        def walk(frame, path):
+            return frame, dt.datetime.now(), listdir(path), there(path), environ["X"], system.getenv("Y")
+        """,
+    )
+    assert check_shape.violations(package) == [
+        "pkg/rules/renamed.py:3: imports shutil (rules/ must not touch files, locks or threads)",
+        "pkg/rules/renamed.py:4: imports os.listdir (rules/ must not touch files)",
+        "pkg/rules/renamed.py:5: imports os.path.exists (rules/ must not touch files)",
+        "pkg/rules/renamed.py:8: calls datetime.datetime.now (rules/ must not read clocks)",
+        "pkg/rules/renamed.py:8: calls os.listdir (rules/ must not touch files)",
+        "pkg/rules/renamed.py:8: calls os.path.exists (rules/ must not touch files)",
+        "pkg/rules/renamed.py:8: reads os.environ (rules/ must not read the environment)",
+        "pkg/rules/renamed.py:8: reads os.getenv (rules/ must not read the environment)",
+    ]
+
+
+def test_a_module_imported_undeclared_and_a_runtime_dependency_never_imported_are_each_one_line(tmp_path):
+    package = tmp_path / "pkg"
+    write(package, "rules/walk.py", "import numpy as np\nimport pandas.api\nfrom yaml import safe_load\n")
+    write(package, "storage/s3.py", "def codes():\n    from botocore.exceptions import ClientError\n")
+    (tmp_path / "pyproject.toml").write_text(
+        '[project]\nname = "pkg"\ndependencies = ["pandas>=3", "PyYAML>=6,<7", "orjson>=3", "dagster-webserver"]\n'
+        '[project.optional-dependencies]\ns3 = ["s3fs"]\n'
+    )
+    assert check_shape.dependency_violations(package) == [
+        "pkg/rules/walk.py:1: imports numpy, which no dependency in pyproject.toml declares",
+        "pyproject.toml: orjson is a runtime dependency the package never imports (nor serves a command: SERVES)",
+    ]
+    assert check_shape.dependency_violations(REPO / "filter_pipeline") == []
