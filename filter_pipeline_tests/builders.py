@@ -124,7 +124,7 @@ def write_kept(
     """warehouse/kept/<run_id>.parquet from (task_id, key, macro, site) tuples, as the pipeline writes it, and
     (if `commit`) its commit record naming it (`history`: the runs its walk read; `caps`: the caps it used)."""
     from filter_pipeline.rules.schemas import to_arrow
-    from filter_pipeline.shell.warehouse import write_parquet
+    from filter_pipeline.storage.parquet import write_parquet
 
     frame = pd.DataFrame(
         [dict(task_id=t, dedup_key=canonical_key(k), key_hash=key_hash(canonical_key(k)), macro=m, site=s, run_id=run_id)

@@ -9,8 +9,8 @@ import pandas as pd
 import pytest
 from upath import UPath
 
-from filter_pipeline.shell.warehouse import read_parquet
 from filter_pipeline.storage.audit import audit
+from filter_pipeline.storage.parquet import read_parquet
 from filter_pipeline_tests.builders import attempt, task, write_batch
 from filter_pipeline_tests.conftest import CLI, REPO
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pandas as pd
 
 from filter_pipeline.rules.schemas import STATUS_ERROR, conform
-from filter_pipeline.shell.warehouse import encode
+from filter_pipeline.storage.parquet import encode
 from filter_pipeline_tests.builders import verdicts
 
 README = Path(__file__).resolve().parents[1] / "README.md"

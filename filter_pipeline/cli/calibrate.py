@@ -24,8 +24,9 @@ from filter_pipeline.rules import calibration
 from filter_pipeline.rules.filtering import unjudged_count
 from filter_pipeline.rules.schemas import STATUS_JUDGED, conform
 from filter_pipeline.settings import JUDGE_LLM
-from filter_pipeline.shell.warehouse import DataRoot, encode, read_folder, read_parquet, write_bytes
+from filter_pipeline.shell.warehouse import DataRoot
 from filter_pipeline.storage.labels import read_labels
+from filter_pipeline.storage.parquet import encode, read_folder, read_parquet, write_bytes
 
 JUDGE_EVAL_FOLDER = "judge_eval"  # warehouse/judge_eval/<candidate>.parquet
 # what the candidate's prompts and its cost beside production's need, beyond what calibration.resolve reads

@@ -43,10 +43,11 @@ from filter_pipeline.shell.sensors import (
     rejudging_due,
 )
 from filter_pipeline.shell.waiting import ORDER_MAX_WAIT_TAG
-from filter_pipeline.shell.warehouse import DATA_ENV, DataRoot, read_parquet
+from filter_pipeline.shell.warehouse import DATA_ENV, DataRoot
 from filter_pipeline.storage.failures import refused_as_they_are
 from filter_pipeline.storage.history import load_retired, read_commits
 from filter_pipeline.storage.lease import LedgerBusy, StoreIgnoresConditions, ledger_lease
+from filter_pipeline.storage.parquet import read_parquet
 from filter_pipeline.storage.publish import STAGING_DIR, commit_state, complete_published
 from filter_pipeline.storage.runs import complete_batches, not_complete, walk_order
 

@@ -38,7 +38,8 @@ from filter_pipeline.rules.schemas import (
     STATUS_JUDGED,
     pylist,
 )
-from filter_pipeline.storage.files import HASH_CHUNK, read_parquet_file
+from filter_pipeline.storage.files import HASH_CHUNK
+from filter_pipeline.storage.parquet import read_parquet_file
 
 if TYPE_CHECKING:
     from filter_pipeline.judge.config import LLMJudgeConfig

@@ -29,11 +29,12 @@ from filter_pipeline.rules.schemas import (
     type_name,
 )
 from filter_pipeline.shell.config import COVERAGE_OP, caps_source, deployment_caps_config, refuse_invalid_run_caps
-from filter_pipeline.shell.warehouse import DataRoot, plain_run_ids, read_folder, read_parquet, write_parquet
+from filter_pipeline.shell.warehouse import DataRoot, plain_run_ids
 from filter_pipeline.storage import failures
 from filter_pipeline.storage.audit import audit
 from filter_pipeline.storage.history import kept_counts, load_retired, read_commit, read_retired
 from filter_pipeline.storage.labels import read_labels
+from filter_pipeline.storage.parquet import read_folder, read_parquet, write_parquet
 from filter_pipeline.storage.publish import commit_state
 from filter_pipeline.storage.runs import not_complete, read_batch
 

@@ -43,10 +43,11 @@ from filter_pipeline.shell.config import (
 )
 from filter_pipeline.shell.jobs import LEDGER_GROUP, PRIORITY_TAG
 from filter_pipeline.shell.waiting import DEFERRED_TAG, Deferred, filtered_meanwhile, retry_later, wait_for_lower_runs
-from filter_pipeline.shell.warehouse import LOADED_VERSION, DataRoot, encode, plain_run_ids, unchanged_since_loaded
+from filter_pipeline.shell.warehouse import DataRoot, plain_run_ids
 from filter_pipeline.storage import failures
 from filter_pipeline.storage.history import build_prior_index, load_retired
 from filter_pipeline.storage.lease import Lease, LedgerBusy, StoreIgnoresConditions, ledger_lease
+from filter_pipeline.storage.parquet import LOADED_VERSION, encode, unchanged_since_loaded
 from filter_pipeline.storage.publish import (
     CommitState,
     PublishIncomplete,

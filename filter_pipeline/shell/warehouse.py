@@ -5,14 +5,11 @@ Both take the data root from the same `DataRoot` resource, so the ledger step, w
 """
 
 import functools
-import hashlib
 import os
 from collections.abc import Iterable
 
 import dagster as dg
 import pandas as pd
-import pyarrow as pa
-import pyarrow.parquet as pq
 from pydantic import Field
 from upath import UPath
 
@@ -20,26 +17,16 @@ from filter_pipeline.rules.batch import check_run_id
 from filter_pipeline.rules.schemas import (
     JUDGE_PROGRESS_FOLDER,
     SCHEMAS,
-    parquet_bytes,
-    to_arrow,
-    to_pandas,
 )
 from filter_pipeline.settings import DATA_ENV, DEFAULT_DATA, ENDPOINT_ENV, data_path
 from filter_pipeline.storage.files import (
     RUNS_DIR,
     WAREHOUSE_DIR,
     asset_file,
-    atomic_write,
-    file_version,
-    files_in,
     open_root,
-    read_parquet_file,
     run_folder,
-    sha256_of,
 )
-
-# a loaded frame's attrs key: (the version, the SHA-256) of the file it was read from (`load_from_path`)
-LOADED_VERSION = "filter_pipeline/loaded_version"
+from filter_pipeline.storage.parquet import encode, read_versioned, write_bytes
 
 
 def plain_run_ids(keys: Iterable[str]) -> list[str]:
@@ -101,62 +88,6 @@ class DataRoot(dg.ConfigurableResource):
         return self.warehouse / JUDGE_PROGRESS_FOLDER / run_id
 
 
-def write_parquet(table: pa.Table, path: UPath) -> None:
-    """Write `table` to `path` atomically (`write_bytes`), every column dictionary-encoded and with
-    statistics (`schemas.parquet_bytes`).
-
-    The file is encoded in Arrow's memory and written in one call (one PUT on object storage), not streamed
-    through a Python file object, which takes the GIL for every chunk Arrow writes."""
-    write_bytes(parquet_bytes(table), path)
-
-
-def write_bytes(content, path: UPath) -> None:
-    """Write `content` (bytes or an Arrow buffer) to `path` so that readers see the old file or the new one,
-    never a part (`storage.files.atomic_write`; the folder is not fsynced: an output lost in a crash is
-    written again by the step's retry, and only a commit record makes it part of the ledger)."""
-    atomic_write(path, content, sync_folder=False)
-
-
-def encode(frame: pd.DataFrame, asset: str) -> tuple[pa.Table, pa.Buffer]:
-    """`frame` as the asset's Arrow table and the bytes of its Parquet file."""
-    table = to_arrow(frame, asset)
-    return table, parquet_bytes(table, asset)
-
-
-def read_parquet(path: UPath, columns: list[str] | None = None) -> pd.DataFrame:
-    with path.open("rb") as f:
-        return to_pandas(read_parquet_file(f, columns=columns))
-
-
-def read_folder(folder: UPath, columns: list[str], filters=None) -> pd.DataFrame:
-    """Every partition file of an asset folder as one frame (files in name order), through the folder's own
-    filesystem (so an endpoint set on the data root applies, not only one in the environment); `filters`: rows
-    to keep: (column, op, value) conditions that must all hold, as `pd.read_parquet` takes them. Each file is read by
-    `read_parquet_file`, not by Arrow's dataset scanner: see there why."""
-    expression = pq.filters_to_expression(filters) if filters else None
-    wanted = list(dict.fromkeys([*columns, *(name for name, _, _ in (filters or []))]))
-    tables = []
-    for path in files_in(folder, ".parquet").values():
-        with path.open("rb") as f:
-            table = read_parquet_file(f, columns=wanted)
-        tables.append(table.filter(expression).select(columns) if expression is not None else table)
-    if not tables:
-        return pd.DataFrame({name: pd.Series(dtype=object) for name in columns})
-    frame = to_pandas(pa.concat_tables(tables, promote_options="default"))
-    frame.attrs.clear()  # (the first file's, kept by the concatenation: say nothing of the others)
-    return frame
-
-
-def unchanged_since_loaded(path: UPath, loaded: tuple | None) -> bool:
-    """Whether the file at `path` holds what a step loaded from it (`loaded`: its `attrs[LOADED_VERSION]`; None,
-    a frame not loaded by the IO manager: taken as unchanged): the same version, or written again with the same
-    bytes (a second judge step of the run writing identical verdicts)."""
-    if loaded is None:
-        return True
-    version, digest = loaded
-    return file_version(path) == version or (path.exists() and sha256_of(path) == digest)
-
-
 class ParquetWarehouseIOManager(dg.UPathIOManager):
     """Stores each asset partition as `<base>/<asset>/<run_id>.parquet` with the asset's fixed schema."""
 
@@ -171,18 +102,12 @@ class ParquetWarehouseIOManager(dg.UPathIOManager):
         write_bytes(encode(obj, asset)[1], path)
 
     def load_from_path(self, context: dg.InputContext, path: UPath) -> pd.DataFrame:
-        """The partition's frame (a partition key that is not a plain run_id: a one-line failure); only the columns an input names in its `columns` metadata, if it does. Its
-        `attrs[LOADED_VERSION]`: (the file's version as it was read, `file_version`, taken before the read; the
-        SHA-256 of the bytes read), so that a step can tell whether the file was written again meanwhile, and
-        if so with other content (`unchanged_since_loaded`)."""
+        """The partition's frame, with the version it was read at (`storage.parquet.read_versioned`): only the
+        columns an input names in its `columns` metadata, if it does; a partition key that is not a plain
+        run_id is a one-line failure."""
         if context.has_asset_partitions:
             _plain_keys(tuple(context.asset_partition_keys))
-        version = file_version(path)
-        data = path.read_bytes()
-        table = read_parquet_file(pa.BufferReader(data), columns=(context.definition_metadata or {}).get("columns"))
-        frame = to_pandas(table)
-        frame.attrs[LOADED_VERSION] = (version, hashlib.sha256(data).hexdigest())
-        return frame
+        return read_versioned(path, columns=(context.definition_metadata or {}).get("columns"))
 
     def get_metadata(self, context: dg.OutputContext, obj: pd.DataFrame) -> dict:
         return {"dagster/row_count": len(obj)}

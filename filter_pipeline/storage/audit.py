@@ -26,11 +26,11 @@ from filter_pipeline.storage.files import (
     files_in,
     inputs_changed,
     is_local,
-    read_parquet_file,
     run_folder,
 )
 from filter_pipeline.storage.history import kept_files, legacy_kept_files, load_retired, read_commit, verified_bytes
 from filter_pipeline.storage.lease import lease_live
+from filter_pipeline.storage.parquet import read_parquet_file
 from filter_pipeline.storage.publish import MANIFEST, incomplete_publishes, relative
 
 

@@ -9,8 +9,6 @@ import time
 import uuid
 
 import fsspec.utils
-import pyarrow as pa
-import pyarrow.parquet as pq
 from upath import UPath
 
 from filter_pipeline.rules.commits import INPUT_FILES
@@ -348,21 +346,3 @@ def store_refusal(exc: BaseException) -> str | None:
 def is_local(path: UPath) -> bool:
     """Whether `path` is on local disk (renames, fsync, flock and symlinks), not an object store."""
     return path.protocol in LOCAL_PROTOCOLS
-
-
-def read_parquet_file(source, columns: list[str] | None = None, read_dictionary: list[str] | None = None) -> pa.Table:
-    """One Parquet file (a path, file object or buffer) as an Arrow table, read to the end before it returns.
-
-    Not `pq.read_table`: that goes through Arrow's dataset scanner, whose background read-ahead can still be
-    winding down when the call returns; a process that exits then aborts with "terminate called without an
-    active exception" (apache/arrow#34314, #39862). `ParquetFile.read` reads synchronously.
-
-    A Python file object (what fsspec opens) is first copied whole into memory Arrow owns, and parsed from
-    there: given the file object itself, Arrow reads it ahead on its IO threads, and a read still finishing
-    when the process exits releases a Python buffer without the interpreter, which aborts the process
-    ("terminate called without an active exception", apache/arrow#50482; seen in this project's CI)."""
-    if not isinstance(source, (pa.NativeFile, str)):
-        with pa.BufferOutputStream() as owned:  # (a copy: no Python object is left for Arrow's threads to release)
-            owned.write(source.read())
-            source = pa.BufferReader(owned.getvalue())
-    return pq.ParquetFile(source, read_dictionary=read_dictionary).read(columns=columns)

@@ -25,7 +25,8 @@ from filter_pipeline.rules.history import (
     whole_runs_counted,
 )
 from filter_pipeline.settings import materialize_command
-from filter_pipeline.storage.files import RUNS_DIR, WAREHOUSE_DIR, files_in, read_if_present, read_parquet_file
+from filter_pipeline.storage.files import RUNS_DIR, WAREHOUSE_DIR, files_in, read_if_present
+from filter_pipeline.storage.parquet import read_parquet_file
 from filter_pipeline.storage.publish import commit_path, published_folder, staged_copy
 
 

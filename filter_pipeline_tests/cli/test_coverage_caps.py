@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from filter_pipeline.shell.warehouse import read_parquet
+from filter_pipeline.storage.parquet import read_parquet
 from filter_pipeline_tests.builders import attempt, task, write_batch
 
 pytestmark = pytest.mark.slow

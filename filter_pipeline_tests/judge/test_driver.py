@@ -19,7 +19,7 @@ from filter_pipeline.judge import prompt as judge_prompt
 from filter_pipeline.judge.config import LLMJudgeConfig
 from filter_pipeline.judge.resource import judge_from_env
 from filter_pipeline.rules import filtering, report
-from filter_pipeline.shell.warehouse import write_parquet
+from filter_pipeline.storage.parquet import write_parquet
 from filter_pipeline_tests.builders import Pipeline, attempt, parse, rows, task, write_batch
 from filter_pipeline_tests.judge.test_resource import llm, verdict_metadata
 from filter_pipeline_tests.openai_server import FakeOpenAI, Reply

@@ -153,9 +153,9 @@ def test_an_unreachable_endpoint_is_unjudged_not_a_crash():
     with FakeOpenAI() as server:
         url = server.base_url
     [v] = judge_prompts(
-        [prompt("a")], LLMJudgeConfig(base_url=url, model="m", task_budget_seconds=0.3, backoff_initial_seconds=0.01)
+        [prompt("a")], LLMJudgeConfig(base_url=url, model="m", task_budget_seconds=1.0, backoff_initial_seconds=0.01)
     )
-    assert v.status == "error" and v.requests >= 2
+    assert v.status == "error" and v.requests >= 2  # (tried again within the budget, however loaded the machine)
     # which host refused, and how: a mistyped port reads as one
     port = url.split(":")[-1].split("/")[0]
     assert "ClientConnectorError talking to the judge endpoint (Cannot connect to host 127.0.0.1:" + port in v.why

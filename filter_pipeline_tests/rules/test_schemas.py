@@ -97,7 +97,7 @@ def test_the_contract_page_lists_each_assets_columns_in_the_files_order():
 
 
 EXIT_AFTER_READING = (
-    "import sys; from filter_pipeline.storage.files import read_parquet_file; "
+    "import sys; from filter_pipeline.storage.parquet import read_parquet_file; "
     "f = open(sys.argv[1], 'rb'); print(read_parquet_file(f, columns=['a']).num_rows)"
 )
 RUNS = 40

@@ -9,7 +9,8 @@ import pytest
 from filter_pipeline.definitions import build_defs
 from filter_pipeline.judge.resource import JudgeResource
 from filter_pipeline.shell.jobs import ACROSS_RUNS_ASSETS
-from filter_pipeline.shell.warehouse import DataRoot, read_parquet
+from filter_pipeline.shell.warehouse import DataRoot
+from filter_pipeline.storage.parquet import read_parquet
 from filter_pipeline_tests.builders import attempt, rows, task, write_batch
 
 ASSETS = [

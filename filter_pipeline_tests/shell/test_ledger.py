@@ -112,7 +112,7 @@ def test_a_walk_whose_verdicts_another_judge_step_wrote_again_meanwhile_commits_
     instance, data_root, monkeypatch
 ):
     from filter_pipeline.shell import ledger
-    from filter_pipeline.shell.warehouse import encode, write_bytes
+    from filter_pipeline.storage.parquet import encode, write_bytes
 
     same_keys_batches(data_root, "r1")
     verdicts = UPath(data_root / "warehouse" / "judge_verdicts" / "r1.parquet")

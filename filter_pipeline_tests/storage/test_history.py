@@ -272,8 +272,8 @@ def walk(data, run_id: str, *rows: tuple, retired=None, walked_at: str = "2026-1
     """A committed walk of `run_id` as the ledger leaves it: its kept file, and the prior_kept_counts of every
     other committed run it read (minus `retired`), both named by its commit record with those runs' digests."""
     from filter_pipeline.rules.schemas import to_arrow
-    from filter_pipeline.shell.warehouse import write_parquet
     from filter_pipeline.storage.history import read_commits
+    from filter_pipeline.storage.parquet import write_parquet
 
     root = UPath(data)
     idx = index(data, run_id, retired=retired)
