@@ -226,7 +226,10 @@ def check_committed(data: bytes, run_id: str, entry: dict) -> bytes:
     return data
 
 
-def _open_kept(data: bytes, where: str, run_id: str) -> pq.ParquetFile:
+def open_kept(data: bytes, where: str, run_id: str) -> pq.ParquetFile:
+    """The committed kept file `where` of `run_id` (its verified bytes `data`), its macro and site read as
+    dictionaries; HistoryIntegrityError, saying what to do, when it is not Parquet or lacks a kept column. The
+    ledger and the audit both open kept files here, so both say the same of a broken one."""
     try:
         parquet = pq.ParquetFile(pa.BufferReader(data), read_dictionary=["macro", "site"])  # counted by code
     except (pa.ArrowException, OSError) as exc:
@@ -247,7 +250,7 @@ def _count_committed(
     """(its pair counts; rows whose key_hash the batch carries, to be confirmed on the text: the index columns
     and key_hash; its number of rows), from a committed kept file verified against its commit entry."""
     entry, run_id = source.entry, source.run_id
-    parquet = _open_kept(check_committed(source.data, run_id, entry), entry["path"], run_id)
+    parquet = open_kept(check_committed(source.data, run_id, entry), entry["path"], run_id)
     # The file is the one the walk wrote (its hash says so): its keys are canonical and key_hash is theirs.
     wanted = ["macro", "site", "key_hash"] + (["task_id"] if retired_ids else [])
     table = drop_retired(parquet.read(columns=wanted), retired_ids)  # macro/site stay dictionary codes

@@ -7,7 +7,7 @@ from upath import UPath
 
 from filter_pipeline.rules.batch import LEGACY_KEPT_FILE
 from filter_pipeline.rules.commits import COMMITS_DIR, CommitRecord, HistoryIntegrityError, commit_file
-from filter_pipeline.rules.history import HistoryError, drop_retired, parse_legacy
+from filter_pipeline.rules.history import HistoryError, drop_retired, open_kept, parse_legacy
 from filter_pipeline.rules.verify import (
     Finding,
     cap_findings,
@@ -54,15 +54,11 @@ def _kept_rows(
                                           f"with `{materialize_command(run_id)}`"))  # fmt: skip
         return None
     try:
-        data = verified_bytes(data_root, run_id, entry)
-        dictionary = [c for c in ("macro", "site") if c in columns]  # counted by code, not by text
-        return read_parquet_file(pa.BufferReader(data), columns=columns, read_dictionary=dictionary)
+        return open_kept(verified_bytes(data_root, run_id, entry), entry["path"], run_id).read(columns=columns)
     except HistoryIntegrityError as exc:
         findings.append(Finding("file", str(exc)))
-    except (pa.ArrowException, OSError, KeyError) as exc:
-        findings.append(
-            Finding("file", f"{entry['path']} (committed by run {run_id}) is not a readable kept file ({exc})")
-        )
+    except (pa.ArrowException, OSError) as exc:  # (a file whose footer reads, but not its pages)
+        findings.append(Finding("file", f"{entry['path']} (committed by run {run_id}) is not readable Parquet ({exc})"))
     return None
 
 

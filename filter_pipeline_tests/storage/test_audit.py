@@ -4,6 +4,7 @@ import json
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 from upath import UPath
 
 from filter_pipeline.rules.schemas import to_arrow
@@ -137,6 +138,21 @@ def test_an_uncommitted_kept_file_and_an_unreadable_commit_are_found(tmp_path):
         "warehouse/kept/r9.parquet has no commit record (its walk stopped before committing): it is not history; "
         "`filter-pipeline materialize` walks r9 again and commits it",
     ]
+
+
+def test_a_committed_file_that_is_no_kept_file_is_said_as_the_ledger_says_it(tmp_path):
+    from filter_pipeline.rules.history import HistoryIntegrityError, open_kept
+
+    committed_run(tmp_path, "r1", [("a", ["k", 1], "m", "s")])
+    kept = tmp_path / "warehouse" / "kept" / "r1.parquet"
+    pq.write_table(pa.table({"task_id": ["a"], "macro": ["m"], "site": ["s"]}), kept)
+    commit_files(tmp_path, "r1", {"kept": UPath(kept)}, kept_keys=1)  # (committed as it is: no key column)
+    with pytest.raises(HistoryIntegrityError) as ledger:
+        open_kept(kept.read_bytes(), "warehouse/kept/r1.parquet", "r1")
+    assert lines(tmp_path) == [str(ledger.value)]
+    assert str(ledger.value).startswith(
+        "warehouse/kept/r1.parquet (committed by run r1) is not a kept file: no column dedup_key, key_hash: "
+    )
 
 
 def test_a_batch_changed_since_it_was_filtered_is_found(tmp_path):
