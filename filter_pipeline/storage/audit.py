@@ -28,7 +28,14 @@ from filter_pipeline.storage.files import (
     is_local,
     run_folder,
 )
-from filter_pipeline.storage.history import kept_files, legacy_kept_files, load_retired, read_commit, verified_bytes
+from filter_pipeline.storage.history import (
+    COMMIT_RACE_PASSES,
+    kept_files,
+    legacy_kept_files,
+    load_retired,
+    read_commit,
+    verified_bytes,
+)
 from filter_pipeline.storage.lease import lease_live
 from filter_pipeline.storage.parquet import read_parquet_file
 from filter_pipeline.storage.publish import MANIFEST, incomplete_publishes, relative
@@ -92,13 +99,25 @@ def _kept(data_root: UPath, records: dict[str, CommitRecord], retired, findings:
 
 
 def audit(data_root: UPath) -> list[Finding]:
-    """Every finding on the warehouse under `data_root` (empty: clean)."""
+    """Every finding on the warehouse under `data_root` (empty: clean). It may run while walks commit, which can
+    show it one walk's record beside another walk's files: a pass with findings is read again when a commit
+    record changed during it (`COMMIT_RACE_PASSES` passes at most; the last one's findings stand)."""
+    for _ in range(COMMIT_RACE_PASSES):
+        records, findings = _commits(data_root / WAREHOUSE_DIR)
+        findings = _audit_pass(data_root, records, findings)
+        if not findings or _commits(data_root / WAREHOUSE_DIR)[0] == records:
+            break
+    return findings
+
+
+def _audit_pass(data_root: UPath, records: dict[str, CommitRecord], findings: list[Finding]) -> list[Finding]:
+    """The findings of one pass over the warehouse, with the commit `records` read at its start (and the
+    `findings` of reading them)."""
     warehouse = data_root / WAREHOUSE_DIR
     try:
         retired = load_retired(data_root)
     except HistoryError as exc:
         return [Finding("commit", str(exc))]
-    records, findings = _commits(warehouse)
     kept = _kept(data_root, records, retired, findings)
     live = {r: drop_retired(t, retired.tasks.get(r)) for r, t in kept.items() if not retired.run_is_retired(r)}
     findings += _duplicates(data_root, records, live, retired)

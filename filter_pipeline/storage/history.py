@@ -29,6 +29,10 @@ from filter_pipeline.storage.files import RUNS_DIR, WAREHOUSE_DIR, files_in, rea
 from filter_pipeline.storage.parquet import read_parquet_file
 from filter_pipeline.storage.publish import commit_path, published_folder, staged_copy
 
+# A reader of many committed files (the audit, coverage's counts) that finds one no longer as the commit records
+# it read first say reads again when the records changed meanwhile (a walk committed): at most this many passes.
+COMMIT_RACE_PASSES = 3
+
 
 def read_commit(warehouse: UPath, run_id: str) -> CommitRecord | None:
     """The run's commit record; None when it has none. Raises HistoryIntegrityError on a record that is not one."""
@@ -175,8 +179,21 @@ def kept_counts(data_root: UPath, retired: Retired) -> tuple[pd.DataFrame, int]:
     """(macro, site, n_kept) over every non-retired run's kept rows (what coverage shows), and how many runs.
     Every committed kept file is verified against its commit as `build_prior_index` verifies it; when the
     newest walk read all the other runs as they stand (`covering_walk`), its prior_kept_counts plus its own
-    kept file are counted instead of decoding every run's file again."""
+    kept file are counted instead of decoding every run's file again. A walk committing meanwhile (a file no
+    longer what the records read first say) makes it read again, `COMMIT_RACE_PASSES` times at most."""
     commits = read_commits(data_root / WAREHOUSE_DIR)
+    for _ in range(COMMIT_RACE_PASSES - 1):
+        try:
+            return _kept_counts(data_root, retired, commits)
+        except HistoryIntegrityError:
+            again = read_commits(data_root / WAREHOUSE_DIR)
+            if again == commits:
+                raise
+            commits = again
+    return _kept_counts(data_root, retired, commits)
+
+
+def _kept_counts(data_root: UPath, retired: Retired, commits: dict[str, CommitRecord]) -> tuple[pd.DataFrame, int]:
     sources = history_sources(data_root, commits)
     live = {r for r in sources if not retired.run_is_retired(r)}
     walk = covering_walk(commits, live, retired)

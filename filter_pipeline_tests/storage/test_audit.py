@@ -155,6 +155,25 @@ def test_a_committed_file_that_is_no_kept_file_is_said_as_the_ledger_says_it(tmp
     )
 
 
+def test_a_walk_committing_while_the_audit_reads_is_no_finding(tmp_path, monkeypatch):
+    from filter_pipeline.storage import audit as audit_module
+
+    committed_run(tmp_path, "r1", [("a", ["k", 1], "m", "s")])
+    read_first, reads = audit_module._commits, []
+
+    def records_then_r1_walked_again(warehouse):
+        found = read_first(warehouse)
+        if not reads:  # (r1 walked again and committed just after these records were read)
+            committed_run(tmp_path, "r1", [("a", ["k", 1], "m", "s"), ("b", ["k", 2], "m", "s")])
+            committed_run(tmp_path, "r2", [("c", ["k", 3], "m", "s")])
+        reads.append(found)
+        return found
+
+    monkeypatch.setattr(audit_module, "_commits", records_then_r1_walked_again)
+    assert lines(tmp_path) == []
+    assert len(reads) == 3  # the first pass, the records read again after its findings, the second pass
+
+
 def test_a_batch_changed_since_it_was_filtered_is_found(tmp_path):
     run = write_batch(tmp_path, "r1", [task("a")], [attempt("a")])
     committed_run(tmp_path, "r1", [("a", ["k", 1], "m", "s")], inputs=input_fingerprints(run))

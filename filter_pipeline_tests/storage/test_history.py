@@ -315,3 +315,25 @@ def test_coverage_counts_from_the_newest_walk_are_those_of_every_file(tmp_path):
     (root / "warehouse" / "kept" / "r1.parquet").unlink()  # any committed file missing fails, as a full read does
     with pytest.raises(HistoryIntegrityError, match="r1.parquet is missing"):
         kept_counts(root, load_retired(root))
+
+
+def test_coverage_counts_read_while_a_walk_commits_are_read_again_not_failed(tmp_path, monkeypatch):
+    from filter_pipeline.storage import history
+
+    root = UPath(tmp_path)
+    walk(tmp_path, "r1", ("a", ["k", 1], "m", "s1"), walked_at="2026-12-01T00:00:01+00:00")
+    read_first, reads = history.read_commits, []
+
+    def records_then_r1_walked_again(warehouse):
+        found = read_first(warehouse)
+        reads.append(found)
+        if len(reads) == 1:  # (r1 walked again and committed just after these records were read)
+            monkeypatch.setattr(history, "read_commits", read_first)
+            walk(tmp_path, "r1", ("a", ["k", 1], "m", "s1"), ("b", ["k", 2], "m", "s1"))
+            monkeypatch.setattr(history, "read_commits", records_then_r1_walked_again)
+        return found
+
+    monkeypatch.setattr(history, "read_commits", records_then_r1_walked_again)
+    counts, runs = history.kept_counts(root, load_retired(root))
+    assert counts_of(type("I", (), {"counts": counts})) == {("m", "s1"): 2} and runs == 1
+    assert len(reads) == 2 and reads[0] != reads[1]
