@@ -16,8 +16,8 @@ Once the record stands, the staged files are moved into place (a rename on local
 object storage) and the staging folder is removed. A kill between the publish and the last move is completed by
 the next walk (`complete_published`, run under the lease before anything else). A walk whose publish is refused
 removes its own staging folder only; one whose publish got no answer leaves it to later walks, which complete it
-if the record stands, else remove it once its walk is gone (`_abandoned`). A commit record is never deleted: a
-re-walk replaces it.
+if the record stands, else remove it once its walk is gone (`_abandoned`) and, on object storage, a PUT it sent
+can no longer land (`PUBLISH_LANDING_SECONDS`). A commit record is never deleted: a re-walk replaces it.
 """
 
 import hashlib
@@ -56,6 +56,13 @@ MANIFEST = "_publish.json"
 PAUSE_ENV = "FILTER_PIPELINE_PAUSE_AT"
 # AWS answers 409 to a conditional write while another one on the same key is in flight: try again, briefly
 CONFLICT_TRIES, CONFLICT_PAUSE_SECONDS = 4, 0.25
+
+
+# A walk killed as it published may have sent its commit record's PUT, which a store that received it can still
+# apply after the process is gone: its staged files stay this long after its last write, so that the record, if
+# it lands, finds them to move into place (object storage only: on local disk the publish is a rename the dead
+# process can no longer make). Longer than any store takes to apply a request it has received.
+PUBLISH_LANDING_SECONDS = 600
 
 
 def walked_now() -> str:
@@ -308,14 +315,29 @@ def _abandoned(name: str, folder: UPath) -> bool:
     older than ABANDONED_AFTER_SECONDS (a walk paused past its lease may still resume and must find its files)."""
     if writer_gone(name):
         return True
+    idle = _idle_seconds(folder)
+    return idle is not None and idle > ABANDONED_AFTER_SECONDS
+
+
+def _publish_may_land(folder: UPath, manifest: dict | None) -> bool:
+    """Whether the commit record of a gone walk that got as far as publishing (its folder holds a manifest) may
+    still land: on object storage, for PUBLISH_LANDING_SECONDS after the folder's last write."""
+    if manifest is None or is_local(folder):
+        return False
+    idle = _idle_seconds(folder)
+    return idle is None or idle < PUBLISH_LANDING_SECONDS
+
+
+def _idle_seconds(folder: UPath) -> float | None:
+    """Seconds since the newest file of `folder` was written (S3 "LastModified", local "mtime"); None when
+    unknown."""
     try:
         found = folder.fs.find(folder.path, detail=True).values()
     except (FileNotFoundError, OSError):
-        return False
-    # the newest file's time (S3 "LastModified", local "mtime"): a folder nothing was written to for that long
+        return None
     stamps = [info.get("LastModified") or info.get("mtime") for info in found]
     seconds = [s.timestamp() if hasattr(s, "timestamp") else float(s) for s in stamps if s is not None]
-    return bool(seconds) and time.time() - max(seconds) > ABANDONED_AFTER_SECONDS
+    return time.time() - max(seconds) if seconds else None
 
 
 def _staged_walks(data_root: UPath) -> Iterator[tuple[UPath, dict | None, bool]]:
@@ -376,6 +398,6 @@ def complete_published(data_root: UPath, log: Callable[[str], None]) -> list[str
                 continue
             log(f"{manifest['run_id']}: completed the publish of its committed walk (its files moved into place)")
             completed.append(manifest["run_id"])
-        elif _abandoned(folder.name, folder):
+        elif _abandoned(folder.name, folder) and not _publish_may_land(folder, manifest):
             _remove(folder)
     return completed

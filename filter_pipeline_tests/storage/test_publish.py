@@ -19,6 +19,7 @@ from filter_pipeline.storage.publish import (
     commit_path,
     commit_state,
     complete_published,
+    relative,
     write_commit,
 )
 from filter_pipeline_tests.rules.test_commits import record
@@ -128,6 +129,24 @@ def test_an_unpublished_staging_folder_nobody_wrote_to_for_an_hour_is_removed(tm
     then = old.stat().st_mtime - ABANDONED_AFTER_SECONDS - 60
     os.utime(old, (then, then))
     assert complete_published(root, print) == [] and not other_host.exists()
+
+
+@pytest.mark.slow  # moto's S3 server is a process of its own
+def test_a_dead_walks_publish_that_lands_late_on_s3_finds_its_staged_files_and_is_completed(s3_server, s3_bucket):
+    root = UPath(f"s3://{s3_bucket}/data", endpoint_url=s3_server.endpoint, use_listings_cache=False)
+    walk, files = stage(root, "r1", b"committed rows")
+    published = record("r1", files=files)
+    dead = root / "warehouse" / STAGING_DIR / writer_named("r1", 999999999)  # its process is gone
+    for staged, final in walk.moves.items():
+        (dead / final).write_bytes((root / staged).read_bytes())
+    moves = {relative(root, dead / final): final for final in walk.moves.values()}
+    (dead / MANIFEST).write_bytes(json.dumps({"run_id": "r1", "digest": published.digest, "moves": moves}).encode())
+    walk.discard()
+    assert complete_published(root, print) == [] and (dead / MANIFEST).exists()  # its PUT may be in flight
+    write_commit(root / "warehouse", published)  # the store applies the PUT the walk sent before it was killed
+    assert complete_published(root, print) == ["r1"]
+    assert (root / "warehouse" / "kept" / "r1.parquet").read_bytes() == b"committed rows"
+    assert not (dead / MANIFEST).exists()
 
 
 @pytest.mark.slow  # moto's S3 server is a process of its own
