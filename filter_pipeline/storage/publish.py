@@ -300,13 +300,16 @@ def _move(staged: UPath, final: UPath) -> bool:
     launcher completing it, or removed)."""
     if not staged.exists():
         return False
-    if is_local(staged):
-        os.makedirs(os.path.dirname(final.path), exist_ok=True)
-        os.replace(staged.path, final.path)
-        fsync_folder(os.path.dirname(final.path))
-        return True
-    staged.fs.copy(staged.path, final.path)  # server-side on object storage; a PUT a reader sees whole
-    staged.fs.rm(staged.path)
+    try:
+        if is_local(staged):
+            os.makedirs(os.path.dirname(final.path), exist_ok=True)
+            os.replace(staged.path, final.path)
+            fsync_folder(os.path.dirname(final.path))
+        else:
+            staged.fs.copy(staged.path, final.path)  # server-side on object storage; a PUT a reader sees whole
+            staged.fs.rm(staged.path)
+    except FileNotFoundError:  # (moved meanwhile by a launcher completing this publish, or removed)
+        return False
     return True
 
 

@@ -319,3 +319,23 @@ def test_a_publish_completed_while_the_audit_looked_is_not_reported_incomplete_o
 
     monkeypatch.setattr(audit, "lease_live", completed_meanwhile)
     assert "incomplete" not in [f.kind for f in audit.audit(root)]
+
+
+def test_a_staged_file_another_launcher_moves_first_is_taken_as_moved_not_an_error(tmp_path, monkeypatch):
+    from filter_pipeline.storage import publish
+
+    root = UPath(tmp_path)
+    walk, files = stage(root, "r1", b"committed rows")
+    published = record("r1", files=files)
+    write_commit(root / "warehouse", published)
+    manifest = {"run_id": "r1", "digest": published.digest, "moves": walk.moves, "sha256": {
+        e["path"]: e["sha256"] for e in files.values()}}  # fmt: skip
+    replace = os.replace
+
+    def another_launcher_moves_it_first(source, target):
+        replace(source, target)  # (the launcher completing this publish, between the check and the move)
+        replace(source, target)
+
+    monkeypatch.setattr(publish.os, "replace", another_launcher_moves_it_first)
+    publish._move_all(root, walk.folder, manifest)  # no error: the file in place is the one committed
+    assert (tmp_path / "warehouse" / "kept" / "r1.parquet").read_bytes() == b"committed rows"
