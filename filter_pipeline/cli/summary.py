@@ -13,7 +13,7 @@ from filter_pipeline.storage.parquet import read_parquet
 
 
 def summarize(data: DataRoot, run_id: str) -> str:
-    """One line: judged, kept, surplus by reason, failures by reason (reasons with zero rows left out), and the
+    """One line: judged, kept, surplus by reason, failure_pool rows by reason (reasons with zero rows left out), and the
     lines the batch checks rejected when there are any."""
 
     def counts(asset: str, column: str, names) -> tuple[int, str]:
@@ -29,7 +29,7 @@ def summarize(data: DataRoot, run_id: str) -> str:
     n_rejected = len(read_parquet(data.asset_file("batch_rejects", run_id), columns=["line"]))
     return (
         f"{run_id}: judged {len(verdicts) - unjudged}, unjudged {unjudged}, kept {n_kept}, "
-        f"surplus {n_surplus}{surplus_detail}, failures {n_fail}{fail_detail}"
+        f"surplus {n_surplus}{surplus_detail}, failure_pool {n_fail}{fail_detail}"
         + (f", rejected lines {n_rejected} (batch_rejects)" if n_rejected else "")
     )
 

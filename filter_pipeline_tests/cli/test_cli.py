@@ -45,8 +45,8 @@ def test_materializes_every_complete_batch_in_run_id_order_and_prints_a_summary(
     assert done.returncode == 0, done.stderr
     lines = done.stdout.strip().splitlines()
     assert lines == [
-        "b1: judged 1, unjudged 0, kept 1, surplus 0, failures 1 (policy_violation 1)",
-        "b2: judged 1, unjudged 0, kept 0, surplus 1 (duplicate 1), failures 0, rejected lines 1 (batch_rejects)",
+        "b1: judged 1, unjudged 0, kept 1, surplus 0, failure_pool 1 (policy_violation 1)",
+        "b2: judged 1, unjudged 0, kept 0, surplus 1 (duplicate 1), failure_pool 0, rejected lines 1 (batch_rejects)",
         "coverage: 1 kept rows over 1 (macro, site) pairs, 0 full",
     ]
     surplus = read_all(data_root, "surplus")
@@ -71,7 +71,7 @@ def test_the_default_data_root_is_the_folder_data_where_it_runs(cli_env, tmp_pat
     done = subprocess.run([*CLI, "materialize"], env={**env, "PYTHONPATH": str(REPO)}, cwd=tmp_path,
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.splitlines()[0] == "b1: judged 1, unjudged 0, kept 1, surplus 0, failures 0"
+    assert done.stdout.splitlines()[0] == "b1: judged 1, unjudged 0, kept 1, surplus 0, failure_pool 0"
     assert (tmp_path / "data" / "warehouse" / "_commits" / "b1.json").exists()
 
 
@@ -187,7 +187,7 @@ def test_a_legacy_run_named_is_filtered_and_not_also_recorded_as_materialized_by
     write_legacy_kept(data_root, "legacy", ("a", ["k1"], "m", "s"))
     named = cli("legacy")
     assert named.returncode == 0, named.stderr
-    assert named.stdout.splitlines()[0] == "legacy: judged 1, unjudged 0, kept 1, surplus 0, failures 0"
+    assert named.stdout.splitlines()[0] == "legacy: judged 1, unjudged 0, kept 1, surplus 0, failure_pool 0"
     assert "recorded as materialized" not in named.stdout
     again = cli()  # (committed now: no longer a legacy run)
     assert again.returncode == 0 and "recorded as materialized" not in again.stdout

@@ -374,7 +374,7 @@ def test_bad_records_a_refused_folder_and_bad_labels_each_get_their_line_and_the
 
     assert first.returncode == 0, first.stderr
     assert first.stdout.splitlines()[0] == (
-        "b1: judged 1, unjudged 0, kept 1, surplus 0, failures 1 (script_assert 1), rejected lines 4 (batch_rejects)"
+        "b1: judged 1, unjudged 0, kept 1, surplus 0, failure_pool 1 (script_assert 1), rejected lines 4 (batch_rejects)"
     )
     assert "Traceback" not in first.stderr
     done = cli()  # the rest: b2, and two folders refused for their names
@@ -384,7 +384,7 @@ def test_bad_records_a_refused_folder_and_bad_labels_each_get_their_line_and_the
     refusals = [line for line in done.stderr.splitlines() if ": refused: " in line]
     assert [line.split(":")[0] for line in refusals] == ["runs/.hidden", "runs/with space"]
     assert all(line.endswith("; rename it") for line in refusals)
-    assert done.stdout.splitlines()[0] == "b2: judged 1, unjudged 0, kept 1, surplus 0, failures 0"
+    assert done.stdout.splitlines()[0] == "b2: judged 1, unjudged 0, kept 1, surplus 0, failure_pool 0"
     rejects = pd.read_parquet(data_root / "warehouse" / "batch_rejects" / "b1.parquet")
     assert rejects[["file", "line", "field"]].values.tolist() == [
         ["executions.jsonl", 2, "task_id"], ["executions.jsonl", 3, "task_id"],
