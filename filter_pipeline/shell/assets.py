@@ -28,7 +28,14 @@ from filter_pipeline.rules.schemas import (
     file_fingerprint,
     type_name,
 )
-from filter_pipeline.shell.config import COVERAGE_OP, caps_source, deployment_caps_config, refuse_invalid_run_caps
+from filter_pipeline.settings import JUDGE_LLM, materialize_command
+from filter_pipeline.shell.config import (
+    COVERAGE_OP,
+    LEDGER_OP,
+    caps_source,
+    deployment_caps_config,
+    refuse_invalid_run_caps,
+)
 from filter_pipeline.shell.warehouse import DataRoot, plain_run_ids
 from filter_pipeline.storage import failures
 from filter_pipeline.storage.audit import audit
@@ -160,11 +167,7 @@ def judge_batch(context: dg.AssetExecutionContext, judge: JudgeResource, data: D
     """Parse one execution batch (bad records are set aside as rejects, never dropped silently), judge its
     tasks, and pool its failures."""
     [run_id] = plain_run_ids([context.partition_key])
-    refuse_invalid_run_caps(context)
-    try:
-        load_retired(data.root)  # a broken retired.json fails the run here, before anything is written or judged
-    except HistoryError as exc:
-        raise dg.Failure(description=str(exc), allow_retries=False) from None
+    _refuse_before_reading(context, judge, data, run_id)
     batch = _parse(context, data, run_id)
     # in the warehouse before judging starts, however long it takes
     yield from _batch_outputs(batch)
@@ -189,6 +192,38 @@ def judge_batch(context: dg.AssetExecutionContext, judge: JudgeResource, data: D
     yield check_result("attempts_conserved", "failure_pool", conserved)
     matched = checks.execute_rows_match_failed_attempts(failures, batch.attempts)
     yield check_result("execute_rows_match_failed_attempts", "failure_pool", matched)
+
+
+def _refuse_before_reading(context: dg.AssetExecutionContext, judge: JudgeResource, data: DataRoot, run_id: str):
+    """Fail the step in one line, before anything is read, judged or written, on caps in the run config that
+    are not valid, a broken retired.json, an LLM judge whose settings cannot work (no endpoint or model, votes
+    at temperature 0, ...), or a filtered run this Dagster run would judge without walking it again."""
+    refuse_invalid_run_caps(context)
+    try:
+        load_retired(data.root)
+        if judge.kind == JUDGE_LLM:
+            judge.settings()
+    except (HistoryError, ValueError) as exc:
+        raise dg.Failure(description=str(exc), allow_retries=False) from None
+    _refuse_judging_a_filtered_run_alone(context, data, run_id)
+
+
+def _refuse_judging_a_filtered_run_alone(context: dg.AssetExecutionContext, data: DataRoot, run_id: str) -> None:
+    """A run filtered before this Dagster run was created, judged by a run that does not walk it (`judge_job`,
+    or the judging assets alone, from the launchpad): its new verdicts and failure pool would not match its
+    kept rows, so the step fails in one line. An asset backfill walks its partitions in a ledger run of its
+    own after judging them; a run committed while this one waited keeps its committed outputs (below)."""
+    from filter_pipeline.shell.jobs import BACKFILL_TAG  # (jobs.py imports this module)
+
+    if context.job_def.has_node_named(LEDGER_OP) or BACKFILL_TAG in context.run.tags:
+        return
+    if commit_state(data.warehouse, run_id).exists and _committed_meanwhile(context, data, run_id) is None:
+        raise dg.Failure(
+            description=f"{run_id} is already filtered, and this run judges it without walking it again: its "
+            "judge_verdicts and failure_pool would no longer match its kept rows. Materialize it with filter_job "
+            f"(or `{materialize_command(run_id)}`) to judge and walk it again.",
+            allow_retries=False,
+        )
 
 
 def _verdicts(judgement, judge: JudgeResource, batch, run_id: str) -> pd.DataFrame:
@@ -254,7 +289,10 @@ def _parse(context: dg.AssetExecutionContext, data: DataRoot, run_id: str):
     why = not_complete(data.run_dir(run_id))  # (the UI launches any registered partition)
     if why is not None:
         hint = (
-            "; nothing is read until it is there" if data.run_dir(run_id).exists() else " (its partition outlived it?)"
+            "; nothing is read until it is there: materialize it again once it is complete (the batch sensor "
+            "leaves a partition registered by hand to whoever registered it)"
+            if data.run_dir(run_id).exists()
+            else " (its partition outlived it?)"
         )
         raise dg.Failure(description=f"runs/{run_id} {why}{hint}", allow_retries=False)
     try:

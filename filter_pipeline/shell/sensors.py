@@ -432,7 +432,11 @@ def plan_ledger(
     if ready and not to_walk:
         why = f"ledger waits for {ready[0]} to be registered"
     elif to_walk != ready:
-        why = f"ledger walks {describe_walk(to_walk)}; {ready[len(to_walk)]} and later next (registered out of order)"
+        why = (
+            f"ledger walks {describe_walk(to_walk)}; {ready[len(to_walk)]} and later next (one ledger run walks "
+            "partitions consecutive in registration order: one registered out of order, or one not walked, lies "
+            "between)"
+        )
     return to_register, to_judge, to_walk, why, busy, registration_order
 
 

@@ -104,10 +104,17 @@ class ParquetWarehouseIOManager(dg.UPathIOManager):
     def load_from_path(self, context: dg.InputContext, path: UPath) -> pd.DataFrame:
         """The partition's frame, with the version it was read at (`storage.parquet.read_versioned`): only the
         columns an input names in its `columns` metadata, if it does; a partition key that is not a plain
-        run_id is a one-line failure."""
+        run_id, or a file that is not there, is a one-line failure."""
         if context.has_asset_partitions:
             _plain_keys(tuple(context.asset_partition_keys))
-        return read_versioned(path, columns=(context.definition_metadata or {}).get("columns"))
+        try:
+            return read_versioned(path, columns=(context.definition_metadata or {}).get("columns"))
+        except FileNotFoundError:  # (a ledger_job launched for a batch never judged, say)
+            raise dg.Failure(
+                description=f"warehouse/{path.parent.name}/{path.name} does not exist: {path.parent.name} of "
+                f"{path.stem} was never materialized; materialize the batch with filter_job (or judge_job first)",
+                allow_retries=False,
+            ) from None
 
     def get_metadata(self, context: dg.OutputContext, obj: pd.DataFrame) -> dict:
         return {"dagster/row_count": len(obj)}

@@ -180,6 +180,7 @@ def test_a_batch_still_being_written_is_not_filtered_when_launched_by_hand(insta
     step, cls, message = step_failure(result)
     assert (step, cls) == ("judge_batch", "Failure")
     assert "Failure: runs/r1 has no _SUCCESS: still being written (the harness writes it last); nothing is" in message
+    assert "materialize it again once it is complete" in message  # (the sensor leaves it to whoever registered it)
     assert not (data_root / "warehouse" / "_commits").exists() and not (data_root / "warehouse" / "_failed").exists()
     result = materialize(instance, data_root, "gone")  # registered, its folder removed since
     assert "Failure: runs/gone does not exist (its partition outlived it?)" in step_failure(result)[2]
@@ -284,3 +285,43 @@ def test_on_s3_with_only_the_endpoint_setting_every_asset_reaches_the_store(s3_s
     gate = table[(table["predictor"] == "gate") & (table["site"] == "(all)")]
     assert gate[["n", "tp"]].values.tolist() == [[1, 1]]
     assert read_parquet(data.warehouse / "coverage.parquet")["kept"].max() == 1
+
+
+def run_job(instance, data_root, job: str, run_id: str, judge: JudgeResource | None = None, **options):
+    defs = build_defs(str(data_root), judge or JudgeResource(), caps={})
+    if run_id not in instance.get_dynamic_partitions("run_id"):
+        instance.add_dynamic_partitions("run_id", [run_id])
+    return defs.resolve_job_def(job).execute_in_process(
+        instance=instance, partition_key=run_id, raise_on_error=False, **options
+    )
+
+
+def test_a_filtered_run_judged_by_a_run_that_does_not_walk_it_is_refused_in_one_line(instance, data_root):
+    write_batch(data_root, "r1", [task("a")], [attempt("a")])
+    assert materialize(instance, data_root, "r1").success
+    verdicts = (data_root / "warehouse" / "judge_verdicts" / "r1.parquet").read_bytes()
+    step, cls, message = step_failure(run_job(instance, data_root, "judge_job", "r1"))
+    assert (step, cls) == ("judge_batch", "Failure")
+    assert "r1 is already filtered, and this run judges it without walking it again" in message
+    judging = ["batch_tasks", "batch_attempts", "batch_rejects", "judge_verdicts", "failure_pool"]
+    judging_alone = run_job(
+        instance, data_root, "filter_job", "r1", asset_selection=[dg.AssetKey(name) for name in judging]
+    )  # (the judging step's assets alone, as "Materialize selected" launches them)
+    assert "r1 is already filtered" in step_failure(judging_alone)[2]
+    assert (data_root / "warehouse" / "judge_verdicts" / "r1.parquet").read_bytes() == verdicts
+    assert materialize(instance, data_root, "r1").success  # judged and walked again: allowed
+
+
+def test_an_llm_judge_that_cannot_work_fails_the_judge_step_in_one_line_before_anything_is_written(instance, data_root):
+    write_batch(data_root, "r1", [task("a")], [attempt("a")])
+    step, cls, message = step_failure(run_job(instance, data_root, "judge_job", "r1", JudgeResource(kind="llm")))
+    assert (step, cls) == ("judge_batch", "Failure")
+    assert "the llm judge needs FILTER_JUDGE_BASE_URL and FILTER_JUDGE_MODEL" in message
+    assert not (data_root / "warehouse").exists()
+
+
+def test_a_ledger_run_for_a_batch_never_judged_fails_in_one_line_saying_what_to_do(instance, data_root):
+    write_batch(data_root, "r1", [task("a")], [attempt("a")])
+    step, cls, message = step_failure(run_job(instance, data_root, "ledger_job", "r1"))
+    assert (step, cls) == ("ledger", "Failure")
+    assert "does not exist: " in message and "materialize the batch with filter_job (or judge_job first)" in message
