@@ -64,7 +64,8 @@ judge_job = dg.define_asset_job(
     "judge_job",
     selection=dg.AssetSelection.groups(*JUDGE_GROUPS),
     description="Parse a batch, judge its last ok attempts and fill its failure pool. Safe to run for many "
-    "batches at once.",
+    "batches at once. A batch already filtered is refused (its new verdicts would not match its kept rows "
+    "without a walk): filter_job judges and walks it again.",
 )
 ledger_job = dg.define_asset_job(
     "ledger_job",
