@@ -286,6 +286,12 @@ def test_a_backlog_of_judged_batches_is_walked_by_one_sensor_ledger_run_in_run_i
         assert server.wait_for_backfill(judging, BACKFILL_SECONDS)["status"] == "COMPLETED_SUCCESS"
         server.start_sensor()
         runs = server.wait_for_runs(committed, BACKFILL_SECONDS)
+        verdicts = {r: (data / "warehouse" / "judge_verdicts" / f"{r}.parquet").read_bytes() for r in ids}
+        again = server.launch_job_backfill("judge_job", order[:2])  # filtered now: judging alone is refused
+        assert server.wait_for_backfill(again, BACKFILL_SECONDS)["status"] != "COMPLETED_SUCCESS"
+        refused = server.backfill_runs(again)
+    assert len(refused) == 2 and all(r.status == "FAILURE" for r in refused), [(r.partition, r.status) for r in refused]
+    assert {r: (data / "warehouse" / "judge_verdicts" / f"{r}.parquet").read_bytes() for r in ids} == verdicts
     [ledger] = [r for r in runs if r.job == "ledger_job"]
     assert ledger.status == "SUCCESS"
     assert ledger.tags[FIRST_WALK_TAG] == " ".join(ids) and ledger.tags["dagster/run_key"] == f"{ids[0]}:ledger"

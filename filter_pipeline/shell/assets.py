@@ -210,12 +210,15 @@ def _refuse_before_reading(context: dg.AssetExecutionContext, judge: JudgeResour
 
 def _refuse_judging_a_filtered_run_alone(context: dg.AssetExecutionContext, data: DataRoot, run_id: str) -> None:
     """A run filtered before this Dagster run was created, judged by a run that does not walk it (`judge_job`,
-    or the judging assets alone, from the launchpad): its new verdicts and failure pool would not match its
-    kept rows, so the step fails in one line. An asset backfill walks its partitions in a ledger run of its
-    own after judging them; a run committed while this one waited keeps its committed outputs (below)."""
+    or the judging assets alone, from the launchpad or a job backfill): its new verdicts and failure pool would
+    not match its kept rows, so the step fails in one line. An asset backfill ("Materialize all") walks its
+    partitions in a ledger run of its own after judging them; a run committed while this one waited keeps its
+    committed outputs (below)."""
     from filter_pipeline.shell.jobs import BACKFILL_TAG  # (jobs.py imports this module)
 
-    if context.job_def.has_node_named(LEDGER_OP) or BACKFILL_TAG in context.run.tags:
+    backfill_id = context.run.tags.get(BACKFILL_TAG)
+    backfill = context.instance.get_backfill(backfill_id) if backfill_id else None
+    if context.job_def.has_node_named(LEDGER_OP) or (backfill is not None and backfill.is_asset_backfill):
         return
     if commit_state(data.warehouse, run_id).exists and _committed_meanwhile(context, data, run_id) is None:
         raise dg.Failure(
