@@ -95,20 +95,27 @@ def test_a_file_clock_or_environment_read_in_rules_is_found_under_whatever_name_
         import shutil
         from os import environ, listdir
         from os.path import exists as there
+        from datetime import date
+        import pandas as pd
 
         def walk(frame, path):
             return frame, dt.datetime.now(), listdir(path), there(path), environ["X"], system.getenv("Y")
+
+        def stamp(frame):
+            return frame.assign(day=date.today(), at=pd.Timestamp.utcnow())
         """,
     )
     assert check_shape.violations(package) == [
         "pkg/rules/renamed.py:3: imports shutil (rules/ must not touch files, locks or threads)",
         "pkg/rules/renamed.py:4: imports os.listdir (rules/ must not touch files)",
         "pkg/rules/renamed.py:5: imports os.path.exists (rules/ must not touch files)",
-        "pkg/rules/renamed.py:8: calls datetime.datetime.now (rules/ must not read clocks)",
-        "pkg/rules/renamed.py:8: calls os.listdir (rules/ must not touch files)",
-        "pkg/rules/renamed.py:8: calls os.path.exists (rules/ must not touch files)",
-        "pkg/rules/renamed.py:8: reads os.environ (rules/ must not read the environment)",
-        "pkg/rules/renamed.py:8: reads os.getenv (rules/ must not read the environment)",
+        "pkg/rules/renamed.py:10: calls datetime.datetime.now (rules/ must not read clocks)",
+        "pkg/rules/renamed.py:10: calls os.listdir (rules/ must not touch files)",
+        "pkg/rules/renamed.py:10: calls os.path.exists (rules/ must not touch files)",
+        "pkg/rules/renamed.py:10: reads os.environ (rules/ must not read the environment)",
+        "pkg/rules/renamed.py:10: reads os.getenv (rules/ must not read the environment)",
+        "pkg/rules/renamed.py:13: calls date.today (rules/ must not read clocks)",
+        "pkg/rules/renamed.py:13: calls pd.Timestamp.utcnow (rules/ must not read clocks)",
     ]
 
 

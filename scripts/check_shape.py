@@ -39,7 +39,9 @@ OS_FILE_CALLS = {
 CLOCK_FUNCTIONS = {"time": {"time", "time_ns", "monotonic", "monotonic_ns", "perf_counter", "perf_counter_ns"}}
 CLOCK_CALLS = {f"time.{name}" for name in CLOCK_FUNCTIONS["time"]} | {
     "datetime.now", "datetime.utcnow", "datetime.today", "date.today", "datetime.datetime.now",
-    "datetime.datetime.utcnow", "pd.Timestamp.now", "pd.Timestamp.utcnow", "pandas.Timestamp.now", "Timestamp.now",
+    "datetime.datetime.utcnow", "datetime.datetime.today", "datetime.date.today", "pd.Timestamp.now",
+    "pd.Timestamp.utcnow", "pd.Timestamp.today", "pandas.Timestamp.now", "pandas.Timestamp.utcnow",
+    "pandas.Timestamp.today", "Timestamp.now",
 }  # fmt: skip
 # methods of a path object (pathlib, UPath) that touch the file system: `path.open(...)`, `path.iterdir()`
 PATH_FILE_METHODS = {"open", "read_bytes", "read_text", "write_bytes", "write_text", "iterdir", "rglob", "mkdir",
@@ -122,8 +124,12 @@ def _impure_use(node: ast.AST, names: dict[str, str], where: str) -> list[str]:
         ]
     if isinstance(node, ast.Call) and (call := _file_call(node, names)):
         return [f"{where}:{node.lineno}: calls {call} ({PURE_PACKAGE}/ must not touch files)"]
-    if isinstance(node, ast.Call) and _dotted(node.func, names) in CLOCK_CALLS:
-        return [f"{where}:{node.lineno}: calls {_dotted(node.func, names)} ({PURE_PACKAGE}/ must not read clocks)"]
+    if isinstance(node, ast.Call):
+        # as written (`pd.Timestamp.now`) or as its import names it (`datetime.datetime.now` for `dt.datetime.now`)
+        written, resolved = _dotted(node.func, {}), _dotted(node.func, names)
+        clock = written if written in CLOCK_CALLS else resolved if resolved in CLOCK_CALLS else None
+        if clock:
+            return [f"{where}:{node.lineno}: calls {clock} ({PURE_PACKAGE}/ must not read clocks)"]
     if isinstance(node, (ast.Attribute, ast.Name)) and _dotted(node, names) in ENVIRONMENT:
         return [f"{where}:{node.lineno}: reads {_dotted(node, names)} ({PURE_PACKAGE}/ must not read the environment)"]
     return []

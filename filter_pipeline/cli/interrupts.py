@@ -89,7 +89,7 @@ def _rows(path) -> int:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    try:  # (from bytes, as storage.files.read_parquet_file reads: a file object Arrow reads ahead on its threads)
+    try:  # (from bytes, as storage.parquet.read_parquet_file reads: a file object Arrow reads ahead on its threads)
         return pq.ParquetFile(pa.BufferReader(path.read_bytes())).metadata.num_rows
     except (OSError, ValueError):
         return 0

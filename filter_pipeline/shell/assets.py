@@ -18,7 +18,7 @@ from filter_pipeline.rules.batch import EXECUTIONS_FILE, TASKS_FILE, BatchError
 from filter_pipeline.rules.commits import CommitRecord, another_judge, judge_settings
 from filter_pipeline.rules.coverage import coverage_chart, coverage_markdown, coverage_table
 from filter_pipeline.rules.descriptions import column_description
-from filter_pipeline.rules.history import RETIRED_FILE, HistoryError, parse_retired
+from filter_pipeline.rules.history import RETIRED_FILE, parse_retired
 from filter_pipeline.rules.schemas import (
     FAILURE_REASONS,
     JUDGED_BY,
@@ -28,21 +28,19 @@ from filter_pipeline.rules.schemas import (
     file_fingerprint,
     type_name,
 )
-from filter_pipeline.settings import JUDGE_LLM, materialize_command
 from filter_pipeline.shell.config import (
     COVERAGE_OP,
-    LEDGER_OP,
     caps_source,
     deployment_caps_config,
     refuse_invalid_run_caps,
 )
+from filter_pipeline.shell.refusals import committed_meanwhile, refuse_before_judging
 from filter_pipeline.shell.warehouse import DataRoot, plain_run_ids
 from filter_pipeline.storage import failures
 from filter_pipeline.storage.audit import audit
-from filter_pipeline.storage.history import kept_counts, load_retired, read_commit, read_retired
+from filter_pipeline.storage.history import kept_counts, read_commit, read_retired
 from filter_pipeline.storage.labels import read_labels
 from filter_pipeline.storage.parquet import read_folder, read_parquet, write_parquet
-from filter_pipeline.storage.publish import commit_state
 from filter_pipeline.storage.runs import not_complete, read_batch
 
 run_id_partitions = dg.DynamicPartitionsDefinition(name="run_id")
@@ -167,15 +165,15 @@ def judge_batch(context: dg.AssetExecutionContext, judge: JudgeResource, data: D
     """Parse one execution batch (bad records are set aside as rejects, never dropped silently), judge its
     tasks, and pool its failures."""
     [run_id] = plain_run_ids([context.partition_key])
-    _refuse_before_reading(context, judge, data, run_id)
+    refuse_before_judging(context, judge, data, run_id)
     batch = _parse(context, data, run_id)
     # in the warehouse before judging starts, however long it takes
     yield from _batch_outputs(batch)
     requests = filtering.attempts_to_judge(batch.tasks, batch.attempts, batch.task_at)
     # a run another walk committed while this one waited, or while it judged: its committed verdicts stand
-    committed = _committed_meanwhile(context, data, run_id)  # (asked before paying for any verdict)
+    committed = committed_meanwhile(context, data, run_id)  # (asked before paying for any verdict)
     judgement = None if committed else _judge(context, judge, data, run_id, requests)
-    committed = committed or _committed_meanwhile(context, data, run_id)
+    committed = committed or committed_meanwhile(context, data, run_id)
     if committed:
         verdicts, failures, metadata = _committed_outputs(context, data, committed)
     else:
@@ -194,55 +192,12 @@ def judge_batch(context: dg.AssetExecutionContext, judge: JudgeResource, data: D
     yield check_result("execute_rows_match_failed_attempts", "failure_pool", matched)
 
 
-def _refuse_before_reading(context: dg.AssetExecutionContext, judge: JudgeResource, data: DataRoot, run_id: str):
-    """Fail the step in one line, before anything is read, judged or written, on caps in the run config that
-    are not valid, a broken retired.json, an LLM judge whose settings cannot work (no endpoint or model, votes
-    at temperature 0, ...), or a filtered run this Dagster run would judge without walking it again."""
-    refuse_invalid_run_caps(context)
-    try:
-        load_retired(data.root)
-        if judge.kind == JUDGE_LLM:
-            judge.settings()
-    except (HistoryError, ValueError) as exc:
-        raise dg.Failure(description=str(exc), allow_retries=False) from None
-    _refuse_judging_a_filtered_run_alone(context, data, run_id)
-
-
-def _refuse_judging_a_filtered_run_alone(context: dg.AssetExecutionContext, data: DataRoot, run_id: str) -> None:
-    """A run filtered before this Dagster run was created, judged by a run that does not walk it (`judge_job`,
-    or the judging assets alone, from the launchpad or a job backfill): its new verdicts and failure pool would
-    not match its kept rows, so the step fails in one line. An asset backfill ("Materialize all") walks its
-    partitions in a ledger run of its own after judging them; a run committed while this one waited keeps its
-    committed outputs (below)."""
-    from filter_pipeline.shell.jobs import BACKFILL_TAG  # (jobs.py imports this module)
-
-    backfill_id = context.run.tags.get(BACKFILL_TAG)
-    backfill = context.instance.get_backfill(backfill_id) if backfill_id else None
-    if context.job_def.has_node_named(LEDGER_OP) or (backfill is not None and backfill.is_asset_backfill):
-        return
-    if commit_state(data.warehouse, run_id).exists and _committed_meanwhile(context, data, run_id) is None:
-        raise dg.Failure(
-            description=f"{run_id} is already filtered, and this run judges it without walking it again: its "
-            "judge_verdicts and failure_pool would no longer match its kept rows. Materialize it with filter_job "
-            f"(or `{materialize_command(run_id)}`) to judge and walk it again.",
-            allow_retries=False,
-        )
-
-
 def _verdicts(judgement, judge: JudgeResource, batch, run_id: str) -> pd.DataFrame:
     verdicts = judgement.verdicts.assign(backend=judgement.verdicts["backend_detail"], run_id=run_id)
     # written into the verdicts file (its pandas metadata): what the run's commit records as the input judged
     verdicts.attrs[JUDGED_INPUTS] = batch.inputs
     verdicts.attrs[JUDGED_BY] = judge.identity()
     return verdicts
-
-
-def _committed_meanwhile(context: dg.AssetExecutionContext, data: DataRoot, run_id: str) -> CommitRecord | None:
-    """The run's commit record when another walk committed it while this Dagster run, asked for its first walk,
-    waited or judged (`waiting.filtered_meanwhile`); else None."""
-    from filter_pipeline.shell.waiting import filtered_meanwhile  # (waiting.py imports jobs.py, which imports this)
-
-    return filtered_meanwhile(context, data, {run_id: commit_state(data.warehouse, run_id)}).get(run_id)
 
 
 def _committed_outputs(context, data: DataRoot, record: CommitRecord) -> tuple[pd.DataFrame, pd.DataFrame, tuple]:

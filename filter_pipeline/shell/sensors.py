@@ -467,7 +467,10 @@ def build_batch_sensor() -> dg.SensorDefinition:
         commits, retired = read_commits(data.warehouse), set(load_retired(data.root).runs)
         plan = plan_ledger(context, data, batches, commits, retired)
         to_register, to_judge, to_walk, why, busy, registration_order = plan
-        requests = [dg.RunRequest(job_name=JUDGE_JOB, partition_key=r, run_key=r) for r in to_judge]
+        # (tagged as first walks: a batch another process commits before its judge run starts keeps its commit)
+        requests = [
+            dg.RunRequest(job_name=JUDGE_JOB, partition_key=r, run_key=r, tags=first_walk_tags([r])) for r in to_judge
+        ]
         if to_walk:
             requests.append(ledger_request(to_walk, registration_order, next_ledger_key(context.instance, to_walk[0])))
         # (a changed batch is re-filtered only when named: re-judging would parse its new files)

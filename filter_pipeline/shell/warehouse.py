@@ -111,8 +111,8 @@ class ParquetWarehouseIOManager(dg.UPathIOManager):
             return read_versioned(path, columns=(context.definition_metadata or {}).get("columns"))
         except FileNotFoundError:  # (a ledger_job launched for a batch never judged, say)
             raise dg.Failure(
-                description=f"warehouse/{path.parent.name}/{path.name} does not exist: {path.parent.name} of "
-                f"{path.stem} was never materialized; materialize the batch with filter_job (or judge_job first)",
+                description=f"warehouse/{path.parent.name}/{path.name} does not exist: materialize the batch "
+                f"{path.stem} with filter_job (it judges the batch, then walks it)",
                 allow_retries=False,
             ) from None
 

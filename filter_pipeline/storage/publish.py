@@ -17,7 +17,7 @@ object storage) and the staging folder is removed. A kill between the publish an
 the next walk (`complete_published`, run under the lease before anything else). A walk whose publish is refused
 removes its own staging folder only; one whose publish got no answer leaves it to later walks, which complete it
 if the record stands, else remove it once its walk is gone (`_abandoned`) and, on object storage, a PUT it sent
-can no longer land (`PUBLISH_LANDING_SECONDS`). A commit record is never deleted: a re-walk replaces it.
+can no longer land (`_publish_may_land`). A commit record is never deleted: a re-walk replaces it.
 """
 
 import hashlib
@@ -56,13 +56,6 @@ MANIFEST = "_publish.json"
 PAUSE_ENV = "FILTER_PIPELINE_PAUSE_AT"
 # AWS answers 409 to a conditional write while another one on the same key is in flight: try again, briefly
 CONFLICT_TRIES, CONFLICT_PAUSE_SECONDS = 4, 0.25
-
-
-# A walk killed as it published may have sent its commit record's PUT, which a store that received it can still
-# apply after the process is gone: its staged files stay this long after its last write, so that the record, if
-# it lands, finds them to move into place (object storage only: on local disk the publish is a rename the dead
-# process can no longer make). Longer than any store takes to apply a request it has received.
-PUBLISH_LANDING_SECONDS = 600
 
 
 def walked_now() -> str:
@@ -324,11 +317,14 @@ def _abandoned(name: str, folder: UPath) -> bool:
 
 def _publish_may_land(folder: UPath, manifest: dict | None) -> bool:
     """Whether the commit record of a gone walk that got as far as publishing (its folder holds a manifest) may
-    still land: on object storage, for PUBLISH_LANDING_SECONDS after the folder's last write."""
-    if manifest is None or is_local(folder):
+    still land, so that its staged files must stay for the record to find: on object storage, where a PUT the
+    store received before the walk died can still be applied (and a walk may try its publish for minutes after
+    writing its manifest), until nothing was written to the folder for ABANDONED_AFTER_SECONDS. On local disk
+    the publish is a rename the dead process can no longer make."""
+    if manifest is None or not is_object_store(folder):
         return False
     idle = _idle_seconds(folder)
-    return idle is None or idle < PUBLISH_LANDING_SECONDS
+    return idle is None or idle <= ABANDONED_AFTER_SECONDS
 
 
 def _idle_seconds(folder: UPath) -> float | None:

@@ -324,4 +324,25 @@ def test_a_ledger_run_for_a_batch_never_judged_fails_in_one_line_saying_what_to_
     write_batch(data_root, "r1", [task("a")], [attempt("a")])
     step, cls, message = step_failure(run_job(instance, data_root, "ledger_job", "r1"))
     assert (step, cls) == ("ledger", "Failure")
-    assert "does not exist: " in message and "materialize the batch with filter_job (or judge_job first)" in message
+    assert "warehouse/batch_attempts/r1.parquet does not exist: materialize the batch r1 with filter_job" in message
+
+
+def test_the_judge_step_of_a_filtered_run_re_executed_alone_is_refused(tmp_path, data_root, monkeypatch):
+    from filter_pipeline.cli.materialize import cli_filter_job
+    from filter_pipeline.settings import DATA_ENV
+
+    monkeypatch.setenv(DATA_ENV, str(data_root))
+    write_batch(data_root, "r1", [task("a")], [attempt("a")])
+    verdicts = data_root / "warehouse" / "judge_verdicts" / "r1.parquet"
+    job = dg.reconstructable(cli_filter_job)
+    with dg.instance_for_test(temp_dir=str(tmp_path)) as instance:
+        instance.add_dynamic_partitions("run_id", ["r1"])
+        first = dg.execute_job(job, instance, tags={"dagster/partition": "r1"})
+        assert first.success
+        before = verdicts.read_bytes()
+        judge_step_alone = dg.ReexecutionOptions(first.run_id, step_selection=["judge_batch"])
+        partition = {"dagster/partition": "r1"}
+        with dg.execute_job(job, instance, tags=partition, reexecution_options=judge_step_alone) as again:
+            assert not again.success
+            assert "r1 is already filtered, and this run judges it without walking it again" in step_failure(again)[2]
+    assert verdicts.read_bytes() == before
