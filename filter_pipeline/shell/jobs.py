@@ -12,7 +12,7 @@ from filter_pipeline.shell.assets import WAREHOUSE_VERIFIED
 
 # Dagster's documented run tags
 PARTITION_TAG = "dagster/partition"
-BACKFILL_TAG = "dagster/backfill"  # a backfill's runs: an asset backfill's walk its partitions after judging them
+BACKFILL_TAG = "dagster/backfill"  # on a backfill's runs (an asset backfill's ledger runs walk what it judged)
 PRIORITY_TAG = "dagster/priority"  # (an op tag: which ready step of a run goes first)
 RUN_KEY_TAG = "dagster/run_key"
 RANGE_START_TAG = "dagster/asset_partition_range_start"  # a ranged (single-run backfill) run's partitions

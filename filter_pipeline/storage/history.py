@@ -29,8 +29,8 @@ from filter_pipeline.storage.files import RUNS_DIR, WAREHOUSE_DIR, files_in, rea
 from filter_pipeline.storage.parquet import read_parquet_file
 from filter_pipeline.storage.publish import commit_path, published_folder, staged_copy
 
-# A reader of many committed files (the audit, coverage's counts) that finds one no longer as the commit records
-# it read first say reads again when the records changed meanwhile (a walk committed): at most this many passes.
+# Readers of many committed files (the audit, coverage's counts) read again, at most this many passes in all, when
+# a file no longer matches the commit records they read first and the records changed meanwhile (a walk committed).
 COMMIT_RACE_PASSES = 3
 
 
