@@ -1,6 +1,7 @@
 """The assets under Dagster: lineage, metadata, and the ledger over several runs."""
 
 import logging
+import os
 
 import dagster as dg
 import pandas as pd
@@ -327,14 +328,21 @@ def test_a_ledger_run_for_a_batch_never_judged_fails_in_one_line_saying_what_to_
     assert "warehouse/batch_attempts/r1.parquet does not exist: materialize the batch r1 with filter_job" in message
 
 
+def filter_job_over_the_data_env() -> dg.JobDefinition:
+    """`filter_job` over the data root FILTER_PIPELINE_DATA names, for `dg.reconstructable` (which caches a job
+    by its function for the whole process: this test's own, not the CLI's, whose tests use other data roots)."""
+    from filter_pipeline.settings import DATA_ENV
+
+    return build_defs(os.environ[DATA_ENV], JudgeResource(), caps={}).resolve_job_def("filter_job")
+
+
 def test_the_judge_step_of_a_filtered_run_re_executed_alone_is_refused(tmp_path, data_root, monkeypatch):
-    from filter_pipeline.cli.materialize import cli_filter_job
     from filter_pipeline.settings import DATA_ENV
 
     monkeypatch.setenv(DATA_ENV, str(data_root))
     write_batch(data_root, "r1", [task("a")], [attempt("a")])
     verdicts = data_root / "warehouse" / "judge_verdicts" / "r1.parquet"
-    job = dg.reconstructable(cli_filter_job)
+    job = dg.reconstructable(filter_job_over_the_data_env)
     with dg.instance_for_test(temp_dir=str(tmp_path)) as instance:
         instance.add_dynamic_partitions("run_id", ["r1"])
         first = dg.execute_job(job, instance, tags={"dagster/partition": "r1"})
