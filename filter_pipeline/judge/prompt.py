@@ -356,18 +356,23 @@ def agent_output(trajectory: dict, final: dict) -> str | None:
     return None
 
 
-def screenshot_files(folder: UPath) -> list[UPath]:
-    """The screenshots (`*.png`) of an attempt's folder in natural order (`step_2.png` before `step_10.png`):
-    the order the judge takes its first and last from, and the review app shows. Raises OSError."""
-    return sorted(folder.glob("*.png"), key=lambda p: natural_key(p.name)) if folder.exists() else []
+def screenshot_files(data_root: UPath, folder: UPath) -> list[UPath]:
+    """The screenshots of an attempt's folder in natural order (`step_2.png` before `step_10.png`): the order
+    the judge takes its first and last from, and the review app shows. A screenshot is a `*.png` file of the
+    folder; on local disk, of a folder inside the data root, and not a link leaving the folder. Raises OSError."""
+    if not folder.exists() or not inside_root(data_root, folder):
+        return []
+    shots = folder.glob("*.png")
+    if is_local(folder):
+        real = os.path.realpath(folder.path) + os.sep
+        shots = (p for p in shots if p.is_file() and os.path.realpath(p.path).startswith(real))
+    return sorted(shots, key=lambda p: natural_key(p.name))
 
 
 def screenshots(data_root: UPath, folder: UPath) -> tuple[bytes, ...]:
     """The first and the last screenshot of the folder by natural order (one when there is one)."""
-    if not inside_root(data_root, folder):
-        return ()
     try:
-        shots = screenshot_files(folder)
+        shots = screenshot_files(data_root, folder)
         picked = [shots[0], shots[-1]] if len(shots) > 1 else shots
         return tuple(p.read_bytes() for p in picked)
     except OSError:

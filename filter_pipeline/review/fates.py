@@ -54,6 +54,12 @@ FATE_WHERE = {
     FATE_REJECT: "its line is a batch_rejects row",
     FATE_PENDING: "not decided yet: the run is not walked (or not judged) yet",
 }
+NO_ATTEMPT_WHERE = "no row: executions.jsonl holds no valid attempt of it (a rejected line is a batch_rejects row)"
+
+
+def fate_where(fate: str, reason: str | None) -> str | None:
+    """Where the task's rows are, in the outputs' words (`FATE_WHERE`; a task never executed has none)."""
+    return NO_ATTEMPT_WHERE if fate == FATE_EXECUTE_FAIL and reason == REASON_NO_ATTEMPT else FATE_WHERE.get(fate)
 
 
 @dataclass
@@ -142,7 +148,7 @@ def _rejected_tasks(rejects: pd.DataFrame, valid: set) -> pd.DataFrame:
         rows.append({"task_id": named or f"{TASKS_FILE}:{record['line']}", "fate": FATE_REJECT,
                      "reason": record.get("message"), "site": json_text(raw.get("site")),
                      "macro": json_text(raw.get("macro")), "instruction": json_text(raw.get("instruction"))})  # fmt: skip
-    return pd.DataFrame(rows, columns=TASK_COLUMNS)
+    return pd.DataFrame(rows, columns=[*TASK_COLUMNS, "dedup_key"])
 
 
 def is_committed(t: RunTables) -> bool:
@@ -169,7 +175,7 @@ def summarize(t: RunTables) -> dict:
         "tasks": n_tasks,
         "attempts": int(len(t.attempts)),
         "rejects": int(len(t.rejects)),
-        "with_ok_attempt": int(len(verdicts)),
+        "with_ok_attempt": with_ok_attempt(t),
         "judged": int(len(judged)),
         "passed": passed,
         **{fate: int(fates.get(fate, 0)) for fate in FATES},
@@ -187,6 +193,15 @@ def summarize(t: RunTables) -> dict:
         unknown = ["attempts", "rejects", "with_ok_attempt", "judged", "passed", *(f for f in FATES if f != FATE_KEPT)]
         summary.update(dict.fromkeys(unknown), surplus_by_reason={})
     return summary
+
+
+def with_ok_attempt(t: RunTables) -> int:
+    """How many tasks have an ok attempt: those the judge step gave a verdict, or before it ran, those the
+    batch's attempts say (the judge step judges each of them)."""
+    if t.judged or "ok" not in t.attempts:
+        return int(len(t.verdicts))
+    attempts = t.attempts
+    return int(attempts.loc[attempts["ok"].fillna(False).astype(bool), "task_id"].nunique())
 
 
 def unreadable_summary(run_id: str, reason: str) -> dict:

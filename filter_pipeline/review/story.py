@@ -9,7 +9,7 @@ from upath import UPath
 
 from filter_pipeline.judge.prompt import agent_output, read_trajectory, screenshot_files
 from filter_pipeline.review.data import ReviewError, UnreadableFile, Warehouse
-from filter_pipeline.review.fates import FATE_JUDGE_FAIL, FATE_KEPT, FATE_SURPLUS, FATE_WHERE, REASON_RETIRED, RunTables
+from filter_pipeline.review.fates import FATE_JUDGE_FAIL, FATE_KEPT, FATE_SURPLUS, REASON_RETIRED, RunTables, fate_where
 from filter_pipeline.rules.batch import SUCCESS_FILE
 from filter_pipeline.rules.calibration import LABEL_COLUMNS, parse_labels
 from filter_pipeline.rules.filtering import Caps
@@ -20,13 +20,13 @@ from filter_pipeline.rules.schemas import (
     SPEND_COUNTS,
     STAGE_EXECUTE,
     STAGE_JUDGE,
+    TRAJECTORY_OUTSIDE_ROOT,
     VERDICT_PARTS,
 )
 from filter_pipeline.settings import materialize_command
-from filter_pipeline.storage.files import RUNS_DIR, file_version, is_local, read_if_present, run_folder
+from filter_pipeline.storage.files import RUNS_DIR, file_version, read_if_present
 from filter_pipeline.storage.labels import LABELS_FILE
 
-SCREENSHOT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}\.png$")
 # The verdict fields a story shows (its parts where the file has them)
 VERDICT_FIELDS = ("status", "passed", "why", "votes", "judge", "model", "prompt_version", *VERDICT_PARTS,
                   *SPEND_COUNTS, "cost", "latency_ms", "evidence", "cached")  # fmt: skip
@@ -53,35 +53,32 @@ def rows_of(table: pd.DataFrame, task_id: str) -> list[dict]:
     return plain(table[table["task_id"] == task_id].to_dict("records"))
 
 
+def clean_dir(dir_: str | None) -> bool:
+    """Whether a trajectory dir is a plain path relative to the data root: no step out, no empty part."""
+    if not isinstance(dir_, str) or "\\" in dir_ or "://" in dir_:
+        return False
+    return all(part not in ("", ".", "..") for part in dir_.split("/"))
+
+
 def inside_run(run_id: str, dir_: str | None) -> bool:
     """Whether a trajectory dir (relative to the data root) lies inside the run's folder, with no step out."""
-    if not isinstance(dir_, str) or not dir_.startswith(f"runs/{run_id}/"):
-        return False
-    parts = dir_.split("/")
-    return all(part not in ("", ".", "..") for part in parts) and "\\" not in dir_
+    return isinstance(dir_, str) and dir_.startswith(f"runs/{run_id}/") and clean_dir(dir_)
 
 
-def resolves_inside_run(root: UPath, run_id: str, path: UPath) -> bool:
-    """Whether `path`, its symlinks resolved, lies inside the run's folder (object storage has no symlinks)."""
-    if not is_local(path):
-        return True
-    real, batch = UPath(path.path).resolve(), run_folder(root, run_id).resolve()
-    return batch.path in [str(p) for p in real.parents]
-
-
-def trajectory(root: UPath, run_id: str, dir_: str | None) -> dict:
+def trajectory(root: UPath, dir_: str | None) -> dict:
     """The attempt's trajectory.json (instruction, steps, final url and page text, the agent's output), read as
-    the judge reads it (`prompt.read_trajectory`, `prompt.agent_output`), and its screenshots' names; `problem`
-    says what could not be read, in the words of the judge's evidence."""
-    folder = root / dir_ if inside_run(run_id, dir_) else None
-    if folder is None or not resolves_inside_run(root, run_id, folder / "trajectory.json"):
-        return {"problem": "no trajectory folder inside the run", "steps": [], "screenshots": []}
+    the judge reads it (`prompt.read_trajectory`, `prompt.agent_output`: from anywhere inside the data root, as
+    a batch's dirs may lie), and its screenshots' names, those the judge would take its first and last from;
+    `problem` says what could not be read, in the words of the judge's evidence."""
+    if not clean_dir(dir_):
+        return {"problem": TRAJECTORY_OUTSIDE_ROOT, "steps": [], "screenshots": []}
     found: dict = {"steps": [], "screenshots": []}
-    try:
-        found["screenshots"] = [p.name for p in screenshot_files(folder) if SCREENSHOT_NAME.match(p.name)]
-    except OSError:
-        pass
-    record, _, problem = read_trajectory(root, dir_)  # (what the judge read, and its problem texts)
+    record, folder, problem = read_trajectory(root, dir_)  # (what the judge read, and its problem texts)
+    if problem != TRAJECTORY_OUTSIDE_ROOT:
+        try:
+            found["screenshots"] = [p.name for p in screenshot_files(root, folder)]
+        except OSError:
+            pass
     if problem is not None:
         return {**found, "problem": problem}
     record = _as_text(record)
@@ -108,7 +105,7 @@ def refused(t: RunTables) -> str:
 def decision(t: RunTables, task: dict) -> dict:
     """The walk's decision about the task: its fate and reason; for a retired row, retired.json's reason; for a
     duplicate, who kept the key first; for a cap, the cap the walk applied and the count it met (history's kept rows plus the run's own)."""
-    found = {"fate": task["fate"], "reason": task["reason"], "where": FATE_WHERE.get(task["fate"])}
+    found = {"fate": task["fate"], "reason": task["reason"], "where": fate_where(task["fate"], task["reason"])}
     if t.legacy is not None and t.commit is None:  # (the earlier script's kept row: not in warehouse/kept)
         found["where"] = f"its row is one of {RUNS_DIR}/{t.run_id}/{t.legacy.name}, the earlier script's kept rows"
     if task["reason"] == REASON_RETIRED:
@@ -172,7 +169,7 @@ def story(warehouse: Warehouse, run_id: str, task_id: str, labels: pd.DataFrame 
         "attempts": attempts,
         "judged_attempt": verdict.get("attempt") if verdict else None,
         "judged_dir": judged_dir,
-        "trajectory": trajectory(warehouse.root, run_id, judged_dir) if judged_dir else None,
+        "trajectory": trajectory(warehouse.root, judged_dir) if judged_dir else None,
         "verdict": verdict and {k: verdict.get(k) for k in VERDICT_FIELDS if k in verdict},
         "judge_failure": judge_failure,
         "decision": decided,
@@ -193,17 +190,19 @@ def task_rejects(rejects: pd.DataFrame, task_id: str, most: int = 20) -> list[di
 
 
 def screenshot(warehouse: Warehouse, run_id: str, task_id: str, attempt: int, name: str) -> bytes:
-    """A screenshot of one attempt, read only from inside the run's trajectory folders; ReviewError else."""
+    """A screenshot of one attempt: one of those its trajectory shows (`prompt.screenshot_files`), by name;
+    ReviewError else."""
     t = warehouse.run(run_id)
     rows = [a for a in rows_of(t.attempts, task_id) if a.get("attempt") == attempt]
-    if not rows or not SCREENSHOT_NAME.match(name or "") or not inside_run(run_id, rows[0].get("dir")):
+    dir_ = rows[0].get("dir") if rows else None
+    if not clean_dir(dir_):
         raise ReviewError("no such screenshot")
-    path = warehouse.root / rows[0]["dir"] / name
-    if not resolves_inside_run(warehouse.root, run_id, path):
-        raise ReviewError("no such screenshot")  # a symlink out of the run's folder
     try:
-        return path.read_bytes()
-    except (FileNotFoundError, IsADirectoryError, OSError):
+        shots = {p.name: p for p in screenshot_files(warehouse.root, warehouse.root / dir_)}
+        if name not in shots:
+            raise ReviewError("no such screenshot")
+        return shots[name].read_bytes()
+    except OSError:
         raise ReviewError("no such screenshot") from None
 
 

@@ -346,6 +346,15 @@ def _deep_attempt_row(raw: bytes) -> tuple | None:
 def parse_tasks(data: bytes, run_id: str) -> tuple[pd.DataFrame, list[dict]]:
     """The valid tasks of tasks.jsonl (`data`), first of each task_id, and the reject rows of the others.
     Raises BatchError when no task is valid. A byte order mark at the file's start is skipped."""
+    tasks, rejects = tasks_and_rejects(data)
+    if tasks.empty:
+        detail = f" ({len(rejects)} line(s) rejected, first: {rejects[0]['message']})" if rejects else ""
+        raise BatchError(f"runs/{run_id}/{TASKS_FILE} holds no valid task{detail}")
+    return tasks, rejects
+
+
+def tasks_and_rejects(data: bytes) -> tuple[pd.DataFrame, list[dict]]:
+    """`parse_tasks`' tasks (none, when no line is valid) and reject rows, without refusing the file."""
     data = data.removeprefix(UTF8_BOM)
     tasks, rejects = _arrow_tasks(data), []
     if tasks is None:
@@ -355,9 +364,6 @@ def parse_tasks(data: bytes, run_id: str) -> tuple[pd.DataFrame, list[dict]]:
     duplicated = pd.Series(pd.factorize(tasks["task_id"])[0]).duplicated(keep="first").to_numpy()
     rejects += _rejects_for(tasks[duplicated], data, TASKS_FILE, "task_id", "task_id {} appears earlier in the file")
     (tasks,) = _without(duplicated, tasks)
-    if tasks.empty:
-        detail = f" ({len(rejects)} line(s) rejected, first: {rejects[0]['message']})" if rejects else ""
-        raise BatchError(f"runs/{run_id}/{TASKS_FILE} holds no valid task{detail}")
     return tasks, rejects
 
 

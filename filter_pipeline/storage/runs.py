@@ -26,6 +26,7 @@ from filter_pipeline.rules.batch import (
     non_blank_lines,
     parse_attempts,
     parse_tasks,
+    tasks_and_rejects,
 )
 from filter_pipeline.rules.commits import INPUT_FILES
 from filter_pipeline.rules.order import blocking_runs
@@ -166,15 +167,15 @@ def walk_order(root: UPath) -> WalkOrder:
 
 def unparsed_batch(run_dir: UPath, run_id: str) -> Batch | None:
     """The batch in `run_dir` parsed as the judge step parses it (`read_batch`), for a batch it has not parsed
-    yet; one the step refuses as a whole gives its tasks alone (without executions.jsonl, say), or None
-    without a valid task."""
+    yet; one the step refuses as a whole gives its tasks and their rejects alone (without executions.jsonl, or
+    without a valid task, say), or None without tasks.jsonl."""
     try:
         return read_batch(run_dir, run_id)
     except BatchError:
         pass
     try:
-        tasks, rejects = parse_tasks((run_dir / TASKS_FILE).read_bytes(), run_id)
-    except (FileNotFoundError, BatchError):
+        tasks, rejects = tasks_and_rejects((run_dir / TASKS_FILE).read_bytes())
+    except FileNotFoundError:
         return None
     return parse_attempts(b"", tasks, rejects, run_id)
 

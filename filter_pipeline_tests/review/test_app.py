@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import quote
 
 import pytest
+from upath import UPath
 
 from filter_pipeline.rules.calibration import parse_labels
 from filter_pipeline_tests.review.conftest import HOSTILE_TASK, PNG, SCRIPT
@@ -143,6 +144,27 @@ def test_screenshots_are_served_only_from_the_runs_trajectory_folders(served):
     assert status == 404 and len(body.splitlines()) == 1
     status, _, _ = get(served, "/static/..%2F..%2Fdata.py")
     assert status == 404
+
+
+def test_every_screenshot_the_judge_takes_is_listed_and_served_and_nothing_else(served, sample_root):
+    from filter_pipeline.judge.prompt import screenshot_files
+
+    folder = sample_root / "runs" / "2026-11-28" / "traj" / HOSTILE_TASK / "1"
+    for name in ("b c.png", "ü.png", ".hidden.png"):
+        (folder / name).write_bytes(PNG + name.encode())
+    (folder / "x.png").mkdir()  # a folder, not a screenshot
+    (folder / "in-root.png").symlink_to(sample_root / "labels.jsonl")  # a link leaving the attempt's folder
+    judge_takes = [p.name for p in screenshot_files(UPath(str(sample_root)), UPath(str(folder)))]
+    assert judge_takes == [".hidden.png", "b c.png", "step-1.png", "ü.png"]
+    _, _, body = get(served, f"/api/runs/2026-11-28/tasks/{HOSTILE_TASK}")
+    assert json.loads(body)["trajectory"]["screenshots"] == judge_takes
+    base = f"/runs/2026-11-28/screenshot?task_id={HOSTILE_TASK}&attempt=1&name="
+    for name in judge_takes:
+        with urllib.request.urlopen(served.url + base + quote(name)) as response:
+            assert response.read().startswith(PNG), name
+    for name in ("x.png", "in-root.png", "leak.png", "trajectory.json"):
+        status, _, body = get(served, base + quote(name))
+        assert status == 404 and "do not serve me" not in body, name
 
 
 def test_bad_ids_and_requests_get_one_line_4xx(served):

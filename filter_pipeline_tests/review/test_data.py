@@ -183,6 +183,29 @@ def test_a_batch_not_parsed_yet_shows_its_tasks_attempts_and_rejected_lines_as_t
     assert warehouse.run("r5").tasks["task_id"].tolist() == ["c"]
 
 
+def test_a_batch_not_judged_yet_counts_its_tasks_with_an_ok_attempt_from_its_attempts(tmp_path):
+    from filter_pipeline_tests.builders import attempt, task, write_batch
+
+    attempts = [attempt("a", ok=False), attempt("a", 2), attempt("b"), attempt("b", 2), attempt("c", ok=False)]
+    write_batch(tmp_path, "r5", [task("a"), task("b"), task("c")], attempts)
+    [line] = Warehouse(UPath(str(tmp_path))).runs()
+    assert (line["tasks"], line["attempts"], line["with_ok_attempt"]) == (3, 5, 2)
+
+
+def test_a_batch_refused_for_holding_no_valid_task_shows_the_lines_it_rejected(tmp_path):
+    from filter_pipeline.storage.failures import record_failure
+    from filter_pipeline_tests.builders import attempt, task, write_batch
+
+    write_batch(tmp_path, "r5", [{**task("a"), "macro": None}, task("")], [attempt("a")])
+    record_failure(UPath(str(tmp_path / "warehouse")), "r5", "runs/r5/tasks.jsonl holds no valid task")
+    warehouse = Warehouse(UPath(str(tmp_path)))
+    tasks = warehouse.run("r5").tasks
+    assert tasks[["task_id", "fate"]].values.tolist() == [["a", "reject"], ["tasks.jsonl:2", "reject"]]
+    [line] = warehouse.runs()
+    assert line["state"].startswith("failed (") and (line["tasks"], line["rejects"]) == (0, 2)
+    assert story(warehouse, "r5", "a")["decision"]["reason"].startswith("tasks.jsonl:1: ")
+
+
 def test_a_filter_choice_is_sent_as_it_is_whitespace_included(warehouse):
     from filter_pipeline.review.app import Review
 

@@ -4,7 +4,7 @@ import pandas as pd
 from upath import UPath
 
 from filter_pipeline.review.data import Warehouse
-from filter_pipeline.review.fates import _rejected_tasks
+from filter_pipeline.review.fates import FATE_WHERE, NO_ATTEMPT_WHERE, _rejected_tasks, fate_where
 from filter_pipeline_tests.review.small_warehouse import TASKS, refused_batch, write_asset, write_run
 
 
@@ -33,6 +33,9 @@ def test_a_task_without_any_attempt_is_an_execute_fail_that_says_so(tmp_path):
     fates = Warehouse(UPath(str(tmp_path))).run("r1").tasks.set_index("task_id")
     assert (fates.loc["never-run", "fate"], fates.loc["never-run", "reason"]) == ("execute_fail", "no_attempt")
     assert (fates.loc["ef", "fate"], fates.loc["ef", "reason"]) == ("execute_fail", "backend_fail")
+    where = {t: fate_where(fates.loc[t, "fate"], fates.loc[t, "reason"]) for t in ("never-run", "ef")}
+    assert where == {"never-run": NO_ATTEMPT_WHERE, "ef": FATE_WHERE["execute_fail"]}
+    assert "failure_pool" not in NO_ATTEMPT_WHERE
 
 
 def test_a_run_whose_judging_has_not_finished_decides_nothing_yet(tmp_path):

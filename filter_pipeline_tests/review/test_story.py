@@ -79,24 +79,32 @@ def test_the_task_page_shows_the_parts_escaped_and_hides_them_when_blind(warehou
     assert "Blind:" in blind and "Task jf" in blind and "CAPTCHA" not in blind and "judge_fail" not in blind
 
 
-def test_a_trajectory_folder_that_leads_out_of_the_run_is_not_read(tmp_path):
+def test_a_trajectory_is_read_from_anywhere_inside_the_data_root_as_the_judge_reads_it(tmp_path):
     from filter_pipeline.review.story import trajectory
+    from filter_pipeline.rules.schemas import TRAJECTORY_OUTSIDE_ROOT
 
     outside = tmp_path / "elsewhere"
     outside.mkdir()
     (outside / "trajectory.json").write_text(json.dumps({"instruction": "SECRET-OUTSIDE", "steps": []}))
-    inside = tmp_path / "runs" / "r1" / "traj" / "k"
+    data = tmp_path / "data"
+    inside = data / "runs" / "r1" / "traj" / "k"
     inside.mkdir(parents=True)
     (inside / "1").symlink_to(outside)  # the folder itself
     (inside / "2").mkdir()
     (inside / "2" / "trajectory.json").symlink_to(outside / "trajectory.json")  # or its file
-    (inside / "3").mkdir()
-    (inside / "3" / "trajectory.json").write_text(json.dumps({"instruction": "mine", "steps": []}))
-    root = UPath(str(tmp_path))
+    copied_from = data / "runs" / "r0" / "traj" / "k" / "1"  # a copied batch's dir names the original's folder
+    copied_from.mkdir(parents=True)
+    (copied_from / "trajectory.json").write_text(json.dumps({"instruction": "the original", "steps": []}))
+    (copied_from / "shot.png").write_bytes(b"png")
+    root = UPath(str(data))
     for n in (1, 2):
-        found = trajectory(root, "r1", f"runs/r1/traj/k/{n}")
-        assert found["problem"] == "no trajectory folder inside the run" and "instruction" not in found
-    assert trajectory(root, "r1", "runs/r1/traj/k/3")["instruction"] == "mine"
+        found = trajectory(root, f"runs/r1/traj/k/{n}")
+        assert found["problem"] == TRAJECTORY_OUTSIDE_ROOT and "instruction" not in found
+        assert found["screenshots"] == []
+    for bad in ("runs/r1/../../../elsewhere", "/etc", "s3://bucket/x", "runs//r1"):
+        assert trajectory(root, bad)["problem"] == TRAJECTORY_OUTSIDE_ROOT, bad
+    found = trajectory(root, "runs/r0/traj/k/1")
+    assert found["instruction"] == "the original" and found["screenshots"] == ["shot.png"]
 
 
 def test_of_an_attempts_labels_only_the_latest_counts_and_the_story_says_which(warehouse):
@@ -115,10 +123,12 @@ def test_a_story_of_a_run_still_being_written_says_it_is_filtered_once_complete(
     (tmp_path / "runs" / "r3").mkdir(parents=True)
     (tmp_path / "runs" / "r3" / "tasks.jsonl").write_text('{"task_id": "a"}\n')
     with pytest.raises(ReviewError, match=r"^run 'r3' is not complete \(no _SUCCESS\): it is filtered once it is$"):
-        story(Warehouse(UPath(str(tmp_path))), "r3", "a")
+        story(Warehouse(UPath(str(tmp_path))), "r3", "b")
     (tmp_path / "runs" / "r3" / "_SUCCESS").touch()
     with pytest.raises(ReviewError, match=r"^run 'r3' is not filtered yet: filter-pipeline materialize r3$"):
-        story(Warehouse(UPath(str(tmp_path))), "r3", "a")
+        story(Warehouse(UPath(str(tmp_path))), "r3", "b")
+    # (its one line, which names no macro, is already shown as the reject it will be)
+    assert story(Warehouse(UPath(str(tmp_path))), "r3", "a")["decision"]["fate"] == "reject"
 
 
 def test_a_kept_row_retired_json_retires_shows_reason_retired_as_soon_as_the_file_says_so(warehouse):
@@ -210,7 +220,7 @@ def test_the_agent_output_shown_is_the_one_the_judge_read(tmp_path, record, outp
     folder = tmp_path / "runs" / "r1" / "traj" / "a" / "1"
     folder.mkdir(parents=True)
     (folder / "trajectory.json").write_text(json.dumps({"instruction": "i", "steps": [], **record}))
-    shown = trajectory(UPath(str(tmp_path)), "r1", "runs/r1/traj/a/1")
+    shown = trajectory(UPath(str(tmp_path)), "runs/r1/traj/a/1")
     assert shown["output"] == output == agent_output(record, record.get("final", {}))
 
 
@@ -221,11 +231,11 @@ def test_an_unreadable_trajectory_is_named_as_the_judges_evidence_names_it(tmp_p
     folder = tmp_path / "runs" / "r1" / "traj" / "a" / "1"
     folder.mkdir(parents=True)
     root = UPath(str(tmp_path))
-    assert trajectory(root, "r1", "runs/r1/traj/a/1")["problem"] == TRAJECTORY_MISSING
+    assert trajectory(root, "runs/r1/traj/a/1")["problem"] == TRAJECTORY_MISSING
     (folder / "trajectory.json").write_text("[1, 2]")
-    assert trajectory(root, "r1", "runs/r1/traj/a/1")["problem"] == TRAJECTORY_NOT_OBJECT
+    assert trajectory(root, "runs/r1/traj/a/1")["problem"] == TRAJECTORY_NOT_OBJECT
     (folder / "trajectory.json").write_text("{not json")
-    assert trajectory(root, "r1", "runs/r1/traj/a/1")["problem"].startswith(f"{TRAJECTORY_NOT_JSON} (")
+    assert trajectory(root, "runs/r1/traj/a/1")["problem"].startswith(f"{TRAJECTORY_NOT_JSON} (")
 
 
 def test_the_screenshots_shown_go_in_the_order_the_judge_takes_its_first_and_last_from(tmp_path):
@@ -237,7 +247,11 @@ def test_the_screenshots_shown_go_in_the_order_the_judge_takes_its_first_and_las
     (folder / "trajectory.json").write_text(json.dumps({"instruction": "i", "steps": []}))
     for step in (10, 2, 1):
         (folder / f"step_{step}.png").write_bytes(f"shot {step}".encode())
+    (folder / "z é.png").write_bytes(b"shot z")  # any name the judge takes is shown
+    (folder / "folder.png").mkdir()  # not a screenshot
+    (tmp_path / "labels.png").write_bytes(b"elsewhere in the data root")
+    (folder / "link.png").symlink_to(tmp_path / "labels.png")  # a link leaving the attempt's folder
     root = UPath(str(tmp_path))
-    shown = trajectory(root, "r1", "runs/r1/traj/a/1")["screenshots"]
-    assert shown == ["step_1.png", "step_2.png", "step_10.png"]
-    assert screenshots(root, root / "runs/r1/traj/a/1") == (b"shot 1", b"shot 10")
+    shown = trajectory(root, "runs/r1/traj/a/1")["screenshots"]
+    assert shown == ["step_1.png", "step_2.png", "step_10.png", "z é.png"]
+    assert screenshots(root, root / "runs/r1/traj/a/1") == (b"shot 1", b"shot z")
