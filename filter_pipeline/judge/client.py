@@ -199,7 +199,7 @@ class JudgeClient:
         """The vote in `choice`; when it holds none, one repair request: the reply is sent back with a
         request for only the JSON object (more tokens when it was cut off). Never the same request again."""
         task.replies.append(choice.text or "")
-        verdict = parse_reply(choice.text)
+        verdict = parse_reply(choice.text, choice.cut_off)
         if verdict is not None:
             return Vote(verdict.passed, verdict.why, parts=verdict.parts)
         if choice.refused:  # no repair request: it would be declined the same way, and paid for
@@ -217,7 +217,7 @@ class JudgeClient:
         except Unanswered as exc:
             return Vote(error=f"{trouble}; its repair got no answer: {exc}")
         task.replies.append(repaired.text or "")
-        verdict = parse_reply(repaired.text)
+        verdict = parse_reply(repaired.text, repaired.cut_off)
         if verdict is not None:
             return Vote(verdict.passed, verdict.why, parts=verdict.parts)
         again = "was cut off too" if repaired.cut_off else "held none either"

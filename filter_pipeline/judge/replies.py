@@ -58,21 +58,23 @@ def strip_reasoning(text: str) -> str:
     return text
 
 
-def parse_reply(text: str | None) -> Verdict | None:
-    """The verdict in a model's reply: the LAST JSON object holding a boolean `passed` that is not inside another
-    such object (bare, in a ```json fence, inside prose or inside a wrapper object without a boolean `passed`),
-    once reasoning blocks are removed; objects after it without `passed` do not matter. An object the reply ends
-    inside (cut off at the token limit) is unfinished: nothing nested in it is a verdict, as a criterion's
-    `passed` would otherwise stand for the verdict that was cut; and when it names the key `"passed"` it was
-    the last verdict, cut, so the reply holds none (an earlier one, such as the answer format quoted, is not
-    the answer). `why` is optional ("" when absent); other fields are allowed. None when the reply holds no
-    such object."""
+def parse_reply(text: str | None, cut_off: bool = False) -> Verdict | None:
+    """The verdict in a model's reply, once reasoning blocks are removed: its LAST JSON object (bare, in a ```json
+    fence or inside prose) when that object holds a boolean `passed`, or is a wrapper holding one (the last
+    such object in it that is not inside another); objects nested in the verdict (criteria) are part of it.
+    A reply whose last object holds none has no verdict, even with one before it (the answer format quoted, then
+    an answer in another shape). An object the reply ends inside (cut off at the token limit) is unfinished:
+    nothing nested in it is a verdict, as a criterion's `passed` would otherwise stand for the verdict that was
+    cut; when it names the key `"passed"` it was the last verdict, cut, so the reply holds none; else the last
+    whole object before it is the reply's last. A reply `cut_off` at the token limit after its verdict object,
+    with more than a fence's close after it, was still writing: the object was not its last word, so it holds
+    none. `why` is optional ("" when absent); other fields are allowed. None when the reply holds no verdict."""
     if not text:
         return None
     thinking = _reasoning_blocks(text)
     text = strip_reasoning(text)
     decoder = json.JSONDecoder()
-    found: tuple[dict, int] | None = None
+    last: tuple[dict, int, int] | None = None  # the last whole object: (it, where it starts, where it ends)
     i = text.find("{")
     while i != -1:
         try:
@@ -87,16 +89,27 @@ def parse_reply(text: str | None) -> Verdict | None:
                 break
             i = text.find("{", i + 1)
             continue
-        if isinstance(value, dict) and isinstance(value.get("passed"), bool):
-            found = (value, i)
-            i = text.find("{", end)  # objects nested in the verdict (criteria) are not verdicts
-        else:
-            i = text.find("{", i + 1)  # a wrapper object may hold the verdict
-    if found is None:
+        last = (value, i, end)
+        i = text.find("{", end)  # (the objects nested in it are its own)
+    verdict = _held_verdict(last[0]) if last else None
+    if verdict is None or cut_off and text[last[2] :].strip().strip("`").strip():
         return None
-    value, start = found
-    before = "\n\n".join(part for part in (thinking, text[:start].strip()) if part)
-    return Verdict(value["passed"], _why(value.get("why")), read_parts(value, before))
+    before = "\n\n".join(part for part in (thinking, text[: last[1]].strip()) if part)
+    return Verdict(verdict["passed"], _why(verdict.get("why")), read_parts(verdict, before))
+
+
+def _held_verdict(value: dict) -> dict | None:
+    """`value` when it has a boolean `passed`; else the last object with one nested in it (in document order)
+    that is not inside another such object; None when it holds none."""
+    found, stack = None, [value]
+    while stack:  # (depth first, children pushed in reverse: visited in document order)
+        node = stack.pop()
+        if isinstance(node, dict) and isinstance(node.get("passed"), bool):
+            found = node
+            continue  # (its criteria are part of it)
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+        stack.extend(reversed(list(children)))
+    return found
 
 
 def _runs_to_the_end(text: str, error: json.JSONDecodeError) -> bool:

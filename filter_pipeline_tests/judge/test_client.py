@@ -337,6 +337,25 @@ def test_a_reply_cut_off_inside_its_verdict_after_quoting_the_answer_format_is_r
     assert server.calls[1].prompt == REPAIR_PROMPT
 
 
+@pytest.mark.parametrize(
+    "content, finish_reason",
+    [
+        # the answer format quoted, then an answer in another shape: the reply's last object holds no verdict
+        (
+            'You asked for JSON like {"passed": true, "why": "reached"}. Mine:\n{"verdict": "fail", "why": "Lisbon"}',
+            "stop",
+        ),  # fmt: skip
+        # cut off while still reasoning after quoting the format: the quoted object was not its last word
+        ('I must end with {"passed": true, "why": "the goal is reached"}. The agent typed Porto but then', "length"),
+    ],
+)
+def test_a_quoted_answer_format_is_never_the_verdict(content, finish_reason):
+    with FakeOpenAI(sequence(Reply(content=content, finish_reason=finish_reason), Reply(content=FAIL))) as server:
+        [v] = judge_prompts([prompt("a")], settings(server))
+    assert (v.passed, v.why, v.requests) == (False, "wrong item", 2)
+    assert server.calls[1].prompt == REPAIR_PROMPT
+
+
 def test_reasoning_model_settings_send_max_completion_tokens_and_no_temperature():
     with FakeOpenAI(lambda call, n: Reply(content=PASS)) as server:
         judge_prompts([prompt("a")], settings(server, reasoning_model=True, max_tokens=2000))

@@ -45,6 +45,13 @@ from filter_pipeline.judge.replies import (
             Verdict(False, "second"),
         ),
         ('{"verdict": {"passed": true, "why": "wrapped"}}', Verdict(True, "wrapped")),
+        (
+            '{"a": {"passed": true, "why": "1"}, "b": [{"passed": false, "why": "2", "c": {"passed": true}}]}',
+            Verdict(False, "2"),
+        ),  # fmt: skip
+        # the reply's last object holds no verdict: one before it (the answer format quoted) is not the answer
+        ('Answer like {"passed": true, "why": "reached"}. Mine: {"verdict": "fail", "why": "Lisbon"}', None),
+        ('{"passed": false, "why": "w"} and a note: {"confidence": 0.9}', None),
         ('{"passed": true, "why": 3}', Verdict(True, "3")),
         (
             '<think>the format is {"passed": true, "why": "x"}</think> {"passed": false, "why": "no order"}',
@@ -83,6 +90,20 @@ from filter_pipeline.judge.replies import (
 )
 def test_parse_reply(text, expected):
     assert parse_reply(text) == expected
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ('{"passed": true, "why": "w"}', Verdict(True, "w")),
+        ('Reasoning: fine.\n```json\n{"passed": true, "why": "w"}\n```\n', Verdict(True, "w")),
+        ('{"passed": true, "why": "w"}\n``', Verdict(True, "w")),  # cut inside the fence's close
+        ('Format: {"passed": true, "why": "w"}. Now, the agent clicked', None),  # still writing
+        ('{"passed": true, "why": "w"} {"notes": "cut', None),
+    ],
+)
+def test_a_reply_cut_off_after_its_verdict_object_holds_it_only_when_nothing_but_a_fence_follows(text, expected):
+    assert parse_reply(text, cut_off=True) == expected
 
 
 def test_strip_reasoning_keeps_the_answer():
