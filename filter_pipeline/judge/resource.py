@@ -148,15 +148,34 @@ def _llm_judgement(
     )  # fmt: skip
     result = driver.drive(job)
     frame = result.frame.assign(passed=driver.passes(result.frame, config.min_score))
-    cost = prices.cost(_ints(frame["prompt_tokens"]), _ints(frame["completion_tokens"]), _ints(frame["cached_tokens"]))
     verdicts = requests.reset_index(drop=True).assign(
-        **frame, cost=cost, judge=JUDGE_LLM, model=config.model, prompt_version=config.prompt_version
+        **frame, cost=_cost(frame, prices), judge=JUDGE_LLM, model=config.model, prompt_version=config.prompt_version
     )
     _warn_missing_evidence(verdicts, log)
-    metadata = _llm_metadata(verdicts, result.stats, config, prices)
+    metadata = _llm_metadata(verdicts, result.stats, config, prices)  # (what this materialization paid)
     below = (verdicts["judge_passed"] == True) & (verdicts["passed"] == False)  # noqa: E712
     metadata.update(min_score=config.min_score or "not set", below_min_score=int(below.sum()))
+    verdicts = _with_earlier_spend(verdicts, driver.earlier_spend(previous, requests, frame["cache_key"]), prices)
     return Judgement(verdicts, metadata, written=progress.remove if progress is not None else lambda: 0)
+
+
+def _cost(frame: pd.DataFrame, prices: driver.Prices):
+    return prices.cost(_ints(frame["prompt_tokens"]), _ints(frame["completion_tokens"]), _ints(frame["cached_tokens"]))
+
+
+def _with_earlier_spend(verdicts: pd.DataFrame, earlier: pd.DataFrame, prices: driver.Prices) -> pd.DataFrame:
+    """`verdicts` whose rows replace unjudged ones carrying the requests and tokens those tries spent (and
+    their cost): each row says what its task's judging cost, every try included."""
+    again = earlier.to_numpy().any(axis=1)
+    if not again.any():
+        return verdicts
+    verdicts = verdicts.copy()
+    for name in SPEND_COUNTS:
+        values = verdicts[name].astype(object).to_numpy(copy=True)
+        values[again] = (_ints(verdicts[name])[again] + earlier[name].to_numpy()[again]).astype(np.int64)
+        verdicts[name] = values
+    verdicts["cost"] = _cost(verdicts, prices)
+    return verdicts
 
 
 def _ints(values: pd.Series) -> np.ndarray:

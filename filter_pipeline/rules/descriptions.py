@@ -162,8 +162,9 @@ COLUMN_DESCRIPTIONS: dict[str, str] = {
     # the LLM judge's cost and evidence
     "deduplicated": "Verdict copied from another task of this batch whose prompt was identical (asked once); "
     "its requests, tokens and cost are 0, the task asked carries them.",
-    "requests": "HTTP requests made for this verdict when it was asked (retries included; 0 for the gate and "
-    "for deduplicated copies; a cached verdict carries what it cost when asked).",
+    "requests": "HTTP requests made for this verdict when it was asked (retries included, and the earlier tries "
+    "that left the task unjudged; 0 for the gate and for deduplicated copies; a cached verdict carries what it "
+    "cost when asked). Its tokens and cost count the same requests.",
     "prompt_tokens": "Prompt tokens the endpoint reported for this verdict's requests (cached tokens included).",
     "completion_tokens": "Completion tokens the endpoint reported for this verdict's requests.",
     "cached_tokens": "Of the prompt tokens, those the endpoint served from its prompt cache.",

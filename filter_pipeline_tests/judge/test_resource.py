@@ -104,6 +104,15 @@ def test_outage_leaves_tasks_unjudged_and_the_next_materialization_judges_only_t
         assert len(healthy.calls) == 1  # only task a
     assert verdict_metadata(second)["cache_hits"] == 3
     assert pipeline.output("kept")["task_id"].tolist() == ["a", "c", "d"]
+    # a's row says what judging it cost, its unjudged tries included; the metadata what this materialization paid
+    tried = int(v.loc[v["task_id"] == "a", "requests"].item())
+    assert tried >= 1 and verdict_metadata(second)["requests"] == 1
+    again = pipeline.output("judge_verdicts").set_index("task_id")
+    assert again.loc["a", "requests"] == tried + 1 and again.loc["a", "status"] == "judged"
+    assert (
+        again.loc[["b", "c", "d"], "requests"].tolist()
+        == v.set_index("task_id").loc[["b", "c", "d"], "requests"].tolist()
+    )
 
 
 def test_a_rejudging_by_another_judge_fails_in_one_line_and_keeps_the_verdicts_paid_for(pipeline):
