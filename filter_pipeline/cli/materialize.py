@@ -205,13 +205,15 @@ def materialize(args: argparse.Namespace, signals: Signals | None = None) -> int
         named = bool(args.run_ids)
         failed, unjudged = _run_batches(instance, data, caps, run_ids, first_walks, rejudge, signals, named)
         status = EXIT_FAILED if failed or refused else EXIT_UNJUDGED if unjudged else 0
-        if unjudged:
+        # (naming no run, a run whose last try this was is named by the line after, not promised another)
+        again = unjudged if named else len(_due_again(instance, data, changed, judge) & set(run_ids))
+        if again:
             print(
-                f"{unjudged} run(s) left tasks unjudged: a later `{materialize_command()}` naming no run judges "
+                f"{again} run(s) left tasks unjudged: a later `{materialize_command()}` naming no run judges "
                 "them again",
                 flush=True,
             )
-    spent = [] if args.run_ids else _tries_spent(data, set(run_ids) | other_judge)
+    spent = [] if args.run_ids else _tries_spent(instance, data, changed, judge, other_judge)
     if spent:
         print(
             f"{len(spent)} run(s) still hold unjudged tasks after their last try ({REJUDGE_MAX_TRIES_ENV}): "
@@ -236,14 +238,21 @@ def _unreadable(data: DataRoot, exc: OSError) -> CliError:
     return CliError(f"cannot read the data root {data.path}: {exc.strerror or exc}{where}")
 
 
-def _tries_spent(data: DataRoot, just_run: set[str]) -> list[str]:
-    """Committed runs, not retired and not run now, still holding unjudged tasks: a materialize naming no run
-    takes every other such run whatever the backoff, so these have spent their re-judging tries."""
-    retired = load_retired(data.root).runs
+def _due_again(instance, data: DataRoot, changed: set[str], judge: JudgeResource) -> set[str]:
+    """The committed runs a materialize naming no run would judge again now (`rejudging_due`, no backoff)."""
+    left_alone = changed | load_retired(data.root).runs
+    due, _ = rejudging_due(instance, read_commits(data.warehouse), left_alone, judge.identity(), wait=False)
+    return {r.run_id for r in due}
+
+
+def _tries_spent(instance, data: DataRoot, changed: set[str], judge: JudgeResource, other_judge: set[str]) -> list[str]:
+    """Committed runs, not retired, still holding unjudged tasks that a materialize naming no run would not
+    judge again (those of another judge are said apart): they have spent their re-judging tries."""
+    retired, due = load_retired(data.root).runs, _due_again(instance, data, changed, judge)
     return sorted(
         run_id
         for run_id, record in read_commits(data.warehouse).items()
-        if record.unjudged > 0 and run_id not in retired and run_id not in just_run
+        if record.unjudged > 0 and run_id not in retired | due | other_judge
     )
 
 

@@ -101,8 +101,11 @@ def test_the_cap_on_tries_is_respected_and_a_run_that_spent_it_is_named_until_ju
     with FakeOpenAI(responder) as server:
         env = {"FILTER_JUDGE_BASE_URL": server.base_url, "FILTER_JUDGE_MODEL": "m", "FILTER_JUDGE_VOTES": "1",
                "FILTER_JUDGE_TASK_BUDGET": "1", "FILTER_PIPELINE_REJUDGE_MAX_TRIES": "1"}  # fmt: skip
-        assert cli("--judge", "llm", env=env).returncode == 3
-        assert "try 1" in cli("--judge", "llm", env=env).stdout
+        first = cli("--judge", "llm", env=env)
+        assert first.returncode == 3 and "1 run(s) left tasks unjudged: a later" in first.stdout
+        last_try = cli("--judge", "llm", env=env)  # its last try: named at once, never promised another
+        assert "try 1" in last_try.stdout and last_try.returncode == 3
+        assert last_try.stdout.splitlines()[-1] == spent_line and "left tasks unjudged" not in last_try.stdout
         spent = cli("--judge", "llm", env=env)  # the cap is reached: not asked again, but not forgotten
         assert spent.returncode == 3
         assert spent.stdout.splitlines() == [
