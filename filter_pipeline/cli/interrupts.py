@@ -30,6 +30,10 @@ class Signals:
 
     def __init__(self):
         self.received: int | None = None
+        # where the call was, for the line of an interrupt between its runs: the runs it finished, and for a
+        # call naming its runs, those it has not finished (named again, as `saved_line` says)
+        self.done: list[str] = []
+        self.named_left: list[str] = []
         self._read, write = os.pipe()
         for descriptor in (self._read, write):
             os.set_blocking(descriptor, False)

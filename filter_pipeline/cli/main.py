@@ -141,10 +141,11 @@ def main(argv: list[str] | None = None) -> int:
     from filter_pipeline.cli.interrupts import Interrupted, Signals, saved_line
 
     signals = Signals()  # before Dagster loads: a SIGTERM from now on ends with one line and status 143
+    signals.named_left = list(args.run_ids)
     try:
         return _materialize(args, signals)
     except KeyboardInterrupt:  # (between runs, or before the first one started)
-        complain(saved_line(signals, None, None, False, []))
+        complain(saved_line(signals, None, None, False, signals.done, signals.named_left))
         return signals.exit_status
     except Interrupted as exc:
         complain(str(exc))

@@ -322,6 +322,7 @@ def _run_batches(
             tags.update(rejudge_tags(rejudge[run_id]))
             print(f"{run_id}: judging its unjudged tasks again (try {rejudge[run_id].try_number})", flush=True)
         still_named = run_ids[position - 1 :] if named else []
+        signals.done, signals.named_left = run_ids[: position - 1], still_named
         selection = None if last else batch_only
         result = _run_one(instance, data, job, caps, tags, selection, signals, run_ids[:position], still_named)
         if result.success:
@@ -331,6 +332,7 @@ def _run_batches(
         else:
             failed += 1
             print(f"{run_id}: FAILED ({failure_reason(result)})", flush=True)
+    signals.done, signals.named_left = list(run_ids), []
     if failed < len(run_ids) and not refreshed:  # the last batch's run failed, an earlier one did not
         refreshed = _refresh_across_runs(instance)
         failed += not refreshed

@@ -78,3 +78,33 @@ def test_a_call_that_named_its_runs_is_told_to_name_the_ones_left_again_one_that
                          "resume from what was saved")  # fmt: skip
     unnamed = saved_line(sigint, data, "r2", committed=False, done=[])
     assert unnamed.endswith("run `filter-pipeline materialize` again to resume from what was saved")
+
+
+@pytest.mark.parametrize(
+    "done, left, said",
+    [
+        ([], None, "before a run started; run `filter-pipeline materialize r2 r1` again"),  # (before any run)
+        (["r1"], ["r2"], "before a run started; r1 finished before it; run `filter-pipeline materialize r2` again"),
+    ],
+)
+def test_an_interrupt_between_the_runs_of_a_call_that_named_them_names_again_those_left(
+    monkeypatch, capsys, done, left, said
+):
+    from filter_pipeline.cli import main
+
+    def interrupted(args, signals):
+        if left is not None:  # (as `_run_batches` records it before each run)
+            signals.done, signals.named_left = done, left
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(main, "_materialize", interrupted)
+    sigterm = signal.getsignal(signal.SIGTERM)
+    try:
+        assert main.main(["materialize", "r2", "r1"]) == 130
+    finally:  # (the call's handlers stay out of the other tests of this process)
+        signal.signal(signal.SIGTERM, sigterm)
+        signal.set_wakeup_fd(-1)
+    assert (
+        capsys.readouterr().err.strip()
+        == f"filter-pipeline: interrupted by SIGINT {said} to resume from what was saved"
+    )
