@@ -60,8 +60,10 @@ def split_mask(votes: pd.Series) -> np.ndarray:
 
 
 def order(attempts: pd.DataFrame, labelled_sites: set) -> pd.DataFrame:
-    """Every judged attempt once, in queue order (see the module's docstring): QUEUE_COLUMNS."""
-    unique = attempts.drop_duplicates("dir").reset_index(drop=True)
+    """Every judged attempt once, in queue order (see the module's docstring): QUEUE_COLUMNS. An attempt several
+    runs judged (a batch copied with its dirs) is the latest run's, the verdict its labels are scored against
+    (`calibration.latest_labels`)."""
+    unique = attempts.drop_duplicates("dir", keep="last").reset_index(drop=True)
     shuffled = unique.iloc[np.argsort(unique["draw"].to_numpy(np.int64), kind="stable")].reset_index(drop=True)
     rank = np.full(len(shuffled), PHASES.index(PHASE_REST))
     rank[~shuffled["site"].isin(labelled_sites).to_numpy(bool)] = PHASES.index(PHASE_UNLABELLED_SITE)

@@ -56,6 +56,18 @@ def test_the_queue_serves_a_uniform_sample_then_split_votes_then_unlabelled_site
     assert order(frame, {"old"}).equals(queue)
 
 
+def test_an_attempt_two_runs_judged_is_queued_as_the_latest_runs_whose_verdict_its_labels_are_scored_against():
+    first, copy = attempts(3, run_id="r1"), attempts(3, run_id="r1").assign(run_id="r2", votes="1/3")
+    queue = order(pd.concat([first, copy], ignore_index=True), labelled_sites=set())
+    assert len(queue) == 3 and set(queue["run_id"]) == {"r2"}
+    from filter_pipeline.rules.calibration import latest_labels as scored_labels
+
+    labels, _ = parse_labels("".join(json.dumps({"dir": d, "success": True}) + "\n" for d in first["dir"]))
+    judged = pd.concat([first, copy], ignore_index=True)[["run_id", "task_id", "dir"]]
+    scored = scored_labels(labels, judged.assign(ok=True), judged, judged)
+    assert set(scored["run_id"]) == {"r2"} and len(scored) == 3
+
+
 def test_attempts_keep_their_order_and_the_sample_its_members_as_runs_are_added(monkeypatch):
     from filter_pipeline.review import queue as queue_module
 
