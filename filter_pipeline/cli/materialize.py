@@ -325,14 +325,14 @@ def _run_batches(
         signals.done, signals.named_left = run_ids[: position - 1], still_named
         selection = None if last else batch_only
         result = _run_one(instance, data, job, caps, tags, selection, signals, run_ids[:position], still_named)
-        if result.success:
+        if result.success:  # (a run that failed stays to be named again)
+            signals.done, signals.named_left = run_ids[:position], still_named[1:]
             print(_already_filtered(result) or summarize(data, run_id), flush=True)
             unjudged += _unjudged(data, run_id) > 0
             refreshed = last
         else:
             failed += 1
             print(f"{run_id}: FAILED ({failure_reason(result)})", flush=True)
-    signals.done, signals.named_left = list(run_ids), []
     if failed < len(run_ids) and not refreshed:  # the last batch's run failed, an earlier one did not
         refreshed = _refresh_across_runs(instance)
         failed += not refreshed

@@ -219,21 +219,24 @@ def reusable_verdicts(previous: pd.DataFrame | None, progress: pd.DataFrame | No
 
 
 def earlier_spend(previous: pd.DataFrame | None, requests: pd.DataFrame, keys: pd.Series) -> pd.DataFrame:
-    """SPEND_COUNTS of the tries that left each request unjudged before: its row in the run's previous
-    judge_verdicts (same task_id, attempt and cache_key `keys`) when that row is unjudged; 0 where none. A
-    verdict row replaces that row, so it carries what they cost."""
+    """SPEND_COUNTS of the tries that left each request unjudged before: its row in the previous
+    judge_verdicts (same run_id where both name one, task_id, attempt and cache_key `keys`) when that row is
+    unjudged; 0 where none. A verdict row replaces that row, so it carries what they cost."""
     zeros = pd.DataFrame(0, index=range(len(requests)), columns=list(SPEND_COUNTS), dtype="int64")
-    if previous is None or previous.empty or not {"cache_key", "status", "task_id", "attempt"} <= set(previous):
+    on = ["task_id", "attempt", "cache_key"]
+    if previous is None or previous.empty or not {"status", *on} <= set(previous):
         return zeros
+    previous = previous.rename(columns={"calls": "requests"}) if "requests" not in previous else previous
     unjudged = previous[previous["status"] != STATUS_JUDGED]
     if unjudged.empty:
         return zeros
-    spent = unjudged.reindex(columns=list(SPEND_COUNTS)).apply(pd.to_numeric, errors="coerce").fillna(0)
-    on = ["task_id", "attempt", "cache_key"]
     left = pd.DataFrame({"task_id": requests["task_id"].to_numpy(), "attempt": requests["attempt"].to_numpy(),
-                         "cache_key": keys.to_numpy()}).astype({"attempt": "int64"})  # fmt: skip
-    right = unjudged[on].astype({"attempt": "int64"}).assign(**spent.astype("int64")).drop_duplicates(on)
-    found = left.merge(right, on=on, how="left", validate="many_to_one")
+                         "cache_key": keys.to_numpy()})  # fmt: skip
+    if "run_id" in requests and "run_id" in unjudged:
+        on, left = [*on, "run_id"], left.assign(run_id=requests["run_id"].to_numpy())
+    spent = unjudged.reindex(columns=list(SPEND_COUNTS)).apply(pd.to_numeric, errors="coerce").fillna(0)
+    right = unjudged[on].assign(**spent.astype("int64")).drop_duplicates(on)
+    found = left.astype({"attempt": "int64"}).merge(right.astype({"attempt": "int64"}), on=on, how="left")
     return found[list(SPEND_COUNTS)].fillna(0).astype("int64")
 
 

@@ -359,13 +359,13 @@ def agent_output(trajectory: dict, final: dict) -> str | None:
 def screenshot_files(data_root: UPath, folder: UPath) -> list[UPath]:
     """The screenshots of an attempt's folder in natural order (`step_2.png` before `step_10.png`): the order
     the judge takes its first and last from, and the review app shows. A screenshot is a `*.png` file of the
-    folder; on local disk, of a folder inside the data root, and not a link leaving the folder. Raises OSError."""
+    folder; on local disk, a file (not a folder) that, links resolved, lies inside the data root, as the folder
+    does. Raises OSError."""
     if not folder.exists() or not inside_root(data_root, folder):
         return []
     shots = folder.glob("*.png")
     if is_local(folder):
-        real = os.path.realpath(folder.path) + os.sep
-        shots = (p for p in shots if p.is_file() and os.path.realpath(p.path).startswith(real))
+        shots = (p for p in shots if p.is_file() and inside_root(data_root, p))
     return sorted(shots, key=lambda p: natural_key(p.name))
 
 

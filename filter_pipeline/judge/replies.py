@@ -60,15 +60,15 @@ def strip_reasoning(text: str) -> str:
 
 def parse_reply(text: str | None, cut_off: bool = False) -> Verdict | None:
     """The verdict in a model's reply, once reasoning blocks are removed: its LAST JSON object (bare, in a ```json
-    fence or inside prose) when that object holds a boolean `passed`, or is a wrapper holding one (the last
-    such object in it that is not inside another); objects nested in the verdict (criteria) are part of it.
+    fence or inside prose) when that object holds a boolean `passed`, or is a wrapper holding one (`_held_verdict`:
+    the least deep); objects nested in the verdict (criteria) are part of it.
     A reply whose last object holds none has no verdict, even with one before it (the answer format quoted, then
     an answer in another shape). An object the reply ends inside (cut off at the token limit) is unfinished:
     nothing nested in it is a verdict, as a criterion's `passed` would otherwise stand for the verdict that was
     cut; when it names the key `"passed"` it was the last verdict, cut, so the reply holds none; else the last
-    whole object before it is the reply's last. A reply `cut_off` at the token limit after its verdict object,
-    with more than a fence's close after it, was still writing: the object was not its last word, so it holds
-    none. `why` is optional ("" when absent); other fields are allowed. None when the reply holds no verdict."""
+    whole object before it is the reply's last. A reply `cut_off` at the token limit with more than closing
+    marks after its verdict object (`_CLOSING`: a fence, brackets, a closing tag) was still writing: the object
+    was not its last word, so it holds none. `why` is optional ("" when absent); other fields are allowed. None when the reply holds no verdict."""
     if not text:
         return None
     thinking = _reasoning_blocks(text)
@@ -92,24 +92,26 @@ def parse_reply(text: str | None, cut_off: bool = False) -> Verdict | None:
         last = (value, i, end)
         i = text.find("{", end)  # (the objects nested in it are its own)
     verdict = _held_verdict(last[0]) if last else None
-    if verdict is None or cut_off and text[last[2] :].strip().strip("`").strip():
+    if verdict is None or cut_off and not _CLOSING.fullmatch(text[last[2] :]):
         return None
     before = "\n\n".join(part for part in (thinking, text[: last[1]].strip()) if part)
     return Verdict(verdict["passed"], _why(verdict.get("why")), read_parts(verdict, before))
 
 
 def _held_verdict(value: dict) -> dict | None:
-    """`value` when it has a boolean `passed`; else the last object with one nested in it (in document order)
-    that is not inside another such object; None when it holds none."""
-    found, stack = None, [value]
-    while stack:  # (depth first, children pushed in reverse: visited in document order)
-        node = stack.pop()
-        if isinstance(node, dict) and isinstance(node.get("passed"), bool):
-            found = node
-            continue  # (its criteria are part of it)
-        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
-        stack.extend(reversed(list(children)))
-    return found
+    """`value` when it has a boolean `passed`; else the object with one that it holds least deep (the last of
+    those at that depth): a wrapper's verdict, never a criterion listed beside or inside it. None without."""
+    level = [value]
+    while level:
+        found = [node for node in level if isinstance(node, dict) and isinstance(node.get("passed"), bool)]
+        if found:
+            return found[-1]
+        level = [child for node in level for child in _children(node)]
+    return None
+
+
+def _children(node: Any) -> list:
+    return list(node.values()) if isinstance(node, dict) else node if isinstance(node, list) else []
 
 
 def _runs_to_the_end(text: str, error: json.JSONDecodeError) -> bool:
@@ -124,6 +126,9 @@ def _runs_to_the_end(text: str, error: json.JSONDecodeError) -> bool:
     )
 
 
+# What may follow a reply's last object once it is whole: closing marks (a fence, brackets, a tag such as
+# `</answer>`), not more of its writing.
+_CLOSING = re.compile(r"(?:\s|`|\]|\}|</[A-Za-z][\w.-]*>)*")
 _LITERALS = ("true", "false", "null", "NaN", "Infinity", "-Infinity")  # (Python's json reads the last three too)
 # A number's tail (`1.`, `1e+`) and a \u escape's digits, where the decoder stops when the reply ends in them (at a
 # whole escape too: it looks past one for a surrogate's pair).

@@ -2,7 +2,7 @@
 
 Everything shown from a trajectory is untrusted web content: templates autoescape, every response carries a
 strict Content-Security-Policy (scripts only from this app's own static files, no inline script or style),
-and a screenshot is served only when it is one the judge takes (`prompt.screenshot_files`).
+and a screenshot is served only when it is one the judge takes (`prompt.screenshot_files`: inside the data root).
 """
 
 import getpass

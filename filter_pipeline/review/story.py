@@ -13,7 +13,7 @@ from filter_pipeline.review.fates import FATE_JUDGE_FAIL, FATE_KEPT, FATE_SURPLU
 from filter_pipeline.rules.batch import SUCCESS_FILE
 from filter_pipeline.rules.calibration import LABEL_COLUMNS, parse_labels
 from filter_pipeline.rules.filtering import Caps
-from filter_pipeline.rules.records import as_text
+from filter_pipeline.rules.records import as_text, unsafe_dir_reason
 from filter_pipeline.rules.schemas import (
     DROPPED_DUPLICATE,
     DROPPED_SITE_CAP,
@@ -53,32 +53,32 @@ def rows_of(table: pd.DataFrame, task_id: str) -> list[dict]:
     return plain(table[table["task_id"] == task_id].to_dict("records"))
 
 
-def clean_dir(dir_: str | None) -> bool:
-    """Whether a trajectory dir is a plain path relative to the data root: no step out, no empty part."""
-    if not isinstance(dir_, str) or "\\" in dir_ or "://" in dir_:
-        return False
-    return all(part not in ("", ".", "..") for part in dir_.split("/"))
+def readable_dir(dir_: str | None) -> bool:
+    """Whether a trajectory dir is one the stage reads, relative to the data root (`records.unsafe_dir_reason`:
+    not absolute, not a URL, no '..')."""
+    return isinstance(dir_, str) and unsafe_dir_reason(dir_) is None
 
 
 def inside_run(run_id: str, dir_: str | None) -> bool:
     """Whether a trajectory dir (relative to the data root) lies inside the run's folder, with no step out."""
-    return isinstance(dir_, str) and dir_.startswith(f"runs/{run_id}/") and clean_dir(dir_)
+    if not isinstance(dir_, str) or not dir_.startswith(f"runs/{run_id}/") or "\\" in dir_:
+        return False
+    return all(part not in ("", ".", "..") for part in dir_.split("/"))
 
 
 def trajectory(root: UPath, dir_: str | None) -> dict:
     """The attempt's trajectory.json (instruction, steps, final url and page text, the agent's output), read as
     the judge reads it (`prompt.read_trajectory`, `prompt.agent_output`: from anywhere inside the data root, as
-    a batch's dirs may lie), and its screenshots' names, those the judge would take its first and last from;
+    a batch's dirs may lie), and its screenshots' names, those the judge takes its first and last from;
     `problem` says what could not be read, in the words of the judge's evidence."""
-    if not clean_dir(dir_):
+    if not readable_dir(dir_):
         return {"problem": TRAJECTORY_OUTSIDE_ROOT, "steps": [], "screenshots": []}
     found: dict = {"steps": [], "screenshots": []}
-    record, folder, problem = read_trajectory(root, dir_)  # (what the judge read, and its problem texts)
-    if problem != TRAJECTORY_OUTSIDE_ROOT:
-        try:
-            found["screenshots"] = [p.name for p in screenshot_files(root, folder)]
-        except OSError:
-            pass
+    try:
+        found["screenshots"] = [p.name for p in screenshot_files(root, root / dir_)]
+    except OSError:
+        pass
+    record, _, problem = read_trajectory(root, dir_)  # (what the judge read, and its problem texts)
     if problem is not None:
         return {**found, "problem": problem}
     record = _as_text(record)
@@ -195,7 +195,7 @@ def screenshot(warehouse: Warehouse, run_id: str, task_id: str, attempt: int, na
     t = warehouse.run(run_id)
     rows = [a for a in rows_of(t.attempts, task_id) if a.get("attempt") == attempt]
     dir_ = rows[0].get("dir") if rows else None
-    if not clean_dir(dir_):
+    if not readable_dir(dir_):
         raise ReviewError("no such screenshot")
     try:
         shots = {p.name: p for p in screenshot_files(warehouse.root, warehouse.root / dir_)}

@@ -90,8 +90,9 @@ def caps_table(caps: Caps) -> pd.DataFrame:
 
 def judge_cost(verdicts: pd.DataFrame, passed: int, judged: int) -> dict:
     """The report's judge and cost section. Each verdict carries what it cost when it was asked (a reused one
-    too, a deduplicated copy 0): `requests`, tokens and `cost` are what this run's verdicts cost in all, the
-    `_now` figures what the last materialization paid (verdicts not reused). `cost` is None when not priced."""
+    too, a deduplicated copy 0), the earlier tries that left its task unjudged included: `requests`, tokens and
+    `cost` are what this run's verdicts cost in all. What one materialization paid is its judge_verdicts
+    metadata. `cost` is None when not priced."""
     verdicts = verdicts.reindex(columns=["judge", "status", "cached", "deduplicated", "evidence", *COST_COLUMNS])
     asked_now = ~verdicts["cached"].astype(object).fillna(False).astype(bool)
     total = {c: pd.to_numeric(verdicts[c], errors="coerce") for c in COST_COLUMNS}
@@ -100,8 +101,6 @@ def judge_cost(verdicts: pd.DataFrame, passed: int, judged: int) -> dict:
         "judge": ", ".join(sorted(verdicts["judge"].dropna().unique().tolist())) or "none",
         **{c: int(total[c].fillna(0).sum()) for c in COST_COLUMNS if c != "cost"},
         "cost": round(float(total["cost"].sum()), 6) if total["cost"].notna().any() else None,
-        "requests_now": int(total["requests"][asked_now].fillna(0).sum()),
-        "cost_now": round(float(total["cost"][asked_now].sum()), 6) if total["cost"].notna().any() else None,
         "cache_hits": int((~asked_now).sum()),
         "deduplicated": int(verdicts["deduplicated"].astype(object).fillna(False).astype(bool).sum()),
         "evidence_missing": int((evidence != EVIDENCE_TRAJECTORY).sum()),
@@ -113,13 +112,11 @@ def judge_cost(verdicts: pd.DataFrame, passed: int, judged: int) -> dict:
 # how the report's page and markdown name each judge_cost figure (the long form keeps the keys)
 COST_LABELS = {
     "judge": "judge",
-    "requests": "requests, all verdicts (reused ones count what they cost when asked)",
+    "requests": "requests, all verdicts (reused ones count what they cost when asked, each its unjudged tries)",
     "prompt_tokens": "prompt tokens, all verdicts",
     "completion_tokens": "completion tokens, all verdicts",
     "cached_tokens": "of the prompt tokens, served from the endpoint's prompt cache",
     "cost": "cost, all verdicts",
-    "requests_now": "requests this materialization made",
-    "cost_now": "cost of this materialization",
     "cache_hits": "verdicts reused (no request)",
     "deduplicated": "verdicts copied from an identical prompt of this batch",
     "evidence_missing": "verdicts made without the attempt's whole trajectory.json (the record's steps instead of its own)",

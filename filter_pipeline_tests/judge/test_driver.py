@@ -212,14 +212,14 @@ def test_tokens_and_cost_at_the_configured_price(data_root, monkeypatch):
     assert cost["cost"] == pytest.approx(2 * per_task) and cost["requests"] == 2 and cost["cached_tokens"] == 800
 
 
-def test_the_report_tells_what_the_verdicts_cost_and_what_the_last_materialization_paid():
+def test_the_report_tells_what_the_verdicts_cost():
     v = pd.DataFrame({"judge": ["llm"] * 3, "status": ["judged", "judged", "error"], "cached": [True, False, False],
                       "deduplicated": [False, False, False], "requests": [3, 1, 5], "prompt_tokens": [300, 100, 0],
                       "completion_tokens": [30, 10, 0], "cached_tokens": [0, 50, 0], "cost": [0.3, 0.1, 0.0],
                       "evidence": ["trajectory", "record_steps: trajectory.json missing", None]})  # fmt: skip
     cost = report.judge_cost(v, passed=1, judged=2)
-    assert (cost["requests"], cost["requests_now"], cost["cache_hits"], cost["unjudged"]) == (9, 6, 1, 1)
-    assert cost["cost"] == pytest.approx(0.4) and cost["cost_now"] == pytest.approx(0.1)
+    assert (cost["requests"], cost["cache_hits"], cost["unjudged"]) == (9, 1, 1)
+    assert cost["cost"] == pytest.approx(0.4) and "requests_now" not in cost  # (a materialization's: its metadata)
     assert cost["evidence_missing"] == 1 and cost["judge_pass_rate"] == 0.5
     assert report.judge_cost(v.assign(cost=None), 1, 2)["cost"] is None  # not priced
 
@@ -353,3 +353,20 @@ def test_verdicts_are_saved_on_time_while_the_endpoint_keeps_the_rest_waiting(da
         judge_batch(data_root, judge, progress=progress)
     assert saved_at[0][0] < 2.5 and saved_at[0][1] == 1  # a alone, while b was still waiting
     assert sum(rows for _, rows in saved_at) == 2
+
+
+def test_the_earlier_spend_a_verdict_carries_is_its_own_unjudged_rows_in_its_own_run():
+    from filter_pipeline.judge.driver import earlier_spend
+
+    previous = pd.DataFrame({"run_id": ["r1", "r2", "r1", "r1"], "task_id": ["a", "a", "b", "c"], "attempt": [1, 1, 1, 1],
+                             "cache_key": ["k", "k", "k2", "k3"], "status": ["error", "error", "judged", "error"],
+                             "calls": [2, 7, 1, 3], "prompt_tokens": [10, 70, 5, None]})  # fmt: skip
+    requests = pd.DataFrame(
+        {"run_id": ["r1", "r1", "r1", "r1"], "task_id": ["a", "b", "c", "d"], "attempt": [1, 1, 1, 1]}
+    )
+    keys = pd.Series(["k", "k2", "other prompt", "k"])
+    spent = earlier_spend(previous, requests, keys)
+    # a: r1's unjudged row (not r2's), its requests from a file written before they were named so; b was judged,
+    # c asked with another prompt, d never tried
+    assert spent[["requests", "prompt_tokens"]].values.tolist() == [[2, 10], [0, 0], [0, 0], [0, 0]]
+    assert earlier_spend(None, requests, keys).to_numpy().sum() == 0

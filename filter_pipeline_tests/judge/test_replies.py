@@ -45,10 +45,12 @@ from filter_pipeline.judge.replies import (
             Verdict(False, "second"),
         ),
         ('{"verdict": {"passed": true, "why": "wrapped"}}', Verdict(True, "wrapped")),
+        # a wrapper's verdict is the object it holds least deep, never a criterion listed beside it
         (
-            '{"a": {"passed": true, "why": "1"}, "b": [{"passed": false, "why": "2", "c": {"passed": true}}]}',
-            Verdict(False, "2"),
-        ),  # fmt: skip
+            '{"verdict": {"passed": false, "why": "no"}, "criteria": [{"name": "a", "passed": true}]}',
+            Verdict(False, "no"),
+        ),
+        ('{"draft": {"passed": true, "why": "1"}, "final": {"passed": false, "why": "2"}}', Verdict(False, "2")),
         # the reply's last object holds no verdict: one before it (the answer format quoted) is not the answer
         ('Answer like {"passed": true, "why": "reached"}. Mine: {"verdict": "fail", "why": "Lisbon"}', None),
         ('{"passed": false, "why": "w"} and a note: {"confidence": 0.9}', None),
@@ -98,6 +100,8 @@ def test_parse_reply(text, expected):
         ('{"passed": true, "why": "w"}', Verdict(True, "w")),
         ('Reasoning: fine.\n```json\n{"passed": true, "why": "w"}\n```\n', Verdict(True, "w")),
         ('{"passed": true, "why": "w"}\n``', Verdict(True, "w")),  # cut inside the fence's close
+        ('<answer>{"passed": true, "why": "w"}</answer>', Verdict(True, "w")),
+        ('[{"passed": true, "why": "w"}]', Verdict(True, "w")),
         ('Format: {"passed": true, "why": "w"}. Now, the agent clicked', None),  # still writing
         ('{"passed": true, "why": "w"} {"notes": "cut', None),
     ],

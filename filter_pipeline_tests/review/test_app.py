@@ -153,16 +153,17 @@ def test_every_screenshot_the_judge_takes_is_listed_and_served_and_nothing_else(
     for name in ("b c.png", "ü.png", ".hidden.png"):
         (folder / name).write_bytes(PNG + name.encode())
     (folder / "x.png").mkdir()  # a folder, not a screenshot
-    (folder / "in-root.png").symlink_to(sample_root / "labels.jsonl")  # a link leaving the attempt's folder
+    (sample_root / "shared.png").write_bytes(PNG + b"shared")
+    (folder / "in-root.png").symlink_to(sample_root / "shared.png")  # elsewhere in the data root: taken
     judge_takes = [p.name for p in screenshot_files(UPath(str(sample_root)), UPath(str(folder)))]
-    assert judge_takes == [".hidden.png", "b c.png", "step-1.png", "ü.png"]
+    assert judge_takes == [".hidden.png", "b c.png", "in-root.png", "step-1.png", "ü.png"]
     _, _, body = get(served, f"/api/runs/2026-11-28/tasks/{HOSTILE_TASK}")
     assert json.loads(body)["trajectory"]["screenshots"] == judge_takes
     base = f"/runs/2026-11-28/screenshot?task_id={HOSTILE_TASK}&attempt=1&name="
     for name in judge_takes:
         with urllib.request.urlopen(served.url + base + quote(name)) as response:
             assert response.read().startswith(PNG), name
-    for name in ("x.png", "in-root.png", "leak.png", "trajectory.json"):
+    for name in ("x.png", "leak.png", "trajectory.json", "../../../../../shared.png"):
         status, _, body = get(served, base + quote(name))
         assert status == 404 and "do not serve me" not in body, name
 

@@ -101,10 +101,11 @@ def test_a_trajectory_is_read_from_anywhere_inside_the_data_root_as_the_judge_re
         found = trajectory(root, f"runs/r1/traj/k/{n}")
         assert found["problem"] == TRAJECTORY_OUTSIDE_ROOT and "instruction" not in found
         assert found["screenshots"] == []
-    for bad in ("runs/r1/../../../elsewhere", "/etc", "s3://bucket/x", "runs//r1"):
+    for bad in ("runs/r1/../../../elsewhere", "/etc", "s3://bucket/x", ""):
         assert trajectory(root, bad)["problem"] == TRAJECTORY_OUTSIDE_ROOT, bad
-    found = trajectory(root, "runs/r0/traj/k/1")
-    assert found["instruction"] == "the original" and found["screenshots"] == ["shot.png"]
+    for same in ("runs/r0/traj/k/1", "./runs/r0/traj/k/1/", "runs/r0/traj/k/./1"):  # (dirs the judge reads too)
+        found = trajectory(root, same)
+        assert found["instruction"] == "the original" and found["screenshots"] == ["shot.png"], same
 
 
 def test_of_an_attempts_labels_only_the_latest_counts_and_the_story_says_which(warehouse):
@@ -249,9 +250,11 @@ def test_the_screenshots_shown_go_in_the_order_the_judge_takes_its_first_and_las
         (folder / f"step_{step}.png").write_bytes(f"shot {step}".encode())
     (folder / "z é.png").write_bytes(b"shot z")  # any name the judge takes is shown
     (folder / "folder.png").mkdir()  # not a screenshot
-    (tmp_path / "labels.png").write_bytes(b"elsewhere in the data root")
-    (folder / "link.png").symlink_to(tmp_path / "labels.png")  # a link leaving the attempt's folder
+    (tmp_path / "shared.png").write_bytes(b"shot shared")
+    (folder / "step_3.png").symlink_to(tmp_path / "shared.png")  # a link elsewhere in the data root: taken
+    (tmp_path.parent / "outside.png").write_bytes(b"outside the data root")
+    (folder / "zz.png").symlink_to(tmp_path.parent / "outside.png")  # a link out of the data root: never
     root = UPath(str(tmp_path))
     shown = trajectory(root, "runs/r1/traj/a/1")["screenshots"]
-    assert shown == ["step_1.png", "step_2.png", "step_10.png", "z é.png"]
+    assert shown == ["step_1.png", "step_2.png", "step_3.png", "step_10.png", "z é.png"]
     assert screenshots(root, root / "runs/r1/traj/a/1") == (b"shot 1", b"shot z")

@@ -41,9 +41,9 @@ def test_report_figures_match_a_hand_count(data_root):
     assert page.startswith("<!doctype html>") and page.count("<img") == 2 and "Filter report: r1" in page
     # the judge and cost figures in words; in long form, numbers only (the judge's kind is text)
     assert "<li>judge: gate</li>" in page and "<li>cost, all verdicts: not priced</li>" in page
-    assert "<li>requests this materialization made: 0</li>" in page
+    assert "<li>verdicts reused (no request): 0</li>" in page
     cost = frame[frame["section"] == "cost"].set_index("key")["value"]
-    assert "judge" not in cost and cost["requests_now"] == 0 and pd.isna(cost["cost"])
+    assert "judge" not in cost and cost["requests"] == 0 and pd.isna(cost["cost"])
 
 
 def test_the_report_says_which_caps_the_walk_used_and_where_they_came_from(data_root):
