@@ -59,16 +59,17 @@ def strip_reasoning(text: str) -> str:
 
 
 def parse_reply(text: str | None, cut_off: bool = False) -> Verdict | None:
-    """The verdict in a model's reply, once reasoning blocks are removed: its LAST JSON object (bare, in a ```json
-    fence or inside prose) when that object holds a boolean `passed`, or is a wrapper holding one (`_held_verdict`:
-    the least deep); objects nested in the verdict (criteria) are part of it.
-    A reply whose last object holds none has no verdict, even with one before it (the answer format quoted, then
-    an answer in another shape). An object the reply ends inside (cut off at the token limit) is unfinished:
-    nothing nested in it is a verdict, as a criterion's `passed` would otherwise stand for the verdict that was
-    cut; when it names the key `"passed"` it was the last verdict, cut, so the reply holds none; else the last
-    whole object before it is the reply's last. A reply `cut_off` at the token limit with more than closing
-    marks after its verdict object (`_CLOSING`: a fence, brackets, a closing tag) was still writing: the object
-    was not its last word, so it holds none. `why` is optional ("" when absent); other fields are allowed. None when the reply holds no verdict."""
+    """The verdict in a model's reply, once reasoning blocks are removed: its LAST JSON object (bare, in a
+    ```json fence or inside prose) when that object holds a boolean `passed`, or is a wrapper holding one
+    (`_held_verdict`: the least deep); objects nested in the verdict (criteria) are part of it. A reply whose
+    last object holds none has no verdict, even with one before it (the answer format quoted, then an answer in
+    another shape). An object the reply ends inside (cut off at the token limit) is unfinished: nothing nested
+    in it is a verdict, as a criterion's `passed` would otherwise stand for the verdict that was cut; when it
+    names the key `"passed"` it was the last verdict, cut, so the reply holds none; else the last whole object
+    before it is the reply's last. A reply `cut_off` at the token limit with more than closing marks after its
+    verdict object (`_CLOSING`: a fence, brackets, a closing tag) was still writing: the object was not its
+    last word, so it holds none. `why` is optional ("" when absent); other fields are allowed. None when the
+    reply holds no verdict."""
     if not text:
         return None
     thinking = _reasoning_blocks(text)
