@@ -152,6 +152,10 @@ class Warehouse:
     def run(self, run_id: str) -> RunTables:
         """The run's tables, from the cache when no file changed since they were read."""
         self.check_run(run_id)
+        return self._run(run_id)
+
+    def _run(self, run_id: str) -> RunTables:
+        """`run` of a run_id known to be one (`run_ids`)."""
         key = self._key(run_id)
         with self._lock:
             cached = self._cache.get(run_id)
@@ -171,15 +175,16 @@ class Warehouse:
         return tables
 
     def light(self, run_id: str) -> tuple[dict, pd.DataFrame]:
-        """(the run's summary, its judged attempts): kept for every run, not only the CACHED_RUNS whose
-        tables are in memory, so the runs page and the queue over many runs read each run once."""
+        """(the run's summary, its judged attempts) of a run of `run_ids`: kept for every run, not only the
+        CACHED_RUNS whose tables are in memory, so the runs page and the queue over many runs read each run
+        once."""
         key = self._key(run_id)
         with self._lock:
             cached = self._light.get(run_id)
         if cached and cached[0] == key:
             return cached[1], cached[2]
         try:
-            self.run(run_id)  # (reads the run when its files changed, and keeps its light entry)
+            self._run(run_id)  # (reads the run when its files changed, and keeps its light entry)
         except UnreadableRun as exc:  # one run, not the whole page
             with self._lock:
                 self._light[run_id] = (
@@ -196,7 +201,7 @@ class Warehouse:
         def warm() -> None:
             for run_id in reversed(self.run_ids()[-CACHED_RUNS:]):
                 try:
-                    self.run(run_id)
+                    self._run(run_id)
                 except (OSError, ValueError, ReviewError):
                     pass  # (the page will say what is wrong when asked)
 

@@ -13,6 +13,7 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, fields
 from datetime import datetime
+from functools import cached_property
 
 import pandas as pd
 
@@ -76,9 +77,11 @@ class CommitRecord:
         except (TypeError, ValueError):
             return 0.0
 
-    @property
+    @cached_property
     def digest(self) -> str:
-        """SHA-256 of the record: how a later walk names the commit it read as history."""
+        """SHA-256 of the record: how a later walk names the commit it read as history. Worked out once per
+        record (a record is never changed once made): each later walk's record names every earlier one, so
+        checking a warehouse's histories asks for each digest about as many times as there are runs."""
         return hashlib.sha256(self.to_json()).hexdigest()
 
 

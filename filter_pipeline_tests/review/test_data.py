@@ -67,8 +67,11 @@ def test_the_runs_page_and_the_queue_read_each_of_many_runs_once(tmp_path, monke
     loads = []
     real = data.load_run
     monkeypatch.setattr(data, "load_run", lambda root, run_id, files: loads.append(run_id) or real(root, run_id, files))
+    listings, listed = [], Warehouse.run_ids
+    monkeypatch.setattr(Warehouse, "run_ids", lambda self: listings.append(1) or listed(self))
     warehouse = Warehouse(UPath(str(tmp_path)))
     assert len(warehouse.runs()) == 5 and sorted(loads) == [f"r{i}" for i in range(5)]
+    assert len(listings) == 1  # the data root listed once for the page, not once more per run
     memo, labels = QueueMemo(), pd.DataFrame(columns=["dir", "run_id", "task_id", "success", "line"])
     queue = memo.state(warehouse, labels)[0]
     assert len(queue) == 5 * 4 and len(warehouse.runs()) == 5 and memo.state(warehouse, labels)[0] is queue

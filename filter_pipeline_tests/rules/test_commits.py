@@ -35,6 +35,18 @@ def test_a_written_record_reads_back_equal_with_the_same_digest(tmp_path):
     assert not [p for p in (tmp_path / "warehouse" / "_commits").iterdir() if p.name.startswith(".")]
 
 
+def test_a_records_digest_is_worked_out_once_and_is_its_bytes_hash(monkeypatch):
+    import hashlib
+
+    serialised = []
+    to_json = CommitRecord.to_json
+    monkeypatch.setattr(CommitRecord, "to_json", lambda self: serialised.append(1) or to_json(self))
+    r = record("r2", history={f"r{i}": "ab" for i in range(100)})
+    assert {r.digest for _ in range(50)} == {hashlib.sha256(to_json(r)).hexdigest()}
+    assert len(serialised) == 1  # (a warehouse's audit asks each record's digest once per later run)
+    assert r == record("r2", history={f"r{i}": "ab" for i in range(100)})  # (equality is the fields')
+
+
 def test_walked_at_tells_apart_moments_of_the_same_second():
     # a re-walk launched 0.1 s after the commit before it, in the same second, is asked after that commit
     launched = datetime(2026, 12, 1, 0, 0, 0, 350_000, tzinfo=UTC).timestamp()
