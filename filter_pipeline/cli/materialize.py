@@ -197,6 +197,7 @@ def materialize(args: argparse.Namespace, signals: Signals | None = None) -> int
     run_ids = sorted(set(run_ids) | set(rejudge)) if rejudge else run_ids
     # every job run here is rebuilt from the environment (see cli_filter_job): the settings travel through it
     os.environ[DATA_ENV], os.environ[ENV["kind"]] = data.path, judge.kind
+    unjudged = 0  # (runs of this call that left tasks unjudged)
     if not run_ids:
         status = _nothing_to_materialize(instance, data, args, refused)
     else:
@@ -205,15 +206,16 @@ def materialize(args: argparse.Namespace, signals: Signals | None = None) -> int
         named = bool(args.run_ids)
         failed, unjudged = _run_batches(instance, data, caps, run_ids, first_walks, rejudge, signals, named)
         status = EXIT_FAILED if failed or refused else EXIT_UNJUDGED if unjudged else 0
-        # (naming no run, a run whose last try this was is named by the line after, not promised another)
-        again = unjudged if named else len(_due_again(instance, data, changed, judge) & set(run_ids))
-        if again:
-            print(
-                f"{again} run(s) left tasks unjudged: a later `{materialize_command()}` naming no run judges "
-                "them again",
-                flush=True,
-            )
-    spent = [] if args.run_ids else _tries_spent(instance, data, changed, judge, other_judge)
+    # (naming no run: what a later call naming none would judge again, as the runs left it)
+    due = None if args.run_ids else _due_again(instance, data, changed, judge)
+    # (naming no run, a run whose last try this was is named by the line after, not promised another)
+    again = unjudged if due is None else len(due & set(run_ids))
+    if again:
+        print(
+            f"{again} run(s) left tasks unjudged: a later `{materialize_command()}` naming no run judges them again",
+            flush=True,
+        )
+    spent = [] if due is None else _tries_spent(data, due | other_judge)
     if spent:
         print(
             f"{len(spent)} run(s) still hold unjudged tasks after their last try ({REJUDGE_MAX_TRIES_ENV}): "
@@ -245,14 +247,15 @@ def _due_again(instance, data: DataRoot, changed: set[str], judge: JudgeResource
     return {r.run_id for r in due}
 
 
-def _tries_spent(instance, data: DataRoot, changed: set[str], judge: JudgeResource, other_judge: set[str]) -> list[str]:
-    """Committed runs, not retired, still holding unjudged tasks that a materialize naming no run would not
-    judge again (those of another judge are said apart): they have spent their re-judging tries."""
-    retired, due = load_retired(data.root).runs, _due_again(instance, data, changed, judge)
+def _tries_spent(data: DataRoot, said: set[str]) -> list[str]:
+    """Committed runs, not retired, still holding unjudged tasks, but for those `said` (due to be judged again
+    by a materialize naming no run, or another judge's, each said apart): they have spent their re-judging
+    tries."""
+    left_out = load_retired(data.root).runs | said
     return sorted(
         run_id
         for run_id, record in read_commits(data.warehouse).items()
-        if record.unjudged > 0 and run_id not in retired | due | other_judge
+        if record.unjudged > 0 and run_id not in left_out
     )
 
 
