@@ -25,7 +25,15 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from upath import UPath
 
-from filter_pipeline.review.data import ERROR_MAX_CHARS, ReviewError, UnreadableFile, Warehouse, matching, page
+from filter_pipeline.review.data import (
+    ERROR_MAX_CHARS,
+    ReviewError,
+    UnreadableFile,
+    UnreadableRun,
+    Warehouse,
+    matching,
+    page,
+)
 from filter_pipeline.review.fates import FATES
 from filter_pipeline.review.queue import QueueMemo, item
 from filter_pipeline.review.story import Labels, inside_run, plain, screenshot, story
@@ -38,6 +46,7 @@ from filter_pipeline.storage.labels import LabelWriteError, append_label, now_is
 HERE = Path(__file__).parent
 ANY_ADDRESS = ("0.0.0.0", "::", "")
 DEFAULT_LIMIT, MAX_LIMIT = 100, 1000
+RUNS_PER_PAGE = 50  # the runs page's and /api/runs' page size by default (a run's figures are read when shown)
 REJECTED_LINES_SHOWN = 50  # on a run's page; batch_rejects holds them all
 MAX_NOTE_CHARS = 2000
 MAX_LABELER_CHARS = 200  # a label's labeler is cut to this
@@ -143,9 +152,27 @@ def _tasks_page(review: Review, request: Request) -> dict:
     return {"run_id": run_id, "total": total, "offset": offset, "limit": limit, "filters": filters, "tasks": rows}
 
 
+def _runs_page(review: Review, request: Request) -> dict:
+    offset = _int(request, "offset", 0, 0, 10**9)
+    limit = _int(request, "limit", RUNS_PER_PAGE, 1, MAX_LIMIT)
+    total, runs = review.warehouse.runs(offset, limit)
+    return {"total": total, "offset": offset, "limit": limit, "runs": runs}
+
+
+def _runs_href(offset: int, limit: int) -> str:
+    query = {**({"offset": offset} if offset else {}), **({"limit": limit} if limit != RUNS_PER_PAGE else {})}
+    return "/" + ("?" + urlencode(query) if query else "")
+
+
 def runs_page(request: Request) -> Response:
-    review = request.app.state.review
-    return review.html("runs.html", runs=review.warehouse.runs())
+    found = _runs_page(request.app.state.review, request)
+    offset, limit, total = found["offset"], found["limit"], found["total"]
+    pages = {
+        "newer": max(0, offset - limit) if offset else None,
+        "older": offset + limit if offset + limit < total else None,
+    }
+    links = {k: None if at is None else _runs_href(at, limit) for k, at in pages.items()}
+    return request.app.state.review.html("runs.html", links=links, **found)
 
 
 def run_page(request: Request) -> Response:
@@ -193,6 +220,19 @@ def _listing(filters: dict, limit: int) -> dict:
 
 def queue_page(request: Request) -> Response:
     review = request.app.state.review
+    tried = set()
+    while True:
+        try:
+            return _queue_page(review, request)
+        except UnreadableRun as exc:
+            # its run leaves the queue once known to be unreadable (`Warehouse.judged`): the queue goes on
+            if exc.run_id in tried:
+                raise
+            tried.add(exc.run_id)
+            review.warehouse.summary(exc.run_id)
+
+
+def _queue_page(review: Review, request: Request) -> Response:
     queue, done, figures = review.queue.state(review.warehouse, review.labels.frame())
     if queue.empty:
         return review.html("queue.html", item=None, figures=figures, pos=0, total=0, s=None, blind=True)
@@ -224,7 +264,7 @@ def screenshot_file(request: Request) -> Response:
 
 
 def api_runs(request: Request) -> Response:
-    return JSONResponse({"runs": request.app.state.review.warehouse.runs()})
+    return JSONResponse(_runs_page(request.app.state.review, request))
 
 
 def api_tasks(request: Request) -> Response:

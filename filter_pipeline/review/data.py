@@ -18,6 +18,7 @@ from upath import UPath
 
 from filter_pipeline.review.fates import (
     FATE_KEPT,
+    STATE_UNREADABLE,
     TASK_COLUMNS,
     RunTables,
     summarize,
@@ -74,7 +75,7 @@ class UnreadableRun(UnreadableFile):
 
     def __init__(self, run_id: str, reason: str):
         super().__init__(f"run {run_id} cannot be read: {reason}")
-        self.reason = reason
+        self.run_id, self.reason = run_id, reason
 
 
 def read_table(path: UPath, columns: list[str] | None = None, exclude: tuple = ()) -> pd.DataFrame | None:
@@ -110,7 +111,8 @@ class Warehouse:
         self.root = root
         self.warehouse = root / WAREHOUSE_DIR
         self._cache: OrderedDict[str, tuple[tuple, RunTables]] = OrderedDict()
-        self._light: dict[str, tuple[tuple, dict, pd.DataFrame]] = {}  # run_id -> (key, summary, judged attempts)
+        self._summaries: dict[str, tuple[tuple, dict]] = {}  # run_id -> (key, summary)
+        self._judged: dict[str, tuple[tuple, pd.DataFrame]] = {}  # run_id -> (key, judged attempts)
         self._lock = threading.Lock()
 
     def asset_file(self, asset: str, run_id: str) -> UPath:
@@ -171,29 +173,55 @@ class Warehouse:
             self._cache.move_to_end(run_id)
             while len(self._cache) > CACHED_RUNS:
                 self._cache.popitem(last=False)
-            self._light[run_id] = (key, tables.summary, judged_attempts(tables))
+            self._summaries[run_id] = (key, tables.summary)
         return tables
 
-    def light(self, run_id: str) -> tuple[dict, pd.DataFrame]:
-        """(the run's summary, its judged attempts) of a run of `run_ids`: kept for every run, not only the
-        CACHED_RUNS whose tables are in memory, so the runs page and the queue over many runs read each run
-        once."""
+    def summary(self, run_id: str) -> dict:
+        """The runs page's line of a run of `run_ids`: kept for every run read, not only the CACHED_RUNS whose
+        tables are in memory; a run whose files cannot be read says why in its state."""
         key = self._key(run_id)
         with self._lock:
-            cached = self._light.get(run_id)
+            cached = self._summaries.get(run_id)
         if cached and cached[0] == key:
-            return cached[1], cached[2]
+            return cached[1]
         try:
-            self._run(run_id)  # (reads the run when its files changed, and keeps its light entry)
+            return self._run(run_id).summary
         except UnreadableRun as exc:  # one run, not the whole page
+            summary = unreadable_summary(run_id, exc.reason)
             with self._lock:
-                self._light[run_id] = (
-                    key,
-                    unreadable_summary(run_id, exc.reason),
-                    pd.DataFrame(columns=JUDGED_COLUMNS),
-                )
+                self._summaries[run_id] = (key, summary)
+            return summary
+
+    def judged(self, run_id: str) -> pd.DataFrame:
+        """The judged attempts of a run of `run_ids` (JUDGED_COLUMNS), read from its judge_verdicts alone and
+        kept until that file or the run's commit record changes: the labelling queue reads every run's. None
+        of a run whose files were found unreadable (`known_unreadable`): the queue goes on without it."""
+        if self.known_unreadable(run_id):
+            return NO_JUDGED
+        files = {
+            "commit": commit_path(self.warehouse, run_id),
+            "judge_verdicts": self.asset_file("judge_verdicts", run_id),
+        }
+        key = tuple(file_version(path) for path in files.values())
         with self._lock:
-            return self._light[run_id][1], self._light[run_id][2]
+            cached = self._judged.get(run_id)
+        if cached and cached[0] == key:
+            return cached[1]
+        try:
+            _, files = committed_files(self.root, run_id, files)
+            found = judged_attempts(run_id, frame(files["judge_verdicts"], VERDICT_COLUMNS_JUDGED))
+        except (OSError, ValueError):  # (the run's own page says why)
+            found = NO_JUDGED
+        with self._lock:
+            self._judged[run_id] = (key, found)
+        return found
+
+    def known_unreadable(self, run_id: str) -> bool:
+        """Whether the run's files were found unreadable when last read, and are as they were then."""
+        with self._lock:
+            cached = self._summaries.get(run_id)
+        unreadable = cached is not None and cached[1]["state"].startswith(STATE_UNREADABLE)
+        return unreadable and cached[0] == self._key(run_id)
 
     def warm_in_background(self) -> threading.Thread:
         """Read the newest runs' tables in a background thread, so their first pages answer at once."""
@@ -209,9 +237,12 @@ class Warehouse:
         thread.start()
         return thread
 
-    def runs(self) -> list[dict]:
-        """One summary per run (state, funnel, rates, cost), newest first."""
-        return [self.light(run_id)[0] for run_id in reversed(self.run_ids())]
+    def runs(self, offset: int = 0, limit: int | None = None) -> tuple[int, list[dict]]:
+        """(how many runs there are, the summaries of those from `offset`, newest first, at most `limit`: all
+        when None). Only the runs asked for are read."""
+        newest_first = self.run_ids()[::-1]
+        chosen = newest_first[offset:] if limit is None else newest_first[offset : offset + limit]
+        return len(newest_first), [self.summary(run_id) for run_id in chosen]
 
 
 def _plain(name: str) -> bool:
@@ -260,17 +291,7 @@ def load_run(root: UPath, run_id: str, files: dict[str, UPath]) -> RunTables:
     """Read the run's files and derive each task's fate. A file the run's commit names is read where it is
     (`committed_paths`: a publish not complete holds it in its staging folder); HistoryIntegrityError (a
     ValueError) naming it when it is nowhere: the run's rows are not shown as undecided."""
-    commit = None
-    try:
-        raw = files["commit"].read_bytes()
-        record = parse_commit(raw, commit_file(run_id), run_id)
-        commit = json.loads(record.to_json())
-    except FileNotFoundError:
-        pass
-    except ValueError as exc:
-        commit = {"error": str(exc)}
-    else:
-        files = files | committed_paths(root, run_id, {a: e for a, e in record.files.items() if a in ASSETS})
+    commit, files = committed_files(root, run_id, files)
     verdicts, judged = _verdicts(files["judge_verdicts"])
     legacy = files["legacy"] if files["legacy"].exists() else None
     # (before the judge step parsed the batch, it is parsed here as that step will; once it has, a failure on
@@ -313,6 +334,20 @@ def load_run(root: UPath, run_id: str, files: dict[str, UPath]) -> RunTables:
     tables.tasks = task_table(tables, kept_ids, legacy)
     tables.summary = summarize(tables)
     return tables
+
+
+def committed_files(root: UPath, run_id: str, files: dict[str, UPath]) -> tuple[dict | None, dict[str, UPath]]:
+    """(the run's commit record as JSON, None without one, {"error": why} for one that cannot be read; `files`
+    with each file of ASSETS the record commits where it is now: `committed_paths`, whose
+    HistoryIntegrityError, a ValueError, names a file that is nowhere)."""
+    try:
+        record = parse_commit(files["commit"].read_bytes(), commit_file(run_id), run_id)
+    except FileNotFoundError:
+        return None, files
+    except ValueError as exc:
+        return {"error": str(exc)}, files
+    entries = {a: e for a, e in record.files.items() if a in ASSETS and a in files}
+    return json.loads(record.to_json()), files | committed_paths(root, run_id, entries)
 
 
 # the columns of batch_tasks, batch_attempts and batch_rejects the pages show
@@ -381,11 +416,16 @@ def draw(dirs: pd.Series) -> np.ndarray:
     return key_hashes(pylist(dirs))
 
 
-def judged_attempts(t: RunTables) -> pd.DataFrame:
-    """The run's judged attempts (what the labelling queue serves): JUDGED_COLUMNS."""
-    v = t.verdicts
-    if v.empty or "status" not in v:
-        return pd.DataFrame(columns=JUDGED_COLUMNS)
-    v = v[v["status"] == STATUS_JUDGED]
-    return pd.DataFrame({"run_id": t.run_id, "task_id": v["task_id"], "dir": v["dir"], "site": v["site"],
+VERDICT_COLUMNS_JUDGED = ["status", "task_id", "dir", "site", "votes", "passed"]  # what judged attempts read
+
+
+NO_JUDGED = pd.DataFrame(columns=JUDGED_COLUMNS)  # (shared, never changed: the queue's memo sees it unchanged)
+
+
+def judged_attempts(run_id: str, verdicts: pd.DataFrame) -> pd.DataFrame:
+    """The run's judged attempts (what the labelling queue serves), from its judge_verdicts: JUDGED_COLUMNS."""
+    if verdicts.empty or "status" not in verdicts:
+        return NO_JUDGED
+    v = verdicts[verdicts["status"] == STATUS_JUDGED]
+    return pd.DataFrame({"run_id": run_id, "task_id": v["task_id"], "dir": v["dir"], "site": v["site"],
                          "votes": v["votes"], "passed": v["passed"], "draw": draw(v["dir"])})  # fmt: skip

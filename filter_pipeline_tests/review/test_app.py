@@ -7,11 +7,15 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import quote
 
+import pandas as pd
 import pytest
 from upath import UPath
 
+from filter_pipeline.review.data import Warehouse
+from filter_pipeline.review.queue import QueueMemo
 from filter_pipeline.rules.calibration import parse_labels
-from filter_pipeline_tests.review.conftest import HOSTILE_TASK, PNG, SCRIPT
+from filter_pipeline_tests.review.conftest import HOSTILE_TASK, PNG, SCRIPT, Served
+from filter_pipeline_tests.review.small_warehouse import write_run
 
 pytestmark = pytest.mark.slow
 
@@ -542,3 +546,45 @@ def test_an_attempt_whose_dir_lies_outside_its_runs_folder_is_labelled_with_its_
                                                    "dir": "runs/r1/elsewhere/k/1", "n_actions": 2}])  # fmt: skip
     record = label_record(review, {"dir": "runs/r1/elsewhere/k/1", "run_id": "r2", "task_id": "k", "success": False})
     assert record["dir"] == "runs/r1/elsewhere/k/1"
+
+
+def test_the_runs_page_shows_a_page_of_runs_newest_first_with_links_to_the_others(tmp_path):
+    for run_id in ("r1", "r2", "r3"):
+        write_run(tmp_path, run_id)
+    app = Served(UPath(str(tmp_path)))
+    try:
+        _, _, first = get(app, "/?limit=2")
+        assert first.index(">r3<") < first.index(">r2<") and ">r1<" not in first and "3 runs, newest first" in first
+        older = first.split('id="older" href="', 1)[1].split('"', 1)[0].replace("&amp;", "&")
+        assert older == "/?offset=2&limit=2" and 'id="newer"' not in first
+        _, _, last = get(app, older)
+        assert ">r1<" in last and ">r2<" not in last and 'id="older"' not in last and 'href="/?limit=2"' in last
+        status, _, body = get(app, "/api/runs?offset=1&limit=1")
+        found = json.loads(body)
+        assert status == 200 and found["total"] == 3 and [r["run_id"] for r in found["runs"]] == ["r2"]
+        _, _, everything = get(app, "/")  # (fewer runs than a page: no page line)
+        assert all(f">{r}<" in everything for r in ("r1", "r2", "r3")) and "newest first" not in everything
+    finally:
+        app.stop()
+
+
+def test_the_queue_leaves_out_a_run_it_finds_unreadable_and_goes_on(tmp_path):
+    write_run(tmp_path, "r1")
+    write_run(tmp_path, "r2")
+    broken = tmp_path / "warehouse" / "dpo_pairs" / "r2.parquet"  # (its verdicts read well: the queue lists them)
+    broken.parent.mkdir(parents=True, exist_ok=True)
+    broken.write_bytes(b"PAR1 cut short")
+    labels = pd.DataFrame(columns=["dir", "run_id", "task_id", "success", "line"])
+    before = QueueMemo().state(Warehouse(UPath(str(tmp_path))), labels)[0]
+    assert len(before) == 8 and "r2" in set(before["run_id"][:4])  # (r2 is met among the first four)
+    app = Served(UPath(str(tmp_path)))  # (nothing read yet: the queue first meets r2 when it shows one of its attempts)
+    try:
+        shown = []
+        for pos in range(4):
+            status, _, html = get(app, f"/queue?pos={pos}")
+            assert status == 200, html
+            shown.append(html.split('data-dir="', 1)[1].split('"', 1)[0])
+        assert {d.split("/")[1] for d in shown} == {"r1"} and len(set(shown)) == 4  # r1's four judged attempts
+        assert get(app, "/queue?pos=4")[0] == 400  # (the queue holds them alone now)
+    finally:
+        app.stop()

@@ -5,6 +5,7 @@ import json
 import os
 
 import pandas as pd
+import pyarrow.parquet as pq
 import pytest
 from upath import UPath
 
@@ -22,9 +23,9 @@ def test_only_batch_folders_the_stage_accepts_are_runs_and_one_still_being_writt
     (tmp_path / "runs" / "r2" / "traj").mkdir(parents=True)  # the harness is still writing r2
     warehouse = Warehouse(UPath(str(tmp_path)))
     assert warehouse.run_ids() == ["r1", "r2"]
-    assert [(r["run_id"], r["state"]) for r in warehouse.runs()] == [("r2", "incomplete"), ("r1", "unjudged")]
+    assert [(r["run_id"], r["state"]) for r in warehouse.runs()[1]] == [("r2", "incomplete"), ("r1", "unjudged")]
     (tmp_path / "runs" / "r2" / "_SUCCESS").touch()
-    assert warehouse.runs()[0]["state"] == "pending"
+    assert warehouse.runs()[1][0]["state"] == "pending"
 
 
 def test_a_batch_folder_behind_a_symlink_is_a_run_as_the_stage_takes_it(tmp_path):
@@ -34,7 +35,7 @@ def test_a_batch_folder_behind_a_symlink_is_a_run_as_the_stage_takes_it(tmp_path
     (tmp_path / "runs" / "r1").symlink_to(tmp_path / "elsewhere" / "r1")
     (tmp_path / "runs" / "r2").symlink_to(tmp_path / "nowhere")  # (dangling: no folder, no run)
     warehouse = Warehouse(UPath(str(tmp_path)))
-    assert warehouse.run_ids() == ["r1"] and warehouse.runs()[0]["state"] == "pending"
+    assert warehouse.run_ids() == ["r1"] and warehouse.runs()[1][0]["state"] == "pending"
 
 
 def test_a_page_is_filtered_and_sliced(warehouse):
@@ -57,7 +58,7 @@ def test_a_rewritten_file_is_read_again_and_an_unchanged_one_is_not(warehouse, t
     assert json.loads(json.dumps(again.summary))["kept"] == 1
 
 
-def test_the_runs_page_and_the_queue_read_each_of_many_runs_once(tmp_path, monkeypatch):
+def test_the_runs_page_reads_only_its_runs_and_the_queue_only_verdicts(tmp_path, monkeypatch):
     from filter_pipeline.review import data
     from filter_pipeline.review.queue import QueueMemo
 
@@ -70,12 +71,34 @@ def test_the_runs_page_and_the_queue_read_each_of_many_runs_once(tmp_path, monke
     listings, listed = [], Warehouse.run_ids
     monkeypatch.setattr(Warehouse, "run_ids", lambda self: listings.append(1) or listed(self))
     warehouse = Warehouse(UPath(str(tmp_path)))
-    assert len(warehouse.runs()) == 5 and sorted(loads) == [f"r{i}" for i in range(5)]
+    total, newest = warehouse.runs(0, 2)
+    assert total == 5 and [r["run_id"] for r in newest] == ["r4", "r3"] and loads == ["r4", "r3"]
     assert len(listings) == 1  # the data root listed once for the page, not once more per run
+    assert [r["run_id"] for r in warehouse.runs(4, 2)[1]] == ["r0"] and loads == ["r4", "r3", "r0"]
+    assert len(warehouse.runs()[1]) == 5 and sorted(loads) == [f"r{i}" for i in range(5)]
     memo, labels = QueueMemo(), pd.DataFrame(columns=["dir", "run_id", "task_id", "success", "line"])
     queue = memo.state(warehouse, labels)[0]
-    assert len(queue) == 5 * 4 and len(warehouse.runs()) == 5 and memo.state(warehouse, labels)[0] is queue
-    assert len(loads) == 5
+    assert len(queue) == 5 * 4 and memo.state(warehouse, labels)[0] is queue
+    assert len(loads) == 5  # the queue read each run's verdicts, none of its whole tables
+    assert len(warehouse.runs()[1]) == 5 and len(loads) == 5  # and summaries stay known beyond CACHED_RUNS
+
+
+def test_the_queue_reads_a_runs_verdicts_once_until_they_change(tmp_path, monkeypatch):
+    from filter_pipeline.review import data
+    from filter_pipeline.review.queue import QueueMemo
+
+    write_run(tmp_path, "r1")
+    reads = []
+    real = data.frame
+    monkeypatch.setattr(data, "frame", lambda path, columns: reads.append(path.name) or real(path, columns))
+    warehouse, memo = Warehouse(UPath(str(tmp_path))), QueueMemo()
+    labels = pd.DataFrame(columns=["dir", "run_id", "task_id", "success", "line"])
+    first = memo.state(warehouse, labels)[0]
+    assert reads == ["r1.parquet"] and memo.state(warehouse, labels)[0] is first
+    verdicts = tmp_path / "warehouse" / "judge_verdicts" / "r1.parquet"
+    table = pq.read_table(verdicts)
+    pq.write_table(table.slice(0, 1), verdicts)  # (a re-judged run: one verdict left)
+    assert len(memo.state(warehouse, labels)[0]) == 1 and reads == ["r1.parquet"] * 2
 
 
 def test_a_legacy_runs_keys_are_shown_as_the_ledger_compares_them(tmp_path):
@@ -115,13 +138,15 @@ def test_a_run_with_an_unreadable_file_is_one_line_on_the_runs_page_and_the_queu
     broken.parent.mkdir(parents=True, exist_ok=True)
     broken.write_bytes(b"PAR1 cut short")
     warehouse = Warehouse(UPath(str(tmp_path)))
-    r2, r1 = warehouse.runs()
+    r2, r1 = warehouse.runs()[1]
     assert r2["run_id"] == "r2" and r2["state"].startswith("unreadable (") and r2["tasks"] is None
     assert len(r2["state"].splitlines()) == 1 and r1["state"] == "unjudged"
     labels = pd.DataFrame(columns=["dir", "run_id", "task_id", "success", "line"])
     queue = QueueMemo().state(warehouse, labels)[0]
     assert set(queue["run_id"]) == {"r1"} and len(queue) == 4
-    page_html = Review(UPath(str(tmp_path))).html("runs.html", runs=warehouse.runs()).body.decode()
+    page_html = (
+        Review(UPath(str(tmp_path))).html("runs.html", runs=warehouse.runs()[1], total=2, offset=0).body.decode()
+    )
     assert "unreadable (" in page_html and ">None<" not in page_html
     with pytest.raises(UnreadableRun, match=r"^run r2 cannot be read: warehouse/dpo_pairs/r2.parquet: ") as raised:
         warehouse.run("r2")  # (its own page: a 500 with that line)
@@ -135,7 +160,7 @@ def test_a_file_a_run_committed_that_is_gone_makes_the_run_unreadable_not_its_ro
     expected = "warehouse/kept/r1.parquet is missing, but run r1 committed it"
     with pytest.raises(UnreadableRun, match=f"^run r1 cannot be read: {expected}"):
         warehouse.run("r1")  # (its pages: a 500 with that line; `explain`: exit 1)
-    [r1] = warehouse.runs()
+    [r1] = warehouse.runs()[1]
     assert r1["state"].startswith(f"unreadable ({expected}") and r1["kept"] is None
 
 
@@ -161,7 +186,7 @@ def test_a_run_whose_commit_record_cannot_be_read_has_no_keep_rate_and_no_surplu
     write_run(tmp_path, "r1")
     record = tmp_path / "warehouse" / "_commits" / "r1.json"
     record.write_bytes(record.read_bytes()[:100])  # (cut short)
-    [r1] = Warehouse(UPath(str(tmp_path))).runs()
+    [r1] = Warehouse(UPath(str(tmp_path))).runs()[1]
     assert r1["state"] == "pending (unreadable commit record)"
     assert (r1["keep_rate"], r1["kept"], r1["surplus"]) == (None, 0, 0)
     assert set(r1["surplus_by_reason"].values()) == {0}
@@ -175,7 +200,7 @@ def test_a_batch_not_parsed_yet_shows_its_tasks_attempts_and_rejected_lines_as_t
     tasks = warehouse.run("r5").tasks
     assert tasks[["task_id", "fate", "site"]].values.tolist() == [
         ["a", "pending", "s"], ["b", "pending", "s2"], ["tasks.jsonl:3", "reject", "s"]]  # fmt: skip
-    [line] = warehouse.runs()
+    [line] = warehouse.runs()[1]
     assert (line["tasks"], line["state"], line["keep_rate"], line["rejects"]) == (2, "pending", None, 2)
     assert story(warehouse, "r5", "b")["decision"]["fate"] == "pending"
     assert [(a["attempt"], a["ok"]) for a in story(warehouse, "r5", "a")["attempts"]] == [(1, False)]
@@ -191,7 +216,7 @@ def test_a_batch_not_judged_yet_counts_its_tasks_with_an_ok_attempt_from_its_att
 
     attempts = [attempt("a", ok=False), attempt("a", 2), attempt("b"), attempt("b", 2), attempt("c", ok=False)]
     write_batch(tmp_path, "r5", [task("a"), task("b"), task("c")], attempts)
-    [line] = Warehouse(UPath(str(tmp_path))).runs()
+    [line] = Warehouse(UPath(str(tmp_path))).runs()[1]
     assert (line["tasks"], line["attempts"], line["with_ok_attempt"]) == (3, 5, 2)
 
 
@@ -204,7 +229,7 @@ def test_a_batch_refused_for_holding_no_valid_task_shows_the_lines_it_rejected(t
     warehouse = Warehouse(UPath(str(tmp_path)))
     tasks = warehouse.run("r5").tasks
     assert tasks[["task_id", "fate"]].values.tolist() == [["a", "reject"], ["tasks.jsonl:2", "reject"]]
-    [line] = warehouse.runs()
+    [line] = warehouse.runs()[1]
     assert line["state"].startswith("failed (") and (line["tasks"], line["rejects"]) == (0, 2)
     assert story(warehouse, "r5", "a")["decision"]["reason"].startswith("tasks.jsonl:1: ")
 

@@ -48,7 +48,7 @@ def test_a_run_whose_judging_has_not_finished_decides_nothing_yet(tmp_path):
 
 
 def test_run_summaries_give_state_funnel_rates_blocked_and_cost(warehouse):
-    r1, r2 = sorted(warehouse.runs(), key=lambda r: r["run_id"])
+    r1, r2 = sorted(warehouse.runs()[1], key=lambda r: r["run_id"])
     assert (r1["state"], r2["state"]) == ("unjudged", "pending")
     assert (r1["tasks"], r1["judged"], r1["passed"], r1["kept"], r1["reject"]) == (6, 4, 3, 1, 1)
     assert r1["judge_pass_rate"] == 0.75 and r1["keep_rate"] == 1 / 6 and r1["cost"] == 2.5
@@ -91,11 +91,11 @@ def test_a_batch_the_stage_refused_is_failed_with_the_reason_until_it_is_parsed_
     from filter_pipeline.storage.failures import clear_failure, record_failure
 
     warehouse = refused_batch(tmp_path)
-    assert warehouse.runs()[0]["state"] == "pending"
+    assert warehouse.runs()[1][0]["state"] == "pending"
     record_failure(UPath(str(tmp_path / "warehouse")), "r5", "runs/r5/executions.jsonl does not exist")
-    assert warehouse.runs()[0]["state"] == "failed (runs/r5/executions.jsonl does not exist)"
+    assert warehouse.runs()[1][0]["state"] == "failed (runs/r5/executions.jsonl does not exist)"
     write_asset(tmp_path, "batch_tasks", "r5", [{"task_id": "a", "run_id": "r5"}])  # corrected, parsed, not walked
-    assert warehouse.runs()[0]["state"] == "pending"
+    assert warehouse.runs()[1][0]["state"] == "pending"
     (tmp_path / "warehouse" / "batch_tasks" / "r5.parquet").unlink()
     clear_failure(UPath(str(tmp_path / "warehouse")), "r5")  # (as its walk does)
-    assert warehouse.runs()[0]["state"] == "pending"
+    assert warehouse.runs()[1][0]["state"] == "pending"
