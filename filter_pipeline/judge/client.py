@@ -186,6 +186,9 @@ class JudgeClient:
         if choices[0].withheld == NO_CHOICES:  # the request itself refused: so is every sample, and n is not known
             return [await self._read(messages, choices[0], task)] * n
         got = await _all(self._read(messages, c, task) for c in choices[:n])
+        refused = next((vote for vote, c in zip(got, choices) if c.refused), None)
+        if refused is not None:  # (the votes not sent: asked, the prompt would be declined the same way, and paid)
+            return got + [refused] * (n - len(got))
         return got + await _all(self._vote(messages, task) for _ in range(n - len(got)))
 
     async def _vote(self, messages: list[dict], task: TaskBudget) -> Vote:
@@ -199,6 +202,8 @@ class JudgeClient:
         """The vote in `choice`; when it holds none, one repair request: the reply is sent back with a
         request for only the JSON object (more tokens when it was cut off). Never the same request again."""
         task.replies.append(choice.text or "")
+        if choice.filtered:  # (what the filter let through may stop anywhere: it is not the model's answer)
+            return Vote(error=self._refusal(choice))
         verdict = parse_reply(choice.text, choice.cut_off)
         if verdict is not None:
             return Vote(verdict.passed, verdict.why, parts=verdict.parts)

@@ -47,29 +47,31 @@ class Verdict:
 
 def strip_reasoning(text: str) -> str:
     """`text` without its reasoning blocks: closed `<think>…</think>` (or thinking/reasoning) blocks; everything
-    before a closing tag whose opening tag the chat template already sent; all of a reply that starts with a
-    block never closed (cut off while thinking)."""
+    before a closing tag whose opening tag the chat template already sent; everything from a block opened and
+    never closed (cut off while thinking)."""
     text = _CLOSED_BLOCK.sub("", text)
     closes = list(_CLOSE_TAG.finditer(text))
     if closes:
         text = text[closes[-1].end() :]
-    if _OPEN_TAG.match(text.lstrip()):
-        return ""
-    return text
+    opened = _OPEN_TAG.search(text)
+    return text[: opened.start()] if opened else text
 
 
 def parse_reply(text: str | None, cut_off: bool = False) -> Verdict | None:
     """The verdict in a model's reply, once reasoning blocks are removed: its LAST JSON object (bare, in a
-    ```json fence or inside prose) when that object holds a boolean `passed`, or is a wrapper holding one
-    (`_held_verdict`: the least deep); objects nested in the verdict (criteria) are part of it. A reply whose
-    last object holds none has no verdict, even with one before it (the answer format quoted, then an answer in
-    another shape). An object the reply ends inside (cut off at the token limit) is unfinished: nothing nested
-    in it is a verdict, as a criterion's `passed` would otherwise stand for the verdict that was cut; when it
-    names the key `"passed"` it was the last verdict, cut, so the reply holds none; else the last whole object
-    before it is the reply's last. A reply `cut_off` at the token limit with more than closing marks after its
-    verdict object (`_CLOSING`: a fence, brackets, a closing tag) was still writing: the object was not its
-    last word, so it holds none. `why` is optional ("" when absent); other fields are allowed. None when the
-    reply holds no verdict."""
+    ```json fence or inside prose) when that object has a boolean `passed`, or is an envelope holding one
+    (`_held_verdict`); objects nested in the verdict (criteria) are part of it. None, so that the reply is
+    repaired, whenever another reading could differ:
+    - the reply's last object has no boolean `passed` (the answer format quoted, then an answer in another
+      shape; a verdict beside other fields of a wrapper);
+    - a `{` that does not start a whole object (cut off, a trailing comma, a raw line break or quote in a
+      string) with `"passed"` after it: every `{` after it may be nested in it, so a criterion could stand for
+      a verdict that is broken, and an object before it (the format quoted) was not the reply's last word;
+    - the reply ends inside an object: its last object is unfinished;
+    - `cut_off` at the token limit with more than closing marks after the verdict object (`_CLOSING`: a fence,
+      brackets, a closing tag): still writing, the object was not its last word.
+    A `{` of prose with no `"passed"` after it ends the search: the last whole object before it decides. `why`
+    is optional ("" when absent); other fields are allowed."""
     if not text:
         return None
     thinking = _reasoning_blocks(text)
@@ -81,15 +83,10 @@ def parse_reply(text: str | None, cut_off: bool = False) -> Verdict | None:
         try:
             value, end = decoder.raw_decode(text, i)
         except (ValueError, RecursionError) as exc:  # (not JSON there, an integer too long, nesting too deep)
-            if isinstance(exc, RecursionError) or isinstance(exc, json.JSONDecodeError) and _runs_to_the_end(text, exc):
-                # an object the reply ends inside, or too deep to decode (its end unknown): every `{` after it may
-                # be nested in it. Naming passed, it was the last verdict: one before it (the answer format
-                # quoted) is not the answer
-                if '"passed"' in text[i:]:
-                    return None
-                break
-            i = text.find("{", i + 1)
-            continue
+            unfinished = isinstance(exc, json.JSONDecodeError) and _runs_to_the_end(text, exc)
+            if unfinished or '"passed"' in text[i:]:
+                return None
+            break
         last = (value, i, end)
         i = text.find("{", end)  # (the objects nested in it are its own)
     verdict = _held_verdict(last[0]) if last else None
@@ -100,19 +97,12 @@ def parse_reply(text: str | None, cut_off: bool = False) -> Verdict | None:
 
 
 def _held_verdict(value: dict) -> dict | None:
-    """`value` when it has a boolean `passed`; else the object with one that it holds least deep (the last of
-    those at that depth): a wrapper's verdict, never a criterion listed beside or inside it. None without."""
-    level = [value]
-    while level:
-        found = [node for node in level if isinstance(node, dict) and isinstance(node.get("passed"), bool)]
-        if found:
-            return found[-1]
-        level = [child for node in level for child in _children(node)]
-    return None
-
-
-def _children(node: Any) -> list:
-    return list(node.values()) if isinstance(node, dict) else node if isinstance(node, list) else []
+    """`value` when its `passed` is a boolean; else, when `value` is an envelope (an object whose one field is
+    an object: `{"verdict": {...}}`), the verdict it holds, through any number of envelopes. None otherwise: a
+    wrapper with other fields beside its verdict may list criteria there, each with a `passed` of its own."""
+    while "passed" not in value and len(value) == 1 and isinstance(inner := next(iter(value.values())), dict):
+        value = inner
+    return value if isinstance(value.get("passed"), bool) else None
 
 
 def _runs_to_the_end(text: str, error: json.JSONDecodeError) -> bool:
@@ -182,10 +172,15 @@ class Choice:
         return self.finish_reason == "length"
 
     @property
+    def filtered(self) -> bool:
+        """The endpoint's content filter stopped the reply: its text may end anywhere, a verdict in it too."""
+        return self.finish_reason == "content_filter"
+
+    @property
     def refused(self) -> bool:
         """The model declined to answer, or the endpoint's content filter stopped it (its message, or the
         whole completion, withheld): asking again for the JSON object would be declined the same way."""
-        return self.refusal is not None or self.finish_reason == "content_filter" or self.withheld is not None
+        return self.refusal is not None or self.filtered or self.withheld is not None
 
 
 @dataclass(frozen=True)

@@ -240,8 +240,12 @@ def completion_body(message: dict, finish_reason: str = "stop") -> str:
         ({"content": None, "refusal": "I can't help with that request."}, "stop",
          "the judge model refused to answer: I can't help with that request."),
         ({"content": ""}, "content_filter", "the judge model refused to answer (finish_reason content_filter)"),
+        # what the filter let through ends anywhere, here inside prose after the answer format quoted
+        ({"content": 'Format: {"passed": true, "why": "..."}. The draft was never sent, the'}, "content_filter",
+         "the judge model refused to answer (finish_reason content_filter)"),
+        ({"content": PASS}, "content_filter", "the judge model refused to answer (finish_reason content_filter)"),
     ],
-    ids=["refusal", "content-filter"],
+    ids=["refusal", "content-filter", "content-filter-after-a-quoted-format", "content-filter-after-a-verdict"],
 )  # fmt: skip
 def test_a_refusal_is_unjudged_with_its_reason_and_not_repaired(message, finish_reason, why):
     with FakeOpenAI(lambda call, n: Reply(body=completion_body(message, finish_reason))) as server:
@@ -279,6 +283,14 @@ def test_a_completion_without_choices_refuses_every_vote_it_was_asked_for_and_sa
     assert (filtered.status, filtered.requests, judged.votes, judged.requests) == ("error", 1, "3/3", 1)
     assert "(no choices)" in filtered.why
     assert [c.body.get("n") for c in server.calls] == [3, 3]
+
+
+def test_a_server_ignoring_n_that_refuses_the_prompt_is_not_asked_for_the_other_votes():
+    refusal = completion_body({"content": None, "refusal": "I can't help with that."})
+    with FakeOpenAI(lambda call, n: Reply(body=refusal), n="ignore") as server:
+        [v] = judge_prompts([prompt("a")], settings(server, votes=3, temperature=0.7))
+    assert (v.status, v.requests, len(server.calls)) == ("error", 1, 1)
+    assert v.why.endswith("3 without an answer (the judge model refused to answer: I can't help with that.)")
 
 
 def test_a_verdict_beside_a_refusal_field_counts():

@@ -44,13 +44,18 @@ from filter_pipeline.judge.replies import (
             '{"passed": true, "why": "first"} on second thought {"passed": false, "why": "second"}',
             Verdict(False, "second"),
         ),
-        ('{"verdict": {"passed": true, "why": "wrapped"}}', Verdict(True, "wrapped")),
-        # a wrapper's verdict is the object it holds least deep, never a criterion listed beside it
-        (
-            '{"verdict": {"passed": false, "why": "no"}, "criteria": [{"name": "a", "passed": true}]}',
-            Verdict(False, "no"),
-        ),
-        ('{"draft": {"passed": true, "why": "1"}, "final": {"passed": false, "why": "2"}}', Verdict(False, "2")),
+        ('{"verdict": {"passed": true, "why": "wrapped"}}', Verdict(True, "wrapped")),  # an envelope
+        ('{"result": {"verdict": {"passed": false, "why": "deep"}}}', Verdict(False, "deep")),
+        # a verdict beside other fields of a wrapper: they may be criteria with a passed of their own (repaired)
+        ('{"verdict": {"passed": false, "why": "no"}, "criteria": [{"name": "a", "passed": true}]}', None),
+        ('{"result": {"verdict": {"passed": false}}, "checks": [{"name": "found", "passed": true}]}', None),
+        ('{"verdict": "FAIL", "criteria": {"found": {"passed": true}}}', None),
+        ('{"draft": {"passed": true, "why": "1"}, "final": {"passed": false, "why": "2"}}', None),
+        ('{"criteria": [{"name": "a", "passed": true}], "verdict": "FAIL", "why": "looped"}', None),
+        # a passed that is not a boolean: the verdict's wrong shape, never handed to a criterion
+        ('{"criteria": [{"name": "a", "passed": true}], "passed": "false", "why": "w"}', None),
+        ('{"criteria": [{"name": "a", "passed": true}], "passed": null}', None),
+        ('{"criteria": [{"name": "a", "passed": true}], "passed": 0}', None),
         # the reply's last object holds no verdict: one before it (the answer format quoted) is not the answer
         ('Answer like {"passed": true, "why": "reached"}. Mine: {"verdict": "fail", "why": "Lisbon"}', None),
         ('{"passed": false, "why": "w"} and a note: {"confidence": 0.9}', None),
@@ -62,6 +67,7 @@ from filter_pipeline.judge.replies import (
         ('<reasoning>{"passed": false}</reasoning>\n{"passed": true, "why": "done"}', Verdict(True, "done")),
         ('template opened it {"passed": true} </think>{"passed": false, "why": "after"}', Verdict(False, "after")),
         ('<think>still thinking, maybe {"passed": true, "why": "decoy"}', None),  # cut off inside its thinking
+        ('Let me check. <think> The format is {"passed": true, "why": "..."}', None),  # opened later, never closed
         ('<think>{"passed": true}</think> I cannot decide.', None),
         ('{"passed": "yes", "why": "x"}', None),
         ('{"passed": 1, "why": "x"}', None),
@@ -71,7 +77,8 @@ from filter_pipeline.judge.replies import (
         ('{"passed": false, "criteria": [{"passed": true}], "reasoning": "the page sho', None),
         ('{"passed": false, "criteria": [{"passed": true}, ', None),
         ('{"verdict": {"passed": true, "why": "w"}, "notes": "cut', None),
-        ('{"passed": true, "why": "whole"} {"notes": "cut', Verdict(True, "whole")),  # cut after a whole verdict
+        ('{"passed": true, "why": "whole"} {"notes": "cut', None),  # the reply ends inside an object after it
+        ('Format: {"passed": true, "why": "..."} Answer: {"reasoning": "the draft was never sent, the', None),
         ('{"criteria": [{"passed": true}], "passed": fal', None),  # cut inside a literal is cut off too
         # cut inside a later verdict: the earlier one (the answer format quoted) is not the answer
         (
@@ -80,9 +87,19 @@ from filter_pipeline.judge.replies import (
         ),
         ('{"passed": true, "why": "format"} {"score": 1, "passed": ', None),
         ('{"passed": true, "why": "format"} {"criteria": [{"name": "cart", "passed": false}], "reasoning": "no', None),
-        ('a stray { brace, then {"passed": false, "why": "n"}', Verdict(False, "n")),  # malformed, not cut off
-        ('it said {"x": "abc, then {"passed": true, "why": "y"}', Verdict(True, "y")),
-        ('{"n": ' + "1" * 5000 + '} {"passed": true, "why": "z"}', Verdict(True, "z")),  # too long for int: skipped
+        # a `{` that starts no whole object, with "passed" after it: what follows may be nested in it (repaired)
+        ('a stray { brace, then {"passed": false, "why": "n"}', None),
+        ('it said {"x": "abc, then {"passed": true, "why": "y"}', None),
+        ('{"n": ' + "1" * 5000 + '} {"passed": true, "why": "z"}', None),  # too long for int
+        # the model's failing answer malformed after the answer format quoted: never the format, nor a criterion
+        ('Answer format: {"passed": true, "why": "..."} then {"passed": false, "why": "empty",}', None),
+        ('Answer format: {"passed": true, "why": "..."} then {"passed": false, "why": "line\nbreak"}', None),
+        (
+            '{"criteria": [{"name": "found", "passed": true}], "success": false, "passed": false, '
+            '"why": "it clicked "Add" on the wrong item"}',
+            None,
+        ),
+        ('{"passed": false, "why": "n"} and {a set} after it', Verdict(False, "n")),  # prose braces after the verdict
         ('{"passed": true, "why": "w"} {"n": ' + "[" * 100_000 + "]" * 100_000 + "}", Verdict(True, "w")),  # too deep
         # a verdict too deep to decode, with a criterion's passed in it: no vote (the reply is repaired)
         ('{"passed": false, "criteria": [{"passed": true}], "n": ' + "[" * 1500 + "]" * 1500 + "}", None),
@@ -112,7 +129,8 @@ def test_a_reply_cut_off_after_its_verdict_object_holds_it_only_when_nothing_but
 
 def test_strip_reasoning_keeps_the_answer():
     assert strip_reasoning("<think>a</think>b<THINKING>c</THINKING>d").strip() == "bd"
-    assert strip_reasoning("  <think>never closed") == ""
+    assert strip_reasoning("  <think>never closed").strip() == ""
+    assert strip_reasoning('Let me check. <think> The format is {"passed": true}') == "Let me check. "
     assert strip_reasoning("plain") == "plain"
 
 
