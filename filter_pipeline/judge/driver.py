@@ -218,26 +218,43 @@ def reusable_verdicts(previous: pd.DataFrame | None, progress: pd.DataFrame | No
     return every, int((every["_source"] == "progress").sum())
 
 
-def earlier_spend(previous: pd.DataFrame | None, requests: pd.DataFrame, keys: pd.Series) -> pd.DataFrame:
+def earlier_spend(
+    previous: pd.DataFrame | None, requests: pd.DataFrame, keys: pd.Series, progress: pd.DataFrame | None = None
+) -> pd.DataFrame:
     """SPEND_COUNTS of the tries that left each request unjudged before: its row in the previous
     judge_verdicts (same run_id where both name one, task_id, attempt and cache_key `keys`) when that row is
-    unjudged; 0 where none. A verdict row replaces that row, so it carries what they cost."""
-    zeros = pd.DataFrame(0, index=range(len(requests)), columns=list(SPEND_COUNTS), dtype="int64")
+    unjudged, plus the unjudged rows of saved `progress` (a materialization that did not finish) with its
+    cache_key, on the first request with that key (the one that asks it); 0 where none. A verdict row
+    replaces those rows, so it carries what they cost."""
+    spent = pd.DataFrame(0, index=range(len(requests)), columns=list(SPEND_COUNTS), dtype="int64")
     on = ["task_id", "attempt", "cache_key"]
-    if previous is None or previous.empty or not {"status", *on} <= set(previous):
-        return zeros
-    previous = previous.rename(columns={"calls": "requests"}) if "requests" not in previous else previous
-    unjudged = previous[previous["status"] != STATUS_JUDGED]
+    unjudged = _unjudged_spend(previous)
+    if unjudged is not None and {"status", *on} <= set(unjudged):
+        left = pd.DataFrame({"task_id": requests["task_id"].to_numpy(), "attempt": requests["attempt"].to_numpy(),
+                             "cache_key": keys.to_numpy()})  # fmt: skip
+        if "run_id" in requests and "run_id" in unjudged:
+            on, left = [*on, "run_id"], left.assign(run_id=requests["run_id"].to_numpy())
+        right = unjudged[on].assign(**unjudged[list(SPEND_COUNTS)]).drop_duplicates(on)
+        found = left.astype({"attempt": "int64"}).merge(right.astype({"attempt": "int64"}), on=on, how="left")
+        spent += found[list(SPEND_COUNTS)].fillna(0).astype("int64").to_numpy()
+    saved = _unjudged_spend(progress)
+    if saved is not None and "cache_key" in saved:
+        per_key = saved.groupby("cache_key")[list(SPEND_COUNTS)].sum()
+        first = ~keys.duplicated().to_numpy()
+        spent.loc[first] += per_key.reindex(keys[first].to_numpy()).fillna(0).astype("int64").to_numpy()
+    return spent
+
+
+def _unjudged_spend(frame: pd.DataFrame | None) -> pd.DataFrame | None:
+    """The unjudged rows of a verdicts frame, their SPEND_COUNTS as integers (0 where missing); None without."""
+    if frame is None or frame.empty or "status" not in frame:
+        return None
+    frame = frame.rename(columns={"calls": "requests"}) if "requests" not in frame else frame
+    unjudged = frame[frame["status"] != STATUS_JUDGED]
     if unjudged.empty:
-        return zeros
-    left = pd.DataFrame({"task_id": requests["task_id"].to_numpy(), "attempt": requests["attempt"].to_numpy(),
-                         "cache_key": keys.to_numpy()})  # fmt: skip
-    if "run_id" in requests and "run_id" in unjudged:
-        on, left = [*on, "run_id"], left.assign(run_id=requests["run_id"].to_numpy())
-    spent = unjudged.reindex(columns=list(SPEND_COUNTS)).apply(pd.to_numeric, errors="coerce").fillna(0)
-    right = unjudged[on].assign(**spent.astype("int64")).drop_duplicates(on)
-    found = left.astype({"attempt": "int64"}).merge(right.astype({"attempt": "int64"}), on=on, how="left")
-    return found[list(SPEND_COUNTS)].fillna(0).astype("int64")
+        return None
+    counts = unjudged.reindex(columns=list(SPEND_COUNTS)).apply(pd.to_numeric, errors="coerce").fillna(0)
+    return unjudged.assign(**counts.astype("int64"))
 
 
 class Source(enum.IntEnum):
@@ -374,11 +391,11 @@ class _Driver:
         for name in JUDGE_ANSWER_FIELDS:
             self.fresh[name][i] = verdict.passed if name == "judge_passed" else getattr(verdict, name)
         self.stats.latencies_ms.extend(verdict.call_latencies_ms)
-        if verdict.status == STATUS_JUDGED:
-            self._unsaved.append(i)
-            self._save()
-        else:
+        if verdict.status != STATUS_JUDGED:
             self.stats.unanswered += 1
+        # (an unjudged one too: never reused, but what it spent is carried by the row that replaces it)
+        self._unsaved.append(i)
+        self._save()
         self._resolved()
 
     async def _save_on_time(self) -> None:

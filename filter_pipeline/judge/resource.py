@@ -155,7 +155,8 @@ def _llm_judgement(
     metadata = _llm_metadata(verdicts, result.stats, config, prices)  # (what this materialization paid)
     below = (verdicts["judge_passed"] == True) & (verdicts["passed"] == False)  # noqa: E712
     metadata.update(min_score=config.min_score or "not set", below_min_score=int(below.sum()))
-    verdicts = _with_earlier_spend(verdicts, driver.earlier_spend(previous, requests, frame["cache_key"]), prices)
+    earlier = driver.earlier_spend(previous, requests, frame["cache_key"], saved)
+    verdicts = _with_earlier_spend(verdicts, earlier, prices)
     return Judgement(verdicts, metadata, written=progress.remove if progress is not None else lambda: 0)
 
 

@@ -370,3 +370,31 @@ def test_the_earlier_spend_a_verdict_carries_is_its_own_unjudged_rows_in_its_own
     # c asked with another prompt, d never tried
     assert spent[["requests", "prompt_tokens"]].values.tolist() == [[2, 10], [0, 0], [0, 0], [0, 0]]
     assert earlier_spend(None, requests, keys).to_numpy().sum() == 0
+
+
+def test_a_try_left_unjudged_by_a_materialization_that_did_not_finish_is_carried_by_the_row_that_replaces_it(
+    data_root,
+):
+    write_batch(data_root, "r1", [task("a"), task("b")], [attempt("a"), attempt("b")])
+    progress = driver.ProgressStore(UPath(data_root) / "warehouse" / "_judge_progress" / "r1", write=write_parquet)
+    down_for_b = lambda call, n: Reply(status=503, body="{}") if "do b" in call.prompt else Reply(content=PASS)  # noqa: E731
+    with FakeOpenAI(down_for_b) as server:
+        first = judge_batch(data_root, llm(server, votes=1, task_budget_seconds=0.5), progress=progress).verdicts
+        tried = len(server.calls) - 1  # (its verdicts never written: as if it was stopped here)
+    assert first.set_index("task_id").loc["b", "status"] == "error" and progress_rows(data_root) == 2
+    with FakeOpenAI(lambda call, n: Reply(content=PASS)) as healthy:
+        again = judge_batch(data_root, llm(healthy, votes=1), progress=progress).verdicts.set_index("task_id")
+        assert len(healthy.calls) == 1  # b alone: a's verdict was saved
+    assert again.loc["b", "status"] == "judged" and again.loc["b", "requests"] == tried + 1
+    assert again.loc["a", "cached"] and again.loc["a", "requests"] == 1
+
+
+def test_the_earlier_spend_of_saved_progress_goes_to_the_first_request_asking_its_prompt():
+    from filter_pipeline.judge.driver import earlier_spend
+
+    progress = pd.DataFrame({"cache_key": ["k", "k", "k2"], "status": ["error", "error", "judged"],
+                             "requests": [2, 3, 1], "prompt_tokens": [10, 30, 5]})  # fmt: skip
+    requests = pd.DataFrame({"run_id": ["r1"] * 3, "task_id": ["a", "b", "c"], "attempt": [1, 1, 1]})
+    spent = earlier_spend(None, requests, pd.Series(["k2", "k", "k"]), progress)
+    # b asks k (two tries of an earlier materialization), c is its copy; k2 was judged: reused, not carried
+    assert spent[["requests", "prompt_tokens"]].values.tolist() == [[0, 0], [5, 40], [0, 0]]
