@@ -186,7 +186,7 @@ class JudgeClient:
         if choices[0].withheld == NO_CHOICES:  # the request itself refused: so is every sample, and n is not known
             return [await self._read(messages, choices[0], task)] * n
         got = await _all(self._read(messages, c, task) for c in choices[:n])
-        refused = next((vote for vote, c in zip(got, choices) if c.refused), None)
+        refused = next((vote for vote, c in zip(got, choices) if c.refused and vote.passed is None), None)
         if refused is not None:  # (the votes not sent: asked, the prompt would be declined the same way, and paid)
             return got + [refused] * (n - len(got))
         return got + await _all(self._vote(messages, task) for _ in range(n - len(got)))

@@ -16,9 +16,14 @@ from filter_pipeline.rules.schemas import VERDICT_FLAGS
 
 # Reasoning models write their thinking in such blocks; a verdict-shaped object inside one is the model
 # thinking aloud (often quoting the requested format), never its answer.
-_CLOSED_BLOCK = re.compile(r"<(think|thinking|reasoning)\b[^>]*>.*?</\1\s*>", re.DOTALL | re.IGNORECASE)
-_CLOSE_TAG = re.compile(r"</(?:think|thinking|reasoning)\s*>", re.IGNORECASE)
-_OPEN_TAG = re.compile(r"<(?:think|thinking|reasoning)\b[^>]*>", re.IGNORECASE)
+# Tags as `<think>`, `<seed:think>` (a namespace before the name) or `[THINK]` (Magistral's brackets).
+_NAME = r"(?:[\w-]+:)?(?:think|thinking|reasoning)"
+_CLOSED_BLOCK = re.compile(rf"<({_NAME})\b[^>]*>.*?</\1\s*>|\[(THINK)\].*?\[/\2\]", re.DOTALL | re.IGNORECASE)
+_CLOSE_TAG = re.compile(rf"</{_NAME}\s*>|\[/THINK\]", re.IGNORECASE)
+_OPEN_TAG = re.compile(rf"<{_NAME}\b[^>]*>|\[THINK\]", re.IGNORECASE)
+# A `{` that starts an object (a key, quoted or not, follows), as opposed to a brace of prose (`/cart/{id}`)
+_OBJECT_START = re.compile(r"\{\s*(?:[\"'\u201c\u2018]|[A-Za-z_]\w*\s*:)")
+_PASSED_WORD = re.compile(r"\bpassed\b", re.IGNORECASE)
 
 
 SCORE_RANGE = (1, 5)
@@ -46,15 +51,16 @@ class Verdict:
 
 
 def strip_reasoning(text: str) -> str:
-    """`text` without its reasoning blocks: closed `<think>…</think>` (or thinking/reasoning) blocks; everything
-    before a closing tag whose opening tag the chat template already sent; everything from a block opened and
-    never closed (cut off while thinking)."""
+    """`text` without its reasoning blocks: closed `<think>…</think>` (or thinking/reasoning, namespaced, or
+    `[THINK]…[/THINK]`) blocks; everything before a closing tag whose opening tag the chat template already
+    sent; all of a reply that starts with a block never closed (cut off while thinking)."""
     text = _CLOSED_BLOCK.sub("", text)
     closes = list(_CLOSE_TAG.finditer(text))
     if closes:
         text = text[closes[-1].end() :]
-    opened = _OPEN_TAG.search(text)
-    return text[: opened.start()] if opened else text
+    if _OPEN_TAG.match(text.lstrip()):
+        return ""
+    return text
 
 
 def parse_reply(text: str | None, cut_off: bool = False) -> Verdict | None:
@@ -63,37 +69,56 @@ def parse_reply(text: str | None, cut_off: bool = False) -> Verdict | None:
     (`_held_verdict`); objects nested in the verdict (criteria) are part of it. None, so that the reply is
     repaired, whenever another reading could differ:
     - the reply's last object has no boolean `passed` (the answer format quoted, then an answer in another
-      shape; a verdict beside other fields of a wrapper);
-    - a `{` that does not start a whole object (cut off, a trailing comma, a raw line break or quote in a
-      string) with `"passed"` after it: every `{` after it may be nested in it, so a criterion could stand for
-      a verdict that is broken, and an object before it (the format quoted) was not the reply's last word;
-    - the reply ends inside an object: its last object is unfinished;
+      shape; a `passed` that is not a boolean; a verdict beside other fields of a wrapper);
+    - an object before it says otherwise (the answer format quoted, a draft, a hypothetical, evidence);
+    - a `{` starting an object that does not decode (cut off, a trailing comma, a raw line break or quote in a
+      string, single quotes): whatever follows may be nested in it, and an object before it was not the
+      reply's last word; likewise when the reply ends inside an object;
+    - the text after the verdict names `passed` again (a correction in prose), or opens a reasoning block it
+      never closes;
     - `cut_off` at the token limit with more than closing marks after the verdict object (`_CLOSING`: a fence,
       brackets, a closing tag): still writing, the object was not its last word.
-    A `{` of prose with no `"passed"` after it ends the search: the last whole object before it decides. `why`
-    is optional ("" when absent); other fields are allowed."""
+    A brace of prose (`/cart/{id}`) is skipped. `why` is optional ("" when absent); other fields are
+    allowed."""
     if not text:
         return None
     thinking = _reasoning_blocks(text)
     text = strip_reasoning(text)
+    if _OPEN_TAG.search(text):  # (a block opened after the answer began, never closed: its end is not known)
+        return None
+    objects = _whole_objects(text)
+    if not objects:
+        return None
+    value, start, end = objects[-1]
+    verdict = _held_verdict(value)
+    if verdict is None or _PASSED_WORD.search(text, end) or cut_off and not _CLOSING.fullmatch(text[end:]):
+        return None
+    if any((held := _held_verdict(v)) is not None and held["passed"] != verdict["passed"] for v, _, _ in objects):
+        return None
+    before = "\n\n".join(part for part in (thinking, text[:start].strip()) if part)
+    return Verdict(verdict["passed"], _why(verdict.get("why")), read_parts(verdict, before))
+
+
+def _whole_objects(text: str) -> list[tuple[dict, int, int]]:
+    """The reply's top-level JSON objects, in order: (it, where it starts, where it ends); none when an object
+    does not decode (`parse_reply`: then no reading is safe). Braces of prose are skipped; the objects nested in
+    an object are its own."""
     decoder = json.JSONDecoder()
-    last: tuple[dict, int, int] | None = None  # the last whole object: (it, where it starts, where it ends)
+    found = []
     i = text.find("{")
     while i != -1:
         try:
             value, end = decoder.raw_decode(text, i)
         except (ValueError, RecursionError) as exc:  # (not JSON there, an integer too long, nesting too deep)
             unfinished = isinstance(exc, json.JSONDecodeError) and _runs_to_the_end(text, exc)
-            if unfinished or '"passed"' in text[i:]:
-                return None
-            break
-        last = (value, i, end)
-        i = text.find("{", end)  # (the objects nested in it are its own)
-    verdict = _held_verdict(last[0]) if last else None
-    if verdict is None or cut_off and not _CLOSING.fullmatch(text[last[2] :]):
-        return None
-    before = "\n\n".join(part for part in (thinking, text[: last[1]].strip()) if part)
-    return Verdict(verdict["passed"], _why(verdict.get("why")), read_parts(verdict, before))
+            if unfinished or _OBJECT_START.match(text, i) or isinstance(exc, RecursionError):
+                return []
+            i = text.find("{", i + 1)
+            continue
+        if isinstance(value, dict):
+            found.append((value, i, end))
+        i = text.find("{", end)
+    return found
 
 
 def _held_verdict(value: dict) -> dict | None:

@@ -293,6 +293,13 @@ def test_a_server_ignoring_n_that_refuses_the_prompt_is_not_asked_for_the_other_
     assert v.why.endswith("3 without an answer (the judge model refused to answer: I can't help with that.)")
 
 
+def test_a_verdict_beside_a_refusal_field_is_one_vote_and_the_others_are_asked():
+    first = Reply(body=completion_body({"content": PASS, "refusal": "Some details were withheld."}))
+    with FakeOpenAI(sequence(first, Reply(content=FAIL), Reply(content=FAIL)), n="ignore") as server:
+        [v] = judge_prompts([prompt("a")], settings(server, votes=3, temperature=0.7, concurrency=1))
+    assert (v.votes, v.passed, v.requests) == ("1/3", False, 3)
+
+
 def test_a_verdict_beside_a_refusal_field_counts():
     message = {"content": PASS, "refusal": "partly"}
     with FakeOpenAI(lambda call, n: Reply(body=completion_body(message))) as server:

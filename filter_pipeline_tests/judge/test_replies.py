@@ -40,10 +40,21 @@ from filter_pipeline.judge.replies import (
             '{"criteria": [{"name": "site", "passed": true}], "reasoning": "r", "passed": false, "why": "w"}',
             Verdict(False, "w"),
         ),
-        (
-            '{"passed": true, "why": "first"} on second thought {"passed": false, "why": "second"}',
-            Verdict(False, "second"),
-        ),
+        # an object before the last says otherwise (a draft, the answer format quoted, a hypothetical): repaired
+        ('{"passed": true, "why": "first"} on second thought {"passed": false, "why": "second"}', None),
+        ('{"passed": false, "why": "no"} If it had, the answer would be {"passed": true, "why": "yes"}.', None),
+        ('{"passed": true, "why": "a"} {"passed": true, "why": "b"}', Verdict(True, "b")),  # agreeing: the last
+        # the verdict's key named again after it: a correction in prose
+        ('{"passed": true, "why": "done"}\n\nWait: the page shows no result, so passed should be false.', None),
+        # reasoning blocks of other models' tags
+        ('<seed:think>Draft: {"passed": true}</seed:think>The task failed: it is not done.', None),
+        ('[THINK]Draft: {"passed": true}[/THINK]{"passed": false, "why": "no"}', Verdict(False, "no")),
+        # a block opened after the answer began and never closed, around or after the verdict
+        ('Example: {"passed": true, "why": "x"}\n<reasoning>\nThe cart is empty.\n{"passed": false}', None),
+        ('{"passed": true, "why": "sent"}\n<think>Hmm, wait. The sent folder is actually empty', None),
+        # an answer in another notation after the answer format quoted
+        ("Example: {\"passed\": true, \"why\": \"x\"}\nMy answer:\n{'passed': False, 'why': 'no'}", None),
+        ('Example: {"passed": true, "why": "x"}\nMy answer: {passed: false}', None),
         ('{"verdict": {"passed": true, "why": "wrapped"}}', Verdict(True, "wrapped")),  # an envelope
         ('{"result": {"verdict": {"passed": false, "why": "deep"}}}', Verdict(False, "deep")),
         # a verdict beside other fields of a wrapper: they may be criteria with a passed of their own (repaired)
@@ -87,8 +98,9 @@ from filter_pipeline.judge.replies import (
         ),
         ('{"passed": true, "why": "format"} {"score": 1, "passed": ', None),
         ('{"passed": true, "why": "format"} {"criteria": [{"name": "cart", "passed": false}], "reasoning": "no', None),
-        # a `{` that starts no whole object, with "passed" after it: what follows may be nested in it (repaired)
-        ('a stray { brace, then {"passed": false, "why": "n"}', None),
+        # a `{` starting an object that does not decode: what follows may be nested in it (repaired)
+        ('a stray { brace, then {"passed": false, "why": "n"}', Verdict(False, "n")),  # a brace of prose
+        ('at /cart/{id} the total is $\\boxed{0}$. {"passed": false, "why": "n"}', Verdict(False, "n")),
         ('it said {"x": "abc, then {"passed": true, "why": "y"}', None),
         ('{"n": ' + "1" * 5000 + '} {"passed": true, "why": "z"}', None),  # too long for int
         # the model's failing answer malformed after the answer format quoted: never the format, nor a criterion
@@ -100,7 +112,7 @@ from filter_pipeline.judge.replies import (
             None,
         ),
         ('{"passed": false, "why": "n"} and {a set} after it', Verdict(False, "n")),  # prose braces after the verdict
-        ('{"passed": true, "why": "w"} {"n": ' + "[" * 100_000 + "]" * 100_000 + "}", Verdict(True, "w")),  # too deep
+        ('{"passed": true, "why": "w"} {"n": ' + "[" * 100_000 + "]" * 100_000 + "}", None),  # an object too deep
         # a verdict too deep to decode, with a criterion's passed in it: no vote (the reply is repaired)
         ('{"passed": false, "criteria": [{"passed": true}], "n": ' + "[" * 1500 + "]" * 1500 + "}", None),
         ("", None),
@@ -130,7 +142,7 @@ def test_a_reply_cut_off_after_its_verdict_object_holds_it_only_when_nothing_but
 def test_strip_reasoning_keeps_the_answer():
     assert strip_reasoning("<think>a</think>b<THINKING>c</THINKING>d").strip() == "bd"
     assert strip_reasoning("  <think>never closed").strip() == ""
-    assert strip_reasoning('Let me check. <think> The format is {"passed": true}') == "Let me check. "
+    assert strip_reasoning("<seed:think>a</seed:think>b[THINK]c[/THINK]d").strip() == "bd"
     assert strip_reasoning("plain") == "plain"
 
 
@@ -178,11 +190,14 @@ tags = st.sampled_from(["think", "thinking", "reasoning", "THINK"])
     prose,
     st.lists(st.tuples(tags, verdict_objects(), prose), max_size=2),
 )
-def test_the_last_verdict_object_outside_reasoning_wins(objects, hows, before, after, thoughts):
+def test_the_last_verdict_object_outside_reasoning_wins_unless_one_before_it_says_otherwise(
+    objects, hows, before, after, thoughts
+):
     thinking = "".join(f"<{tag}>{p} {obj} {p}</{tag}>" for tag, (_, obj), p in thoughts)
     body = f" {before} ".join(wrapped(text, how) for (_, text), how in zip(objects, hows))
     reply = f"{thinking}{before}\n{body}\n{after}"
-    assert parse_reply(reply) == objects[-1][0]
+    agree = len({v.passed for v, _ in objects}) == 1
+    assert parse_reply(reply) == (objects[-1][0] if agree else None)
 
 
 @settings(max_examples=80, deadline=None, database=None)
