@@ -93,6 +93,46 @@ def test_stalled_walk_never_undoes_the_takeover(s3_data, tmp_path, point, starte
     assert audit(root) == []
 
 
+def test_a_walk_whose_commit_another_replaced_before_it_moved_its_files_says_so_and_fails(s3_data, tmp_path, started):
+    root, env = s3_data
+    home_a, home_b = homes(tmp_path)
+    walk_a, pid = paused(["r1"], env, home_a, "published", tmp_path / "paused.pid", started)
+    walk_b = materialize(["r1", "--per-site-cap", "1"], env, home_b)  # completes A's publish, then walks r1 again
+    assert walk_b.returncode == 0, walk_b.stderr[-3000:]
+    assert "kept 3," in walk_b.stdout
+    before = snapshot(root)
+    os.kill(pid, signal.SIGCONT)
+    out, err = walk_a.communicate(timeout=300)
+    assert walk_a.returncode == 1, err[-3000:]
+    said = [line for line in out.splitlines() if "was replaced by another walk's" in line]
+    assert len(said) == 1 and "this walk's figures describe none of them" in said[0], out
+    assert not any(line.startswith("r1: judged") for line in out.splitlines())  # (no figures of its own walk)
+    assert snapshot(root) == before and audit(root) == []  # B's commit and files, byte for byte
+
+
+def test_a_walk_that_stalled_while_another_committed_another_run_fails_loudly_after_its_publish(
+    s3_data, tmp_path, started
+):
+    root, env = s3_data
+    home_a, home_b = homes(tmp_path)
+    assert materialize(["r1"], env, home_b).returncode == 0
+    tasks = [task(f"r2-{i}", site=f"site{i % 3}", key=["s", "#el", i]) for i in range(9)]  # (r1's keys)
+    write_batch(root, "r2", tasks, [attempt(t["task_id"]) for t in tasks])
+    retired = root / "retired.json"
+    retired.write_text('[{"run_id": "r1", "reason": "audit"}]')  # r2 first walked with r1 retired...
+    walk_a, pid = paused(["r2"], env, home_a, "before_publish", tmp_path / "paused.pid", started)
+    retired.unlink()  # ...then r1 restored and walked again by B, which does not see r2, while A stalls
+    walk_b = materialize(["r1"], env, home_b)
+    assert walk_b.returncode == 0, walk_b.stderr[-3000:]
+    os.kill(pid, signal.SIGCONT)
+    out, err = walk_a.communicate(timeout=300)
+    assert walk_a.returncode == 1, err[-3000:]
+    said = [line for line in out.splitlines() if "another walk committed r1 after this walk had read" in line]
+    assert len(said) == 1 and "re-filter r2" in said[0], out
+    assert {f.kind for f in audit(root)} == {"duplicate", "cap"}  # what the line tells to look for
+    assert materialize(["r2"], env, home_a).returncode == 0 and audit(root) == []  # and what repairs it
+
+
 def test_a_walk_killed_after_its_publish_is_completed_by_the_next_launcher(s3_data, tmp_path, started):
     root, env = s3_data
     env = {**env, "FILTER_PIPELINE_LEASE_SECONDS": "60"}  # (A's lease outlives its pause, however slow the machine)

@@ -45,13 +45,16 @@ from filter_pipeline.shell.jobs import LEDGER_GROUP, PRIORITY_TAG
 from filter_pipeline.shell.waiting import DEFERRED_TAG, Deferred, filtered_meanwhile, retry_later, wait_for_lower_runs
 from filter_pipeline.shell.warehouse import DataRoot, plain_run_ids
 from filter_pipeline.storage import failures
-from filter_pipeline.storage.history import build_prior_index, load_retired
+from filter_pipeline.storage.files import is_local
+from filter_pipeline.storage.history import build_prior_index, commit_digests, committed_meanwhile, load_retired
 from filter_pipeline.storage.lease import Lease, LedgerBusy, StoreIgnoresConditions, ledger_lease
 from filter_pipeline.storage.parquet import LOADED_VERSION, encode, unchanged_since_loaded
 from filter_pipeline.storage.publish import (
     CommitState,
     PublishIncomplete,
+    PublishOverlapped,
     PublishRefused,
+    PublishSuperseded,
     StagedWalk,
     commit_state,
     complete_published,
@@ -167,7 +170,8 @@ def build_ledger(deployment_caps: dict) -> dg.AssetsDefinition:
             yield from _deferred(context, str(exc))
         except (PublishRefused, PublishIncomplete, StoreIgnoresConditions) as exc:
             raise dg.Failure(description=str(exc)) from None
-        except (HistoryIntegrityError, HistoryError) as exc:  # (a committed file changed, a broken retired.json)
+        except (HistoryIntegrityError, HistoryError, PublishSuperseded, PublishOverlapped) as exc:
+            # (a committed file changed, a broken retired.json, a later walk's commit standing: a retry changes none)
             raise dg.Failure(description=str(exc), allow_retries=False) from None
 
     return ledger
@@ -324,6 +328,9 @@ def _walk_staged(walk: _RunWalk, judged: _JudgeStep, staged: StagedWalk, loaded:
     verdicts.attrs.clear()  # (the fingerprints and the judge belong to the verdicts file: not carried into kept)
     if changed:
         context.log.warning(changed_since_judged(run_id, changed))
+    # (on object storage, a walk that stalls past its lease may miss a commit another walk makes meanwhile: the
+    # commits it read are held against those after its publish; local disk's lock holds for the whole walk)
+    read = None if is_local(data.warehouse) else commit_digests(data.warehouse)
     index = build_prior_index(data.root, run_id, verdicts[["dedup_key", "key_hash"]], load_retired(data.root))
     context.log.info(
         f"prior index: {index.rows_read} kept rows of {index.runs_read} other runs; "
@@ -350,7 +357,7 @@ def _walk_staged(walk: _RunWalk, judged: _JudgeStep, staged: StagedWalk, loaded:
     files[REPORT_PAGES] = staged.write(page, html, 0)
     derived["filter_report"][1]["html"] = dg.MetadataValue.path(str(page))
     context.log.info(f"staged {len(files)} files in {time.perf_counter() - writing:.2f} s")
-    failing = [check for (check, _), outcome in outcomes.items() if not outcome.passed]
+    failing, meanwhile = [check for (check, _), outcome in outcomes.items() if not outcome.passed], []
     if failing:
         # Only a walk whose invariants held becomes history. One that broke them fails on its checks and
         # materializes nothing: its files were never published, so no partition may point at them.
@@ -359,6 +366,7 @@ def _walk_staged(walk: _RunWalk, judged: _JudgeStep, staged: StagedWalk, loaded:
         record = _commit_record(walk, verdicts, judged_by, result.kept, index, files, inputs)
         _refuse_if_judged_again(data, run_id, loaded)
         _publish(context, data, staged, record, walk.lease)
+        meanwhile = [] if read is None else committed_meanwhile(data.warehouse, read, run_id)
         for asset, (frame, metadata) in {**frames, **derived}.items():
             yield dg.MaterializeResult(
                 asset_key=asset,
@@ -366,6 +374,17 @@ def _walk_staged(walk: _RunWalk, judged: _JudgeStep, staged: StagedWalk, loaded:
             )
     for (check, asset), outcome in outcomes.items():
         yield check_result(check, asset, outcome)
+    if meanwhile:
+        raise _overlapped(run_id, meanwhile)
+
+
+def _overlapped(run_id: str, meanwhile: list[str]) -> PublishOverlapped:
+    return PublishOverlapped(
+        f"{run_id}: committed, but while its walk stalled past its lease another walk committed "
+        f"{', '.join(meanwhile)} after this walk had read its history: neither walk counted the other. Run "
+        f"`filter-pipeline verify`; if it reports a key kept twice or a cap exceeded, re-filter {run_id} with "
+        f"`{settings.materialize_command(run_id)}`"
+    )
 
 
 def _walk_frames(index, result, source: str) -> dict[str, tuple[pd.DataFrame, dict]]:

@@ -49,6 +49,16 @@ def read_commits(warehouse: UPath) -> dict[str, CommitRecord]:
     return {run_id: record for run_id, record in found.items() if record is not None}  # (one deleted meanwhile)
 
 
+def commit_digests(warehouse: UPath) -> dict[str, str]:
+    """run_id -> the digest of its commit record, for every committed run."""
+    return {run_id: record.digest for run_id, record in read_commits(warehouse).items()}
+
+
+def committed_meanwhile(warehouse: UPath, read: dict[str, str], run_id: str) -> list[str]:
+    """The runs but `run_id` committed, or committed again, since `read` (their `commit_digests` then)."""
+    return sorted(r for r, digest in commit_digests(warehouse).items() if r != run_id and read.get(r) != digest)
+
+
 def read_retired(data_root: UPath) -> bytes | None:
     """`<data>/retired.json`'s bytes; None when there is none. HistoryError, in one line, when it exists but
     cannot be read (a folder, no permission): whoever refuses a malformed one refuses it too."""

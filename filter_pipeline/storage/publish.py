@@ -90,6 +90,16 @@ class PublishIncomplete(Exception):
     there; str(): one line naming them and what to do."""
 
 
+class PublishSuperseded(Exception):
+    """The walk's commit was published, then replaced by another walk's before this one finished moving its
+    files (it stalled past its lease): the commit and files in place are that walk's; str(): one line."""
+
+
+class PublishOverlapped(Exception):
+    """The walk's commit was published, but another walk committed another run after this one read its history
+    (it stalled past its lease): neither counted the other; str(): one line saying what to check."""
+
+
 class PublishRefused(Exception):
     """The walk's commit was not published (another walk committed the run meanwhile, or its lease was lost);
     str(): one line saying so and that its staged files were removed."""
@@ -226,6 +236,12 @@ class StagedWalk:
             )
         pause_point("published")
         _move_all(self.data_root, self.folder, manifest)
+        if _standing_digest(self.data_root / WAREHOUSE_DIR, record.run_id) != record.digest:
+            raise PublishSuperseded(
+                f"{record.run_id}: this walk's commit was replaced by another walk's before it had moved its files "
+                "into place (it stalled past its lease): the commit and the files in place are that walk's, and "
+                "this walk's figures describe none of them"
+            )
 
     def _staged_files_gone(self) -> str | None:
         """Why not to publish when a staged file is gone: a record naming it could not be completed."""
