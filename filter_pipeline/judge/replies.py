@@ -21,9 +21,9 @@ _NAME = r"(?:[\w-]+:)?(?:think|thinking|reasoning)"
 _CLOSED_BLOCK = re.compile(rf"<({_NAME})\b[^>]*>.*?</\1\s*>|\[(THINK)\].*?\[/\2\]", re.DOTALL | re.IGNORECASE)
 _CLOSE_TAG = re.compile(rf"</{_NAME}\s*>|\[/THINK\]", re.IGNORECASE)
 _OPEN_TAG = re.compile(rf"<{_NAME}\b[^>]*>|\[THINK\]", re.IGNORECASE)
-# A `{` that starts an object (a key, quoted or not, follows), as opposed to a brace of prose (`/cart/{id}`)
-_OBJECT_START = re.compile(r"\{\s*(?:[\"'\u201c\u2018]|[A-Za-z_]\w*\s*:)")
-_PASSED_WORD = re.compile(r"\bpassed\b", re.IGNORECASE)
+# What comes just before a brace of prose (`/cart/{id}`, `\\boxed{0}`, `.badge{display:none}`), never before an
+# object the model writes (at the start, after a space, a line break, a fence or punctuation)
+_PROSE_BEFORE_BRACE = re.compile(r"[\w/\\$.{}#@%&*+=|~^-]")
 
 
 SCORE_RANGE = (1, 5)
@@ -53,9 +53,11 @@ class Verdict:
 def strip_reasoning(text: str) -> str:
     """`text` without its reasoning blocks: closed `<think>…</think>` (or thinking/reasoning, namespaced, or
     `[THINK]…[/THINK]`) blocks; everything before a closing tag whose opening tag the chat template already
-    sent; all of a reply that starts with a block never closed (cut off while thinking)."""
+    sent (one inside a JSON object's string is the object's text, not a tag); all of a reply that starts with
+    a block never closed (cut off while thinking)."""
     text = _CLOSED_BLOCK.sub("", text)
-    closes = list(_CLOSE_TAG.finditer(text))
+    spans = [(start, end) for _, start, end in _objects(text)[0]]
+    closes = [m for m in _CLOSE_TAG.finditer(text) if not _inside(m.start(), spans)]
     if closes:
         text = text[closes[-1].end() :]
     if _OPEN_TAG.match(text.lstrip()):
@@ -64,45 +66,39 @@ def strip_reasoning(text: str) -> str:
 
 
 def parse_reply(text: str | None, cut_off: bool = False) -> Verdict | None:
-    """The verdict in a model's reply, once reasoning blocks are removed: its LAST JSON object (bare, in a
-    ```json fence or inside prose) when that object has a boolean `passed`, or is an envelope holding one
-    (`_held_verdict`); objects nested in the verdict (criteria) are part of it. None, so that the reply is
-    repaired, whenever another reading could differ:
-    - the reply's last object has no boolean `passed` (the answer format quoted, then an answer in another
-      shape; a `passed` that is not a boolean; a verdict beside other fields of a wrapper);
-    - an object before it says otherwise (the answer format quoted, a draft, a hypothetical, evidence);
-    - a `{` starting an object that does not decode (cut off, a trailing comma, a raw line break or quote in a
-      string, single quotes): whatever follows may be nested in it, and an object before it was not the
-      reply's last word; likewise when the reply ends inside an object;
-    - the text after the verdict names `passed` again (a correction in prose), or opens a reasoning block it
-      never closes;
+    """The verdict in a model's reply, once reasoning blocks are removed (`strip_reasoning`): its LAST JSON
+    object (bare, in a ```json fence or inside prose) when that object has a boolean `passed`, or is an
+    envelope holding one (`_held_verdict`); objects nested in the verdict (criteria) are part of it. An
+    object before the last (the answer format quoted) is not the answer. None, so that the reply is repaired,
+    when the reply holds no such last object, or which object is its last is not known:
+    - a `{` where an object starts (not a brace of prose, `/cart/{id}`) that does not decode (a trailing
+      comma, a raw line break or quote in a string, single quotes, comments): every `{` after it may be nested
+      in it, so a criterion could pass for the broken verdict, and an object before it is not the last;
+    - the reply ends inside an object: its last object is unfinished;
+    - a reasoning block opens after the reply began and never closes: where it ends is not known;
     - `cut_off` at the token limit with more than closing marks after the verdict object (`_CLOSING`: a fence,
       brackets, a closing tag): still writing, the object was not its last word.
-    A brace of prose (`/cart/{id}`) is skipped. `why` is optional ("" when absent); other fields are
-    allowed."""
+    `why` is optional ("" when absent); other fields are allowed."""
     if not text:
         return None
     thinking = _reasoning_blocks(text)
     text = strip_reasoning(text)
-    if _OPEN_TAG.search(text):  # (a block opened after the answer began, never closed: its end is not known)
-        return None
-    objects = _whole_objects(text)
-    if not objects:
+    objects, broken = _objects(text)
+    spans = [(start, end) for _, start, end in objects]
+    if broken or not objects or any(not _inside(m.start(), spans) for m in _OPEN_TAG.finditer(text)):
         return None
     value, start, end = objects[-1]
     verdict = _held_verdict(value)
-    if verdict is None or _PASSED_WORD.search(text, end) or cut_off and not _CLOSING.fullmatch(text[end:]):
-        return None
-    if any((held := _held_verdict(v)) is not None and held["passed"] != verdict["passed"] for v, _, _ in objects):
+    if verdict is None or cut_off and not _CLOSING.fullmatch(text[end:]):
         return None
     before = "\n\n".join(part for part in (thinking, text[:start].strip()) if part)
     return Verdict(verdict["passed"], _why(verdict.get("why")), read_parts(verdict, before))
 
 
-def _whole_objects(text: str) -> list[tuple[dict, int, int]]:
-    """The reply's top-level JSON objects, in order: (it, where it starts, where it ends); none when an object
-    does not decode (`parse_reply`: then no reading is safe). Braces of prose are skipped; the objects nested in
-    an object are its own."""
+def _objects(text: str) -> tuple[list[tuple[dict, int, int]], bool]:
+    """(the reply's top-level JSON objects, in order, as (it, where it starts, where it ends); whether the
+    search stopped at a `{` where an object starts that does not decode, or at an object the reply ends
+    inside). Braces of prose are skipped; the objects nested in an object are its own."""
     decoder = json.JSONDecoder()
     found = []
     i = text.find("{")
@@ -111,14 +107,18 @@ def _whole_objects(text: str) -> list[tuple[dict, int, int]]:
             value, end = decoder.raw_decode(text, i)
         except (ValueError, RecursionError) as exc:  # (not JSON there, an integer too long, nesting too deep)
             unfinished = isinstance(exc, json.JSONDecodeError) and _runs_to_the_end(text, exc)
-            if unfinished or _OBJECT_START.match(text, i) or isinstance(exc, RecursionError):
-                return []
+            if unfinished or i == 0 or not _PROSE_BEFORE_BRACE.match(text, i - 1):
+                return found, True
             i = text.find("{", i + 1)
             continue
         if isinstance(value, dict):
             found.append((value, i, end))
         i = text.find("{", end)
-    return found
+    return found, False
+
+
+def _inside(at: int, spans: list[tuple[int, int]]) -> bool:
+    return any(start < at < end for start, end in spans)
 
 
 def _held_verdict(value: dict) -> dict | None:

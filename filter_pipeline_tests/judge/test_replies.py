@@ -40,12 +40,11 @@ from filter_pipeline.judge.replies import (
             '{"criteria": [{"name": "site", "passed": true}], "reasoning": "r", "passed": false, "why": "w"}',
             Verdict(False, "w"),
         ),
-        # an object before the last says otherwise (a draft, the answer format quoted, a hypothetical): repaired
-        ('{"passed": true, "why": "first"} on second thought {"passed": false, "why": "second"}', None),
-        ('{"passed": false, "why": "no"} If it had, the answer would be {"passed": true, "why": "yes"}.', None),
-        ('{"passed": true, "why": "a"} {"passed": true, "why": "b"}', Verdict(True, "b")),  # agreeing: the last
-        # the verdict's key named again after it: a correction in prose
-        ('{"passed": true, "why": "done"}\n\nWait: the page shows no result, so passed should be false.', None),
+        # the last object is the verdict, whatever an object before it (a draft, the answer format quoted) said
+        (
+            '{"passed": true, "why": "first"} on second thought {"passed": false, "why": "second"}',
+            Verdict(False, "second"),
+        ),
         # reasoning blocks of other models' tags
         ('<seed:think>Draft: {"passed": true}</seed:think>The task failed: it is not done.', None),
         ('[THINK]Draft: {"passed": true}[/THINK]{"passed": false, "why": "no"}', Verdict(False, "no")),
@@ -99,7 +98,23 @@ from filter_pipeline.judge.replies import (
         ('{"passed": true, "why": "format"} {"score": 1, "passed": ', None),
         ('{"passed": true, "why": "format"} {"criteria": [{"name": "cart", "passed": false}], "reasoning": "no', None),
         # a `{` starting an object that does not decode: what follows may be nested in it (repaired)
-        ('a stray { brace, then {"passed": false, "why": "n"}', Verdict(False, "n")),  # a brace of prose
+        ('a stray { brace, then {"passed": false, "why": "n"}', None),  # where an object would start: broken
+        ('{"passed": false, "why": "n"} and { a set } after it', None),
+        # a brace of prose (after a letter, a slash, a backslash, a dot...) is no object: skipped
+        ('see /cart/{id}, then {"passed": false, "why": "n"}', Verdict(False, "n")),
+        ('{"passed": false, "why": "n"} .badge{display:none}', Verdict(False, "n")),
+        # a comment, escaped quotes: a broken object, never a criterion inside it
+        (
+            '```jsonc\n{\n  // verdict first\n  "passed": false,\n  "criteria": [{"name": "a", "passed": true}]\n}\n```',
+            None,
+        ),
+        ('{\\"passed\\": false, \\"why\\": \\"no\\"} Had it, {"passed": true, "why": "yes"}.', None),
+        # a closing tag inside a JSON string is the string's text, not a tag
+        (
+            '{"passed": false, "why": "not sent", "reasoning": "it ended with Done.</think> but nothing was sent", '
+            '"criteria": [{"name": "compose opened", "passed": true}]}',
+            Verdict(False, "not sent"),
+        ),
         ('at /cart/{id} the total is $\\boxed{0}$. {"passed": false, "why": "n"}', Verdict(False, "n")),
         ('it said {"x": "abc, then {"passed": true, "why": "y"}', None),
         ('{"n": ' + "1" * 5000 + '} {"passed": true, "why": "z"}', None),  # too long for int
@@ -111,7 +126,6 @@ from filter_pipeline.judge.replies import (
             '"why": "it clicked "Add" on the wrong item"}',
             None,
         ),
-        ('{"passed": false, "why": "n"} and {a set} after it', Verdict(False, "n")),  # prose braces after the verdict
         ('{"passed": true, "why": "w"} {"n": ' + "[" * 100_000 + "]" * 100_000 + "}", None),  # an object too deep
         # a verdict too deep to decode, with a criterion's passed in it: no vote (the reply is repaired)
         ('{"passed": false, "criteria": [{"passed": true}], "n": ' + "[" * 1500 + "]" * 1500 + "}", None),
@@ -190,14 +204,11 @@ tags = st.sampled_from(["think", "thinking", "reasoning", "THINK"])
     prose,
     st.lists(st.tuples(tags, verdict_objects(), prose), max_size=2),
 )
-def test_the_last_verdict_object_outside_reasoning_wins_unless_one_before_it_says_otherwise(
-    objects, hows, before, after, thoughts
-):
+def test_the_last_verdict_object_outside_reasoning_wins(objects, hows, before, after, thoughts):
     thinking = "".join(f"<{tag}>{p} {obj} {p}</{tag}>" for tag, (_, obj), p in thoughts)
     body = f" {before} ".join(wrapped(text, how) for (_, text), how in zip(objects, hows))
     reply = f"{thinking}{before}\n{body}\n{after}"
-    agree = len({v.passed for v, _ in objects}) == 1
-    assert parse_reply(reply) == (objects[-1][0] if agree else None)
+    assert parse_reply(reply) == objects[-1][0]
 
 
 @settings(max_examples=80, deadline=None, database=None)
