@@ -105,7 +105,7 @@ def test_a_walk_whose_commit_another_replaced_before_it_moved_its_files_says_so_
     out, err = walk_a.communicate(timeout=300)
     assert walk_a.returncode == 1, err[-3000:]
     said = [line for line in out.splitlines() if "was replaced by another walk's" in line]
-    assert len(said) == 1 and "this walk's figures describe none of them" in said[0], out
+    assert len(said) == 1 and "this walk's figures describe none of it" in said[0], out
     assert not any(line.startswith("r1: judged") for line in out.splitlines())  # (no figures of its own walk)
     assert snapshot(root) == before and audit(root) == []  # B's commit and files, byte for byte
 

@@ -86,7 +86,25 @@ def verdicts_saved(data, run_id: str) -> int:
     done = data.asset_file("judge_verdicts", run_id)
     if done.exists():
         return _rows(done)
-    return sum(_rows(p) for p in progress_parts(data.judge_progress(run_id)))
+    # (the parts hold the tries left unjudged too, whose spend they keep: only verdicts count here, once each)
+    judged = set()
+    for part in progress_parts(data.judge_progress(run_id)):
+        judged.update(_judged_keys(part))
+    return len(judged)
+
+
+def _judged_keys(path) -> list:
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    from filter_pipeline.rules.schemas import STATUS_JUDGED
+
+    try:
+        table = pq.read_table(pa.BufferReader(path.read_bytes()), columns=["cache_key", "status"])
+    except (OSError, ValueError):
+        return []
+    return table.filter(pc.equal(table["status"], STATUS_JUDGED))["cache_key"].to_pylist()
 
 
 def _rows(path) -> int:

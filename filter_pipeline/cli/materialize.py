@@ -247,11 +247,10 @@ def _due_again(instance, data: DataRoot, changed: set[str], judge: JudgeResource
     return {r.run_id for r in due}
 
 
-def _tries_spent(data: DataRoot, said: set[str]) -> list[str]:
-    """Committed runs, not retired, still holding unjudged tasks, but for those `said` (due to be judged again
-    by a materialize naming no run, or another judge's, each said apart): they have spent their re-judging
-    tries."""
-    left_out = load_retired(data.root).runs | said
+def _tries_spent(data: DataRoot, said_apart: set[str]) -> list[str]:
+    """Committed runs, not retired, still holding unjudged tasks, but for those `said_apart` (due to be judged
+    again by a materialize naming no run, or another judge's): they have spent their re-judging tries."""
+    left_out = load_retired(data.root).runs | said_apart
     return sorted(
         run_id
         for run_id, record in read_commits(data.warehouse).items()

@@ -51,6 +51,7 @@ class Vote:
     why: str = ""
     error: str | None = None
     parts: Parts = field(default_factory=Parts)
+    refused: bool = False  # the model or the endpoint declined: asked again, the prompt would be declined too
 
 
 @dataclass
@@ -177,8 +178,13 @@ class JudgeClient:
 
     async def _votes(self, messages: list[dict], task: TaskBudget) -> list[Vote]:
         n = self.config.votes
-        if n == 1 or self.n_ok is False:
-            return await _all(self._vote(messages, task) for _ in range(n))
+        if n == 1:
+            return [await self._vote(messages, task)]
+        if self.n_ok is False:  # (one vote first: a prompt the model declines is not asked, and paid, n times)
+            first = await self._vote(messages, task)
+            return (
+                [first] * n if first.refused else [first, *await _all(self._vote(messages, task) for _ in range(n - 1))]
+            )
         try:
             choices = await self._ask(messages, task, n=n)
         except Unanswered as exc:
@@ -186,7 +192,7 @@ class JudgeClient:
         if choices[0].withheld == NO_CHOICES:  # the request itself refused: so is every sample, and n is not known
             return [await self._read(messages, choices[0], task)] * n
         got = await _all(self._read(messages, c, task) for c in choices[:n])
-        refused = next((vote for vote, c in zip(got, choices) if c.refused and vote.passed is None), None)
+        refused = next((vote for vote in got if vote.refused), None)
         if refused is not None:  # (the votes not sent: asked, the prompt would be declined the same way, and paid)
             return got + [refused] * (n - len(got))
         return got + await _all(self._vote(messages, task) for _ in range(n - len(got)))
@@ -203,12 +209,12 @@ class JudgeClient:
         request for only the JSON object (more tokens when it was cut off). Never the same request again."""
         task.replies.append(choice.text or "")
         if choice.filtered:  # (what the filter let through may stop anywhere: it is not the model's answer)
-            return Vote(error=self._refusal(choice))
+            return Vote(error=self._refusal(choice), refused=True)
         verdict = parse_reply(choice.text, choice.cut_off)
         if verdict is not None:
             return Vote(verdict.passed, verdict.why, parts=verdict.parts)
         if choice.refused:  # no repair request: it would be declined the same way, and paid for
-            return Vote(error=self._refusal(choice))
+            return Vote(error=self._refusal(choice), refused=True)
         said = strip_reasoning(choice.text or "").strip()
         follow_up = [*messages, *([{"role": "assistant", "content": said}] if said else [])]
         follow_up.append({"role": "user", "content": REPAIR_PROMPT})
@@ -222,6 +228,8 @@ class JudgeClient:
         except Unanswered as exc:
             return Vote(error=f"{trouble}; its repair got no answer: {exc}")
         task.replies.append(repaired.text or "")
+        if repaired.filtered:
+            return Vote(error=f"{trouble}; its repair was stopped: {self._refusal(repaired)}", refused=True)
         verdict = parse_reply(repaired.text, repaired.cut_off)
         if verdict is not None:
             return Vote(verdict.passed, verdict.why, parts=verdict.parts)

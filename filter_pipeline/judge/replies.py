@@ -21,10 +21,11 @@ _NAME = r"(?:[\w-]+:)?(?:think|thinking|reasoning)"
 _CLOSED_BLOCK = re.compile(rf"<({_NAME})\b[^>]*>.*?</\1\s*>|\[(THINK)\].*?\[/\2\]", re.DOTALL | re.IGNORECASE)
 _CLOSE_TAG = re.compile(rf"</{_NAME}\s*>|\[/THINK\]", re.IGNORECASE)
 _OPEN_TAG = re.compile(rf"<{_NAME}\b[^>]*>|\[THINK\]", re.IGNORECASE)
-# What comes just before a brace of prose (`/cart/{id}`, `\\boxed{0}`, `.badge{display:none}`), never before an
-# object the model writes (at the start, after a space, a line break, a fence or punctuation)
+# A brace of prose (`/cart/{id}`, `\\boxed{0}`) follows one of these; an object the model writes follows a
+# space, a line break, a fence or punctuation. Either way a `{` followed by a key (quoted, or a name and a colon)
+# or a comment starts an object.
 _PROSE_BEFORE_BRACE = re.compile(r"[\w/\\$.{}#@%&*+=|~^-]")
-
+_KEY_AFTER_BRACE = re.compile(r"\{\s*(?:[\"'\u201c\u2018\\`]|[A-Za-z_][\w-]*\s*:|//|/\*|#)")
 
 SCORE_RANGE = (1, 5)
 
@@ -53,16 +54,27 @@ class Verdict:
 def strip_reasoning(text: str) -> str:
     """`text` without its reasoning blocks: closed `<think>…</think>` (or thinking/reasoning, namespaced, or
     `[THINK]…[/THINK]`) blocks; everything before a closing tag whose opening tag the chat template already
-    sent (one inside a JSON object's string is the object's text, not a tag); all of a reply that starts with
-    a block never closed (cut off while thinking)."""
-    text = _CLOSED_BLOCK.sub("", text)
-    spans = [(start, end) for _, start, end in _objects(text)[0]]
-    closes = [m for m in _CLOSE_TAG.finditer(text) if not _inside(m.start(), spans)]
+    sent; all of a reply that starts with a block never closed (cut off while thinking). A tag inside a JSON
+    object's string, or after a `{` where an object starts that does not decode (the tag may be in its
+    string), is text, not a tag."""
+    text = _without_blocks(text)
+    objects, broken = _objects(text, stop_at_broken=False)
+    closes = [m for m in _CLOSE_TAG.finditer(text) if _is_tag(m.start(), objects, broken)]
     if closes:
         text = text[closes[-1].end() :]
     if _OPEN_TAG.match(text.lstrip()):
         return ""
     return text
+
+
+def _without_blocks(text: str) -> str:
+    objects, broken = _objects(text, stop_at_broken=False)
+    return _CLOSED_BLOCK.sub(lambda m: "" if _is_tag(m.start(), objects, broken) else m.group(0), text)
+
+
+def _is_tag(at: int, objects: list[tuple[dict, int, int]], broken: int | None) -> bool:
+    """Whether a tag at `at` is one: not inside a JSON object, nor after a `{` that starts a broken one."""
+    return (broken is None or at < broken) and not any(start < at < end for _, start, end in objects)
 
 
 def parse_reply(text: str | None, cut_off: bool = False) -> Verdict | None:
@@ -84,8 +96,7 @@ def parse_reply(text: str | None, cut_off: bool = False) -> Verdict | None:
     thinking = _reasoning_blocks(text)
     text = strip_reasoning(text)
     objects, broken = _objects(text)
-    spans = [(start, end) for _, start, end in objects]
-    if broken or not objects or any(not _inside(m.start(), spans) for m in _OPEN_TAG.finditer(text)):
+    if broken is not None or not objects or any(_is_tag(m.start(), objects, None) for m in _OPEN_TAG.finditer(text)):
         return None
     value, start, end = objects[-1]
     verdict = _held_verdict(value)
@@ -95,30 +106,31 @@ def parse_reply(text: str | None, cut_off: bool = False) -> Verdict | None:
     return Verdict(verdict["passed"], _why(verdict.get("why")), read_parts(verdict, before))
 
 
-def _objects(text: str) -> tuple[list[tuple[dict, int, int]], bool]:
-    """(the reply's top-level JSON objects, in order, as (it, where it starts, where it ends); whether the
-    search stopped at a `{` where an object starts that does not decode, or at an object the reply ends
-    inside). Braces of prose are skipped; the objects nested in an object are its own."""
+def _objects(text: str, stop_at_broken: bool = True) -> tuple[list[tuple[dict, int, int]], int | None]:
+    """(the reply's top-level JSON objects, in order, as (it, where it starts, where it ends); where the first
+    `{` that starts an object but does not decode is, or an object the reply ends inside, else None). A brace
+    of prose (after a letter, a slash...: `/cart/{id}`, and no key after it) is skipped; the objects nested in
+    an object are its own. With `stop_at_broken`, the search ends at the broken object: what follows may be
+    nested in it."""
     decoder = json.JSONDecoder()
-    found = []
+    found, broken = [], None
     i = text.find("{")
     while i != -1:
         try:
             value, end = decoder.raw_decode(text, i)
         except (ValueError, RecursionError) as exc:  # (not JSON there, an integer too long, nesting too deep)
             unfinished = isinstance(exc, json.JSONDecodeError) and _runs_to_the_end(text, exc)
-            if unfinished or i == 0 or not _PROSE_BEFORE_BRACE.match(text, i - 1):
-                return found, True
+            prose = i > 0 and _PROSE_BEFORE_BRACE.match(text, i - 1) and not _KEY_AFTER_BRACE.match(text, i)
+            if not prose and broken is None:
+                broken = i
+            if (unfinished or not prose) and stop_at_broken:
+                return found, i
             i = text.find("{", i + 1)
             continue
         if isinstance(value, dict):
             found.append((value, i, end))
         i = text.find("{", end)
-    return found, False
-
-
-def _inside(at: int, spans: list[tuple[int, int]]) -> bool:
-    return any(start < at < end for start, end in spans)
+    return found, broken
 
 
 def _held_verdict(value: dict) -> dict | None:
@@ -179,7 +191,12 @@ def _reasoning_blocks(text: str) -> str:
 def _why(value: Any) -> str:
     if value is None:
         return ""
-    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    if isinstance(value, str):
+        return value
+    try:
+        return json.dumps(value, ensure_ascii=False)
+    except RecursionError:  # (the decoder followed it a few levels deeper than the encoder can)
+        return "(nested too deep to show)"
 
 
 # --- a completion -----------------------------------------------------------------------------------

@@ -168,7 +168,7 @@ def runs_page(request: Request) -> Response:
     found = _runs_page(request.app.state.review, request)
     offset, limit, total = found["offset"], found["limit"], found["total"]
     pages = {
-        "newer": max(0, offset - limit) if offset else None,
+        "newer": max(0, min(offset, total) - limit) if offset else None,  # (from past the end: the last page)
         "older": offset + limit if offset + limit < total else None,
     }
     links = {k: None if at is None else _runs_href(at, limit) for k, at in pages.items()}

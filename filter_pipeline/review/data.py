@@ -193,24 +193,23 @@ class Warehouse:
             return summary
 
     def judged(self, run_id: str) -> pd.DataFrame:
-        """The judged attempts of a run of `run_ids` (JUDGED_COLUMNS), read from its judge_verdicts alone and
-        kept until that file or the run's commit record changes: the labelling queue reads every run's. None
-        of a run whose files were found unreadable (`known_unreadable`): the queue goes on without it."""
+        """The judged attempts of a run of `run_ids` (JUDGED_COLUMNS), read from its judge_verdicts alone (the
+        judge step's file, which no commit moves) and kept until that file changes: the labelling queue reads
+        every run's. None of a run whose files were found unreadable (`known_unreadable`), nor, until it can be
+        read, of a run whose verdicts cannot be: the queue goes on without them."""
         if self.known_unreadable(run_id):
             return NO_JUDGED
-        files = {
-            "commit": commit_path(self.warehouse, run_id),
-            "judge_verdicts": self.asset_file("judge_verdicts", run_id),
-        }
-        key = tuple(file_version(path) for path in files.values())
+        path = self.asset_file("judge_verdicts", run_id)
+        key = file_version(path)
         with self._lock:
             cached = self._judged.get(run_id)
         if cached and cached[0] == key:
             return cached[1]
         try:
-            _, files = committed_files(self.root, run_id, files)
-            found = judged_attempts(run_id, frame(files["judge_verdicts"], VERDICT_COLUMNS_JUDGED))
-        except (OSError, ValueError):  # (the run's own page says why)
+            found = judged_attempts(run_id, frame(path, VERDICT_COLUMNS_JUDGED))
+        except OSError:  # (the store out of reach for a moment: read again on the next request)
+            return NO_JUDGED
+        except ValueError:  # (a file that is not Parquet: the run's own page says why)
             found = NO_JUDGED
         with self._lock:
             self._judged[run_id] = (key, found)

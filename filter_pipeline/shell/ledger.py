@@ -46,7 +46,7 @@ from filter_pipeline.shell.waiting import DEFERRED_TAG, Deferred, filtered_meanw
 from filter_pipeline.shell.warehouse import DataRoot, plain_run_ids
 from filter_pipeline.storage import failures
 from filter_pipeline.storage.files import is_local
-from filter_pipeline.storage.history import build_prior_index, commit_digests, committed_meanwhile, load_retired
+from filter_pipeline.storage.history import build_prior_index, commit_versions, committed_meanwhile, load_retired
 from filter_pipeline.storage.lease import Lease, LedgerBusy, StoreIgnoresConditions, ledger_lease
 from filter_pipeline.storage.parquet import LOADED_VERSION, encode, unchanged_since_loaded
 from filter_pipeline.storage.publish import (
@@ -330,7 +330,7 @@ def _walk_staged(walk: _RunWalk, judged: _JudgeStep, staged: StagedWalk, loaded:
         context.log.warning(changed_since_judged(run_id, changed))
     # (on object storage, a walk that stalls past its lease may miss a commit another walk makes meanwhile: the
     # commits it read are held against those after its publish; local disk's lock holds for the whole walk)
-    read = None if is_local(data.warehouse) else commit_digests(data.warehouse)
+    read = None if is_local(data.warehouse) else commit_versions(data.warehouse)
     index = build_prior_index(data.root, run_id, verdicts[["dedup_key", "key_hash"]], load_retired(data.root))
     context.log.info(
         f"prior index: {index.rows_read} kept rows of {index.runs_read} other runs; "
@@ -357,7 +357,8 @@ def _walk_staged(walk: _RunWalk, judged: _JudgeStep, staged: StagedWalk, loaded:
     files[REPORT_PAGES] = staged.write(page, html, 0)
     derived["filter_report"][1]["html"] = dg.MetadataValue.path(str(page))
     context.log.info(f"staged {len(files)} files in {time.perf_counter() - writing:.2f} s")
-    failing, meanwhile = [check for (check, _), outcome in outcomes.items() if not outcome.passed], []
+    failing = [check for (check, _), outcome in outcomes.items() if not outcome.passed]
+    meanwhile = []  # (runs another walk committed after this one read its history: object storage only)
     if failing:
         # Only a walk whose invariants held becomes history. One that broke them fails on its checks and
         # materializes nothing: its files were never published, so no partition may point at them.

@@ -25,7 +25,7 @@ from filter_pipeline.rules.history import (
     whole_runs_counted,
 )
 from filter_pipeline.settings import materialize_command
-from filter_pipeline.storage.files import RUNS_DIR, WAREHOUSE_DIR, files_in, read_if_present
+from filter_pipeline.storage.files import RUNS_DIR, WAREHOUSE_DIR, etag, files_in, read_if_present
 from filter_pipeline.storage.parquet import read_parquet_file
 from filter_pipeline.storage.publish import commit_path, published_folder, staged_copy
 
@@ -49,14 +49,22 @@ def read_commits(warehouse: UPath) -> dict[str, CommitRecord]:
     return {run_id: record for run_id, record in found.items() if record is not None}  # (one deleted meanwhile)
 
 
-def commit_digests(warehouse: UPath) -> dict[str, str]:
-    """run_id -> the digest of its commit record, for every committed run."""
-    return {run_id: record.digest for run_id, record in read_commits(warehouse).items()}
+def commit_versions(warehouse: UPath) -> dict[str, str]:
+    """run_id -> the ETag of its commit record, for every committed run of a warehouse on object storage, from
+    one listing of the records' folder (fresh: a cached listing would hide another walk's commit)."""
+    folder = warehouse / COMMITS_DIR
+    folder.fs.invalidate_cache(folder.path)
+    try:
+        listed = folder.fs.ls(folder.path, detail=True)
+    except FileNotFoundError:
+        return {}
+    names = {entry["name"].rstrip("/").rsplit("/", 1)[-1]: entry for entry in listed if entry["type"] == "file"}
+    return {name.removesuffix(".json"): etag(entry) for name, entry in names.items() if name.endswith(".json")}
 
 
 def committed_meanwhile(warehouse: UPath, read: dict[str, str], run_id: str) -> list[str]:
-    """The runs but `run_id` committed, or committed again, since `read` (their `commit_digests` then)."""
-    return sorted(r for r, digest in commit_digests(warehouse).items() if r != run_id and read.get(r) != digest)
+    """The runs but `run_id` committed, or committed again, since `read` (their `commit_versions` then)."""
+    return sorted(r for r, version in commit_versions(warehouse).items() if r != run_id and read.get(r) != version)
 
 
 def read_retired(data_root: UPath) -> bytes | None:

@@ -239,8 +239,8 @@ class StagedWalk:
         if _standing_digest(self.data_root / WAREHOUSE_DIR, record.run_id) != record.digest:
             raise PublishSuperseded(
                 f"{record.run_id}: this walk's commit was replaced by another walk's before it had moved its files "
-                "into place (it stalled past its lease): the commit and the files in place are that walk's, and "
-                "this walk's figures describe none of them"
+                "into place (it stalled past its lease): the commit standing is that walk's, and this walk's "
+                "figures describe none of it (`filter-pipeline verify` checks its files)"
             )
 
     def _staged_files_gone(self) -> str | None:

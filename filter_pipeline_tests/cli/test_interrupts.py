@@ -108,3 +108,22 @@ def test_an_interrupt_between_the_runs_of_a_call_that_named_them_names_again_tho
         capsys.readouterr().err.strip()
         == f"filter-pipeline: interrupted by SIGINT {said} to resume from what was saved"
     )
+
+
+def test_the_verdicts_an_interrupt_says_are_saved_count_each_judged_prompt_once(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from filter_pipeline.cli.interrupts import verdicts_saved
+    from filter_pipeline.shell.warehouse import DataRoot
+
+    data = DataRoot(path=str(tmp_path))
+    folder = tmp_path / "warehouse" / "_judge_progress" / "r1"
+    folder.mkdir(parents=True)
+    for i, (keys, statuses) in enumerate(
+        [(["a", "b"], ["judged", "error"]), (["b", "c", "a"], ["judged", "judged", "judged"])]
+    ):
+        pq.write_table(pa.table({"cache_key": keys, "status": statuses}), folder / f"part-{i}.parquet")
+    # a (saved twice: two parts of an interrupted materialization and its resume), b (an unjudged try, then
+    # judged), c
+    assert verdicts_saved(data, "r1") == 3

@@ -293,6 +293,27 @@ def test_a_server_ignoring_n_that_refuses_the_prompt_is_not_asked_for_the_other_
     assert v.why.endswith("3 without an answer (the judge model refused to answer: I can't help with that.)")
 
 
+def test_once_n_is_known_to_be_ignored_a_refused_prompt_is_asked_once_not_once_per_vote():
+    refusal = Reply(body=completion_body({"content": None, "refusal": "No."}))
+
+    async def judge_a_then_b(server):
+        async with JudgeClient(settings(server, votes=3, temperature=0.7)) as client:
+            return await client.judge(prompt("a")), await client.judge(prompt("b"))
+
+    with FakeOpenAI(lambda call, n: refusal if call.prompt == "task b" else Reply(content=PASS), n="ignore") as server:
+        a, b = asyncio.run(judge_a_then_b(server))
+    assert (a.votes, a.requests) == ("3/3", 3)  # (a's first request learnt that n is ignored)
+    assert (b.status, b.requests) == ("error", 1)
+
+
+def test_a_repair_the_content_filter_stopped_is_a_refusal_whatever_it_holds():
+    stopped = Reply(body=completion_body({"content": PASS}, "content_filter"))
+    with FakeOpenAI(sequence(Reply(content=PROSE), stopped)) as server:
+        [v] = judge_prompts([prompt("a")], settings(server))
+    assert (v.status, v.passed, v.requests) == ("error", None, 2)
+    assert v.why.endswith("its repair was stopped: the judge model refused to answer (finish_reason content_filter)")
+
+
 def test_a_verdict_beside_a_refusal_field_is_one_vote_and_the_others_are_asked():
     first = Reply(body=completion_body({"content": PASS, "refusal": "Some details were withheld."}))
     with FakeOpenAI(sequence(first, Reply(content=FAIL), Reply(content=FAIL)), n="ignore") as server:

@@ -102,7 +102,26 @@ from filter_pipeline.judge.replies import (
         ('{"passed": false, "why": "n"} and { a set } after it', None),
         # a brace of prose (after a letter, a slash, a backslash, a dot...) is no object: skipped
         ('see /cart/{id}, then {"passed": false, "why": "n"}', Verdict(False, "n")),
-        ('{"passed": false, "why": "n"} .badge{display:none}', Verdict(False, "n")),
+        ('{"passed": false, "why": "n"} .badge{display:none}', None),  # a key after the brace: an object starts
+        # a broken verdict after a prose character: still an object (a key follows), never its nested criterion
+        ('verdict={"passed": false, "why": "no", "criteria": [{"name": "a", "passed": true}],}', None),
+        ('**{"passed": false, "why": "no", "criteria": [{"name": "a", "passed": true}],}**', None),
+        ('{"k": ["x"]}{"passed": false, "why": "no", "criteria": [{"name": "a", "passed": true}],}', None),
+        ('answer={"passed": false, "why": "agent wrote {"passed": true} in the form"}', None),
+        # a tag inside a JSON string, or after a broken object that may hold it in a string, is no tag
+        (
+            '{"reasoning": "ended with Done</think>", "criteria": [{"name": "a", "passed": true}], "passed": false,}',
+            None,
+        ),
+        (
+            'Format: {passed, why}\n{"reasoning": "it replied ok</think> and stopped", '
+            '"criteria": [{"name": "a", "passed": true}], "passed": false, "why": "no"}',
+            None,
+        ),
+        (
+            '{"passed": true, "why": "agent answered \'<think>\'"}\nNo: {"passed": false, "why": "printed \'</think>\'"}',
+            Verdict(False, "printed '</think>'"),
+        ),
         # a comment, escaped quotes: a broken object, never a criterion inside it
         (
             '```jsonc\n{\n  // verdict first\n  "passed": false,\n  "criteria": [{"name": "a", "passed": true}]\n}\n```',
@@ -151,6 +170,13 @@ def test_parse_reply(text, expected):
 )
 def test_a_reply_cut_off_after_its_verdict_object_holds_it_only_when_nothing_but_a_fence_follows(text, expected):
     assert parse_reply(text, cut_off=True) == expected
+
+
+def test_a_verdict_nested_just_deeper_than_json_can_write_it_back_does_not_raise():
+    for depth in range(985, 1000):
+        deep = "[" * depth + "]" * depth
+        for text in ('{"passed": true, "key_points": [' + deep + "]}", '{"passed": true, "why": ' + deep + "}"):
+            assert parse_reply(text) in (None, Verdict(True, ""), Verdict(True, "(nested too deep to show)"))
 
 
 def test_strip_reasoning_keeps_the_answer():
