@@ -99,7 +99,8 @@ def test_a_helper_process_that_ignores_sigterm_is_killed_after_the_grace_period(
 
 
 def test_review_page_runs_at_a_small_size():
-    out = run("benchmarks.review_page", "--tasks", "2000", "--requests", "14")
-    assert "wrote a committed run of 2,000 tasks" in out and "first request of the run's page" in out
+    out = run("benchmarks.review_page", "--tasks", "2000", "--requests", "14", "--runs", "3")
+    assert "wrote 3 committed run(s) of 2,000 tasks" in out and "first request of the run's page" in out
+    assert "a freshly started app over 3 run(s): the runs page " in out and "s, the queue " in out
     assert "cached pages: median" in out and "over 14 requests" in out and "/queue: median" in out
     assert "/queue after a new label (which reorders it): median" in out

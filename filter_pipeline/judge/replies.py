@@ -21,11 +21,10 @@ _NAME = r"(?:[\w-]+:)?(?:think|thinking|reasoning)"
 _CLOSED_BLOCK = re.compile(rf"<({_NAME})\b[^>]*>.*?</\1\s*>|\[(THINK)\].*?\[/\2\]", re.DOTALL | re.IGNORECASE)
 _CLOSE_TAG = re.compile(rf"</{_NAME}\s*>|\[/THINK\]", re.IGNORECASE)
 _OPEN_TAG = re.compile(rf"<{_NAME}\b[^>]*>|\[THINK\]", re.IGNORECASE)
-# A brace of prose (`/cart/{id}`, `\\boxed{0}`) follows one of these; an object the model writes follows a
-# space, a line break, a fence or punctuation. Either way a `{` followed by a key (quoted, or a name and a colon)
-# or a comment starts an object.
-_PROSE_BEFORE_BRACE = re.compile(r"[\w/\\$.{}#@%&*+=|~^-]")
-_KEY_AFTER_BRACE = re.compile(r"\{\s*(?:[\"'\u201c\u2018\\`]|[A-Za-z_][\w-]*\s*:|//|/\*|#)")
+# A brace of prose (`/cart/{id}`, `\\boxed{0}`, `{{name}}`) follows a letter, a digit, a slash, a backslash, a
+# brace or a dollar and holds no colon, quote or line break before its `}`; any other `{` that does not decode
+# is a broken object.
+_PROSE_BRACE = re.compile(r"(?<=[\w/\\{$])\{[^:\"'\n\u201c\u201e\u300c\u00ab]{0,80}\}")
 
 SCORE_RANGE = (1, 5)
 
@@ -69,7 +68,11 @@ def strip_reasoning(text: str) -> str:
 
 def _without_blocks(text: str) -> str:
     objects, broken = _objects(text, stop_at_broken=False)
-    return _CLOSED_BLOCK.sub(lambda m: "" if _is_tag(m.start(), objects, broken) else m.group(0), text)
+
+    def removed(m: re.Match) -> str:  # (both tags must be tags: a closing one in a JSON string is text)
+        return "" if _is_tag(m.start(), objects, broken) and _is_tag(m.end() - 1, objects, broken) else m.group(0)
+
+    return _CLOSED_BLOCK.sub(removed, text)
 
 
 def _is_tag(at: int, objects: list[tuple[dict, int, int]], broken: int | None) -> bool:
@@ -99,7 +102,8 @@ def parse_reply(text: str | None, cut_off: bool = False) -> Verdict | None:
     if broken is not None or not objects or any(_is_tag(m.start(), objects, None) for m in _OPEN_TAG.finditer(text)):
         return None
     value, start, end = objects[-1]
-    verdict = _held_verdict(value)
+    # (an object listed in an array, `[{...}, {...}]`, is one of several: a criterion as likely as a verdict)
+    verdict = None if text[:start].rstrip().endswith(("[", ",")) else _held_verdict(value)
     if verdict is None or cut_off and not _CLOSING.fullmatch(text[end:]):
         return None
     before = "\n\n".join(part for part in (thinking, text[:start].strip()) if part)
@@ -109,8 +113,7 @@ def parse_reply(text: str | None, cut_off: bool = False) -> Verdict | None:
 def _objects(text: str, stop_at_broken: bool = True) -> tuple[list[tuple[dict, int, int]], int | None]:
     """(the reply's top-level JSON objects, in order, as (it, where it starts, where it ends); where the first
     `{` that starts an object but does not decode is, or an object the reply ends inside, else None). A brace
-    of prose (after a letter, a slash...: `/cart/{id}`, and no key after it) is skipped; the objects nested in
-    an object are its own. With `stop_at_broken`, the search ends at the broken object: what follows may be
+    of prose (`_PROSE_BRACE`: `/cart/{id}`) is skipped; the objects nested in an object are its own. With `stop_at_broken`, the search ends at the broken object: what follows may be
     nested in it."""
     decoder = json.JSONDecoder()
     found, broken = [], None
@@ -120,7 +123,7 @@ def _objects(text: str, stop_at_broken: bool = True) -> tuple[list[tuple[dict, i
             value, end = decoder.raw_decode(text, i)
         except (ValueError, RecursionError) as exc:  # (not JSON there, an integer too long, nesting too deep)
             unfinished = isinstance(exc, json.JSONDecodeError) and _runs_to_the_end(text, exc)
-            prose = i > 0 and _PROSE_BEFORE_BRACE.match(text, i - 1) and not _KEY_AFTER_BRACE.match(text, i)
+            prose = _PROSE_BRACE.match(text, i) is not None
             if not prose and broken is None:
                 broken = i
             if (unfinished or not prose) and stop_at_broken:

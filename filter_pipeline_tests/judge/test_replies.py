@@ -108,6 +108,18 @@ from filter_pipeline.judge.replies import (
         ('**{"passed": false, "why": "no", "criteria": [{"name": "a", "passed": true}],}**', None),
         ('{"k": ["x"]}{"passed": false, "why": "no", "criteria": [{"name": "a", "passed": true}],}', None),
         ('answer={"passed": false, "why": "agent wrote {"passed": true} in the form"}', None),
+        # an object listed in an array is one of several: a criterion as likely as a verdict
+        ('{"passed": false, "why": "no"}\n[{"name": "added", "passed": true}]', None),
+        # a broken verdict after `=` or markdown, or with keys in other quotes: never its nested criterion
+        ('verdict={ ..., "passed": false, "why": "x", "criteria": [{"name": "a", "passed": true}] }', None),
+        ('**{key points: ["x"], "passed": false, "criteria": [{"name": "a", "passed": true}]}**', None),
+        ('Antwort={\u201epassed\u201c: false, "criteria": [{"name": "a", "passed": true}]}', None),
+        # a closing tag in the verdict's string does not close a block opened in the prose before it
+        (
+            'The agent began with <think> and never answered.\n{"passed": false, "why": "it printed only </think>", '
+            '"criteria": [{"name": "search ran", "passed": true}]}',
+            None,
+        ),
         # a tag inside a JSON string, or after a broken object that may hold it in a string, is no tag
         (
             '{"reasoning": "ended with Done</think>", "criteria": [{"name": "a", "passed": true}], "passed": false,}',
@@ -163,7 +175,7 @@ def test_parse_reply(text, expected):
         ('Reasoning: fine.\n```json\n{"passed": true, "why": "w"}\n```\n', Verdict(True, "w")),
         ('{"passed": true, "why": "w"}\n``', Verdict(True, "w")),  # cut inside the fence's close
         ('<answer>{"passed": true, "why": "w"}</answer>', Verdict(True, "w")),
-        ('[{"passed": true, "why": "w"}]', Verdict(True, "w")),
+        ('[{"passed": true, "why": "w"}]', None),  # an object listed in an array: one of several
         ('Format: {"passed": true, "why": "w"}. Now, the agent clicked', None),  # still writing
         ('{"passed": true, "why": "w"} {"notes": "cut', None),
     ],
