@@ -22,9 +22,10 @@ _CLOSED_BLOCK = re.compile(rf"<({_NAME})\b[^>]*>.*?</\1\s*>|\[(THINK)\].*?\[/\2\
 _CLOSE_TAG = re.compile(rf"</{_NAME}\s*>|\[/THINK\]", re.IGNORECASE)
 _OPEN_TAG = re.compile(rf"<{_NAME}\b[^>]*>|\[THINK\]", re.IGNORECASE)
 # A brace of prose (`/cart/{id}`, `\\boxed{0}`, `{{name}}`) follows a letter, a digit, a slash, a backslash, a
-# brace or a dollar and holds no colon, quote or line break before its `}`; any other `{` that does not decode
-# is a broken object.
-_PROSE_BRACE = re.compile(r"(?<=[\w/\\{$])\{[^:\"'\n\u201c\u201e\u300c\u00ab]{0,80}\}")
+# brace or a dollar and holds no colon, quote or line break before its own `}` (braces of prose nested once
+# are part of it); any other `{` that does not decode is a broken object.
+_PROSE_CHAR = r"[^{}:\"'\n\u201c\u201e\u300c\u00ab]"
+_PROSE_BRACE = re.compile(rf"(?<=[\w/\\{{$])\{{(?:{_PROSE_CHAR}|\{{{_PROSE_CHAR}*\}}){{0,80}}\}}")
 
 SCORE_RANGE = (1, 5)
 

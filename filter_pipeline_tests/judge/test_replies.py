@@ -114,6 +114,10 @@ from filter_pipeline.judge.replies import (
         ('verdict={ ..., "passed": false, "why": "x", "criteria": [{"name": "a", "passed": true}] }', None),
         ('**{key points: ["x"], "passed": false, "criteria": [{"name": "a", "passed": true}]}**', None),
         ('Antwort={\u201epassed\u201c: false, "criteria": [{"name": "a", "passed": true}]}', None),
+        # a brace of prose ends at its own `}`: one holding an object is a broken object, not prose
+        ('verdict{passed = false, why = see /cart/{id}, criterion = {"name": "mug", "passed": true}}', None),
+        ('Final: \\boxed{\\textbf{FAIL}\n{"criterion": "mug added", "passed": true}}', None),
+        ('Final: \\boxed{\\text{FAIL}} {"passed": false, "why": "no"}', Verdict(False, "no")),
         # a closing tag in the verdict's string does not close a block opened in the prose before it
         (
             'The agent began with <think> and never answered.\n{"passed": false, "why": "it printed only </think>", '
