@@ -1,7 +1,7 @@
 """Label appends: one line each, none lost when several writers append at once (local disk and moto S3)."""
 
 import json
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from multiprocessing import get_context
 
 import pytest
@@ -60,8 +60,9 @@ def _append_many(args) -> None:
 
 @pytest.mark.slow
 def test_concurrent_local_appends_from_processes_lose_none(tmp_path):
-    with get_context("spawn").Pool(4) as pool:
-        pool.map(_append_many, [(str(tmp_path), start) for start in range(0, 400, 100)])
+    # (an executor's shutdown waits for its workers to finish; a Pool's exit terminates them, which can hang)
+    with ProcessPoolExecutor(4, mp_context=get_context("spawn")) as pool:
+        list(pool.map(_append_many, [(str(tmp_path), start) for start in range(0, 400, 100)]))
     assert len(_lines((tmp_path / LABELS_FILE).read_bytes())) == 400
 
 
