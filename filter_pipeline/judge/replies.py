@@ -55,8 +55,8 @@ def strip_reasoning(text: str) -> str:
     """`text` without its reasoning blocks: closed `<think>…</think>` (or thinking/reasoning, namespaced, or
     `[THINK]…[/THINK]`) blocks; everything before a closing tag whose opening tag the chat template already
     sent; all of a reply that starts with a block never closed (cut off while thinking). A tag inside a JSON
-    object's string, or after a `{` where an object starts that does not decode (the tag may be in its
-    string), is text, not a tag."""
+    object's string, or after a `{` that does not decode and is no brace of prose (the tag may be in the
+    broken object's string), is text, not a tag."""
     text = _without_blocks(text)
     objects, broken = _objects(text, stop_at_broken=False)
     closes = [m for m in _CLOSE_TAG.finditer(text) if _is_tag(m.start(), objects, broken)]
@@ -87,10 +87,11 @@ def parse_reply(text: str | None, cut_off: bool = False) -> Verdict | None:
     envelope holding one (`_held_verdict`); objects nested in the verdict (criteria) are part of it. An
     object before the last (the answer format quoted) is not the answer. None, so that the reply is repaired,
     when the reply holds no such last object, or which object is its last is not known:
-    - a `{` where an object starts (not a brace of prose, `/cart/{id}`) that does not decode (a trailing
-      comma, a raw line break or quote in a string, single quotes, comments): every `{` after it may be nested
-      in it, so a criterion could pass for the broken verdict, and an object before it is not the last;
+    - a `{` that does not decode and is no brace of prose (`_PROSE_BRACE`: `/cart/{id}`): a trailing comma, a
+      raw line break or quote in a string, single quotes, comments. Every `{` after it may be nested in it, so
+      a criterion could pass for the broken verdict, and an object before it is not the last;
     - the reply ends inside an object: its last object is unfinished;
+    - its last object is listed in an array: one of several, a criterion as likely as a verdict;
     - a reasoning block opens after the reply began and never closes: where it ends is not known;
     - `cut_off` at the token limit with more than closing marks after the verdict object (`_CLOSING`: a fence,
       brackets, a closing tag): still writing, the object was not its last word.
@@ -113,9 +114,9 @@ def parse_reply(text: str | None, cut_off: bool = False) -> Verdict | None:
 
 def _objects(text: str, stop_at_broken: bool = True) -> tuple[list[tuple[dict, int, int]], int | None]:
     """(the reply's top-level JSON objects, in order, as (it, where it starts, where it ends); where the first
-    `{` that starts an object but does not decode is, or an object the reply ends inside, else None). A brace
-    of prose (`_PROSE_BRACE`: `/cart/{id}`) is skipped; the objects nested in an object are its own. With `stop_at_broken`, the search ends at the broken object: what follows may be
-    nested in it."""
+    `{` that does not decode and is no brace of prose is, or of an object the reply ends inside; else None). A
+    brace of prose (`_PROSE_BRACE`: `/cart/{id}`) is skipped; the objects nested in an object are its own.
+    With `stop_at_broken`, the search ends at the broken object: what follows may be nested in it."""
     decoder = json.JSONDecoder()
     found, broken = [], None
     i = text.find("{")
