@@ -104,12 +104,18 @@ def parse_reply(text: str | None, cut_off: bool = False) -> Verdict | None:
     if broken is not None or not objects or any(_is_tag(m.start(), objects, None) for m in _OPEN_TAG.finditer(text)):
         return None
     value, start, end = objects[-1]
-    # (an object listed in an array, `[{...}, {...}]`, is one of several: a criterion as likely as a verdict)
-    verdict = None if text[:start].rstrip().endswith(("[", ",")) else _held_verdict(value)
+    verdict = None if _listed(text, start, end) else _held_verdict(value)
     if verdict is None or cut_off and not _CLOSING.fullmatch(text[end:]):
         return None
     before = "\n\n".join(part for part in (thinking, text[:start].strip()) if part)
     return Verdict(verdict["passed"], _why(verdict.get("why")), read_parts(verdict, before))
+
+
+def _listed(text: str, start: int, end: int) -> bool:
+    """Whether the object at `start`..`end` is listed in an array (`[{...}, {...}]`): one of several, a
+    criterion as likely as a verdict. (A comma of prose before it, `Here it is, {...}`, lists nothing.)"""
+    before, after = text[:start].rstrip(), text[end:].lstrip()
+    return before.endswith(("[", ",")) and after.startswith(("]", ","))
 
 
 def _objects(text: str, stop_at_broken: bool = True) -> tuple[list[tuple[dict, int, int]], int | None]:

@@ -110,6 +110,8 @@ from filter_pipeline.judge.replies import (
         ('answer={"passed": false, "why": "agent wrote {"passed": true} in the form"}', None),
         # an object listed in an array is one of several: a criterion as likely as a verdict
         ('{"passed": false, "why": "no"}\n[{"name": "added", "passed": true}]', None),
+        ('[{"name": "searched", "passed": false}, {"name": "added", "passed": true}]', None),
+        ('Here it is,\n{"passed": false, "why": "no"}', Verdict(False, "no")),  # a comma of prose lists nothing
         # a broken verdict after `=` or markdown, or with keys in other quotes: never its nested criterion
         ('verdict={ ..., "passed": false, "why": "x", "criteria": [{"name": "a", "passed": true}] }', None),
         ('**{key points: ["x"], "passed": false, "criteria": [{"name": "a", "passed": true}]}**', None),
@@ -204,8 +206,9 @@ def test_strip_reasoning_keeps_the_answer():
 
 # --- properties -------------------------------------------------------------------------------------
 
-# Free text of the model: no braces (it would be JSON) and no angle brackets (it would be a tag).
-prose = st.text(st.characters(blacklist_characters="{}<>", blacklist_categories=("Cs",)), max_size=40)
+# Free text of the model: no braces (it would be JSON), no angle brackets (it would be a tag), no square brackets
+# or commas (beside an object, they would list it in an array).
+prose = st.text(st.characters(blacklist_characters="{}<>[],", blacklist_categories=("Cs",)), max_size=40)
 words = st.text(st.characters(blacklist_characters="<>", blacklist_categories=("Cs",)), max_size=30)
 verdicts = st.builds(Verdict, st.booleans(), words)
 extra_fields = st.dictionaries(
