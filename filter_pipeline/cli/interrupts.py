@@ -81,30 +81,17 @@ def was_interrupted(result) -> bool:
 
 def verdicts_saved(data, run_id: str) -> int:
     """The judge's verdicts of `run_id` on disk (`data`: the DataRoot): its judge_verdicts file, else the parts saved as they arrived."""
-    from filter_pipeline.judge.driver import progress_parts
+    import logging
+
+    from filter_pipeline.judge.driver import ProgressStore
+    from filter_pipeline.rules.schemas import STATUS_JUDGED
 
     done = data.asset_file("judge_verdicts", run_id)
     if done.exists():
         return _rows(done)
+    saved = ProgressStore(data.judge_progress(run_id)).load(logging.getLogger(__name__))
     # (the parts hold the tries left unjudged too, whose spend they keep: only verdicts count here, once each)
-    judged = set()
-    for part in progress_parts(data.judge_progress(run_id)):
-        judged.update(_judged_keys(part))
-    return len(judged)
-
-
-def _judged_keys(path) -> list:
-    import pyarrow as pa
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
-
-    from filter_pipeline.rules.schemas import STATUS_JUDGED
-
-    try:
-        table = pq.read_table(pa.BufferReader(path.read_bytes()), columns=["cache_key", "status"])
-    except (OSError, ValueError):
-        return []
-    return table.filter(pc.equal(table["status"], STATUS_JUDGED))["cache_key"].to_pylist()
+    return 0 if saved is None else saved.loc[saved["status"] == STATUS_JUDGED, "cache_key"].nunique()
 
 
 def _rows(path) -> int:

@@ -116,10 +116,10 @@ def progress_parts(folder: UPath) -> list[UPath]:
 @dataclass
 class ProgressStore:
     """Parquet parts of verdicts saved as they arrive, in `folder` (warehouse/_judge_progress/<run_id>/).
-    `write(table, path)` writes one part atomically (one PUT on object stores)."""
+    `write(table, path)` writes one part atomically (one PUT on object stores); a store only read needs none."""
 
     folder: UPath
-    write: Callable[[pa.Table, UPath], object]
+    write: Callable[[pa.Table, UPath], object] | None = None
     token: str = field(default_factory=lambda: uuid.uuid4().hex[:12])  # this materialization's parts
     _seq: int = 0
     loaded: list = field(default_factory=list)  # parts read at the start

@@ -25,7 +25,7 @@ from filter_pipeline.rules.history import (
     whole_runs_counted,
 )
 from filter_pipeline.settings import materialize_command
-from filter_pipeline.storage.files import RUNS_DIR, WAREHOUSE_DIR, etag, files_in, read_if_present
+from filter_pipeline.storage.files import RUNS_DIR, WAREHOUSE_DIR, etag, files_in, listing, read_if_present
 from filter_pipeline.storage.parquet import read_parquet_file
 from filter_pipeline.storage.publish import commit_path, published_folder, staged_copy
 
@@ -51,15 +51,13 @@ def read_commits(warehouse: UPath) -> dict[str, CommitRecord]:
 
 def commit_versions(warehouse: UPath) -> dict[str, str]:
     """run_id -> the ETag of its commit record, for every committed run of a warehouse on object storage, from
-    one listing of the records' folder (fresh: a cached listing would hide another walk's commit)."""
-    folder = warehouse / COMMITS_DIR
-    folder.fs.invalidate_cache(folder.path)
-    try:
-        listed = folder.fs.ls(folder.path, detail=True)
-    except FileNotFoundError:
-        return {}
-    names = {entry["name"].rstrip("/").rsplit("/", 1)[-1]: entry for entry in listed if entry["type"] == "file"}
-    return {name.removesuffix(".json"): etag(entry) for name, entry in names.items() if name.endswith(".json")}
+    one fresh listing of the records' folder (a cached listing would hide another walk's commit)."""
+    listed = listing(warehouse / COMMITS_DIR, fresh=True)
+    return {
+        name.removesuffix(".json"): etag(info)
+        for name, info in listed.items()
+        if info["type"] == "file" and name.endswith(".json")
+    }
 
 
 def committed_meanwhile(warehouse: UPath, read: dict[str, str], run_id: str) -> list[str]:
