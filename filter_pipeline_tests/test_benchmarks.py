@@ -104,3 +104,9 @@ def test_review_page_runs_at_a_small_size():
     assert "a freshly started app over 3 run(s): the runs page " in out and "s, the queue " in out
     assert "cached pages: median" in out and "over 14 requests" in out and "/queue: median" in out
     assert "/queue after a new label (which reorders it): median" in out
+
+
+def test_verify_growth_counts_the_cap_findings_at_a_small_size():
+    out = run("benchmarks.verify_growth", "--runs", "30", "--kept", "40", "--sites", "20")
+    found = re.search(r"cap check over 30 runs of 40 kept rows: [0-9.]+ s, (\d+) cap findings", out)
+    assert found and int(found.group(1)) > 0, out  # (1,200 kept rows over 50 macros x 20 sites: caps break)

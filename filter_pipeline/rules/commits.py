@@ -11,7 +11,7 @@ The record and its parsing; reading and writing them is `storage/`'s (history.py
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from datetime import datetime
 from functools import cached_property
 
@@ -65,7 +65,10 @@ class CommitRecord:
 
     def to_json(self) -> bytes:
         """The record's canonical bytes (sorted keys, compact): what is written, and what `digest` hashes."""
-        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+        # (its fields as they are: `asdict` would copy every nested dict first, and a late run's history names
+        # every run before it)
+        fields_ = {f.name: getattr(self, f.name) for f in fields(self)}
+        return json.dumps(fields_, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
     @property
     def walked_timestamp(self) -> float:

@@ -195,9 +195,8 @@ class Caps:
 
 def over_caps(own: pd.DataFrame, prior: pd.DataFrame, caps: Caps) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Where `own` kept rows (macro, site, n_kept: one row per pair), what breaks a cap with `prior` (the same
-    columns: history's kept rows) counted in: the pairs whose kept rows exceed their site cap, as (macro, site,
-    total, limit), and the macros whose kept rows over all their sites exceed their target, as (macro, total,
-    limit). The one rule for "over its cap" of the ledger's check and of `verify`."""
+    columns: history's kept rows) counted in: `caps_broken` of own's pairs with history's count of each. The
+    one rule for "over its cap" of the ledger's check and of `verify`."""
     # Arrow's hash join (pandas' merge on two text keys costs several times more), on 32-bit-offset strings,
     # which its join hashes faster than large ones
     keys = ["macro", "site"]
@@ -206,16 +205,26 @@ def over_caps(own: pd.DataFrame, prior: pd.DataFrame, caps: Caps) -> tuple[pd.Da
     mine = pa.table({**{c: pa.array(own[c].astype("str"), type=pa.string()) for c in keys},
                      "n_kept": pa.array(own["n_kept"].to_numpy(dtype=np.int64))})  # fmt: skip
     pairs = mine.join(history, keys=keys, join_type="left outer").to_pandas()
-    pairs["total"] = pairs["n_kept"] + pairs["prior"].fillna(0).astype(np.int64)
-    pairs["limit"] = caps.site_caps(pairs["macro"])
+    pairs["prior"] = pairs["prior"].fillna(0).astype(np.int64)
+    return caps_broken(pairs, prior.groupby("macro")["n_kept"].sum(), caps)
+
+
+def caps_broken(pairs: pd.DataFrame, prior_by_macro: pd.Series, caps: Caps) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """What breaks a cap where a run kept rows: `pairs` holds one row per (macro, site) it kept rows in, with
+    their number (n_kept) and history's (prior); `prior_by_macro`, history's kept rows per macro (a macro not
+    there: none). The pairs whose kept rows exceed their site cap, as (macro, site, total, limit), sorted, and
+    the macros whose kept rows over all their sites exceed their target, as (macro, total, limit)."""
+    pairs = pairs.assign(total=pairs["n_kept"] + pairs["prior"], limit=caps.site_caps(pairs["macro"]))
     over_site = pairs.loc[pairs["total"] > pairs["limit"], ["macro", "site", "total", "limit"]]
 
-    with_target = sorted(set(caps.targeted()) & set(own["macro"].unique()))
-    total = sum(f.groupby("macro")["n_kept"].sum().reindex(with_target, fill_value=0) for f in (own, prior))
+    with_target = sorted(set(caps.targeted()) & set(pairs["macro"].unique()))
+    total = pairs.groupby("macro")["n_kept"].sum().reindex(with_target, fill_value=0) + prior_by_macro.reindex(
+        with_target, fill_value=0
+    )
     macros = pd.DataFrame({"macro": pd.Series(with_target, dtype="str"), "total": np.asarray(total, dtype=np.int64)})
     macros["limit"] = caps.targets(macros["macro"])
     over_target = macros[macros["total"] > macros["limit"]]
-    return over_site.sort_values(keys).reset_index(drop=True), over_target.reset_index(drop=True)
+    return over_site.sort_values(["macro", "site"]).reset_index(drop=True), over_target.reset_index(drop=True)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from filter_pipeline.rules.commits import CommitRecord
-from filter_pipeline.rules.filtering import Caps, over_caps
+from filter_pipeline.rules.filtering import Caps, caps_broken, over_caps
 from filter_pipeline.rules.history import as_text, kept_pairs, sum_counts
 from filter_pipeline.rules.schemas import (
     STATUS_ERROR,
@@ -60,22 +60,47 @@ def cap_findings(records: dict[str, CommitRecord], live: dict[str, pa.Table]) ->
     """Where a committed run kept rows: its kept rows plus those of the runs its walk read as history (still
     non-retired), against the caps it recorded. Each run is counted per (macro, site) once; a run's prior is
     the sum of the runs it read, and of any run whose walk and its own never read each other (two walks blind
-    to each other: one that stalled past its lease, a run retired at the other's walk and restored since)."""
-    counts = {r: sum_counts([kept_pairs(t)]) for r, t in live.items() if t.num_rows}
+    to each other: one that stalled past its lease, a run retired at the other's walk and restored since).
+
+    A walk that read exactly the runs before its own in run_id order (each first walk of a batch a day) has
+    its prior from running totals (`running_priors`), so a warehouse's history is not summed again per run."""
+    counts = {r: sum_counts([kept_pairs(t)]) for r, t in sorted(live.items()) if t.num_rows}
+    running, runs = running_priors(counts), set(counts)
     findings = []
-    for run_id, record in records.items():
-        if run_id not in counts:
+    for at, run_id in enumerate(counts):
+        record = records.get(run_id)
+        if record is None:
             continue
-        read_ids = sorted(set(record.history) & set(counts) - {run_id})
-        unseen = [
-            r for r in sorted(counts) if r != run_id and r not in record.history and not _read(records, r, run_id)
-        ]
-        own = to_pandas(as_text(counts[run_id]))
-        prior = to_pandas(as_text(sum_counts([counts[r] for r in read_ids + unseen])))
+        read_ids = sorted(set(record.history) & runs - {run_id})
+        unseen = [r for r in counts if r != run_id and r not in record.history and not _read(records, r, run_id)]
+        caps = Caps.recorded(record.caps)
+        if len(read_ids) + len(unseen) == at and all(r < run_id for r in read_ids + unseen):
+            broken = caps_broken(*running[run_id], caps)  # (read: exactly the `at` runs before it)
+        else:
+            own = to_pandas(as_text(counts[run_id]))
+            broken = over_caps(own, to_pandas(as_text(sum_counts([counts[r] for r in read_ids + unseen]))), caps)
         # runs committed again since this walk read them: their files now are not what it counted
         since = [r for r in read_ids if r in records and records[r].digest != record.history[r]]
-        findings += cap_lines(run_id, *over_caps(own, prior, Caps.recorded(record.caps)), since, unseen)
+        findings += cap_lines(run_id, *broken, since, unseen)
     return findings
+
+
+def running_priors(counts: dict[str, pa.Table]) -> dict[str, tuple[pd.DataFrame, pd.Series]]:
+    """For each run of `counts` (run_id -> `sum_counts`, in run_id order): its pairs (macro, site, n_kept) with
+    `prior`, the pair's kept rows in the runs before it, and the kept rows per macro in the runs before it:
+    `filtering.caps_broken`'s arguments for a walk that read exactly those runs. One pass over all runs."""
+    if not counts:
+        return {}
+    tables = [as_text(c).append_column("run", pa.array([r] * c.num_rows, pa.string())) for r, c in counts.items()]
+    frame = to_pandas(pa.concat_tables(tables))
+    frame["prior"] = frame.groupby(["macro", "site"], sort=False)["n_kept"].cumsum() - frame["n_kept"]
+    per_macro = frame.groupby(["run", "macro"], sort=False)["n_kept"].sum()
+    macro_prior = per_macro.groupby(level="macro", sort=False).cumsum() - per_macro
+    macros = {r: prior.droplevel("run") for r, prior in macro_prior.groupby(level="run", sort=False)}
+    pairs = frame[["macro", "site", "n_kept", "prior"]]
+    starts = np.flatnonzero(frame["run"].ne(frame["run"].shift()).to_numpy())  # (each run's rows are together)
+    ends = [*starts[1:], len(frame)]
+    return {r: (pairs.iloc[a:b], macros[r]) for r, a, b in zip(counts, starts, ends)}
 
 
 def _read(records: dict[str, CommitRecord], reader: str, run_id: str) -> bool:

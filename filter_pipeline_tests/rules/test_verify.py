@@ -1,18 +1,25 @@
 """The audit's rules on tables and records (`rules/verify.py`; `storage/test_audit.py` reads them off a
 warehouse): caps with the history a walk read, keys kept twice, conservation, and how many lines are shown."""
 
+import random
+
 import pyarrow as pa
 import pytest
 
 from filter_pipeline.rules.commits import CommitRecord
+from filter_pipeline.rules.filtering import Caps, over_caps
+from filter_pipeline.rules.history import as_text, kept_pairs, sum_counts
+from filter_pipeline.rules.schemas import to_pandas
 from filter_pipeline.rules.verify import (
     MAX_LINES_PER_KIND,
     Finding,
     cap_findings,
+    cap_lines,
     capped,
     conservation,
     duplicate_findings,
     duplicate_suspects,
+    running_priors,
     suspect_rows,
 )
 
@@ -73,6 +80,45 @@ def test_a_macro_target_counts_every_site_of_the_macro():
     assert cap_findings({"r1": r1, "r2": r2}, live) == [
         Finding("cap", "run r2: macro m holds 3 kept rows with the history it read, over its target 2")
     ]
+
+
+def test_running_priors_count_for_each_run_the_kept_rows_of_the_runs_before_it():
+    live = {
+        "r1": kept(("a", "k1", "m", "s"), ("b", "k2", "m", "t")),
+        "r2": kept(("c", "k3", "n", "s"), ("d", "k4", "m", "s")),
+        "r3": kept(("e", "k5", "m", "s"), ("f", "k6", "n", "u")),
+    }
+    running = running_priors({r: sum_counts([kept_pairs(t)]) for r, t in live.items()})
+    first_pairs, first_macros = running["r1"]
+    assert first_pairs["prior"].tolist() == [0, 0] and first_macros.to_dict() == {"m": 0}
+    pairs, macros = running["r3"]
+    assert dict(zip(zip(pairs["macro"], pairs["site"]), pairs["prior"])) == {("m", "s"): 2, ("n", "u"): 0}
+    assert macros.to_dict() == {"m": 3, "n": 1}
+
+
+def test_findings_are_the_same_whether_a_walk_read_the_runs_before_it_or_any_others():
+    # running totals answer for walks that read exactly the runs before them; summing the runs read answers for
+    # the others (a run walked again, walks blind to each other): both give what summing would give everywhere
+    rng = random.Random(7)
+    runs = [f"r{i:02d}" for i in range(12)]
+    live = {
+        r: kept(*((f"{r}-{j}", f"{r}-{j}", f"m{rng.randrange(3)}", f"s{rng.randrange(4)}") for j in range(5)))
+        for r in runs
+    }
+    caps = {"per_site_cap": 6, "caps": {"m1": {"target": 25}, "m2": {"site_cap": 4}}}
+    records: dict[str, CommitRecord] = {}
+    for at, r in enumerate(runs):
+        read = runs[:at] if rng.random() < 0.6 else rng.sample([o for o in runs if o != r], rng.randrange(len(runs)))
+        records[r] = record(r, caps=caps, history={o: "digest" for o in read}, kept=5)
+    found = cap_findings(records, live)
+    counts = {r: sum_counts([kept_pairs(t)]) for r, t in live.items()}
+    summed = []
+    for r, rec in records.items():
+        unseen = [o for o in runs if o != r and o not in rec.history and r not in records[o].history]
+        prior = sum_counts([counts[o] for o in sorted(rec.history) + unseen])
+        broken = over_caps(to_pandas(as_text(counts[r])), to_pandas(as_text(prior)), Caps.recorded(caps))
+        summed += cap_lines(r, *broken, sorted(rec.history), unseen)
+    assert len(found) > 3 and found == summed
 
 
 def test_a_key_kept_by_two_runs_is_one_finding_naming_both_and_a_hash_alone_is_none():
