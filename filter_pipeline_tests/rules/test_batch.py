@@ -66,6 +66,20 @@ def test_non_utf8_and_overlong_lines_are_rejected(tmp_path, monkeypatch):
     assert b.rejects["raw"].str.len().max() <= 4096
 
 
+def test_the_line_limit_counts_the_carriage_return_of_a_crlf_line(tmp_path, monkeypatch):
+    for module in (records_module, batch_module):  # (the record checks and the whole-file reader's own check)
+        monkeypatch.setattr(module, "MAX_LINE_BYTES", 1000)
+    line = json.dumps(task("edge", instruction=""))
+    line = json.dumps(task("edge", instruction="x" * (1000 - len(line))))  # exactly the limit
+    for ending, kept in ((b"\n", True), (b"\r\n", False)):
+        run = write_batch(tmp_path / ending.hex(), "r", [task("a")], [attempt("a")])
+        with open(run / "tasks.jsonl", "ab") as f:
+            f.write(line.encode() + ending)
+        b = read_batch(UPath(run), "r")
+        assert ("edge" in b.tasks["task_id"].tolist()) is kept
+        assert bool(b.rejects["message"].str.contains("line is 1,001 bytes").any()) is not kept
+
+
 @pytest.mark.parametrize(
     "record, field",
     [
