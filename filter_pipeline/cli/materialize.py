@@ -35,6 +35,7 @@ from filter_pipeline.shell.jobs import (
     filter_job,
     first_walk_tags,
 )
+from filter_pipeline.shell.orphans import cli_process_tag, fail_orphaned_runs
 from filter_pipeline.shell.sensors import (
     changed_warning,
     legacy_run_ids,
@@ -184,6 +185,8 @@ def materialize(args: argparse.Namespace, signals: Signals | None = None) -> int
         raise _unreadable(data, exc) from None
     run_ids = _in_ledger_order(data, found, named=bool(args.run_ids))
     instance = _instance(home)
+    for line in fail_orphaned_runs(instance):
+        print(line, file=sys.stderr, flush=True)
     _complete_publishes(data)
     for name in sorted(incomplete):
         print(
@@ -319,6 +322,7 @@ def _run_batches(
             PARTITION_TAG: run_id,
             ORDER_MAX_WAIT_TAG: "0",
             **first_walk_tags([run_id] if run_id in first_walks else []),
+            **cli_process_tag(),
         }
         if run_id in rejudge:
             tags.update(rejudge_tags(rejudge[run_id]))
@@ -440,7 +444,11 @@ def _refresh_across_runs(instance: dg.DagsterInstance, only: list[dg.AssetKey] |
     """Materialize coverage (at the deployment's caps) and judge calibration, or `only` those assets, over every
     run in a run of their own."""
     result = dg.execute_job(
-        dg.reconstructable(cli_across_runs_job), instance, run_config=_run_config({}, []), asset_selection=only
+        dg.reconstructable(cli_across_runs_job),
+        instance,
+        run_config=_run_config({}, []),
+        tags=cli_process_tag(),
+        asset_selection=only,
     )
     if not result.success:
         names = " / ".join(k.path[-1] for k in only) if only else "coverage / judge_calibration"

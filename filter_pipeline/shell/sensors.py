@@ -41,6 +41,7 @@ from filter_pipeline.shell.jobs import (
     rejudge_job,
 )
 from filter_pipeline.shell.ledger import LEDGER_SPECS
+from filter_pipeline.shell.orphans import IN_FLIGHT_RUNS_LIMIT, NOT_FINISHED_STATUSES, fail_orphaned_runs
 from filter_pipeline.shell.waiting import DEFERRED_TAG
 from filter_pipeline.shell.warehouse import DataRoot
 from filter_pipeline.storage import failures
@@ -49,12 +50,7 @@ from filter_pipeline.storage.runs import complete_batches, count_records
 
 JUDGE_JOB = judge_job.name
 LEDGER_JOB = ledger_job.name
-NOT_FINISHED_STATUSES = [
-    dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.STARTING,
-    dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.CANCELING,
-]  # fmt: skip
 SENSOR_INTERVAL_SECONDS = 10
-IN_FLIGHT_RUNS_LIMIT = 10_000
 # the most batches one ledger run walks: its step holds the judge verdicts of all of them in memory at once
 LEDGER_RANGE_LIMIT = 50
 
@@ -409,6 +405,8 @@ def plan_ledger(
     walk narrowed to one block of registration order: (to register, to judge, to walk, why, busy run_ids,
     registration order)."""
     registration_order = register_legacy_runs(context, data, batches, commits)
+    for line in fail_orphaned_runs(context.instance):  # (else in flight for ever: their batches never picked up)
+        context.log.warning(line)
     busy = in_flight_partitions(context.instance, registration_order)
     elsewhere = [r for r in registration_order if r in commits and r not in busy]
     for run_id in record_committed_elsewhere(context.instance, elsewhere, commits):
