@@ -345,7 +345,7 @@ def committed_files(root: UPath, run_id: str, files: dict[str, UPath]) -> tuple[
         return None, files
     except ValueError as exc:
         return {"error": str(exc)}, files
-    entries = {a: e for a, e in record.files.items() if a in ASSETS and a in files}
+    entries = {a: e for a, e in record.files.items() if a in ASSETS}
     return json.loads(record.to_json()), files | committed_paths(root, run_id, entries)
 
 
