@@ -91,7 +91,9 @@ def verdicts_saved(data, run_id: str) -> int:
         return _rows(done)
     saved = ProgressStore(data.judge_progress(run_id)).load(logging.getLogger(__name__))
     # (the parts hold the tries left unjudged too, whose spend they keep: only verdicts count here, once each)
-    return 0 if saved is None else saved.loc[saved["status"] == STATUS_JUDGED, "cache_key"].nunique()
+    if saved is None or not {"status", "cache_key"} <= set(saved.columns):
+        return 0
+    return saved.loc[saved["status"] == STATUS_JUDGED, "cache_key"].nunique()
 
 
 def _rows(path) -> int:

@@ -65,12 +65,12 @@ def cap_findings(records: dict[str, CommitRecord], live: dict[str, pa.Table]) ->
     A walk that read exactly the runs before its own in run_id order (each first walk of a batch a day) has
     its prior from running totals (`running_priors`), so a warehouse's history is not summed again per run."""
     counts = {r: sum_counts([kept_pairs(t)]) for r, t in sorted(live.items()) if t.num_rows}
-    running, runs = running_priors(counts), set(counts)
+    running, position, runs = running_priors(counts), {r: at for at, r in enumerate(counts)}, set(counts)
     findings = []
-    for at, run_id in enumerate(counts):
-        record = records.get(run_id)
-        if record is None:
+    for run_id, record in records.items():
+        if run_id not in runs:
             continue
+        at = position[run_id]  # (how many runs with kept rows come before it in run_id order)
         read_ids = sorted(set(record.history) & runs - {run_id})
         unseen = [r for r in counts if r != run_id and r not in record.history and not _read(records, r, run_id)]
         caps = Caps.recorded(record.caps)

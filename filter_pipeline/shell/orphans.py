@@ -1,17 +1,21 @@
 """Runs a `filter-pipeline materialize` process started and did not live to end.
 
-The CLI executes its runs in its own process. Killed outright (SIGKILL, the kernel's OOM killer, a machine
-that lost power), it cannot record how its run ended, and Dagster shows the run as started for ever; the
-batch sensor, which leaves alone a batch with a run in flight, would never pick that batch up again. Every run
-the CLI executes is tagged with the process that executes it (`cli_process_tag`); a run not finished whose
-process, of this machine, no longer runs is marked failed (`fail_orphaned_runs`) by the next `materialize`
-and by the sensor's next tick. A process of another machine or container is never judged.
+The CLI executes its runs in its own process. Killed outright (`kill -9`, the kernel's OOM killer), it cannot
+record how its run ended, and Dagster shows the run as started for ever; the batch sensor, which leaves alone
+a batch with a run in flight, would never pick that batch up again. Every run the CLI executes with all its
+steps in its own process (the in-process executor, the default) is tagged with that process
+(`cli_process_tag`); a run not finished whose process, of this machine, no longer runs is marked failed
+(`fail_orphaned_runs`) by the next `materialize` and by the sensor's next tick. A process of another machine,
+container or boot is never judged, nor one where the system does not say which machine it is (off Linux).
 """
+
+import os
 
 import dagster as dg
 
+from filter_pipeline.settings import DEFAULT_EXECUTOR, EXECUTOR_ENV, materialize_command
 from filter_pipeline.shell.jobs import PARTITION_TAG
-from filter_pipeline.storage.files import writer_gone, writer_named
+from filter_pipeline.storage.files import MACHINE, writer_gone, writer_named
 
 # run tag: the `filter-pipeline materialize` process executing the run (`storage.files.writer_named`: this
 # machine, its PID namespace and the pid)
@@ -25,8 +29,12 @@ IN_FLIGHT_RUNS_LIMIT = 10_000
 
 
 def cli_process_tag() -> dict[str, str]:
-    """The tag naming this process, for a run it executes itself."""
-    return {CLI_PROCESS_TAG: writer_named("materialize")}
+    """The tag naming this process, for a run it executes itself; none where a step may outlive it (the
+    multiprocess executor's steps run in processes of their own) or where the system does not say which
+    machine and PID namespace this is (a pid alone could be another machine's)."""
+    executor = os.environ.get(EXECUTOR_ENV) or DEFAULT_EXECUTOR
+    in_process = executor == dg.in_process_executor.name
+    return {CLI_PROCESS_TAG: writer_named("materialize")} if in_process and MACHINE else {}
 
 
 def fail_orphaned_runs(instance: dg.DagsterInstance) -> list[str]:
@@ -40,11 +48,12 @@ def fail_orphaned_runs(instance: dg.DagsterInstance) -> list[str]:
         process = run.tags.get(CLI_PROCESS_TAG)
         if process is None or not writer_gone(process):
             continue
-        pid = process.rsplit(".", 2)[-2]
+        pid, batch = process.rsplit(".", 2)[-2], run.tags.get(PARTITION_TAG)
         message = (
             f"the filter-pipeline materialize process running it (pid {pid}) ended before the run did (killed): "
-            "marked failed; what it saved stays, and the next materialize or the batch sensor picks its batch up"
+            "marked failed, no longer in flight; what it saved stays"
+            + (f", and `{materialize_command(batch)}` resumes it" if batch else "")
         )
         instance.report_run_failed(run, message)
-        lines.append(f"run {run.run_id} ({run.tags.get(PARTITION_TAG, run.job_name)}): {message}")
+        lines.append(f"run {run.run_id} ({batch or run.job_name}): {message}")
     return lines

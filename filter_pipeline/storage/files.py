@@ -279,23 +279,26 @@ def folder_entries(folder: UPath) -> list[tuple[str, bool]]:
     symlink is followed, as the stage follows it)."""
     return [
         (name, info["type"] == "directory" or bool(info.get("islink")) and folder.fs.isdir(info["name"]))
-        for name, info in listing(folder).items()
+        for name, info in listing(folder)
     ]
 
 
-def listing(folder: UPath, fresh: bool = False) -> dict[str, dict]:
-    """name -> the store's information (type, size, and on object storage the ETag) of each entry of `folder`,
-    from one listing (no stat per entry on object storage); {} when the folder does not exist or is a file
-    (which a listing gives as its own entry, as it gives an object store's folder marker). `fresh`: not from
-    the filesystem's cache of listings, which would hide another writer's new files."""
+def listing(folder: UPath, fresh: bool = False) -> list[tuple[str, dict]]:
+    """(name, the store's information: type, size, and on object storage the ETag) of each entry of `folder`,
+    from one listing (no stat per entry on object storage; an object store may list a file and a folder of one
+    name); none when the folder does not exist or is a file (which a listing gives as its own entry, as it
+    gives an object store's folder marker). `fresh`: not from the filesystem's cache of listings, which would
+    hide another writer's new files."""
     if fresh:
         folder.fs.invalidate_cache(folder.path)
     try:
         listed = folder.fs.ls(folder.path, detail=True)
     except (FileNotFoundError, NotADirectoryError):
-        return {}
+        return []
     itself = folder.path.rstrip("/")
-    return {info["name"].rstrip("/").rsplit("/", 1)[-1]: info for info in listed if info["name"].rstrip("/") != itself}
+    return [
+        (info["name"].rstrip("/").rsplit("/", 1)[-1], info) for info in listed if info["name"].rstrip("/") != itself
+    ]
 
 
 def fsync_folder(folder: str) -> None:

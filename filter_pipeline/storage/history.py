@@ -55,7 +55,7 @@ def commit_versions(warehouse: UPath) -> dict[str, str]:
     listed = listing(warehouse / COMMITS_DIR, fresh=True)
     return {
         name.removesuffix(".json"): etag(info)
-        for name, info in listed.items()
+        for name, info in listed
         if info["type"] == "file" and name.endswith(".json")
     }
 

@@ -127,3 +127,7 @@ def test_the_verdicts_an_interrupt_says_are_saved_count_each_judged_prompt_once(
     # a (saved twice: two parts of an interrupted materialization and its resume), b (an unjudged try, then
     # judged), c
     assert verdicts_saved(data, "r1") == 3
+    for part in folder.iterdir():
+        part.unlink()
+    pq.write_table(pa.table({"cache_key": ["a"]}), folder / "part-x.parquet")  # (no status: no verdict it can tell)
+    assert verdicts_saved(data, "r1") == 0

@@ -68,6 +68,17 @@ def test_a_run_whose_process_may_still_run_stays_in_flight(instance, data_root, 
     assert status(instance, running) == dg.DagsterRunStatus.STARTED
 
 
+def test_no_run_is_tagged_where_a_step_may_outlive_the_cli_or_the_machine_is_unknown(monkeypatch):
+    from filter_pipeline.shell import orphans
+
+    assert set(orphans.cli_process_tag()) == {CLI_PROCESS_TAG}
+    monkeypatch.setenv("FILTER_PIPELINE_EXECUTOR", "multiprocess")  # (each step a process of its own)
+    assert orphans.cli_process_tag() == {}
+    monkeypatch.setenv("FILTER_PIPELINE_EXECUTOR", "in_process")
+    monkeypatch.setattr(orphans, "MACHINE", None)  # (off Linux: a pid alone could be another machine's)
+    assert orphans.cli_process_tag() == {}
+
+
 @pytest.mark.slow
 def test_materialize_marks_a_killed_runs_failed_and_tags_its_own_runs(cli, dagster_home, data_root, monkeypatch):
     write_batch(data_root, "r1", [task("a"), task("b")], [attempt("a"), attempt("b")])
