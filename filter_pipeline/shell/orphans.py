@@ -39,8 +39,8 @@ def cli_process_tag() -> dict[str, str]:
 
 def fail_orphaned_runs(instance: dg.DagsterInstance) -> list[str]:
     """Mark failed every run not finished that a `filter-pipeline materialize` process of this machine
-    executed and that process no longer runs; one line per run marked, saying what happened and that its batch
-    is picked up again. A run whose process runs, or ran elsewhere, is left as it is."""
+    executed and that process no longer runs; one line per run marked, saying what happened and which command
+    resumes its batch. A run whose process runs, or ran elsewhere, is left as it is."""
     records = instance.get_run_records(dg.RunsFilter(statuses=NOT_FINISHED_STATUSES), limit=IN_FLIGHT_RUNS_LIMIT)
     lines = []
     for record in records:
