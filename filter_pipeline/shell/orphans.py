@@ -15,7 +15,7 @@ import dagster as dg
 
 from filter_pipeline.settings import DEFAULT_EXECUTOR, EXECUTOR_ENV, materialize_command
 from filter_pipeline.shell.jobs import PARTITION_TAG
-from filter_pipeline.storage.files import MACHINE, writer_gone, writer_named
+from filter_pipeline.storage.files import MACHINE, writer_gone, writer_named, writer_pid
 
 # run tag: the `filter-pipeline materialize` process executing the run (`storage.files.writer_named`: this
 # machine, its PID namespace and the pid)
@@ -48,7 +48,7 @@ def fail_orphaned_runs(instance: dg.DagsterInstance) -> list[str]:
         process = run.tags.get(CLI_PROCESS_TAG)
         if process is None or not writer_gone(process):
             continue
-        pid, batch = process.rsplit(".", 2)[-2], run.tags.get(PARTITION_TAG)
+        pid, batch = writer_pid(process), run.tags.get(PARTITION_TAG)
         message = (
             f"the filter-pipeline materialize process running it (pid {pid}) ended before the run did (killed): "
             "marked failed, no longer in flight; what it saved stays"

@@ -104,6 +104,12 @@ def name_head(name: str) -> str:
     return name if parts is None else parts[0]
 
 
+def writer_pid(name: str) -> str | None:
+    """The pid in a name `writer_named` made (None for a name of another form)."""
+    parts = _name_parts(name)
+    return None if parts is None else parts[2]
+
+
 def writer_gone(name: str) -> bool:
     """Whether what is named `name` (`writer_named`) was written by a process of this machine and PID namespace
     that no longer runs: what it left can go at once. A writer of elsewhere, or a name of another form, is

@@ -10,7 +10,7 @@ import dagster as dg
 import pytest
 
 from filter_pipeline.shell.orphans import CLI_PROCESS_TAG
-from filter_pipeline.storage.files import writer_named
+from filter_pipeline.storage.files import writer_named, writer_pid
 from filter_pipeline_tests.builders import LogLines, attempt, sensor_context, task, write_batch
 from filter_pipeline_tests.shell.test_sensors import judged, requests, run_in_instance
 
@@ -92,5 +92,5 @@ def test_materialize_marks_a_killed_runs_failed_and_tags_its_own_runs(cli, dagst
     with dg.DagsterInstance.get() as instance:
         assert status(instance, killed) == dg.DagsterRunStatus.FAILURE
         own = [r for r in instance.get_runs() if r.run_id != killed.run_id]
-        processes = {r.tags.get(CLI_PROCESS_TAG, "").rsplit(".", 2)[-2] for r in own}
-    assert own and processes.isdisjoint({"", str(os.getpid())})  # each named the CLI's process
+        processes = {writer_pid(r.tags.get(CLI_PROCESS_TAG, "")) for r in own}
+    assert own and processes.isdisjoint({None, str(os.getpid())})  # each named the CLI's process
