@@ -18,7 +18,7 @@ import threading
 import time
 import uuid
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -125,14 +125,19 @@ class ProgressStore:
     loaded: list = field(default_factory=list)  # parts read at the start
     written: list = field(default_factory=list)  # parts this materialization wrote
 
-    def load(self, log: logging.Logger) -> pd.DataFrame | None:
-        """Every saved part's verdicts; a part that cannot be read is skipped with a warning."""
+    def load(self, log: logging.Logger, counted: Collection[str] = ()) -> pd.DataFrame | None:
+        """Every saved part's verdicts but those of the parts named in `counted` (the previous judge_verdicts was
+        built from them: a kill came between its writing and their removal); a part that cannot be read is
+        skipped with a warning. `remove` removes every part read or counted."""
         try:
             paths = progress_parts(self.folder)
         except OSError:
             paths = []
         frames = []
         for path in paths:
+            if path.name in counted:
+                self.loaded.append(path)
+                continue
             try:
                 with path.open("rb") as f:
                     frames.append(read_parquet_file(f).to_pandas())
@@ -140,6 +145,10 @@ class ProgressStore:
             except (OSError, ValueError, pa.ArrowException) as exc:
                 log.warning(f"judge progress part {path} skipped: it cannot be read ({type(exc).__name__})")
         return pd.concat(frames, ignore_index=True) if frames else None
+
+    def part_names(self) -> list[str]:
+        """The names of the parts read at the start and written since: what verdicts built now were built from."""
+        return [path.name for path in (*self.loaded, *self.written)]
 
     def save(self, table: pa.Table) -> None:
         self._seq += 1

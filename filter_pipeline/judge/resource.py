@@ -26,6 +26,7 @@ from filter_pipeline.rules.schemas import (
     EVIDENCE_TRAJECTORY,
     GATE_VOTES,
     GATE_WHY,
+    JUDGE_PROGRESS_PARTS,
     SPEND_COUNTS,
     STATUS_JUDGED,
     evidence_kind,
@@ -136,7 +137,8 @@ def _llm_judgement(
     log: logging.Logger,
 ) -> Judgement:
     config, prices = resource.settings(), resource.prices()
-    saved = progress.load(log) if progress is not None else None
+    counted = previous.attrs.get(JUDGE_PROGRESS_PARTS, ()) if previous is not None else ()
+    saved = progress.load(log, counted) if progress is not None else None
     reusable, resumable = driver.reusable_verdicts(previous, saved)
     log.info(
         f"llm judge: {len(requests)} tasks; {len(reusable)} verdicts on file for this run, {resumable} of them "
@@ -157,6 +159,8 @@ def _llm_judgement(
     metadata.update(min_score=config.min_score or "not set", below_min_score=int(below.sum()))
     earlier = driver.earlier_spend(previous, requests, frame["cache_key"], saved)
     verdicts = _with_earlier_spend(verdicts, earlier, prices)
+    if progress is not None:
+        verdicts.attrs[JUDGE_PROGRESS_PARTS] = progress.part_names()
     return Judgement(verdicts, metadata, written=progress.remove if progress is not None else lambda: 0)
 
 

@@ -177,6 +177,9 @@ BOOL = pa.bool_()
 JUDGED_INPUTS = "judged_inputs"
 # and in `attrs[JUDGED_BY]` the judge that judged them (`JudgeResource.identity`: what its commit record names)
 JUDGED_BY = "judged_by"
+# and in `attrs[JUDGE_PROGRESS_PARTS]` the names of the saved-progress parts (`judge.driver.ProgressStore`) it
+# was built from: parts a kill left behind the file are removed by the next materialization, not counted again
+JUDGE_PROGRESS_PARTS = "judge_progress_parts"
 
 _VERDICT_FIELDS = [
     ("task_id", STR),

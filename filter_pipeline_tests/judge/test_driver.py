@@ -389,6 +389,26 @@ def test_a_try_left_unjudged_by_a_materialization_that_did_not_finish_is_carried
     assert again.loc["a", "cached"] and again.loc["a", "requests"] == 1
 
 
+def test_a_kill_between_writing_judge_verdicts_and_removing_its_parts_does_not_count_their_tries_twice(
+    pipeline, monkeypatch
+):
+    write_batch(pipeline.data_root, "r1", [task("a"), task("b")], [attempt("a"), attempt("b")])
+    down_for_b = lambda call, n: Reply(status=503, body="{}") if "do b" in call.prompt else Reply(content=PASS)  # noqa: E731
+    with FakeOpenAI(down_for_b) as server, monkeypatch.context() as killed:
+        killed.setattr(driver.ProgressStore, "remove", lambda self: 0)  # (killed once judge_verdicts is written)
+        pipeline.run(llm(server, votes=1, task_budget_seconds=0.5))
+        tried = len(server.calls) - 1
+    first = pipeline.output("judge_verdicts").set_index("task_id")
+    assert first.loc["b", "status"] == "error" and first.loc["b", "requests"] == tried
+    assert progress_rows(pipeline.data_root) == 2  # left behind: a's verdict and b's tries, both in the file too
+    with FakeOpenAI(lambda call, n: Reply(content=PASS)) as healthy:
+        pipeline.run(llm(healthy, votes=1))
+        assert len(healthy.calls) == 1
+    again = pipeline.output("judge_verdicts").set_index("task_id")
+    assert again.loc["b", "status"] == "judged" and again.loc["b", "requests"] == tried + 1  # each try once
+    assert again.loc["a", "requests"] == 1 and progress_rows(pipeline.data_root) == 0
+
+
 def test_the_earlier_spend_of_saved_progress_goes_to_the_first_request_asking_its_prompt():
     from filter_pipeline.judge.driver import earlier_spend
 
