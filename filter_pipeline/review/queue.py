@@ -96,7 +96,8 @@ def queue_state(attempts: pd.DataFrame, labels: pd.DataFrame) -> tuple[pd.DataFr
     labelled attempt, and under `sample` over the random sample's labels as far as all of it is labelled, in
     queue order: the unbiased estimate)."""
     latest = latest_labels(labels, attempts)
-    labelled = attempts.merge(latest, on="dir")
+    # each label once, scored against the verdict of the latest run that judged its attempt (as `order` queues it)
+    labelled = attempts.drop_duplicates("dir", keep="last").merge(latest, on="dir")
     queue = order(attempts, set(labelled["site"].dropna()))
     done = queue["dir"].isin(set(latest["dir"])).to_numpy(bool)
     # the sample's labels up to its first attempt not labelled yet, in queue order: labels given elsewhere, or

@@ -68,6 +68,14 @@ def test_an_attempt_two_runs_judged_is_queued_as_the_latest_runs_whose_verdict_i
     assert set(scored["run_id"]) == {"r2"} and len(scored) == 3
 
 
+def test_a_label_of_an_attempt_two_runs_judged_counts_once_against_the_latest_runs_verdict():
+    first, copy = attempts(1, run_id="r1"), attempts(1, run_id="r1").assign(run_id="r2", passed=False)
+    labels, _ = parse_labels(json.dumps({"dir": first["dir"][0], "success": True}).encode() + b"\n")
+    figures = queue_state(pd.concat([first, copy], ignore_index=True), labels)[2]
+    # as judge_calibration scores it: one label, of an attempt the latest run's judge failed
+    assert (figures["labelled"], figures["judge_passed_labelled"], figures["precision"]) == (1, 0, None)
+
+
 def test_attempts_keep_their_order_and_the_sample_its_members_as_runs_are_added(monkeypatch):
     from filter_pipeline.review import queue as queue_module
 
