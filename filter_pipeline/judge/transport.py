@@ -159,9 +159,10 @@ class Transport:
         self._no_usage_told = False
         base = urlsplit(config.base_url)  # (a query stays after the path: Azure OpenAI's ?api-version=...)
         self.url = urlunsplit(base._replace(path=base.path.rstrip("/") + "/chat/completions"))
-        self.public_url = public_url(self.url)
         if config.api_key and "@" in base.netloc:  # the bearer token authenticates; aiohttp refuses both at once
-            self.url = urlunsplit(urlsplit(self.public_url)._replace(query=base.query))
+            self.url = urlunsplit(urlsplit(public_url(self.url))._replace(query=base.query))
+        # what every line about the endpoint names it: a gateway may take the key in the URL's path too
+        self.public_url = config.redact(public_url(self.url))
         self.headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
         self.rate = RateController(config.concurrency, config.task_budget_seconds)
         self.session: aiohttp.ClientSession | None = None

@@ -149,6 +149,19 @@ def test_a_key_the_server_echoes_across_the_cut_of_its_message_is_redacted_whole
     assert not any("sk-secret" in text for text in [verdict.why, *told]), told
 
 
+def test_a_key_in_the_base_urls_path_never_reaches_a_line_naming_the_endpoint():
+    from filter_pipeline.judge.rate import EndpointRefused
+
+    key = "sk-secret-key-0123456789"
+    with FakeOpenAI() as server:  # a gateway keyed by its path: no such route here, so a 404, a refusal
+        gateway = settings(server, base_url=f"{server.base_url}/k/{key}", api_key=key)
+        with pytest.raises(EndpointRefused) as refused:
+            judge_prompts([prompt("a")], gateway)
+    assert "/v1/k/***/chat/completions" in str(refused.value) and key not in str(refused.value), refused.value
+    # (the name every line about the endpoint gives it: retries, a spent budget, no usage reported)
+    assert Transport(gateway).public_url == f"{server.base_url}/k/***/chat/completions"
+
+
 def test_an_unreachable_endpoint_is_unjudged_not_a_crash():
     with FakeOpenAI() as server:
         url = server.base_url
