@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from filter_pipeline.judge.prompt import prompt_of
-from filter_pipeline.judge.rate import EndpointRefused, RateController, TaskBudget, Unanswered
+from filter_pipeline.judge.rate import EndpointRefused, TaskBudget, Unanswered
 from filter_pipeline.judge.replies import NO_CHOICES, Choice, Parts, parse_reply, strip_reasoning
 from filter_pipeline.judge.transport import JudgeSetupError, Rejected, Transport, ssl_context
 from filter_pipeline.rules.schemas import (
@@ -34,7 +34,7 @@ from filter_pipeline.rules.schemas import (
 if TYPE_CHECKING:
     from filter_pipeline.judge.config import LLMJudgeConfig
 
-__all__ = ["EndpointRefused", "JudgeClient", "JudgeSetupError", "RateController", "judge_prompts", "ssl_context"]
+__all__ = ["EndpointRefused", "JudgeClient", "JudgeSetupError", "judge_prompts", "ssl_context"]
 
 REFUSAL_MAX_CHARS = 300  # of a model's refusal, quoted in the verdict's why
 REPAIR_PROMPT = (
@@ -332,9 +332,7 @@ class JudgeClient:
             return choices
 
 
-def judge_prompts(
-    prompts: list[list[dict]], config: "LLMJudgeConfig", on_done: Callable[[int], None] = lambda n: None
-) -> list[TaskVerdict]:
+def judge_prompts(prompts: list[list[dict]], config: "LLMJudgeConfig") -> list[TaskVerdict]:
     """One verdict per prompt, in order, through one JudgeClient. Per-task trouble is status error; a
     refusing endpoint raises EndpointRefused."""
     if not prompts:
@@ -342,15 +340,6 @@ def judge_prompts(
 
     async def run() -> list[TaskVerdict]:
         async with JudgeClient(config) as client:
-            done = 0
-
-            async def one(messages: list[dict]) -> TaskVerdict:
-                nonlocal done
-                verdict = await client.judge(messages)
-                done += 1
-                on_done(done)
-                return verdict
-
-            return await _all(one(m) for m in prompts)
+            return await _all(client.judge(m) for m in prompts)
 
     return asyncio.run(run())

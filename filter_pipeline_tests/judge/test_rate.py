@@ -7,14 +7,9 @@ import time
 
 import pytest
 
-from filter_pipeline.judge.client import (
-    EndpointRefused,
-    JudgeClient,
-    RateController,
-    judge_prompts,
-)  # fmt: skip
+from filter_pipeline.judge.client import EndpointRefused, JudgeClient, judge_prompts
 from filter_pipeline.judge.config import LLMJudgeConfig
-from filter_pipeline.judge.rate import PROBE_REQUESTS
+from filter_pipeline.judge.rate import PROBE_REQUESTS, RateController
 from filter_pipeline_tests.judge.asking import PASS, prompt, settings
 from filter_pipeline_tests.openai_server import FakeOpenAI, RateLimit, Reply, error_body
 
