@@ -6,7 +6,7 @@ import pyarrow as pa
 from upath import UPath
 
 from filter_pipeline.rules.batch import LEGACY_KEPT_FILE
-from filter_pipeline.rules.commits import COMMITS_DIR, CommitRecord, HistoryIntegrityError, commit_file
+from filter_pipeline.rules.commits import COMMITS_DIR, CommitRecord, HistoryIntegrityError
 from filter_pipeline.rules.history import HistoryError, drop_retired, open_kept, parse_legacy
 from filter_pipeline.rules.verify import (
     Finding,
@@ -33,6 +33,7 @@ from filter_pipeline.storage.history import (
     kept_files,
     legacy_kept_files,
     load_retired,
+    names_no_kept_file,
     read_commit,
     verified_bytes,
 )
@@ -45,9 +46,12 @@ def _commits(warehouse: UPath) -> tuple[dict[str, CommitRecord], list[Finding]]:
     records, findings = {}, []
     for run_id in files_in(warehouse / COMMITS_DIR, ".json"):
         try:
-            records[run_id] = read_commit(warehouse, run_id)
+            record = read_commit(warehouse, run_id)
         except HistoryIntegrityError as exc:
             findings.append(Finding("commit", str(exc)))
+            continue
+        if record is not None:  # (None: deleted since it was listed, as `read_commits` reads it)
+            records[run_id] = record
     return records, findings
 
 
@@ -57,8 +61,7 @@ def _kept_rows(
     """The columns of a committed run's kept file, verified against its commit (None, with a finding, if not)."""
     entry = record.files.get("kept")
     if entry is None:
-        findings.append(Finding("commit", f"{commit_file(run_id)} names no kept file: re-filter {run_id} "
-                                          f"with `{materialize_command(run_id)}`"))  # fmt: skip
+        findings.append(Finding("commit", names_no_kept_file(run_id)))
         return None
     try:
         return open_kept(verified_bytes(data_root, run_id, entry), entry["path"], run_id).read(columns=columns)

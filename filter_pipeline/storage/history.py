@@ -144,6 +144,15 @@ def _checked(path: UPath, run_id: str, entry: dict) -> bytes:
     return check_committed(data, run_id, entry)
 
 
+def names_no_kept_file(run_id: str) -> str:
+    """What a commit record naming no kept file means, and the mend: no walk reads history past it, its run's own
+    included, until it is gone."""
+    return (
+        f"{commit_file(run_id)} names no kept file: delete it and re-filter {run_id} with "
+        f"`{materialize_command(run_id)}`"
+    )
+
+
 def history_sources(data_root: UPath, commits: dict[str, CommitRecord]) -> dict[str, tuple[str, UPath, dict | None]]:
     """run_id -> ("warehouse", its committed kept file, the commit's entry) for each committed run, or
     ("legacy", runs/<run>/kept.jsonl, None) for a run with a legacy file and no commit."""
@@ -153,10 +162,7 @@ def history_sources(data_root: UPath, commits: dict[str, CommitRecord]) -> dict[
     for run_id, record in commits.items():
         entry = record.files.get("kept")
         if entry is None:
-            raise HistoryIntegrityError(
-                f"{commit_file(run_id)} names no kept file: delete it and re-filter {run_id} with "
-                f"`{materialize_command(run_id)}`"
-            )
+            raise HistoryIntegrityError(names_no_kept_file(run_id))
         sources[run_id] = ("warehouse", data_root / entry["path"], entry)
     return dict(sorted(sources.items()))
 

@@ -155,6 +155,24 @@ def test_a_committed_file_that_is_no_kept_file_is_said_as_the_ledger_says_it(tmp
     )
 
 
+def test_a_commit_naming_no_kept_file_is_said_as_the_ledger_says_it(tmp_path):
+    from filter_pipeline.rules.history import HistoryIntegrityError
+    from filter_pipeline.storage.history import history_sources
+
+    committed_run(tmp_path, "r1", [("a", ["k", 1], "m", "s")])
+    commit_files(tmp_path, "r1", {})
+    with pytest.raises(HistoryIntegrityError) as ledger:  # (the ledger's every walk, r1's own included)
+        history_sources(UPath(tmp_path), read_commits(UPath(tmp_path) / "warehouse"))
+    assert lines(tmp_path)[0] == str(ledger.value)
+    assert "names no kept file: delete it and re-filter r1" in str(ledger.value)
+
+
+def test_a_commit_record_gone_while_the_audit_lists_them_is_no_finding(tmp_path):
+    committed_run(tmp_path, "r1", [("a", ["k", 1], "m", "s")])
+    (tmp_path / "warehouse" / "_commits" / "r2.json").symlink_to(tmp_path / "deleted.json")  # (listed, then gone)
+    assert lines(tmp_path) == []
+
+
 def test_a_walk_committing_while_the_audit_reads_is_no_finding(tmp_path, monkeypatch):
     from filter_pipeline.storage import audit as audit_module
 
