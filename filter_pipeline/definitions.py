@@ -31,8 +31,8 @@ EXECUTORS = {e.name: e for e in (dg.in_process_executor, dg.multiprocess_executo
 def build_defs(
     data: DataRoot | str, judge: JudgeResource, caps: dict, executor: str = DEFAULT_EXECUTOR
 ) -> dg.Definitions:
-    """All definitions for one data root, judge, caps and executor (the CLI builds its own; `defs` reads the
-    env). `caps`: the deployment's caps, the default of every run's caps config (the launchpad shows them; the
+    """All definitions for one data root, judge, caps and executor (`defs_from_env` reads them from the
+    environment, for `defs` and the CLI's runs). `caps`: the deployment's caps, the default of every run's caps config (the launchpad shows them; the
     sensor and the CLI pass none unless told). Raises ValueError for an unknown executor name."""
     if executor not in EXECUTORS:
         raise ValueError(f"{EXECUTOR_ENV}={executor!r}: expected one of {', '.join(EXECUTORS)}")

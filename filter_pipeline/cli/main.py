@@ -1,7 +1,9 @@
 """`filter-pipeline`: the filter stage from a terminal, on the data root (--data or $FILTER_PIPELINE_DATA).
 
 `materialize` runs on the Dagster instance at $DAGSTER_HOME, so `dagster dev` on the same DAGSTER_HOME shows
-what it did; the other commands read the data root only. `filter-pipeline COMMAND --help` says more.
+what it did; the other commands need the data root alone (`verify` and `explain` only read it, `calibrate` writes
+its scores under warehouse/judge_eval/, `review` appends labels to labels.jsonl). `filter-pipeline COMMAND --help`
+says more.
 """
 
 import argparse

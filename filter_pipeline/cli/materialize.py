@@ -383,7 +383,8 @@ def _already_filtered(result) -> str | None:
 
 def _complete_publishes(data: DataRoot) -> None:
     """Move into place the files of a walk killed after its commit was published (each said in one line), so
-    that what this call plans from, and what users read, is whole; the walk holding the lease does it otherwise."""
+    that what this call's walks read, and what users read, is whole; the walk holding the lease does it
+    otherwise."""
     if not (data.warehouse / STAGING_DIR).exists():
         return  # (no walk staged anything that was left: nothing to take the lease for)
     try:

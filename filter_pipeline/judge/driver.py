@@ -280,7 +280,7 @@ class DriveJob:
     `async judge(messages) -> TaskVerdict`; `reusable` is reusable_verdicts' frame; `build` makes a task's
     (messages, evidence)."""
 
-    requests: pd.DataFrame  # rows of rules.attempts_to_judge
+    requests: pd.DataFrame  # rows of rules.filtering.attempts_to_judge
     config: "LLMJudgeConfig"
     data_root: UPath
     record_steps: Callable[[int], list]

@@ -403,7 +403,7 @@ def evidence_for_attempt(
 def messages_for_attempt(
     data_root: UPath, request: dict, record_steps: Callable[[], list], config: "LLMJudgeConfig"
 ) -> tuple[list[dict], str]:
-    """(messages, evidence) for one row of rules.attempts_to_judge (instruction, macro, site, dedup_key,
+    """(messages, evidence) for one row of rules.filtering.attempts_to_judge (instruction, macro, site, dedup_key,
     start_kind, dir)."""
     evidence = evidence_for_attempt(data_root, request["dir"], record_steps, config)
     criteria = success_criteria(

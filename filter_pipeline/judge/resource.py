@@ -106,7 +106,7 @@ class JudgeResource(dg.ConfigurableResource):
         log: logging.Logger,
         progress: driver.ProgressStore | None = None,
     ) -> Judgement:
-        """Verdicts for `requests` (rows of rules.attempts_to_judge), same rows and order.
+        """Verdicts for `requests` (rows of rules.filtering.attempts_to_judge), same rows and order.
 
         `record_steps` gives an attempt record's steps by executions.jsonl line (when its trajectory.json
         cannot be used); `previous` is this partition's earlier judge_verdicts and `progress` the verdicts

@@ -30,9 +30,8 @@ LABEL_COLUMNS = ["dir", "run_id", "task_id", "success", *LABEL_NOTES, "line"]
 
 
 def parse_labels(data: bytes | str) -> tuple[pd.DataFrame, list[str]]:
-    """(labels, rejects): rows (dir, run_id, task_id, success, line) of every valid line (success None:
-    unsure), and one message per line that is not a label ("labels.jsonl:N: why"), in file order. Never
-    raises on content."""
+    """(labels, rejects): rows (LABEL_COLUMNS) of every valid line (success None: unsure), and one message per
+    line that is not a label ("labels.jsonl:N: why"), in file order. Never raises on content."""
     if isinstance(data, str):
         data = data.encode("utf-8", "surrogatepass")
     rows, rejects = [], []

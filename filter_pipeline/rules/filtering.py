@@ -86,7 +86,8 @@ def failure_reasons(errors: pd.Series) -> pd.Series:
 def attempts_to_judge(tasks: pd.DataFrame, attempts: pd.DataFrame, task_at: np.ndarray | None = None) -> pd.DataFrame:
     """For each task (tasks.jsonl order) with an ok attempt, the ok attempt with the highest number.
 
-    Columns: the task's (task_id, macro, site, dedup_key, start_kind, instruction) and the attempt's
+    Columns: the task's (every column of `tasks` but line: task_id, macro, site, dedup_key, key_hash,
+    start_kind, instruction, and run_id when it has one) and the attempt's
     (attempt, dir, n_actions, backend_ok, backend_detail, attempt_line: its line in executions.jsonl).
     `task_at`: the row in `tasks` of each attempt's task (`Batch.task_at`), looked up when not given.
     """

@@ -97,7 +97,7 @@ def parse_retired(data: bytes | None) -> Retired:
 class PriorIndex:
     """What the walk of one run needs from history.
 
-    `keys`: rows (dedup_key, macro, site, run_id, task_id) of prior kept rows whose key is among the
+    `keys`: rows (dedup_key, key_hash, macro, site, run_id, task_id) of prior kept rows whose key is among the
     batch's keys; `counts`: (macro, site, n_kept) over all non-retired prior kept rows.
     """
 
@@ -168,11 +168,8 @@ def legacy_key_text(key: Any) -> str:
 
 
 def _with_hashes(table: pa.Table) -> pa.Table:
-    """The table with a key_hash column computed from dedup_key (legacy rows, files from before key_hash)."""
-    hashes = pa.array(key_hashes(table["dedup_key"].to_pylist()), type=pa.int64())
-    if "key_hash" in table.column_names:
-        return table.set_column(table.column_names.index("key_hash"), "key_hash", hashes)
-    return table.append_column("key_hash", hashes)
+    """The table (legacy kept rows) with a key_hash column computed from its dedup_key."""
+    return table.append_column("key_hash", pa.array(key_hashes(table["dedup_key"].to_pylist()), type=pa.int64()))
 
 
 def drop_retired(table: pa.Table, retired_ids: frozenset[str] | None) -> pa.Table:

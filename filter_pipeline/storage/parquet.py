@@ -16,8 +16,9 @@ from filter_pipeline.storage.files import atomic_write, file_version, files_in, 
 LOADED_VERSION = "filter_pipeline/loaded_version"
 
 
-def read_parquet_file(source, columns: list[str] | None = None, read_dictionary: list[str] | None = None) -> pa.Table:
-    """One Parquet file (a path, file object or buffer) as an Arrow table, read to the end before it returns.
+def read_parquet_file(source, columns: list[str] | None = None) -> pa.Table:
+    """One Parquet file (a path, an Arrow file such as `pa.BufferReader(bytes)`, or a Python file object) as an
+    Arrow table, read to the end before it returns.
 
     Not `pq.read_table`: that goes through Arrow's dataset scanner, whose background read-ahead can still be
     winding down when the call returns; a process that exits then aborts with "terminate called without an
@@ -31,7 +32,7 @@ def read_parquet_file(source, columns: list[str] | None = None, read_dictionary:
         with pa.BufferOutputStream() as owned:  # (a copy: no Python object is left for Arrow's threads to release)
             owned.write(source.read())
             source = pa.BufferReader(owned.getvalue())
-    return pq.ParquetFile(source, read_dictionary=read_dictionary).read(columns=columns)
+    return pq.ParquetFile(source).read(columns=columns)
 
 
 def write_parquet(table: pa.Table, path: UPath) -> None:

@@ -48,6 +48,7 @@ from filter_pipeline.storage.files import (
     writer_gone,
     writer_named,
 )
+from filter_pipeline.storage.lease import LeaseLost
 
 STAGING_DIR = "_staging"  # warehouse/_staging/<run_id>.<writer>.<pid>.<hex>/ (`files.writer_named`)
 MANIFEST = "_publish.json"
@@ -224,9 +225,7 @@ class StagedWalk:
                 why = _put_commit(self.data_root / WAREHOUSE_DIR, record, self.read)
                 self.published = why is None  # (before unsettled is cleared: an interrupt may come between)
                 self.unsettled = False
-        except Exception as exc:
-            if type(exc).__name__ != "LeaseLost":
-                raise
+        except LeaseLost as exc:
             why = str(exc)
         if why is not None:
             self.discard()
