@@ -117,7 +117,7 @@ def _trajectory_lines(t: dict | None) -> list[str]:
 
 
 def _verdict_lines(v: dict | None) -> list[str]:
-    from filter_pipeline.rules.schemas import VERDICT_FLAGS
+    from filter_pipeline.rules.schemas import SCORE_RANGE, VERDICT_FLAGS
 
     if not v:
         return []
@@ -126,7 +126,7 @@ def _verdict_lines(v: dict | None) -> list[str]:
     lines = [f"verdict: {outcome} (votes {v.get('votes') or '-'}, judge {judge})", f"  why: {v.get('why') or '-'}"]
     parts = [f"{p} {_yes(v[p])}" for p in VERDICT_FLAGS if v.get(p) is not None]
     if v.get("score") is not None:
-        parts.append(f"score {v['score']}/5")
+        parts.append(f"score {v['score']}/{SCORE_RANGE[1]}")
     if parts:
         lines.append("  parts: " + ", ".join(parts))
     if v.get("reasoning"):

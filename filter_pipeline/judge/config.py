@@ -15,6 +15,7 @@ from pydantic import Field
 
 from filter_pipeline.judge.prompt import PROMPT_VERSION
 from filter_pipeline.rules.descriptions import one_line
+from filter_pipeline.rules.schemas import SCORE_RANGE
 from filter_pipeline.settings import JUDGE_KIND_ENV
 
 
@@ -81,12 +82,12 @@ class LLMJudgeConfig(dg.Config):
     )
     min_score: int | None = _setting(
         None,
-        "A verdict passes only if the model passed it and its score (1-5, when it gave one) is at "
-        "least this; unset: the model's verdict alone. Not part of the verdict cache key: changing it and "
-        "materializing again asks nothing.",
+        f"A verdict passes only if the model passed it and its score ({SCORE_RANGE[0]}-{SCORE_RANGE[1]}, when it "
+        "gave one) is at least this; unset: the model's verdict alone. Not part of the verdict cache key: changing "
+        "it and materializing again asks nothing.",
         env="FILTER_JUDGE_MIN_SCORE",
-        ge=1,
-        le=5,
+        ge=SCORE_RANGE[0],
+        le=SCORE_RANGE[1],
     )
     include_screenshot: bool = _setting(
         False,

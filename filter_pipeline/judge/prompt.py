@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING, Any
 
 from upath import UPath
 
-from filter_pipeline.judge.replies import SCORE_RANGE
 from filter_pipeline.rules.descriptions import one_line
 from filter_pipeline.rules.records import as_text, read_json
 from filter_pipeline.rules.schemas import (
+    SCORE_RANGE,
     TRAJECTORY_MISSING,
     TRAJECTORY_NO_STEPS,
     TRAJECTORY_NOT_JSON,

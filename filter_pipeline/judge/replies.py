@@ -12,7 +12,7 @@ from email.utils import parsedate_to_datetime
 from typing import Any
 
 from filter_pipeline.rules.descriptions import one_line
-from filter_pipeline.rules.schemas import VERDICT_FLAGS
+from filter_pipeline.rules.schemas import SCORE_RANGE, VERDICT_FLAGS
 
 # Reasoning models write their thinking in such blocks; a verdict-shaped object inside one is the model
 # thinking aloud (often quoting the requested format), never its answer.
@@ -26,8 +26,6 @@ _OPEN_TAG = re.compile(rf"<{_NAME}\b[^>]*>|\[THINK\]", re.IGNORECASE)
 # are part of it); any other `{` that does not decode is a broken object.
 _PROSE_CHAR = r"[^{}:\"'\n\u201c\u201e\u300c\u00ab]"
 _PROSE_BRACE = re.compile(rf"(?<=[\w/\\{{$])\{{(?:{_PROSE_CHAR}|\{{{_PROSE_CHAR}*\}}){{0,80}}\}}")
-
-SCORE_RANGE = (1, 5)
 
 
 @dataclass(frozen=True)

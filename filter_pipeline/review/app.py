@@ -34,11 +34,12 @@ from filter_pipeline.review.data import (
     matching,
     page,
 )
-from filter_pipeline.review.fates import FATES
+from filter_pipeline.review.fates import FATES, REASON_RETIRED, STATE_LEGACY
 from filter_pipeline.review.queue import QueueMemo, item
 from filter_pipeline.review.story import Labels, inside_run, plain, screenshot, story
 from filter_pipeline.rules.descriptions import one_line
 from filter_pipeline.rules.records import is_text
+from filter_pipeline.rules.schemas import SCORE_RANGE, VERDICT_FLAGS
 from filter_pipeline.settings import DAGSTER_URL_ENV, LABELER_ENV, LOOPBACK, base_url
 from filter_pipeline.storage.files import store_trouble
 from filter_pipeline.storage.labels import LabelWriteError, append_label, now_iso
@@ -87,7 +88,10 @@ def _task_id(request: Request) -> str:
 
 def templates() -> Environment:
     env = Environment(loader=FileSystemLoader(HERE / "templates"), autoescape=select_autoescape(default=True))
-    env.globals["task_href"] = task_href
+    env.globals.update(
+        task_href=task_href, VERDICT_FLAGS=VERDICT_FLAGS, SCORE_MAX=SCORE_RANGE[1], MAX_NOTE_CHARS=MAX_NOTE_CHARS,
+        REASON_RETIRED=REASON_RETIRED, STATE_LEGACY=STATE_LEGACY,
+    )  # fmt: skip
     env.filters["q"] = lambda value: quote(str(value), safe="")
     env.filters["pct"] = lambda value: "–" if value is None else f"{value:.0%}"
     env.filters["money"] = lambda value: "–" if value is None else f"${value:,.4f}"

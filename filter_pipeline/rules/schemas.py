@@ -483,6 +483,7 @@ def pylist(values: pd.Series) -> list:
 
 # the yes/no parts of a verdict (prompt v3), each a column of judge_verdicts beside its score
 VERDICT_FLAGS = ("success", "side_effects", "looping", "blocked")
+SCORE_RANGE = (1, 5)  # a verdict's score, lowest and highest
 # every part of a verdict beside passed and why (prompt v3; null for the gate and where the model did not say)
 VERDICT_PARTS = (*VERDICT_FLAGS, "score", "key_points", "reasoning")
 # what asking the judge spent on a verdict (0 on deduplicated copies and reused verdicts)
