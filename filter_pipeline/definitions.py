@@ -1,12 +1,11 @@
 """The code location: wires assets, jobs, the sensor and resources. Settings come from the environment."""
 
-import os
 import warnings
 
 import dagster as dg
 
 from filter_pipeline.judge.resource import JudgeResource, judge_from_env
-from filter_pipeline.settings import DEFAULT_EXECUTOR, EXECUTOR_ENV, check_whole_number_settings
+from filter_pipeline.settings import DEFAULT_EXECUTOR, EXECUTOR_ENV, check_whole_number_settings, executor_name
 from filter_pipeline.shell.assets import (
     build_coverage,
     judge_batch,
@@ -58,7 +57,7 @@ def defs_from_env() -> dg.Definitions:
         data=DataRoot.from_env(),
         judge=judge_from_env(),
         caps=caps_from_env(),
-        executor=os.environ.get(EXECUTOR_ENV) or DEFAULT_EXECUTOR,
+        executor=executor_name(),
     )
 
 

@@ -26,10 +26,18 @@ def materialize_command(*run_ids: str) -> str:
     return " ".join([CLI, "materialize", *run_ids])
 
 
+VERIFY_COMMAND = f"{CLI} verify"  # the audit of the whole warehouse, as a hint quotes it
+
+
 JUDGE_GATE, JUDGE_LLM = "gate", "llm"  # the two judges (`--judge`, FILTER_JUDGE_KIND)
 JUDGE_KINDS = (JUDGE_GATE, JUDGE_LLM)
 DEFAULT_JUDGE = JUDGE_GATE
 JUDGE_KIND_ENV = "FILTER_JUDGE_KIND"
+
+
+def executor_name() -> str:
+    """The executor's name: $FILTER_PIPELINE_EXECUTOR, else the default."""
+    return os.environ.get(EXECUTOR_ENV) or DEFAULT_EXECUTOR
 
 
 def data_path(path: str | None = None) -> str:

@@ -32,6 +32,13 @@ def markdown_table(frame: pd.DataFrame) -> str:
     return "\n".join([header, rule, *body])
 
 
+def _backend_ok(when_absent: str) -> str:
+    return (
+        f"The backend check's own `ok` on the attempt ({when_absent}). A failed attempt with backend_ok true "
+        "reached the goal anyway: not a clean DPO negative."
+    )
+
+
 # What each column means, shown beside it in the UI (every asset's `dagster/column_schema`). One entry per
 # column name: a name means the same thing in every asset that has it. A new column needs its line here.
 COLUMN_DESCRIPTIONS: dict[str, str] = {
@@ -51,8 +58,7 @@ COLUMN_DESCRIPTIONS: dict[str, str] = {
     "n_actions": "Number of actions (steps) in the attempt.",
     "ok": "Whether the attempt passed the deterministic backend gate (the script's own assertion, re-checked).",
     "error": "The attempt's error text as recorded (null when the attempt has none).",
-    "backend_ok": "The backend check's own `ok` on the attempt (false when absent). A failed "
-    "attempt with backend_ok true reached the goal anyway: not a clean DPO negative.",
+    "backend_ok": _backend_ok("false when absent"),
     "backend_detail": "The backend check's detail text on the attempt (null when absent).",
     "line": "1-based line number of the record in its file (tasks.jsonl or executions.jsonl).",
     # rejects
@@ -183,9 +189,7 @@ ASSET_COLUMN_DESCRIPTIONS: dict[str, dict[str, str]] = {
         "model": "The model whose verdicts a judge row scores (null for the gate's rows).",
     },
     "failure_pool": {
-        "backend_ok": COLUMN_DESCRIPTIONS["backend_ok"].replace(
-            "(false when absent)", "(false when absent; null on judge rows)"
-        ),
+        "backend_ok": _backend_ok("false when absent; null on judge rows"),
     },
     "prior_dedup_index": {
         "run_id": "The earlier run that kept this key (history), not this batch.",

@@ -383,7 +383,7 @@ def _overlapped(run_id: str, meanwhile: list[str]) -> PublishOverlapped:
     return PublishOverlapped(
         f"{run_id}: committed, but while its walk stalled past its lease another walk committed "
         f"{', '.join(meanwhile)} after this walk had read its history: neither walk counted the other. Run "
-        f"`filter-pipeline verify`; if it reports a key kept twice or a cap exceeded, re-filter {run_id} with "
+        f"`{settings.VERIFY_COMMAND}`; if it reports a key kept twice or a cap exceeded, re-filter {run_id} with "
         f"`{settings.materialize_command(run_id)}`"
     )
 

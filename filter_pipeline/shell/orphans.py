@@ -9,11 +9,9 @@ steps in its own process (the in-process executor, the default) is tagged with t
 container or boot is never judged, nor one where the system does not say which machine it is (off Linux).
 """
 
-import os
-
 import dagster as dg
 
-from filter_pipeline.settings import DEFAULT_EXECUTOR, EXECUTOR_ENV, materialize_command
+from filter_pipeline.settings import executor_name, materialize_command
 from filter_pipeline.shell.jobs import PARTITION_TAG
 from filter_pipeline.storage.files import MACHINE, writer_gone, writer_named, writer_pid
 
@@ -32,8 +30,7 @@ def cli_process_tag() -> dict[str, str]:
     """The tag naming this process, for a run it executes itself; none where a step may outlive it (the
     multiprocess executor's steps run in processes of their own) or where the system does not say which
     machine and PID namespace this is (a pid alone could be another machine's)."""
-    executor = os.environ.get(EXECUTOR_ENV) or DEFAULT_EXECUTOR
-    in_process = executor == dg.in_process_executor.name
+    in_process = executor_name() == dg.in_process_executor.name
     return {CLI_PROCESS_TAG: writer_named("materialize")} if in_process and MACHINE else {}
 
 
@@ -50,7 +47,7 @@ def fail_orphaned_runs(instance: dg.DagsterInstance) -> list[str]:
             continue
         pid, batch = writer_pid(process), run.tags.get(PARTITION_TAG)
         message = (
-            f"the filter-pipeline materialize process running it (pid {pid}) ended before the run did (killed): "
+            f"the {materialize_command()} process running it (pid {pid}) ended before the run did (killed): "
             "marked failed, no longer in flight; what it saved stays"
             + (f", and `{materialize_command(batch)}` resumes it" if batch else "")
         )

@@ -32,7 +32,7 @@ from datetime import UTC, datetime
 from upath import UPath
 
 from filter_pipeline.rules.commits import COMMITS_DIR, CommitRecord, commit_name
-from filter_pipeline.settings import materialize_command
+from filter_pipeline.settings import VERIFY_COMMAND, materialize_command
 from filter_pipeline.storage.files import (
     ABANDONED_AFTER_SECONDS,
     PRECONDITION,
@@ -239,7 +239,7 @@ class StagedWalk:
             raise PublishSuperseded(
                 f"{record.run_id}: this walk's commit was replaced by another walk's before it had moved its files "
                 "into place (it stalled past its lease): the commit standing is that walk's, and this walk's "
-                "figures describe none of it (`filter-pipeline verify` checks its files)"
+                f"figures describe none of it (`{VERIFY_COMMAND}` checks its files)"
             )
 
     def _staged_files_gone(self) -> str | None:
