@@ -102,13 +102,12 @@ class ParquetWarehouseIOManager(dg.UPathIOManager):
         write_bytes(encode(obj, asset)[1], path)
 
     def load_from_path(self, context: dg.InputContext, path: UPath) -> pd.DataFrame:
-        """The partition's frame, with the version it was read at (`storage.parquet.read_versioned`): only the
-        columns an input names in its `columns` metadata, if it does; a partition key that is not a plain
-        run_id, or a file that is not there, is a one-line failure."""
+        """The partition's whole frame, with the version it was read at (`storage.parquet.read_versioned`); a
+        partition key that is not a plain run_id, or a file that is not there, is a one-line failure."""
         if context.has_asset_partitions:
             _plain_keys(tuple(context.asset_partition_keys))
         try:
-            return read_versioned(path, columns=(context.definition_metadata or {}).get("columns"))
+            return read_versioned(path)
         except FileNotFoundError:  # (a ledger_job launched for a batch never judged, say)
             raise dg.Failure(
                 description=f"warehouse/{path.parent.name}/{path.name} does not exist: materialize the batch "

@@ -81,14 +81,14 @@ def read_folder(folder: UPath, columns: list[str], filters=None) -> pd.DataFrame
     return frame
 
 
-def read_versioned(path: UPath, columns: list[str] | None = None) -> pd.DataFrame:
-    """The file at `path` as a frame (only `columns`, when given), with `attrs[LOADED_VERSION]`: (the file's
+def read_versioned(path: UPath) -> pd.DataFrame:
+    """The file at `path` as a frame, with `attrs[LOADED_VERSION]`: (the file's
     version as it was read, `file_version`, taken before the read; the SHA-256 of the bytes read), so that a
     step can tell whether the file was written again meanwhile, and if so with other content
     (`unchanged_since_loaded`)."""
     version = file_version(path)
     data = path.read_bytes()
-    frame = to_pandas(read_parquet_file(pa.BufferReader(data), columns=columns))
+    frame = to_pandas(read_parquet_file(pa.BufferReader(data)))
     frame.attrs[LOADED_VERSION] = (version, hashlib.sha256(data).hexdigest())
     return frame
 

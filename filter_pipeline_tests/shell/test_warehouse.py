@@ -167,29 +167,6 @@ def test_statistics_are_written_where_they_can_skip_a_file(tmp_path):
     assert all(stats[c] is None for c in ("dedup_key", "instruction", "macro", "site", "why"))
 
 
-def test_an_input_naming_columns_loads_only_those(tmp_path):
-    path = UPath(tmp_path) / "failure_pool" / "r1.parquet"
-    write_parquet(to_arrow(empty_frame("failure_pool"), "failure_pool"), path)
-    manager = warehouse.ParquetWarehouseIOManager(base_path=UPath(tmp_path))
-    narrow = dg.build_input_context(definition_metadata={"columns": ["site", "reason"]})
-    assert manager.load_from_path(narrow, path).columns.tolist() == ["site", "reason"]
-    assert manager.load_from_path(dg.build_input_context(), path).columns.tolist() == SCHEMAS["failure_pool"].names
-
-
-def test_every_column_an_asset_input_names_exists_in_its_upstream_schema(tmp_path):
-    graph = build_defs(str(tmp_path), JudgeResource(), caps={}).resolve_asset_graph()
-    named = 0
-    for key in graph.get_all_asset_keys():
-        for spec in graph.get(key).assets_def.node_def.input_defs:
-            columns = (spec.metadata or {}).get("columns")
-            if columns:
-                named += 1
-                upstream = graph.get(key).assets_def.keys_by_input_name[spec.name].path[-1]
-                assert set(columns) <= set(SCHEMAS[upstream].names), (key, spec.name)
-    # (none at the moment: the DPO pairs and the report, which narrowed theirs, are now made in the ledger
-    # step from the frames it holds; the loop guards any input that narrows its columns again)
-
-
 def verdict_frame() -> pd.DataFrame:
     """judge_verdicts rows with every kind of column: text, nullable bool and int, float with a null."""
     from filter_pipeline_tests.builders import verdicts
@@ -207,10 +184,6 @@ def test_a_step_loads_what_the_run_just_wrote_exactly_as_the_file_reads(tmp_path
     assert manager.get_metadata(context, verdict_frame()) == {"dagster/row_count": 2}
     from_file = read_parquet(path)
     pd.testing.assert_frame_equal(manager.load_from_path(dg.build_input_context(), path), from_file)
-    narrow = manager.load_from_path(
-        dg.build_input_context(definition_metadata={"columns": ["task_id", "passed"]}), path
-    )
-    pd.testing.assert_frame_equal(narrow, from_file[["task_id", "passed"]])
 
 
 def test_a_file_replaced_since_the_write_is_read_from_disk(tmp_path):
