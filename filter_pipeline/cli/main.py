@@ -118,7 +118,12 @@ def verify(args: argparse.Namespace) -> int:
     root = existing_root(args.data)
     if root is None:
         return EXIT_BAD_INPUT
-    findings = audit(root)
+    try:
+        findings = audit(root)
+    except OSError as exc:  # (a file the audit must read and cannot: no finding can be trusted without it)
+        where = f": {exc.filename}" if exc.filename else ""
+        complain(f"cannot read the data root {data_path(args.data)}: {exc.strerror or one_line(exc)}{where}")
+        return EXIT_BAD_INPUT
     for finding in findings:
         print(finding.line)
     if not findings:

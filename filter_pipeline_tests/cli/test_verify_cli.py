@@ -59,6 +59,17 @@ def test_verify_of_a_missing_data_root_exits_2_with_one_line(cli_env, tmp_path):
     )
 
 
+def test_verify_of_a_warehouse_file_it_cannot_read_exits_2_with_one_line(cli, cli_env, data_root):
+    two_batches(data_root)
+    assert cli().returncode == 0
+    record = data_root / "warehouse" / "_commits" / "b1.json"
+    record.unlink()
+    record.mkdir()  # (read as a file, it fails as a file without read permission or on a failing disk does)
+    done = verify(cli_env, "--data", str(data_root))
+    assert (done.returncode, done.stdout) == (2, ""), done.stderr
+    assert done.stderr.strip() == f"filter-pipeline: cannot read the data root {data_root}: Is a directory: {record}"
+
+
 def test_verify_of_a_folder_that_is_not_the_data_root_exits_2_rather_than_find_nothing(cli, cli_env, data_root):
     two_batches(data_root)
     assert cli().returncode == 0
