@@ -88,7 +88,7 @@ def verdicts_saved(data, run_id: str) -> int:
 
     done = data.asset_file("judge_verdicts", run_id)
     if done.exists():
-        return _rows(done)
+        return _judged_rows(done)
     saved = ProgressStore(data.judge_progress(run_id)).load(logging.getLogger(__name__))
     # (the parts hold the tries left unjudged too, whose spend they keep: only verdicts count here, once each)
     if saved is None or not {"status", "cache_key"} <= set(saved.columns):
@@ -96,14 +96,19 @@ def verdicts_saved(data, run_id: str) -> int:
     return saved.loc[saved["status"] == STATUS_JUDGED, "cache_key"].nunique()
 
 
-def _rows(path) -> int:
+def _judged_rows(path) -> int:
+    """The rows of a judge_verdicts file whose task was judged (0 when it cannot be read)."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
+    import pyarrow.compute as pc
 
-    try:  # (from bytes, as storage.parquet.read_parquet_file reads: a file object Arrow reads ahead on its threads)
-        return pq.ParquetFile(pa.BufferReader(path.read_bytes())).metadata.num_rows
-    except (OSError, ValueError):
+    from filter_pipeline.rules.schemas import STATUS_JUDGED
+    from filter_pipeline.storage.parquet import read_parquet_file
+
+    try:
+        statuses = read_parquet_file(pa.BufferReader(path.read_bytes()), columns=["status"])["status"]
+    except (OSError, ValueError, KeyError, pa.ArrowException):
         return 0
+    return int(pc.sum(pc.equal(statuses, STATUS_JUDGED)).as_py() or 0)
 
 
 def saved_line(

@@ -131,3 +131,8 @@ def test_the_verdicts_an_interrupt_says_are_saved_count_each_judged_prompt_once(
         part.unlink()
     pq.write_table(pa.table({"cache_key": ["a"]}), folder / "part-x.parquet")  # (no status: no verdict it can tell)
     assert verdicts_saved(data, "r1") == 0
+    # once judge_verdicts is written, its verdicts: not the rows of tasks it left unjudged
+    (tmp_path / "warehouse" / "judge_verdicts").mkdir()
+    statuses = ["judged", "error", "judged"]
+    pq.write_table(pa.table({"status": statuses}), tmp_path / "warehouse" / "judge_verdicts" / "r1.parquet")
+    assert verdicts_saved(data, "r1") == 2
