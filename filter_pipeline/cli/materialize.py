@@ -200,7 +200,7 @@ def materialize(args: argparse.Namespace, signals: Signals | None = None) -> int
     run_ids = sorted(set(run_ids) | set(rejudge)) if rejudge else run_ids
     # every job run here is rebuilt from the environment (see cli_filter_job): the settings travel through it
     os.environ[DATA_ENV], os.environ[ENV["kind"]] = data.path, judge.kind
-    unjudged = 0  # (runs of this call that left tasks unjudged)
+    unjudged: set[str] = set()  # (runs of this call that left tasks unjudged)
     if not run_ids:
         status = _nothing_to_materialize(instance, data, args, refused)
     else:
@@ -209,16 +209,19 @@ def materialize(args: argparse.Namespace, signals: Signals | None = None) -> int
         named = bool(args.run_ids)
         failed, unjudged = _run_batches(instance, data, caps, run_ids, first_walks, rejudge, signals, named)
         status = EXIT_FAILED if failed or refused else EXIT_UNJUDGED if unjudged else 0
-    # (naming no run: what a later call naming none would judge again, as the runs left it)
-    due = None if args.run_ids else _due_again(instance, data, changed, judge)
-    # (naming no run, a run whose last try this was is named by the line after, not promised another)
-    again = unjudged if due is None else len(due & set(run_ids))
+    # what a later call naming none would judge again, as the runs left it: a run left unjudged is promised to
+    # it only if so; any other (its last try spent, or retired) is named by the line after
+    due = _due_again(instance, data, changed, judge)
+    again = len(due & unjudged)
     if again:
         print(
             f"{again} run(s) left tasks unjudged: a later `{materialize_command()}` naming no run judges them again",
             flush=True,
         )
-    spent = [] if due is None else _tries_spent(data, due | other_judge)
+    if args.run_ids:  # (of the runs it named: the others are a call naming none's to say)
+        spent = sorted(unjudged - due - load_retired(data.root).runs)
+    else:
+        spent = _tries_spent(data, due | other_judge | changed)
     if spent:
         print(
             f"{len(spent)} run(s) still hold unjudged tasks after their last try ({REJUDGE_MAX_TRIES_ENV}): "
@@ -252,7 +255,8 @@ def _due_again(instance, data: DataRoot, changed: set[str], judge: JudgeResource
 
 def _tries_spent(data: DataRoot, said_apart: set[str]) -> list[str]:
     """Committed runs, not retired, still holding unjudged tasks, but for those `said_apart` (due to be judged
-    again by a materialize naming no run, or another judge's): they have spent their re-judging tries."""
+    again by a materialize naming no run, another judge's, or changed since filtered): they have spent their
+    re-judging tries."""
     left_out = load_retired(data.root).runs | said_apart
     return sorted(
         run_id
@@ -308,12 +312,12 @@ def _run_batches(
 ):
     """One Dagster run per batch, in `run_ids`' order (those in `first_walks` asked for their first walk), each
     summarized in a line; coverage and calibration once, in the last batch's run (or on their own if it failed).
-    Returns (runs failed, runs left unjudged)."""
+    Returns (how many runs failed, the runs left with unjudged tasks)."""
     job = dg.reconstructable(cli_filter_job)
     batch_only = [
         k for k in job.get_definition().asset_layer.executable_asset_keys if k.path[-1] not in ACROSS_RUNS_ASSETS
     ]
-    failed, unjudged, refreshed = 0, 0, False
+    failed, unjudged, refreshed = 0, set(), False
     for position, run_id in enumerate(run_ids, start=1):
         last = position == len(run_ids)
         # this call orders its own runs, so a ledger step that would wait can only be behind a run of this call
@@ -334,7 +338,8 @@ def _run_batches(
         if result.success:  # (a run that failed stays to be named again)
             signals.done, signals.named_left = run_ids[:position], still_named[1:]
             print(_already_filtered(result) or summarize(data, run_id), flush=True)
-            unjudged += _unjudged(data, run_id) > 0
+            if _unjudged(data, run_id) > 0:
+                unjudged.add(run_id)
             refreshed = last
         else:
             failed += 1

@@ -15,10 +15,10 @@ from filter_pipeline.judge.driver import ProgressStore, RecordSteps
 from filter_pipeline.judge.resource import JudgeResource
 from filter_pipeline.rules import calibration, checks, filtering, report, verify
 from filter_pipeline.rules.batch import EXECUTIONS_FILE, TASKS_FILE, BatchError
-from filter_pipeline.rules.commits import CommitRecord, another_judge, judge_settings
+from filter_pipeline.rules.commits import CommitRecord, HistoryIntegrityError, another_judge, judge_settings
 from filter_pipeline.rules.coverage import coverage_chart, coverage_markdown, coverage_table
 from filter_pipeline.rules.descriptions import column_description
-from filter_pipeline.rules.history import RETIRED_FILE, parse_retired
+from filter_pipeline.rules.history import RETIRED_FILE, HistoryError, parse_retired
 from filter_pipeline.rules.schemas import (
     FAILURE_REASONS,
     JUDGED_BY,
@@ -28,6 +28,7 @@ from filter_pipeline.rules.schemas import (
     file_fingerprint,
     type_name,
 )
+from filter_pipeline.settings import VERIFY_COMMAND
 from filter_pipeline.shell.config import (
     COVERAGE_OP,
     caps_source,
@@ -339,8 +340,14 @@ def build_coverage(deployment_caps: dict) -> dg.AssetsDefinition:
     )
     def coverage(context: dg.AssetExecutionContext, config: caps_config, data: DataRoot):
         refuse_invalid_run_caps(context)
-        retired = read_retired(data.root)
-        counts, runs = kept_counts(data.root, parse_retired(retired))
+        try:
+            retired = read_retired(data.root)
+            counts, runs = kept_counts(data.root, parse_retired(retired))
+        except (HistoryIntegrityError, HistoryError) as exc:  # (no count can be trusted: a retry changes nothing)
+            raise dg.Failure(
+                description=f"{exc} (coverage is not counted until then; `{VERIFY_COMMAND}` lists every finding)",
+                allow_retries=False,
+            ) from None
         table = coverage_table(counts, config.to_caps())
         sites = table[table["level"] == "site"]
         return dg.Output(

@@ -23,6 +23,7 @@ from filter_pipeline.judge.resource import JudgeResource
 from filter_pipeline.rules import order
 from filter_pipeline.rules.batch import LEGACY_KEPT_FILE, SUCCESS_FILE, BatchState
 from filter_pipeline.rules.commits import CommitRecord, another_judge, commit_file, walks_fingerprint
+from filter_pipeline.rules.history import HistoryError
 from filter_pipeline.settings import materialize_command
 from filter_pipeline.shell.assets import judge_batch, run_id_partitions
 from filter_pipeline.shell.jobs import (
@@ -462,7 +463,10 @@ def build_batch_sensor() -> dg.SensorDefinition:
         for b in batches:
             if b.changed:
                 context.log.warning(changed_warning(b.run_id))
-        commits, retired = read_commits(data.warehouse), set(load_retired(data.root).runs)
+        try:
+            commits, retired = read_commits(data.warehouse), set(load_retired(data.root).runs)
+        except HistoryError as exc:  # (which runs count, and which wait, is unknown until it is mended)
+            return dg.SensorResult(skip_reason=f"nothing launched until it is fixed: {exc}")
         plan = plan_ledger(context, data, batches, commits, retired)
         to_register, to_judge, to_walk, why, busy, registration_order = plan
         # (tagged as first walks: a batch another process commits before its judge run starts keeps its commit)

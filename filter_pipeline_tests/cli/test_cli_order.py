@@ -123,6 +123,8 @@ def test_the_cap_on_tries_is_respected_and_a_run_that_spent_it_is_named_until_ju
         asked = len(server.calls)
         named = cli("--judge", "llm", "b1", env=env)  # named: judged again whatever the cap
         assert named.returncode == 3 and len(server.calls) > asked
+        # still unjudged: named again as the way to judge it, not promised to a call naming no run
+        assert named.stdout.splitlines()[-1] == spent_line and "left tasks unjudged" not in named.stdout
 
         (data_root / "retired.json").write_text('[{"run_id": "b1", "reason": "endpoint never judged it"}]')
         retired = cli("--judge", "llm", env=env)  # retired: no longer waiting for anything
@@ -143,3 +145,4 @@ def test_a_run_with_unjudged_tasks_whose_batch_changed_is_not_judged_again_unles
     done = cli()
     assert "judging its unjudged tasks again" not in done.stdout and "nothing to materialize" in done.stdout
     assert "runs/b1 changed since it was filtered" in done.stderr
+    assert "after their last try" not in done.stdout  # (it waits to be named because it changed: no try was made)

@@ -207,6 +207,19 @@ def test_coverage_counts_every_non_retired_run(instance, data_root):
     assert metadata(result, "coverage")["coverage"].count("](data:image/svg+xml;base64,") == 1
 
 
+def test_coverage_of_a_warehouse_whose_history_cannot_be_read_fails_in_one_line_naming_why(instance, data_root):
+    write_batch(data_root, "r1", [task("a")], [attempt("a")])
+    assert materialize(instance, data_root, "r1").success
+    job = build_defs(str(data_root), JudgeResource(), caps={}).resolve_job_def("across_runs_job")
+    (data_root / "warehouse" / "kept" / "r1.parquet").unlink()
+    step, cls, message = step_failure(job.execute_in_process(instance=instance, raise_on_error=False))
+    assert (step, cls) == ("coverage", "Failure") and "warehouse/kept/r1.parquet is missing" in message
+    assert "`filter-pipeline verify` lists every finding" in message and "Traceback" not in message
+    (data_root / "retired.json").write_text('{"run_id": "r1"}')  # not a list of entries
+    step, cls, message = step_failure(job.execute_in_process(instance=instance, raise_on_error=False))
+    assert (step, cls) == ("coverage", "Failure") and "retired.json" in message and "Traceback" not in message
+
+
 def test_judge_calibration_reads_labels_across_runs(instance, data_root):
     write_batch(data_root, "r1", [task("a"), task("b")], [attempt("a"), attempt("b", ok=False, error="x")])
     assert materialize(instance, data_root, "r1").success

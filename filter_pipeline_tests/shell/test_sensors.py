@@ -268,6 +268,16 @@ def test_sensor_sees_runs_in_flight_and_failed_ledger_runs_in_the_instance(insta
     assert requests(tick(instance, data_root)) == [("ledger_job", "b3", "b3:ledger")]
 
 
+def test_a_broken_retired_json_launches_nothing_and_the_tick_says_why(instance, data_root):
+    write_batch(data_root, "b1", [task("a")], [attempt("a")])
+    (data_root / "retired.json").write_text('{"run_id": "b1"}')  # not a list of entries
+    result = tick(instance, data_root)
+    why = result.skip_reason.skip_message
+    assert result.run_requests == [] and why.startswith("nothing launched until it is fixed: retired.json"), why
+    (data_root / "retired.json").write_text("[]")
+    assert requests(tick(instance, data_root)) == [("judge_job", "b1", "b1")]
+
+
 def test_a_batch_registered_without_a_run_is_left_to_its_launcher_and_named_so(instance, data_root):
     for run_id in ("b1", "b2"):
         write_batch(data_root, run_id, [task("a")], [attempt("a")])
