@@ -417,11 +417,15 @@ RETIRED_FINGERPRINT = "retired_fingerprint"  # coverage's metadata entry: the re
     metadata=column_schema("judge_calibration"),
 )
 def judge_calibration(context: dg.AssetExecutionContext, data: DataRoot) -> dg.Output[pd.DataFrame]:
-    """Lines of labels.jsonl that are not labels are reported (a count, the first lines, a warning each),
-    never a failure: the batch's run stays a success."""
-    raw = read_labels(data.root)
+    """Lines of labels.jsonl that are not labels are reported (a count, the first lines, a warning each), and
+    a labels.jsonl that cannot be read is warned: never a failure, the batch's run stays a success."""
+    try:
+        raw = read_labels(data.root)
+        fingerprint = {LABELS_FINGERPRINT: file_fingerprint(raw, calibration.LABELS_FILE)}
+    except ValueError as exc:  # (a folder, no permission)
+        context.log.warning(f"{exc}: no label counts until it can be")
+        raw, fingerprint = None, {LABELS_FINGERPRINT: f"unreadable {calibration.LABELS_FILE}"}
     verdicts_dir = data.warehouse / "judge_verdicts"
-    fingerprint = {LABELS_FINGERPRINT: file_fingerprint(raw, calibration.LABELS_FILE)}
     if raw is None or not verdicts_dir.exists():
         return dg.Output(
             calibration.calibration(pd.DataFrame()),

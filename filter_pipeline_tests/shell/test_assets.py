@@ -252,6 +252,18 @@ def test_bad_lines_in_labels_jsonl_are_reported_by_judge_calibration_without_fai
     assert output(data_root, "kept", "r1")["task_id"].tolist() == ["a"]
 
 
+def test_a_labels_jsonl_that_cannot_be_read_is_warned_by_judge_calibration_without_failing_the_run(instance, data_root):
+    write_batch(data_root, "r1", [task("a")], [attempt("a")])
+    (data_root / "labels.jsonl").mkdir()  # (read as a file, it fails as one without read permission does)
+    result = materialize(instance, data_root, "r1")
+    assert result.success and output(data_root, "kept", "r1")["task_id"].tolist() == ["a"]
+    meta = metadata(result, "judge_calibration")
+    assert (meta["labels"], meta["labels_fingerprint"]) == (0, "unreadable labels.jsonl")
+    logged = instance.all_logs(result.run_id)
+    [warning] = [e.user_message for e in logged if e.step_key == "judge_calibration" and e.level == logging.WARNING]
+    assert warning.startswith("labels.jsonl cannot be read") and "no label counts until it can be" in warning
+
+
 def test_a_batchs_rejected_lines_are_warned_by_the_judge_step_20_of_them_then_a_count(instance, data_root):
     orphans = [attempt(f"ghost{i}") for i in range(23)]  # attempts of tasks not in tasks.jsonl: rejected lines
     write_batch(data_root, "r1", [task("a")], [attempt("a"), *orphans])
