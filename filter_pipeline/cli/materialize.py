@@ -209,26 +209,31 @@ def materialize(args: argparse.Namespace, signals: Signals | None = None) -> int
         named = bool(args.run_ids)
         failed, unjudged = _run_batches(instance, data, caps, run_ids, first_walks, rejudge, signals, named)
         status = EXIT_FAILED if failed or refused else EXIT_UNJUDGED if unjudged else 0
-    # what a later call naming none would judge again, as the runs left it: a run left unjudged is promised to
-    # it only if so; any other (its last try spent, or retired) is named by the line after
-    due = _due_again(instance, data, changed, judge)
+    spent = _say_unjudged(instance, data, judge, unjudged, changed | other_judge, named=bool(args.run_ids))
+    return status or (EXIT_UNJUDGED if spent or other_judge else 0)
+
+
+def _say_unjudged(instance, data: DataRoot, judge, unjudged: set[str], said_apart: set[str], named: bool) -> list:
+    """Say which runs left unjudged a later call naming none judges again, and which must be named (returned):
+    their last try spent (of the named runs, when `named`; else any not `said_apart`: changed, another judge's)."""
+    due = _due_again(instance, data, said_apart, judge)
     again = len(due & unjudged)
     if again:
         print(
             f"{again} run(s) left tasks unjudged: a later `{materialize_command()}` naming no run judges them again",
             flush=True,
         )
-    if args.run_ids:  # (of the runs it named: the others are a call naming none's to say)
+    if named:  # (of the runs it named: the others are a call naming none's to say)
         spent = sorted(unjudged - due - load_retired(data.root).runs)
     else:
-        spent = _tries_spent(data, due | other_judge | changed)
+        spent = _tries_spent(data, due | said_apart)
     if spent:
         print(
             f"{len(spent)} run(s) still hold unjudged tasks after their last try ({REJUDGE_MAX_TRIES_ENV}): "
             f"name them to judge them again: {materialize_command(*spent)}",
             flush=True,
         )
-    return status or (EXIT_UNJUDGED if spent or other_judge else 0)
+    return spent
 
 
 def _rejudging(instance, data: DataRoot, changed: set[str], judge: JudgeResource) -> tuple[dict, set[str]]:
