@@ -322,39 +322,48 @@ def _run_batches(
     batch_only = [
         k for k in job.get_definition().asset_layer.executable_asset_keys if k.path[-1] not in ACROSS_RUNS_ASSETS
     ]
-    failed, unjudged, refreshed = 0, set(), False
+    failed_runs, unjudged, refreshed = [], set(), False
     for position, run_id in enumerate(run_ids, start=1):
         last = position == len(run_ids)
-        # this call orders its own runs, so a ledger step that would wait can only be behind a run of this call
-        # that failed: it fails at once, naming that run, rather than wait for the order's whole timeout
-        tags = {
-            PARTITION_TAG: run_id,
-            ORDER_MAX_WAIT_TAG: "0",
-            **first_walk_tags([run_id] if run_id in first_walks else []),
-            **cli_process_tag(),
-        }
-        if run_id in rejudge:
-            tags.update(rejudge_tags(rejudge[run_id]))
-            print(f"{run_id}: judging its unjudged tasks again (try {rejudge[run_id].try_number})", flush=True)
-        still_named = run_ids[position - 1 :] if named else []
-        signals.done, signals.named_left = run_ids[: position - 1], still_named
+        tags = _run_tags(run_id, first_walks, rejudge)
+        # (a run that failed is not done: an interrupt's line names it again, with the runs still to do)
+        finished = [r for r in run_ids[: position - 1] if r not in failed_runs]
+        still_named = [*failed_runs, *run_ids[position - 1 :]] if named else []
+        signals.done, signals.named_left = finished, still_named
         selection = None if last else batch_only
-        result = _run_one(instance, data, job, caps, tags, selection, signals, run_ids[:position], still_named)
-        if result.success:  # (a run that failed stays to be named again)
-            signals.done, signals.named_left = run_ids[:position], still_named[1:]
+        result = _run_one(instance, data, job, caps, tags, selection, signals, [*finished, run_id], still_named)
+        if result.success:
+            signals.done, signals.named_left = [*finished, run_id], [r for r in still_named if r != run_id]
             print(_already_filtered(result) or summarize(data, run_id), flush=True)
             if _unjudged(data, run_id) > 0:
                 unjudged.add(run_id)
             refreshed = last
         else:
-            failed += 1
+            failed_runs.append(run_id)
             print(f"{run_id}: FAILED ({failure_reason(result)})", flush=True)
+    failed = len(failed_runs)
     if failed < len(run_ids) and not refreshed:  # the last batch's run failed, an earlier one did not
         refreshed = _refresh_across_runs(instance)
         failed += not refreshed
     if refreshed:
         print_across_runs(data)
     return failed, unjudged
+
+
+def _run_tags(run_id: str, first_walks: set[str], rejudge: dict) -> dict[str, str]:
+    """The tags of the CLI's run of the batch `run_id` (a re-judging's said in a line)."""
+    # this call orders its own runs, so a ledger step that would wait can only be behind a run of this call
+    # that failed: it fails at once, naming that run, rather than wait for the order's whole timeout
+    tags = {
+        PARTITION_TAG: run_id,
+        ORDER_MAX_WAIT_TAG: "0",
+        **first_walk_tags([run_id] if run_id in first_walks else []),
+        **cli_process_tag(),
+    }
+    if run_id in rejudge:
+        tags.update(rejudge_tags(rejudge[run_id]))
+        print(f"{run_id}: judging its unjudged tasks again (try {rejudge[run_id].try_number})", flush=True)
+    return tags
 
 
 def _run_one(

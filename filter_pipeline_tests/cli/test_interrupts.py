@@ -80,6 +80,33 @@ def test_a_call_that_named_its_runs_is_told_to_name_the_ones_left_again_one_that
     assert unnamed.endswith("run `filter-pipeline materialize` again to resume from what was saved")
 
 
+def test_an_interrupt_after_a_named_run_failed_names_it_again_with_those_left(monkeypatch, tmp_path):
+    from types import SimpleNamespace
+
+    from filter_pipeline.cli import materialize
+    from filter_pipeline.cli.interrupts import Signals, saved_line
+    from filter_pipeline.shell.warehouse import DataRoot
+
+    said = []
+
+    def run_one(instance, data, job, caps, tags, selection, signals, so_far, still_named):
+        if so_far[-1] == "r1":
+            return SimpleNamespace(success=False)  # (its endpoint refused it, say)
+        said.append(saved_line(signals, data, so_far[-1], False, so_far[:-1], still_named))
+        raise KeyboardInterrupt  # (Ctrl-C during r2)
+
+    monkeypatch.setattr(materialize, "_run_one", run_one)
+    monkeypatch.setattr(materialize, "failure_reason", lambda result: "refused")
+    signals = Signals.__new__(Signals)
+    signals.name, signals.done, signals.named_left = (lambda: "SIGINT"), [], []
+    with pytest.raises(KeyboardInterrupt):
+        materialize._run_batches(None, DataRoot(path=str(tmp_path)), {}, ["r1", "r2"], set(), {}, signals, True)
+    # r1 did not finish: the command resumes both (naming r2 alone would be refused: its walk waits for r1)
+    assert said[0].endswith("its walk not committed (nothing of it published); run `filter-pipeline materialize "
+                            "r1 r2` again to resume from what was saved"), said  # fmt: skip
+    assert "finished before it" not in said[0] and signals.named_left == ["r1", "r2"] and signals.done == []
+
+
 @pytest.mark.parametrize(
     "done, left, said",
     [
