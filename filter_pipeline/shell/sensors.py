@@ -477,7 +477,8 @@ def build_batch_sensor() -> dg.SensorDefinition:
             requests.append(ledger_request(to_walk, registration_order, next_ledger_key(context.instance, to_walk[0])))
         # (a changed batch is re-filtered only when named: re-judging would parse its new files)
         changed = {b.run_id for b in batches if b.changed}
-        left_alone = busy | set(to_walk) | set(to_judge) | changed | retired
+        unreadable = set(commits) - {b.run_id for b in batches}  # (its batch being written again, or gone)
+        left_alone = busy | set(to_walk) | set(to_judge) | changed | retired | unreadable
         rejudging, cursor = rejudge_requests(context, commits, left_alone, judge.identity())
         requests += rejudging
         if not to_walk and not busy:

@@ -3,6 +3,7 @@ batches waiting in a row, walked in run_id order."""
 
 import json
 import logging
+import shutil
 
 import dagster as dg
 import pytest
@@ -395,6 +396,20 @@ def test_a_filtered_run_with_unjudged_tasks_is_judged_again_after_a_backoff_unde
     run_in_instance(instance, tags={"filter_pipeline/rejudge_of": "b1", "filter_pipeline/rejudge_try": "2"},
                     status=dg.DagsterRunStatus.SUCCESS)  # fmt: skip
     assert rejudge(tick(instance, data_root)) == []  # the cap: 2 tries
+
+
+def test_a_run_with_unjudged_tasks_whose_batch_is_being_written_again_or_gone_is_left_as_it_is(
+    instance, data_root, monkeypatch
+):
+    monkeypatch.setenv("FILTER_PIPELINE_REJUDGE_BACKOFF_SECONDS", "0")
+    filtered_with_unjudged_tasks(instance, data_root, 1)
+    rejudged = lambda: [r.run_key for r in tick(instance, data_root).run_requests if r.job_name == "rejudge_job"]  # noqa: E731
+    (data_root / "runs" / "b1" / "_SUCCESS").unlink()  # (its producer writes it again: nothing reads it meanwhile)
+    assert rejudged() == []  # (a try would fail on it, and count against the cap)
+    shutil.rmtree(data_root / "runs" / "b1")
+    assert rejudged() == []
+    write_batch(data_root, "b1", [task("a")], [attempt("a")])
+    assert rejudged() == ["b1:rejudge:1"]
 
 
 def test_unjudged_tasks_are_judged_again_only_by_the_judge_that_judged_the_rest(instance, data_root, monkeypatch):
