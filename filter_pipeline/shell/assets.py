@@ -167,13 +167,16 @@ def judge_batch(context: dg.AssetExecutionContext, judge: JudgeResource, data: D
     tasks, and pool its failures."""
     [run_id] = plain_run_ids([context.partition_key])
     refuse_before_judging(context, judge, data, run_id)
+    previous_file = data.asset_file("judge_verdicts", run_id)
+    previous = read_parquet(previous_file) if previous_file.exists() else None  # (what the judge reuses)
+    _refuse_another_judge(context, judge, data, run_id, previous)  # (before anything is written)
     batch = _parse(context, data, run_id)
     # in the warehouse before judging starts, however long it takes
     yield from _batch_outputs(batch)
     requests = filtering.attempts_to_judge(batch.tasks, batch.attempts, batch.task_at)
     # a run another walk committed while this one waited, or while it judged: its committed verdicts stand
     committed = committed_meanwhile(context, data, run_id)  # (asked before paying for any verdict)
-    judgement = None if committed else _judge(context, judge, data, run_id, requests)
+    judgement = None if committed else _judge(context, judge, data, run_id, requests, previous)
     committed = committed or committed_meanwhile(context, data, run_id)
     if committed:
         verdicts, failures, metadata = _committed_outputs(context, data, committed)
@@ -269,11 +272,8 @@ def _parse(context: dg.AssetExecutionContext, data: DataRoot, run_id: str):
     return batch
 
 
-def _judge(context: dg.AssetExecutionContext, judge: JudgeResource, data: DataRoot, run_id: str, requests):
+def _judge(context: dg.AssetExecutionContext, judge: JudgeResource, data: DataRoot, run_id: str, requests, previous):
     """The judgement of `requests` (rows of `filtering.attempts_to_judge`: each task's last ok attempt)."""
-    previous_file = data.asset_file("judge_verdicts", run_id)
-    previous = read_parquet(previous_file) if previous_file.exists() else None
-    _refuse_another_judge(context, judge, data, run_id, previous)
     progress = ProgressStore(data.judge_progress(run_id), write=write_parquet)
     try:
         judgement = judge.judge(

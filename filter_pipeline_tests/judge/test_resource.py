@@ -115,6 +115,9 @@ def test_outage_leaves_tasks_unjudged_and_the_next_materialization_judges_only_t
     )
 
 
+BATCH_ASSETS = ("batch_tasks", "batch_attempts", "batch_rejects")
+
+
 def test_a_rejudging_by_another_judge_fails_in_one_line_and_keeps_the_verdicts_paid_for(pipeline):
     from filter_pipeline.shell.jobs import REJUDGE_OF_TAG
     from filter_pipeline.storage.history import read_commit
@@ -128,6 +131,7 @@ def test_a_rejudging_by_another_judge_fails_in_one_line_and_keeps_the_verdicts_p
     assert (pipeline.output("judge_verdicts")["status"] == "error").sum() == 1
     assert read_commit(UPath(pipeline.data_root) / "warehouse", "r1").judge == judge.identity()  # what is compared
     verdicts = (pipeline.data_root / "warehouse" / "judge_verdicts" / "r1.parquet").read_bytes()
+    batch_files = {a: (pipeline.data_root / "warehouse" / a / "r1.parquet").stat().st_mtime_ns for a in BATCH_ASSETS}
     for job_name, tags in (("rejudge_job", {}), ("filter_job", {REJUDGE_OF_TAG: "r1"})):  # the sensor's, the CLI's
         job = build_defs(str(pipeline.data_root), JudgeResource(kind="gate"), caps={}).resolve_job_def(job_name)
         result = job.execute_in_process(instance=pipeline.instance, partition_key="r1", tags=tags, raise_on_error=False)
@@ -138,6 +142,9 @@ def test_a_rejudging_by_another_judge_fails_in_one_line_and_keeps_the_verdicts_p
             "llm judge-test v3 (votes 1), not by gate (set FILTER_JUDGE_* as they were)"
         )
         assert (pipeline.data_root / "warehouse" / "judge_verdicts" / "r1.parquet").read_bytes() == verdicts
+        # (nor written before the line: the batch's files are those its verdicts were judged from)
+        assert {a: (pipeline.data_root / "warehouse" / a / "r1.parquet").stat().st_mtime_ns for a in BATCH_ASSETS} \
+            == batch_files  # fmt: skip
     with FakeOpenAI() as server:  # the judge that judged the rest, with more votes or warmer: another judge too
         for changed in ({"votes": 3}, {"temperature": 0.7}):
             job = build_defs(str(pipeline.data_root), llm(server, **changed), caps={}).resolve_job_def("rejudge_job")
