@@ -13,6 +13,7 @@ from filter_pipeline.judge.config import LLMJudgeConfig
 from filter_pipeline.judge.rate import PROBE_REQUESTS
 from filter_pipeline.judge.resource import JudgeResource, judge_from_env
 from filter_pipeline.rules.report import agreement
+from filter_pipeline.rules.schemas import SCHEMAS
 from filter_pipeline_tests.builders import Pipeline, attempt, rows, task, verdicts, write_batch
 from filter_pipeline_tests.openai_server import FakeOpenAI, Reply
 
@@ -115,7 +116,11 @@ def test_outage_leaves_tasks_unjudged_and_the_next_materialization_judges_only_t
     )
 
 
-BATCH_ASSETS = ("batch_tasks", "batch_attempts", "batch_rejects")
+def batch_files_written(data_root) -> dict[str, int]:
+    """When each of the batch's files (batch_tasks, batch_attempts, batch_rejects) of r1 was last written."""
+    return {
+        a: (data_root / "warehouse" / a / "r1.parquet").stat().st_mtime_ns for a in SCHEMAS if a.startswith("batch_")
+    }
 
 
 def test_a_rejudging_by_another_judge_fails_in_one_line_and_keeps_the_verdicts_paid_for(pipeline):
@@ -131,7 +136,7 @@ def test_a_rejudging_by_another_judge_fails_in_one_line_and_keeps_the_verdicts_p
     assert (pipeline.output("judge_verdicts")["status"] == "error").sum() == 1
     assert read_commit(UPath(pipeline.data_root) / "warehouse", "r1").judge == judge.identity()  # what is compared
     verdicts = (pipeline.data_root / "warehouse" / "judge_verdicts" / "r1.parquet").read_bytes()
-    batch_files = {a: (pipeline.data_root / "warehouse" / a / "r1.parquet").stat().st_mtime_ns for a in BATCH_ASSETS}
+    batch_files = batch_files_written(pipeline.data_root)
     for job_name, tags in (("rejudge_job", {}), ("filter_job", {REJUDGE_OF_TAG: "r1"})):  # the sensor's, the CLI's
         job = build_defs(str(pipeline.data_root), JudgeResource(kind="gate"), caps={}).resolve_job_def(job_name)
         result = job.execute_in_process(instance=pipeline.instance, partition_key="r1", tags=tags, raise_on_error=False)
@@ -143,8 +148,7 @@ def test_a_rejudging_by_another_judge_fails_in_one_line_and_keeps_the_verdicts_p
         )
         assert (pipeline.data_root / "warehouse" / "judge_verdicts" / "r1.parquet").read_bytes() == verdicts
         # (nor written before the line: the batch's files are those its verdicts were judged from)
-        assert {a: (pipeline.data_root / "warehouse" / a / "r1.parquet").stat().st_mtime_ns for a in BATCH_ASSETS} \
-            == batch_files  # fmt: skip
+        assert batch_files_written(pipeline.data_root) == batch_files
     with FakeOpenAI() as server:  # the judge that judged the rest, with more votes or warmer: another judge too
         for changed in ({"votes": 3}, {"temperature": 0.7}):
             job = build_defs(str(pipeline.data_root), llm(server, **changed), caps={}).resolve_job_def("rejudge_job")
