@@ -113,7 +113,8 @@ def plan_tick(
         if ready:  # the walk stops before the first batch that is not ready: the next tick takes the rest
             break
         if b.run_id in busy or b.run_id in to_judge:
-            return to_register, to_judge, [], f"ledger waits for {b.run_id} to finish judging"
+            doing = ", judged, whose run in flight walks it" if b.judged else " to finish judging"
+            return to_register, to_judge, [], f"ledger waits for {b.run_id}{doing}"
         which = "ledger" if b.run_id in failed_ledger else "judge"
         why = (
             f"ledger waits for {b.run_id}, whose {which} run failed: materialize it again or retire it in retired.json"

@@ -216,12 +216,14 @@ B = BatchState
 
 def test_plan_waits_for_an_earlier_batch_still_judging():
     batches = [B("b1", judged=False, filtered=False), B("b2", judged=True, filtered=False)]
-    assert plan_tick(batches, {"b1", "b2"}, busy={"b1"}, failed_ledger=set())[2] == []
+    plan = plan_tick(batches, {"b1", "b2"}, busy={"b1"}, failed_ledger=set())
+    assert plan[2] == [] and plan[3] == "ledger waits for b1 to finish judging"
 
 
 def test_plan_waits_while_an_earlier_ledger_run_is_in_flight():
     batches = [B("b1", judged=True, filtered=False), B("b2", judged=True, filtered=False)]
-    assert plan_tick(batches, {"b1", "b2"}, busy={"b1"}, failed_ledger=set())[2] == []
+    plan = plan_tick(batches, {"b1", "b2"}, busy={"b1"}, failed_ledger=set())
+    assert plan[2] == [] and plan[3] == "ledger waits for b1, judged, whose run in flight walks it"
 
 
 def test_plan_holds_later_batches_behind_a_failed_run_until_it_is_recorded_or_retired():
