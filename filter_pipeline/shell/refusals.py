@@ -4,6 +4,7 @@ another walk made while this Dagster run waited or judged (whose committed outpu
 import dagster as dg
 
 from filter_pipeline.judge.resource import JudgeResource
+from filter_pipeline.rules.batch import LEGACY_KEPT_FILE
 from filter_pipeline.rules.commits import CommitRecord
 from filter_pipeline.rules.history import HistoryError
 from filter_pipeline.settings import JUDGE_LLM, materialize_command
@@ -42,7 +43,11 @@ def _refuse_judging_a_filtered_run_alone(context: dg.AssetExecutionContext, data
         return
     if backfill is not None and backfill.is_asset_backfill and dg.AssetKey("kept") in (backfill.asset_selection or ()):
         return
-    if commit_state(data.warehouse, run_id).exists and committed_meanwhile(context, data, run_id) is None:
+    if commit_state(data.warehouse, run_id).exists:
+        filtered = committed_meanwhile(context, data, run_id) is None
+    else:  # (a legacy run: the earlier script's kept.jsonl counts as filtered)
+        filtered = (data.run_dir(run_id) / LEGACY_KEPT_FILE).exists()
+    if filtered:
         raise dg.Failure(
             description=f"{run_id} is already filtered, and this run judges it without walking it again: its "
             "judge_verdicts and failure_pool would no longer match its kept rows. Materialize it with filter_job "

@@ -12,7 +12,7 @@ from filter_pipeline.judge.resource import JudgeResource
 from filter_pipeline.shell.jobs import ACROSS_RUNS_ASSETS
 from filter_pipeline.shell.warehouse import DataRoot
 from filter_pipeline.storage.parquet import read_parquet
-from filter_pipeline_tests.builders import attempt, rows, task, write_batch
+from filter_pipeline_tests.builders import attempt, rows, task, write_batch, write_legacy_kept
 
 ASSETS = [
     "batch_tasks",
@@ -336,6 +336,14 @@ def test_a_filtered_run_judged_by_a_run_that_does_not_walk_it_is_refused_in_one_
     assert "r1 is already filtered" in step_failure(judging_alone)[2]
     assert (data_root / "warehouse" / "judge_verdicts" / "r1.parquet").read_bytes() == verdicts
     assert materialize(instance, data_root, "r1").success  # judged and walked again: allowed
+
+
+def test_a_legacy_run_judged_by_a_run_that_does_not_walk_it_is_refused_as_a_filtered_one_is(instance, data_root):
+    write_batch(data_root, "old", [task("a"), task("b")], [attempt("a"), attempt("b")])
+    write_legacy_kept(data_root, "old", ("a", ["k", 1], "m", "s"))  # (filtered by the earlier script)
+    step, cls, message = step_failure(run_job(instance, data_root, "judge_job", "old"))
+    assert (step, cls) == ("judge_batch", "Failure") and "old is already filtered" in message
+    assert not (data_root / "warehouse" / "judge_verdicts").exists()
 
 
 def test_an_llm_judge_that_cannot_work_fails_the_judge_step_in_one_line_before_anything_is_written(instance, data_root):
