@@ -36,13 +36,8 @@ from filter_pipeline.shell.jobs import (
     first_walk_tags,
 )
 from filter_pipeline.shell.orphans import cli_process_tag, fail_orphaned_runs
-from filter_pipeline.shell.sensors import (
-    changed_warning,
-    legacy_run_ids,
-    record_legacy_runs,
-    rejudge_tags,
-    rejudging_due,
-)
+from filter_pipeline.shell.rejudging import rejudge_tags, rejudging_due
+from filter_pipeline.shell.sensors import changed_warning, legacy_run_ids, record_legacy_runs
 from filter_pipeline.shell.waiting import ORDER_MAX_WAIT_TAG
 from filter_pipeline.shell.warehouse import DATA_ENV, DataRoot
 from filter_pipeline.storage.failures import refused_as_they_are

@@ -10,19 +10,14 @@ step itself waits for lower runs (CONTRACT §4), whoever launched it, so a UI ba
 cannot walk out of order either.
 """
 
-import json
 import re
-import time
 from collections.abc import Callable, Iterable
 
 import dagster as dg
 
-from filter_pipeline import settings
-from filter_pipeline.judge.config import ENV
 from filter_pipeline.judge.resource import JudgeResource
-from filter_pipeline.rules import order
 from filter_pipeline.rules.batch import LEGACY_KEPT_FILE, SUCCESS_FILE, BatchState
-from filter_pipeline.rules.commits import CommitRecord, another_judge, commit_file, walks_fingerprint
+from filter_pipeline.rules.commits import CommitRecord, commit_file, walks_fingerprint
 from filter_pipeline.rules.history import HistoryError
 from filter_pipeline.settings import materialize_command
 from filter_pipeline.shell.assets import judge_batch, run_id_partitions
@@ -31,8 +26,6 @@ from filter_pipeline.shell.jobs import (
     PARTITION_TAG,
     RANGE_END_TAG,
     RANGE_START_TAG,
-    REJUDGE_OF_TAG,
-    REJUDGE_TRY_TAG,
     RUN_KEY_TAG,
     across_runs_job,
     first_walk_tags,
@@ -43,6 +36,7 @@ from filter_pipeline.shell.jobs import (
 )
 from filter_pipeline.shell.ledger import LEDGER_SPECS
 from filter_pipeline.shell.orphans import IN_FLIGHT_RUNS_LIMIT, NOT_FINISHED_STATUSES, fail_orphaned_runs
+from filter_pipeline.shell.rejudging import rejudge_requests
 from filter_pipeline.shell.waiting import DEFERRED_TAG
 from filter_pipeline.shell.warehouse import DataRoot
 from filter_pipeline.storage import failures
@@ -247,49 +241,6 @@ def failed_ledger_runs(instance: dg.DagsterInstance, waiting: list[str], commits
     return found
 
 
-def rejudge_run_key(run_id: str, try_number: int) -> str:
-    return f"{run_id}:rejudge:{try_number}"
-
-
-def rejudge_tries(instance: dg.DagsterInstance, run_id: str) -> tuple[int, float]:
-    """(re-judging runs launched so far for `run_id`, when the last one ended or started; 0.0 if none)."""
-    records = instance.get_run_records(dg.RunsFilter(tags={REJUDGE_OF_TAG: run_id}))
-    last = max((r.end_time or r.create_timestamp.timestamp() for r in records), default=0.0)
-    return len(records), last
-
-
-def rejudging_due(
-    instance: dg.DagsterInstance, commits: dict[str, CommitRecord], left_alone: set[str], judge: dict, wait: bool = True
-) -> tuple[list[order.Rejudge], dict[str, str]]:
-    """(committed runs with unjudged tasks to judge again now, under the cap on tries, but those in `left_alone`
-    (in flight, changed, retired); the runs left as they are because `judge` (`JudgeResource.identity`) is not
-    the one that judged them, each with a line saying so). `wait`: respect the backoff (the sensor does, a
-    user's `materialize` does not)."""
-    backoff = settings.int_setting(settings.REJUDGE_BACKOFF_SECONDS_ENV)
-    max_tries = settings.int_setting(settings.REJUDGE_MAX_TRIES_ENV)
-    due, other_judge = [], {}
-    for run_id, record in sorted(commits.items()):
-        if record.unjudged <= 0 or run_id in left_alone:
-            continue
-        if differs := another_judge(record.judge, judge):
-            other_judge[run_id] = (
-                f"{run_id}: {record.unjudged} unjudged tasks left as they are: the run was {differs} (judge them "
-                f"again with that judge: --judge, {ENV['kind']}, {ENV['model']}, {ENV['prompt_version']})"
-            )
-            continue
-        tries, last = rejudge_tries(instance, run_id)
-        found = order.rejudge_due(
-            run_id, record.unjudged, tries, max(last, record.walked_timestamp), time.time(), backoff, max_tries, wait
-        )
-        if found is not None:
-            due.append(found)
-    return due, other_judge
-
-
-def rejudge_tags(item: order.Rejudge) -> dict[str, str]:
-    return {REJUDGE_OF_TAG: item.run_id, REJUDGE_TRY_TAG: str(item.try_number)}
-
-
 def record_legacy_runs(instance: dg.DagsterInstance, data: DataRoot, run_ids: list[str]) -> list[str]:
     """Record each legacy run (registered as a partition) as materialized for every partitioned asset, once:
     `kept` with its row count, the others with a note. Returns the run_ids recorded now."""
@@ -371,31 +322,6 @@ def register_legacy_runs(
     return registration_order
 
 
-def rejudge_requests(
-    context: dg.SensorEvaluationContext, commits: dict[str, CommitRecord], left_alone: set[str], judge: dict
-) -> tuple[list[dg.RunRequest], str]:
-    """(the re-judging runs to launch now; the sensor's cursor: the runs another judge judged, each said once)."""
-    requests = []
-    due, other_judge = rejudging_due(context.instance, commits, left_alone, judge)
-    told = set(json.loads(context.cursor)) if context.cursor else set()
-    for run_id, line in other_judge.items():
-        if run_id not in told:
-            context.log.info(line)
-    for item in due:
-        context.log.info(
-            f"{item.run_id}: {commits[item.run_id].unjudged} unjudged tasks, judging again (try {item.try_number})"
-        )
-        requests.append(
-            dg.RunRequest(
-                job_name=rejudge_job.name,
-                partition_key=item.run_id,
-                run_key=rejudge_run_key(item.run_id, item.try_number),
-                tags=rejudge_tags(item),
-            )
-        )
-    return requests, json.dumps(sorted(other_judge))
-
-
 def plan_ledger(
     context: dg.SensorEvaluationContext,
     data: DataRoot,
@@ -423,7 +349,7 @@ def plan_ledger(
         set(registration_order),
         busy,
         failed_ledger,
-        failures.read_failures(data.warehouse),
+        failures.refused_as_they_are(data.warehouse, data.runs, [b.run_id for b in batches]),  # (fixed: not skipped)
         retired,
         never_run,
     )
@@ -438,6 +364,17 @@ def plan_ledger(
             "between)"
         )
     return to_register, to_judge, to_walk, why, busy, registration_order
+
+
+def fixed_batch_requests(data: DataRoot, batches: list[BatchState], busy: set[str]) -> list[dg.RunRequest]:
+    """A judge run for each batch refused before its walk whose files changed since, once per version of them
+    (its run key names their digest), but for those judged, filtered or `busy`."""
+    unjudged = [b.run_id for b in batches if not (b.judged or b.filtered or b.run_id in busy)]
+    fixed = failures.fixed_since_refused(data.warehouse, data.runs, unjudged)
+    return [
+        dg.RunRequest(job_name=JUDGE_JOB, partition_key=r, run_key=f"{r}:fixed:{d}", tags=first_walk_tags([r]))
+        for r, d in fixed.items()
+    ]
 
 
 def build_batch_sensor() -> dg.SensorDefinition:
@@ -455,7 +392,8 @@ def build_batch_sensor() -> dg.SensorDefinition:
         f"from there deferred its walk; the tag {FIRST_WALK_TAG} lists them). Batches already filtered "
         "(committed, or a legacy kept file) are registered, never re-run; legacy ones, and committed ones this "
         "instance has no record of (walked by the CLI or another deployment), are recorded as materialized. "
-        "Filtered runs that left tasks unjudged are judged and walked again, with a backoff and a cap on tries. "
+        "Filtered runs that left tasks unjudged are judged and walked again, with a backoff and a cap on tries; "
+        "a batch refused before its walk is judged again once its files change. "
         "After each walk that commits, once nothing is in flight, it refreshes coverage and judge calibration "
         "and audits the warehouse (across_runs_job).",
     )
@@ -474,6 +412,7 @@ def build_batch_sensor() -> dg.SensorDefinition:
         requests = [
             dg.RunRequest(job_name=JUDGE_JOB, partition_key=r, run_key=r, tags=first_walk_tags([r])) for r in to_judge
         ]
+        requests += fixed_batch_requests(data, batches, busy | set(to_judge))
         if to_walk:
             requests.append(ledger_request(to_walk, registration_order, next_ledger_key(context.instance, to_walk[0])))
         # (a changed batch is re-filtered only when named: re-judging would parse its new files)

@@ -1,0 +1,82 @@
+"""Re-judging the runs whose walk left tasks unjudged (an endpoint down, a budget spent): which are due, under a
+backoff and a cap on tries, by the judge that judged the rest; the batch sensor launches them, a `materialize`
+naming no run runs them."""
+
+import json
+import time
+
+import dagster as dg
+
+from filter_pipeline import settings
+from filter_pipeline.judge.config import ENV
+from filter_pipeline.rules import order
+from filter_pipeline.rules.commits import CommitRecord, another_judge
+from filter_pipeline.shell.jobs import REJUDGE_OF_TAG, REJUDGE_TRY_TAG, rejudge_job
+
+
+def rejudge_run_key(run_id: str, try_number: int) -> str:
+    return f"{run_id}:rejudge:{try_number}"
+
+
+def rejudge_tries(instance: dg.DagsterInstance, run_id: str) -> tuple[int, float]:
+    """(re-judging runs launched so far for `run_id`, when the last one ended or started; 0.0 if none)."""
+    records = instance.get_run_records(dg.RunsFilter(tags={REJUDGE_OF_TAG: run_id}))
+    last = max((r.end_time or r.create_timestamp.timestamp() for r in records), default=0.0)
+    return len(records), last
+
+
+def rejudging_due(
+    instance: dg.DagsterInstance, commits: dict[str, CommitRecord], left_alone: set[str], judge: dict, wait: bool = True
+) -> tuple[list[order.Rejudge], dict[str, str]]:
+    """(committed runs with unjudged tasks to judge again now, under the cap on tries, but those in `left_alone`
+    (in flight, changed, retired); the runs left as they are because `judge` (`JudgeResource.identity`) is not
+    the one that judged them, each with a line saying so). `wait`: respect the backoff (the sensor does, a
+    user's `materialize` does not)."""
+    backoff = settings.int_setting(settings.REJUDGE_BACKOFF_SECONDS_ENV)
+    max_tries = settings.int_setting(settings.REJUDGE_MAX_TRIES_ENV)
+    due, other_judge = [], {}
+    for run_id, record in sorted(commits.items()):
+        if record.unjudged <= 0 or run_id in left_alone:
+            continue
+        if differs := another_judge(record.judge, judge):
+            other_judge[run_id] = (
+                f"{run_id}: {record.unjudged} unjudged tasks left as they are: the run was {differs} (judge them "
+                f"again with that judge: --judge, {ENV['kind']}, {ENV['model']}, {ENV['prompt_version']})"
+            )
+            continue
+        tries, last = rejudge_tries(instance, run_id)
+        found = order.rejudge_due(
+            run_id, record.unjudged, tries, max(last, record.walked_timestamp), time.time(), backoff, max_tries, wait
+        )
+        if found is not None:
+            due.append(found)
+    return due, other_judge
+
+
+def rejudge_tags(item: order.Rejudge) -> dict[str, str]:
+    return {REJUDGE_OF_TAG: item.run_id, REJUDGE_TRY_TAG: str(item.try_number)}
+
+
+def rejudge_requests(
+    context: dg.SensorEvaluationContext, commits: dict[str, CommitRecord], left_alone: set[str], judge: dict
+) -> tuple[list[dg.RunRequest], str]:
+    """(the re-judging runs to launch now; the sensor's cursor: the runs another judge judged, each said once)."""
+    requests = []
+    due, other_judge = rejudging_due(context.instance, commits, left_alone, judge)
+    told = set(json.loads(context.cursor)) if context.cursor else set()
+    for run_id, line in other_judge.items():
+        if run_id not in told:
+            context.log.info(line)
+    for item in due:
+        context.log.info(
+            f"{item.run_id}: {commits[item.run_id].unjudged} unjudged tasks, judging again (try {item.try_number})"
+        )
+        requests.append(
+            dg.RunRequest(
+                job_name=rejudge_job.name,
+                partition_key=item.run_id,
+                run_key=rejudge_run_key(item.run_id, item.try_number),
+                tags=rejudge_tags(item),
+            )
+        )
+    return requests, json.dumps(sorted(other_judge))
