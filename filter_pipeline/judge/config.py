@@ -13,9 +13,9 @@ from urllib.parse import urlsplit
 import dagster as dg
 from pydantic import Field
 
-from filter_pipeline.judge.prompt import PROMPT_VERSION
+from filter_pipeline.judge.prompt import PROMPT_VERSION, PROMPTS
 from filter_pipeline.rules.descriptions import one_line
-from filter_pipeline.rules.schemas import SCORE_RANGE
+from filter_pipeline.rules.schemas import JUDGE_PROGRESS_FOLDER, SCORE_RANGE
 from filter_pipeline.settings import JUDGE_KIND_ENV
 
 
@@ -76,8 +76,9 @@ class LLMJudgeConfig(dg.Config):
     )
     prompt_version: str = _setting(
         PROMPT_VERSION,
-        "Part of the verdict cache key: change it to re-judge everything (`v2` and `v3` pick their own "
-        "prompt; any other name is the current prompt under a new key).",
+        "Part of the verdict cache key: change it to re-judge everything ("
+        + " and ".join(f"`{v}`" for v in PROMPTS)
+        + " pick their own prompt; any other name is the current prompt under a new key).",
         env="FILTER_JUDGE_PROMPT_VERSION",
     )
     min_score: int | None = _setting(
@@ -101,7 +102,7 @@ class LLMJudgeConfig(dg.Config):
     )
     save_every_verdicts: int = _setting(
         500,
-        "Save verdicts as they arrive, every this many (warehouse/_judge_progress/<run_id>/): "
+        f"Save verdicts as they arrive, every this many (warehouse/{JUDGE_PROGRESS_FOLDER}/<run_id>/): "
         "a killed run's next materialization asks only what was not saved.",
         env="FILTER_JUDGE_SAVE_EVERY",
         ge=1,

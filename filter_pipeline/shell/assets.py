@@ -21,6 +21,7 @@ from filter_pipeline.rules.descriptions import column_description
 from filter_pipeline.rules.history import RETIRED_FILE, HistoryError, parse_retired
 from filter_pipeline.rules.schemas import (
     FAILURE_REASONS,
+    JUDGE_PROGRESS_FOLDER,
     JUDGED_BY,
     JUDGED_INPUTS,
     SCHEMAS,
@@ -126,7 +127,7 @@ def check_result(check: str, asset: str, outcome: checks.CheckOutcome) -> dg.Ass
             group_name="judging",
             description="The verdict on each task's ok attempt with the highest number (tasks.jsonl order), from "
             "the judge resource. status 'error' marks a task that could not be judged: neither kept nor a failure. "
-            "The LLM judge saves verdicts as they arrive (warehouse/_judge_progress/<run_id>/), so a killed run "
+            f"The LLM judge saves verdicts as they arrive (warehouse/{JUDGE_PROGRESS_FOLDER}/<run_id>/), so a killed run "
             "asks again only what was not saved; evidence says what each verdict was judged from. With prompt v3 "
             "each verdict carries its parts (success, side_effects, looping, blocked, score), key_points and the "
             "judge's reasoning.",

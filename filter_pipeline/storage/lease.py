@@ -60,6 +60,11 @@ class LedgerBusy(Exception):
     """Another walk holds the ledger of this data root; str() says who (host, pid, run, since)."""
 
 
+def taken_over(lease: str) -> str:
+    """Why a walk lost `lease` (how it names the lease): what LeaseLost says."""
+    return f"{lease} was taken over by another walk after it expired"
+
+
 class LeaseLost(Exception):
     """The lease expired and was taken over while its holder still walked: the walk must not commit."""
 
@@ -105,7 +110,7 @@ class Lease:
     def confirm(self) -> None:
         self.check()
         if self._still_ours is not None and not self._still_ours():
-            self.lost = "the ledger lease was taken over by another walk after it expired"
+            self.lost = taken_over("the ledger lease")
             self.check()
 
 
@@ -362,7 +367,7 @@ def _object_lease(warehouse: UPath, holder: str, ttl_seconds: float) -> Iterator
         try:
             state["etag"] = _put(fs, path, record, IfMatch=state["etag"])
         except FileNotFoundError:
-            lease.lost = f"the ledger lease {path} was taken over by another walk after it expired"
+            lease.lost = taken_over(f"the ledger lease {path}")
         except OSError as exc:
             if store_refusal(exc) != PRECONDITION:
                 return  # a network error or a 409: try again at the next beat (the lease holds until it expires)
@@ -370,7 +375,7 @@ def _object_lease(warehouse: UPath, holder: str, ttl_seconds: float) -> Iterator
             # If-Match): the token in the store tells which
             found = _ours(fs, path, token)
             if found is None:
-                lease.lost = f"the ledger lease {path} was taken over by another walk after it expired"
+                lease.lost = taken_over(f"the ledger lease {path}")
             else:
                 state["etag"] = found
 
