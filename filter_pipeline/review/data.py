@@ -44,7 +44,7 @@ from filter_pipeline.rules.schemas import (
     pylist,
     to_pandas,
 )
-from filter_pipeline.storage.failures import failure_path, read_failure, refused_as_they_are
+from filter_pipeline.storage.failures import failure_path, read_failure
 from filter_pipeline.storage.files import (
     RUNS_DIR,
     WAREHOUSE_DIR,
@@ -94,9 +94,9 @@ def read_table(path: UPath, columns: list[str] | None = None, exclude: tuple = (
         raise ValueError(f"{WAREHOUSE_DIR}/{path.parent.name}/{path.name}: {exc}") from exc
 
 
-def frame(path: UPath | None, columns: list[str]) -> pd.DataFrame:
-    """`read_table`, with an empty frame of `columns` for an absent file (or none: None)."""
-    found = read_table(path, columns) if path is not None else None
+def frame(path: UPath, columns: list[str]) -> pd.DataFrame:
+    """`read_table`, with an empty frame of `columns` for an absent file."""
+    found = read_table(path, columns)
     return found if found is not None else _empty(columns)
 
 
@@ -256,11 +256,10 @@ ASSETS = ("batch_tasks", "batch_attempts", "judge_verdicts", "kept", "surplus", 
           "dpo_pairs", "prior_kept_counts")  # fmt: skip
 
 
-def _verdicts(path: UPath | None) -> tuple[pd.DataFrame, bool]:
+def _verdicts(path: UPath) -> tuple[pd.DataFrame, bool]:
     """(judge_verdicts, whether the run has that file): every column this version of the stage or a newer one
-    wrote (the raw replies left out: nothing shows them); an empty frame of the basic columns without the file
-    (or none: None)."""
-    found = read_table(path, exclude=("raw_replies",)) if path is not None else None
+    wrote (the raw replies left out: nothing shows them); an empty frame of the basic columns without the file."""
+    found = read_table(path, exclude=("raw_replies",))
     if found is not None:
         return found, True
     basic = ["task_id", "site", "status", "passed", "dir", "attempt", "votes", "cost"]
@@ -292,18 +291,11 @@ def load_run(root: UPath, run_id: str, files: dict[str, UPath]) -> RunTables:
     (`committed_paths`: a publish not complete holds it in its staging folder); HistoryIntegrityError (a
     ValueError) naming it when it is nowhere: the run's rows are not shown as undecided."""
     commit, files = committed_files(root, run_id, files)
-    # a refusal on record stands while the batch is as it was refused, over the files the judge step left of an
-    # earlier version of it (a walk that did not commit); once the batch changed, the judge step's files tell
-    refused = (
-        commit is None
-        and files["failed"].exists()  # (uncommitted runs alone pay for the look)
-        and run_id in refused_as_they_are(root / WAREHOUSE_DIR, root / RUNS_DIR, [run_id])
-    )
-    verdicts, judged = _verdicts(None if refused else files["judge_verdicts"])
+    verdicts, judged = _verdicts(files["judge_verdicts"])
     legacy = files["legacy"] if files["legacy"].exists() else None
     # (before the judge step parsed the batch, it is parsed here as that step will; once it has, a failure on
     # record is one it has since got past)
-    parsed = files["batch_tasks"].exists() and not refused
+    parsed = files["batch_tasks"].exists()
     unparsed = None if legacy or parsed else unparsed_batch(files["complete"].parent, run_id)
     tables = RunTables(
         run_id=run_id,
@@ -314,7 +306,7 @@ def load_run(root: UPath, run_id: str, files: dict[str, UPath]) -> RunTables:
         judged=judged,
         surplus=frame(files["surplus"], ["task_id", "dropped", "dup_of_run_id", "dup_of_task_id"]),
         failure_pool=frame(
-            None if refused else files["failure_pool"],
+            files["failure_pool"],
             ["task_id", "stage", "reason", "detail", "attempt", "dir", "backend_ok", "votes", "blocked"],
         ),  # fmt: skip
         rejects=_batch_frame(files["batch_rejects"], BATCH_REJECT_COLUMNS, unparsed and unparsed.rejects),

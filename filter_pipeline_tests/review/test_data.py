@@ -234,29 +234,6 @@ def test_a_batch_refused_for_holding_no_valid_task_shows_the_lines_it_rejected(t
     assert story(warehouse, "r5", "a")["decision"]["reason"].startswith("tasks.jsonl:1: ")
 
 
-def test_a_batch_refused_as_it_is_now_shows_as_failed_over_the_files_an_earlier_version_of_it_left(tmp_path):
-    from filter_pipeline.rules.batch import BatchError
-    from filter_pipeline.storage.failures import record_failure
-    from filter_pipeline.storage.runs import read_batch
-    from filter_pipeline_tests.builders import attempt, task, write_batch
-
-    # judged once (its walk did not commit), then written again by its producer, and refused as it is now
-    write_batch(tmp_path, "r5", [task("a")], [attempt("a", ok=False, error="assertion failed: x")])
-    write_asset(tmp_path, "batch_tasks", "r5", [{"task_id": "a", "run_id": "r5"}])
-    write_asset(tmp_path, "failure_pool", "r5", [{"task_id": "a", "stage": "execute", "reason": "script_assert"}])
-    write_asset(tmp_path, "judge_verdicts", "r5", [])
-    (tmp_path / "runs" / "r5" / "tasks.jsonl").write_text('not json\n{"task_id": 5}\n')
-    with pytest.raises(BatchError) as refused:
-        read_batch(UPath(str(tmp_path)) / "runs" / "r5", "r5")
-    record_failure(UPath(str(tmp_path / "warehouse")), "r5", str(refused.value), refused.value.inputs)
-    warehouse = Warehouse(UPath(str(tmp_path)))
-    [line] = warehouse.runs()[1]
-    assert line["state"] == f"failed ({refused.value})" and (line["tasks"], line["rejects"]) == (0, 2), line
-    assert warehouse.run("r5").tasks["fate"].tolist() == ["reject", "reject"]
-    (tmp_path / "runs" / "r5" / "tasks.jsonl").write_text(json.dumps(task("a")) + "\n")  # fixed: not refused now
-    assert not Warehouse(UPath(str(tmp_path))).runs()[1][0]["state"].startswith("failed")
-
-
 def test_a_filter_choice_is_sent_as_it_is_whitespace_included(warehouse):
     from filter_pipeline.review.app import Review
 
