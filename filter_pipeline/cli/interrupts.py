@@ -115,8 +115,9 @@ def saved_line(
     signals: Signals, data, run_id: str | None, committed: bool, done: list[str], named: list[str] = ()
 ) -> str:
     """The one line for an interrupt while `run_id` was materialized (None: between runs). `named`: when the call
-    named its runs, those still to do, `run_id` first: the line names them again (a `materialize` naming no run
-    would leave a re-walk of a run filtered before undone, and take runs not named)."""
+    named its runs, those still to do (runs of it that failed, then `run_id` and the rest): the line names them
+    again (a `materialize` naming no run would leave a re-walk of a run filtered before undone, and take runs
+    not named)."""
     earlier = f"; {', '.join(done)} finished before it" if done else ""
     if run_id is None:
         what = f"interrupted by {signals.name()} before a run started{earlier}"

@@ -107,7 +107,7 @@ def plan_tick(
         if ready:  # the walk stops before the first batch that is not ready: the next tick takes the rest
             break
         if b.run_id in busy or b.run_id in to_judge:
-            doing = ", judged, whose run in flight walks it" if b.judged else " to finish judging"
+            doing = ", judged, whose run is in flight" if b.judged else " to finish judging"
             return to_register, to_judge, [], f"ledger waits for {b.run_id}{doing}"
         which = "ledger" if b.run_id in failed_ledger else "judge"
         why = (
@@ -349,7 +349,7 @@ def plan_ledger(
         set(registration_order),
         busy,
         failed_ledger,
-        failures.refused_as_they_are(data.warehouse, data.runs, [b.run_id for b in batches]),  # (fixed: not skipped)
+        failures.read_failures(data.warehouse),
         retired,
         never_run,
     )
@@ -364,17 +364,6 @@ def plan_ledger(
             "between)"
         )
     return to_register, to_judge, to_walk, why, busy, registration_order
-
-
-def fixed_batch_requests(data: DataRoot, batches: list[BatchState], busy: set[str]) -> list[dg.RunRequest]:
-    """A judge run for each batch refused before its walk whose files changed since, once per version of them
-    (its run key names their digest), but for those judged, filtered or `busy`."""
-    unjudged = [b.run_id for b in batches if not (b.judged or b.filtered or b.run_id in busy)]
-    fixed = failures.fixed_since_refused(data.warehouse, data.runs, unjudged)
-    return [
-        dg.RunRequest(job_name=JUDGE_JOB, partition_key=r, run_key=f"{r}:fixed:{d}", tags=first_walk_tags([r]))
-        for r, d in fixed.items()
-    ]
 
 
 def build_batch_sensor() -> dg.SensorDefinition:
@@ -392,8 +381,7 @@ def build_batch_sensor() -> dg.SensorDefinition:
         f"from there deferred its walk; the tag {FIRST_WALK_TAG} lists them). Batches already filtered "
         "(committed, or a legacy kept file) are registered, never re-run; legacy ones, and committed ones this "
         "instance has no record of (walked by the CLI or another deployment), are recorded as materialized. "
-        "Filtered runs that left tasks unjudged are judged and walked again, with a backoff and a cap on tries; "
-        "a batch refused before its walk is judged again once its files change. "
+        "Filtered runs that left tasks unjudged are judged and walked again, with a backoff and a cap on tries. "
         "After each walk that commits, once nothing is in flight, it refreshes coverage and judge calibration "
         "and audits the warehouse (across_runs_job).",
     )
@@ -412,7 +400,6 @@ def build_batch_sensor() -> dg.SensorDefinition:
         requests = [
             dg.RunRequest(job_name=JUDGE_JOB, partition_key=r, run_key=r, tags=first_walk_tags([r])) for r in to_judge
         ]
-        requests += fixed_batch_requests(data, batches, busy | set(to_judge))
         if to_walk:
             requests.append(ledger_request(to_walk, registration_order, next_ledger_key(context.instance, to_walk[0])))
         # (a changed batch is re-filtered only when named: re-judging would parse its new files)

@@ -1,14 +1,13 @@
 """Validation failures on record: `warehouse/_failed/<run_id>.json` says a batch cannot be filtered as it is,
 so later batches stop waiting for it (`rules/order.py` decides what waits on what)."""
 
-import hashlib
 import json
 import time
 
 from upath import UPath
 
 from filter_pipeline.rules.commits import INPUT_FILES
-from filter_pipeline.storage.files import atomic_write, files_in, input_fingerprints, inputs_changed
+from filter_pipeline.storage.files import atomic_write, files_in, inputs_changed
 
 FAILED_DIR = "_failed"
 
@@ -69,18 +68,6 @@ def refused_as_they_are(warehouse: UPath, runs: UPath, run_ids: list[str]) -> di
         if present == set(recorded) and not inputs_changed(run_dir, recorded):  # (None: there, not compared)
             found[run_id] = str(record.get("reason", ""))
     return found
-
-
-def fixed_since_refused(warehouse: UPath, runs: UPath, run_ids: list[str]) -> dict[str, str]:
-    """run_id -> a digest of its input files now, for each of `run_ids` refused before its walk whose batch changed
-    since (`refused_as_they_are` does not list it): judging it again may now succeed, once per digest."""
-    recorded = [run_id for run_id in read_failures(warehouse) if run_id in run_ids]
-    unchanged = refused_as_they_are(warehouse, runs, recorded)
-    return {
-        run_id: hashlib.sha256(json.dumps(input_fingerprints(runs / run_id), sort_keys=True).encode()).hexdigest()[:12]
-        for run_id in recorded
-        if run_id not in unchanged
-    }
 
 
 def _read_record(path: UPath) -> dict | None:

@@ -7,7 +7,6 @@ import shutil
 
 import dagster as dg
 import pytest
-from upath import UPath
 
 from filter_pipeline.rules.batch import BatchState
 from filter_pipeline.shell.jobs import FIRST_WALK_TAG, RANGE_END_TAG, RANGE_START_TAG
@@ -224,7 +223,7 @@ def test_plan_waits_for_an_earlier_batch_still_judging():
 def test_plan_waits_while_an_earlier_ledger_run_is_in_flight():
     batches = [B("b1", judged=True, filtered=False), B("b2", judged=True, filtered=False)]
     plan = plan_tick(batches, {"b1", "b2"}, busy={"b1"}, failed_ledger=set())
-    assert plan[2] == [] and plan[3] == "ledger waits for b1, judged, whose run in flight walks it"
+    assert plan[2] == [] and plan[3] == "ledger waits for b1, judged, whose run is in flight"
 
 
 def test_plan_holds_later_batches_behind_a_failed_run_until_it_is_recorded_or_retired():
@@ -247,30 +246,6 @@ def test_plan_waits_for_a_batch_judged_in_this_very_tick():
     register, judge, walk, why = plan_tick(batches, {"b2"}, busy=set(), failed_ledger=set())
     assert (register, judge, walk) == (["b1"], ["b1"], [])
     assert "b1" in why
-
-
-def test_a_batch_refused_as_it_was_is_left_behind_and_judged_again_once_it_is_fixed(instance, data_root):
-    from filter_pipeline.rules.batch import BatchError
-    from filter_pipeline.storage import failures
-    from filter_pipeline.storage.runs import read_batch
-
-    write_batch(data_root, "b1", [task("a")], [attempt("a")])
-    (data_root / "runs" / "b1" / "tasks.jsonl").write_text("not json\n")  # no valid task: refused
-    write_batch(data_root, "b2", [task("a")], [attempt("a")])
-    judged(data_root, "b2")
-    instance.add_dynamic_partitions("run_id", ["b1", "b2"])
-    with pytest.raises(BatchError) as refused:  # (what its judge run recorded)
-        read_batch(DataRoot(path=str(data_root)).run_dir("b1"), "b1")
-    failures.record_failure(UPath(data_root) / "warehouse", "b1", str(refused.value), refused.value.inputs)
-    run_in_instance(
-        instance, tags={"dagster/partition": "b1", "dagster/run_key": "b1"}, status=dg.DagsterRunStatus.FAILURE
-    )
-    assert requests(tick(instance, data_root)) == [("ledger_job", "b2", "b2:ledger")]  # b2 goes ahead of it
-    commit_files(data_root, "b2", {})  # (b2 walked)
-    (data_root / "runs" / "b1" / "tasks.jsonl").write_text(json.dumps(task("b")) + "\n")  # fixed by its producer
-    [(job, partition, key)] = requests(tick(instance, data_root))
-    assert (job, partition) == ("judge_job", "b1") and key.startswith("b1:fixed:")  # picked up on its own
-    assert requests(tick(instance, data_root)) == [(job, partition, key)]  # (the same key: launched once)
 
 
 def test_sensor_sees_runs_in_flight_and_failed_ledger_runs_in_the_instance(instance, data_root):
