@@ -9,7 +9,6 @@ kept, surplus, the commit records and judge_verdicts stay as they are.
 
 import argparse
 import logging
-import os
 import re
 
 import pandas as pd
@@ -19,7 +18,7 @@ from filter_pipeline.cli.data_root import existing_root
 from filter_pipeline.judge.client import EndpointRefused, JudgeSetupError, ssl_context
 from filter_pipeline.judge.config import env_name
 from filter_pipeline.judge.driver import RecordSteps
-from filter_pipeline.judge.resource import ENV, JudgeResource, judge_from_env
+from filter_pipeline.judge.resource import JudgeResource, judge_from_env
 from filter_pipeline.rules import calibration
 from filter_pipeline.rules.filtering import unjudged_count
 from filter_pipeline.rules.schemas import STATUS_JUDGED, conform
@@ -44,11 +43,11 @@ class CalibrateError(Exception):
 
 
 def candidate_judge(args: argparse.Namespace) -> JudgeResource:
-    """The production judge's settings with the options in their place (the API key as its value: this
+    """The production judge's settings with the options in their place (the secrets as their values: this
     process asks the endpoint itself, outside Dagster)."""
     overrides = {"model": args.model, "base_url": args.base_url, "prompt_version": args.prompt_version,
-                 "votes": args.votes, "api_key": os.environ.get(ENV["api_key"]) or None}  # fmt: skip
-    judge = judge_from_env(JUDGE_LLM, overrides={k: v for k, v in overrides.items() if v is not None})
+                 "votes": args.votes}  # fmt: skip
+    judge = judge_from_env(JUDGE_LLM, {k: v for k, v in overrides.items() if v is not None}, env_vars=False)
     missing = [name for name in ("base_url", "model") if not getattr(judge.llm, name)]
     if missing:  # (named by the options first: they are what a calibration usually sets)
         flags = " and ".join(f"--{name.replace('_', '-')}" for name in missing)

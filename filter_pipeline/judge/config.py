@@ -33,7 +33,10 @@ class LLMJudgeConfig(dg.Config):
     length limit and the back-off, which have none."""
 
     base_url: str | None = _setting(
-        None, "OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1.", env="FILTER_JUDGE_BASE_URL"
+        None,
+        "OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1. Set it with EnvVar (as the environment sets "
+        "it) when it holds a key, in its path, query or user part: then never shown in the UI.",
+        env="FILTER_JUDGE_BASE_URL",
     )
     model: str | None = _setting(None, "Model name sent to the endpoint.", env="FILTER_JUDGE_MODEL")
     api_key: str | None = _setting(
@@ -202,11 +205,13 @@ def is_placeholder_key(key: str) -> bool:
 def _check_endpoint(base_url: str, api_key: str | None) -> None:
     """Refuse a base URL no request can reach and a key no header can carry, naming the variable and what is
     wrong, never their text (a URL may carry a token in its path or query, or be the key pasted by mistake)."""
-    problem = _url_problem(base_url)
+    base_url, api_key = (
+        value.get_value() if isinstance(value, dg.EnvVar) else value  # (not resolved yet: checked as it is read)
+        for value in (base_url, api_key)
+    )
+    problem = _url_problem(base_url) if base_url is not None else "not set"
     if problem:
         raise ValueError(f"{env_name('base_url')} is not an http(s) URL such as http://127.0.0.1:8000/v1 ({problem})")
-    if isinstance(api_key, dg.EnvVar):  # not resolved yet: its value is checked as it is read
-        api_key = api_key.get_value()
     if isinstance(api_key, str) and _not_header_text(api_key):
         raise ValueError(
             f"{env_name('api_key')} starts or ends with whitespace or holds a control character (a line break "
@@ -256,17 +261,23 @@ def _flag(text: str) -> bool:
 _PARSERS = {bool: (_flag, "flag (true/false)"), int: (int, "int"), float: (float, "float")}
 
 
-def config_from_env(overrides: dict | None = None) -> LLMJudgeConfig:
-    """The LLM settings that FILTER_JUDGE_* variables give, `overrides` in their place; the API key is wired
-    as an EnvVar so Dagster shows its name, never its value."""
+# settings whose text may hold a secret: the API key, and the base URL, which may carry a key in its path (a
+# gateway's /k/<key>/v1), its query (?api-key=) or its user part, where no rule can tell it from a plain path
+SECRET_SETTINGS = ("api_key", "base_url")
+
+
+def config_from_env(overrides: dict | None = None, env_vars: bool = True) -> LLMJudgeConfig:
+    """The LLM settings that FILTER_JUDGE_* variables give, `overrides` in their place. `env_vars`: the
+    `SECRET_SETTINGS` are wired as EnvVar, so that Dagster resolves them in the run and shows the variable's
+    name, never its value; False, as their values, for a process that asks the endpoint itself."""
     values: dict = {}
     for name, field in LLMJudgeConfig.model_fields.items():
         env = env_name(name)
         if env is None or env not in os.environ:
             continue
-        if name == "api_key":
+        if name in SECRET_SETTINGS:
             if os.environ[env]:
-                values[name] = dg.EnvVar(env)
+                values[name] = dg.EnvVar(env) if env_vars else os.environ[env]
             continue
         kind = next((t for t in _PARSERS if t in (field.annotation, *getattr(field.annotation, "__args__", ()))), str)
         parse, type_name = _PARSERS.get(kind, (str, "text"))

@@ -119,9 +119,12 @@ class JudgeResource(dg.ConfigurableResource):
         return _llm_judgement(requests, self, data_root, record_steps, previous, progress, log)
 
 
-def judge_from_env(kind: str | None = None, overrides: dict | None = None) -> JudgeResource:
-    """The judge resource configured by FILTER_JUDGE_* variables, `overrides` (LLM settings) in their place."""
-    return JudgeResource(kind=kind or os.environ.get(ENV["kind"], DEFAULT_JUDGE), llm=config_from_env(overrides))
+def judge_from_env(kind: str | None = None, overrides: dict | None = None, env_vars: bool = True) -> JudgeResource:
+    """The judge resource configured by FILTER_JUDGE_* variables, `overrides` (LLM settings) in their place.
+    `env_vars`: the settings that may hold a secret as EnvVar, for Dagster (`config_from_env`); False, as their
+    values, for a process that asks the endpoint itself."""
+    kind = kind or os.environ.get(ENV["kind"], DEFAULT_JUDGE)
+    return JudgeResource(kind=kind, llm=config_from_env(overrides, env_vars))
 
 
 # --- the LLM path -----------------------------------------------------------------------------------

@@ -202,7 +202,7 @@ def test_tokens_and_cost_at_the_configured_price(data_root, monkeypatch):
         monkeypatch.setenv("FILTER_JUDGE_BASE_URL", server.base_url)
         monkeypatch.setenv("FILTER_JUDGE_MODEL", "judge-test")
         monkeypatch.setenv("FILTER_JUDGE_VOTES", "1")
-        judgement = judge_batch(data_root, judge_from_env("llm"))
+        judgement = judge_batch(data_root, judge_from_env("llm", env_vars=False))
     per_task = (600 * 2 + 400 * 0.5 + 50 * 10) / 1e6
     v = judgement.verdicts
     assert rows(v, "requests", "prompt_tokens", "completion_tokens", "cached_tokens") == [[1, 1000, 50, 400]] * 2

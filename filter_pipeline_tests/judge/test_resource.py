@@ -235,9 +235,24 @@ def test_settings_come_from_the_environment_and_bad_values_say_which(monkeypatch
     judge = judge_from_env("llm")
     assert (judge.llm.votes, judge.llm.model) == (5, "m")
     assert isinstance(judge.llm.api_key, dg.EnvVar)  # Dagster shows the variable's name, not its value
+    asked_directly = judge_from_env("llm", env_vars=False).llm  # (a process that asks the endpoint itself)
+    assert (asked_directly.base_url, asked_directly.api_key) == ("http://127.0.0.1:9/v1", "sk-env")
     monkeypatch.setenv("FILTER_JUDGE_VOTES", "three")
     with pytest.raises(ValueError, match="FILTER_JUDGE_VOTES='three' is not a valid int"):
         judge_from_env("llm")
+
+
+def test_a_base_url_from_the_environment_is_shown_by_its_variable_never_its_text(monkeypatch):
+    # a gateway that takes the key in the path: nothing tells it from a plain path
+    monkeypatch.setenv("FILTER_JUDGE_BASE_URL", "https://gateway.example/k/sk-PATH-SECRET/v1")
+    monkeypatch.setenv("FILTER_JUDGE_MODEL", "m")
+    judge = judge_from_env("llm")
+    assert isinstance(judge.llm.base_url, dg.EnvVar)
+    assert "sk-PATH-SECRET" not in judge.model_dump_json()  # what the UI's resource config is made of
+    monkeypatch.setenv("FILTER_JUDGE_BASE_URL", "ftp://gateway.example/k/sk-PATH-SECRET")
+    with pytest.raises(ValueError, match=r"FILTER_JUDGE_BASE_URL is not an http\(s\) URL") as refused:
+        judge.settings()  # (the variable's value is checked, as it is read)
+    assert "sk-PATH-SECRET" not in str(refused.value)
 
 
 def test_llm_judge_without_endpoint_settings_is_refused():
