@@ -155,7 +155,8 @@ def side_by_side(labels: pd.DataFrame, frames: tuple, candidate: pd.DataFrame, n
 
 def calibrate(args: argparse.Namespace) -> int:
     """Exit status 0 when the candidate judged every labelled attempt and was scored; 1 when it could not judge
-    (endpoint refused); 2 bad input; 3 when attempts were left unjudged (scored on the others, if any)."""
+    (endpoint refused); 2 bad input, or no label naming an attempt it could judge; 3 when attempts were left
+    unjudged (scored on the others, if any)."""
     if existing_root(args.data) is None:
         return EXIT_BAD_INPUT
     data = DataRoot.from_env(args.data)
@@ -175,6 +176,11 @@ def calibrate(args: argparse.Namespace) -> int:
         refused = f" ({len(rejects)} line(s) refused, above)" if rejects else ""
         raise CalibrateError(f"{data.path}: {calibration.LABELS_FILE} holds no label{refused}: label some attempts")
     requests, frames = labelled_requests(data, labels)
+    if requests.empty:
+        raise CalibrateError(
+            f"{data.path}: none of the {len(labels)} label(s) in {calibration.LABELS_FILE} is a sure label "
+            "(success true or false) of an attempt in the warehouse's batch_attempts: nothing to judge"
+        )
     name = candidate_name(judge)
     file = data.warehouse / JUDGE_EVAL_FOLDER / f"{name}.parquet"
     previous = read_parquet(file) if file.exists() else None

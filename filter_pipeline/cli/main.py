@@ -36,7 +36,8 @@ CALIBRATE_DESCRIPTION = (
     "warehouse/judge_eval/<candidate>.parquet, and print precision (95% interval), recall, kappa and cost "
     "beside the judge in production. Verdicts already on file for the candidate are reused (a second run "
     "asks nothing). Never changes kept, surplus, judge_verdicts or the commit records. Exit 0 when scored, 1 "
-    "when the endpoint refused, 2 on bad input (no labels file, no verdicts, a missing setting), 3 when the "
+    "when the endpoint refused, 2 on bad input (no labels file, no verdicts, no label naming an attempt of the "
+    "warehouse, a missing setting), 3 when the "
     "candidate left labelled attempts unjudged (the next call asks for those alone)."
 )
 

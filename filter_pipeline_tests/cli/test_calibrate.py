@@ -213,6 +213,22 @@ def test_calibrate_without_labels_or_endpoint_says_so_in_one_line(data_root, mon
     assert "the candidate judge needs --base-url (or FILTER_JUDGE_BASE_URL)" in capsys.readouterr().err
 
 
+def test_labels_that_name_no_attempt_of_the_warehouse_are_exit_2_and_nothing_is_asked_or_written(labelled, capsys):
+    (labelled / "labels.jsonl").write_text(
+        '{"dir": "runs/other/traj/a/1", "success": true}\n{"dir": "runs/r/traj/a/1", "success": null}\n'
+    )
+    before = sorted(labelled.rglob("*"))
+    with FakeOpenAI(candidate) as server:
+        status = main(["calibrate", "--data", str(labelled), "--base-url", server.base_url, "--model", "cand"])
+        assert server.calls == []
+    assert status == 2
+    assert capsys.readouterr().err == (
+        f"filter-pipeline: {labelled}: none of the 2 label(s) in labels.jsonl is a sure label (success true or "
+        "false) of an attempt in the warehouse's batch_attempts: nothing to judge\n"
+    )
+    assert sorted(labelled.rglob("*")) == before  # no candidate's file, not even an empty one
+
+
 @pytest.mark.slow
 def test_materialize_naming_no_run_refreshes_judge_calibration_when_labels_changed(cli, data_root, tmp_path):
     write_batch(data_root, "r1", [task("a"), task("b")], [attempt("a"), attempt("b")])
