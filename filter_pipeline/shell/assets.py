@@ -405,6 +405,8 @@ def warehouse_verified(data: DataRoot) -> dg.AssetCheckResult:
 
 LABELS_FINGERPRINT = "labels_fingerprint"  # judge_calibration's metadata entry: the labels it was built from
 RETIRED_FINGERPRINT = "retired_fingerprint"  # coverage's metadata entry: the retired.json it was built from
+# judge_calibration's fingerprint of a labels.jsonl that cannot be read (a folder, no permission): built without it
+LABELS_UNREADABLE = f"unreadable {calibration.LABELS_FILE}"
 
 
 @dg.asset(
@@ -425,7 +427,7 @@ def judge_calibration(context: dg.AssetExecutionContext, data: DataRoot) -> dg.O
         fingerprint = {LABELS_FINGERPRINT: file_fingerprint(raw, calibration.LABELS_FILE)}
     except ValueError as exc:  # (a folder, no permission)
         context.log.warning(f"{exc}: no label counts until it can be")
-        raw, fingerprint = None, {LABELS_FINGERPRINT: f"unreadable {calibration.LABELS_FILE}"}
+        raw, fingerprint = None, {LABELS_FINGERPRINT: LABELS_UNREADABLE}
     verdicts_dir = data.warehouse / "judge_verdicts"
     if raw is None or not verdicts_dir.exists():
         return dg.Output(

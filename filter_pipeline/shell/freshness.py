@@ -15,7 +15,7 @@ from upath import UPath
 from filter_pipeline.rules.calibration import LABELS_FILE
 from filter_pipeline.rules.history import RETIRED_FILE
 from filter_pipeline.rules.schemas import file_fingerprint
-from filter_pipeline.shell.assets import LABELS_FINGERPRINT, RETIRED_FINGERPRINT
+from filter_pipeline.shell.assets import LABELS_FINGERPRINT, LABELS_UNREADABLE, RETIRED_FINGERPRINT
 from filter_pipeline.shell.jobs import across_runs_job
 from filter_pipeline.shell.warehouse import DataRoot
 from filter_pipeline.storage.history import read_retired
@@ -42,18 +42,30 @@ class Stale:
 class Follows:
     """An across-runs asset's file beside the warehouse: its name, how it is read, the metadata entry the asset
     records its fingerprint under, and the warehouse folder the asset reads (without it there is nothing to
-    refresh yet, and `nothing_yet` says so)."""
+    refresh yet, and `nothing_yet` says so). `unreadable`: the fingerprint the asset records when it builds
+    without a file that cannot be read; None: it refuses to build then."""
 
     file: str
     read: Callable[[UPath], bytes | None]
     entry: str
     needs: str
     nothing_yet: str
+    unreadable: str | None = None
+
+    def fingerprint(self, data: DataRoot) -> str:
+        """The file's fingerprint now, as the asset would record it. A file that cannot be read raises the
+        read's ValueError (one line) when the asset refuses to build without it."""
+        try:
+            return file_fingerprint(self.read(data.root), self.file)
+        except ValueError:
+            if self.unreadable is None:
+                raise
+            return self.unreadable
 
     def compare(self, instance: dg.DagsterInstance, asset: dg.AssetKey, data: DataRoot) -> Stale | None:
         """Stale when the asset's last materialization recorded another fingerprint of the file, else None. An
         asset never built (or built before it recorded one) is stale only if the file exists now."""
-        current = file_fingerprint(self.read(data.root), self.file)
+        current = self.fingerprint(data)
         event = instance.get_latest_materialization_event(asset)
         found = event.asset_materialization.metadata.get(self.entry) if event and event.asset_materialization else None
         recorded = found.value if found is not None else None
@@ -68,7 +80,7 @@ class Follows:
 
 FOLLOWS = {
     CALIBRATION: Follows(LABELS_FILE, read_labels, LABELS_FINGERPRINT, "judge_verdicts",
-                         "nothing to score yet: no judge_verdicts in the warehouse"),
+                         "nothing to score yet: no judge_verdicts in the warehouse", LABELS_UNREADABLE),
     COVERAGE: Follows(RETIRED_FILE, read_retired, RETIRED_FINGERPRINT, "kept",
                       "nothing to count yet: no kept in the warehouse"),
 }  # fmt: skip
@@ -93,7 +105,10 @@ def _freshness_sensor(name: str, asset: dg.AssetKey, description: str) -> dg.Sen
     def sensor(context: dg.SensorEvaluationContext, data: DataRoot) -> dg.SensorResult:
         if not (data.warehouse / follows.needs).exists():
             return dg.SensorResult(skip_reason=follows.nothing_yet)
-        stale = follows.compare(context.instance, asset, data)
+        try:
+            stale = follows.compare(context.instance, asset, data)
+        except ValueError as exc:  # (the asset cannot be built from the file as it is: a refresh would fail)
+            return dg.SensorResult(skip_reason=f"{exc}: {asset.path[-1]} is refreshed once it can be read")
         if stale is None:
             return dg.SensorResult(skip_reason=f"{asset.path[-1]} is up to date with {follows.file}")
         context.log.info(f"{follows.file} changed ({stale.recorded} -> {stale.current}): refreshing {asset.path[-1]}")

@@ -81,3 +81,23 @@ def test_the_retired_sensor_refreshes_coverage_alone_when_retired_json_changes(i
     back = refreshed(instance, defs, tick, "coverage")
     (data_root / "retired.json").write_text(retire_a)  # and are retired again: a run key not run before
     assert refreshed(instance, defs, tick, "coverage").run_key not in {request.run_key, back.run_key}
+
+
+def test_an_unreadable_labels_file_is_refreshed_once_as_the_asset_builds_without_it(instance, data_root):
+    tick = lambda: labels_tick(instance, data_root)  # noqa: E731
+    defs = filtered(instance, data_root, "r1", ["a"])
+    (data_root / "labels.jsonl").mkdir()  # (cannot be read as a file)
+    refreshed(instance, defs, tick, "judge_calibration")  # built without labels, warning why
+    assert tick().run_requests == [] and tick().skip_reason.skip_message == (
+        "judge_calibration is up to date with labels.jsonl"
+    )
+
+
+def test_an_unreadable_retired_json_is_a_skip_naming_it_not_a_failing_tick(instance, data_root):
+    tick = lambda: retired_tick(instance, data_root)  # noqa: E731
+    filtered(instance, data_root, "r1", ["a"])
+    (data_root / "retired.json").mkdir()  # coverage refuses to count without it: no refresh to ask for
+    skipped = tick()
+    assert skipped.run_requests == []
+    assert skipped.skip_reason.skip_message.startswith("retired.json cannot be read")
+    assert skipped.skip_reason.skip_message.endswith(": coverage is refreshed once it can be read")
