@@ -36,7 +36,7 @@ from filter_pipeline.shell.jobs import (
     first_walk_tags,
 )
 from filter_pipeline.shell.orphans import cli_process_tag, fail_orphaned_runs
-from filter_pipeline.shell.rejudging import rejudge_tags, rejudging_due
+from filter_pipeline.shell.rejudging import left_alone, rejudge_tags, rejudging_due
 from filter_pipeline.shell.sensors import changed_warning, legacy_run_ids, record_legacy_runs
 from filter_pipeline.shell.waiting import ORDER_MAX_WAIT_TAG
 from filter_pipeline.shell.warehouse import DATA_ENV, DataRoot
@@ -92,11 +92,11 @@ def _dagster_home() -> str:
 
 
 def _runs_to_materialize(
-    data: DataRoot, requested: list[str], refused: list[str], incomplete: list[str], changed: set[str]
-) -> list[str]:
-    """The run_ids to materialize: those `requested`, or when none is, `_found_runs` (and the batches still
-    being written appended to `incomplete`). The filtered batches changed since, and not requested, are added to
-    `changed` (a warning each)."""
+    data: DataRoot, requested: list[str], refused: list[str], incomplete: list[str]
+) -> tuple[list[str], list[BatchState]]:
+    """(the run_ids to materialize: those `requested`, or when none is, `_found_runs`, the batches still being
+    written appended to `incomplete`; every complete batch). The filtered batches changed since, and not
+    requested, are warned of."""
     unnamed = not requested
     batches = complete_batches(
         data.runs, data.warehouse, refused=refused if unnamed else None, incomplete=incomplete if unnamed else None
@@ -104,15 +104,14 @@ def _runs_to_materialize(
     for b in batches:
         if b.changed and b.run_id not in requested:
             complain(changed_warning(b.run_id), warning=True)
-            changed.add(b.run_id)
     if unnamed:
-        return _found_runs(data, batches, refused)
+        return _found_runs(data, batches, refused), batches
     for run_id in requested:
         check_run_id(run_id)
         why = not_complete(data.run_dir(run_id))
         if why is not None:
             raise CliError(f"batch runs/{run_id} {why}")
-    return requested
+    return requested, batches
 
 
 def _found_runs(data: DataRoot, batches: list[BatchState], refused: list[str]) -> list[str]:
@@ -168,12 +167,11 @@ def materialize(args: argparse.Namespace, signals: Signals | None = None) -> int
     data, caps, home, judge = _checked_arguments(args)
     refused: list[str] = []
     incomplete: list[str] = []
-    changed: set[str] = set()
     try:
         # read before the plan: a run not committed then is asked for its first walk even when another walk
         # commits it before this call's run of it starts (it is then reported as filtered, not walked again)
         committed = set(read_commits(data.warehouse))
-        found = _runs_to_materialize(data, args.run_ids, refused, incomplete, changed)
+        found, batches = _runs_to_materialize(data, args.run_ids, refused, incomplete)
     except BrokenPipeError:
         raise
     except OSError as exc:  # an unreadable runs/ or batch folder: one line, before anything is registered
@@ -190,8 +188,9 @@ def materialize(args: argparse.Namespace, signals: Signals | None = None) -> int
     for line in refused:
         print(line, file=sys.stderr, flush=True)
     _register_legacy_runs(instance, data, args.run_ids)
-    # (a changed batch is re-filtered only when named: re-judging would parse its new files)
-    rejudge, other_judge = ({}, set()) if args.run_ids else _rejudging(instance, data, changed, judge)
+    # (as the sensor leaves them: changed, retired, incomplete or gone; but the runs named, filtered again now)
+    apart = left_alone(committed, batches, load_retired(data.root).runs) - set(args.run_ids)
+    rejudge, other_judge = ({}, set()) if args.run_ids else _rejudging(instance, data, apart, judge)
     run_ids = sorted(set(run_ids) | set(rejudge)) if rejudge else run_ids
     # every job run here is rebuilt from the environment (see cli_filter_job): the settings travel through it
     os.environ[DATA_ENV], os.environ[ENV["kind"]] = data.path, judge.kind
@@ -204,13 +203,14 @@ def materialize(args: argparse.Namespace, signals: Signals | None = None) -> int
         named = bool(args.run_ids)
         failed, unjudged = _run_batches(instance, data, caps, run_ids, first_walks, rejudge, signals, named)
         status = EXIT_FAILED if failed or refused else EXIT_UNJUDGED if unjudged else 0
-    spent = _say_unjudged(instance, data, judge, unjudged, changed | other_judge, named=bool(args.run_ids))
+    spent = _say_unjudged(instance, data, judge, unjudged, apart | other_judge, named=bool(args.run_ids))
     return status or (EXIT_UNJUDGED if spent or other_judge else 0)
 
 
 def _say_unjudged(instance, data: DataRoot, judge, unjudged: set[str], said_apart: set[str], named: bool) -> list:
     """Say which runs left unjudged a later call naming none judges again, and which must be named (returned):
-    their last try spent (of the named runs, when `named`; else any not `said_apart`: changed, another judge's)."""
+    their last try spent (of the named runs, when `named`; else any not `said_apart`: left alone, another
+    judge's)."""
     due = _due_again(instance, data, said_apart, judge)
     again = len(due & unjudged)
     if again:
@@ -231,11 +231,10 @@ def _say_unjudged(instance, data: DataRoot, judge, unjudged: set[str], said_apar
     return spent
 
 
-def _rejudging(instance, data: DataRoot, changed: set[str], judge: JudgeResource) -> tuple[dict, set[str]]:
-    """(run_id -> Rejudge of the committed runs whose unjudged tasks this call judges again; the runs another
-    judge judged, left as they are, each said in one line)."""
-    left_alone = changed | load_retired(data.root).runs
-    due, other_judge = rejudging_due(instance, read_commits(data.warehouse), left_alone, judge.identity(), wait=False)
+def _rejudging(instance, data: DataRoot, apart: set[str], judge: JudgeResource) -> tuple[dict, set[str]]:
+    """(run_id -> Rejudge of the committed runs whose unjudged tasks this call judges again, but those `apart`
+    (`rejudging.left_alone`); the runs another judge judged, left as they are, each said in one line)."""
+    due, other_judge = rejudging_due(instance, read_commits(data.warehouse), apart, judge.identity(), wait=False)
     for line in other_judge.values():
         complain(line)
     return {r.run_id: r for r in due}, set(other_judge)
@@ -246,10 +245,11 @@ def _unreadable(data: DataRoot, exc: OSError) -> CliError:
     return CliError(f"cannot read the data root {data.path}: {exc.strerror or exc}{where}")
 
 
-def _due_again(instance, data: DataRoot, changed: set[str], judge: JudgeResource) -> set[str]:
-    """The committed runs a materialize naming no run would judge again now (`rejudging_due`, no backoff)."""
-    left_alone = changed | load_retired(data.root).runs
-    due, _ = rejudging_due(instance, read_commits(data.warehouse), left_alone, judge.identity(), wait=False)
+def _due_again(instance, data: DataRoot, apart: set[str], judge: JudgeResource) -> set[str]:
+    """The committed runs a materialize naming no run would judge again now (`rejudging_due`, no backoff), but
+    those `apart`."""
+    apart = apart | load_retired(data.root).runs
+    due, _ = rejudging_due(instance, read_commits(data.warehouse), apart, judge.identity(), wait=False)
     return {r.run_id for r in due}
 
 

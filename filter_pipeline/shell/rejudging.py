@@ -4,12 +4,14 @@ naming no run runs them."""
 
 import json
 import time
+from collections.abc import Iterable, Set
 
 import dagster as dg
 
 from filter_pipeline import settings
 from filter_pipeline.judge.config import ENV
 from filter_pipeline.rules import order
+from filter_pipeline.rules.batch import BatchState
 from filter_pipeline.rules.commits import CommitRecord, another_judge
 from filter_pipeline.shell.jobs import REJUDGE_OF_TAG, REJUDGE_TRY_TAG, rejudge_job
 
@@ -23,6 +25,15 @@ def rejudge_tries(instance: dg.DagsterInstance, run_id: str) -> tuple[int, float
     records = instance.get_run_records(dg.RunsFilter(tags={REJUDGE_OF_TAG: run_id}))
     last = max((r.end_time or r.create_timestamp.timestamp() for r in records), default=0.0)
     return len(records), last
+
+
+def left_alone(committed: Iterable[str], complete: Iterable[BatchState], retired: Set[str]) -> set[str]:
+    """The committed runs no re-judging touches, whoever launches it: retired; their batch changed since it was
+    filtered (re-filtered only when named: re-judging would parse its new files); or not among the `complete`
+    batches, being written again or gone (the try would fail on its files and count against the cap)."""
+    complete = list(complete)
+    listed = {b.run_id for b in complete}
+    return set(retired) | {b.run_id for b in complete if b.changed} | (set(committed) - listed)
 
 
 def rejudging_due(

@@ -36,7 +36,7 @@ from filter_pipeline.shell.jobs import (
 )
 from filter_pipeline.shell.ledger import LEDGER_SPECS
 from filter_pipeline.shell.orphans import IN_FLIGHT_RUNS_LIMIT, NOT_FINISHED_STATUSES, fail_orphaned_runs
-from filter_pipeline.shell.rejudging import rejudge_requests
+from filter_pipeline.shell.rejudging import left_alone, rejudge_requests
 from filter_pipeline.shell.waiting import DEFERRED_TAG
 from filter_pipeline.shell.warehouse import DataRoot
 from filter_pipeline.storage import failures
@@ -402,11 +402,8 @@ def build_batch_sensor() -> dg.SensorDefinition:
         ]
         if to_walk:
             requests.append(ledger_request(to_walk, registration_order, next_ledger_key(context.instance, to_walk[0])))
-        # (a changed batch is re-filtered only when named: re-judging would parse its new files)
-        changed = {b.run_id for b in batches if b.changed}
-        unreadable = set(commits) - {b.run_id for b in batches}  # (its batch being written again, or gone)
-        left_alone = busy | set(to_walk) | set(to_judge) | changed | retired | unreadable
-        rejudging, cursor = rejudge_requests(context, commits, left_alone, judge.identity())
+        untouched = busy | set(to_walk) | set(to_judge) | left_alone(commits, batches, retired)
+        rejudging, cursor = rejudge_requests(context, commits, untouched, judge.identity())
         requests += rejudging
         if not to_walk and not busy:
             requests += coverage_refresh(commits)

@@ -146,3 +146,20 @@ def test_a_run_with_unjudged_tasks_whose_batch_changed_is_not_judged_again_unles
     assert "judging its unjudged tasks again" not in done.stdout and "nothing to materialize" in done.stdout
     assert "runs/b1 changed since it was filtered" in done.stderr
     assert "after their last try" not in done.stdout  # (it waits to be named because it changed: no try was made)
+
+
+def test_a_run_with_unjudged_tasks_whose_batch_is_being_written_again_or_gone_is_left_as_it_is(cli, data_root):
+    import shutil
+
+    write_batch(data_root, "b1", [task("a")], [attempt("a")])
+    write_kept(data_root, "b1", ("a", ["k"], "m", "s"))
+    commit_files(data_root, "b1", {"kept": data_root / "warehouse" / "kept" / "b1.parquet"}, unjudged=1)
+    (data_root / "runs" / "b1" / "_SUCCESS").unlink()  # (its producer writes it again)
+    written_again = cli()
+    assert written_again.returncode == 0, written_again.stderr
+    assert written_again.stdout.splitlines() == ["nothing to materialize: no complete batch is waiting to be filtered"]
+    assert "runs/b1: no _SUCCESS yet" in written_again.stderr  # (a try would fail on it and count against the cap)
+    shutil.rmtree(data_root / "runs" / "b1")
+    gone = cli()
+    assert gone.returncode == 0, gone.stderr
+    assert gone.stdout.splitlines() == ["nothing to materialize: no complete batch is waiting to be filtered"]
