@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING
 import pandas as pd
 from upath import UPath
 
-from filter_pipeline.rules.schemas import STATUS_JUDGED, canonical_key, conform, key_hash
+from filter_pipeline.rules.schemas import canonical_key, conform, key_hash
+from filter_pipeline.rules.vocabulary import STATUS_JUDGED
 from filter_pipeline.storage.runs import read_batch
 
 if TYPE_CHECKING:

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from filter_pipeline.rules.schemas import STATUS_ERROR, conform
+from filter_pipeline.rules.schemas import conform
+from filter_pipeline.rules.vocabulary import STATUS_ERROR
 from filter_pipeline.storage.parquet import encode
 from filter_pipeline_tests.builders import verdicts
 

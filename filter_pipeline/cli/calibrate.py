@@ -21,7 +21,8 @@ from filter_pipeline.judge.driver import RecordSteps
 from filter_pipeline.judge.resource import JudgeResource, judge_from_env
 from filter_pipeline.rules import calibration
 from filter_pipeline.rules.filtering import unjudged_count
-from filter_pipeline.rules.schemas import STATUS_JUDGED, conform
+from filter_pipeline.rules.schemas import conform
+from filter_pipeline.rules.vocabulary import STATUS_JUDGED
 from filter_pipeline.settings import JUDGE_LLM
 from filter_pipeline.shell.warehouse import DataRoot
 from filter_pipeline.storage.labels import read_labels

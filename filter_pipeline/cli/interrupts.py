@@ -84,7 +84,7 @@ def verdicts_saved(data, run_id: str) -> int:
     import logging
 
     from filter_pipeline.judge.driver import ProgressStore
-    from filter_pipeline.rules.schemas import STATUS_JUDGED
+    from filter_pipeline.rules.vocabulary import STATUS_JUDGED
 
     done = data.asset_file("judge_verdicts", run_id)
     if done.exists():
@@ -101,7 +101,7 @@ def _judged_rows(path) -> int:
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    from filter_pipeline.rules.schemas import STATUS_JUDGED
+    from filter_pipeline.rules.vocabulary import STATUS_JUDGED
     from filter_pipeline.storage.parquet import read_parquet_file
 
     try:

@@ -7,7 +7,7 @@ import dagster as dg
 
 from filter_pipeline.rules import calibration as calibration_rules
 from filter_pipeline.rules.filtering import unjudged_count
-from filter_pipeline.rules.schemas import DROPPED_REASONS, FAILURE_REASONS
+from filter_pipeline.rules.vocabulary import DROPPED_REASONS, FAILURE_REASONS
 from filter_pipeline.shell.warehouse import DataRoot
 from filter_pipeline.storage.parquet import read_parquet
 

@@ -24,12 +24,11 @@ from filter_pipeline.judge.transport import JudgeSetupError, Rejected, Transport
 from filter_pipeline.rules.schemas import (
     RAW_REPLY_MAX_CHARS,
     REASONING_MAX_CHARS,
-    STATUS_ERROR,
-    STATUS_JUDGED,
     VERDICT_FLAGS,
     VERDICT_PARTS,
     votes_text,
 )
+from filter_pipeline.rules.vocabulary import STATUS_ERROR, STATUS_JUDGED
 
 if TYPE_CHECKING:
     from filter_pipeline.judge.config import LLMJudgeConfig

@@ -31,13 +31,8 @@ from upath import UPath
 from filter_pipeline.judge import prompt as judge_prompt
 from filter_pipeline.rules.batch import EXECUTIONS_FILE
 from filter_pipeline.rules.records import read_json
-from filter_pipeline.rules.schemas import (
-    JUDGE_ANSWER_FIELDS,
-    JUDGE_PROGRESS_SCHEMA,
-    SPEND_COUNTS,
-    STATUS_JUDGED,
-    pylist,
-)
+from filter_pipeline.rules.schemas import JUDGE_ANSWER_FIELDS, JUDGE_PROGRESS_SCHEMA, SPEND_COUNTS, pylist
+from filter_pipeline.rules.vocabulary import STATUS_JUDGED
 from filter_pipeline.storage.files import HASH_CHUNK
 from filter_pipeline.storage.parquet import read_parquet_file
 

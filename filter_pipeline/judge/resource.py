@@ -24,14 +24,12 @@ from filter_pipeline.rules.filtering import unjudged_count
 from filter_pipeline.rules.report import agreement_markdown
 from filter_pipeline.rules.schemas import (
     EVIDENCE_TRAJECTORY,
-    GATE_VOTES,
-    GATE_WHY,
     JUDGE_PROGRESS_PARTS,
     SPEND_COUNTS,
-    STATUS_JUDGED,
     evidence_kind,
     evidence_problem,
 )
+from filter_pipeline.rules.vocabulary import GATE_VOTES, GATE_WHY, STATUS_JUDGED
 from filter_pipeline.settings import DEFAULT_JUDGE, JUDGE_GATE, JUDGE_KINDS, JUDGE_LLM
 
 __all__ = ["ENV", "JudgeResource", "judge_from_env"]

@@ -37,13 +37,8 @@ from filter_pipeline.rules.commits import COMMITS_DIR, commit_file, parse_commit
 from filter_pipeline.rules.descriptions import one_line
 from filter_pipeline.rules.history import RETIRED_FILE, HistoryError, Retired, legacy_key_text, parse_retired
 from filter_pipeline.rules.records import ATTEMPT_FIELDS, json_text
-from filter_pipeline.rules.schemas import (
-    SCHEMAS,
-    STATUS_JUDGED,
-    key_hashes,
-    pylist,
-    to_pandas,
-)
+from filter_pipeline.rules.schemas import SCHEMAS, key_hashes, pylist, to_pandas
+from filter_pipeline.rules.vocabulary import STATUS_JUDGED
 from filter_pipeline.storage.failures import failure_path, read_failure
 from filter_pipeline.storage.files import (
     RUNS_DIR,

@@ -10,15 +10,14 @@ from upath import UPath
 from filter_pipeline.rules.batch import TASKS_FILE
 from filter_pipeline.rules.history import Retired
 from filter_pipeline.rules.records import json_text, read_json
-from filter_pipeline.rules.schemas import (
+from filter_pipeline.rules.schemas import isin, positions
+from filter_pipeline.rules.vocabulary import (
     DROPPED_REASONS,
     REASON_JUDGE_FAIL,
     STAGE_EXECUTE,
     STAGE_JUDGE,
     STATUS_ERROR,
     STATUS_JUDGED,
-    isin,
-    positions,
 )
 
 # A task's fate, in the words of the outputs

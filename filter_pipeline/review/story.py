@@ -14,15 +14,8 @@ from filter_pipeline.rules.batch import SUCCESS_FILE
 from filter_pipeline.rules.calibration import LABEL_COLUMNS, parse_labels
 from filter_pipeline.rules.filtering import Caps
 from filter_pipeline.rules.records import as_text, unsafe_dir_reason
-from filter_pipeline.rules.schemas import (
-    DROPPED_DUPLICATE,
-    DROPPED_SITE_CAP,
-    SPEND_COUNTS,
-    STAGE_EXECUTE,
-    STAGE_JUDGE,
-    TRAJECTORY_OUTSIDE_ROOT,
-    VERDICT_PARTS,
-)
+from filter_pipeline.rules.schemas import SPEND_COUNTS, TRAJECTORY_OUTSIDE_ROOT, VERDICT_PARTS
+from filter_pipeline.rules.vocabulary import DROPPED_DUPLICATE, DROPPED_SITE_CAP, STAGE_EXECUTE, STAGE_JUDGE
 from filter_pipeline.settings import materialize_command
 from filter_pipeline.storage.files import RUNS_DIR, file_version, read_if_present
 from filter_pipeline.storage.labels import LABELS_FILE

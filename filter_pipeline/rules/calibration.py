@@ -14,7 +14,8 @@ import pandas as pd
 from filter_pipeline.rules.batch import jsonl_lines
 from filter_pipeline.rules.descriptions import markdown_cell
 from filter_pipeline.rules.records import is_text, json_text
-from filter_pipeline.rules.schemas import CALIBRATION_MIN_LABELS, STATUS_JUDGED, conform
+from filter_pipeline.rules.schemas import CALIBRATION_MIN_LABELS, conform
+from filter_pipeline.rules.vocabulary import STATUS_JUDGED
 
 LABELS_FILE = "labels.jsonl"
 ALL_SITES = "(all)"

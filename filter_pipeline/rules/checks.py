@@ -12,7 +12,8 @@ import pyarrow as pa
 
 from filter_pipeline.rules import filtering
 from filter_pipeline.rules.batch import EXECUTIONS_FILE
-from filter_pipeline.rules.schemas import STAGE_EXECUTE, STATUS_JUDGED, isin
+from filter_pipeline.rules.schemas import isin
+from filter_pipeline.rules.vocabulary import STAGE_EXECUTE, STATUS_JUDGED
 
 
 @dataclass(frozen=True)

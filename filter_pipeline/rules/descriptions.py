@@ -3,6 +3,22 @@ is put on one line."""
 
 import pandas as pd
 
+from filter_pipeline.rules.vocabulary import (
+    DROPPED_DUPLICATE,
+    DROPPED_SITE_CAP,
+    DROPPED_TARGET,
+    ERROR_PREFIX_REASONS,
+    GATE_VOTES,
+    REASON_JUDGE_FAIL,
+    REASON_SCRIPT_ERROR,
+    REASON_UNKNOWN,
+    STAGE_EXECUTE,
+    STAGE_JUDGE,
+    STATUS_ERROR,
+    STATUS_JUDGED,
+)
+from filter_pipeline.settings import JUDGE_GATE, JUDGE_LLM
+
 # judge_verdicts.reasoning: the model's reasoning is kept up to this many characters
 REASONING_MAX_CHARS = 8000
 RAW_REPLY_MAX_CHARS = 500  # judge_verdicts.raw_replies: each reply cut to this many characters
@@ -71,12 +87,12 @@ COLUMN_DESCRIPTIONS: dict[str, str] = {
     "passed": "The judge's verdict: true passes, false fails; null when the task could not be judged. For the "
     "LLM judge: judge_passed, failed where the score is below FILTER_JUDGE_MIN_SCORE.",
     "why": "The judge's reason for its verdict (for an unjudged task: why no verdict was reached).",
-    "votes": "How the verdict was reached: 'P/N' (P passing votes of N asked) for the LLM judge, 'gate' for the "
-    "deterministic gate alone; null on execute rows of failure_pool and on unjudged tasks.",
+    "votes": "How the verdict was reached: 'P/N' (P passing votes of N asked) for the LLM judge, "
+    f"'{GATE_VOTES}' for the deterministic gate alone; null on execute rows of failure_pool and on unjudged tasks.",
     "backend": "The backend check's detail text on the judged attempt.",
-    "status": "judged (the verdict counts) or error (could not be judged: neither kept nor a failure, judged "
-    "again later).",
-    "judge": "Which judge decided: gate or llm.",
+    "status": f"{STATUS_JUDGED} (the verdict counts) or {STATUS_ERROR} (could not be judged: neither kept nor a "
+    "failure, judged again later).",
+    "judge": f"Which judge decided: {JUDGE_GATE} or {JUDGE_LLM}.",
     "model": "The LLM that judged (null for the gate).",
     "prompt_version": "Version of the judge prompt; part of the verdict cache key (null for the gate).",
     # the verdict's parts
@@ -109,15 +125,16 @@ COLUMN_DESCRIPTIONS: dict[str, str] = {
     "redacted).",
     "replies_sha256": "SHA-256 of the full replies, to tell replies apart beyond the stored cut.",
     # failure pool
-    "stage": "Where the attempt failed: execute (the attempt's ok was false) or judge (the judge did not pass it).",
-    "reason": "Why it failed: policy_violation, backend_fail, script_assert, action_refused, script_error or "
-    "unknown (by the error's prefix, execute rows), judge_fail (judge rows).",
+    "stage": f"Where the attempt failed: {STAGE_EXECUTE} (the attempt's ok was false) or {STAGE_JUDGE} (the judge "
+    "did not pass it).",
+    "reason": f"Why it failed: {', '.join(reason for _, reason in ERROR_PREFIX_REASONS)}, {REASON_SCRIPT_ERROR} or "
+    f"{REASON_UNKNOWN} (by the error's prefix, execute rows), {REASON_JUDGE_FAIL} (judge rows).",
     "detail": f"Execute rows: the error text cut to {DETAIL_MAX_CHARS} characters, '' when there is none; judge "
     "rows: the why "
     "(prefixed 'score S is below the minimum score (FILTER_JUDGE_MIN_SCORE)' where the model passed it).",
     # ledger
-    "dropped": "Why a passing verdict was not kept: duplicate (key kept before), site_cap ((macro, site) full) "
-    "or target (macro total reached), checked in that order.",
+    "dropped": f"Why a passing verdict was not kept: {DROPPED_DUPLICATE} (key kept before), {DROPPED_SITE_CAP} "
+    f"((macro, site) full) or {DROPPED_TARGET} (macro total reached), checked in that order.",
     "dup_of_run_id": "For a duplicate: the run that kept the key first (null otherwise).",
     "dup_of_task_id": "For a duplicate: the task that kept the key first (null otherwise).",
     "n_kept": "Kept rows of this (macro, site) in every other non-retired run.",
@@ -162,7 +179,7 @@ COLUMN_DESCRIPTIONS: dict[str, str] = {
     "rejected_dir": "Trajectory folder of the failed attempt (the rejected side).",
     "rejected_attempt": "Attempt number of the failed attempt.",
     "rejected_n_actions": "Actions in the failed attempt.",
-    "rejected_stage": "Where the rejected attempt failed: execute or judge.",
+    "rejected_stage": f"Where the rejected attempt failed: {STAGE_EXECUTE} or {STAGE_JUDGE}.",
     "rejected_reason": "The rejected attempt's failure-pool reason.",
     "rejected_detail": "The rejected attempt's failure-pool detail.",
     # the LLM judge's cost and evidence

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from filter_pipeline.rules.schemas import STAGE_JUDGE, conform, positions
+from filter_pipeline.rules.schemas import conform, positions
+from filter_pipeline.rules.vocabulary import STAGE_JUDGE
 
 EXCLUDED_BACKEND_OK = "backend_ok"  # reached the goal state although the script failed
 EXCLUDED_BLOCKED = "blocked"  # the judge said the site, not the agent, prevented the task

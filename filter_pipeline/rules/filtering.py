@@ -12,9 +12,16 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from filter_pipeline.rules.schemas import (
-    BELOW_MIN_SCORE_DETAIL,
     DEFAULT_PER_SITE_CAP,
     DETAIL_MAX_CHARS,
+    SCHEMAS,
+    STR,
+    conform,
+    positions,
+    pylist,
+)
+from filter_pipeline.rules.vocabulary import (
+    BELOW_MIN_SCORE_DETAIL,
     DROPPED_DUPLICATE,
     DROPPED_SITE_CAP,
     DROPPED_TARGET,
@@ -22,15 +29,10 @@ from filter_pipeline.rules.schemas import (
     REASON_JUDGE_FAIL,
     REASON_SCRIPT_ERROR,
     REASON_UNKNOWN,
-    SCHEMAS,
     STAGE_EXECUTE,
     STAGE_JUDGE,
     STATUS_ERROR,
     STATUS_JUDGED,
-    STR,
-    conform,
-    positions,
-    pylist,
 )
 
 # --- §3.1 execute failures --------------------------------------------------------------------------

@@ -14,13 +14,8 @@ from pygal.style import Style
 
 from filter_pipeline.rules.descriptions import markdown_table
 from filter_pipeline.rules.filtering import Caps, unjudged_count
-from filter_pipeline.rules.schemas import (
-    DROPPED_REASONS,
-    EVIDENCE_TRAJECTORY,
-    FAILURE_REASONS,
-    SPEND_COUNTS,
-    STATUS_JUDGED,
-)
+from filter_pipeline.rules.schemas import EVIDENCE_TRAJECTORY, SPEND_COUNTS
+from filter_pipeline.rules.vocabulary import DROPPED_REASONS, FAILURE_REASONS, STATUS_JUDGED
 
 BLOCKED = "blocked"  # the per-site and per-macro column of judge failures the judge found blocked by the site
 FUNNEL_STEPS = ("attempts", "ok attempts", "judged tasks", "passed", "kept")

@@ -23,11 +23,8 @@ import pyarrow.compute as pc
 from filter_pipeline.rules.commits import CommitRecord
 from filter_pipeline.rules.filtering import Caps, caps_broken, over_caps
 from filter_pipeline.rules.history import as_text, kept_pairs, sum_counts
-from filter_pipeline.rules.schemas import (
-    STATUS_ERROR,
-    STATUS_JUDGED,
-    to_pandas,
-)
+from filter_pipeline.rules.schemas import to_pandas
+from filter_pipeline.rules.vocabulary import STATUS_ERROR, STATUS_JUDGED
 from filter_pipeline.settings import materialize_command
 
 FINDING_KINDS = ("commit", "file", "duplicate", "cap", "conservation", "uncommitted", "incomplete", "changed")

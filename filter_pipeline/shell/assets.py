@@ -20,15 +20,14 @@ from filter_pipeline.rules.coverage import coverage_chart, coverage_markdown, co
 from filter_pipeline.rules.descriptions import column_description
 from filter_pipeline.rules.history import RETIRED_FILE, HistoryError, parse_retired
 from filter_pipeline.rules.schemas import (
-    FAILURE_REASONS,
     JUDGE_PROGRESS_FOLDER,
     JUDGED_BY,
     JUDGED_INPUTS,
     SCHEMAS,
-    STATUS_JUDGED,
     file_fingerprint,
     type_name,
 )
+from filter_pipeline.rules.vocabulary import FAILURE_REASONS, STATUS_JUDGED
 from filter_pipeline.settings import VERIFY_COMMAND
 from filter_pipeline.shell.config import (
     COVERAGE_OP,

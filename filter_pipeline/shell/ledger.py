@@ -23,7 +23,7 @@ from filter_pipeline import settings
 from filter_pipeline.rules import checks, commits, dpo, filtering, order, report
 from filter_pipeline.rules.commits import CommitRecord, HistoryIntegrityError
 from filter_pipeline.rules.history import HistoryError
-from filter_pipeline.rules.schemas import DROPPED_REASONS
+from filter_pipeline.rules.vocabulary import DROPPED_REASONS
 from filter_pipeline.shell.assets import (
     ALREADY_FILTERED,
     already_filtered_line,

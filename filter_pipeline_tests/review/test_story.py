@@ -194,7 +194,7 @@ def test_a_legacy_runs_kept_task_is_said_to_be_a_row_of_its_kept_jsonl_not_of_th
 def test_a_judge_failure_says_why_it_failed_even_one_the_judge_passed_below_the_minimum_score(warehouse):
     from pathlib import Path
 
-    from filter_pipeline.rules.schemas import BELOW_MIN_SCORE_DETAIL
+    from filter_pipeline.rules.vocabulary import BELOW_MIN_SCORE_DETAIL
     from filter_pipeline_tests.review.small_warehouse import write_asset
 
     detail = BELOW_MIN_SCORE_DETAIL.format(score=3, why="fine")

@@ -7,7 +7,8 @@ import pytest
 from filter_pipeline.judge.resource import gate_verdicts
 from filter_pipeline.rules import filtering
 from filter_pipeline.rules.filtering import Caps, MacroLimits, walk_ledger
-from filter_pipeline.rules.schemas import DETAIL_MAX_CHARS, GATE_VOTES, GATE_WHY
+from filter_pipeline.rules.schemas import DETAIL_MAX_CHARS
+from filter_pipeline.rules.vocabulary import GATE_VOTES, GATE_WHY
 from filter_pipeline_tests.builders import attempt, counts, kept_history, parse, rows, task, verdicts
 
 NO_HISTORY = kept_history()

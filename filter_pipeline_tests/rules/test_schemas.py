@@ -137,7 +137,8 @@ def test_evidence_is_made_and_read_back_by_one_pair_of_rules(problem, evidence, 
 
 
 def test_votes_are_written_and_read_back_by_one_rule():
-    from filter_pipeline.rules.schemas import GATE_VOTES, votes_asked, votes_text
+    from filter_pipeline.rules.schemas import votes_asked, votes_text
+    from filter_pipeline.rules.vocabulary import GATE_VOTES
 
     assert votes_text(2, 3) == "2/3" and votes_asked(votes_text(2, 3)) == "3"
     assert votes_asked(GATE_VOTES) == GATE_VOTES
