@@ -6,6 +6,7 @@ import os
 from upath import UPath
 
 from filter_pipeline.cli import complain
+from filter_pipeline.rules.descriptions import one_line
 from filter_pipeline.settings import DATA_ENV, ENDPOINT_ENV, data_path
 from filter_pipeline.storage.files import RUNS_DIR, error_line, open_root
 
@@ -47,3 +48,10 @@ def existing_root(data: str | None) -> UPath | None:
         complain(problem)
         return None
     return root
+
+
+def unreadable(path: str, exc: OSError) -> str:
+    """The one line that says the data root at `path` holds a file or folder a command must read and cannot
+    (what the OS said, and which)."""
+    where = f": {exc.filename}" if exc.filename else ""
+    return f"cannot read the data root {path}: {exc.strerror or one_line(exc)}{where}"

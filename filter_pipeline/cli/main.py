@@ -113,7 +113,7 @@ def _at_least_one(text: str) -> int:
 
 def verify(args: argparse.Namespace) -> int:
     """Print one line per finding of the warehouse audit; 0 when clean, 1 otherwise (2: no data root)."""
-    from filter_pipeline.cli.data_root import existing_root
+    from filter_pipeline.cli.data_root import existing_root, unreadable
     from filter_pipeline.storage.audit import audit
 
     root = existing_root(args.data)
@@ -122,8 +122,7 @@ def verify(args: argparse.Namespace) -> int:
     try:
         findings = audit(root)
     except OSError as exc:  # (a file the audit must read and cannot: no finding can be trusted without it)
-        where = f": {exc.filename}" if exc.filename else ""
-        complain(f"cannot read the data root {data_path(args.data)}: {exc.strerror or one_line(exc)}{where}")
+        complain(unreadable(data_path(args.data), exc))
         return EXIT_BAD_INPUT
     for finding in findings:
         print(finding.line)

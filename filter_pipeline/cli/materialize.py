@@ -15,7 +15,7 @@ import dagster as dg
 
 from filter_pipeline.cli import EXIT_FAILED, EXIT_UNJUDGED, complain
 from filter_pipeline.cli.console import one_line_console
-from filter_pipeline.cli.data_root import root_problem
+from filter_pipeline.cli.data_root import root_problem, unreadable
 from filter_pipeline.cli.interrupts import Interrupted, Signals, saved_line, was_interrupted
 from filter_pipeline.cli.summary import failure_reason, print_across_runs, print_calibration, print_coverage, summarize
 from filter_pipeline.definitions import defs_from_env
@@ -175,7 +175,7 @@ def materialize(args: argparse.Namespace, signals: Signals | None = None) -> int
     except BrokenPipeError:
         raise
     except OSError as exc:  # an unreadable runs/ or batch folder: one line, before anything is registered
-        raise _unreadable(data, exc) from None
+        raise CliError(unreadable(data.path, exc)) from None
     run_ids = _in_ledger_order(data, found, named=bool(args.run_ids))
     instance = _instance(home)
     for line in fail_orphaned_runs(instance):
@@ -238,11 +238,6 @@ def _rejudging(instance, data: DataRoot, apart: set[str], judge: JudgeResource) 
     for line in other_judge.values():
         complain(line)
     return {r.run_id: r for r in due}, set(other_judge)
-
-
-def _unreadable(data: DataRoot, exc: OSError) -> CliError:
-    where = f": {exc.filename}" if exc.filename else ""
-    return CliError(f"cannot read the data root {data.path}: {exc.strerror or exc}{where}")
 
 
 def _due_again(instance, data: DataRoot, apart: set[str], judge: JudgeResource) -> set[str]:
