@@ -27,7 +27,14 @@ from filter_pipeline.rules.schemas import (
     file_fingerprint,
     type_name,
 )
-from filter_pipeline.rules.vocabulary import FAILURE_REASONS, STATUS_JUDGED
+from filter_pipeline.rules.vocabulary import (
+    FAILURE_REASONS,
+    REASON_JUDGE_FAIL,
+    STAGE_EXECUTE,
+    STAGE_JUDGE,
+    STATUS_ERROR,
+    STATUS_JUDGED,
+)
 from filter_pipeline.settings import VERIFY_COMMAND
 from filter_pipeline.shell.config import (
     COVERAGE_OP,
@@ -125,7 +132,8 @@ def check_result(check: str, asset: str, outcome: checks.CheckOutcome) -> dg.Ass
         "judge_verdicts": dg.AssetOut(
             group_name="judging",
             description="The verdict on each task's ok attempt with the highest number (tasks.jsonl order), from "
-            "the judge resource. status 'error' marks a task that could not be judged: neither kept nor a failure. "
+            f"the judge resource. status '{STATUS_ERROR}' marks a task that could not be judged: neither kept nor a "
+            "failure. "
             f"The LLM judge saves verdicts as they arrive (warehouse/{JUDGE_PROGRESS_FOLDER}/<run_id>/), so a killed run "
             "asks again only what was not saved; evidence says what each verdict was judged from. With prompt v3 "
             "each verdict carries its parts (success, side_effects, looping, blocked, score), key_points and the "
@@ -134,8 +142,9 @@ def check_result(check: str, asset: str, outcome: checks.CheckOutcome) -> dg.Ass
         ),
         "failure_pool": dg.AssetOut(
             group_name="judging",
-            description="Every failed attempt (stage execute, reason from the error prefix) and every verdict that "
-            "did not pass (stage judge, reason judge_fail): candidate DPO negatives. backend_ok rows reached the "
+            description=f"Every failed attempt (stage {STAGE_EXECUTE}, reason from the error prefix) and every "
+            f"verdict that did not pass (stage {STAGE_JUDGE}, reason {REASON_JUDGE_FAIL}): candidate DPO negatives. "
+            "backend_ok rows reached the "
             "goal although the script failed, and blocked judge rows failed because of the site (CAPTCHA, bot "
             "wall, site down), so neither is a clean negative.",
             metadata=column_schema("failure_pool"),
