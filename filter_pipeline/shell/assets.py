@@ -15,7 +15,7 @@ from filter_pipeline.judge.driver import ProgressStore, RecordSteps
 from filter_pipeline.judge.resource import JudgeResource
 from filter_pipeline.rules import calibration, checks, filtering, report, verify
 from filter_pipeline.rules.batch import EXECUTIONS_FILE, TASKS_FILE, BatchError
-from filter_pipeline.rules.commits import CommitRecord, HistoryIntegrityError, another_judge, judge_settings
+from filter_pipeline.rules.commits import CommitRecord, HistoryIntegrityError, another_judge
 from filter_pipeline.rules.coverage import coverage_chart, coverage_markdown, coverage_table
 from filter_pipeline.rules.descriptions import column_description
 from filter_pipeline.rules.history import RETIRED_FILE, HistoryError, parse_retired
@@ -299,14 +299,15 @@ def _judge(context: dg.AssetExecutionContext, judge: JudgeResource, data: DataRo
 
 
 def _refuse_another_judge(context, judge: JudgeResource, data: DataRoot, run_id: str, previous) -> None:
-    """A re-judging of a run's unjudged tasks by a judge other than the one that judged the rest fails in one
-    line, before anything is asked or written (`commits.another_judge`: it would judge the run anew)."""
+    """A re-judging of a filtered run's unjudged tasks by a judge other than the one that judged the rest fails
+    in one line, before anything is asked or written (`commits.another_judge`: it would judge the run anew). A
+    run not filtered (a batch corrected since it was refused) is judged anew whatever judged it before."""
     from filter_pipeline.shell.jobs import REJUDGE_OF_TAG, rejudge_job  # (jobs.py imports this module)
 
     if not (context.job_name == rejudge_job.name or REJUDGE_OF_TAG in context.run.tags) or previous is None:
         return
-    record = read_commit(data.warehouse, run_id)  # (what the sensor and the CLI compare; else the verdicts file)
-    differs = another_judge(record.judge if record else judge_settings(previous), judge.identity())
+    record = read_commit(data.warehouse, run_id)  # (what the sensor and the CLI compare)
+    differs = another_judge(record.judge, judge.identity()) if record is not None else None
     if differs:
         raise dg.Failure(
             description=f"{run_id}: its unjudged tasks are judged again only by the judge that judged the rest: "

@@ -1,9 +1,10 @@
 """Jobs over the run_id-partitioned assets (partitioning is inferred from the selection).
 
 The sensor launches `judge_job` for every new batch at once and `ledger_job` one run at a time (every
-judged batch waiting in a row, walked in run_id order), and `rejudge_job` for filtered runs that left tasks unjudged; the CLI runs `filter_job` (both
-halves) run by run, first walks in run_id order, the across-runs assets only in the last. Whoever launches,
-the ledger step itself waits for lower runs (CONTRACT §4).
+judged batch waiting in a row, walked in run_id order), and `rejudge_job` for filtered runs that left tasks
+unjudged and for refused batches corrected since; the CLI runs `filter_job` (both halves) run by run, first
+walks in run_id order, the across-runs assets only in the last. Whoever launches, the ledger step itself waits
+for lower runs (CONTRACT §4).
 """
 
 import dagster as dg
@@ -84,9 +85,10 @@ across_runs_job = dg.define_asset_job(
 rejudge_job = dg.define_asset_job(
     "rejudge_job",
     selection=dg.AssetSelection.all() - ACROSS_RUNS,
-    description="A filtered batch whose walk left unjudged tasks, again: the judge asks only those (the other "
-    "verdicts are reused by cache key), then the ledger walks the run again. Launched by the batch sensor with "
-    "a backoff between tries and a cap on tries.",
+    description="A batch judged and walked in one run, again: a filtered batch whose walk left unjudged tasks "
+    "(the judge asks only those, the other verdicts are reused by cache key; launched by the batch sensor with "
+    "a backoff between tries and a cap on tries), or a batch refused before its walk and corrected since "
+    "(launched by the batch sensor once per refusal; walked as a late batch).",
 )
 # the across-runs assets ride along in the batch's run: a run of their own would add a whole run's bookkeeping
 # (planned events, start, resources, end) to every CLI call

@@ -1,5 +1,6 @@
-"""Re-judging the runs whose walk left tasks unjudged (an endpoint down, a budget spent): which are due, under a
-backoff and a cap on tries, by the judge that judged the rest; the batch sensor launches them, a `materialize`
+"""Judging again: the runs whose walk left tasks unjudged (an endpoint down, a budget spent), which are due under
+a backoff and a cap on tries, by the judge that judged the rest; and the batches refused before their walk and
+corrected since. The batch sensor launches both (`rejudge_job`: judged and walked in one run); a `materialize`
 naming no run runs them."""
 
 import json
@@ -13,7 +14,8 @@ from filter_pipeline.judge.config import ENV
 from filter_pipeline.rules import order
 from filter_pipeline.rules.batch import BatchState
 from filter_pipeline.rules.commits import CommitRecord, another_judge
-from filter_pipeline.shell.jobs import REJUDGE_OF_TAG, REJUDGE_TRY_TAG, rejudge_job
+from filter_pipeline.shell.jobs import REJUDGE_OF_TAG, REJUDGE_TRY_TAG, RUN_KEY_TAG, first_walk_tags, rejudge_job
+from filter_pipeline.storage.failures import corrected_since_refused
 
 
 def rejudge_run_key(run_id: str, try_number: int) -> str:
@@ -91,3 +93,29 @@ def rejudge_requests(
             )
         )
     return requests, json.dumps(sorted(other_judge))
+
+
+def corrected_run_key(run_id: str, refusal: dict) -> str:
+    """The run key of the run that judges and walks `run_id` once corrected after the refusal `refusal` (its
+    failure record): one run per refusal, whichever version of the files it finds."""
+    return f"{run_id}:corrected:{refusal.get('recorded_at')}"
+
+
+def corrected_requests(context: dg.SensorEvaluationContext, warehouse, runs, waiting: list[str]) -> list[dg.RunRequest]:
+    """A run judging and walking each of the `waiting` batches (not filtered, retired or in flight) refused
+    before its walk and corrected since (`corrected_since_refused`), once per refusal (`corrected_run_key`).
+    Such a batch stays skipped in the ledger's order until it is walked (CONTRACT §4): its walk is a late
+    batch's, with every other run as history. A refusal whose run ended without walking it is said each tick."""
+    requests = []
+    for run_id, refusal in sorted(corrected_since_refused(warehouse, runs, waiting).items()):
+        key = corrected_run_key(run_id, refusal)
+        if context.instance.get_run_records(dg.RunsFilter(tags={RUN_KEY_TAG: key}), limit=1):
+            context.log.warning(
+                f"{run_id}: its run after it was corrected ended without walking it; materialize it by hand"
+            )
+            continue
+        context.log.info(f"{run_id}: corrected since it was refused ({refusal.get('reason')}): judging and walking it")
+        requests.append(
+            dg.RunRequest(job_name=rejudge_job.name, partition_key=run_id, run_key=key, tags=first_walk_tags([run_id]))
+        )
+    return requests

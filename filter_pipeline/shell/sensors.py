@@ -36,7 +36,7 @@ from filter_pipeline.shell.jobs import (
 )
 from filter_pipeline.shell.ledger import LEDGER_SPECS
 from filter_pipeline.shell.orphans import IN_FLIGHT_RUNS_LIMIT, NOT_FINISHED_STATUSES, fail_orphaned_runs
-from filter_pipeline.shell.rejudging import left_alone, rejudge_requests
+from filter_pipeline.shell.rejudging import corrected_requests, left_alone, rejudge_requests
 from filter_pipeline.shell.waiting import DEFERRED_TAG
 from filter_pipeline.shell.warehouse import DataRoot
 from filter_pipeline.storage import failures
@@ -381,7 +381,9 @@ def build_batch_sensor() -> dg.SensorDefinition:
         f"from there deferred its walk; the tag {FIRST_WALK_TAG} lists them). Batches already filtered "
         "(committed, or a legacy kept file) are registered, never re-run; legacy ones, and committed ones this "
         "instance has no record of (walked by the CLI or another deployment), are recorded as materialized. "
-        "Filtered runs that left tasks unjudged are judged and walked again, with a backoff and a cap on tries. "
+        "Filtered runs that left tasks unjudged are judged and walked again, with a backoff and a cap on tries; "
+        "a batch refused before its walk (skipped in the order from then on) and corrected since is judged and "
+        "walked once per refusal, as a late batch (rejudge_job). "
         "After each walk that commits, once nothing is in flight, it refreshes coverage and judge calibration "
         "and audits the warehouse (across_runs_job).",
     )
@@ -404,7 +406,8 @@ def build_batch_sensor() -> dg.SensorDefinition:
             requests.append(ledger_request(to_walk, registration_order, next_ledger_key(context.instance, to_walk[0])))
         untouched = busy | set(to_walk) | set(to_judge) | left_alone(commits, batches, retired)
         rejudging, cursor = rejudge_requests(context, commits, untouched, judge.identity())
-        requests += rejudging
+        waiting = [b.run_id for b in batches if not b.filtered and b.run_id not in untouched]
+        requests += rejudging + corrected_requests(context, data.warehouse, data.runs, waiting)
         if not to_walk and not busy:
             requests += coverage_refresh(commits)
         context.log.info(f"registered {len(to_register)} new batch(es), judging {len(to_judge)}; {why}")

@@ -3,6 +3,7 @@ so later batches stop waiting for it (`rules/order.py` decides what waits on wha
 
 import json
 import time
+from collections.abc import Iterator
 
 from upath import UPath
 
@@ -57,17 +58,30 @@ def refused_as_they_are(warehouse: UPath, runs: UPath, run_ids: list[str]) -> di
     input files are as they were then: none added or removed, and the one parsed unchanged. Trying such a batch
     again can only fail the same way. (A record without what the batch held, or unreadable, is not listed: the
     batch may have been corrected.)"""
-    found = {}
+    return {
+        run_id: str(record.get("reason", "")) for run_id, record, same in _refusals(warehouse, runs, run_ids) if same
+    }
+
+
+def corrected_since_refused(warehouse: UPath, runs: UPath, run_ids: list[str]) -> dict[str, dict]:
+    """run_id -> its failure record, for each of `run_ids` refused before its walk whose input files are no
+    longer as they were then (`refused_as_they_are`' others, among records that say what the batch held): its
+    producer corrected it, or wrote it again."""
+    return {run_id: record for run_id, record, same in _refusals(warehouse, runs, run_ids) if not same}
+
+
+def _refusals(warehouse: UPath, runs: UPath, run_ids: list[str]) -> Iterator[tuple[str, dict, bool]]:
+    """(run_id, its failure record, whether its input files are as they were when it was recorded) for each of
+    `run_ids` whose record says what the batch held (`BatchError.inputs`)."""
+    wanted = set(run_ids)
     for run_id, path in files_in(warehouse / FAILED_DIR, ".json").items():
-        record = _read_record(path) if run_id in run_ids else None
+        record = _read_record(path) if run_id in wanted else None
         recorded = record.get("inputs") if record else None
         if not isinstance(recorded, dict):
             continue
         run_dir = runs / run_id
         present = {name for name in INPUT_FILES if (run_dir / name).exists()}
-        if present == set(recorded) and not inputs_changed(run_dir, recorded):  # (None: there, not compared)
-            found[run_id] = str(record.get("reason", ""))
-    return found
+        yield run_id, record, present == set(recorded) and not inputs_changed(run_dir, recorded)  # (None: not compared)
 
 
 def _read_record(path: UPath) -> dict | None:

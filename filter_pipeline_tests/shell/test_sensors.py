@@ -6,6 +6,7 @@ import logging
 import shutil
 
 import dagster as dg
+import pandas as pd
 import pytest
 
 from filter_pipeline.rules.batch import BatchState
@@ -16,6 +17,7 @@ from filter_pipeline.shell.warehouse import DataRoot
 from filter_pipeline.storage.runs import complete_batches
 from filter_pipeline_tests.builders import (
     LogLines,
+    Pipeline,
     attempt,
     commit_files,
     sensor_context,
@@ -468,3 +470,68 @@ def test_a_run_with_unjudged_tasks_whose_batch_changed_is_not_judged_again_unles
     with open(data_root / "runs" / "b1" / "tasks.jsonl", "a") as f:  # the batch ran again meanwhile
         f.write(json.dumps(task("late")) + "\n")
     assert rejudged() == []
+
+
+def refused_by_its_judge_run(instance, data_root, run_id: str) -> dg.ExecuteInProcessResult:
+    """`run_id`'s judge run, as the sensor launches it, refusing its batch (its failure then on record)."""
+    from filter_pipeline.definitions import build_defs
+    from filter_pipeline.judge.resource import JudgeResource
+
+    instance.add_dynamic_partitions("run_id", [run_id])
+    job = build_defs(str(data_root), JudgeResource(), caps={}).resolve_job_def("judge_job")
+    result = job.execute_in_process(instance=instance, partition_key=run_id, tags={"dagster/run_key": run_id},
+                                    raise_on_error=False)  # fmt: skip
+    assert not result.success and (data_root / "warehouse" / "_failed" / f"{run_id}.json").exists()
+    return result
+
+
+def test_a_refused_batch_corrected_since_is_judged_and_walked_once_per_refusal_as_a_late_batch(instance, data_root):
+    from filter_pipeline.definitions import build_defs
+    from filter_pipeline.judge.resource import JudgeResource
+
+    write_batch(data_root, "b1", [task("a", key=["k"])], [attempt("a")])
+    good_b1 = (data_root / "runs" / "b1" / "tasks.jsonl").read_bytes()
+    (data_root / "runs" / "b1" / "tasks.jsonl").write_text("not json\n")  # no valid task: refused
+    refused_by_its_judge_run(instance, data_root, "b1")
+    assert requests(tick(instance, data_root)) == []  # refused as it is: nothing to try
+    write_batch(data_root, "b2", [task("b", key=["k"])], [attempt("b")])
+    Pipeline(data_root, instance).run(JudgeResource(), "b2")  # b2 goes ahead of it: b1 is skipped in the order
+
+    (data_root / "runs" / "b1" / "tasks.jsonl").write_bytes(good_b1)  # corrected by its producer
+    [(job, partition, key)] = requests(result := tick(instance, data_root))
+    assert (job, partition) == ("rejudge_job", "b1") and key.startswith("b1:corrected:")
+    assert requests(tick(instance, data_root)) == [(job, partition, key)]  # (the same key: Dagster launches it once)
+    [request] = [r for r in result.run_requests if r.job_name == "rejudge_job"]
+    run = build_defs(str(data_root), JudgeResource(), caps={}).resolve_job_def("rejudge_job")
+    assert run.execute_in_process(instance=instance, partition_key="b1", tags=request.tags).success
+    # walked as a late batch, b2 its history: its task shares b2's key
+    assert pd.read_parquet(data_root / "warehouse" / "surplus" / "b1.parquet")["dropped"].tolist() == ["duplicate"]
+    assert not (data_root / "warehouse" / "_failed" / "b1.json").exists()
+    assert requests(tick(instance, data_root)) == []
+
+
+def test_a_corrected_batch_is_left_alone_when_retired_or_when_its_run_ended_without_walking_it(instance, data_root):
+    write_batch(data_root, "b1", [task("a")], [attempt("a")])
+    good_b1 = (data_root / "runs" / "b1" / "tasks.jsonl").read_bytes()
+    (data_root / "runs" / "b1" / "tasks.jsonl").write_text("not json\n")
+    refused_by_its_judge_run(instance, data_root, "b1")
+    (data_root / "runs" / "b1" / "tasks.jsonl").write_bytes(good_b1)
+    (data_root / "retired.json").write_text('[{"run_id": "b1", "reason": "bad build"}]')
+    assert requests(tick(instance, data_root)) == []  # retired: left alone, as asked
+    (data_root / "retired.json").unlink()
+    [(_, _, key)] = requests(tick(instance, data_root))
+    run_in_instance(instance, {"dagster/partition": "b1", "dagster/run_key": key}, dg.DagsterRunStatus.FAILURE)
+    context, said = sensor_context(instance, data_root), LogLines(logging.WARNING)
+    context.log.addHandler(said)
+    assert requests(build_batch_sensor()(context)) == []
+    assert said.lines == ["b1: its run after it was corrected ended without walking it; materialize it by hand"]
+
+
+def test_a_refusal_recorded_without_what_the_batch_held_is_never_taken_as_corrected(instance, data_root):
+    write_batch(data_root, "b1", [task("a")], [attempt("a")])
+    instance.add_dynamic_partitions("run_id", ["b1"])
+    run_in_instance(instance, {"dagster/partition": "b1", "dagster/run_key": "b1"}, dg.DagsterRunStatus.FAILURE)
+    failed = data_root / "warehouse" / "_failed"
+    failed.mkdir(parents=True)
+    (failed / "b1.json").write_text('{"run_id": "b1", "reason": "an earlier version", "recorded_at": 1.0}')
+    assert requests(tick(instance, data_root)) == []  # (unknown whether it changed: skipped in the order, as before)
