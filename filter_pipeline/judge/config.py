@@ -35,7 +35,8 @@ class LLMJudgeConfig(dg.Config):
     base_url: str | None = _setting(
         None,
         "OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1. Set it with EnvVar (as the environment sets "
-        "it) when it holds a key, in its path, query or user part: then never shown in the UI.",
+        "it) when it holds a key, in its path, query or user part: the resource's config then shows the "
+        "variable's name. The judge's lines name the endpoint without its query, user part or API key.",
         env="FILTER_JUDGE_BASE_URL",
     )
     model: str | None = _setting(None, "Model name sent to the endpoint.", env="FILTER_JUDGE_MODEL")

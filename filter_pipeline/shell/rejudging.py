@@ -15,7 +15,10 @@ from filter_pipeline.rules import order
 from filter_pipeline.rules.batch import BatchState
 from filter_pipeline.rules.commits import CommitRecord, another_judge
 from filter_pipeline.shell.jobs import REJUDGE_OF_TAG, REJUDGE_TRY_TAG, RUN_KEY_TAG, first_walk_tags, rejudge_job
+from filter_pipeline.shell.waiting import DEFERRED_TAG
+from filter_pipeline.shell.warehouse import DataRoot
 from filter_pipeline.storage.failures import corrected_since_refused
+from filter_pipeline.storage.runs import walk_order
 
 
 def rejudge_run_key(run_id: str, try_number: int) -> str:
@@ -95,21 +98,33 @@ def rejudge_requests(
     return requests, json.dumps(sorted(other_judge))
 
 
-def corrected_run_key(run_id: str, refusal: dict) -> str:
+def corrected_run_key(run_id: str, refusal: dict, deferred: int = 0) -> str:
     """The run key of the run that judges and walks `run_id` once corrected after the refusal `refusal` (its
-    failure record): one run per refusal, whichever version of the files it finds."""
-    return f"{run_id}:corrected:{refusal.get('recorded_at')}"
+    failure record): one run per refusal, whichever version of the files it finds; after `deferred` runs of it
+    that deferred their walk, one more of its own."""
+    return f"{run_id}:corrected:{refusal.get('recorded_at')}" + (f":{deferred + 1}" if deferred else "")
 
 
-def corrected_requests(context: dg.SensorEvaluationContext, warehouse, runs, waiting: list[str]) -> list[dg.RunRequest]:
+def corrected_requests(context: dg.SensorEvaluationContext, data: DataRoot, waiting: list[str]) -> list[dg.RunRequest]:
     """A run judging and walking each of the `waiting` batches (not filtered, retired or in flight) refused
-    before its walk and corrected since (`corrected_since_refused`), once per refusal (`corrected_run_key`).
-    Such a batch stays skipped in the ledger's order until it is walked (CONTRACT §4): its walk is a late
-    batch's, with every other run as history. A refusal whose run ended without walking it is said each tick."""
+    before its walk and corrected since (`corrected_since_refused`), once per refusal (`corrected_run_key`), when
+    no lower batch holds its first walk back. Such a batch stays skipped in the ledger's order until it is
+    walked (CONTRACT §4): its walk is a late batch's, with every other run as history. A run of it that ended
+    without walking it, but for a deferred walk, is said each tick."""
+    corrected = corrected_since_refused(data.warehouse, data.runs, waiting)
+    order = walk_order(data.root) if corrected else None
     requests = []
-    for run_id, refusal in sorted(corrected_since_refused(warehouse, runs, waiting).items()):
-        key = corrected_run_key(run_id, refusal)
-        if context.instance.get_run_records(dg.RunsFilter(tags={RUN_KEY_TAG: key}), limit=1):
+    for run_id, refusal in sorted(corrected.items()):
+        if blockers := order.blocking(run_id, []):
+            context.log.info(f"{run_id}: corrected since it was refused; its walk waits for {', '.join(blockers)}")
+            continue
+        key, deferred = corrected_run_key(run_id, refusal), 0
+        while found := context.instance.get_run_records(dg.RunsFilter(tags={RUN_KEY_TAG: key}), limit=1):
+            if DEFERRED_TAG not in found[0].dagster_run.tags:
+                break
+            deferred += 1
+            key = corrected_run_key(run_id, refusal, deferred)
+        if found:
             context.log.warning(
                 f"{run_id}: its run after it was corrected ended without walking it; materialize it by hand"
             )

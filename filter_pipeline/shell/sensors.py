@@ -407,7 +407,7 @@ def build_batch_sensor() -> dg.SensorDefinition:
         untouched = busy | set(to_walk) | set(to_judge) | left_alone(commits, batches, retired)
         rejudging, cursor = rejudge_requests(context, commits, untouched, judge.identity())
         waiting = [b.run_id for b in batches if not b.filtered and b.run_id not in untouched]
-        requests += rejudging + corrected_requests(context, data.warehouse, data.runs, waiting)
+        requests += rejudging + corrected_requests(context, data, waiting)
         if not to_walk and not busy:
             requests += coverage_refresh(commits)
         context.log.info(f"registered {len(to_register)} new batch(es), judging {len(to_judge)}; {why}")

@@ -535,3 +535,24 @@ def test_a_refusal_recorded_without_what_the_batch_held_is_never_taken_as_correc
     failed.mkdir(parents=True)
     (failed / "b1.json").write_text('{"run_id": "b1", "reason": "an earlier version", "recorded_at": 1.0}')
     assert requests(tick(instance, data_root)) == []  # (unknown whether it changed: skipped in the order, as before)
+
+
+def test_a_corrected_batch_waits_for_a_lower_batch_its_walk_would_wait_for_and_a_deferred_run_is_followed(
+    instance, data_root
+):
+    write_batch(data_root, "b1", [task("a")], [attempt("a")])
+    good_b1 = (data_root / "runs" / "b1" / "tasks.jsonl").read_bytes()
+    (data_root / "runs" / "b1" / "tasks.jsonl").write_text("not json\n")
+    refused_by_its_judge_run(instance, data_root, "b1")
+    write_batch(data_root, "b0", [task("z")], [attempt("z")])  # a lower batch, arrived late, not judged yet
+    (data_root / "runs" / "b1" / "tasks.jsonl").write_bytes(good_b1)
+    context, said = sensor_context(instance, data_root), LogLines()
+    context.log.addHandler(said)
+    assert [job for job, _, _ in requests(build_batch_sensor()(context))] == ["judge_job"]  # b0's alone
+    assert "b1: corrected since it was refused; its walk waits for b0" in said.lines
+    (data_root / "retired.json").write_text('[{"run_id": "b0", "reason": "bad build"}]')
+    corrected = lambda: [r for r in requests(tick(instance, data_root)) if r[0] == "rejudge_job"]  # noqa: E731
+    [(_, _, key)] = corrected()
+    deferred = {"dagster/partition": "b1", "dagster/run_key": key, DEFERRED_TAG: "a lower run sat in the queue"}
+    run_in_instance(instance, deferred, dg.DagsterRunStatus.SUCCESS)  # (its walk deferred: a run of its own next)
+    assert corrected() == [("rejudge_job", "b1", f"{key}:2")]
