@@ -115,18 +115,19 @@ def _runs_to_materialize(
 
 
 def _found_runs(data: DataRoot, batches: list[BatchState], refused: list[str]) -> list[str]:
-    """Every complete batch not yet filtered but those refused before their walk and unchanged since (trying
-    them again could only fail the same way): each of these not retired as a whole is appended to `refused`
-    with what to do, as each complete folder refused for its name was."""
-    waiting = [b.run_id for b in batches if not b.filtered]
+    """Every complete batch not yet filtered but those retired as a whole (left alone, as asked, as the sensor
+    leaves them) and those refused before their walk and unchanged since (trying them again could only fail
+    the same way): each of these is appended to `refused` with what to do, as each complete folder refused for
+    its name was."""
+    retired = load_retired(data.root).runs
+    waiting = [b.run_id for b in batches if not b.filtered and b.run_id not in retired]
     as_refused = refused_as_they_are(data.warehouse, data.runs, waiting) if waiting else {}
-    retired = load_retired(data.root).runs if as_refused else set()
     refused += [
         f"runs/{run_id}: refused before its walk, and its files are unchanged since ({as_refused[run_id]}): correct "
         f"them (a `{materialize_command()}` then walks it), name it to try it again as it is, or retire the run in "
         "retired.json"
         for run_id in waiting
-        if run_id in as_refused and run_id not in retired  # (retired: left alone, as asked)
+        if run_id in as_refused
     ]
     return [run_id for run_id in waiting if run_id not in as_refused]
 

@@ -14,10 +14,10 @@ from filter_pipeline.judge.config import ENV
 from filter_pipeline.rules import order
 from filter_pipeline.rules.batch import BatchState
 from filter_pipeline.rules.commits import CommitRecord, another_judge
+from filter_pipeline.rules.order import blocking_runs
 from filter_pipeline.shell.jobs import REJUDGE_OF_TAG, REJUDGE_TRY_TAG, RUN_KEY_TAG, first_walk_tags, rejudge_job
 from filter_pipeline.shell.waiting import DEFERRED_TAG
 from filter_pipeline.shell.warehouse import DataRoot
-from filter_pipeline.storage.failures import corrected_since_refused
 from filter_pipeline.storage.runs import walk_order
 
 
@@ -105,32 +105,30 @@ def corrected_run_key(run_id: str, refusal: dict, deferred: int = 0) -> str:
     return f"{run_id}:corrected:{refusal.get('recorded_at')}" + (f":{deferred + 1}" if deferred else "")
 
 
-def corrected_requests(context: dg.SensorEvaluationContext, data: DataRoot, waiting: list[str]) -> list[dg.RunRequest]:
-    """A run judging and walking each of the `waiting` batches (not filtered, retired or in flight) refused
-    before its walk and corrected since (`corrected_since_refused`), once per refusal (`corrected_run_key`), when
-    no lower batch holds its first walk back. Such a batch stays skipped in the ledger's order until it is
-    walked (CONTRACT §4): its walk is a late batch's, with every other run as history. A run of it that ended
-    without walking it, but for a deferred walk, is said each tick."""
-    corrected = corrected_since_refused(data.warehouse, data.runs, waiting)
-    order = walk_order(data.root) if corrected else None
-    requests = []
-    for run_id, refusal in sorted(corrected.items()):
-        if blockers := order.blocking(run_id, []):
-            context.log.info(f"{run_id}: corrected since it was refused; its walk waits for {', '.join(blockers)}")
-            continue
-        key, deferred = corrected_run_key(run_id, refusal), 0
-        while found := context.instance.get_run_records(dg.RunsFilter(tags={RUN_KEY_TAG: key}), limit=1):
-            if DEFERRED_TAG not in found[0].dagster_run.tags:
-                break
-            deferred += 1
-            key = corrected_run_key(run_id, refusal, deferred)
-        if found:
+def corrected_requests(
+    context: dg.SensorEvaluationContext, data: DataRoot, corrected: dict[str, dict], busy: set[str]
+) -> list[dg.RunRequest]:
+    """A run judging and walking the lowest of the `corrected` batches (refused before their walk and corrected
+    since, each with its failure record: `corrected_since_refused`), once per refusal (`corrected_run_key`), when
+    none of its runs is in flight (`busy`) and no lower batch holds its first walk back. The others wait for it
+    (`plan_tick` walks nothing above it meanwhile), so that the rows kept are those of run_id order, as the CLI
+    walks them. Such a batch stays skipped in the ledger step's own order until it is walked (CONTRACT §4): its
+    walk is a late batch's, every other run its history. A run of it that ended without walking it, but for a
+    deferred walk, is said each tick."""
+    if not corrected or (run_id := min(corrected)) in busy:
+        return []
+    refusal, state = corrected[run_id], walk_order(data.root)
+    if blockers := blocking_runs(run_id, state.complete, state.committed, state.failed - set(corrected), state.retired):
+        context.log.info(f"{run_id}: corrected since it was refused; its walk waits for {', '.join(blockers)}")
+        return []
+    key, deferred = corrected_run_key(run_id, refusal), 0
+    while found := context.instance.get_run_records(dg.RunsFilter(tags={RUN_KEY_TAG: key}), limit=1):
+        if DEFERRED_TAG not in found[0].dagster_run.tags:
             context.log.warning(
                 f"{run_id}: its run after it was corrected ended without walking it; materialize it by hand"
             )
-            continue
-        context.log.info(f"{run_id}: corrected since it was refused ({refusal.get('reason')}): judging and walking it")
-        requests.append(
-            dg.RunRequest(job_name=rejudge_job.name, partition_key=run_id, run_key=key, tags=first_walk_tags([run_id]))
-        )
-    return requests
+            return []
+        deferred += 1
+        key = corrected_run_key(run_id, refusal, deferred)
+    context.log.info(f"{run_id}: corrected since it was refused ({refusal.get('reason')}): judging and walking it")
+    return [dg.RunRequest(job_name=rejudge_job.name, partition_key=run_id, run_key=key, tags=first_walk_tags([run_id]))]

@@ -82,30 +82,38 @@ def plan_tick(
     failed: Iterable[str] = (),
     retired: Iterable[str] = (),
     never_run: Iterable[str] = (),
+    corrected: Iterable[str] = (),
 ) -> tuple[list[str], list[str], list[str], str]:
     """Decide one tick: (run_ids to register, run_ids to judge, run_ids whose ledger to walk, why).
 
     `busy`: run_ids with a queued or running run; `failed_ledger`: run_ids a ledger run stopped at without
-    filtering them; `failed`: runs with a recorded validation failure; `retired`: runs retired as a whole;
-    `never_run`: registered run_ids no run was ever launched for (a `materialize` registers every run it is
-    given before it runs the first: the sensor leaves them to it, or, if it was interrupted, to the user). A
-    batch already filtered is registered but never re-run. The ledger walks the judged batches waiting in a
+    filtering them; `failed`: runs with a recorded validation failure; `retired`: runs retired as a whole
+    (never judged nor walked: left alone, as asked); `never_run`: registered run_ids no run was ever launched
+    for (a `materialize` registers every run it is given before it runs the first: the sensor leaves them to
+    it, or, if it was interrupted, to the user); `corrected`: those of `failed` corrected since, which a run of
+    their own judges and walks (`rejudging.corrected_requests`), holding later ones back as any pending batch.
+    A batch already filtered is registered but never re-run. The ledger walks the judged batches waiting in a
     row from the lowest pending run_id on (at most LEDGER_RANGE_LIMIT), and only when nothing lower is pending
     (the order rule); a lower batch whose run failed holds the rest back until it is materialized again,
     retired, or its validation failure is recorded.
     """
-    skipped = set(failed) | set(retired)
+    corrected, retired = set(corrected), set(retired)
+    skipped = (set(failed) - corrected) | retired
     to_register = [b.run_id for b in batches if b.run_id not in registered]
-    to_judge = [b.run_id for b in batches if b.run_id not in registered and not b.filtered and not b.judged]
+    to_judge = [
+        b.run_id for b in batches if b.run_id not in registered and not (b.filtered or b.judged or b.run_id in retired)
+    ]
     ready: list[str] = []
     for b in batches:
         if b.filtered or b.run_id in skipped:
             continue
-        if b.judged and b.run_id not in busy and b.run_id not in failed_ledger and len(ready) < LEDGER_RANGE_LIMIT:
+        if b.judged and b.run_id not in busy | failed_ledger | corrected and len(ready) < LEDGER_RANGE_LIMIT:
             ready.append(b.run_id)
             continue
         if ready:  # the walk stops before the first batch that is not ready: the next tick takes the rest
             break
+        if b.run_id in corrected:  # (its own run judges and walks it)
+            return to_register, to_judge, [], f"ledger waits for {b.run_id}, corrected since it was refused"
         if b.run_id in busy or b.run_id in to_judge:
             doing = ", judged, whose run is in flight" if b.judged else " to finish judging"
             return to_register, to_judge, [], f"ledger waits for {b.run_id}{doing}"
@@ -328,6 +336,7 @@ def plan_ledger(
     batches: list[BatchState],
     commits: dict[str, CommitRecord],
     retired: set[str],
+    corrected: set[str],
 ) -> tuple[list[str], list[str], list[str], str, set[str], list[str]]:
     """plan_tick over what the instance and the warehouse say now (`retired`: the runs retired as a whole), the
     walk narrowed to one block of registration order: (to register, to judge, to walk, why, busy run_ids,
@@ -352,6 +361,7 @@ def plan_ledger(
         failures.read_failures(data.warehouse),
         retired,
         never_run,
+        corrected,
     )
     to_register, to_judge, ready, why = plan
     to_walk = registered_block(ready, registration_order)
@@ -375,7 +385,7 @@ def build_batch_sensor() -> dg.SensorDefinition:
         minimum_interval_seconds=SENSOR_INTERVAL_SECONDS,
         default_status=dg.DefaultSensorStatus.RUNNING,
         description=f"Registers each complete batch (runs/<run_id>/{SUCCESS_FILE}) as a run_id partition and "
-        "launches its judge run (run_key = run_id); then one ledger run at a time for every judged batch waiting "
+        "launches its judge run (run_key = run_id), unless it is retired as a whole; then one ledger run at a time for every judged batch waiting "
         f"in a row from the lowest run_id on (up to {LEDGER_RANGE_LIMIT}), walked in run_id order (run_key = "
         f"{ledger_run_key('<lowest run_id>')}, then {ledger_run_key('<lowest run_id>', 1)} and on after a run "
         f"from there deferred its walk; the tag {FIRST_WALK_TAG} lists them). Batches already filtered "
@@ -396,7 +406,9 @@ def build_batch_sensor() -> dg.SensorDefinition:
             commits, retired = read_commits(data.warehouse), set(load_retired(data.root).runs)
         except HistoryError as exc:  # (which runs count, and which wait, is unknown until it is mended)
             return dg.SensorResult(skip_reason=f"nothing launched until it is fixed: {exc}")
-        plan = plan_ledger(context, data, batches, commits, retired)
+        unfiltered = [b.run_id for b in batches if not b.filtered and b.run_id not in retired]
+        corrected = failures.corrected_since_refused(data.warehouse, data.runs, unfiltered)
+        plan = plan_ledger(context, data, batches, commits, retired, set(corrected))
         to_register, to_judge, to_walk, why, busy, registration_order = plan
         # (tagged as first walks: a batch another process commits before its judge run starts keeps its commit)
         requests = [
@@ -406,9 +418,9 @@ def build_batch_sensor() -> dg.SensorDefinition:
             requests.append(ledger_request(to_walk, registration_order, next_ledger_key(context.instance, to_walk[0])))
         untouched = busy | set(to_walk) | set(to_judge) | left_alone(commits, batches, retired)
         rejudging, cursor = rejudge_requests(context, commits, untouched, judge.identity())
-        waiting = [b.run_id for b in batches if not b.filtered and b.run_id not in untouched]
-        requests += rejudging + corrected_requests(context, data, waiting)
-        if not to_walk and not busy:
+        fixing = corrected_requests(context, data, corrected, busy)
+        requests += rejudging + fixing
+        if not (to_walk or busy or rejudging or fixing):
             requests += coverage_refresh(commits)
         context.log.info(f"registered {len(to_register)} new batch(es), judging {len(to_judge)}; {why}")
         return dg.SensorResult(

@@ -163,3 +163,15 @@ def test_a_run_with_unjudged_tasks_whose_batch_is_being_written_again_or_gone_is
     gone = cli()
     assert gone.returncode == 0, gone.stderr
     assert gone.stdout.splitlines() == ["nothing to materialize: no complete batch is waiting to be filtered"]
+
+
+def test_a_batch_retired_before_it_was_filtered_is_left_alone_unless_named(cli, data_root):
+    write_batch(data_root, "b1", [task("a")], [attempt("a")])
+    write_batch(data_root, "b2", [task("b")], [attempt("b")])
+    (data_root / "retired.json").write_text('[{"run_id": "b1", "reason": "bad build"}]')
+    done = cli()  # (as the sensor leaves it: neither judged, nor paid for, nor walked)
+    assert done.returncode == 0, done.stderr
+    assert [line.split(":")[0] for line in done.stdout.splitlines()[:1]] == ["b2"]
+    assert not (data_root / "warehouse" / "judge_verdicts" / "b1.parquet").exists()
+    named = cli("b1")
+    assert named.returncode == 0 and kept(data_root) == ["a", "b"]

@@ -556,3 +556,34 @@ def test_a_corrected_batch_waits_for_a_lower_batch_its_walk_would_wait_for_and_a
     deferred = {"dagster/partition": "b1", "dagster/run_key": key, DEFERRED_TAG: "a lower run sat in the queue"}
     run_in_instance(instance, deferred, dg.DagsterRunStatus.SUCCESS)  # (its walk deferred: a run of its own next)
     assert corrected() == [("rejudge_job", "b1", f"{key}:2")]
+
+
+def test_plan_never_walks_a_corrected_batch_on_its_old_verdicts_and_holds_later_ones_behind_it():
+    batches = [B("b1", judged=True, filtered=False), B("b2", judged=True, filtered=False)]  # b1: an old version's
+    _, _, walk, why = plan_tick(batches, {"b1", "b2"}, busy=set(), failed_ledger=set(), failed={"b1"})
+    assert walk == ["b2"]  # refused as it is: skipped in the order
+    _, _, walk, why = plan_tick(batches, {"b1", "b2"}, set(), set(), failed={"b1"}, corrected={"b1"})
+    assert walk == [] and why == "ledger waits for b1, corrected since it was refused"
+
+
+def test_plan_neither_judges_nor_walks_a_batch_retired_before_it_was_filtered():
+    batches = [B("b1", judged=False, filtered=False), B("b2", judged=False, filtered=False)]
+    register, judge, walk, _ = plan_tick(batches, set(), busy=set(), failed_ledger=set(), retired={"b1"})
+    assert (register, judge, walk) == (["b1", "b2"], ["b2"], [])
+
+
+def test_of_two_corrected_batches_the_lower_is_run_first_and_nothing_else_meanwhile(instance, data_root):
+    for run_id in ("b1", "b2"):
+        write_batch(data_root, run_id, [task("a")], [attempt("a")])
+        good = (data_root / "runs" / run_id / "tasks.jsonl").read_bytes()
+        (data_root / "runs" / run_id / "tasks.jsonl").write_text("not json\n")
+        refused_by_its_judge_run(instance, data_root, run_id)
+        (data_root / "runs" / run_id / "tasks.jsonl").write_bytes(good)
+    write_batch(data_root, "b3", [task("c")], [attempt("c")])
+    judged(data_root, "b3")
+    instance.add_dynamic_partitions("run_id", ["b3"])
+    result = tick(instance, data_root)
+    [(job, partition, key)] = requests(result)  # not b2's, not b3's walk
+    assert (job, partition) == ("rejudge_job", "b1") and coverage_keys(result) == []
+    run_in_instance(instance, {"dagster/partition": "b1", "dagster/run_key": key}, dg.DagsterRunStatus.STARTED)
+    assert requests(tick(instance, data_root)) == []  # b1's run in flight: b2 waits for it
