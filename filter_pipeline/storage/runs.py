@@ -45,6 +45,14 @@ from filter_pipeline.storage.files import (
 from filter_pipeline.storage.history import load_retired, read_commit, read_commits
 
 
+def _plain(run_id: str) -> bool:
+    try:
+        check_run_id(run_id)
+    except ValueError:
+        return False
+    return True
+
+
 def complete_batches(
     runs: UPath,
     warehouse: UPath,
@@ -55,8 +63,8 @@ def complete_batches(
     """Every batch under `runs` with `_SUCCESS` and a plain run_id, in run_id order (`warehouse`: where
     their outputs are).
 
-    A batch without `_SUCCESS` is still being written and is not listed (its folder's name, as text, is
-    appended to `incomplete` when given); a complete one whose folder name is
+    A batch without `_SUCCESS` is still being written and is not listed (its run_id is appended to
+    `incomplete` when given; a folder whose name no batch can have is not); a complete one whose folder name is
     not a plain run_id is refused: one line, "runs/<name>: refused: why; rename it", logged as a warning to
     `log` (None: not logged) and appended to `refused` (when given). A batch is filtered only
     once its walk committed (a kept file without a commit is a walk killed midway: still to do).
@@ -69,8 +77,9 @@ def complete_batches(
     for run_dir in runs.iterdir():
         run_id = run_dir.name
         if not (run_dir / SUCCESS_FILE).exists():
-            if incomplete is not None and run_dir.is_dir():
-                incomplete.append(_printable(run_id))
+            # (a folder no batch can be, a hidden one or a name refused once complete, is not one being written)
+            if incomplete is not None and run_dir.is_dir() and _plain(run_id):
+                incomplete.append(run_id)
             continue
         try:
             check_run_id(run_id)

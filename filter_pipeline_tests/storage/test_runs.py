@@ -74,3 +74,12 @@ def test_walk_order_reads_what_a_first_walk_waits_for_from_the_data_root(tmp_pat
     assert (now.complete, now.failed, now.retired) == (["r1", "r2", "r3", "r4", "r5"], {"r2"}, {"r3"})
     assert now.blocking("r5", walked_before=[]) == ["r1", "r4"]
     assert now.blocking("r5", walked_before=["r1", "r4"]) == []
+
+
+def test_only_folders_a_batch_can_be_are_said_to_be_still_being_written(tmp_path):
+    write_batch(tmp_path, "r1", [task("a")], [attempt("a")], complete=False)
+    for name in ("has space", ".partial"):  # (a hidden folder, a name refused once complete)
+        (tmp_path / "runs" / name).mkdir()
+    incomplete: list[str] = []
+    runs_module.complete_batches(UPath(tmp_path) / "runs", UPath(tmp_path) / "warehouse", incomplete=incomplete)
+    assert incomplete == ["r1"]
