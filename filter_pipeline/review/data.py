@@ -161,7 +161,7 @@ class Warehouse:
                 return cached[1]
         try:
             tables = load_run(self.root, run_id, self._files(run_id))
-        except (OSError, ValueError) as exc:  # (Arrow's errors are ValueErrors)
+        except (OSError, ValueError, RecursionError) as exc:  # (Arrow's errors are ValueErrors)
             raise UnreadableRun(run_id, one_line(exc, ERROR_MAX_CHARS) or type(exc).__name__) from exc
         with self._lock:
             self._cache[run_id] = (key, tables)

@@ -360,13 +360,17 @@ def _int_or_literal(literal: str) -> int | LongInteger:
 def read_json(data: str | bytes) -> Any:
     """json.loads, except that an integer with more digits than Python converts is kept as its literal text
     (a `LongInteger`, a str) instead of failing the whole document: for what is only shown, as a step in the
-    judge's prompt or on the review page."""
+    judge's prompt or on the review page. A document nested deeper than json follows raises a ValueError
+    (`TOO_DEEP`), as any other it cannot read, not a RecursionError."""
     try:
-        return json.loads(data)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise
-    except ValueError:  # (json's only other error: such an integer)
-        return json.loads(data, parse_int=_int_or_literal)
+        try:
+            return json.loads(data)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise
+        except ValueError:  # (json's only other error: such an integer)
+            return json.loads(data, parse_int=_int_or_literal)
+    except RecursionError:
+        raise ValueError(TOO_DEEP.replace("line", "document", 1)) from None
 
 
 def _with_long_integers(text: str, fields: Fields | None) -> Any:

@@ -420,3 +420,12 @@ def test_the_earlier_spend_of_saved_progress_goes_to_the_first_request_asking_it
     spent = earlier_spend(None, requests, pd.Series(["k2", "k", "k"]), progress)
     # b asks k (two tries of an earlier materialization), c is its copy; k2 was judged: reused, not carried
     assert spent[["requests", "prompt_tokens"]].values.tolist() == [[0, 0], [5, 40], [0, 0]]
+
+
+def test_record_steps_of_a_line_nested_deeper_than_json_follows_are_none_not_a_crash(tmp_path):
+    run = tmp_path / "runs" / "r1"
+    run.mkdir(parents=True)
+    deep = '{"task_id": "a", "steps": [' + "[" * 5000 + "]" * 5000 + "]}\n"
+    (run / "executions.jsonl").write_text(json.dumps({"task_id": "b", "steps": [{"action": "x"}]}) + "\n" + deep)
+    steps = driver.RecordSteps(UPath(str(run)))
+    assert (steps(1), steps(2)) == ([{"action": "x"}], [])

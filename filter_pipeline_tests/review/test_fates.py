@@ -99,3 +99,9 @@ def test_a_batch_the_stage_refused_is_failed_with_the_reason_until_it_is_parsed_
     (tmp_path / "warehouse" / "batch_tasks" / "r5.parquet").unlink()
     clear_failure(UPath(str(tmp_path / "warehouse")), "r5")  # (as its walk does)
     assert warehouse.runs()[1][0]["state"] == "pending"
+
+
+def test_a_rejected_line_nested_deeper_than_json_follows_is_a_reject_row_not_a_crash():
+    deep = '{"task_id": "deep", "extra": ' + "[" * 5000 + "]" * 5000 + "}"
+    rejects = pd.DataFrame([{"file": "tasks.jsonl", "line": 3, "message": "tasks.jsonl:3: too deep", "raw": deep}])
+    assert _rejected_tasks(rejects, set())[["task_id", "fate"]].values.tolist() == [["tasks.jsonl:3", "reject"]]

@@ -237,6 +237,8 @@ def test_an_unreadable_trajectory_is_named_as_the_judges_evidence_names_it(tmp_p
     assert trajectory(root, "runs/r1/traj/a/1")["problem"] == TRAJECTORY_NOT_OBJECT
     (folder / "trajectory.json").write_text("{not json")
     assert trajectory(root, "runs/r1/traj/a/1")["problem"].startswith(f"{TRAJECTORY_NOT_JSON} (")
+    (folder / "trajectory.json").write_text('{"steps": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    assert trajectory(root, "runs/r1/traj/a/1")["problem"].startswith(f"{TRAJECTORY_NOT_JSON} (document nests")
 
 
 def test_the_screenshots_shown_go_in_the_order_the_judge_takes_its_first_and_last_from(tmp_path):
