@@ -63,6 +63,10 @@ def _yes(value) -> str:
     return {True: "yes", False: "no"}.get(value, "-")
 
 
+def _or_dash(value) -> str:
+    return "-" if value is None or value != value else str(value)  # (None, or NaN: a null)
+
+
 def story_lines(s: dict) -> list[str]:
     """The story as lines of text."""
     from filter_pipeline.review.fates import REASON_RETIRED
@@ -87,16 +91,16 @@ def story_lines(s: dict) -> list[str]:
         lines.append(f"  cap met ({cap['reason']}): limit {cap['limit']}, reached by {cap['kept_before']} kept rows in "
                      f"history and {cap['kept_in_run']} in this run ({cap['caps_source']} caps)")  # fmt: skip
     lines.append("attempts:")
-    for a in s["attempts"]:
+    for a in s["attempts"]:  # (a column an earlier version of the stage did not write: shown as -)
         failure = f", reason {a['failure']['reason']}" if a.get("failure") else ""
         lines.append(f"  {a['attempt']}{' (judged)' if a['judged'] else ''}: ok {_yes(a['ok'])}, error "
-                     f"{a['error'] or '-'}{failure}, backend ok {_yes(a['backend_ok'])} ({a['backend_detail'] or '-'}), "
-                     f"{a['n_actions']} steps, {a['dir']}")  # fmt: skip
+                     f"{a.get('error') or '-'}{failure}, backend ok {_yes(a.get('backend_ok'))} "
+                     f"({a.get('backend_detail') or '-'}), {_or_dash(a.get('n_actions'))} steps, {a['dir']}")  # fmt: skip
     lines += [f"  reject: {r['message']}" for r in s["rejects"]]
     lines += _trajectory_lines(s.get("trajectory")) + _verdict_lines(s.get("verdict"))
     for p in s["dpo_pairs"]:
         lines.append(f"DPO pair: chosen attempt {p['chosen_attempt']}, rejected attempt {p['rejected_attempt']} "
-                     f"({p['rejected_stage']}: {p['rejected_reason']})")  # fmt: skip
+                     f"({_or_dash(p.get('rejected_stage'))}: {_or_dash(p.get('rejected_reason'))})")  # fmt: skip
     for label in s["labels"]:
         said = {True: "success", False: "failure"}.get(label["success"], "unsure")
         lines.append(f"label: {said} on {label['dir'] or '?'}, by {label['labeler'] or '?'} at {label['labeled_at'] or '?'}"

@@ -82,11 +82,14 @@ def trajectory(root: UPath, dir_: str | None) -> dict:
 
 
 def _as_text(value):
-    """`value` (decoded JSON) with each lone surrogate replaced by U+FFFD (`as_text`), so that it can be
-    printed and served as UTF-8."""
+    """`value` (decoded JSON) as it can be printed and served as UTF-8 JSON: each lone surrogate replaced by
+    U+FFFD (`as_text`), and each number JSON cannot carry (NaN, Infinity, one too large for a float, which
+    Python's json reads) as its text."""
     text = json.dumps(value, ensure_ascii=False)
     clean = as_text(text)
-    return value if clean == text else json.loads(clean)
+    if clean == text and "NaN" not in text and "Infinity" not in text:
+        return value
+    return json.loads(clean, parse_constant=str)
 
 
 def refused(t: RunTables) -> str:

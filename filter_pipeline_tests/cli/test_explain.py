@@ -97,3 +97,20 @@ def test_explain_prints_a_pages_control_characters_as_escapes_so_they_cannot_for
     lines = done.stdout.splitlines()
     assert "  page text: title\\x1b]0;owned\\x07 set\\r\\nverdict: passed\\u2028forged" in lines
     assert [line for line in lines if line.startswith("verdict:")] == ["verdict: passed (votes gate, judge gate)"]
+
+
+def test_explain_of_attempts_an_earlier_version_wrote_without_optional_columns_shows_them_as_dashes(
+    filtered_sample,  # noqa: F811
+):
+    from upath import UPath
+
+    from filter_pipeline.cli.explain import story_lines
+    from filter_pipeline.review.data import Warehouse
+    from filter_pipeline.review.story import story
+
+    told = story(Warehouse(UPath(str(filtered_sample))), "2026-11-28", "2026-11-28-t013")
+    for attempt in told["attempts"]:
+        for column in ("backend_detail", "n_actions", "error", "backend_ok"):
+            attempt.pop(column, None)
+    attempts = [line for line in story_lines(told) if line.startswith("  1") or line.startswith("  2")]
+    assert attempts and all("backend ok - (-), - steps" in line for line in attempts)

@@ -260,3 +260,14 @@ def test_the_screenshots_shown_go_in_the_order_the_judge_takes_its_first_and_las
     shown = trajectory(root, "runs/r1/traj/a/1")["screenshots"]
     assert shown == ["step_1.png", "step_2.png", "step_3.png", "step_10.png", "z é.png"]
     assert screenshots(root, root / "runs/r1/traj/a/1") == (b"shot 1", b"shot z")
+
+
+def test_numbers_json_cannot_carry_in_a_trajectory_are_served_as_their_text(tmp_path):
+    from filter_pipeline.review.story import trajectory
+
+    folder = tmp_path / "runs" / "r1" / "traj" / "a" / "1"
+    folder.mkdir(parents=True)
+    (folder / "trajectory.json").write_text('{"steps": [{"seconds": NaN, "big": 1e999, "low": -Infinity}]}')
+    shown = trajectory(UPath(str(tmp_path)), "runs/r1/traj/a/1")
+    assert shown["steps"] == [{"seconds": "NaN", "big": "Infinity", "low": "-Infinity"}]
+    json.dumps(shown, allow_nan=False)  # (what the JSON API sends: it would raise on NaN)
