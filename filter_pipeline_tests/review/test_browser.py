@@ -93,3 +93,23 @@ def test_three_labels_by_keyboard_in_the_queue_are_counted_by_judge_calibration(
     assert [line.split('"dir":"', 1)[1].split('"', 1)[0] for line in lines] == labelled
     judge_after = calibration_of(sample_root).set_index(["predictor", "site"]).loc[("judge", "(all)"), "n"]
     assert judge_after == judge_before + 3
+
+
+def test_enter_in_the_note_keeps_the_item_and_a_double_press_writes_one_label(browser, sample_root):
+    labels = sample_root / "labels.jsonl"
+    before = labels.read_text().splitlines() if labels.exists() else []
+    app = Served(UPath(str(sample_root)), labeler="browser")
+    try:
+        browser.get(app.url + "/queue?pos=3")
+        url, form = browser.current_url, browser.find_element("css selector", "form.label-form")
+        note = form.find_element("css selector", "input[name=note]")
+        note.send_keys("the cart was empty\n")  # Enter: the form is not submitted
+        _wait_for(browser, lambda: "to save the note" in form.text, "the line saying how to save the note")
+        assert browser.current_url == url and note.get_attribute("value") == "the cart was empty"
+        browser.execute_script("document.activeElement.blur()")  # (keys typed in the note are the note's)
+        _press(browser, "ny")  # two presses, the second while the first is being saved: it is ignored
+        _wait_for(browser, lambda: "Verdict:" in browser.page_source, "the verdict after the label")
+    finally:
+        app.stop()
+    [added] = labels.read_text().splitlines()[len(before) :]
+    assert '"success":false' in added and '"note":"the cart was empty"' in added
