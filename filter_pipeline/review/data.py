@@ -281,11 +281,22 @@ def _retired(root: UPath) -> Retired:
         return Retired()
 
 
+# the judge step's files every committed run has (its walk read them)
+JUDGE_STEP_ASSETS = ("batch_tasks", "batch_attempts", "judge_verdicts", "failure_pool")
+
+
 def load_run(root: UPath, run_id: str, files: dict[str, UPath]) -> RunTables:
     """Read the run's files and derive each task's fate. A file the run's commit names is read where it is
     (`committed_paths`: a publish not complete holds it in its staging folder); HistoryIntegrityError (a
-    ValueError) naming it when it is nowhere: the run's rows are not shown as undecided."""
+    ValueError) naming it when it is nowhere, and a ValueError naming a judge step's file a committed run
+    lacks: the run's rows are not shown as undecided."""
     commit, files = committed_files(root, run_id, files)
+    if commit is not None and "error" not in commit:  # (a walk read them all: one gone would show wrong fates)
+        gone = [asset for asset in JUDGE_STEP_ASSETS if not files[asset].exists()]
+        if gone:
+            raise ValueError(
+                f"{WAREHOUSE_DIR}/{gone[0]}/{run_id}.parquet is missing, but run {run_id} was walked from it"
+            )
     verdicts, judged = _verdicts(files["judge_verdicts"])
     legacy = files["legacy"] if files["legacy"].exists() else None
     # (before the judge step parsed the batch, it is parsed here as that step will; once it has, a failure on

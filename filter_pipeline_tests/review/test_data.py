@@ -164,6 +164,15 @@ def test_a_file_a_run_committed_that_is_gone_makes_the_run_unreadable_not_its_ro
     assert r1["state"].startswith(f"unreadable ({expected}") and r1["kept"] is None
 
 
+@pytest.mark.parametrize("asset", ["judge_verdicts", "batch_attempts", "failure_pool", "batch_tasks"])
+def test_a_judge_steps_file_a_committed_run_lacks_makes_it_unreadable_not_its_fates_wrong(tmp_path, asset):
+    write_run(tmp_path, "r1")
+    (tmp_path / "warehouse" / asset / "r1.parquet").unlink()  # (kept pending, or a task without attempts, else)
+    expected = f"warehouse/{asset}/r1.parquet is missing, but run r1 was walked from it"
+    with pytest.raises(UnreadableRun, match=f"^run r1 cannot be read: {expected}"):
+        Warehouse(UPath(str(tmp_path))).run("r1")
+
+
 def test_a_file_a_published_walk_has_not_moved_yet_is_read_from_its_staging_folder_not_the_one_in_place(tmp_path):
     from filter_pipeline.storage.history import read_commit
     from filter_pipeline.storage.publish import MANIFEST, STAGING_DIR
