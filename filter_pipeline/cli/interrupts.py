@@ -79,21 +79,25 @@ def was_interrupted(result) -> bool:
     return False
 
 
-def verdicts_saved(data, run_id: str) -> int:
-    """The judge's verdicts of `run_id` on disk (`data`: the DataRoot): its judge_verdicts file, else the parts saved as they arrived."""
+def verdicts_saved(data, run_id: str) -> str:
+    """What the judge left of `run_id` on disk (`data`: the DataRoot), as the interrupt line says it: the
+    verdicts saved as they arrived (a judging not finished), and those of its judge_verdicts file (with parts
+    saved beside it, an earlier judging's, which the next one reuses only where its prompts are the same)."""
     import logging
 
-    from filter_pipeline.judge.driver import ProgressStore
+    from filter_pipeline.judge.driver import ProgressStore, progress_parts
     from filter_pipeline.rules.vocabulary import STATUS_JUDGED
 
     done = data.asset_file("judge_verdicts", run_id)
-    if done.exists():
-        return _judged_rows(done)
+    on_file = _judged_rows(done) if done.exists() else None
+    if not progress_parts(data.judge_progress(run_id)):
+        return f"{on_file or 0} judge verdicts saved"
     saved = ProgressStore(data.judge_progress(run_id)).load(logging.getLogger(__name__))
     # (the parts hold the tries left unjudged too, whose spend they keep: only verdicts count here, once each)
-    if saved is None or not {"status", "cache_key"} <= set(saved.columns):
-        return 0
-    return saved.loc[saved["status"] == STATUS_JUDGED, "cache_key"].nunique()
+    known = saved is not None and {"status", "cache_key"} <= set(saved.columns)
+    count = saved.loc[saved["status"] == STATUS_JUDGED, "cache_key"].nunique() if known else 0
+    earlier = f" ({on_file} more on file from an earlier judging)" if on_file is not None else ""
+    return f"{count} judge verdicts saved{earlier}"
 
 
 def _judged_rows(path) -> int:
@@ -123,10 +127,7 @@ def saved_line(
         what = f"interrupted by {signals.name()} before a run started{earlier}"
     else:
         walk = "its walk committed" if committed else "its walk not committed (nothing of it published)"
-        what = (
-            f"interrupted by {signals.name()} during {run_id}: {verdicts_saved(data, run_id)} judge verdicts saved, "
-            f"{walk}{earlier}"
-        )
+        what = f"interrupted by {signals.name()} during {run_id}: {verdicts_saved(data, run_id)}, {walk}{earlier}"
     remaining = [r for r in named if not (r == run_id and committed)]
     again = materialize_command(*remaining)
     return f"{what}; run `{again}` again to resume from what was saved"

@@ -153,13 +153,15 @@ def test_the_verdicts_an_interrupt_says_are_saved_count_each_judged_prompt_once(
         pq.write_table(pa.table({"cache_key": keys, "status": statuses}), folder / f"part-{i}.parquet")
     # a (saved twice: two parts of an interrupted materialization and its resume), b (an unjudged try, then
     # judged), c
-    assert verdicts_saved(data, "r1") == 3
+    assert verdicts_saved(data, "r1") == "3 judge verdicts saved"
     for part in folder.iterdir():
         part.unlink()
     pq.write_table(pa.table({"cache_key": ["a"]}), folder / "part-x.parquet")  # (no status: no verdict it can tell)
-    assert verdicts_saved(data, "r1") == 0
-    # once judge_verdicts is written, its verdicts: not the rows of tasks it left unjudged
+    assert verdicts_saved(data, "r1") == "0 judge verdicts saved"
+    # a judge_verdicts file beside parts is an earlier judging's (a re-judging interrupted): said apart
     (tmp_path / "warehouse" / "judge_verdicts").mkdir()
     statuses = ["judged", "error", "judged"]
     pq.write_table(pa.table({"status": statuses}), tmp_path / "warehouse" / "judge_verdicts" / "r1.parquet")
-    assert verdicts_saved(data, "r1") == 2
+    assert verdicts_saved(data, "r1") == ("0 judge verdicts saved (2 more on file from an earlier judging)")
+    (folder / "part-x.parquet").unlink()  # once judged, the file's verdicts: not the rows of tasks left unjudged
+    assert verdicts_saved(data, "r1") == "2 judge verdicts saved"
