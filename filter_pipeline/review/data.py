@@ -120,10 +120,13 @@ class Warehouse:
     def run_ids(self) -> list[str]:
         """Every run the data root knows, in run_id order: batch folders with a name the stage accepts (not a
         file such as runs/README.md, nor a folder it refuses to filter), commit records and judged runs."""
+        return sorted(self.rooted_run_ids() | set(files_in(self.warehouse / "judge_verdicts", ".parquet")))
+
+    def rooted_run_ids(self) -> set[str]:
+        """The runs with a batch folder or a commit record: those the labelling queue serves (a judge_verdicts
+        file alone, a copy kept beside it or a batch since deleted, has no story to label)."""
         found = {name for name, is_dir in folder_entries(self.root / RUNS_DIR) if is_dir and _plain(name)}
-        found.update(files_in(self.warehouse / COMMITS_DIR, ".json"))
-        found.update(files_in(self.warehouse / "judge_verdicts", ".parquet"))
-        return sorted(found)
+        return found | set(files_in(self.warehouse / COMMITS_DIR, ".json"))
 
     def check_run(self, run_id: str) -> str:
         if not isinstance(run_id, str) or run_id not in self.run_ids():

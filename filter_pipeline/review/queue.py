@@ -119,7 +119,7 @@ class QueueMemo:
         self._lock = threading.Lock()
 
     def state(self, warehouse: Warehouse, labels: pd.DataFrame) -> tuple[pd.DataFrame, np.ndarray, dict]:
-        frames = [warehouse.judged(run_id) for run_id in warehouse.run_ids()]
+        frames = [warehouse.judged(run_id) for run_id in sorted(warehouse.rooted_run_ids())]
         inputs = [labels, *frames]
         with self._lock:
             if self._state and len(inputs) == len(self._inputs) and all(a is b for a, b in zip(inputs, self._inputs)):

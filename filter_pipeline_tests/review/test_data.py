@@ -264,3 +264,17 @@ def test_a_page_past_the_last_row_says_so(warehouse):
         filters={"fate": None, "site": None, "macro": None, "reason": None}, tasks=[],
     ).body.decode()  # fmt: skip
     assert "7 tasks match; no row at 501 or after." in html
+
+
+def test_a_verdicts_file_copied_beside_a_runs_takes_none_of_its_attempts_in_the_queue(tmp_path):
+    import shutil
+
+    from filter_pipeline.review.queue import QueueMemo
+
+    write_run(tmp_path, "r1")
+    verdicts = tmp_path / "warehouse" / "judge_verdicts"
+    shutil.copy(verdicts / "r1.parquet", verdicts / "r1.bak.parquet")  # (a backup: no batch, no commit)
+    warehouse = Warehouse(UPath(str(tmp_path)))
+    assert "r1.bak" in warehouse.run_ids()  # (still listed, as a judged run)
+    queue, _, _ = QueueMemo().state(warehouse, pd.DataFrame(columns=["dir", "success", "line"]))
+    assert set(queue["run_id"]) == {"r1"}  # its attempts are r1's, whose task pages tell their story
