@@ -107,28 +107,31 @@ def corrected_run_key(run_id: str, refusal: dict, deferred: int = 0) -> str:
 
 def corrected_requests(
     context: dg.SensorEvaluationContext, data: DataRoot, corrected: dict[str, dict], busy: set[str]
-) -> list[dg.RunRequest]:
-    """A run judging and walking the lowest of the `corrected` batches (refused before their walk and corrected
-    since, each with its failure record: `corrected_since_refused`), once per refusal (`corrected_run_key`), when
-    none of its runs is in flight (`busy`) and no lower batch holds its first walk back. The others wait for it
-    (`plan_tick` walks nothing above it meanwhile), so that the rows kept are those of run_id order, as the CLI
-    walks them. Such a batch stays skipped in the ledger step's own order until it is walked (CONTRACT §4): its
-    walk is a late batch's, every other run its history. A run of it that ended without walking it, but for a
-    deferred walk, is said each tick."""
+) -> tuple[list[dg.RunRequest], str | None]:
+    """(a run judging and walking the lowest of the `corrected` batches, refused before their walk and corrected
+    since, each with its failure record (`corrected_since_refused`); the line the ledger's wait then says, when
+    that run ended without walking it). One run per refusal (`corrected_run_key`), when none of the batch's runs
+    is in flight (`busy`) and no lower batch holds its first walk back. The others wait for it (`plan_tick` walks
+    nothing above it meanwhile), so that the rows kept are those `materialize` keeps. Such a batch stays skipped
+    in the ledger step's own order until it is walked (CONTRACT §4): its walk is a late batch's, every other run
+    its history."""
     if not corrected or (run_id := min(corrected)) in busy:
-        return []
+        return [], None
     refusal, state = corrected[run_id], walk_order(data.root)
     if blockers := blocking_runs(run_id, state.complete, state.committed, state.failed - set(corrected), state.retired):
         context.log.info(f"{run_id}: corrected since it was refused; its walk waits for {', '.join(blockers)}")
-        return []
+        return [], None
     key, deferred = corrected_run_key(run_id, refusal), 0
     while found := context.instance.get_run_records(dg.RunsFilter(tags={RUN_KEY_TAG: key}), limit=1):
         if DEFERRED_TAG not in found[0].dagster_run.tags:
-            context.log.warning(
-                f"{run_id}: its run after it was corrected ended without walking it; materialize it by hand"
+            why = (
+                f"ledger waits for {run_id}, corrected since it was refused, whose run ended without walking it: "
+                "materialize it again or retire it in retired.json"
             )
-            return []
+            context.log.warning(why)
+            return [], why
         deferred += 1
         key = corrected_run_key(run_id, refusal, deferred)
     context.log.info(f"{run_id}: corrected since it was refused ({refusal.get('reason')}): judging and walking it")
-    return [dg.RunRequest(job_name=rejudge_job.name, partition_key=run_id, run_key=key, tags=first_walk_tags([run_id]))]
+    tags = first_walk_tags([run_id])
+    return [dg.RunRequest(job_name=rejudge_job.name, partition_key=run_id, run_key=key, tags=tags)], None

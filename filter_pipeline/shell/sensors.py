@@ -88,7 +88,7 @@ def plan_tick(
 
     `busy`: run_ids with a queued or running run; `failed_ledger`: run_ids a ledger run stopped at without
     filtering them; `failed`: runs with a recorded validation failure; `retired`: runs retired as a whole
-    (never judged nor walked: left alone, as asked); `never_run`: registered run_ids no run was ever launched
+    (one not filtered yet is neither registered, judged nor walked: left alone, as asked); `never_run`: registered run_ids no run was ever launched
     for (a `materialize` registers every run it is given before it runs the first: the sensor leaves them to
     it, or, if it was interrupted, to the user); `corrected`: those of `failed` corrected since, which a run of
     their own judges and walks (`rejudging.corrected_requests`), holding later ones back as any pending batch.
@@ -97,12 +97,11 @@ def plan_tick(
     (the order rule); a lower batch whose run failed holds the rest back until it is materialized again,
     retired, or its validation failure is recorded.
     """
-    corrected, retired = set(corrected), set(retired)
+    corrected, retired, by_id = set(corrected), set(retired), {b.run_id: b for b in batches}
     skipped = (set(failed) - corrected) | retired
-    to_register = [b.run_id for b in batches if b.run_id not in registered]
-    to_judge = [
-        b.run_id for b in batches if b.run_id not in registered and not (b.filtered or b.judged or b.run_id in retired)
-    ]
+    # (a batch retired before it was filtered is not registered: retired no longer, it is a new batch again)
+    to_register = [b.run_id for b in batches if b.run_id not in registered and (b.filtered or b.run_id not in retired)]
+    to_judge = [r for r in to_register if not (by_id[r].filtered or by_id[r].judged or r in corrected)]
     ready: list[str] = []
     for b in batches:
         if b.filtered or b.run_id in skipped:
@@ -418,7 +417,8 @@ def build_batch_sensor() -> dg.SensorDefinition:
             requests.append(ledger_request(to_walk, registration_order, next_ledger_key(context.instance, to_walk[0])))
         untouched = busy | set(to_walk) | set(to_judge) | left_alone(commits, batches, retired)
         rejudging, cursor = rejudge_requests(context, commits, untouched, judge.identity())
-        fixing = corrected_requests(context, data, corrected, busy)
+        fixing, stuck = corrected_requests(context, data, corrected, busy)
+        why = stuck or why  # (the batch the ledger waits for: the lowest corrected one)
         requests += rejudging + fixing
         if not (to_walk or busy or rejudging or fixing):
             requests += coverage_refresh(commits)

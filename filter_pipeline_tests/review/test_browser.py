@@ -113,3 +113,17 @@ def test_enter_in_the_note_keeps_the_item_and_a_double_press_writes_one_label(br
         app.stop()
     [added] = labels.read_text().splitlines()[len(before) :]
     assert '"success":false' in added and '"note":"the cart was empty"' in added
+
+
+def test_a_page_the_back_button_restores_after_a_label_takes_another(browser, sample_root):
+    app = Served(UPath(str(sample_root)), labeler="browser")
+    try:
+        browser.get(app.url + "/queue?pos=2")
+        _press(browser, "y")
+        _wait_for(browser, lambda: "Verdict:" in browser.page_source, "the verdict after the label")
+        browser.back()  # (restored from the back/forward cache, or loaded again: labelling works either way)
+        _wait_for(browser, lambda: "Blind:" in browser.page_source, "the item again")
+        buttons = browser.find_elements("css selector", "form.label-form button")
+        assert buttons and not any(b.get_attribute("disabled") for b in buttons)
+    finally:
+        app.stop()

@@ -524,7 +524,11 @@ def test_a_corrected_batch_is_left_alone_when_retired_or_when_its_run_ended_with
     context, said = sensor_context(instance, data_root), LogLines(logging.WARNING)
     context.log.addHandler(said)
     assert requests(build_batch_sensor()(context)) == []
-    assert said.lines == ["b1: its run after it was corrected ended without walking it; materialize it by hand"]
+    why = (
+        "ledger waits for b1, corrected since it was refused, whose run ended without walking it: materialize it "
+        "again or retire it in retired.json"
+    )
+    assert said.lines == [why] and build_batch_sensor()(context).skip_reason.skip_message == why
 
 
 def test_a_refusal_recorded_without_what_the_batch_held_is_never_taken_as_corrected(instance, data_root):
@@ -566,10 +570,23 @@ def test_plan_never_walks_a_corrected_batch_on_its_old_verdicts_and_holds_later_
     assert walk == [] and why == "ledger waits for b1, corrected since it was refused"
 
 
-def test_plan_neither_judges_nor_walks_a_batch_retired_before_it_was_filtered():
+def test_plan_leaves_a_batch_retired_before_it_was_filtered_alone_until_it_is_retired_no_longer():
     batches = [B("b1", judged=False, filtered=False), B("b2", judged=False, filtered=False)]
     register, judge, walk, _ = plan_tick(batches, set(), busy=set(), failed_ledger=set(), retired={"b1"})
-    assert (register, judge, walk) == (["b1", "b2"], ["b2"], [])
+    assert (register, judge, walk) == (["b2"], ["b2"], [])  # neither registered, judged nor walked
+    register, judge, _, _ = plan_tick(batches, {"b2"}, busy=set(), failed_ledger=set())
+    assert (register, judge) == (["b1"], ["b1"])  # retired no longer: a new batch
+
+
+def test_a_refused_batch_corrected_before_this_instance_registered_it_gets_one_run_not_two(instance, data_root):
+    write_batch(data_root, "b1", [task("a")], [attempt("a")])
+    good = (data_root / "runs" / "b1" / "tasks.jsonl").read_bytes()
+    (data_root / "runs" / "b1" / "tasks.jsonl").write_text("not json\n")
+    with dg.DagsterInstance.ephemeral() as elsewhere:  # (another deployment, or a laptop's CLI, refused it)
+        refused_by_its_judge_run(elsewhere, data_root, "b1")
+    (data_root / "runs" / "b1" / "tasks.jsonl").write_bytes(good)
+    result = tick(instance, data_root)
+    assert added(result) == ["b1"] and [job for job, _, _ in requests(result)] == ["rejudge_job"]
 
 
 def test_of_two_corrected_batches_the_lower_is_run_first_and_nothing_else_meanwhile(instance, data_root):

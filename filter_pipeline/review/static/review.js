@@ -41,11 +41,23 @@ async function sendLabel(success) {
     status.textContent = "saved";  // (the buttons stay off: the page moves on)
     if (form.dataset.after) window.location.href = form.dataset.after;
     else window.location.reload();
-  } else {
+    return;
+  }
+  try {
     status.textContent = "not saved: " + (await response.text());
+  } finally {
     setSaving(form, false);
   }
 }
+
+// A page the browser restores from its back/forward cache keeps the state it left in: the buttons on again.
+window.addEventListener("pageshow", (event) => {
+  const form = labelForm();
+  if (event.persisted && form) {
+    setSaving(form, false);
+    form.querySelector(".label-status").textContent = "";
+  }
+});
 
 function parseSuccess(text) {
   return text === "true" ? true : text === "false" ? false : null;
