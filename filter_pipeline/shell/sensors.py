@@ -88,9 +88,9 @@ def plan_tick(
 
     `busy`: run_ids with a queued or running run; `failed_ledger`: run_ids a ledger run stopped at without
     filtering them; `failed`: runs with a recorded validation failure; `retired`: runs retired as a whole
-    (one not filtered yet is neither registered, judged nor walked: left alone, as asked); `never_run`: registered run_ids no run was ever launched
-    for (a `materialize` registers every run it is given before it runs the first: the sensor leaves them to
-    it, or, if it was interrupted, to the user); `corrected`: those of `failed` corrected since, which a run of
+    (one not filtered yet is neither registered, judged nor walked: left alone, as asked); `never_run`:
+    registered run_ids no run was ever launched for (a `materialize` registers every run it is given before it
+    runs the first: the sensor leaves them to it, or, if it was interrupted, to the user); `corrected`: those of `failed` corrected since, which a run of
     their own judges and walks (`rejudging.corrected_requests`), holding later ones back as any pending batch.
     A batch already filtered is registered but never re-run. The ledger walks the judged batches waiting in a
     row from the lowest pending run_id on (at most LEDGER_RANGE_LIMIT), and only when nothing lower is pending
@@ -384,7 +384,8 @@ def build_batch_sensor() -> dg.SensorDefinition:
         minimum_interval_seconds=SENSOR_INTERVAL_SECONDS,
         default_status=dg.DefaultSensorStatus.RUNNING,
         description=f"Registers each complete batch (runs/<run_id>/{SUCCESS_FILE}) as a run_id partition and "
-        "launches its judge run (run_key = run_id), unless it is retired as a whole; then one ledger run at a time for every judged batch waiting "
+        "launches its judge run (run_key = run_id), unless it is retired as a whole; then one ledger run at a time "
+        "for every judged batch waiting "
         f"in a row from the lowest run_id on (up to {LEDGER_RANGE_LIMIT}), walked in run_id order (run_key = "
         f"{ledger_run_key('<lowest run_id>')}, then {ledger_run_key('<lowest run_id>', 1)} and on after a run "
         f"from there deferred its walk; the tag {FIRST_WALK_TAG} lists them). Batches already filtered "
