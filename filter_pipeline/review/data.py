@@ -30,7 +30,7 @@ from filter_pipeline.rules.batch import (
     LEGACY_KEPT_FILE,
     SUCCESS_FILE,
     TASKS_FILE,
-    check_run_id,
+    is_plain_run_id,
     jsonl_lines,
 )
 from filter_pipeline.rules.commits import COMMITS_DIR, commit_file, parse_commit
@@ -125,7 +125,7 @@ class Warehouse:
     def rooted_run_ids(self) -> set[str]:
         """The runs with a batch folder or a commit record: those the labelling queue serves (a judge_verdicts
         file alone, a copy kept beside it or a batch since deleted, has no story to label)."""
-        found = {name for name, is_dir in folder_entries(self.root / RUNS_DIR) if is_dir and _plain(name)}
+        found = {name for name, is_dir in folder_entries(self.root / RUNS_DIR) if is_dir and is_plain_run_id(name)}
         return found | set(files_in(self.warehouse / COMMITS_DIR, ".json"))
 
     def check_run(self, run_id: str) -> str:
@@ -240,14 +240,6 @@ class Warehouse:
         newest_first = self.run_ids()[::-1]
         chosen = newest_first[offset:] if limit is None else newest_first[offset : offset + limit]
         return len(newest_first), [self.summary(run_id) for run_id in chosen]
-
-
-def _plain(name: str) -> bool:
-    try:
-        check_run_id(name)
-    except ValueError:
-        return False
-    return True
 
 
 ASSETS = ("batch_tasks", "batch_attempts", "judge_verdicts", "kept", "surplus", "failure_pool", "batch_rejects",

@@ -74,6 +74,15 @@ def check_run_id(run_id: str) -> str:
     return run_id
 
 
+def is_plain_run_id(name: str) -> bool:
+    """Whether a folder's name is a plain run_id (`check_run_id`)."""
+    try:
+        check_run_id(name)
+    except ValueError:
+        return False
+    return True
+
+
 @dataclass(frozen=True)
 class Batch:
     tasks: pd.DataFrame  # columns of schemas.SCHEMAS["batch_tasks"], in tasks.jsonl order

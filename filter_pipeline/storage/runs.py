@@ -23,6 +23,7 @@ from filter_pipeline.rules.batch import (
     BatchError,
     BatchState,
     check_run_id,
+    is_plain_run_id,
     non_blank_lines,
     parse_attempts,
     parse_tasks,
@@ -43,14 +44,6 @@ from filter_pipeline.storage.files import (
     read_input,
 )
 from filter_pipeline.storage.history import load_retired, read_commit, read_commits
-
-
-def _plain(run_id: str) -> bool:
-    try:
-        check_run_id(run_id)
-    except ValueError:
-        return False
-    return True
 
 
 def complete_batches(
@@ -78,7 +71,7 @@ def complete_batches(
         run_id = run_dir.name
         if not (run_dir / SUCCESS_FILE).exists():
             # (a folder no batch can be, a hidden one or a name refused once complete, is not one being written)
-            if incomplete is not None and run_dir.is_dir() and _plain(run_id):
+            if incomplete is not None and run_dir.is_dir() and is_plain_run_id(run_id):
                 incomplete.append(run_id)
             continue
         try:
