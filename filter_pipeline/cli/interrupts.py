@@ -82,17 +82,22 @@ def was_interrupted(result) -> bool:
 def verdicts_saved(data, run_id: str) -> str:
     """What the judge left of `run_id` on disk (`data`: the DataRoot), as the interrupt line says it: the
     verdicts saved as they arrived (a judging not finished), and those of its judge_verdicts file (with parts
-    saved beside it, an earlier judging's, which the next one reuses only where its prompts are the same)."""
+    saved beside it that the file was not built from, an earlier judging's, which the next one reuses only
+    where its prompts are the same)."""
     import logging
 
     from filter_pipeline.judge.driver import ProgressStore, progress_parts
     from filter_pipeline.rules.vocabulary import STATUS_JUDGED
 
     done = data.asset_file("judge_verdicts", run_id)
-    on_file = _judged_rows(done) if done.exists() else None
-    if not progress_parts(data.judge_progress(run_id)):
+    on_file, counted = _judged_rows(done) if done.exists() else (None, ())
+    try:
+        parts = [p for p in progress_parts(data.judge_progress(run_id)) if p.name not in counted]
+    except OSError:
+        parts = []
+    if not parts:
         return f"{on_file or 0} judge verdicts saved"
-    saved = ProgressStore(data.judge_progress(run_id)).load(logging.getLogger(__name__))
+    saved = ProgressStore(data.judge_progress(run_id)).load(logging.getLogger(__name__), counted)
     # (the parts hold the tries left unjudged too, whose spend they keep: only verdicts count here, once each)
     known = saved is not None and {"status", "cache_key"} <= set(saved.columns)
     count = saved.loc[saved["status"] == STATUS_JUDGED, "cache_key"].nunique() if known else 0
@@ -100,19 +105,25 @@ def verdicts_saved(data, run_id: str) -> str:
     return f"{count} judge verdicts saved{earlier}"
 
 
-def _judged_rows(path) -> int:
-    """The rows of a judge_verdicts file whose task was judged (0 when it cannot be read)."""
+def _judged_rows(path) -> tuple[int, list[str]]:
+    """(the rows of a judge_verdicts file whose task was judged, the progress parts it was built from:
+    `JUDGE_PROGRESS_PARTS`); (0, []) when it cannot be read."""
     import pyarrow as pa
     import pyarrow.compute as pc
+    import pyarrow.parquet as pq
 
+    from filter_pipeline.rules.schemas import JUDGE_PROGRESS_PARTS
     from filter_pipeline.rules.vocabulary import STATUS_JUDGED
-    from filter_pipeline.storage.parquet import read_parquet_file
 
     try:
-        statuses = read_parquet_file(pa.BufferReader(path.read_bytes()), columns=["status"])["status"]
+        file = pq.ParquetFile(pa.BufferReader(path.read_bytes()))
+        statuses = file.read(columns=["status"])["status"]
+        attributes = (file.schema_arrow.pandas_metadata or {}).get("attributes") or {}
     except (OSError, ValueError, KeyError, pa.ArrowException):
-        return 0
-    return int(pc.sum(pc.equal(statuses, STATUS_JUDGED)).as_py() or 0)
+        return 0, []
+    parts = attributes.get(JUDGE_PROGRESS_PARTS) if isinstance(attributes, dict) else None
+    judged = int(pc.sum(pc.equal(statuses, STATUS_JUDGED)).as_py() or 0)
+    return judged, [str(p) for p in parts] if isinstance(parts, list) else []
 
 
 def saved_line(

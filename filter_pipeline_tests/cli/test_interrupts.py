@@ -138,6 +138,7 @@ def test_an_interrupt_between_the_runs_of_a_call_that_named_them_names_again_tho
 
 
 def test_the_verdicts_an_interrupt_says_are_saved_count_each_judged_prompt_once(tmp_path):
+    import pandas as pd
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -164,4 +165,10 @@ def test_the_verdicts_an_interrupt_says_are_saved_count_each_judged_prompt_once(
     pq.write_table(pa.table({"status": statuses}), tmp_path / "warehouse" / "judge_verdicts" / "r1.parquet")
     assert verdicts_saved(data, "r1") == ("0 judge verdicts saved (2 more on file from an earlier judging)")
     (folder / "part-x.parquet").unlink()  # once judged, the file's verdicts: not the rows of tasks left unjudged
+    assert verdicts_saved(data, "r1") == "2 judge verdicts saved"
+    # a kill between writing judge_verdicts and removing the parts it was built from: the file's, not earlier
+    built = pd.DataFrame({"status": statuses})
+    built.attrs["judge_progress_parts"] = ["part-y.parquet"]
+    built.to_parquet(tmp_path / "warehouse" / "judge_verdicts" / "r1.parquet")
+    pq.write_table(pa.table({"cache_key": ["a", "c"], "status": ["judged", "judged"]}), folder / "part-y.parquet")
     assert verdicts_saved(data, "r1") == "2 judge verdicts saved"
