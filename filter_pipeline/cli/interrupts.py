@@ -110,15 +110,14 @@ def _judged_rows(path) -> tuple[int, list[str]]:
     `JUDGE_PROGRESS_PARTS`); (0, []) when it cannot be read."""
     import pyarrow as pa
     import pyarrow.compute as pc
-    import pyarrow.parquet as pq
 
     from filter_pipeline.rules.schemas import JUDGE_PROGRESS_PARTS
     from filter_pipeline.rules.vocabulary import STATUS_JUDGED
+    from filter_pipeline.storage.parquet import read_parquet_file
 
     try:
-        file = pq.ParquetFile(pa.BufferReader(path.read_bytes()))
-        statuses = file.read(columns=["status"])["status"]
-        attributes = (file.schema_arrow.pandas_metadata or {}).get("attributes") or {}
+        table = read_parquet_file(pa.BufferReader(path.read_bytes()), columns=["status"])
+        statuses, attributes = table["status"], (table.schema.pandas_metadata or {}).get("attributes") or {}
     except (OSError, ValueError, KeyError, pa.ArrowException):
         return 0, []
     parts = attributes.get(JUDGE_PROGRESS_PARTS) if isinstance(attributes, dict) else None
