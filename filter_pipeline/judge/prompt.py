@@ -305,11 +305,15 @@ def build_messages(
 
 
 def inside_root(data_root: UPath, path: UPath) -> bool:
-    """Whether `path` stays inside the data root once symlinks are resolved (local disk; remote has none)."""
+    """Whether `path` stays inside the data root once symlinks are resolved (local disk; remote has none). A path
+    holding a NUL byte names no file and leads nowhere: it stays (reading it fails, saying why)."""
     if not is_local(data_root):
         return True
     root = os.path.realpath(data_root.path)
-    return os.path.realpath(path.path).startswith(root + os.sep)
+    try:
+        return os.path.realpath(path.path).startswith(root + os.sep)
+    except ValueError:  # (embedded null byte)
+        return True
 
 
 def read_trajectory(data_root: UPath, rel_dir: str) -> tuple[dict | None, UPath, str | None]:

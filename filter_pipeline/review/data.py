@@ -30,6 +30,7 @@ from filter_pipeline.rules.batch import (
     LEGACY_KEPT_FILE,
     SUCCESS_FILE,
     TASKS_FILE,
+    check_run_id,
     is_plain_run_id,
     jsonl_lines,
 )
@@ -120,15 +121,22 @@ class Warehouse:
     def run_ids(self) -> list[str]:
         """Every run the data root knows, in run_id order: batch folders with a name the stage accepts (not a
         file such as runs/README.md, nor a folder it refuses to filter), commit records and judged runs."""
-        return sorted(self.rooted_run_ids() | set(files_in(self.warehouse / "judge_verdicts", ".parquet")))
+        judged = {name for name in files_in(self.warehouse / "judge_verdicts", ".parquet") if is_plain_run_id(name)}
+        return sorted(self.rooted_run_ids() | judged)
 
     def rooted_run_ids(self) -> set[str]:
         """The runs with a batch folder or a commit record: those the labelling queue serves (a judge_verdicts
         file alone, a copy kept beside it or a batch since deleted, has no story to label)."""
         found = {name for name, is_dir in folder_entries(self.root / RUNS_DIR) if is_dir and is_plain_run_id(name)}
-        return found | set(files_in(self.warehouse / COMMITS_DIR, ".json"))
+        # (a file named otherwise, such as a copy `2026-11-29 copy.json`, is not a run's: the stage writes none)
+        return found | {name for name in files_in(self.warehouse / COMMITS_DIR, ".json") if is_plain_run_id(name)}
 
     def check_run(self, run_id: str) -> str:
+        """`run_id`, if the data root knows it; ReviewError else (for a name that is no run_id, `explain`'s line)."""
+        try:
+            check_run_id(run_id) if isinstance(run_id, str) else None
+        except ValueError as exc:
+            raise ReviewError(str(exc)) from None
         if not isinstance(run_id, str) or run_id not in self.run_ids():
             raise ReviewError(f"no run {run_id!r} in {self.root}")
         return run_id

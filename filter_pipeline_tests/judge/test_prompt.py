@@ -181,6 +181,15 @@ def test_a_trajectory_outside_the_data_root_is_never_read(tmp_path):
     assert evidence == "record_steps: trajectory.json outside the data root"
 
 
+def test_a_dir_holding_a_nul_byte_is_an_unreadable_trajectory_not_a_crash(tmp_path):
+    request = {**REQUEST, "dir": "runs/r/traj/nul\x00x/1"}  # (a task_id may hold one; no file's path can)
+    messages, evidence = p.messages_for_attempt(
+        UPath(tmp_path), request, lambda: [{"from": "record"}], Config(include_screenshot=True)
+    )
+    assert evidence.startswith("record_steps: trajectory.json unreadable (") and "null byte" in evidence
+    assert '{"from": "record"}' in user_text(messages)
+
+
 def test_the_cache_key_changes_with_the_prompt_version_the_judge_and_the_messages(tmp_path):
     messages, _ = p.messages_for_attempt(UPath(tmp_path), REQUEST, lambda: [], Config())
     key = p.cache_key(messages, Config(model="m"))

@@ -39,6 +39,11 @@ def post(served, body, raw: bytes | None = None, headers: dict | None = None) ->
         return exc.code, exc.read().decode()
 
 
+def form_attempt(html: str) -> dict:
+    """The attempt a page's label form labels (its `data-attempt`: dir, run_id, task_id)."""
+    return json.loads(html.split("data-attempt='", 1)[1].split("'", 1)[0])
+
+
 def test_every_page_answers_with_a_strict_content_security_policy(served):
     for path in ["/", "/runs/2026-11-28", "/runs/2026-11-29?fate=surplus&site=maps.example",
                  f"/runs/2026-11-28/tasks/{HOSTILE_TASK}", "/queue", "/queue?pos=3&blind=0", "/runs/2026-11-27",
@@ -291,11 +296,11 @@ def test_the_queue_is_blind_until_labelled_and_shows_the_precision_interval(serv
     _, _, html = get(served, "/queue")
     assert "Blind:" in html and "Verdict:" not in html and "The walk&#39;s decision" not in html
     assert "95% interval" in html and "16 label lines" in html
-    form_dir = html.split('data-dir="', 1)[1].split('"', 1)[0]
+    form_dir = form_attempt(html)["dir"]
     after_label = html.split('data-after="', 1)[1].split('"', 1)[0].replace("&amp;", "&")
     assert post(served, {"dir": form_dir, "success": True})[0] == 201
     _, _, after = get(served, after_label)  # where the page goes once the label is saved
-    assert f'data-dir="{form_dir}"' in after  # the attempt just labelled, wherever the label moved it
+    assert form_attempt(after)["dir"] == form_dir  # the attempt just labelled, wherever the label moved it
     assert "Verdict:" in after and "Blind:" not in after and "17 label lines" in after
     assert "random sample (the unbiased estimate)" in after
     assert get(served, "/queue?dir=runs/nope")[0] == 404
@@ -316,12 +321,12 @@ def test_after_a_label_that_moves_its_attempt_the_next_to_label_is_the_first_sti
     monkeypatch.setattr(queue, "SAMPLE_SIZE", 0)  # past the sample: a label moves its site's attempts on
     _, _, html = get(served, "/queue")
     first_open = int(html.split("Item ", 1)[1].split(" ", 1)[0]) - 1
-    form_dir = html.split('data-dir="', 1)[1].split('"', 1)[0]
+    form_dir = form_attempt(html)["dir"]
     after_label = html.split('data-after="', 1)[1].split('"', 1)[0].replace("&amp;", "&")
     assert post(served, {"dir": form_dir, "success": True})[0] == 201
     _, _, after = get(served, after_label)
     moved_to = int(after.split("Item ", 1)[1].split(" ", 1)[0]) - 1
-    assert f'data-dir="{form_dir}"' in after and moved_to > first_open
+    assert form_attempt(after)["dir"] == form_dir and moved_to > first_open
     _, _, fresh = get(served, "/queue")  # the first item still to label, in the order as it is now
     still_first = int(fresh.split("Item ", 1)[1].split(" ", 1)[0]) - 1
     assert still_first < moved_to and f'id="next" href="/queue?pos={still_first}"' in after
@@ -583,7 +588,7 @@ def test_the_queue_leaves_out_a_run_it_finds_unreadable_and_goes_on(tmp_path):
         for pos in range(4):
             status, _, html = get(app, f"/queue?pos={pos}")
             assert status == 200, html
-            shown.append(html.split('data-dir="', 1)[1].split('"', 1)[0])
+            shown.append(form_attempt(html)["dir"])
         assert {d.split("/")[1] for d in shown} == {"r1"} and len(set(shown)) == 4  # r1's four judged attempts
         assert get(app, "/queue?pos=4")[0] == 400  # (the queue holds them alone now)
     finally:

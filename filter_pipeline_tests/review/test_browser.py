@@ -1,6 +1,7 @@
 """A real browser (Debian's headless Chromium, driven by Selenium through chromedriver) labels three queue items
 by keyboard; then `judge_calibration` counts them."""
 
+import json
 import time
 from pathlib import Path
 
@@ -76,7 +77,7 @@ def test_three_labels_by_keyboard_in_the_queue_are_counted_by_judge_calibration(
         labelled = []
         for key in ("y", "n", "y"):
             form = browser.find_element("css selector", "form.label-form")
-            labelled.append(form.get_attribute("data-dir"))
+            labelled.append(json.loads(form.get_attribute("data-attempt"))["dir"])
             _press(browser, key)
             # the label is saved, and the page shows the verdict of the attempt just labelled
             _wait_for(browser, lambda: "Verdict:" in browser.page_source, f"the verdict after {key!r}")
@@ -127,3 +128,23 @@ def test_a_page_the_back_button_restores_after_a_label_takes_another(browser, sa
         assert buttons and not any(b.get_attribute("disabled") for b in buttons)
     finally:
         app.stop()
+
+
+def test_ids_holding_a_carriage_return_or_a_nul_are_labelled_as_they_are(browser, cli, data_root):
+    from urllib.parse import quote
+
+    from filter_pipeline_tests.builders import attempt, task, write_batch
+
+    odd = ["cr\rx", "nul\x00x", "crlf\r\nx"]  # (an HTML attribute would turn a CR into a LF, a NUL into U+FFFD)
+    write_batch(data_root, "r", [task(t) for t in odd], [attempt(t) for t in odd])
+    assert cli(env={"FILTER_JUDGE_KIND": "gate"}).returncode == 0
+    app = Served(UPath(str(data_root)), labeler="browser")
+    try:
+        for task_id in odd:
+            browser.get(f"{app.url}/runs/r/tasks/?task_id={quote(task_id, safe='')}")
+            _press(browser, "y")
+            _wait_for(browser, lambda: "success by browser" in browser.page_source, f"the label of {task_id!r}")
+    finally:
+        app.stop()
+    labels = [json.loads(line) for line in (data_root / "labels.jsonl").read_text().splitlines()]
+    assert [label["dir"] for label in labels] == [f"runs/r/traj/{t}/1" for t in odd]

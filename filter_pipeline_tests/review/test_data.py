@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 from upath import UPath
 
-from filter_pipeline.review.data import UnreadableRun, Warehouse, page
+from filter_pipeline.review.data import ReviewError, UnreadableRun, Warehouse, page
 from filter_pipeline.review.story import story
 from filter_pipeline.rules.history import parse_legacy
 from filter_pipeline_tests.review.small_warehouse import write_asset, write_run
@@ -26,6 +26,20 @@ def test_only_batch_folders_the_stage_accepts_are_runs_and_one_still_being_writt
     assert [(r["run_id"], r["state"]) for r in warehouse.runs()[1]] == [("r2", "incomplete"), ("r1", "unjudged")]
     (tmp_path / "runs" / "r2" / "_SUCCESS").touch()
     assert warehouse.runs()[1][0]["state"] == "pending"
+
+
+def test_warehouse_files_named_otherwise_than_a_run_id_are_no_runs_and_such_a_name_is_refused(tmp_path):
+    write_run(tmp_path, "r1")
+    for folder, suffix in (("judge_verdicts", ".parquet"), ("_commits", ".json")):
+        path = tmp_path / "warehouse" / folder / f"r1{suffix}"
+        for copy in ("r1 copy", "a..b"):  # (a copy a file manager made; a name with `..`)
+            (path.parent / f"{copy}{suffix}").write_bytes(path.read_bytes())
+    warehouse = Warehouse(UPath(str(tmp_path)))
+    assert warehouse.run_ids() == ["r1"] and warehouse.rooted_run_ids() == {"r1"}
+    with pytest.raises(ReviewError, match="run_id 'r1 copy' is not a plain folder name"):
+        warehouse.check_run("r1 copy")
+    with pytest.raises(ReviewError, match="no run 'r2' in "):
+        warehouse.check_run("r2")
 
 
 def test_a_batch_folder_behind_a_symlink_is_a_run_as_the_stage_takes_it(tmp_path):
@@ -275,6 +289,6 @@ def test_a_verdicts_file_copied_beside_a_runs_takes_none_of_its_attempts_in_the_
     verdicts = tmp_path / "warehouse" / "judge_verdicts"
     shutil.copy(verdicts / "r1.parquet", verdicts / "r1.bak.parquet")  # (a backup: no batch, no commit)
     warehouse = Warehouse(UPath(str(tmp_path)))
-    assert "r1.bak" in warehouse.run_ids()  # (still listed, as a judged run)
+    assert "r1.bak" in warehouse.run_ids()  # (still listed, as a judged run: its name is a run_id's)
     queue, _, _ = QueueMemo().state(warehouse, pd.DataFrame(columns=["dir", "success", "line"]))
     assert set(queue["run_id"]) == {"r1"}  # its attempts are r1's, whose task pages tell their story

@@ -21,7 +21,7 @@ async function sendLabel(success) {
   const status = form.querySelector(".label-status");
   const note = form.querySelector("input[name=note]").value;
   // (the run and task too: an attempt's dir may lie outside its run's folder)
-  const body = { dir: form.dataset.dir, run_id: form.dataset.run, task_id: form.dataset.task, success: success };
+  const body = { ...JSON.parse(form.dataset.attempt), success: success };
   if (note) body.note = note;
   status.textContent = "saving…";
   setSaving(form, true);
