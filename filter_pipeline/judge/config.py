@@ -5,10 +5,14 @@ fills from FILTER_JUDGE_* in one loop over its fields, and what the client, the 
 per-batch driver take as it is.
 """
 
+import base64
+import functools
 import hashlib
 import json
+import math
 import os
-from urllib.parse import urlsplit
+import re
+from urllib.parse import unquote, unquote_plus, urlsplit
 
 import dagster as dg
 from pydantic import Field
@@ -143,6 +147,8 @@ class LLMJudgeConfig(dg.Config):
         _check_endpoint(self.base_url, self.api_key)
         if self.votes < 1:
             raise ValueError(f"judge {self._named('votes')}: at least 1")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):  # (JSON has no NaN: every request a 400)
+            raise ValueError(f"judge {self._named('temperature')}: a number, 0 or more")
         if self.votes > 1 and self.temperature <= 0 and not self.reasoning_model:
             raise ValueError(
                 f"judge {self._named('votes')} at {self._named('temperature')}: identical samples at temperature 0 "
@@ -173,13 +179,16 @@ class LLMJudgeConfig(dg.Config):
         return hashlib.sha256(json.dumps(material).encode()).hexdigest()[:16]
 
     def redact(self, text: str | None) -> str | None:
-        """`text` with the API key replaced by ***: nothing the judge writes or raises carries it. A placeholder
+        """`text` with the API key, and the secrets of the base URL (`url_secrets`), replaced by ***: nothing the
+        judge writes or raises carries them, even where the server repeats them in an error. A placeholder
         key (`is_placeholder_key`: EMPTY, none, ollama) is no secret and is left, or every "none" of the judge's
         reasoning would read ***."""
-        key = self.api_key
-        if not (key and isinstance(key, str) and text) or is_placeholder_key(key):
+        if not text:
             return text
-        return text.replace(key, "***")
+        for secret in (self.api_key, *url_secrets(self.base_url)):
+            if secret and isinstance(secret, str) and not is_placeholder_key(secret):
+                text = text.replace(secret, "***")
+        return text
 
     def redacted(self, text: str | None, max_chars: int, single_line: bool = False, cut_mark: str = "") -> str | None:
         """`text` redacted, then (made one line, `descriptions.one_line`, when `single_line`) cut to `max_chars` with
@@ -195,6 +204,35 @@ class LLMJudgeConfig(dg.Config):
 # keys local servers take as "no key" (vLLM, Ollama, LM Studio, llama.cpp examples): no secret, and common words
 PLACEHOLDER_KEYS = frozenset({"empty", "none", "null", "ollama", "dummy", "lm-studio", "not-needed", "no-key",
                               "sk-no-key-required", "token", "key", "x"})  # fmt: skip
+
+
+# a query parameter of the base URL whose value is a secret (Azure's `api-key`, `?key=`, a signed URL's `sig`)
+_SECRET_PARAMETER = re.compile(r"key|token|secret|sig|pass|auth|credential", re.IGNORECASE)
+_SHORTEST_SECRET = 8  # (shorter values are words of any text: masking them would garble the judge's reasoning)
+
+
+@functools.lru_cache(maxsize=8)
+def url_secrets(base_url: str | None) -> tuple[str, ...]:
+    """What of the base URL may be a secret, as it is written and decoded: its user part's password (or its name,
+    when it has none: then the name is the token), the Basic credentials they are sent as, and the values of
+    query parameters named as keys, tokens or signatures; at least `_SHORTEST_SECRET` characters each."""
+    try:
+        parts = urlsplit(base_url) if isinstance(base_url, str) else None
+    except ValueError:
+        return ()
+    if parts is None:
+        return ()
+    found = [parts.password if parts.password is not None else parts.username]
+    if parts.username is not None:
+        basic = f"{unquote(parts.username)}:{unquote(parts.password or '')}"
+        found.append(base64.b64encode(basic.encode()).decode("ascii"))
+    for parameter in parts.query.split("&"):
+        name, _, value = parameter.partition("=")
+        if _SECRET_PARAMETER.search(unquote_plus(name)):
+            found.append(value)
+    every = {*found, *(unquote_plus(v) for v in found if v)}
+    # (longest first: a secret holding another is masked whole)
+    return tuple(sorted((v for v in every if v and len(v) >= _SHORTEST_SECRET), key=len, reverse=True))
 
 
 def is_placeholder_key(key: str) -> bool:

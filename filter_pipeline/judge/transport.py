@@ -2,8 +2,9 @@
 
 Speaks the OpenAI chat-completions protocol (`POST {base_url}/chat/completions`), which vLLM, SGLang,
 llama.cpp server, Ollama, LiteLLM and hosted APIs all serve. The client is aiohttp, whose pool keeps up with
-many requests in flight. Every request passes the rate controller (judge/rate.py). Transient faults (408, 409, 429, 5xx, transport errors, replies that are not
-a completion) are retried against the task's time budget, backing off without holding a slot. A refusal
+many requests in flight. Every request passes the rate controller (judge/rate.py). Transient faults (408, 409, 429, 5xx, transport errors)
+are retried against the task's time budget, backing off without holding a slot; a 2xx that is no completion is
+asked once more (`UNREADABLE_ANSWERS`). A refusal
 (`REFUSALS`, an unknown model, a 429 for a spent quota) stops the whole client: `EndpointRefused`. Proxies and CA bundles are
 taken from the environment as curl and the OpenAI SDK take them.
 """
@@ -19,7 +20,7 @@ import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 from urllib.parse import unquote, urlsplit, urlunsplit
 from urllib.request import getproxies, proxy_bypass
 
@@ -32,6 +33,9 @@ if TYPE_CHECKING:  # aiohttp itself is imported when a client opens: gate-judged
     from filter_pipeline.judge.config import LLMJudgeConfig
 
 SERVER_TEXT_MAX_CHARS = 300
+# A 2xx answer that is no chat completion (an HTML page, a stream the request did not ask for) may be billed: the
+# task asks once more, and after this many in a row ends unjudged rather than paying for one until its budget ends.
+UNREADABLE_ANSWERS = 2
 # Endpoint trouble is told to the run's log at most this often: seen while it lasts, without a line per retry.
 REPORT_EVERY_SECONDS = 60.0
 _UNKNOWN_MODEL = re.compile(
@@ -80,6 +84,7 @@ class _Fault:
     problem: str
     hint: float | None = None
     shared: bool = False  # the hint pauses the whole client (waited out in RateController.acquire)
+    unreadable: bool = False  # a 2xx that is no chat completion (UNREADABLE_ANSWERS)
 
 
 def ssl_context() -> ssl.SSLContext:
@@ -195,22 +200,31 @@ class Transport:
         that retrying cannot fix comes back as Rejected, as does a 5xx (but a gateway's, GATEWAY_STATUSES) to a
         body `rejects_5xx` names (a refusal raises EndpointRefused; a spent budget Unanswered). The body is made
         when the request gets its slot."""
-        tries, problem = 0, ""
+        tries, problem, unreadable = 0, "", 0
         while True:
             epoch = await self.rate.acquire(task)
             body = make_body()
             task.requests += 1
             tries += 1
-            answer = await self._post(body, task, problem)
+            answer = await self._post(body, task, problem, retry=tries > 1)
             outcome = self._outcome(answer, epoch, rejects_5xx(body))
             if not isinstance(outcome, _Fault):
                 return body, outcome
             problem = outcome.problem
+            unreadable = unreadable + 1 if outcome.unreadable else 0
+            if unreadable >= UNREADABLE_ANSWERS:
+                self.rate.failed(problem)
+                self._tell_trouble(problem, retrying=False)
+                why = f"{problem} ({unreadable} such answers in a row: not asked again, as each may be billed)"
+                self._give_up(task, why, spent=f"{unreadable} answers in a row")
             await self._back_off(outcome, task, tries)
 
-    async def _post(self, body: dict, task: TaskBudget, before: str) -> _Answer:
-        """One request, its slot released when it ends; `before` is the problem of the task's last request."""
-        timeout = max(min(self.config.timeout_seconds, task.deadline - time.monotonic()), 0.001)
+    async def _post(self, body: dict, task: TaskBudget, before: str, retry: bool) -> _Answer:
+        """One request, its slot released when it ends; `before` is the problem of the task's last request. A
+        retry ends by the task's budget; a first try has its whole timeout (the budget is for retrying)."""
+        timeout = self.config.timeout_seconds
+        if retry:
+            timeout = max(min(timeout, task.deadline - time.monotonic()), 0.001)
         start = time.perf_counter()
         try:
             async with self.session.post(
@@ -257,7 +271,8 @@ class Transport:
                 self.rate.succeeded()
                 self._tell_if_no_usage(completion[1])
                 return completion
-            return _Fault(f"HTTP {status} from the judge endpoint is not a chat completion: {self.server_text(text)}")
+            problem = f"HTTP {status} from the judge endpoint is not a chat completion: {self.server_text(text)}"
+            return _Fault(problem, unreadable=True)
         if self._refusal(status, text):
             refused = self._refused(status, text)
             self.rate.refuse(refused)
@@ -292,21 +307,24 @@ class Transport:
         base = min(c.backoff_max_seconds, c.backoff_initial_seconds * 2.0 ** min(tries - 1, 64))
         wait = fault.hint if fault.hint is not None else base / 2 + random.uniform(0, base / 2)
         if time.monotonic() + wait >= task.deadline:
-            was_down = self.rate.down
-            self.rate.gave_up(task)
-            if self.rate.down and not was_down:
-                self.report(
-                    f"the judge endpoint {self.public_url} gave no answer it could use for a whole task budget "
-                    f"({task.budget:g} s): tasks not yet asked end unjudged (asked again the next time "
-                    f"they are judged), but for one probe every {self.rate.probe_interval:g} s"
-                )
             spent = time.monotonic() - (task.started or time.monotonic())
-            raise Unanswered(
-                f"{fault.problem} (gave up after {task.requests} requests in {spent:.1f} s; "
-                f"task budget {task.budget:g} s)"
-            )
+            self._give_up(task, f"{fault.problem} (gave up after {task.requests} requests in {spent:.1f} s; "
+                                f"task budget {task.budget:g} s)")  # fmt: skip
         if not fault.shared:
             await asyncio.sleep(wait)
+
+    def _give_up(self, task: TaskBudget, why: str, spent: str = "") -> NoReturn:
+        """End `task` unanswered (`why`); if no request succeeded since it started, the endpoint is down
+        (`RateController.gave_up`), which is told once. `spent`: what the task spent, when not its whole budget."""
+        was_down = self.rate.down
+        self.rate.gave_up(task)
+        if self.rate.down and not was_down:
+            self.report(
+                f"the judge endpoint {self.public_url} gave no answer it could use for "
+                f"{spent or f'a whole task budget ({task.budget:g} s)'}: tasks not yet asked end unjudged (asked "
+                f"again the next time they are judged), but for one probe every {self.rate.probe_interval:g} s"
+            )
+        raise Unanswered(why)
 
     def _tell_if_no_usage(self, usage: Usage) -> None:
         if not usage.reported and not self._no_usage_told:

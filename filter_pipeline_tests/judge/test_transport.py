@@ -62,14 +62,34 @@ def test_transient_statuses_are_retried(status):
     assert (v.passed, v.status, v.requests, len(server.calls)) == (True, "judged", 3, 3)
 
 
-def test_garbage_bodies_are_retried_as_faults():
-    deep = "[" * 100_000 + "]" * 100_000  # nested deeper than json follows
-    no_choices = '{"id": "c", "object": "chat.completion"}'  # (JSON, but no completion: a `choices: []` is one)
-    garbage = [Reply(body="<html>502 Bad Gateway</html>"), Reply(body=no_choices), Reply(body="\xff\xfe"),
-               Reply(body=deep)]  # fmt: skip
-    with FakeOpenAI(sequence(*garbage, Reply(content=PASS))) as server:
+DEEP = "[" * 100_000 + "]" * 100_000  # nested deeper than json follows
+NO_CHOICES = '{"id": "c", "object": "chat.completion"}'  # (JSON, but no completion: a `choices: []` is one)
+STREAM = 'data: {"choices": [{"delta": {"content": "{}"}}]}\n\ndata: [DONE]\n\n'  # (a stream no one asked for)
+
+
+@pytest.mark.parametrize("body", ["<html>502 Bad Gateway</html>", NO_CHOICES, "\xff\xfe", DEEP, STREAM])
+def test_a_2xx_answer_that_is_no_completion_is_asked_once_more(body):
+    with FakeOpenAI(sequence(Reply(body=body), Reply(content=PASS))) as server:
         [v] = judge_prompts([prompt("a")], settings(server))
-    assert (v.passed, v.requests) == (True, 5)
+    assert (v.passed, v.requests) == (True, 2)
+
+
+def test_two_2xx_answers_in_a_row_that_are_no_completion_end_the_task_unjudged_as_each_may_be_billed():
+    told = []
+    with FakeOpenAI(lambda call, n: Reply(body=STREAM)) as server:
+
+        async def run(s):
+            async with JudgeClient(s, report=told.append) as client:
+                first = await client.judge(prompt("a"))
+                return first, await asyncio.gather(*(client.judge(prompt(str(i))) for i in range(5)))
+
+        first, later = asyncio.run(run(settings(server, task_budget_seconds=60)))
+    assert (first.status, first.requests) == ("error", 2), first
+    assert first.why.startswith("HTTP 200 from the judge endpoint is not a chat completion: data: ")
+    assert first.why.endswith("(2 such answers in a row: not asked again, as each may be billed)")
+    # the endpoint is taken for down: the tasks after it end unjudged, asking nothing (no probe is due yet)
+    assert [v.status for v in later] == ["error"] * 5 and len(server.calls) == 2
+    assert any("gave no answer it could use for 2 answers in a row" in line for line in told), told
 
 
 @pytest.mark.parametrize(
@@ -124,6 +144,12 @@ def test_a_body_cut_off_by_the_timeout_is_a_timeout_not_the_status_with_an_empty
         [v] = judge_prompts([prompt("a")], settings(server, timeout_seconds=0.3, task_budget_seconds=1.0))
     assert v.status == "error" and v.requests == len(server.calls) >= 2
     assert "timeout" in v.why and "HTTP 503" not in v.why and "(empty body)" not in v.why, v.why
+
+
+def test_a_first_request_has_its_whole_timeout_whatever_the_budget_for_retrying():
+    with FakeOpenAI(sequence(Reply(content=PASS, delay=1.0))) as server:  # slower than the budget, within the timeout
+        [v] = judge_prompts([prompt("a")], settings(server, timeout_seconds=5.0, task_budget_seconds=0.3))
+    assert (v.status, v.passed, v.requests) == ("judged", True, 1), v.why
 
 
 def test_a_request_cut_short_by_the_task_budget_reports_what_the_endpoint_said_before():
@@ -198,6 +224,27 @@ def test_a_query_of_the_base_url_never_reaches_a_verdict_through_an_error_naming
         [v] = judge_prompts([prompt("a")], settings(server, base_url=url, task_budget_seconds=0.3))
     assert v.status == "error" and "TooManyRedirects" in v.why, v.why
     assert "SECRETCODE" not in json.dumps(dataclasses.asdict(v)) and "/v1/chat/completions" in v.why
+
+
+def test_secrets_of_the_base_url_the_server_repeats_in_an_error_never_reach_a_verdict_or_a_line():
+    told: list[str] = []
+
+    def echo(call, n):  # (a server repeating what it was sent: the request line and the credentials)
+        said = f"bad request POST /v1/chat/completions?{call.query} with {call.headers.get('Authorization')}"
+        return Reply(status=500, body=error_body(said))
+
+    async def run(s):
+        async with JudgeClient(s, report=told.append) as client:
+            return await client.judge(prompt("a"))
+
+    with FakeOpenAI(echo) as server:
+        url = server.base_url.replace("http://", "http://judge:sk-user-part-secret@") + "?api-key=sk-query-secret"
+        verdict = asyncio.run(run(settings(server, base_url=url, task_budget_seconds=0.3)))
+    assert server.calls[0].headers["Authorization"].startswith("Basic ")  # (the user part, sent as Basic)
+    assert verdict.status == "error" and "?api-key=*** with Basic ***" in verdict.why, verdict.why
+    shown = json.dumps([dataclasses.asdict(verdict), told])
+    assert "sk-user-part-secret" not in shown and "sk-query-secret" not in shown
+    assert server.calls[0].headers["Authorization"].split()[1] not in shown
 
 
 def test_urls_in_an_error_text_are_shown_without_query_whatever_their_case_or_brackets():
