@@ -2,6 +2,7 @@
 of a completion, and the retry hints of a refused request. Pure functions, no IO.
 """
 
+import bisect
 import json
 import math
 import re
@@ -21,11 +22,14 @@ _NAME = r"(?:[\w-]+:)?(?:think|thinking|reasoning)"
 _CLOSED_BLOCK = re.compile(rf"<({_NAME})\b[^>]*>.*?</\1\s*>|\[(THINK)\].*?\[/\2\]", re.DOTALL | re.IGNORECASE)
 _CLOSE_TAG = re.compile(rf"</{_NAME}\s*>|\[/THINK\]", re.IGNORECASE)
 _OPEN_TAG = re.compile(rf"<{_NAME}\b[^>]*>|\[THINK\]", re.IGNORECASE)
-# A brace of prose (`/cart/{id}`, `\\boxed{0}`, `{{name}}`) follows a letter, a digit, a slash, a backslash, a
-# brace or a dollar and holds no colon, quote or line break before its own `}` (braces of prose nested once
-# are part of it); any other `{` that does not decode is a broken object.
+# A brace of prose (`/cart/{id}`, `\\boxed{0}`) follows a letter, a digit, a slash, a backslash, a brace or a
+# dollar and holds no colon, quote or line break before its own `}` (braces of prose nested once are part of
+# it); a template's `{{name}}`, which no JSON object starts with, is one anywhere. Any other `{` that does not
+# decode is a broken object.
 _PROSE_CHAR = r"[^{}:\"'\n\u201c\u201e\u300c\u00ab]"
-_PROSE_BRACE = re.compile(rf"(?<=[\w/\\{{$])\{{(?:{_PROSE_CHAR}|\{{{_PROSE_CHAR}*\}}){{0,80}}\}}")
+_PROSE_BRACE = re.compile(
+    rf"(?<=[\w/\\{{$])\{{(?:{_PROSE_CHAR}|\{{{_PROSE_CHAR}*\}}){{0,80}}\}}|\{{\{{{_PROSE_CHAR}{{0,80}}\}}\}}"
+)
 
 
 @dataclass(frozen=True)
@@ -76,7 +80,10 @@ def _without_blocks(text: str) -> str:
 
 def _is_tag(at: int, objects: list[tuple[dict, int, int]], broken: int | None) -> bool:
     """Whether a tag at `at` is one: not inside a JSON object, nor after a `{` that starts a broken one."""
-    return (broken is None or at < broken) and not any(start < at < end for _, start, end in objects)
+    if broken is not None and at >= broken:
+        return False
+    before = bisect.bisect_left(objects, at, key=lambda o: o[1])  # (objects in order: the last starting before it)
+    return before == 0 or not at < objects[before - 1][2]
 
 
 def parse_reply(text: str | None, cut_off: bool = False) -> Verdict | None:
@@ -117,29 +124,32 @@ def _listed(text: str, start: int, end: int) -> bool:
 
 
 def _objects(text: str, stop_at_broken: bool = True) -> tuple[list[tuple[dict, int, int]], int | None]:
-    """(the reply's top-level JSON objects, in order, as (it, where it starts, where it ends); where the first
-    `{` that does not decode and is no brace of prose is, or of an object the reply ends inside; else None). A
-    brace of prose (`_PROSE_BRACE`: `/cart/{id}`) is skipped; the objects nested in an object are its own.
-    With `stop_at_broken`, the search ends at the broken object: what follows may be nested in it."""
+    """(the reply's top-level JSON objects before the first broken one, in order, as (it, where it starts, where
+    it ends); where the first `{` that does not decode and is no brace of prose is (what follows may be nested
+    in it), or, with `stop_at_broken`, of an object the reply ends inside; else None). A brace of prose
+    (`_PROSE_BRACE`: `/cart/{id}`) is skipped; the objects nested in an object are its own. Each `{` is decoded
+    at most once and the search ends at the broken one: a long reply costs time in proportion to its length."""
     decoder = json.JSONDecoder()
-    found, broken = [], None
+    found = []
     i = text.find("{")
     while i != -1:
+        prose = _PROSE_BRACE.match(text, i)
+        if prose is not None and text[i + 1 : prose.end() - 1].strip():
+            # (no key in it: it never decodes, nor runs to the end; an empty `{ }` is an object)
+            i = text.find("{", i + 1)
+            continue
         try:
             value, end = decoder.raw_decode(text, i)
         except (ValueError, RecursionError) as exc:  # (not JSON there, an integer too long, nesting too deep)
             unfinished = isinstance(exc, json.JSONDecodeError) and _runs_to_the_end(text, exc)
-            prose = _PROSE_BRACE.match(text, i) is not None
-            if not prose and broken is None:
-                broken = i
-            if (unfinished or not prose) and stop_at_broken:
+            if prose is None or (unfinished and stop_at_broken):
                 return found, i
             i = text.find("{", i + 1)
             continue
         if isinstance(value, dict):
             found.append((value, i, end))
         i = text.find("{", end)
-    return found, broken
+    return found, None
 
 
 def _held_verdict(value: dict) -> dict | None:

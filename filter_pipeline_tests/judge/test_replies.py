@@ -102,6 +102,8 @@ from filter_pipeline.judge.replies import (
         ('{"passed": false, "why": "n"} and { a set } after it', None),
         # a brace of prose (after a letter, a slash, a backslash, a dot...) is no object: skipped
         ('see /cart/{id}, then {"passed": false, "why": "n"}', Verdict(False, "n")),
+        ('The template {{name}} was filled. {"passed": true, "why": "y"}', Verdict(True, "y")),  # (anywhere)
+        ('The template {{ "name": 1 }} {"passed": true, "why": "y"}', None),  # (a quote and a colon: broken)
         ('{"passed": false, "why": "n"} .badge{display:none}', None),  # a key after the brace: an object starts
         # a broken verdict after a prose character: still an object (a key follows), never its nested criterion
         ('verdict={"passed": false, "why": "no", "criteria": [{"name": "a", "passed": true}],}', None),
