@@ -59,11 +59,32 @@ def inside_run(run_id: str, dir_: str | None) -> bool:
     return all(part not in ("", ".", "..") for part in dir_.split("/"))
 
 
+# What a page shows of one trajectory, its head: a harness can write one of gigabytes, which no browser opens.
+STEPS_SHOWN = 1_000
+CHARS_SHOWN = 200_000  # of the page text, the agent's output, and each step as the page writes it
+
+
+def _head(text):
+    """`text` (a string; anything else as it is) cut to `CHARS_SHOWN`, saying how many more there were."""
+    if not isinstance(text, str) or len(text) <= CHARS_SHOWN:
+        return text
+    return f"{text[:CHARS_SHOWN]}… ({len(text) - CHARS_SHOWN:,} more characters not shown)"
+
+
+def _step_shown(step):
+    """A step as the page shows it: an object whose JSON text is too long for a page becomes that text's head."""
+    if isinstance(step, str):
+        return _head(step)
+    text = json.dumps(step, ensure_ascii=False)
+    return step if len(text) <= CHARS_SHOWN else _head(text)
+
+
 def trajectory(root: UPath, dir_: str | None) -> dict:
     """The attempt's trajectory.json (instruction, steps, final url and page text, the agent's output), read as
     the judge reads it (`prompt.read_trajectory`, `prompt.agent_output`: from anywhere inside the data root, as
     a batch's dirs may lie), and its screenshots' names, those the judge takes its first and last from;
-    `problem` says what could not be read, in the words of the judge's evidence."""
+    `problem` says what could not be read, in the words of the judge's evidence. Its first `STEPS_SHOWN` steps
+    are shown (`steps_not_shown` counts the others) and its texts to `CHARS_SHOWN` characters each."""
     if not readable_dir(dir_):
         return {"problem": TRAJECTORY_OUTSIDE_ROOT, "steps": [], "screenshots": []}
     found: dict = {"steps": [], "screenshots": []}
@@ -77,8 +98,10 @@ def trajectory(root: UPath, dir_: str | None) -> dict:
     record = _as_text(record)
     final = record.get("final") if isinstance(record.get("final"), dict) else {}
     steps = record.get("steps") if isinstance(record.get("steps"), list) else []
-    return {**found, "instruction": record.get("instruction"), "steps": steps, "final_url": final.get("url"),
-            "page_text": final.get("observation"), "output": agent_output(record, final)}  # fmt: skip
+    return {**found, "instruction": _head(record.get("instruction")),
+            "steps": [_step_shown(step) for step in steps[:STEPS_SHOWN]],
+            "steps_not_shown": max(0, len(steps) - STEPS_SHOWN), "final_url": _head(final.get("url")),
+            "page_text": _head(final.get("observation")), "output": _head(agent_output(record, final))}  # fmt: skip
 
 
 def _as_text(value):

@@ -62,6 +62,33 @@ def test_a_trajectory_with_an_integer_too_long_for_python_is_shown_with_its_digi
     assert "problem" not in shown and shown["steps"] == [{"action": "scroll", "by": digits}]
 
 
+def test_a_trajectory_too_large_for_a_page_shows_its_head_and_counts_the_rest(warehouse, tmp_path, monkeypatch):
+    from filter_pipeline.review import story as stories
+    from filter_pipeline.review.app import Review
+
+    monkeypatch.setattr(stories, "STEPS_SHOWN", 3)
+    monkeypatch.setattr(stories, "CHARS_SHOWN", 50)
+    folder = tmp_path / "runs" / "r1" / "traj" / "k" / "1"
+    folder.mkdir(parents=True)
+    steps = [{"action": "click", "n": i} for i in range(10)]
+    steps[1] = {"action": "type", "text": "x" * 80}  # one step too long to show whole
+    record = {"steps": steps, "final": {"url": "u", "observation": "p" * 120}, "output": "short"}
+    (folder / "trajectory.json").write_text(json.dumps(record))
+    found = story(warehouse, "r1", "k")
+    shown = found["trajectory"]
+    assert shown["steps"][0] == steps[0] and shown["steps"][2] == steps[2] and len(shown["steps"]) == 3
+    assert (
+        shown["steps"][1]
+        == json.dumps(steps[1])[:50] + f"… ({len(json.dumps(steps[1])) - 50} more characters not shown)"
+    )
+    assert shown["steps_not_shown"] == 7 and shown["output"] == "short"
+    assert shown["page_text"] == "p" * 50 + "… (70 more characters not shown)"
+    html = (
+        Review(warehouse.root).html("task.html", s=found, near={"prev": None, "next": None}, blind=False).body.decode()
+    )
+    assert "7 more steps in trajectory.json, not shown" in html and "p" * 51 not in html
+
+
 def test_the_task_page_shows_the_parts_escaped_and_hides_them_when_blind(warehouse):
     from filter_pipeline.review.app import Review
 
