@@ -29,9 +29,20 @@ def root_problem(root: UPath, data: str | None) -> str | None:
         return f"{named(data)}: cannot be read ({error_line(exc)})"
     if not exists:
         return f"{named(data)}: no such folder (point --data or {DATA_ENV} at the folder that holds {RUNS_DIR}/)"
+    if not has_runs and not _is_dir(root):
+        return (
+            f"{named(data)}: is a file, not a folder (point --data or {DATA_ENV} at the folder that holds {RUNS_DIR}/)"
+        )
     if not has_runs:
         return f"{named(data)}: has no {RUNS_DIR}/ folder, so it holds no execution batch ({RUNS_DIR}/<run_id>/); is it the data root?"
     return None
+
+
+def _is_dir(root: UPath) -> bool:
+    try:
+        return root.is_dir()
+    except Exception:  # (a store that answered exists() but not this: said as no runs/ folder)
+        return True
 
 
 def existing_root(data: str | None) -> UPath | None:

@@ -81,7 +81,15 @@ def print_coverage(data: DataRoot) -> None:
 
 
 def print_calibration(data: DataRoot) -> None:
-    """One line per judge calibration predictor (overall), precision and its interval first."""
+    """One line per judge calibration predictor (overall), precision and its interval first; one line saying so
+    when labels.jsonl is there but no label of it counts."""
     calibration = read_parquet(data.warehouse / "judge_calibration.parquet")
-    for row in calibration[calibration["site"] == calibration_rules.ALL_SITES].to_dict("records"):
+    overall = calibration[calibration["site"] == calibration_rules.ALL_SITES].to_dict("records")
+    for row in overall:
         print(f"judge_calibration: {calibration_rules.who(row)}: {calibration_rules.summary(row)}", flush=True)
+    if not overall and (data.root / calibration_rules.LABELS_FILE).exists():
+        print(
+            f"judge_calibration: no label of {calibration_rules.LABELS_FILE} counts yet (unreadable, or no success "
+            "or failure label of a judged attempt in it; the step's warnings name the lines it could not use)",
+            flush=True,
+        )

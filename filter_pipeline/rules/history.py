@@ -137,10 +137,16 @@ def parse_legacy(data: bytes, run_id: str) -> tuple[pa.Table, str]:
     for number, line in jsonl_lines(data):
         try:
             record = json.loads(line)
+            if not isinstance(record, dict):
+                raise TypeError("not a JSON object")
             key = legacy_key_text(record["dedup_key"])
             rows.append({"dedup_key": _text(key, "dedup_key"), **{f: _text(record[f], f) for f in _LEGACY_TEXTS}})
         # (ValueError: not JSON, or an integer too long for int; RecursionError: nested deeper than json follows)
-        except (ValueError, KeyError, TypeError, RecursionError) as exc:
+        except KeyError as exc:
+            raise HistoryError(
+                f"runs/{run_id}/{LEGACY_KEPT_FILE}:{number}: not a kept row (missing field {exc.args[0]!r})"
+            ) from None
+        except (ValueError, TypeError, RecursionError) as exc:
             raise HistoryError(f"runs/{run_id}/{LEGACY_KEPT_FILE}:{number}: not a kept row ({exc})") from None
     return _with_hashes(pa.Table.from_pylist(rows, schema=_STRINGS)), hashlib.sha256(data).hexdigest()
 

@@ -104,9 +104,9 @@ def not_complete(run_dir: UPath) -> str | None:
     complete (its SUCCESS_FILE is there)."""
     if (run_dir / SUCCESS_FILE).exists():
         return None
-    if run_dir.exists():
+    if run_dir.is_dir():
         return f"has no {SUCCESS_FILE}: still being written (the harness writes it last)"
-    return "does not exist"
+    return "is a file, not a batch folder" if run_dir.exists() else "does not exist"
 
 
 def read_batch(run_dir: UPath, run_id: str) -> Batch:

@@ -235,6 +235,7 @@ def test_materialize_naming_no_run_refreshes_judge_calibration_when_labels_chang
     first = cli()
     assert first.returncode == 0, first.stderr
     assert "labels.jsonl changed" not in first.stdout
+    assert first.stdout.splitlines()[-1].startswith("coverage: ")  # (no labels.jsonl: no calibration to speak of)
     (data_root / "labels.jsonl").write_text(
         '{"run_id": "r1", "task_id": "a", "success": true}\n{"run_id": "r1", "task_id": "b", "success": false}\n'
     )
@@ -254,6 +255,19 @@ def test_materialize_naming_no_run_refreshes_judge_calibration_when_labels_chang
     assert "judge_calibration has no record of the labels.jsonl it was built from on this instance: building it" in (
         built.stdout
     )
+
+
+@pytest.mark.slow
+def test_labels_of_which_none_counts_are_said_so_in_the_summary(cli, data_root):
+    write_batch(data_root, "r1", [task("a")], [attempt("a")])
+    (data_root / "labels.jsonl").write_text('{"run_id": "r9", "task_id": "a", "success": true}\n')  # (no such run)
+    done = cli()
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == (
+        "judge_calibration: no label of labels.jsonl counts yet (unreadable, or no success or failure label of a "
+        "judged attempt in it; the step's warnings name the lines it could not use)"
+    )
+    assert "labels.jsonl:1: names no attempt of a parsed batch (run_id 'r9', task_id 'a')" in done.stderr
 
 
 @pytest.mark.slow

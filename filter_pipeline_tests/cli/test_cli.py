@@ -80,6 +80,7 @@ def test_the_default_data_root_is_the_folder_data_where_it_runs(cli_env, tmp_pat
     [
         (["nope"], "batch runs/nope does not exist"),
         (["partial"], "batch runs/partial has no _SUCCESS: still being written (the harness writes it last)"),
+        (["notes.txt"], "batch runs/notes.txt is a file, not a batch folder"),
         (["../etc"], "is not a plain folder name"),
         (["--per-site-cap", "-1"], "per_site_cap: must be 0 or more"),
         (["--caps", "/no/such/caps.yaml"], "caps file /no/such/caps.yaml"),
@@ -88,6 +89,7 @@ def test_the_default_data_root_is_the_folder_data_where_it_runs(cli_env, tmp_pat
 def test_bad_arguments_fail_with_one_line(cli, data_root, args, message):
     write_batch(data_root, "b1", [task("y")], [attempt("y")])
     write_batch(data_root, "partial", [task("z")], [attempt("z")], complete=False)
+    (data_root / "runs" / "notes.txt").write_text("what the harness writes beside its batches")
     done = cli(*args)
     assert done.returncode == 2
     assert message in done.stderr

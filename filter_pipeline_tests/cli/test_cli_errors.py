@@ -143,6 +143,10 @@ def test_a_data_root_that_does_not_exist_or_has_no_runs_folder_is_one_line(env, 
     assert refused(capsys, "--data", str(tmp_path / "empty")) == (
         f"filter-pipeline: --data {tmp_path / 'empty'}: has no runs/ folder, so it holds no execution batch (runs/<run_id>/); is it the data root?"
     )
+    (tmp_path / "notes.txt").write_text("not a data root")
+    assert refused(capsys, "--data", str(tmp_path / "notes.txt")) == (
+        f"filter-pipeline: --data {tmp_path / 'notes.txt'}: is a file, not a folder (point --data or FILTER_PIPELINE_DATA at the folder that holds runs/)"
+    )
     assert _no_partitions(dagster_home)
 
 

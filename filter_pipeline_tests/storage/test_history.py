@@ -162,6 +162,19 @@ def test_bad_legacy_row_names_file_and_line(tmp_path, line):
         index(tmp_path)
 
 
+@pytest.mark.parametrize(
+    "line, why",
+    [('{"task_id": "b", "macro": "m", "site": "s"}', "missing field 'dedup_key'"), ('["b", "m"]', "not a JSON object"),
+     ('{"task_id": "b", "macro": "m", "site": 3, "dedup_key": ["k"]}', "site is not a string")],
+)  # fmt: skip
+def test_a_bad_legacy_row_says_what_is_wrong_with_it(tmp_path, line, why):
+    write_legacy_kept(tmp_path, "old", ("a", ["k", 1], "m", "s"))
+    with open(tmp_path / "runs" / "old" / "kept.jsonl", "a") as f:
+        f.write(line + "\n")
+    with pytest.raises(HistoryError, match=rf"^runs/old/kept.jsonl:2: not a kept row \({why}\)$"):
+        index(tmp_path)
+
+
 def test_no_retired_json_retires_nothing(tmp_path):
     assert load_retired(UPath(tmp_path)) == Retired()
 
