@@ -185,8 +185,9 @@ class LLMJudgeConfig(dg.Config):
         reasoning would read ***."""
         if not text:
             return text
-        for secret in (self.api_key, *url_secrets(self.base_url)):
-            if secret and isinstance(secret, str) and not is_placeholder_key(secret):
+        secrets = [self.api_key] if isinstance(self.api_key, str) and not is_placeholder_key(self.api_key) else []
+        for secret in sorted({*secrets, *url_secrets(self.base_url)}, key=len, reverse=True):  # (longest first)
+            if secret:
                 text = text.replace(secret, "***")
         return text
 
@@ -206,33 +207,40 @@ PLACEHOLDER_KEYS = frozenset({"empty", "none", "null", "ollama", "dummy", "lm-st
                               "sk-no-key-required", "token", "key", "x"})  # fmt: skip
 
 
-# a query parameter of the base URL whose value is a secret (Azure's `api-key`, `?key=`, a signed URL's `sig`)
-_SECRET_PARAMETER = re.compile(r"key|token|secret|sig|pass|auth|credential", re.IGNORECASE)
+# the words that name a query parameter of the base URL whose value is a secret (Azure's `api-key`, `?key=`,
+# `access_token`, a signed URL's `sig` or `X-Amz-Signature`), matched as whole words of the parameter's name
+_SECRET_WORDS = frozenset({"key", "apikey", "token", "secret", "sig", "signature", "password", "passwd", "pwd",
+                           "auth", "credential", "credentials", "code"})  # fmt: skip
 _SHORTEST_SECRET = 8  # (shorter values are words of any text: masking them would garble the judge's reasoning)
 
 
 @functools.lru_cache(maxsize=8)
 def url_secrets(base_url: str | None) -> tuple[str, ...]:
-    """What of the base URL may be a secret, as it is written and decoded: its user part's password (or its name,
-    when it has none: then the name is the token), the Basic credentials they are sent as, and the values of
-    query parameters named as keys, tokens or signatures; at least `_SHORTEST_SECRET` characters each."""
+    """What of the base URL may be a secret, in each form a server may repeat it (as written, decoded, as the
+    client sends it): its user part's password (or its name, when it has none: then the name is the token), the
+    Basic credentials they are sent as, and the values of query parameters named as keys, tokens or
+    signatures; `_SHORTEST_SECRET` characters or more each."""
+    from yarl import URL  # (aiohttp's URL type: the forms it sends)
+
     try:
-        parts = urlsplit(base_url) if isinstance(base_url, str) else None
-    except ValueError:
+        sent = URL(base_url) if isinstance(base_url, str) else None
+    except (ValueError, TypeError):
         return ()
-    if parts is None:
+    if sent is None:
         return ()
-    found = [parts.password if parts.password is not None else parts.username]
-    if parts.username is not None:
-        basic = f"{unquote(parts.username)}:{unquote(parts.password or '')}"
-        found.append(base64.b64encode(basic.encode()).decode("ascii"))
-    for parameter in parts.query.split("&"):
-        name, _, value = parameter.partition("=")
-        if _SECRET_PARAMETER.search(unquote_plus(name)):
-            found.append(value)
-    every = {*found, *(unquote_plus(v) for v in found if v)}
+    found = [sent.password if sent.password is not None else sent.user, sent.raw_password, sent.raw_user]
+    if sent.user is not None:
+        try:  # (aiohttp encodes a URL's user part as latin-1)
+            found.append(base64.b64encode(f"{sent.user}:{sent.password or ''}".encode("latin-1")).decode("ascii"))
+        except UnicodeEncodeError:
+            pass
+    for query in (urlsplit(base_url).query, sent.raw_query_string):
+        for parameter in query.split("&"):
+            name, _, value = parameter.partition("=")
+            if _SECRET_WORDS & set(re.split(r"[^a-z0-9]+", unquote_plus(name).lower())):
+                found += [value, unquote_plus(value), unquote(value)]
     # (longest first: a secret holding another is masked whole)
-    return tuple(sorted((v for v in every if v and len(v) >= _SHORTEST_SECRET), key=len, reverse=True))
+    return tuple(sorted({v for v in found if v and len(v) >= _SHORTEST_SECRET}, key=len, reverse=True))
 
 
 def is_placeholder_key(key: str) -> bool:

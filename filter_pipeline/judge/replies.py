@@ -60,7 +60,7 @@ def strip_reasoning(text: str) -> str:
     object's string, or after a `{` that does not decode and is no brace of prose (the tag may be in the
     broken object's string), is text, not a tag."""
     text = _without_blocks(text)
-    objects, broken = _objects(text, stop_at_broken=False)
+    objects, broken = _objects(text)
     closes = [m for m in _CLOSE_TAG.finditer(text) if _is_tag(m.start(), objects, broken)]
     if closes:
         text = text[closes[-1].end() :]
@@ -70,7 +70,7 @@ def strip_reasoning(text: str) -> str:
 
 
 def _without_blocks(text: str) -> str:
-    objects, broken = _objects(text, stop_at_broken=False)
+    objects, broken = _objects(text)
 
     def removed(m: re.Match) -> str:  # (both tags must be tags: a closing one in a JSON string is text)
         return "" if _is_tag(m.start(), objects, broken) and _is_tag(m.end() - 1, objects, broken) else m.group(0)
@@ -123,33 +123,32 @@ def _listed(text: str, start: int, end: int) -> bool:
     return before.endswith(("[", ",")) and after.startswith(("]", ","))
 
 
-def _objects(text: str, stop_at_broken: bool = True) -> tuple[list[tuple[dict, int, int]], int | None]:
+def _objects(text: str) -> tuple[list[tuple[dict, int, int]], int | None]:
     """(the reply's top-level JSON objects before the first broken one, in order, as (it, where it starts, where
-    it ends); where the first `{` that does not decode and is no brace of prose is (what follows may be nested
-    in it), or, with `stop_at_broken`, of an object the reply ends inside; else None). A brace of prose
-    (`_PROSE_BRACE`: `/cart/{id}`) is skipped; the objects nested in an object are its own. Each `{` is decoded
-    at most once and the search ends at the broken one: a long reply costs time in proportion to its length."""
+    it ends); where the first `{` that does not decode and is no brace of prose is, an object the reply ends
+    inside included (what follows may be nested in it); else None). A brace of prose (`_PROSE_BRACE`:
+    `/cart/{id}`) is skipped; the objects nested in an object are its own. Each `{` is decoded at most once and
+    the search ends at the broken one: a long reply costs time in proportion to its length."""
     decoder = json.JSONDecoder()
     found = []
     i = text.find("{")
     while i != -1:
         prose = _PROSE_BRACE.match(text, i)
-        if prose is not None and text[i + 1 : prose.end() - 1].strip():
-            # (no key in it: it never decodes, nor runs to the end; an empty `{ }` is an object)
+        if prose is not None and text[i + 1 : prose.end() - 1].strip(_JSON_WHITESPACE):
+            # (no key in it: it never decodes; one holding JSON's whitespace alone, `{ }`, is an empty object)
             i = text.find("{", i + 1)
             continue
         try:
             value, end = decoder.raw_decode(text, i)
-        except (ValueError, RecursionError) as exc:  # (not JSON there, an integer too long, nesting too deep)
-            unfinished = isinstance(exc, json.JSONDecodeError) and _runs_to_the_end(text, exc)
-            if prose is None or (unfinished and stop_at_broken):
-                return found, i
-            i = text.find("{", i + 1)
-            continue
+        except (ValueError, RecursionError):  # (not JSON there, an integer too long, nesting too deep, cut off)
+            return found, i
         if isinstance(value, dict):
             found.append((value, i, end))
         i = text.find("{", end)
     return found, None
+
+
+_JSON_WHITESPACE = " \t\n\r"
 
 
 def _held_verdict(value: dict) -> dict | None:
@@ -161,25 +160,9 @@ def _held_verdict(value: dict) -> dict | None:
     return value if isinstance(value.get("passed"), bool) else None
 
 
-def _runs_to_the_end(text: str, error: json.JSONDecodeError) -> bool:
-    """Whether the JSON that failed to decode is valid up to the end of `text` (unfinished, not malformed): its
-    last string never closes, or what follows where the decoder stopped is, but for whitespace, the start of
-    the value the reply ended in (`fal`, `-`, `1e`, `\\u00`) or nothing."""
-    rest = text[error.pos :].rstrip()
-    return (
-        error.msg.startswith("Unterminated string")
-        or any(literal.startswith(rest) for literal in _LITERALS)
-        or bool(_CUT_TAIL.fullmatch(rest))
-    )
-
-
 # What may follow a reply's last object once it is whole: closing marks (a fence, brackets, a tag such as
 # `</answer>`), not more of its writing.
 _CLOSING = re.compile(r"(?:\s|`|\]|\}|</[A-Za-z][\w.-]*>)*")
-_LITERALS = ("true", "false", "null", "NaN", "Infinity", "-Infinity")  # (Python's json reads the last three too)
-# A number's tail (`1.`, `1e+`) and a \u escape's digits, where the decoder stops when the reply ends in them (at a
-# whole escape too: it looks past one for a surrogate's pair).
-_CUT_TAIL = re.compile(r"[.eE][-+]?|u[0-9a-fA-F]{0,4}")
 
 
 def read_parts(value: dict, before: str = "") -> Parts:

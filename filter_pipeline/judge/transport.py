@@ -34,7 +34,8 @@ if TYPE_CHECKING:  # aiohttp itself is imported when a client opens: gate-judged
 
 SERVER_TEXT_MAX_CHARS = 300
 # A 2xx answer that is no chat completion (an HTML page, a stream the request did not ask for) may be billed: the
-# task asks once more, and after this many in a row ends unjudged rather than paying for one until its budget ends.
+# task asks once more, and after this many in a row ends unjudged rather than paying for one until its budget ends
+# (a completion whose choice says `finish_reason` `error` is a gateway's fault passed on: retried as any fault).
 UNREADABLE_ANSWERS = 2
 # Endpoint trouble is told to the run's log at most this often: seen while it lasts, without a line per retry.
 REPORT_EVERY_SECONDS = 60.0
@@ -100,6 +101,13 @@ def ssl_context() -> ssl.SSLContext:
                 f"SSL_CERT_FILE={bundle}: not a readable CA bundle ({exc.__class__.__name__})"
             ) from None
     return context
+
+
+def _passes_on_a_fault(payload) -> bool:
+    """Whether a 2xx body is a chat completion whose choice says the request failed (`finish_reason` `error`: a
+    gateway passing on its upstream's fault), retried as any transient fault."""
+    choices = payload.get("choices") if isinstance(payload, dict) else None
+    return isinstance(choices, list) and any(isinstance(c, dict) and c.get("finish_reason") == "error" for c in choices)
 
 
 def public_url(url: str) -> str:
@@ -212,11 +220,12 @@ class Transport:
                 return body, outcome
             problem = outcome.problem
             unreadable = unreadable + 1 if outcome.unreadable else 0
-            if unreadable >= UNREADABLE_ANSWERS:
+            if unreadable >= UNREADABLE_ANSWERS:  # (the task's alone: the endpoint is not taken for down)
                 self.rate.failed(problem)
                 self._tell_trouble(problem, retrying=False)
-                why = f"{problem} ({unreadable} such answers in a row: not asked again, as each may be billed)"
-                self._give_up(task, why, spent=f"{unreadable} answers in a row")
+                raise Unanswered(
+                    f"{problem} ({unreadable} such answers in a row: not asked again, as each may be billed)"
+                )
             await self._back_off(outcome, task, tries)
 
     async def _post(self, body: dict, task: TaskBudget, before: str, retry: bool) -> _Answer:
@@ -264,15 +273,16 @@ class Transport:
             return _Fault(answer.problem)
         if 200 <= status < 300:
             try:
-                completion = read_completion(json.loads(text))
+                payload = json.loads(text)
             except (ValueError, RecursionError):  # not JSON, or nested deeper than json follows
-                completion = None
+                payload = None
+            completion = read_completion(payload)
             if completion is not None:
                 self.rate.succeeded()
                 self._tell_if_no_usage(completion[1])
                 return completion
             problem = f"HTTP {status} from the judge endpoint is not a chat completion: {self.server_text(text)}"
-            return _Fault(problem, unreadable=True)
+            return _Fault(problem, unreadable=not _passes_on_a_fault(payload))
         if self._refusal(status, text):
             refused = self._refused(status, text)
             self.rate.refuse(refused)
@@ -313,16 +323,16 @@ class Transport:
         if not fault.shared:
             await asyncio.sleep(wait)
 
-    def _give_up(self, task: TaskBudget, why: str, spent: str = "") -> NoReturn:
-        """End `task` unanswered (`why`); if no request succeeded since it started, the endpoint is down
-        (`RateController.gave_up`), which is told once. `spent`: what the task spent, when not its whole budget."""
+    def _give_up(self, task: TaskBudget, why: str) -> NoReturn:
+        """End `task`, its budget spent, unanswered (`why`); if no request succeeded since it started, the endpoint
+        is down (`RateController.gave_up`), which is told once."""
         was_down = self.rate.down
         self.rate.gave_up(task)
         if self.rate.down and not was_down:
             self.report(
-                f"the judge endpoint {self.public_url} gave no answer it could use for "
-                f"{spent or f'a whole task budget ({task.budget:g} s)'}: tasks not yet asked end unjudged (asked "
-                f"again the next time they are judged), but for one probe every {self.rate.probe_interval:g} s"
+                f"the judge endpoint {self.public_url} gave no answer it could use for a whole task budget "
+                f"({task.budget:g} s): tasks not yet asked end unjudged (asked again the next time they are "
+                f"judged), but for one probe every {self.rate.probe_interval:g} s"
             )
         raise Unanswered(why)
 

@@ -461,3 +461,24 @@ def test_a_short_key_that_is_no_placeholder_is_masked_like_any_other():
     with FakeOpenAI(lambda call, n: Reply(content=content)) as server:
         [v] = judge_prompts([prompt("a")], settings(server, api_key="letmein"))
     assert v.reasoning == "the key *** was echoed" and "letmein" not in v.raw_replies
+
+
+@pytest.mark.parametrize(
+    "base_url, said, shown",
+    [
+        # a signed query as written (lowercase escapes) and as the client sends it (uppercase, `/` decoded)
+        ("http://h/v1?sig=abc%2bdef%2fghi%3d", "GET /v1?sig=abc%2Bdef/ghi%3D failed", "GET /v1?sig=*** failed"),
+        ("http://u:p%2Bss+w0rd%21@h/v1", "password p+ss+w0rd! refused", "password *** refused"),  # (`+` is no space)
+        ("http://u:p%C3%A4sswort1@h/v1", "Authorization: Basic dTpw5HNzd29ydDE=", "Authorization: Basic ***"),
+        # parameters not named as secrets, and words that only hold such a name, stay
+        ("http://h/v1?design=abcdefghij&author=someone-long", "design abcdefghij by someone-long", None),
+        ("http://h/v1?api-version=2024-10-21", "as of 2024-10-21", None),
+    ],
+)
+def test_the_base_urls_secrets_are_masked_in_every_form_a_server_repeats_and_nothing_else(base_url, said, shown):
+    assert LLMJudgeConfig(base_url=base_url, model="m").redact(said) == (shown or said)
+
+
+def test_the_longest_secret_is_masked_first_whichever_setting_holds_it():
+    config = LLMJudgeConfig(base_url="http://h/v1?api-key=sk-abcdef12345-extra", model="m", api_key="sk-abcdef12345")
+    assert config.redact("sent sk-abcdef12345-extra and sk-abcdef12345") == "sent *** and ***"

@@ -80,16 +80,20 @@ def test_two_2xx_answers_in_a_row_that_are_no_completion_end_the_task_unjudged_a
 
         async def run(s):
             async with JudgeClient(s, report=told.append) as client:
-                first = await client.judge(prompt("a"))
-                return first, await asyncio.gather(*(client.judge(prompt(str(i))) for i in range(5)))
+                return await asyncio.gather(*(client.judge(prompt(str(i))) for i in range(5)))
 
-        first, later = asyncio.run(run(settings(server, task_budget_seconds=60)))
-    assert (first.status, first.requests) == ("error", 2), first
-    assert first.why.startswith("HTTP 200 from the judge endpoint is not a chat completion: data: ")
-    assert first.why.endswith("(2 such answers in a row: not asked again, as each may be billed)")
-    # the endpoint is taken for down: the tasks after it end unjudged, asking nothing (no probe is due yet)
-    assert [v.status for v in later] == ["error"] * 5 and len(server.calls) == 2
-    assert any("gave no answer it could use for 2 answers in a row" in line for line in told), told
+        verdicts = asyncio.run(run(settings(server, task_budget_seconds=60)))
+    assert [(v.status, v.requests) for v in verdicts] == [("error", 2)] * 5 and len(server.calls) == 10
+    assert all(v.why.startswith("HTTP 200 from the judge endpoint is not a chat completion: data: ") for v in verdicts)
+    assert verdicts[0].why.endswith("(2 such answers in a row: not asked again, as each may be billed)")
+    assert any("is not a chat completion" in line for line in told) and not any("down" in line for line in told)
+
+
+def test_a_gateways_fault_passed_on_in_a_completion_is_retried_as_any_fault():
+    failed = Reply(body='{"choices": [{"index": 0, "finish_reason": "error", "message": null}]}')
+    with FakeOpenAI(sequence(failed, failed, failed, Reply(content=PASS))) as server:
+        [v] = judge_prompts([prompt("a")], settings(server))
+    assert (v.status, v.passed, v.requests) == ("judged", True, 4)
 
 
 @pytest.mark.parametrize(

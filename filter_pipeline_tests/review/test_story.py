@@ -89,6 +89,29 @@ def test_a_trajectory_too_large_for_a_page_shows_its_head_and_counts_the_rest(wa
     assert "7 more steps in trajectory.json, not shown" in html and "p" * 51 not in html
 
 
+def test_the_label_form_carries_its_attempt_exactly_whatever_its_ids_hold(warehouse):
+    from html.parser import HTMLParser
+
+    from filter_pipeline.review.app import Review
+
+    odd = 'q\'uote "dq" &amp; <b> \u2028 \r\n \x00 é'  # (what an HTML attribute would garble or end at)
+    found = story(warehouse, "r1", "k")
+    found["task"]["task_id"], found["run_id"], found["judged_dir"] = f"t {odd}", f"r {odd}", f"runs/{odd}/1"
+    html = (
+        Review(warehouse.root).html("task.html", s=found, near={"prev": None, "next": None}, blind=False).body.decode()
+    )
+
+    class Form(HTMLParser):  # (an HTML parser reads the attribute as a browser does, character references and all)
+        attempt = None
+
+        def handle_starttag(self, tag, attrs):
+            if tag == "form" and dict(attrs).get("class") == "label-form":
+                Form.attempt = json.loads(dict(attrs)["data-attempt"])
+
+    Form().feed(html)
+    assert Form.attempt == {"dir": f"runs/{odd}/1", "run_id": f"r {odd}", "task_id": f"t {odd}"}
+
+
 def test_the_task_page_shows_the_parts_escaped_and_hides_them_when_blind(warehouse):
     from filter_pipeline.review.app import Review
 
