@@ -6,7 +6,7 @@ import re
 
 from filter_pipeline.cli import EXIT_BAD_INPUT, EXIT_FAILED, add_data_argument, complain
 
-PAGE_TEXT_CHARS = 1200  # of the final page text printed (the review page shows it all)
+PAGE_TEXT_CHARS = 1200  # of the final page text printed (the review page shows more: `story.CHARS_SHOWN`)
 # what a terminal acts on rather than shows: the C0 controls but the tab (an escape sequence's ESC; a carriage
 # return or a line break, which could forge a line of the story), DEL, the C1 controls and the Unicode line and
 # paragraph separators
@@ -114,9 +114,11 @@ def _trajectory_lines(t: dict | None) -> list[str]:
         return []
     lines = ["judged trajectory:"] + ([f"  ({t['problem']})"] if t.get("problem") else [])
     lines += [f"  step {i}: {json.dumps(step, ensure_ascii=False)}" for i, step in enumerate(t["steps"], 1)]
+    if t.get("steps_not_shown"):
+        lines.append(f"  ({t['steps_not_shown']:,} more steps in trajectory.json, not shown)")
     lines += [f"  screenshot: {name}" for name in t["screenshots"]]
     text = str(t.get("page_text") or "")
-    cut = f" … ({len(text)} characters)" if len(text) > PAGE_TEXT_CHARS else ""
+    cut = " …" if len(text) > PAGE_TEXT_CHARS else ""  # (a text the story cut already says how much it left out)
     return lines + [f"  final URL: {t.get('final_url') or '-'}", f"  page text: {text[:PAGE_TEXT_CHARS]}{cut}"]
 
 

@@ -185,9 +185,9 @@ class LLMJudgeConfig(dg.Config):
         reasoning would read ***."""
         if not text:
             return text
-        secrets = [self.api_key] if isinstance(self.api_key, str) and not is_placeholder_key(self.api_key) else []
-        for secret in sorted({*secrets, *url_secrets(self.base_url)}, key=len, reverse=True):  # (longest first)
-            if secret:
+        secrets = {*([self.api_key] if isinstance(self.api_key, str) else []), *url_secrets(self.base_url)}
+        for secret in sorted(secrets, key=len, reverse=True):  # (longest first)
+            if secret and not is_placeholder_key(secret):
                 text = text.replace(secret, "***")
         return text
 
@@ -208,9 +208,18 @@ PLACEHOLDER_KEYS = frozenset({"empty", "none", "null", "ollama", "dummy", "lm-st
 
 
 # the words that name a query parameter of the base URL whose value is a secret (Azure's `api-key`, `?key=`,
-# `access_token`, a signed URL's `sig` or `X-Amz-Signature`), matched as whole words of the parameter's name
-_SECRET_WORDS = frozenset({"key", "apikey", "token", "secret", "sig", "signature", "password", "passwd", "pwd",
-                           "auth", "credential", "credentials", "code"})  # fmt: skip
+# `access_token` or `accessToken`, a signed URL's `sig` or `X-Amz-Signature`), matched as whole words of the
+# parameter's name (`_words`): `design` or `author` name none
+_SECRET_WORDS = frozenset({"key", "apikey", "token", "secret", "sig", "signature", "password", "passwd", "pwd", "pass",
+                           "auth", "authorization", "bearer", "credential", "credentials", "code"})  # fmt: skip
+
+
+def _words(name: str) -> set[str]:
+    """The words of a parameter's name, lower case: split at what is no letter or digit and where a capital
+    follows a small letter or digit (`accessToken`: access, token)."""
+    return set(re.split(r"[^a-z0-9]+", re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", name).lower()))
+
+
 _SHORTEST_SECRET = 8  # (shorter values are words of any text: masking them would garble the judge's reasoning)
 
 
@@ -237,7 +246,7 @@ def url_secrets(base_url: str | None) -> tuple[str, ...]:
     for query in (urlsplit(base_url).query, sent.raw_query_string):
         for parameter in query.split("&"):
             name, _, value = parameter.partition("=")
-            if _SECRET_WORDS & set(re.split(r"[^a-z0-9]+", unquote_plus(name).lower())):
+            if _SECRET_WORDS & _words(unquote_plus(name)):
                 found += [value, unquote_plus(value), unquote(value)]
     # (longest first: a secret holding another is masked whole)
     return tuple(sorted({v for v in found if v and len(v) >= _SHORTEST_SECRET}, key=len, reverse=True))

@@ -241,7 +241,8 @@ NO_CHOICES = "no choices"
 
 def read_completion(payload: Any) -> tuple[list[Choice], Usage] | None:
     """The choices (in index order, at least one) and usage of a chat completion; None when `payload` is not
-    one (no `choices` list, or a choice that is neither a chat message nor a choice whose message is null). A
+    one (no `choices` list, or a choice that is neither a chat message nor a choice whose message is null) or
+    a choice passes on a fault (`finish_reason` `error`). A
     choice without a message (`"message": null`, as a filtered Azure/OpenAI completion sends) is withheld
     (NO_MESSAGE); so is a completion without any choice (NO_CHOICES: one choice standing for the whole
     request, as Gemini's PROHIBITED_CONTENT and some gateways answer). Both are answers, refused, not faults."""
@@ -251,11 +252,12 @@ def read_completion(payload: Any) -> tuple[list[Choice], Usage] | None:
     if not payload["choices"]:
         return [Choice(None, None, withheld=NO_CHOICES)], usage
     choices = []
+    if any(isinstance(c, dict) and c.get("finish_reason") == "error" for c in payload["choices"]):
+        return None  # (a gateway's fault passed on, whatever its message holds: retried as any fault)
     for c in sorted(payload["choices"], key=_choice_index):
         message = c.get("message") if isinstance(c, dict) else None
-        # (`"message": null` only: a choice without the key is another shape, and `finish_reason` `error` is a
-        # gateway's fault passed on, to be retried)
-        if isinstance(c, dict) and "message" in c and message is None and c.get("finish_reason") != "error":
+        # (`"message": null` only: a choice without the key is another shape)
+        if isinstance(c, dict) and "message" in c and message is None:
             choices.append(Choice(None, c.get("finish_reason"), withheld=NO_MESSAGE))
             continue
         if not isinstance(message, dict):

@@ -281,8 +281,11 @@ class Transport:
                 self.rate.succeeded()
                 self._tell_if_no_usage(completion[1])
                 return completion
+            if _passes_on_a_fault(payload):
+                return _Fault(f"HTTP {status} from the judge endpoint passes on a fault (finish_reason error): "
+                              f"{self.server_text(text)}")  # fmt: skip
             problem = f"HTTP {status} from the judge endpoint is not a chat completion: {self.server_text(text)}"
-            return _Fault(problem, unreadable=not _passes_on_a_fault(payload))
+            return _Fault(problem, unreadable=True)
         if self._refusal(status, text):
             refused = self._refused(status, text)
             self.rate.refuse(refused)

@@ -61,22 +61,18 @@ def inside_run(run_id: str, dir_: str | None) -> bool:
 
 # What a page shows of one trajectory, its head: a harness can write one of gigabytes, which no browser opens.
 STEPS_SHOWN = 1_000
-CHARS_SHOWN = 200_000  # of the page text, the agent's output, and each step as the page writes it
+CHARS_SHOWN = 200_000  # of the instruction, the final URL and page text, the agent's output
+STEP_CHARS_SHOWN = 5_000  # of each step, as the page writes it (JSON)
 
 
-def _head(text):
-    """`text` (a string; anything else as it is) cut to `CHARS_SHOWN`, saying how many more there were."""
-    if not isinstance(text, str) or len(text) <= CHARS_SHOWN:
-        return text
-    return f"{text[:CHARS_SHOWN]}… ({len(text) - CHARS_SHOWN:,} more characters not shown)"
-
-
-def _step_shown(step):
-    """A step as the page shows it: an object whose JSON text is too long for a page becomes that text's head."""
-    if isinstance(step, str):
-        return _head(step)
-    text = json.dumps(step, ensure_ascii=False)
-    return step if len(text) <= CHARS_SHOWN else _head(text)
+def _head(value, chars: int | None = None):
+    """`value` as it is when its text (a string's own, anything else's JSON) holds at most `chars` characters
+    (`CHARS_SHOWN`); else that text's head, saying how many more characters there were."""
+    chars = CHARS_SHOWN if chars is None else chars
+    text = value if isinstance(value, str) or value is None else json.dumps(value, ensure_ascii=False)
+    if text is None or len(text) <= chars:
+        return value
+    return f"{text[:chars]}… ({len(text) - chars:,} more characters not shown)"
 
 
 def trajectory(root: UPath, dir_: str | None) -> dict:
@@ -84,10 +80,11 @@ def trajectory(root: UPath, dir_: str | None) -> dict:
     the judge reads it (`prompt.read_trajectory`, `prompt.agent_output`: from anywhere inside the data root, as
     a batch's dirs may lie), and its screenshots' names, those the judge takes its first and last from;
     `problem` says what could not be read, in the words of the judge's evidence. Its first `STEPS_SHOWN` steps
-    are shown (`steps_not_shown` counts the others) and its texts to `CHARS_SHOWN` characters each."""
+    are shown (`steps_not_shown` counts the others), each to `STEP_CHARS_SHOWN` characters of its JSON, and its
+    texts to `CHARS_SHOWN` characters each (`_head`)."""
     if not readable_dir(dir_):
-        return {"problem": TRAJECTORY_OUTSIDE_ROOT, "steps": [], "screenshots": []}
-    found: dict = {"steps": [], "screenshots": []}
+        return {"problem": TRAJECTORY_OUTSIDE_ROOT, "steps": [], "steps_not_shown": 0, "screenshots": []}
+    found: dict = {"steps": [], "steps_not_shown": 0, "screenshots": []}
     try:
         found["screenshots"] = [p.name for p in screenshot_files(root, root / dir_)]
     except OSError:
@@ -99,7 +96,7 @@ def trajectory(root: UPath, dir_: str | None) -> dict:
     final = record.get("final") if isinstance(record.get("final"), dict) else {}
     steps = record.get("steps") if isinstance(record.get("steps"), list) else []
     return {**found, "instruction": _head(record.get("instruction")),
-            "steps": [_step_shown(step) for step in steps[:STEPS_SHOWN]],
+            "steps": [_head(step, STEP_CHARS_SHOWN) for step in steps[:STEPS_SHOWN]],
             "steps_not_shown": max(0, len(steps) - STEPS_SHOWN), "final_url": _head(final.get("url")),
             "page_text": _head(final.get("observation")), "output": _head(agent_output(record, final))}  # fmt: skip
 

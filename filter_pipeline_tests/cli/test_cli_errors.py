@@ -271,6 +271,7 @@ def test_an_object_store_that_cannot_be_reached_is_one_line_for_every_command(en
         ("FILTER_JUDGE_TIMEOUT", "0", "judge timeout_seconds=0.0 (FILTER_JUDGE_TIMEOUT): must be above 0"),
         ("FILTER_JUDGE_MAX_TOKENS", "-1", "judge max_tokens=-1 (FILTER_JUDGE_MAX_TOKENS): 0 (not sent) or more"),
         ("FILTER_JUDGE_TEMPERATURE", "nan", "judge temperature=nan (FILTER_JUDGE_TEMPERATURE): a number, 0 or more"),
+        ("FILTER_JUDGE_TEMPERATURE", "-inf", "judge temperature=-inf (FILTER_JUDGE_TEMPERATURE): a number, 0 or more"),
         ("FILTER_JUDGE_TEMPERATURE", "-0.5", "judge temperature=-0.5 (FILTER_JUDGE_TEMPERATURE): a number, 0 or more"),
     ],
 )

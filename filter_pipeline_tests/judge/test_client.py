@@ -471,7 +471,13 @@ def test_a_short_key_that_is_no_placeholder_is_masked_like_any_other():
         ("http://u:p%2Bss+w0rd%21@h/v1", "password p+ss+w0rd! refused", "password *** refused"),  # (`+` is no space)
         ("http://u:p%C3%A4sswort1@h/v1", "Authorization: Basic dTpw5HNzd29ydDE=", "Authorization: Basic ***"),
         # parameters not named as secrets, and words that only hold such a name, stay
+        (
+            "http://h/v1?accessToken=supersecret123&clientSecret=othersecret45",
+            "supersecret123 othersecret45",
+            "*** ***",
+        ),
         ("http://h/v1?design=abcdefghij&author=someone-long", "design abcdefghij by someone-long", None),
+        ("http://lm-studio@h/v1?api-key=not-needed", "lm-studio says not-needed", None),  # (placeholders: no secret)
         ("http://h/v1?api-version=2024-10-21", "as of 2024-10-21", None),
     ],
 )

@@ -310,7 +310,8 @@ def test_a_completion_without_a_message_or_without_choices_is_a_refusal_with_its
     assert read_completion({"choices": [], "usage": usage}) == ([Choice(None, None, withheld=NO_CHOICES)], Usage(1200))
     assert read_completion({"choices": [{"message": None, "finish_reason": "stop"}]})[0][0].refused
     gateway_fault = {"message": None, "finish_reason": "error", "error": {"message": "upstream timed out"}}
-    for fault in ({"finish_reason": "stop"}, {"delta": {"content": "x"}}, gateway_fault):  # retried, not refused
+    with_message = {"message": {"role": "assistant", "content": ""}, "finish_reason": "error"}  # (a fault too)
+    for fault in ({"finish_reason": "stop"}, {"delta": {"content": "x"}}, gateway_fault, with_message):  # retried
         assert read_completion({"choices": [fault], "usage": usage}) is None
 
 

@@ -89,8 +89,9 @@ def test_two_2xx_answers_in_a_row_that_are_no_completion_end_the_task_unjudged_a
     assert any("is not a chat completion" in line for line in told) and not any("down" in line for line in told)
 
 
-def test_a_gateways_fault_passed_on_in_a_completion_is_retried_as_any_fault():
-    failed = Reply(body='{"choices": [{"index": 0, "finish_reason": "error", "message": null}]}')
+@pytest.mark.parametrize("message", ["null", '{"role": "assistant", "content": ""}'])
+def test_a_gateways_fault_passed_on_in_a_completion_is_retried_as_any_fault(message):
+    failed = Reply(body=f'{{"choices": [{{"index": 0, "finish_reason": "error", "message": {message}}}]}}')
     with FakeOpenAI(sequence(failed, failed, failed, Reply(content=PASS))) as server:
         [v] = judge_prompts([prompt("a")], settings(server))
     assert (v.status, v.passed, v.requests) == ("judged", True, 4)

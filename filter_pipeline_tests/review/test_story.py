@@ -56,7 +56,7 @@ def test_a_trajectory_with_page_text_cut_mid_emoji_is_shown_with_a_replacement_c
 def test_a_trajectory_with_an_integer_too_long_for_python_is_shown_with_its_digits(warehouse, tmp_path):
     folder = tmp_path / "runs" / "r1" / "traj" / "k" / "1"
     folder.mkdir(parents=True)
-    digits = "9" * 5000
+    digits = "9" * 4400  # (more than the 4,300 Python reads as a number; a step within what a page shows whole)
     (folder / "trajectory.json").write_text(f'{{"steps": [{{"action": "scroll", "by": {digits}}}], "final": {{}}}}')
     shown = story(warehouse, "r1", "k")["trajectory"]
     assert "problem" not in shown and shown["steps"] == [{"action": "scroll", "by": digits}]
@@ -68,25 +68,31 @@ def test_a_trajectory_too_large_for_a_page_shows_its_head_and_counts_the_rest(wa
 
     monkeypatch.setattr(stories, "STEPS_SHOWN", 3)
     monkeypatch.setattr(stories, "CHARS_SHOWN", 50)
+    monkeypatch.setattr(stories, "STEP_CHARS_SHOWN", 40)
     folder = tmp_path / "runs" / "r1" / "traj" / "k" / "1"
     folder.mkdir(parents=True)
     steps = [{"action": "click", "n": i} for i in range(10)]
     steps[1] = {"action": "type", "text": "x" * 80}  # one step too long to show whole
-    record = {"steps": steps, "final": {"url": "u", "observation": "p" * 120}, "output": "short"}
+    record = {"steps": steps, "final": {"url": "u", "observation": "p" * 120}, "output": "short",
+              "instruction": {"text": "i" * 60}}  # (not a string: cut as its JSON)  # fmt: skip
     (folder / "trajectory.json").write_text(json.dumps(record))
     found = story(warehouse, "r1", "k")
     shown = found["trajectory"]
     assert shown["steps"][0] == steps[0] and shown["steps"][2] == steps[2] and len(shown["steps"]) == 3
     assert (
         shown["steps"][1]
-        == json.dumps(steps[1])[:50] + f"… ({len(json.dumps(steps[1])) - 50} more characters not shown)"
+        == json.dumps(steps[1])[:40] + f"… ({len(json.dumps(steps[1])) - 40} more characters not shown)"
     )
+    assert shown["instruction"] == json.dumps(record["instruction"])[:50] + "… (22 more characters not shown)"
     assert shown["steps_not_shown"] == 7 and shown["output"] == "short"
     assert shown["page_text"] == "p" * 50 + "… (70 more characters not shown)"
     html = (
         Review(warehouse.root).html("task.html", s=found, near={"prev": None, "next": None}, blind=False).body.decode()
     )
     assert "7 more steps in trajectory.json, not shown" in html and "p" * 51 not in html
+    from filter_pipeline.cli.explain import story_lines
+
+    assert "  (7 more steps in trajectory.json, not shown)" in story_lines(found)
 
 
 def test_the_label_form_carries_its_attempt_exactly_whatever_its_ids_hold(warehouse):
