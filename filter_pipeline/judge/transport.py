@@ -34,8 +34,9 @@ if TYPE_CHECKING:  # aiohttp itself is imported when a client opens: gate-judged
 
 SERVER_TEXT_MAX_CHARS = 300
 # A 2xx answer that is no chat completion (an HTML page, a stream the request did not ask for) may be billed: the
-# task asks once more, and after this many in a row ends unjudged rather than paying for one until its budget ends
-# (a completion whose choice says `finish_reason` `error` is a gateway's fault passed on: retried as any fault).
+# request is sent once more, and after this many in a row not again (its vote or repair is lost) rather than paid
+# for until the task's budget ends (a completion whose choice says `finish_reason` `error` is a gateway's fault
+# passed on: retried as any fault).
 UNREADABLE_ANSWERS = 2
 # Endpoint trouble is told to the run's log at most this often: seen while it lasts, without a line per retry.
 REPORT_EVERY_SECONDS = 60.0
@@ -220,7 +221,7 @@ class Transport:
                 return body, outcome
             problem = outcome.problem
             unreadable = unreadable + 1 if outcome.unreadable else 0
-            if unreadable >= UNREADABLE_ANSWERS:  # (the task's alone: the endpoint is not taken for down)
+            if unreadable >= UNREADABLE_ANSWERS:  # (this request's alone: the endpoint is not taken for down)
                 self.rate.failed(problem)
                 self._tell_trouble(problem, retrying=False)
                 raise Unanswered(
