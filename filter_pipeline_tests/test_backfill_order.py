@@ -299,3 +299,34 @@ def test_a_backlog_of_judged_batches_is_walked_by_one_sensor_ledger_run_in_run_i
     assert walk_order(data / "warehouse", ids) == ids
     assert_same_ledger_as_cli(data / "warehouse", reference, ids)
     assert_verified(data)
+
+
+# "Materialize selected" over all but one registered partition: the asset backfill splits the ledger's single
+# run into one range per block of selected partitions adjacent in registration order, here [r00, r02] and
+# [r01, r03], and each range holds a run that waits for a run of the other. Each must walk what it may, then wait.
+INTERLEAVED_REGISTRATION_ORDER = [2, 0, 4, 3, 1]  # r04 registered, never selected: nothing waits for it
+INTERLEAVED_ENV = {**GATE_ENV, "FILTER_PIPELINE_ORDER_MAX_WAIT_SECONDS": "300"}  # (a deadlock fails in time)
+
+
+def test_an_asset_backfill_split_into_interleaved_ranges_gives_the_clis_results(tmp_path):
+    batches = tmp_path / "batches"
+    ids = write_batches(batches, 5, n_tasks=30)
+    reference = cli_reference(tmp_path, batches, GATE_ENV)
+    data = tmp_path / "data"
+    (data / "runs").mkdir(parents=True)
+    with dagster_dev(data, home=tmp_path / "home", env=INTERLEAVED_ENV, sensor=False) as server:
+        shutil.copytree(batches / "runs", data / "runs", dirs_exist_ok=True)
+        order = [ids[i] for i in INTERLEAVED_REGISTRATION_ORDER]
+        for run_id in order:
+            server.add_dynamic_partition(run_id)
+        selected = [r for r in order if r != ids[4]]
+        backfill = server.launch_asset_backfill(selected)
+        state = server.wait_for_backfill(backfill, BACKFILL_SECONDS)
+        runs = server.backfill_runs(backfill)
+    assert state["status"] == "COMPLETED_SUCCESS", (state, [(r.job, r.partition, r.status) for r in runs])
+    assert all(r.status == "SUCCESS" for r in runs), [(r.job, r.partition, r.status) for r in runs]
+    ranges = sorted((r.tags[RANGE_START_TAG], r.tags[RANGE_END_TAG]) for r in runs if RANGE_START_TAG in r.tags)
+    assert ranges == [(ids[2], ids[0]), (ids[3], ids[1])], "the backfill did not split the ledger as this test needs"
+    assert_same_ledger_as_cli(data / "warehouse", reference, ids[:4])
+    assert not (data / "warehouse" / "_commits" / f"{ids[4]}.json").exists()
+    assert_verified(data)

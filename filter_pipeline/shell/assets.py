@@ -81,11 +81,10 @@ BATCH_KEYS = [dg.AssetKey(k) for k in ("batch_tasks", "batch_attempts", "batch_r
 ALREADY_FILTERED = "already_filtered"
 
 
-def already_filtered_line(record: CommitRecord, meanwhile: str) -> str:
-    """The line of a run that another walk committed while this one did `meanwhile`, and what follows."""
+def already_filtered_line(record: CommitRecord, meanwhile: str, by: str = "another walk") -> str:
+    """The line of a run that another walk (or `by`) committed while this one did `meanwhile`, and what follows."""
     return (
-        f"{record.run_id}: already filtered by another walk (committed, walked at {record.walked_at}) while this "
-        + meanwhile
+        f"{record.run_id}: already filtered by {by} (committed, walked at {record.walked_at}) while this " + meanwhile
     )
 
 

@@ -42,7 +42,16 @@ from filter_pipeline.shell.config import (
     refuse_invalid_run_caps,
 )
 from filter_pipeline.shell.jobs import LEDGER_GROUP, PRIORITY_TAG
-from filter_pipeline.shell.waiting import DEFERRED_TAG, Deferred, filtered_meanwhile, retry_later, wait_for_lower_runs
+from filter_pipeline.shell.waiting import (
+    DEFERRED_TAG,
+    Deferred,
+    filtered_meanwhile,
+    ready_runs,
+    retry_later,
+    wait_for_lower_runs,
+    walk_then_wait,
+    walked_before_waiting,
+)
 from filter_pipeline.shell.warehouse import DataRoot, plain_run_ids
 from filter_pipeline.storage import failures
 from filter_pipeline.storage.files import is_local
@@ -61,7 +70,7 @@ from filter_pipeline.storage.publish import (
     pause_point,
     walked_now,
 )
-from filter_pipeline.storage.runs import changed_since_judged, inputs_to_commit
+from filter_pipeline.storage.runs import changed_since_judged, inputs_to_commit, walk_order
 
 _WALK_INPUTS = [dg.AssetKey("judge_verdicts"), dg.AssetKey("prior_dedup_index"), dg.AssetKey("prior_kept_counts")]
 
@@ -188,14 +197,23 @@ def _walk_under_lease(context, config, data: DataRoot, run_ids: list[str], input
         meanwhile = filtered_meanwhile(context, data, read)
         # under the lease: no other walk is half done, so which runs are committed cannot change
         # meanwhile (a re-walk of a lower run is pending while it writes)
-        wait_for_lower_runs(context, data, [r for r in run_ids if r not in meanwhile])
+        pending = [r for r in run_ids if r not in meanwhile]
+        now = walk_order(data.root)
+        ready = ready_runs(now, pending)  # (a range may walk these, then wait for the rest: `walk_then_wait`)
+        if not ready or ready == pending:
+            wait_for_lower_runs(context, now, pending)
+        by_this_run = walked_before_waiting(context) if meanwhile else set()
 
         def walk_one(run_id: str):
             if run_id in meanwhile:
-                return _already_filtered(context, meanwhile[run_id])
+                return _already_filtered(context, meanwhile[run_id], run_id in by_this_run)
             walk = _RunWalk(context, config, data, run_id, source, lease, read[run_id])
             return _walk_the_ledger(walk, _JudgeStep(*(f[run_id] for f in inputs)))
 
+        if ready != pending:
+            walked = _walk_in_order(context, [r for r in run_ids if r in meanwhile or r in ready], walk_one)
+            yield from walk_then_wait(context, data, list(walked), ready, pending[len(ready) :])
+            return
         walk = walk_one(run_ids[0]) if len(run_ids) == 1 else _walk_in_order(context, run_ids, walk_one)
         # yielded under the lease: the walk's materializations and check results are recorded before
         # another walker can start
@@ -247,10 +265,14 @@ def _write(data: DataRoot, staged: StagedWalk, run_id: str, asset: str, frame: p
     return staged.write(data.asset_file(asset, run_id), content, table.num_rows)
 
 
-def _already_filtered(context: dg.AssetExecutionContext, record: CommitRecord):
-    """A run committed by another walk while this one waited: said in one line, and its assets reported as that
-    walk committed them (a commit stands only when its walk's checks passed)."""
-    why = already_filtered_line(record, "one waited for the lease: not walked again")
+def _already_filtered(context: dg.AssetExecutionContext, record: CommitRecord, by_this_run: bool):
+    """A run committed by another walk while this one waited (or by this run's earlier try: `by_this_run`): said
+    in one line, and its assets reported as that walk committed them (a commit stands only when its walk's checks
+    passed)."""
+    if by_this_run:
+        why = already_filtered_line(record, "step waited for the rest of its range: not walked again", "this run")
+    else:
+        why = already_filtered_line(record, "one waited for the lease: not walked again")
     context.log.info(why)
     for spec in LEDGER_SPECS:
         name = spec.key.path[-1]

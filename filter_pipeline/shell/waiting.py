@@ -16,12 +16,15 @@ from filter_pipeline.shell.jobs import first_walks, partitions_of
 from filter_pipeline.shell.warehouse import DataRoot
 from filter_pipeline.storage.history import read_commit
 from filter_pipeline.storage.publish import CommitState
-from filter_pipeline.storage.runs import walk_order
+from filter_pipeline.storage.runs import WalkOrder, walk_order
 
 # run tag: the most seconds this run's ledger step waits for lower runs (the CLI sets 0: it orders its own runs)
 ORDER_MAX_WAIT_TAG = "filter_pipeline/order_max_wait_seconds"
 # run tag: why this run's ledger step deferred its walk to the batch sensor (shown on the run in the UI)
 DEFERRED_TAG = "filter_pipeline/deferred"
+# run tag: the runs (comma-separated) this run's ledger step walked and committed before it waited for the rest of
+# its range; its next try reports them as already filtered by this run
+WALKED_BEFORE_WAITING_TAG = "filter_pipeline/walked_before_waiting"
 
 
 class Deferred(Exception):
@@ -51,13 +54,50 @@ def retry_later(context: dg.AssetExecutionContext, why: str, honour_tag: bool = 
     raise dg.RetryRequested(max_retries=tries, seconds_to_wait=interval)
 
 
-def wait_for_lower_runs(context: dg.AssetExecutionContext, data: DataRoot, run_ids: list[str]) -> None:
+def ready_runs(now: WalkOrder, run_ids: list[str]) -> list[str]:
+    """The head of `run_ids` (in that order) that may be walked now: every run up to the first that waits."""
+    for position, run_id in enumerate(run_ids):
+        if now.blocking(run_id, walked_before=run_ids[:position]):
+            return run_ids[:position]
+    return run_ids
+
+
+def walked_before_waiting(context: dg.AssetExecutionContext) -> set[str]:
+    """The runs an earlier try of this step walked and committed before it waited (WALKED_BEFORE_WAITING_TAG),
+    read from the instance: a retry in the same process holds the run's tags as they were at its start."""
+    run = context.instance.get_run_by_id(context.run.run_id)
+    tagged = (run.tags if run else {}).get(WALKED_BEFORE_WAITING_TAG, "")
+    return set(filter(None, tagged.split(",")))
+
+
+def walk_then_wait(context: dg.AssetExecutionContext, data: DataRoot, walked: list, ready: list[str], rest: list[str]):
+    """A range some of whose runs wait for a run of another range (an asset backfill splits its runs into ranges
+    by registration order, so two ranges may each hold a run the other waits for): `walked` holds the events of
+    the walk of its `ready` runs, done and committed; the step is then tried again later for the runs of `rest`
+    (its next try reports the `ready` runs as already filtered), unless a run they wait for is stuck in the run
+    queue: then the `ready` runs are reported materialized, and Deferred is raised. A walk stopped by a failed
+    check does not wait: its events are yielded as they are."""
+    if any(isinstance(event, dg.AssetCheckResult) and not event.passed for event in walked):
+        yield from walked
+        return
+    context.log.info(f"walked and committed {', '.join(ready)}; the rest of the range ({', '.join(rest)}) waits")
+    committed = walked_before_waiting(context) | set(ready)
+    context.instance.add_run_tags(context.run.run_id, {WALKED_BEFORE_WAITING_TAG: ",".join(sorted(committed))})
+    try:
+        wait_for_lower_runs(context, walk_order(data.root), rest)  # (read again: `ready` is committed now)
+    except Deferred:
+        yield from (event for event in walked if isinstance(event, dg.AssetMaterialization))
+        raise
+    # (what `rest` waited for went away meanwhile, a batch deleted or retired: the next try walks it)
+    retry_later(context, f"{', '.join(rest)} may be walked now")
+
+
+def wait_for_lower_runs(context: dg.AssetExecutionContext, now: WalkOrder, run_ids: list[str]) -> None:
     """Return when every run in `run_ids` may be walked now, in that order; else retry the step later, or
     raise Deferred at once when a run it waits for is stuck in the run queue (`_stuck_in_queue`). A run that
     waits for nothing (a wait of 0: its tag, as on the CLI's runs, or the setting) holds no slot waiting: it fails
     at once, naming the run it waits for, and is never deferred (its launcher, not the sensor, says what became of
-    it)."""
-    now = walk_order(data.root)
+    it). `now`: the data root's `walk_order`."""
     for position, run_id in enumerate(run_ids):
         blockers = now.blocking(run_id, walked_before=run_ids[:position])
         if blockers:

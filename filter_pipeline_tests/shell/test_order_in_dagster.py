@@ -18,7 +18,7 @@ from filter_pipeline.definitions import build_defs
 from filter_pipeline.judge.resource import JudgeResource
 from filter_pipeline.settings import ORDER_MAX_WAIT_SECONDS_ENV, ORDER_QUEUED_SECONDS_ENV, ORDER_RETRY_SECONDS_ENV
 from filter_pipeline.shell.jobs import PARTITION_TAG, RANGE_END_TAG, RANGE_START_TAG
-from filter_pipeline.shell.waiting import DEFERRED_TAG, ORDER_MAX_WAIT_TAG
+from filter_pipeline.shell.waiting import DEFERRED_TAG, ORDER_MAX_WAIT_TAG, WALKED_BEFORE_WAITING_TAG
 from filter_pipeline.storage.failures import read_failures
 from filter_pipeline_tests.builders import attempt, task, write_batch
 
@@ -125,8 +125,7 @@ def test_a_ranged_ledger_step_walks_its_partitions_in_run_id_order(instance, dat
     defs = defs_for(data_root)
     for run_id in REGISTERED:
         assert run_job(defs, instance, "judge_job", run_id).success
-    ranged = dg.define_asset_job("ranged_ledger", selection=dg.AssetSelection.assets(*LEDGER_ASSETS))
-    job = dg.Definitions.merge(defs, dg.Definitions(jobs=[ranged])).resolve_job_def("ranged_ledger")
+    job = ranged_ledger(defs)
     # the whole range in registration order, as a single-run backfill tags its run
     result = job.execute_in_process(instance=instance, tags={RANGE_START_TAG: "b2", RANGE_END_TAG: "b1"})
     assert result.success
@@ -141,6 +140,118 @@ def test_a_ranged_ledger_step_walks_its_partitions_in_run_id_order(instance, dat
     assert partition_status(instance, defs, REGISTERED) == dict.fromkeys(
         REGISTERED, dg.AssetPartitionStatus.MATERIALIZED
     )
+
+
+# one process per ranged ledger run, as an asset backfill launches its runs: the range is argv[1]..argv[2]
+LAUNCH_RANGE = """
+import os, sys, dagster as dg
+from filter_pipeline.definitions import build_defs
+from filter_pipeline.judge.resource import JudgeResource
+from filter_pipeline.shell.jobs import RANGE_END_TAG, RANGE_START_TAG
+defs = build_defs(os.environ["FILTER_PIPELINE_DATA"], JudgeResource(), caps={})
+ranged = dg.define_asset_job("ranged_ledger", selection=dg.AssetSelection.assets(*sys.argv[3:]))
+job = dg.Definitions.merge(defs, dg.Definitions(jobs=[ranged])).resolve_job_def("ranged_ledger")
+with dg.DagsterInstance.get() as instance:
+    tags = {RANGE_START_TAG: sys.argv[1], RANGE_END_TAG: sys.argv[2]}
+    result = job.execute_in_process(instance=instance, tags=tags, raise_on_error=False)
+    print(result.run_id)
+    sys.exit(0 if result.success else 1)
+"""
+
+
+@pytest.mark.slow
+def test_two_ranged_ledger_steps_each_holding_a_run_the_other_waits_for_both_walk_in_run_id_order(
+    data_root, tmp_path, dagster_home
+):
+    import subprocess
+    import sys
+
+    from filter_pipeline_tests.conftest import REPO
+
+    # registered b0, b2, b1, b3: a backfill's ranges follow registration order, [b0, b2] and [b1, b3], so each
+    # range holds a run that waits for a run of the other
+    run_ids = ["b0", "b1", "b2", "b3"]
+    overlapping(data_root, run_ids)
+    expected = reference(tmp_path, data_root, run_ids)
+    with dg.DagsterInstance.from_config(str(dagster_home)) as instance:
+        instance.add_dynamic_partitions("run_id", ["b0", "b2", "b1", "b3"])
+        defs = defs_for(data_root)
+        for run_id in run_ids:
+            assert run_job(defs, instance, "judge_job", run_id).success
+    env = {**os.environ, "DAGSTER_HOME": str(dagster_home), "FILTER_PIPELINE_DATA": str(data_root),
+           ORDER_RETRY_SECONDS_ENV: "1", ORDER_MAX_WAIT_SECONDS_ENV: "60"}  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", LAUNCH_RANGE, start, end, *LEDGER_ASSETS],
+            env=env,
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for start, end in (("b0", "b2"), ("b1", "b3"))
+    ]
+    runs = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        runs.append(out.strip().splitlines()[-1] if out.strip() else None)
+        assert proc.returncode == 0, err[-3000:]
+    assert_same(ledger_rows(data_root, run_ids), expected)
+    with dg.DagsterInstance.from_config(str(dagster_home)) as instance:
+        # each range must walk its lower run, then wait for the other's: its next try reports that run as its own
+        for dagster_run, lower in zip(runs, ("b0", "b1")):
+            said = [e.user_message for e in instance.all_logs(dagster_run) if "already filtered" in e.user_message]
+            assert [line.split(" (")[0] for line in said] == [f"{lower}: already filtered by this run"]
+            assert instance.get_run_by_id(dagster_run).tags[WALKED_BEFORE_WAITING_TAG] == lower
+        # every partition materialized once a walk committed it, though each range was walked over two tries
+        assert partition_status(instance, defs, run_ids) == dict.fromkeys(run_ids, dg.AssetPartitionStatus.MATERIALIZED)
+
+
+def ranged_ledger(defs) -> dg.JobDefinition:
+    """The ledger's assets as one job, which a range's tags run as a single-run backfill does."""
+    ranged = dg.define_asset_job("ranged_ledger", selection=dg.AssetSelection.assets(*LEDGER_ASSETS))
+    return dg.Definitions.merge(defs, dg.Definitions(jobs=[ranged])).resolve_job_def("ranged_ledger")
+
+
+def judged_range_around_b1(data_root, instance) -> dg.JobDefinition:
+    """b0, b1 and b2 complete and registered; b0 and b2 judged, b1 not: a range [b0, b2] may walk b0 only."""
+    overlapping(data_root, ["b0", "b1", "b2"])
+    instance.add_dynamic_partitions("run_id", ["b0", "b2", "b1"])
+    defs = defs_for(data_root)
+    for run_id in ("b0", "b2"):
+        assert run_job(defs, instance, "judge_job", run_id).success
+    return ranged_ledger(defs)
+
+
+def test_a_range_whose_later_run_waits_in_vain_fails_after_committing_the_runs_before_it(instance, data_root):
+    job = judged_range_around_b1(data_root, instance)
+    tags = {RANGE_START_TAG: "b0", RANGE_END_TAG: "b2", ORDER_MAX_WAIT_TAG: "0"}
+    result = job.execute_in_process(instance=instance, tags=tags, raise_on_error=False)
+    assert not result.success and "the first walk of b2 waits for b1" in failure_reason(result)
+    said = [e.user_message for e in instance.all_logs(result.run_id) if e.user_message.startswith("walked and")]
+    assert said == ["walked and committed b0; the rest of the range (b2) waits"]
+    assert (data_root / "warehouse" / "_commits" / "b0.json").exists()
+    assert not (data_root / "warehouse" / "kept" / "b2.parquet").exists()
+    # none of the range is materialized, as when a check stops a range (a backfill waits on a range done in part)
+    assert not materializations(instance, result.run_id, "kept", "b0")
+
+
+@pytest.mark.slow
+def test_a_range_whose_later_run_waits_for_a_run_stuck_in_the_queue_defers_it_and_reports_the_runs_it_walked(
+    data_root, dagster_home, monkeypatch
+):
+    monkeypatch.setenv(ORDER_QUEUED_SECONDS_ENV, "0")
+    with dg.DagsterInstance.from_config(str(dagster_home)) as instance:
+        job = judged_range_around_b1(data_root, instance)
+    queue_run(dagster_home, data_root, "judge_job", {PARTITION_TAG: "b1"})
+    with dg.DagsterInstance.from_config(str(dagster_home)) as instance:
+        result = job.execute_in_process(instance=instance, tags={RANGE_START_TAG: "b0", RANGE_END_TAG: "b2"})
+        assert result.success
+        tags = instance.get_run_by_id(result.run_id).tags
+        assert "b2 waits for b1" in tags[DEFERRED_TAG] and tags[WALKED_BEFORE_WAITING_TAG] == "b0"
+        [materialization] = materializations(instance, result.run_id, "kept", "b0")
+        assert not materializations(instance, result.run_id, "kept", "b2")
+    assert not (data_root / "warehouse" / "kept" / "b2.parquet").exists()
 
 
 def materializations(instance, dagster_run_id: str, asset: str, partition: str) -> list:
