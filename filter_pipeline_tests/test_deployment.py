@@ -16,7 +16,7 @@ import pytest
 
 from filter_pipeline.rules.schemas import SCHEMAS
 from filter_pipeline.shell.jobs import ACROSS_RUNS_ASSETS
-from filter_pipeline.shell.sensors import coverage_refresh
+from filter_pipeline.shell.sensors import coverage_run_key
 from filter_pipeline.shell.warehouse import DataRoot
 from filter_pipeline.storage.history import read_commits
 from filter_pipeline_tests.conftest import REPO, assert_verified
@@ -104,7 +104,7 @@ def test_two_batches_on_s3_through_the_daemon_on_postgres_equal_the_local_run(
 
         def coverage_is_current() -> bool:
             """the sensor's refresh after the last walk done, and no run left in flight."""
-            key = coverage_refresh(read_commits(data.warehouse))[0].run_key
+            key = coverage_run_key(read_commits(data.warehouse))
             done = instance.get_run_records(
                 dg.RunsFilter(tags={"dagster/run_key": key}, statuses=[dg.DagsterRunStatus.SUCCESS])
             )

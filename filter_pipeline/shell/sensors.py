@@ -56,15 +56,19 @@ LEGACY_SOURCE = "legacy kept.jsonl"
 COMMITTED_SOURCE = "committed by a walk this instance has no record of"
 
 
-def coverage_refresh(commits: dict[str, CommitRecord]) -> list[dg.RunRequest]:
-    """across_runs_job (coverage, calibration, the audit of the warehouse) once per change of the committed walks
-    (`walks_fingerprint`: a run key runs once)."""
+def coverage_run_key(commits: dict[str, CommitRecord]) -> str | None:
+    """The run key of across_runs_job over the committed walks as they are (`walks_fingerprint`); None before any."""
     fingerprint = walks_fingerprint(commits)
-    return (
-        []
-        if fingerprint is None
-        else [dg.RunRequest(job_name=across_runs_job.name, run_key=f"across-runs:{fingerprint}")]
-    )
+    return None if fingerprint is None else f"across-runs:{fingerprint}"
+
+
+def coverage_refresh(instance: dg.DagsterInstance, commits: dict[str, CommitRecord]) -> list[dg.RunRequest]:
+    """across_runs_job (coverage, calibration, the audit of the warehouse) once per change of the committed walks:
+    none when a run of its key exists (Dagster would skip the request, and the tick would show no reason)."""
+    key = coverage_run_key(commits)
+    if key is None or instance.get_run_records(dg.RunsFilter(tags={RUN_KEY_TAG: key}), limit=1):
+        return []
+    return [dg.RunRequest(job_name=across_runs_job.name, run_key=key)]
 
 
 def changed_warning(run_id: str) -> str:
@@ -122,8 +126,9 @@ def plan_tick(
         )
         if which == "judge" and b.run_id in never_run:
             why = (
-                f"ledger waits for {b.run_id}, registered but never run (by a materialize still running it, or "
-                "interrupted before it did: then materialize it or retire it in retired.json)"
+                f"ledger waits for {b.run_id}, registered but never run (by a materialize or a backfill still "
+                "launching its runs, or one interrupted before it did: then materialize it or retire it in "
+                "retired.json)"
             )
         return to_register, to_judge, [], why
     if not ready:
@@ -422,7 +427,7 @@ def build_batch_sensor() -> dg.SensorDefinition:
         why = stuck or why  # (the batch the ledger waits for: the lowest corrected one)
         requests += rejudging + fixing
         if not (to_walk or busy or rejudging or fixing):
-            requests += coverage_refresh(commits)
+            requests += coverage_refresh(context.instance, commits)
         context.log.info(f"registered {len(to_register)} new batch(es), judging {len(to_judge)}; {why}")
         return dg.SensorResult(
             run_requests=requests,

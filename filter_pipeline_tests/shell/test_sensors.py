@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 from filter_pipeline.rules.batch import BatchState
-from filter_pipeline.shell.jobs import FIRST_WALK_TAG, RANGE_END_TAG, RANGE_START_TAG
+from filter_pipeline.shell.jobs import FIRST_WALK_TAG, RANGE_END_TAG, RANGE_START_TAG, RUN_KEY_TAG
 from filter_pipeline.shell.sensors import LEDGER_RANGE_LIMIT, build_batch_sensor, plan_tick, registered_block
 from filter_pipeline.shell.waiting import DEFERRED_TAG
 from filter_pipeline.shell.warehouse import DataRoot
@@ -337,6 +337,17 @@ def test_coverage_is_refreshed_when_the_set_of_kept_files_changes_and_nothing_is
     [refresh] = [r for r in result.run_requests if r.job_name == "across_runs_job"]
     assert refresh.run_key != first[0]
     assert refresh.run_config == {}
+
+
+def test_an_idle_tick_whose_coverage_run_exists_requests_nothing_and_says_why(instance, data_root):
+    write_batch(data_root, "old", [task("a")], [attempt("a")])
+    judged(data_root, "old")
+    write_kept(data_root, "old", ("a", ["k"], "m", "s"))
+    instance.add_dynamic_partitions("run_id", ["old"])
+    [key] = coverage_keys(tick(instance, data_root))
+    run_in_instance(instance, {RUN_KEY_TAG: key}, dg.DagsterRunStatus.SUCCESS)  # the refresh it requested, run
+    result = tick(instance, data_root)
+    assert result.run_requests == [] and result.skip_reason.skip_message == "no batch waiting for the ledger"
 
 
 def test_coverage_is_refreshed_once_per_walk_even_one_that_brings_kept_back_to_an_earlier_state(instance, data_root):
