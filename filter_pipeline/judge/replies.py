@@ -239,6 +239,13 @@ NO_MESSAGE = "no message"
 NO_CHOICES = "no choices"
 
 
+def passes_on_a_fault(payload: Any) -> bool:
+    """Whether a 2xx body is a chat completion whose choice says the request failed (`finish_reason` `error`: a
+    gateway passing on its upstream's fault), retried as any transient fault whatever its message holds."""
+    choices = payload.get("choices") if isinstance(payload, dict) else None
+    return isinstance(choices, list) and any(isinstance(c, dict) and c.get("finish_reason") == "error" for c in choices)
+
+
 def read_completion(payload: Any) -> tuple[list[Choice], Usage] | None:
     """The choices (in index order, at least one) and usage of a chat completion; None when `payload` is not
     one (no `choices` list, or a choice that is neither a chat message nor a choice whose message is null) or
@@ -252,8 +259,8 @@ def read_completion(payload: Any) -> tuple[list[Choice], Usage] | None:
     if not payload["choices"]:
         return [Choice(None, None, withheld=NO_CHOICES)], usage
     choices = []
-    if any(isinstance(c, dict) and c.get("finish_reason") == "error" for c in payload["choices"]):
-        return None  # (a gateway's fault passed on, whatever its message holds: retried as any fault)
+    if passes_on_a_fault(payload):
+        return None
     for c in sorted(payload["choices"], key=_choice_index):
         message = c.get("message") if isinstance(c, dict) else None
         # (`"message": null` only: a choice without the key is another shape)

@@ -25,7 +25,7 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 from urllib.request import getproxies, proxy_bypass
 
 from filter_pipeline.judge.rate import EndpointRefused, RateController, TaskBudget, Unanswered, asked_to_wait
-from filter_pipeline.judge.replies import Choice, Usage, error_message, read_completion, retry_hint
+from filter_pipeline.judge.replies import Choice, Usage, error_message, passes_on_a_fault, read_completion, retry_hint
 
 if TYPE_CHECKING:  # aiohttp itself is imported when a client opens: gate-judged runs never load it
     import aiohttp
@@ -102,13 +102,6 @@ def ssl_context() -> ssl.SSLContext:
                 f"SSL_CERT_FILE={bundle}: not a readable CA bundle ({exc.__class__.__name__})"
             ) from None
     return context
-
-
-def _passes_on_a_fault(payload) -> bool:
-    """Whether a 2xx body is a chat completion whose choice says the request failed (`finish_reason` `error`: a
-    gateway passing on its upstream's fault), retried as any transient fault."""
-    choices = payload.get("choices") if isinstance(payload, dict) else None
-    return isinstance(choices, list) and any(isinstance(c, dict) and c.get("finish_reason") == "error" for c in choices)
 
 
 def public_url(url: str) -> str:
@@ -282,7 +275,7 @@ class Transport:
                 self.rate.succeeded()
                 self._tell_if_no_usage(completion[1])
                 return completion
-            if _passes_on_a_fault(payload):
+            if passes_on_a_fault(payload):
                 return _Fault(f"HTTP {status} from the judge endpoint passes on a fault (finish_reason error): "
                               f"{self.server_text(text)}")  # fmt: skip
             problem = f"HTTP {status} from the judge endpoint is not a chat completion: {self.server_text(text)}"
