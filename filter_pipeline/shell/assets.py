@@ -81,11 +81,10 @@ BATCH_KEYS = [dg.AssetKey(k) for k in ("batch_tasks", "batch_attempts", "batch_r
 ALREADY_FILTERED = "already_filtered"
 
 
-def already_filtered_line(record: CommitRecord, meanwhile: str, by: str = "another walk") -> str:
-    """The line of a run that another walk (or `by`) committed while this one did `meanwhile`, and what follows."""
-    return (
-        f"{record.run_id}: already filtered by {by} (committed, walked at {record.walked_at}) while this " + meanwhile
-    )
+def already_filtered_line(record: CommitRecord, when: str, by: str = "another walk") -> str:
+    """The line of a run that another walk (or `by`) committed `when` (while this run waited, say), and what
+    follows."""
+    return f"{record.run_id}: already filtered by {by} (committed, walked at {record.walked_at}) {when}"
 
 
 def blocking_check(name: str, asset: str, description: str | None) -> dg.AssetCheckSpec:
@@ -216,7 +215,7 @@ def _committed_outputs(context, data: DataRoot, record: CommitRecord) -> tuple[p
     """The verdicts and failure pool the committed walk walked, as its files hold them: what this run outputs
     (the same content written again) rather than its own, which would contradict the commit's kept rows."""
     why = already_filtered_line(
-        record, "run waited or judged: its verdicts and failure pool stand, this run's are not written"
+        record, "while this run waited or judged: its verdicts and failure pool stand, this run's are not written"
     )
     context.log.info(why)
     frames = [read_parquet(data.asset_file(asset, record.run_id)) for asset in ("judge_verdicts", "failure_pool")]

@@ -45,6 +45,7 @@ from filter_pipeline.shell.jobs import LEDGER_GROUP, PRIORITY_TAG
 from filter_pipeline.shell.waiting import (
     DEFERRED_TAG,
     Deferred,
+    committed_before_this_run,
     filtered_meanwhile,
     ready_runs,
     retry_later,
@@ -203,10 +204,12 @@ def _walk_under_lease(context, config, data: DataRoot, run_ids: list[str], input
         if not ready or ready == pending:
             wait_for_lower_runs(context, now, pending)
         by_this_run = walked_before_waiting(context) if meanwhile else set()
+        before = committed_before_this_run(context, meanwhile)
 
         def walk_one(run_id: str):
             if run_id in meanwhile:
-                return _already_filtered(context, meanwhile[run_id], run_id in by_this_run)
+                how = "this run" if run_id in by_this_run else "before" if run_id in before else "meanwhile"
+                return _already_filtered(context, meanwhile[run_id], how)
             walk = _RunWalk(context, config, data, run_id, source, lease, read[run_id])
             return _walk_the_ledger(walk, _JudgeStep(*(f[run_id] for f in inputs)))
 
@@ -265,14 +268,18 @@ def _write(data: DataRoot, staged: StagedWalk, run_id: str, asset: str, frame: p
     return staged.write(data.asset_file(asset, run_id), content, table.num_rows)
 
 
-def _already_filtered(context: dg.AssetExecutionContext, record: CommitRecord, by_this_run: bool):
-    """A run committed by another walk while this one waited (or by this run's earlier try: `by_this_run`): said
-    in one line, and its assets reported as that walk committed them (a commit stands only when its walk's checks
-    passed)."""
-    if by_this_run:
-        why = already_filtered_line(record, "step waited for the rest of its range: not walked again", "this run")
+def _already_filtered(context: dg.AssetExecutionContext, record: CommitRecord, how: str):
+    """A run committed by another walk while this one waited (`how`: "meanwhile"; "this run": by this run's
+    earlier try; "before": before this run was created, which a re-execution copying a first walk's tags asks
+    for): said in one line, and its assets reported as that walk committed them (a commit stands only when its
+    walk's checks passed)."""
+    if how == "this run":
+        why = already_filtered_line(record, "while this step waited for the rest of its range: not walked again", how)
+    elif how == "before":
+        again = settings.materialize_command(record.run_id)
+        why = already_filtered_line(record, f"before this run was created: not walked again (`{again}` walks it again)")
     else:
-        why = already_filtered_line(record, "one waited for the lease: not walked again")
+        why = already_filtered_line(record, "while this one waited for the lease: not walked again")
     context.log.info(why)
     for spec in LEDGER_SPECS:
         name = spec.key.path[-1]

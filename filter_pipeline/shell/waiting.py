@@ -70,6 +70,14 @@ def walked_before_waiting(context: dg.AssetExecutionContext) -> set[str]:
     return set(filter(None, tagged.split(",")))
 
 
+def committed_before_this_run(context: dg.AssetExecutionContext, found: dict[str, CommitRecord]) -> set[str]:
+    """Those of `found` (`filtered_meanwhile`) committed before this Dagster run was created: a run tagged for their
+    first walk though they were walked, as a re-execution of the run that walked them is (it copies its tags)."""
+    record = context.instance.get_run_record_by_id(context.run.run_id) if found else None
+    created = record.create_timestamp.timestamp() if record else None
+    return {r for r, commit in found.items() if created is not None and commit.walked_timestamp < created}
+
+
 def walk_then_wait(context: dg.AssetExecutionContext, data: DataRoot, walked: list, ready: list[str], rest: list[str]):
     """A range some of whose runs wait for a run of another range (an asset backfill splits its runs into ranges
     by registration order, so two ranges may each hold a run the other waits for): `walked` holds the events of

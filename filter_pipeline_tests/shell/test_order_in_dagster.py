@@ -16,8 +16,13 @@ from upath import UPath
 from filter_pipeline.cli.summary import failure_reason
 from filter_pipeline.definitions import build_defs
 from filter_pipeline.judge.resource import JudgeResource
-from filter_pipeline.settings import ORDER_MAX_WAIT_SECONDS_ENV, ORDER_QUEUED_SECONDS_ENV, ORDER_RETRY_SECONDS_ENV
-from filter_pipeline.shell.jobs import PARTITION_TAG, RANGE_END_TAG, RANGE_START_TAG
+from filter_pipeline.settings import (
+    ORDER_MAX_WAIT_SECONDS_ENV,
+    ORDER_QUEUED_SECONDS_ENV,
+    ORDER_RETRY_SECONDS_ENV,
+    materialize_command,
+)
+from filter_pipeline.shell.jobs import FIRST_WALK_TAG, PARTITION_TAG, RANGE_END_TAG, RANGE_START_TAG
 from filter_pipeline.shell.waiting import DEFERRED_TAG, ORDER_MAX_WAIT_TAG, WALKED_BEFORE_WAITING_TAG
 from filter_pipeline.storage.failures import read_failures
 from filter_pipeline_tests.builders import attempt, task, write_batch
@@ -483,6 +488,28 @@ def test_a_sensor_ledger_run_over_several_reports_each_run_another_walk_committe
     assert [m.split(":")[0] for m in said] == ["b0", "b1"]
     assert {r: (commits / f"{r}.json").read_bytes() for r in ("b0", "b1")} == before  # not walked again
     assert (commits / "b2.json").exists()
+
+
+def test_a_re_execution_of_a_sensor_ledger_run_that_walked_says_the_run_was_walked_before_it_was_created(
+    instance, data_root
+):
+    overlapping(data_root, ["b0"])
+    instance.add_dynamic_partitions("run_id", ["b0"])
+    defs = defs_for(data_root)
+    assert run_job(defs, instance, "judge_job", "b0").success
+    sensor_tags = {FIRST_WALK_TAG: "b0"}
+    assert run_job(defs, instance, "ledger_job", "b0", tags=sensor_tags).success
+    commit = (data_root / "warehouse" / "_commits" / "b0.json").read_bytes()
+
+    again = run_job(defs, instance, "ledger_job", "b0", tags=sensor_tags)  # "Re-execute" copies the run's tags
+
+    assert again.success
+    [said] = [e.user_message for e in instance.all_logs(again.run_id) if e.user_message.startswith("b0: already")]
+    assert said.startswith("b0: already filtered by another walk (committed, walked at ")
+    assert said.endswith(
+        f"before this run was created: not walked again (`{materialize_command('b0')}` walks it again)"
+    )
+    assert (data_root / "warehouse" / "_commits" / "b0.json").read_bytes() == commit
 
 
 def test_the_first_walk_tag_is_written_and_read_back_by_one_pair_of_rules():
