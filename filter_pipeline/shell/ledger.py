@@ -45,13 +45,12 @@ from filter_pipeline.shell.jobs import LEDGER_GROUP, PRIORITY_TAG
 from filter_pipeline.shell.waiting import (
     DEFERRED_TAG,
     Deferred,
-    committed_before_this_run,
     filtered_meanwhile,
+    how_filtered,
     ready_runs,
     retry_later,
     wait_for_lower_runs,
     walk_then_wait,
-    walked_before_waiting,
 )
 from filter_pipeline.shell.warehouse import DataRoot, plain_run_ids
 from filter_pipeline.storage import failures
@@ -203,13 +202,11 @@ def _walk_under_lease(context, config, data: DataRoot, run_ids: list[str], input
         ready = ready_runs(now, pending)  # (a range may walk these, then wait for the rest: `walk_then_wait`)
         if not ready or ready == pending:
             wait_for_lower_runs(context, now, pending)
-        by_this_run = walked_before_waiting(context) if meanwhile else set()
-        before = committed_before_this_run(context, meanwhile)
+        how = how_filtered(context, meanwhile)
 
         def walk_one(run_id: str):
             if run_id in meanwhile:
-                how = "this run" if run_id in by_this_run else "before" if run_id in before else "meanwhile"
-                return _already_filtered(context, meanwhile[run_id], how)
+                return _already_filtered(context, meanwhile[run_id], how[run_id])
             walk = _RunWalk(context, config, data, run_id, source, lease, read[run_id])
             return _walk_the_ledger(walk, _JudgeStep(*(f[run_id] for f in inputs)))
 
@@ -269,10 +266,10 @@ def _write(data: DataRoot, staged: StagedWalk, run_id: str, asset: str, frame: p
 
 
 def _already_filtered(context: dg.AssetExecutionContext, record: CommitRecord, how: str):
-    """A run committed by another walk while this one waited (`how`: "meanwhile"; "this run": by this run's
-    earlier try; "before": before this run was created, which a re-execution copying a first walk's tags asks
-    for): said in one line, and its assets reported as that walk committed them (a commit stands only when its
-    walk's checks passed)."""
+    """A run committed by another walk while this one waited, by this run's earlier try, or before this run was
+    created, as a re-execution copying a first walk's tags asks for (`how`: `waiting.how_filtered`): said in one
+    line, and its assets reported as that walk committed them (a commit stands only when its walk's checks
+    passed)."""
     if how == "this run":
         why = already_filtered_line(record, "while this step waited for the rest of its range: not walked again", how)
     elif how == "before":

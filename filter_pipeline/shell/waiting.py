@@ -78,6 +78,15 @@ def committed_before_this_run(context: dg.AssetExecutionContext, found: dict[str
     return {r for r, commit in found.items() if created is not None and commit.walked_timestamp < created}
 
 
+def how_filtered(context: dg.AssetExecutionContext, meanwhile: dict[str, CommitRecord]) -> dict[str, str]:
+    """Who committed each run of `meanwhile` (`filtered_meanwhile`), and when: "this run" (an earlier try of this
+    step, `walked_before_waiting`), "before" (before this Dagster run was created: `committed_before_this_run`)
+    or "meanwhile" (another walk, while this one waited)."""
+    ours = walked_before_waiting(context) if meanwhile else set()
+    before = committed_before_this_run(context, meanwhile)
+    return {r: "this run" if r in ours else "before" if r in before else "meanwhile" for r in meanwhile}
+
+
 def walk_then_wait(context: dg.AssetExecutionContext, data: DataRoot, walked: list, ready: list[str], rest: list[str]):
     """A range some of whose runs wait for a run of another range (an asset backfill splits its runs into ranges
     by registration order, so two ranges may each hold a run the other waits for): `walked` holds the events of
