@@ -47,9 +47,14 @@ def walk_order(run_ids: Iterable[str], committed: Iterable[str]) -> list[str]:
 def describe_wait(run_id: str, blockers: list[str], limit: int = 5) -> str:
     """One line: which runs a first walk of `run_id` waits for."""
     shown = ", ".join(blockers[:limit]) + (f" and {len(blockers) - limit} more" if len(blockers) > limit else "")
+    if len(blockers) == 1:
+        return (
+            f"the first walk of {run_id} waits for {shown}: a complete batch with a lower run_id, not yet filtered "
+            "(walk it, retire it in retired.json, or let its validation failure be recorded)"
+        )
     return (
-        f"the first walk of {run_id} waits for {shown}: a complete batch with a lower run_id, not yet filtered "
-        f"(walk it, retire it in retired.json, or let its validation failure be recorded)"
+        f"the first walk of {run_id} waits for {shown}: complete batches with a lower run_id, not yet filtered "
+        "(walk them, retire them in retired.json, or let their validation failures be recorded)"
     )
 
 

@@ -211,7 +211,7 @@ def _walk_under_lease(context, config, data: DataRoot, run_ids: list[str], input
             return _walk_the_ledger(walk, _JudgeStep(*(f[run_id] for f in inputs)))
 
         if ready != pending:
-            walked = _walk_in_order(context, [r for r in run_ids if r in meanwhile or r in ready], walk_one)
+            walked = _walk_in_order(context, [r for r in run_ids if r in meanwhile or r in ready], walk_one, run_ids)
             yield from walk_then_wait(context, data, list(walked), ready, pending[len(ready) :])
             return
         walk = walk_one(run_ids[0]) if len(run_ids) == 1 else _walk_in_order(context, run_ids, walk_one)
@@ -292,7 +292,7 @@ def _already_filtered(context: dg.AssetExecutionContext, record: CommitRecord, h
         )
 
 
-def _walk_in_order(context, run_ids: list[str], walk_one):
+def _walk_in_order(context, run_ids: list[str], walk_one, step_runs: list[str] | None = None):
     """A ranged step: each run walked on its own, lowest run_id first, written and committed before the next
     run reads history. Once every run is committed, each is materialized as its own partition with its own
     metadata (runtime materializations: a step downstream in the same run counts them as skipped). A run left
@@ -303,7 +303,8 @@ def _walk_in_order(context, run_ids: list[str], walk_one):
     outcomes: dict[tuple[str, str], list[tuple[str, dg.AssetCheckResult]]] = {}
     stopped = False
     for position, run_id in enumerate(run_ids, start=1):
-        context.log.info(f"walking {run_id} ({position} of {len(run_ids)} in run_id order)")
+        counted = step_runs or run_ids  # (the step's runs, when it walks those of them that may walk now)
+        context.log.info(f"walking {run_id} ({counted.index(run_id) + 1} of {len(counted)} in run_id order)")
         for event in walk_one(run_id):
             if isinstance(event, dg.MaterializeResult):
                 materialized = dg.AssetMaterialization(event.asset_key, partition=run_id, metadata=event.metadata)

@@ -22,8 +22,9 @@ from filter_pipeline.storage.runs import WalkOrder, walk_order
 ORDER_MAX_WAIT_TAG = "filter_pipeline/order_max_wait_seconds"
 # run tag: why this run's ledger step deferred its walk to the batch sensor (shown on the run in the UI)
 DEFERRED_TAG = "filter_pipeline/deferred"
-# run tag: the runs (comma-separated) this run's ledger step walked and committed before it waited for the rest of
-# its range; its next try reports them as already filtered by this run
+# run tag: "<run_ids, space-separated> in run <Dagster run id>": the runs this run's ledger step walked and committed
+# before it waited for the rest of its range; its next try reports them as already filtered by this run (the run id:
+# a re-execution copies its parent's tags, and walked none of them)
 WALKED_BEFORE_WAITING_TAG = "filter_pipeline/walked_before_waiting"
 
 
@@ -63,11 +64,12 @@ def ready_runs(now: WalkOrder, run_ids: list[str]) -> list[str]:
 
 
 def walked_before_waiting(context: dg.AssetExecutionContext) -> set[str]:
-    """The runs an earlier try of this step walked and committed before it waited (WALKED_BEFORE_WAITING_TAG),
-    read from the instance: a retry in the same process holds the run's tags as they were at its start."""
+    """The runs an earlier try of this step walked and committed before it waited (WALKED_BEFORE_WAITING_TAG, when
+    this Dagster run wrote it), read from the instance: a retry in the same process holds the run's tags as they
+    were at its start."""
     run = context.instance.get_run_by_id(context.run.run_id)
-    tagged = (run.tags if run else {}).get(WALKED_BEFORE_WAITING_TAG, "")
-    return set(filter(None, tagged.split(",")))
+    walked, _, by = (run.tags if run else {}).get(WALKED_BEFORE_WAITING_TAG, "").partition(" in run ")
+    return set(walked.split()) if by == context.run.run_id else set()
 
 
 def committed_before_this_run(context: dg.AssetExecutionContext, found: dict[str, CommitRecord]) -> set[str]:
@@ -98,8 +100,10 @@ def walk_then_wait(context: dg.AssetExecutionContext, data: DataRoot, walked: li
         yield from walked
         return
     context.log.info(f"walked and committed {', '.join(ready)}; the rest of the range ({', '.join(rest)}) waits")
-    committed = walked_before_waiting(context) | set(ready)
-    context.instance.add_run_tags(context.run.run_id, {WALKED_BEFORE_WAITING_TAG: ",".join(sorted(committed))})
+    committed = " ".join(sorted(walked_before_waiting(context) | set(ready)))
+    context.instance.add_run_tags(
+        context.run.run_id, {WALKED_BEFORE_WAITING_TAG: f"{committed} in run {context.run.run_id}"}
+    )
     try:
         wait_for_lower_runs(context, walk_order(data.root), rest)  # (read again: `ready` is committed now)
     except Deferred:

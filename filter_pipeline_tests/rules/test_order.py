@@ -75,6 +75,12 @@ def test_a_stopped_wait_names_the_queued_runs_and_who_walks_the_batch_later():
     assert "r2 (queued 75 s)" in line and "batch sensor walks r5" in line and "\n" not in line
 
 
+def test_the_wait_line_speaks_of_one_batch_or_of_several():
+    assert "waits for r2: a complete batch with a lower run_id" in order.describe_wait("r5", ["r2"])
+    several = order.describe_wait("r5", ["r1", "r2"])
+    assert "waits for r1, r2: complete batches with a lower run_id" in several and "retire them in" in several
+
+
 def test_a_stopped_ranged_walk_names_what_it_did_not_walk_and_what_it_committed_but_did_not_record():
     assert order.describe_stop("b1", ["b2", "b3"], ["b0"]) == (
         "b1 was not committed; not walked, to keep run_id order: b2, b3; "

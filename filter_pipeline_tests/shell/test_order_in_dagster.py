@@ -205,9 +205,13 @@ def test_two_ranged_ledger_steps_each_holding_a_run_the_other_waits_for_both_wal
     with dg.DagsterInstance.from_config(str(dagster_home)) as instance:
         # each range must walk its lower run, then wait for the other's: its next try reports that run as its own
         for dagster_run, lower in zip(runs, ("b0", "b1")):
-            said = [e.user_message for e in instance.all_logs(dagster_run) if "already filtered" in e.user_message]
-            assert [line.split(" (")[0] for line in said] == [f"{lower}: already filtered by this run"]
-            assert instance.get_run_by_id(dagster_run).tags[WALKED_BEFORE_WAITING_TAG] == lower
+            logged = [e.user_message for e in instance.all_logs(dagster_run)]
+            said = [line.split(" (")[0] for line in logged if line.startswith(f"{lower}: already filtered")]
+            assert said == [f"{lower}: already filtered by this run"]
+            assert f"walking {lower} (1 of 2 in run_id order)" in logged  # (counted in its range, first try)
+            assert (
+                instance.get_run_by_id(dagster_run).tags[WALKED_BEFORE_WAITING_TAG] == f"{lower} in run {dagster_run}"
+            )
         # every partition materialized once a walk committed it, though each range was walked over two tries
         assert partition_status(instance, defs, run_ids) == dict.fromkeys(run_ids, dg.AssetPartitionStatus.MATERIALIZED)
 
@@ -253,7 +257,9 @@ def test_a_range_whose_later_run_waits_for_a_run_stuck_in_the_queue_defers_it_an
         result = job.execute_in_process(instance=instance, tags={RANGE_START_TAG: "b0", RANGE_END_TAG: "b2"})
         assert result.success
         tags = instance.get_run_by_id(result.run_id).tags
-        assert "b2 waits for b1" in tags[DEFERRED_TAG] and tags[WALKED_BEFORE_WAITING_TAG] == "b0"
+        assert (
+            "b2 waits for b1" in tags[DEFERRED_TAG] and tags[WALKED_BEFORE_WAITING_TAG] == f"b0 in run {result.run_id}"
+        )
         [materialization] = materializations(instance, result.run_id, "kept", "b0")
         assert not materializations(instance, result.run_id, "kept", "b2")
     assert not (data_root / "warehouse" / "kept" / "b2.parquet").exists()
@@ -498,10 +504,13 @@ def test_a_re_execution_of_a_sensor_ledger_run_that_walked_says_the_run_was_walk
     defs = defs_for(data_root)
     assert run_job(defs, instance, "judge_job", "b0").success
     sensor_tags = {FIRST_WALK_TAG: "b0"}
-    assert run_job(defs, instance, "ledger_job", "b0", tags=sensor_tags).success
+    first = run_job(defs, instance, "ledger_job", "b0", tags=sensor_tags)
+    assert first.success
     commit = (data_root / "warehouse" / "_commits" / "b0.json").read_bytes()
 
-    again = run_job(defs, instance, "ledger_job", "b0", tags=sensor_tags)  # "Re-execute" copies the run's tags
+    # "Re-execute" copies the run's tags, even one saying which runs that run walked before it waited
+    copied = {**sensor_tags, WALKED_BEFORE_WAITING_TAG: f"b0 in run {first.run_id}"}
+    again = run_job(defs, instance, "ledger_job", "b0", tags=copied)
 
     assert again.success
     [said] = [e.user_message for e in instance.all_logs(again.run_id) if e.user_message.startswith("b0: already")]
