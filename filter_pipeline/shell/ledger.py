@@ -3,7 +3,7 @@ then the run's commit record, for one run or (a single-run backfill) several in 
 
 Whoever launches it (the sensor, the CLI, a UI backfill in any order, another instance over the same warehouse),
 the step itself guarantees CONTRACT §4: a run's first walk waits until every lower complete batch is walked,
-retired or recorded as failed (the step asks Dagster to retry it later and walks nothing meanwhile); walks on
+retired or recorded as failed (the step asks Dagster to retry it later and walks no run after it meanwhile); walks on
 one data root never overlap (the lease in `storage/lease.py`); a run counts as filtered only once its commit
 record is published, after every file the walk derives is staged, by a write conditional on the record the walk
 read when it took the lease (`storage/publish.py`); and a run asked for its first walk that another walk
@@ -49,7 +49,6 @@ from filter_pipeline.shell.waiting import (
     how_filtered,
     ready_runs,
     retry_later,
-    wait_for_lower_runs,
     walk_then_wait,
 )
 from filter_pipeline.shell.warehouse import DataRoot, plain_run_ids
@@ -160,8 +159,9 @@ def build_ledger(deployment_caps: dict) -> dg.AssetsDefinition:
         batch_attempts: Any,
     ):
         """Walk this step's runs in run_id order, each once every lower complete batch is filtered (otherwise
-        Dagster retries the step later, and nothing is walked), under the data root's lease; each walk writes
-        every file derived from it, then its commit. One partition: its frames; a range: dicts by run_id."""
+        Dagster retries the step later, once a range has walked its runs before that one), under the data root's
+        lease; each walk writes every file derived from it, then its commit. One partition: its frames; a range:
+        dicts by run_id."""
         run_ids = plain_run_ids(context.partition_keys)
         inputs = [
             frames if isinstance(frames, dict) else {run_ids[0]: frames}
@@ -199,9 +199,7 @@ def _walk_under_lease(context, config, data: DataRoot, run_ids: list[str], input
         # meanwhile (a re-walk of a lower run is pending while it writes)
         pending = [r for r in run_ids if r not in meanwhile]
         now = walk_order(data.root)
-        ready = ready_runs(now, pending)  # (a range may walk these, then wait for the rest: `walk_then_wait`)
-        if not ready or ready == pending:
-            wait_for_lower_runs(context, now, pending)
+        ready = ready_runs(now, pending)
         how = how_filtered(context, meanwhile)
 
         def walk_one(run_id: str):
@@ -210,9 +208,10 @@ def _walk_under_lease(context, config, data: DataRoot, run_ids: list[str], input
             walk = _RunWalk(context, config, data, run_id, source, lease, read[run_id])
             return _walk_the_ledger(walk, _JudgeStep(*(f[run_id] for f in inputs)))
 
-        if ready != pending:
-            walked = _walk_in_order(context, [r for r in run_ids if r in meanwhile or r in ready], walk_one, run_ids)
-            yield from walk_then_wait(context, data, list(walked), ready, pending[len(ready) :])
+        if ready != pending:  # (a run waits: the runs before it are walked, then the step waits, `walk_then_wait`)
+            head = [r for r in run_ids if r in meanwhile or r in ready]
+            walked = list(_walk_in_order(context, head, walk_one, run_ids)) if head else []
+            yield from walk_then_wait(context, now, walked, ready, pending[len(ready) :])
             return
         walk = walk_one(run_ids[0]) if len(run_ids) == 1 else _walk_in_order(context, run_ids, walk_one)
         # yielded under the lease: the walk's materializations and check results are recorded before
@@ -221,8 +220,8 @@ def _walk_under_lease(context, config, data: DataRoot, run_ids: list[str], input
 
 
 def _deferred(context: dg.AssetExecutionContext, why: str):
-    """A walk left to the batch sensor: the run succeeds without materializing; the reason is on the run's tag
-    `filter_pipeline/deferred`, in its log and on each check (a warning: not walked here)."""
+    """A walk left to the batch sensor: the run succeeds without materializing what it did not walk; the reason
+    is on the run's tag `filter_pipeline/deferred`, in its log and on each check (a warning: not walked here)."""
     context.log.warning(why)
     context.instance.add_run_tags(context.run.run_id, {DEFERRED_TAG: why[:1000]})
     for check in KEPT_CHECKS:
@@ -313,7 +312,8 @@ def _walk_in_order(context, run_ids: list[str], walk_one, step_runs: list[str] |
                 outcomes.setdefault((event.check_name, event.asset_key.path[-1]), []).append((run_id, event))
                 stopped = stopped or not event.passed
         if stopped:
-            context.log.error(order.describe_stop(run_id, run_ids[position:], run_ids[: position - 1]))
+            not_walked = counted[counted.index(run_id) + 1 :]
+            context.log.error(order.describe_stop(run_id, not_walked, run_ids[: position - 1]))
             break
     if not stopped:
         yield from materializations

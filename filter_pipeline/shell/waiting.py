@@ -16,7 +16,7 @@ from filter_pipeline.shell.jobs import first_walks, partitions_of
 from filter_pipeline.shell.warehouse import DataRoot
 from filter_pipeline.storage.history import read_commit
 from filter_pipeline.storage.publish import CommitState
-from filter_pipeline.storage.runs import WalkOrder, walk_order
+from filter_pipeline.storage.runs import WalkOrder
 
 # run tag: the most seconds this run's ledger step waits for lower runs (the CLI sets 0: it orders its own runs)
 ORDER_MAX_WAIT_TAG = "filter_pipeline/order_max_wait_seconds"
@@ -89,38 +89,49 @@ def how_filtered(context: dg.AssetExecutionContext, meanwhile: dict[str, CommitR
     return {r: "this run" if r in ours else "before" if r in before else "meanwhile" for r in meanwhile}
 
 
-def walk_then_wait(context: dg.AssetExecutionContext, data: DataRoot, walked: list, ready: list[str], rest: list[str]):
-    """A range some of whose runs wait for a run of another range (an asset backfill splits its runs into ranges
-    by registration order, so two ranges may each hold a run the other waits for): `walked` holds the events of
-    the walk of its `ready` runs, done and committed; the step is then tried again later for the runs of `rest`
-    (its next try reports the `ready` runs as already filtered), unless a run they wait for is stuck in the run
-    queue: then the `ready` runs are reported materialized, and Deferred is raised. A walk stopped by a failed
+def walk_then_wait(context: dg.AssetExecutionContext, now: WalkOrder, walked: list, ready: list[str], rest: list[str]):
+    """A step some of whose runs (`rest`, the first of which waits in `now`) may not be walked yet. A range may
+    hold runs that may (`ready`): an asset backfill splits its runs into ranges by registration order, so two
+    ranges may each hold a run the other waits for; `walked` holds the events of the walk of the runs before
+    `rest` (the `ready` runs, done and committed, and those committed meanwhile). The step is then tried again
+    later (its next try reports the runs walked here as already filtered by this run), unless a run `rest`
+    waits for is stuck in the run queue: then the runs of `walked` are reported materialized, and Deferred is
+    raised. When the wait is used up, the failure names the runs this run committed. A walk stopped by a failed
     check does not wait: its events are yielded as they are."""
     if any(isinstance(event, dg.AssetCheckResult) and not event.passed for event in walked):
         yield from walked
         return
-    context.log.info(f"walked and committed {', '.join(ready)}; the rest of the range ({', '.join(rest)}) waits")
-    committed = " ".join(sorted(walked_before_waiting(context) | set(ready)))
-    context.instance.add_run_tags(
-        context.run.run_id, {WALKED_BEFORE_WAITING_TAG: f"{committed} in run {context.run.run_id}"}
-    )
+    committed = sorted(walked_before_waiting(context) | set(ready))
+    if ready:
+        context.log.info(f"walked and committed {', '.join(ready)}; the rest of the range ({', '.join(rest)}) waits")
+        tag = f"{' '.join(committed)} in run {context.run.run_id}"
+        context.instance.add_run_tags(context.run.run_id, {WALKED_BEFORE_WAITING_TAG: tag})
     try:
-        wait_for_lower_runs(context, walk_order(data.root), rest)  # (read again: `ready` is committed now)
+        wait_for_lower_runs(context, now, rest, walked_before=ready)
     except Deferred:
         yield from (event for event in walked if isinstance(event, dg.AssetMaterialization))
         raise
-    # (what `rest` waited for went away meanwhile, a batch deleted or retired: the next try walks it)
+    except dg.Failure as exc:  # (the wait is used up)
+        if not committed:
+            raise
+        unrecorded = (
+            f"committed, but not recorded as materialized (materialize again to record): {', '.join(committed)}"
+        )
+        raise dg.Failure(description=f"{exc.description}; {unrecorded}") from None
+    # (not reached: `rest`'s first run waits in `now`, as `ready_runs` found)
     retry_later(context, f"{', '.join(rest)} may be walked now")
 
 
-def wait_for_lower_runs(context: dg.AssetExecutionContext, now: WalkOrder, run_ids: list[str]) -> None:
-    """Return when every run in `run_ids` may be walked now, in that order; else retry the step later, or
-    raise Deferred at once when a run it waits for is stuck in the run queue (`_stuck_in_queue`). A run that
-    waits for nothing (a wait of 0: its tag, as on the CLI's runs, or the setting) holds no slot waiting: it fails
-    at once, naming the run it waits for, and is never deferred (its launcher, not the sensor, says what became of
-    it). `now`: the data root's `walk_order`."""
+def wait_for_lower_runs(
+    context: dg.AssetExecutionContext, now: WalkOrder, run_ids: list[str], walked_before: list[str]
+) -> None:
+    """Return when every run in `run_ids` may be walked now (`now`: the data root's `walk_order`), in that order,
+    after `walked_before`; else retry the step later, or raise Deferred at once when a run it waits for is stuck
+    in the run queue (`_stuck_in_queue`). A run that waits for nothing (a wait of 0: its tag, as on the CLI's
+    runs, or the setting) holds no slot waiting: it fails at once, naming the run it waits for, and is never
+    deferred (its launcher, not the sensor, says what became of it)."""
     for position, run_id in enumerate(run_ids):
-        blockers = now.blocking(run_id, walked_before=run_ids[:position])
+        blockers = now.blocking(run_id, walked_before=[*walked_before, *run_ids[:position]])
         if blockers:
             why = order.describe_wait(run_id, blockers)
             waits = _order_settings(context)[1] > 0
@@ -152,8 +163,9 @@ def filtered_meanwhile(
     waited (their records). Asked for a first walk: named in the FIRST_WALK_TAG tag; without the tag (a backfill,
     the launchpad), a run whose commit was walked after this Dagster run was created."""
     tagged = first_walks(context.run.tags)
-    created = None
+    created, ours = None, set()
     if tagged is None:
+        ours = walked_before_waiting(context)  # (its own tag, not two clocks: the worker's and run storage's)
         record = context.instance.get_run_record_by_id(context.run.run_id)
         created = record.create_timestamp.timestamp() if record else None
     found = {}
@@ -161,6 +173,6 @@ def filtered_meanwhile(
         if not state.exists or (tagged is not None and run_id not in tagged):
             continue
         committed = read_commit(data.warehouse, run_id)
-        if tagged is not None or (created is not None and committed.walked_timestamp >= created):
+        if tagged is not None or run_id in ours or (created is not None and committed.walked_timestamp >= created):
             found[run_id] = committed
     return found

@@ -7,6 +7,7 @@ import os
 import shutil
 import threading
 import time
+import uuid
 
 import dagster as dg
 import pandas as pd
@@ -184,7 +185,7 @@ def test_two_ranged_ledger_steps_each_holding_a_run_the_other_waits_for_both_wal
         for run_id in run_ids:
             assert run_job(defs, instance, "judge_job", run_id).success
     env = {**os.environ, "DAGSTER_HOME": str(dagster_home), "FILTER_PIPELINE_DATA": str(data_root),
-           ORDER_RETRY_SECONDS_ENV: "1", ORDER_MAX_WAIT_SECONDS_ENV: "60"}  # fmt: skip
+           ORDER_RETRY_SECONDS_ENV: "1", ORDER_MAX_WAIT_SECONDS_ENV: "300"}  # fmt: skip
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", LAUNCH_RANGE, start, end, *LEDGER_ASSETS],
@@ -236,13 +237,42 @@ def test_a_range_whose_later_run_waits_in_vain_fails_after_committing_the_runs_b
     job = judged_range_around_b1(data_root, instance)
     tags = {RANGE_START_TAG: "b0", RANGE_END_TAG: "b2", ORDER_MAX_WAIT_TAG: "0"}
     result = job.execute_in_process(instance=instance, tags=tags, raise_on_error=False)
-    assert not result.success and "the first walk of b2 waits for b1" in failure_reason(result)
+    reason = failure_reason(result)
+    assert not result.success and "the first walk of b2 waits for b1" in reason
+    assert "; committed, but not recorded as materialized (materialize again to record): b0" in reason
     said = [e.user_message for e in instance.all_logs(result.run_id) if e.user_message.startswith("walked and")]
     assert said == ["walked and committed b0; the rest of the range (b2) waits"]
     assert (data_root / "warehouse" / "_commits" / "b0.json").exists()
     assert not (data_root / "warehouse" / "kept" / "b2.parquet").exists()
     # none of the range is materialized, as when a check stops a range (a backfill waits on a range done in part)
     assert not materializations(instance, result.run_id, "kept", "b0")
+
+
+@pytest.mark.slow
+def test_a_range_that_defers_on_a_later_try_reports_the_runs_its_first_try_walked(data_root, dagster_home):
+    import subprocess
+    import sys
+
+    from filter_pipeline_tests.conftest import REPO
+
+    with dg.DagsterInstance.from_config(str(dagster_home)) as instance:
+        judged_range_around_b1(data_root, instance)
+    env = {**os.environ, "DAGSTER_HOME": str(dagster_home), "FILTER_PIPELINE_DATA": str(data_root),
+           ORDER_RETRY_SECONDS_ENV: "1", ORDER_MAX_WAIT_SECONDS_ENV: "300", ORDER_QUEUED_SECONDS_ENV: "0"}  # fmt: skip
+    ranged = subprocess.Popen([sys.executable, "-c", LAUNCH_RANGE, "b0", "b2", *LEDGER_ASSETS], env=env, cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not (data_root / "warehouse" / "_commits" / "b0.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    queue_run(dagster_home, data_root, "judge_job", {PARTITION_TAG: "b1"})  # b1's run, stuck: no daemon
+    out, err = ranged.communicate(timeout=300)
+    assert ranged.returncode == 0, err[-3000:]
+    dagster_run = out.strip().splitlines()[-1]
+    with dg.DagsterInstance.from_config(str(dagster_home)) as instance:
+        assert steps(instance, dagster_run, dg.DagsterEventType.STEP_UP_FOR_RETRY)  # deferred on a later try
+        assert "b2 waits for b1" in instance.get_run_by_id(dagster_run).tags[DEFERRED_TAG]
+        [materialization] = materializations(instance, dagster_run, "kept", "b0")
+        assert not materializations(instance, dagster_run, "kept", "b2")
 
 
 @pytest.mark.slow
@@ -263,6 +293,26 @@ def test_a_range_whose_later_run_waits_for_a_run_stuck_in_the_queue_defers_it_an
         [materialization] = materializations(instance, result.run_id, "kept", "b0")
         assert not materializations(instance, result.run_id, "kept", "b2")
     assert not (data_root / "warehouse" / "kept" / "b2.parquet").exists()
+
+
+def test_a_range_retried_after_walking_its_first_runs_knows_them_by_its_tag_not_by_the_clocks(instance, data_root):
+    # b0 committed by this run's first try, at a moment the run storage's clock puts before the run was created
+    job = judged_range_around_b1(data_root, instance)
+    assert run_job(job_defs := defs_for(data_root), instance, "ledger_job", "b0").success
+    commit = (data_root / "warehouse" / "_commits" / "b0.json").read_bytes()
+    assert (
+        run_job(job_defs, instance, "judge_job", "b1").success
+        and run_job(job_defs, instance, "ledger_job", "b1").success
+    )
+    run_id = str(uuid.uuid4())  # (Dagster run ids are UUIDs)
+    tags = {RANGE_START_TAG: "b0", RANGE_END_TAG: "b2", WALKED_BEFORE_WAITING_TAG: f"b0 in run {run_id}"}
+
+    result = job.execute_in_process(instance=instance, tags=tags, run_id=run_id)
+
+    said = [e.user_message for e in instance.all_logs(result.run_id) if e.user_message.startswith("b0: already")]
+    assert [line.split(" (")[0] for line in said] == ["b0: already filtered by this run"]
+    assert (data_root / "warehouse" / "_commits" / "b0.json").read_bytes() == commit  # not walked again
+    assert (data_root / "warehouse" / "_commits" / "b2.json").exists()
 
 
 def materializations(instance, dagster_run_id: str, asset: str, partition: str) -> list:
