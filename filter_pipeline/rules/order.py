@@ -65,10 +65,13 @@ def describe_stop(run_id: str, not_walked: list[str], committed: list[str]) -> s
     if not_walked:
         said.append(f"not walked, to keep run_id order: {', '.join(not_walked)}")
     if committed:
-        said.append(
-            f"committed, but not recorded as materialized (materialize again to record): {', '.join(committed)}"
-        )
+        said.append(describe_unrecorded(committed))
     return "; ".join(said)
+
+
+def describe_unrecorded(committed: list[str]) -> str:
+    """The runs a step committed but did not record as materialized (it stopped or failed after their walks)."""
+    return f"committed, but not recorded as materialized (materializing again walks them again): {', '.join(committed)}"
 
 
 def stuck_in_queue(queued: list[tuple[str, float]], now: float, limit: float) -> dict[str, float]:

@@ -49,6 +49,7 @@ from filter_pipeline.shell.waiting import (
     how_filtered,
     ready_runs,
     retry_later,
+    unrecorded,
     walk_then_wait,
 )
 from filter_pipeline.shell.warehouse import DataRoot, plain_run_ids
@@ -178,10 +179,10 @@ def build_ledger(deployment_caps: dict) -> dg.AssetsDefinition:
         except Deferred as exc:
             yield from _deferred(context, str(exc))
         except (PublishRefused, PublishIncomplete, StoreIgnoresConditions) as exc:
-            raise dg.Failure(description=str(exc)) from None
+            raise dg.Failure(description=str(exc) + unrecorded(context)) from None
         except (HistoryIntegrityError, HistoryError, PublishSuperseded, PublishOverlapped) as exc:
             # (a committed file changed, a broken retired.json, a later walk's commit standing: a retry changes none)
-            raise dg.Failure(description=str(exc), allow_retries=False) from None
+            raise dg.Failure(description=str(exc) + unrecorded(context), allow_retries=False) from None
 
     return ledger
 

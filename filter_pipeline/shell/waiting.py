@@ -22,6 +22,8 @@ from filter_pipeline.storage.runs import WalkOrder
 ORDER_MAX_WAIT_TAG = "filter_pipeline/order_max_wait_seconds"
 # run tag: why this run's ledger step deferred its walk to the batch sensor (shown on the run in the UI)
 DEFERRED_TAG = "filter_pipeline/deferred"
+# run tag Dagster gives a re-execution: the run it re-executes
+PARENT_RUN_TAG = "dagster/parent_run_id"
 # run tag: "<run_ids, space-separated> in run <Dagster run id>": the runs this run's ledger step walked and committed
 # before it waited for the rest of its range; its next try reports them as already filtered by this run (the run id:
 # a re-execution copies its parent's tags, and walked none of them)
@@ -73,11 +75,19 @@ def walked_before_waiting(context: dg.AssetExecutionContext) -> set[str]:
 
 
 def committed_before_this_run(context: dg.AssetExecutionContext, found: dict[str, CommitRecord]) -> set[str]:
-    """Those of `found` (`filtered_meanwhile`) committed before this Dagster run was created: a run tagged for their
-    first walk though they were walked, as a re-execution of the run that walked them is (it copies its tags)."""
-    record = context.instance.get_run_record_by_id(context.run.run_id) if found else None
+    """When this Dagster run re-executes another (it copies its parent's tags, a first walk's included): those of
+    `found` (`filtered_meanwhile`) committed before it was created, by the run it re-executes, say."""
+    reexecution = PARENT_RUN_TAG in context.run.tags
+    record = context.instance.get_run_record_by_id(context.run.run_id) if found and reexecution else None
     created = record.create_timestamp.timestamp() if record else None
     return {r for r, commit in found.items() if created is not None and commit.walked_timestamp < created}
+
+
+def unrecorded(context: dg.AssetExecutionContext) -> str:
+    """What a failure of this step adds when an earlier try committed runs it did not record as materialized
+    (`walked_before_waiting`): "; committed, but not recorded …: <runs>", or ""."""
+    committed = sorted(walked_before_waiting(context))
+    return f"; {order.describe_unrecorded(committed)}" if committed else ""
 
 
 def how_filtered(context: dg.AssetExecutionContext, meanwhile: dict[str, CommitRecord]) -> dict[str, str]:
@@ -92,8 +102,8 @@ def how_filtered(context: dg.AssetExecutionContext, meanwhile: dict[str, CommitR
 def walk_then_wait(context: dg.AssetExecutionContext, now: WalkOrder, walked: list, ready: list[str], rest: list[str]):
     """A step some of whose runs (`rest`, the first of which waits in `now`) may not be walked yet. A range may
     hold runs that may (`ready`): an asset backfill splits its runs into ranges by registration order, so two
-    ranges may each hold a run the other waits for; `walked` holds the events of the walk of the runs before
-    `rest` (the `ready` runs, done and committed, and those committed meanwhile). The step is then tried again
+    ranges may each hold a run the other waits for; `walked` holds the events of the walk of the `ready` runs,
+    done and committed, and of the step's runs committed meanwhile. The step is then tried again
     later (its next try reports the runs walked here as already filtered by this run), unless a run `rest`
     waits for is stuck in the run queue: then the runs of `walked` are reported materialized, and Deferred is
     raised. When the wait is used up, the failure names the runs this run committed. A walk stopped by a failed
@@ -114,10 +124,7 @@ def walk_then_wait(context: dg.AssetExecutionContext, now: WalkOrder, walked: li
     except dg.Failure as exc:  # (the wait is used up)
         if not committed:
             raise
-        unrecorded = (
-            f"committed, but not recorded as materialized (materialize again to record): {', '.join(committed)}"
-        )
-        raise dg.Failure(description=f"{exc.description}; {unrecorded}") from None
+        raise dg.Failure(description=f"{exc.description}; {order.describe_unrecorded(committed)}") from None
     # (not reached: `rest`'s first run waits in `now`, as `ready_runs` found)
     retry_later(context, f"{', '.join(rest)} may be walked now")
 
@@ -159,9 +166,11 @@ def _stuck_in_queue(instance: dg.DagsterInstance, blockers: list[str]) -> dict[s
 def filtered_meanwhile(
     context: dg.AssetExecutionContext, data: DataRoot, read: dict[str, CommitState]
 ) -> dict[str, CommitRecord]:
-    """The runs this Dagster run was asked to walk for the first time that another walk committed while it
-    waited (their records). Asked for a first walk: named in the FIRST_WALK_TAG tag; without the tag (a backfill,
-    the launchpad), a run whose commit was walked after this Dagster run was created."""
+    """The runs this Dagster run was asked to walk for the first time that are committed already, by another walk
+    while it waited or by an earlier try of its own step (their records). Asked for a first walk: named in the
+    FIRST_WALK_TAG tag (a re-execution copies it: `committed_before_this_run`); without the tag (a backfill, the
+    launchpad), a run named in this run's WALKED_BEFORE_WAITING_TAG or whose commit was walked after this Dagster
+    run was created."""
     tagged = first_walks(context.run.tags)
     created, ours = None, set()
     if tagged is None:

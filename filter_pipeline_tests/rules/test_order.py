@@ -84,7 +84,7 @@ def test_the_wait_line_speaks_of_one_batch_or_of_several():
 def test_a_stopped_ranged_walk_names_what_it_did_not_walk_and_what_it_committed_but_did_not_record():
     assert order.describe_stop("b1", ["b2", "b3"], ["b0"]) == (
         "b1 was not committed; not walked, to keep run_id order: b2, b3; "
-        "committed, but not recorded as materialized (materialize again to record): b0"
+        "committed, but not recorded as materialized (materializing again walks them again): b0"
     )
     assert order.describe_stop("b0", ["b1"], []) == "b0 was not committed; not walked, to keep run_id order: b1"
-    assert order.describe_stop("b2", [], ["b0", "b1"]).endswith("(materialize again to record): b0, b1")
+    assert order.describe_stop("b2", [], ["b0", "b1"]).endswith("(materializing again walks them again): b0, b1")

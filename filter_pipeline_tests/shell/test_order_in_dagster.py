@@ -24,7 +24,7 @@ from filter_pipeline.settings import (
     materialize_command,
 )
 from filter_pipeline.shell.jobs import FIRST_WALK_TAG, PARTITION_TAG, RANGE_END_TAG, RANGE_START_TAG
-from filter_pipeline.shell.waiting import DEFERRED_TAG, ORDER_MAX_WAIT_TAG, WALKED_BEFORE_WAITING_TAG
+from filter_pipeline.shell.waiting import DEFERRED_TAG, ORDER_MAX_WAIT_TAG, PARENT_RUN_TAG, WALKED_BEFORE_WAITING_TAG
 from filter_pipeline.storage.failures import read_failures
 from filter_pipeline_tests.builders import attempt, task, write_batch
 
@@ -239,7 +239,7 @@ def test_a_range_whose_later_run_waits_in_vain_fails_after_committing_the_runs_b
     result = job.execute_in_process(instance=instance, tags=tags, raise_on_error=False)
     reason = failure_reason(result)
     assert not result.success and "the first walk of b2 waits for b1" in reason
-    assert "; committed, but not recorded as materialized (materialize again to record): b0" in reason
+    assert "; committed, but not recorded as materialized (materializing again walks them again): b0" in reason
     said = [e.user_message for e in instance.all_logs(result.run_id) if e.user_message.startswith("walked and")]
     assert said == ["walked and committed b0; the rest of the range (b2) waits"]
     assert (data_root / "warehouse" / "_commits" / "b0.json").exists()
@@ -273,6 +273,32 @@ def test_a_range_that_defers_on_a_later_try_reports_the_runs_its_first_try_walke
         assert "b2 waits for b1" in instance.get_run_by_id(dagster_run).tags[DEFERRED_TAG]
         [materialization] = materializations(instance, dagster_run, "kept", "b0")
         assert not materializations(instance, dagster_run, "kept", "b2")
+
+
+@pytest.mark.slow
+def test_a_range_that_fails_on_a_later_try_names_the_runs_its_first_try_committed(data_root, dagster_home):
+    import subprocess
+    import sys
+
+    from filter_pipeline_tests.conftest import REPO
+
+    with dg.DagsterInstance.from_config(str(dagster_home)) as instance:
+        judged_range_around_b1(data_root, instance)
+    env = {**os.environ, "DAGSTER_HOME": str(dagster_home), "FILTER_PIPELINE_DATA": str(data_root),
+           ORDER_RETRY_SECONDS_ENV: "1", ORDER_MAX_WAIT_SECONDS_ENV: "300"}  # fmt: skip
+    ranged = subprocess.Popen([sys.executable, "-c", LAUNCH_RANGE, "b0", "b2", *LEDGER_ASSETS], env=env, cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not (data_root / "warehouse" / "_commits" / "b0.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    (data_root / "retired.json").write_text('{"run_id": "b1"}')  # broken while the step waits: no retry mends it
+    out, _ = ranged.communicate(timeout=300)
+    assert ranged.returncode == 1
+    with dg.DagsterInstance.from_config(str(dagster_home)) as instance:
+        [failure] = instance.all_logs(out.strip().splitlines()[-1], of_type=dg.DagsterEventType.STEP_FAILURE)
+    message = failure.dagster_event.step_failure_data.error.message
+    assert "retired.json" in message
+    assert "committed, but not recorded as materialized (materializing again walks them again): b0" in message
 
 
 @pytest.mark.slow
@@ -500,7 +526,7 @@ def test_a_ranged_ledger_step_stops_at_a_run_its_checks_left_uncommitted(instanc
     assert errors == [
         "b1: not committed (caps_respected failed): nothing of this walk is kept",
         "b1 was not committed; not walked, to keep run_id order: b2; committed, but not recorded as materialized "
-        "(materialize again to record): b0",
+        "(materializing again walks them again): b0",
     ]
     # none of the range is materialized: b1's files were never published, b2 was not walked, and a range
     # materialized in part would leave an asset backfill waiting forever on Dagster 1.12
@@ -559,7 +585,7 @@ def test_a_re_execution_of_a_sensor_ledger_run_that_walked_says_the_run_was_walk
     commit = (data_root / "warehouse" / "_commits" / "b0.json").read_bytes()
 
     # "Re-execute" copies the run's tags, even one saying which runs that run walked before it waited
-    copied = {**sensor_tags, WALKED_BEFORE_WAITING_TAG: f"b0 in run {first.run_id}"}
+    copied = {**sensor_tags, WALKED_BEFORE_WAITING_TAG: f"b0 in run {first.run_id}", PARENT_RUN_TAG: first.run_id}
     again = run_job(defs, instance, "ledger_job", "b0", tags=copied)
 
     assert again.success
