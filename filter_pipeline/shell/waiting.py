@@ -111,20 +111,19 @@ def walk_then_wait(context: dg.AssetExecutionContext, now: WalkOrder, walked: li
     if any(isinstance(event, dg.AssetCheckResult) and not event.passed for event in walked):
         yield from walked
         return
-    committed = sorted(walked_before_waiting(context) | set(ready))
     if ready:
         context.log.info(f"walked and committed {', '.join(ready)}; the rest of the range ({', '.join(rest)}) waits")
-        tag = f"{' '.join(committed)} in run {context.run.run_id}"
-        context.instance.add_run_tags(context.run.run_id, {WALKED_BEFORE_WAITING_TAG: tag})
+        committed = " ".join(sorted(walked_before_waiting(context) | set(ready)))
+        context.instance.add_run_tags(
+            context.run.run_id, {WALKED_BEFORE_WAITING_TAG: f"{committed} in run {context.run.run_id}"}
+        )
     try:
         wait_for_lower_runs(context, now, rest, walked_before=ready)
     except Deferred:
         yield from (event for event in walked if isinstance(event, dg.AssetMaterialization))
         raise
-    except dg.Failure as exc:  # (the wait is used up)
-        if not committed:
-            raise
-        raise dg.Failure(description=f"{exc.description}; {order.describe_unrecorded(committed)}") from None
+    except dg.Failure as exc:  # (the wait is used up: the tag names what this run committed)
+        raise dg.Failure(description=exc.description + unrecorded(context)) from None
     # (not reached: `rest`'s first run waits in `now`, as `ready_runs` found)
     retry_later(context, f"{', '.join(rest)} may be walked now")
 
