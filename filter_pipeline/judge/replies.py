@@ -6,7 +6,7 @@ import bisect
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
@@ -19,9 +19,8 @@ from filter_pipeline.rules.schemas import SCORE_RANGE, VERDICT_FLAGS
 # thinking aloud (often quoting the requested format), never its answer.
 # Tags as `<think>`, `<seed:think>` (a namespace before the name) or `[THINK]` (Magistral's brackets).
 _NAME = r"(?:[\w-]+:)?(?:think|thinking|reasoning)"
-_CLOSED_BLOCK = re.compile(rf"<({_NAME})\b[^>]*>.*?</\1\s*>|\[(THINK)\].*?\[/\2\]", re.DOTALL | re.IGNORECASE)
 _CLOSE_TAG = re.compile(rf"</{_NAME}\s*>|\[/THINK\]", re.IGNORECASE)
-_OPEN_TAG = re.compile(rf"<{_NAME}\b[^>]*>|\[THINK\]", re.IGNORECASE)
+_OPEN_TAG = re.compile(rf"<({_NAME})\b[^>]*>|\[(THINK)\]", re.IGNORECASE)
 # A brace of prose (`/cart/{id}`, `\\boxed{0}`) follows a letter, a digit, a slash, a backslash, a brace or a
 # dollar and holds no colon, quote or line break before its own `}` (braces of prose nested once are part of
 # it); a template's `{{name}}`, which no JSON object starts with, is one anywhere. Any other `{` that does not
@@ -69,13 +68,41 @@ def strip_reasoning(text: str) -> str:
     return text
 
 
+def _closed_blocks(text: str) -> Iterator[tuple[int, int]]:
+    """(start, end) of each closed reasoning block, in order: an opening tag up to the first closing tag of its
+    name after it (case aside), the search going on after that block. An opening tag whose name has no closing
+    tag after it opens no block, and the search goes on after its `<`. Once a name is known to have no closing
+    tag after some point, its later opening tags are not searched again: a reply repeating an unclosed tag costs
+    time in proportion to its length, not its square."""
+    unclosed: set[tuple[str, bool]] = set()  # (name, bracketed): `<THINK>` is closed otherwise than `[THINK]`
+    at = 0
+    while (opening := _OPEN_TAG.search(text, at)) is not None:
+        tag = (opening.group(1) or opening.group(2), opening.group(2) is not None)
+        closing = None if tag in unclosed else _closing_tag(*tag).search(text, opening.end())
+        if closing is None:
+            unclosed.add(tag)
+            at = opening.start() + 1
+            continue
+        yield opening.start(), closing.end()
+        at = closing.end()
+
+
+def _closing_tag(name: str, bracketed: bool) -> re.Pattern:
+    if bracketed:
+        return re.compile(rf"\[/{re.escape(name)}\]", re.IGNORECASE)
+    return re.compile(rf"</{re.escape(name)}\s*>", re.IGNORECASE)
+
+
 def _without_blocks(text: str) -> str:
     objects, broken = _objects(text)
-
-    def removed(m: re.Match) -> str:  # (both tags must be tags: a closing one in a JSON string is text)
-        return "" if _is_tag(m.start(), objects, broken) and _is_tag(m.end() - 1, objects, broken) else m.group(0)
-
-    return _CLOSED_BLOCK.sub(removed, text)
+    kept, at = [], 0
+    for start, end in _closed_blocks(text):
+        # (both tags must be tags: a closing one in a JSON string is text)
+        if _is_tag(start, objects, broken) and _is_tag(end - 1, objects, broken):
+            kept.append(text[at:start])
+            at = end
+    kept.append(text[at:])
+    return "".join(kept)
 
 
 def _is_tag(at: int, objects: list[tuple[dict, int, int]], broken: int | None) -> bool:
@@ -185,7 +212,7 @@ def _reasoning_blocks(text: str) -> str:
     """The text of the reply's closed reasoning blocks, without their tags."""
     return "\n\n".join(
         inner.strip()
-        for inner in (_OPEN_TAG.sub("", _CLOSE_TAG.sub("", m.group(0))) for m in _CLOSED_BLOCK.finditer(text))
+        for inner in (_OPEN_TAG.sub("", _CLOSE_TAG.sub("", text[start:end])) for start, end in _closed_blocks(text))
         if inner.strip()
     )
 

@@ -1,6 +1,7 @@
 """Reading replies: the verdict in a model's reply (examples and properties), completions, retry hints."""
 
 import json
+import re
 from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
 
@@ -9,11 +10,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from filter_pipeline.judge.replies import (
+    _NAME,
     NO_CHOICES,
     NO_MESSAGE,
     Choice,
     Usage,
     Verdict,
+    _closed_blocks,
     duration_seconds,
     error_message,
     parse_reply,
@@ -274,6 +277,32 @@ def test_a_reply_cut_off_inside_its_last_verdict_holds_no_vote_whatever_came_bef
     named = last.index('"passed"') + len('"passed"')
     cut = last[: data.draw(st.integers(named, len(last) - 1), label="cut at")]
     assert parse_reply(f" {between} ".join([*earlier, cut])) is None
+
+
+# A closed block as one regex says it: an opening tag, lazily, up to the first closing tag of its name (`\\1`,
+# case aside). Right, but it searches the rest of the reply again from each opening tag that is never closed.
+BLOCK_AS_ONE_REGEX = re.compile(rf"<({_NAME})\b[^>]*>.*?</\1\s*>|\[(THINK)\].*?\[/\2\]", re.DOTALL | re.IGNORECASE)
+block_pieces = st.sampled_from(
+    ["<think>", "</think>", "<THINK >", "</Think >", "<thinking>", "</thinking>", "<reasoning x='<think>'>",
+     "</reasoning>", "<seed:think>", "</seed:think>", "[THINK]", "[/think]", "[/THINK]", "<think", "x", " ", "{", "}"]
+)  # fmt: skip
+
+
+@settings(max_examples=400, deadline=None, database=None)
+@given(st.lists(block_pieces, max_size=14))
+def test_closed_blocks_are_the_ones_an_opening_tag_up_to_the_first_closing_tag_of_its_name_finds(pieces):
+    text = "".join(pieces)
+    assert list(_closed_blocks(text)) == [m.span() for m in BLOCK_AS_ONE_REGEX.finditer(text)]
+
+
+def test_a_reply_repeating_a_tag_it_never_closes_is_read_in_one_pass():
+    # (a model stuck in a loop: searched again from each tag, these replies would take minutes to read)
+    answer = '{"passed": true}'
+    for looping in ("<think>x " * 40_000, "<Think>a</think>" + "<think>" * 40_000):
+        assert strip_reasoning(looping) == ""
+        assert parse_reply(looping + answer) is None  # (the answer is inside the block never closed)
+    # the template opened the block: everything up to its closing tag is thinking, the answer follows
+    assert parse_reply("<think>[THINK]" * 20_000 + "</reasoning>" + answer) == Verdict(True, "")
 
 
 # --- completions ------------------------------------------------------------------------------------
