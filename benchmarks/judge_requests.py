@@ -12,7 +12,8 @@ sent and received; the system message counts as a cached prefix once the server 
 Configurations compared, one row each:
 - defaults, response_format accepted: one vote, structured output;
 - defaults, response_format rejected: the client drops structured output and repairs unparseable replies;
-- votes 3 at temperature 0.7: three samples per task (one request where the server takes `n`).
+- votes 3 at temperature 0.7: three samples per task (one request where the server takes `n`), with structured
+  output accepted, then rejected (each sample drawn apart, each one without a verdict repaired).
 """
 
 import argparse
@@ -52,6 +53,7 @@ def main() -> None:
         ("defaults, response_format accepted", "accept", {}),
         ("defaults, response_format rejected", "reject", {}),
         ("votes 3 at temperature 0.7", "accept", {"votes": 3, "temperature": 0.7}),
+        ("votes 3, response_format rejected", "reject", {"votes": 3, "temperature": 0.7}),
     ]
     for name, response_format, settings in configurations:
         options = ["--unparseable", str(args.unparseable), "--response-format", response_format]

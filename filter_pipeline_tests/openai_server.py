@@ -211,33 +211,36 @@ class FakeOpenAI:
 
 
 class BenchModel:
-    """The benchmarks' model: answers after `latency` seconds; `unparseable` of the prompts (by a hash of the
-    exact request, so the same request gets the same reply, as at temperature 0) get prose without a verdict,
-    unless structured output was asked for and accepted (constrained decoding cannot produce prose). Tokens
-    are about a quarter of the characters; the system message counts as a cached prefix once seen."""
+    """The benchmarks' model: answers after `latency` seconds; `unparseable` of the samples (by a hash of the
+    exact request and the sample's number, so the same request gets the same replies, as at temperature 0)
+    get prose without a verdict, unless structured output was asked for and accepted (constrained decoding
+    cannot produce prose). `samples`: whether it answers `n` with n samples drawn apart (a server honouring
+    n), else with one. Tokens are about a quarter of the characters; the system message counts as a cached
+    prefix once seen."""
 
-    def __init__(self, latency: float, unparseable: float = 0.0):
-        self.latency, self.unparseable = latency, unparseable
+    def __init__(self, latency: float, unparseable: float = 0.0, samples: bool = True):
+        self.latency, self.unparseable, self.samples = latency, unparseable, samples
         self._prefixes: set[str] = set()
         self._lock = threading.Lock()
 
     def __call__(self, call: Call, count: int) -> Reply:
         messages = call.body["messages"]
         request = json.dumps([messages, call.body.get("temperature"), call.body.get("max_tokens")], sort_keys=True)
-        draw = int(hashlib.sha256(request.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
-        prose = draw < self.unparseable and "response_format" not in call.body
-        content = (
-            "The agent seems to have completed the task, as far as I can tell."
-            if prose
-            else ('{"reasoning": "the final page shows the item in the cart", "passed": true, "why": "item in cart"}')
-        )
+        n = call.body.get("n", 1) if self.samples else 1
+        contents = [self._content(request + (f"#{i}" if i else ""), call) for i in range(n)]
         system = messages[0]["content"] if messages and messages[0]["role"] == "system" else ""
         with self._lock:
             cached = len(system) // 4 if system in self._prefixes else 0
             self._prefixes.add(system)
         chars = sum(len(m["content"]) if isinstance(m["content"], str) else 1000 for m in messages)
-        return Reply(content=content, delay=self.latency, prompt_tokens=chars // 4, completion_tokens=len(content) // 4,
-                     cached_tokens=cached)  # fmt: skip
+        return Reply(choices=contents, delay=self.latency, prompt_tokens=chars // 4,
+                     completion_tokens=sum(map(len, contents)) // (4 * n), cached_tokens=cached)  # fmt: skip
+
+    def _content(self, drawn_from: str, call: Call) -> str:
+        draw = int(hashlib.sha256(drawn_from.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
+        if draw < self.unparseable and "response_format" not in call.body:
+            return "The agent seems to have completed the task, as far as I can tell."
+        return '{"reasoning": "the final page shows the item in the cart", "passed": true, "why": "item in cart"}'
 
 
 def main() -> None:
@@ -257,7 +260,10 @@ def main() -> None:
     args = parser.parse_args()
     rate = RateLimit(args.rate, args.burst or args.rate, {"Retry-After": args.retry_after}) if args.rate else None
     server = FakeOpenAI(
-        BenchModel(args.latency, args.unparseable), n=args.n, response_format=args.response_format, rate=rate
+        BenchModel(args.latency, args.unparseable, samples=args.n == "honour"),
+        n=args.n,
+        response_format=args.response_format,
+        rate=rate,
     )
     print(server.base_url, flush=True)
     sys.stdout.close()

@@ -70,6 +70,8 @@ def test_judge_requests_compares_the_client_configurations_at_a_small_size():
     assert accepted[0] == 1.0 and accepted[4] == 0  # structured output: one request a task, every task judged
     assert 1.0 < rejected[0] < 1.5  # prose answered by a repair request, not a resample
     assert votes[0] == 1.0 and votes[2] == 3 * accepted[2]  # three samples in one request (`n`), three completions
+    # three samples, each prose apart: one request, and a repair for each sample without a verdict
+    assert rows["votes 3, response_format rejected"][0] > rejected[0]
 
 
 def test_parallel_batches_judge_together_and_walk_the_ledger_one_at_a_time_in_order():
