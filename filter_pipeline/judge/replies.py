@@ -6,7 +6,7 @@ import bisect
 import json
 import math
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
@@ -20,7 +20,15 @@ from filter_pipeline.rules.schemas import SCORE_RANGE, VERDICT_FLAGS
 # Tags as `<think>`, `<seed:think>` (a namespace before the name) or `[THINK]` (Magistral's brackets).
 _NAME = r"(?:[\w-]+:)?(?:think|thinking|reasoning)"
 _CLOSE_TAG = re.compile(rf"</{_NAME}\s*>|\[/THINK\]", re.IGNORECASE)
-_OPEN_TAG = re.compile(rf"<({_NAME})\b[^>]*>|\[(THINK)\]", re.IGNORECASE)
+# An opening tag is `<name ...>` (up to the first `>` after its name) or `[THINK]`. Where each may start: its
+# `<name`, whose `>` is found apart (`_opening_tags`), since a regex would look for it again from every `<name`.
+_OPENING = re.compile(rf"<({_NAME})\b|\[(THINK)\]", re.IGNORECASE)
+# What may close a block: `</name>` (space before its `>` allowed) or `[/name]`, whatever the name; the names
+# are compared with the opening tags' in `_closed_blocks`
+_ANY_CLOSE = re.compile(r"</([^\s<>/]+)\s*>|\[/([^\s<>/\[\]]+)\]")
+# A namespaced name's own start, when it is a reasoning name too (`<think:think>`): the name a closing tag
+# may give instead
+_BARE_NAME = re.compile(r"(?:think|thinking|reasoning)\b", re.IGNORECASE)
 # A brace of prose (`/cart/{id}`, `\\boxed{0}`) follows a letter, a digit, a slash, a backslash, a brace or a
 # dollar and holds no colon, quote or line break before its own `}` (braces of prose nested once are part of
 # it); a template's `{{name}}`, which no JSON object starts with, is one anywhere. Any other `{` that does not
@@ -63,44 +71,82 @@ def strip_reasoning(text: str) -> str:
     closes = [m for m in _CLOSE_TAG.finditer(text) if _is_tag(m.start(), objects, broken)]
     if closes:
         text = text[closes[-1].end() :]
-    if _OPEN_TAG.match(text.lstrip()):
-        return ""
-    return text
+    tags = _opening_tags(text.lstrip())
+    return "" if tags and tags[0][0] == 0 else text
+
+
+def _opening_tags(text: str) -> list[tuple[int, int, str, bool]]:
+    """(start, end, name, bracketed) of every opening tag of `text` (one inside another's attributes included),
+    in order, found in one pass: each `<name`'s end is the first `>` after it, each `>` looked for once for all
+    the `<name`s before it."""
+    tags, close = [], -1
+    for m in _OPENING.finditer(text):
+        if m.group(2) is not None:
+            tags.append((m.start(), m.end(), m.group(2), True))
+            continue
+        if close < m.end():
+            close = text.find(">", m.end())
+            if close == -1:  # (no `>` after it: no `<name` from here on opens a tag, but a `[THINK]` may)
+                close = len(text) + 1
+        if close < len(text):
+            tags.append((m.start(), close + 1, m.group(1), False))
+    return tags
+
+
+def _outermost(tags: list[tuple[int, int, str, bool]]) -> list[tuple[int, int, str, bool]]:
+    """The tags of `_opening_tags` that do not start inside the one before: those a regex's search finds."""
+    found, end = [], 0
+    for tag in tags:
+        if tag[0] >= end:
+            found.append(tag)
+            end = tag[1]
+    return found
 
 
 def _closed_blocks(text: str) -> Iterator[tuple[int, int]]:
-    """(start, end) of each closed reasoning block, in order: an opening tag up to the first closing tag of its
-    name after it (case aside), the search going on after that block. An opening tag whose name has no closing
-    tag after it opens no block, and the search goes on after its `<`. Once a name is known to have no closing
-    tag after some point, its later opening tags are not searched again: a reply repeating an unclosed tag costs
-    time in proportion to its length, not its square."""
-    unclosed: set[tuple[str, bool]] = set()  # (name, bracketed): `<THINK>` is closed otherwise than `[THINK]`
+    """(start, end) of each closed reasoning block, in order, the next searched after the last: an opening tag
+    up to the first closing tag after it of its name, case aside (for a namespaced name whose start is a
+    reasoning name, `<think:think>`, of that start when the whole name is never closed after it). An opening
+    tag never closed after it opens no block. Every closing tag is indexed once, so each opening tag costs a
+    lookup: a reply repeating tags it never closes is read in time in proportion to its length."""
+    closes: dict[str, list[tuple[int, int]]] = {}  # folded name ("[" first if bracketed) -> (start, end), in order
+    for m in _ANY_CLOSE.finditer(text):
+        closes.setdefault(_folded(m.group(1)) if m.group(1) else "[" + _folded(m.group(2)), []).append(m.span())
     at = 0
-    while (opening := _OPEN_TAG.search(text, at)) is not None:
-        tag = (opening.group(1) or opening.group(2), opening.group(2) is not None)
-        closing = None if tag in unclosed else _closing_tag(*tag).search(text, opening.end())
-        if closing is None:
-            unclosed.add(tag)
-            at = opening.start() + 1
+    for start, end, name, bracketed in _opening_tags(text):
+        if start < at:
             continue
-        yield opening.start(), closing.end()
-        at = closing.end()
+        bare = None if bracketed or ":" not in name else _BARE_NAME.match(name)
+        names = ["[" + _folded(name)] if bracketed else [_folded(n) for n in (name, bare and bare.group(0)) if n]
+        for spans in (closes.get(key, []) for key in names):
+            first = bisect.bisect_left(spans, (end, 0))
+            if first < len(spans):
+                yield start, spans[first][1]
+                at = spans[first][1]
+                break
 
 
-def _closing_tag(name: str, bracketed: bool) -> re.Pattern:
-    if bracketed:
-        return re.compile(rf"\[/{re.escape(name)}\]", re.IGNORECASE)
-    return re.compile(rf"</{re.escape(name)}\s*>", re.IGNORECASE)
+def _folded(name: str) -> str:
+    """`name` with each character lower case, as a regex's backreference compares them ignoring case (each
+    character's simple lower case: the first of its full one)."""
+    return "".join(c.lower()[0] for c in name)
 
 
 def _without_blocks(text: str) -> str:
     objects, broken = _objects(text)
+    # (both tags must be tags: a closing one in a JSON string is text)
+    return _without(
+        text,
+        [(a, b) for a, b in _closed_blocks(text) if _is_tag(a, objects, broken) and _is_tag(b - 1, objects, broken)],
+    )
+
+
+def _without(text: str, spans: Iterable[tuple[int, int]]) -> str:
+    """`text` without the (start, end) `spans`, which are in order and do not overlap."""
     kept, at = [], 0
-    for start, end in _closed_blocks(text):
-        # (both tags must be tags: a closing one in a JSON string is text)
-        if _is_tag(start, objects, broken) and _is_tag(end - 1, objects, broken):
-            kept.append(text[at:start])
-            at = end
+    for start, end in spans:
+        kept.append(text[at:start])
+        at = end
     kept.append(text[at:])
     return "".join(kept)
 
@@ -133,7 +179,7 @@ def parse_reply(text: str | None, cut_off: bool = False) -> Verdict | None:
     thinking = _reasoning_blocks(text)
     text = strip_reasoning(text)
     objects, broken = _objects(text)
-    if broken is not None or not objects or any(_is_tag(m.start(), objects, None) for m in _OPEN_TAG.finditer(text)):
+    if broken is not None or not objects or any(_is_tag(t[0], objects, None) for t in _outermost(_opening_tags(text))):
         return None
     value, start, end = objects[-1]
     verdict = None if _listed(text, start, end) else _held_verdict(value)
@@ -210,11 +256,9 @@ def read_parts(value: dict, before: str = "") -> Parts:
 
 def _reasoning_blocks(text: str) -> str:
     """The text of the reply's closed reasoning blocks, without their tags."""
-    return "\n\n".join(
-        inner.strip()
-        for inner in (_OPEN_TAG.sub("", _CLOSE_TAG.sub("", text[start:end])) for start, end in _closed_blocks(text))
-        if inner.strip()
-    )
+    inners = (_CLOSE_TAG.sub("", text[start:end]) for start, end in _closed_blocks(text))
+    inners = (_without(inner, (tag[:2] for tag in _outermost(_opening_tags(inner)))) for inner in inners)
+    return "\n\n".join(inner.strip() for inner in inners if inner.strip())
 
 
 def _why(value: Any) -> str:

@@ -280,15 +280,20 @@ def test_a_reply_cut_off_inside_its_last_verdict_holds_no_vote_whatever_came_bef
 
 
 # A closed block as one regex says it: an opening tag, lazily, up to the first closing tag of its name (`\\1`,
-# case aside). Right, but it searches the rest of the reply again from each opening tag that is never closed.
+# case aside; a namespaced name whose start is a reasoning name, `<think:think>`, backtracks to that start when
+# the whole name is never closed). Right, but it searches the rest of the reply again from each opening tag
+# that is never closed, and from each `<think` up to the next `>`.
 BLOCK_AS_ONE_REGEX = re.compile(rf"<({_NAME})\b[^>]*>.*?</\1\s*>|\[(THINK)\].*?\[/\2\]", re.DOTALL | re.IGNORECASE)
 block_pieces = st.sampled_from(
     ["<think>", "</think>", "<THINK >", "</Think >", "<thinking>", "</thinking>", "<reasoning x='<think>'>",
-     "</reasoning>", "<seed:think>", "</seed:think>", "[THINK]", "[/think]", "[/THINK]", "<think", "x", " ", "{", "}"]
+     "</reasoning>", "<seed:think>", "</seed:think>", "[THINK]", "[/think]", "[/THINK]", "<think", "x", " ", "{", "}",
+     "<think:think>", "</think:think>", "<reasoning-x:think>", "</think\n>", "<", ">", "</", "[/",
+     # letters a regex's case-insensitive literal takes for i, s and k, and its backreference does not
+     "<th\u0131nk>", "</th\u0131nk>", "[TH\u0130NK]", "</rea\u017foning>", "</\u212aeep>"]
 )  # fmt: skip
 
 
-@settings(max_examples=400, deadline=None, database=None)
+@settings(max_examples=600, deadline=None, database=None)
 @given(st.lists(block_pieces, max_size=14))
 def test_closed_blocks_are_the_ones_an_opening_tag_up_to_the_first_closing_tag_of_its_name_finds(pieces):
     text = "".join(pieces)
@@ -298,11 +303,16 @@ def test_closed_blocks_are_the_ones_an_opening_tag_up_to_the_first_closing_tag_o
 def test_a_reply_repeating_a_tag_it_never_closes_is_read_in_one_pass():
     # (a model stuck in a loop: searched again from each tag, these replies would take minutes to read)
     answer = '{"passed": true}'
-    for looping in ("<think>x " * 40_000, "<Think>a</think>" + "<think>" * 40_000):
+    for looping in ("<think>x " * 40_000, "<Think>a</think>" + "<think>" * 40_000, "<think " * 40_000 + ">"):
         assert strip_reasoning(looping) == ""
         assert parse_reply(looping + answer) is None  # (the answer is inside the block never closed)
     # the template opened the block: everything up to its closing tag is thinking, the answer follows
     assert parse_reply("<think>[THINK]" * 20_000 + "</reasoning>" + answer) == Verdict(True, "")
+    # no `>` after them: no tag at all
+    assert parse_reply("<think " * 40_000 + answer) == Verdict(True, "")
+    # as many names as tags, none closed after its tag
+    closed_before = "".join(f"</n{i}:think>" for i in range(10_000))
+    assert parse_reply(closed_before + "".join(f"<n{i}:think>" for i in range(10_000)) + answer) is None
 
 
 # --- completions ------------------------------------------------------------------------------------
