@@ -109,16 +109,18 @@ def _closed_blocks(text: str) -> Iterator[tuple[int, int]]:
     reasoning name, `<think:think>`, of that start when the whole name is never closed after it). An opening
     tag never closed after it opens no block. Every closing tag is indexed once, so each opening tag costs a
     lookup: a reply repeating tags it never closes is read in time in proportion to its length."""
-    closes: dict[str, list[tuple[int, int]]] = {}  # folded name ("[" first if bracketed) -> (start, end), in order
+    # (bracketed, folded name) -> the (start, end) of its closing tags, in order (`</[think>` closes no `[THINK]`)
+    closes: dict[tuple[bool, str], list[tuple[int, int]]] = {}
     for m in _ANY_CLOSE.finditer(text):
-        closes.setdefault(_folded(m.group(1)) if m.group(1) else "[" + _folded(m.group(2)), []).append(m.span())
+        key = (False, _folded(m.group(1))) if m.group(1) else (True, _folded(m.group(2)))
+        closes.setdefault(key, []).append(m.span())
     at = 0
     for start, end, name, bracketed in _opening_tags(text):
         if start < at:
             continue
         bare = None if bracketed or ":" not in name else _BARE_NAME.match(name)
-        names = ["[" + _folded(name)] if bracketed else [_folded(n) for n in (name, bare and bare.group(0)) if n]
-        for spans in (closes.get(key, []) for key in names):
+        names = [name] if bracketed else [n for n in (name, bare and bare.group(0)) if n]
+        for spans in (closes.get((bracketed, _folded(n)), []) for n in names):
             first = bisect.bisect_left(spans, (end, 0))
             if first < len(spans):
                 yield start, spans[first][1]

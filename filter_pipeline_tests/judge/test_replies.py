@@ -287,7 +287,8 @@ BLOCK_AS_ONE_REGEX = re.compile(rf"<({_NAME})\b[^>]*>.*?</\1\s*>|\[(THINK)\].*?\
 block_pieces = st.sampled_from(
     ["<think>", "</think>", "<THINK >", "</Think >", "<thinking>", "</thinking>", "<reasoning x='<think>'>",
      "</reasoning>", "<seed:think>", "</seed:think>", "[THINK]", "[/think]", "[/THINK]", "<think", "x", " ", "{", "}",
-     "<think:think>", "</think:think>", "<reasoning-x:think>", "</think\n>", "<", ">", "</", "[/",
+     "<think:think>", "</think:think>", "<reasoning-x:think>", "</think\n>", "</[think>", "</[THINK >", "<", ">",
+     "</", "[/",
      # letters a regex's case-insensitive literal takes for i, s and k, and its backreference does not
      "<th\u0131nk>", "</th\u0131nk>", "[TH\u0130NK]", "</rea\u017foning>", "</\u212aeep>"]
 )  # fmt: skip
